@@ -1,0 +1,1 @@
+"""Weight transfer from the training engine to the inference engines through shared buffers."""

@@ -1,0 +1,70 @@
+"""Packing parameters into fixed-size, aligned buckets, byte-exactly.
+
+A tensor larger than a bucket is split into pieces across consecutive buckets, so peak buffer
+memory never depends on the largest parameter.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+ALIGN = 256  # bytes; matches CUDA's allocation alignment so pieces can be viewed in place
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """What the receiver must hold for one named tensor."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Bytes [start, start + length) of tensor ``name`` live at ``offset`` in the bucket."""
+
+    name: str
+    start: int
+    length: int
+    offset: int
+
+
+@dataclass(frozen=True)
+class BucketPlan:
+    bucket_bytes: int
+    tensors: dict[str, TensorSpec]
+    buckets: list[list[Piece]]
+
+
+def spec_of(name: str, t: torch.Tensor) -> TensorSpec:
+    return TensorSpec(name, tuple(t.shape), str(t.dtype).removeprefix("torch."), t.numel() * t.element_size())
+
+
+def plan_buckets(specs: list[TensorSpec], bucket_bytes: int) -> BucketPlan:
+    """Assign every byte of every tensor to a bucket, in order, each piece aligned to ``ALIGN``."""
+    if bucket_bytes < ALIGN or bucket_bytes % ALIGN:
+        raise ValueError(f"bucket size must be a positive multiple of {ALIGN} bytes, got {bucket_bytes}")
+    buckets: list[list[Piece]] = [[]]
+    used = 0
+    for s in specs:
+        start = 0
+        while start < s.nbytes:
+            if used >= bucket_bytes:
+                buckets.append([])
+                used = 0
+            length = min(s.nbytes - start, bucket_bytes - used)
+            buckets[-1].append(Piece(s.name, start, length, used))
+            start += length
+            used += -(-length // ALIGN) * ALIGN
+    return BucketPlan(bucket_bytes, {s.name: s for s in specs}, [b for b in buckets if b])
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view sharing ``t``'s storage."""
+    if not t.is_contiguous():
+        raise ValueError("checkpoint engine tensors must be contiguous")
+    return t.detach().reshape(-1).view(torch.uint8)

@@ -1,0 +1,1 @@
+"""Model definition shared by both engines, the inference engine and the training engine."""

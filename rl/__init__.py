@@ -1,0 +1,1 @@
+"""The central controller, the RL algorithm, configs and the command line."""

@@ -1,0 +1,79 @@
+"""Per-iteration metrics: ``metrics.jsonl``, a console line, Prometheus gauges, ``curves.png``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+CURVES = [("reward_mean", "mean reward"), ("accuracy", "held-out accuracy (greedy)"),
+          ("response_len", "mean response length (tokens)")]
+
+
+class MetricsLog:
+    """Appends one JSON record per iteration and mirrors it to the console and Prometheus."""
+
+    def __init__(self, run_dir: Path, console: Console, prometheus_port: int | None = None,
+                 resume_at: int | None = None) -> None:
+        self.path = run_dir / "metrics.jsonl"
+        self.console = console
+        self.records: list[dict[str, Any]] = []
+        if resume_at is not None and self.path.exists():
+            # keep what the checkpoint covers; later records belong to the interrupted attempt
+            lines = [json.loads(x) for x in self.path.read_text().splitlines() if x.strip()]
+            self.records = [r for r in lines if r["iteration"] < resume_at]
+        self.path.write_text("".join(json.dumps(r) + "\n" for r in self.records))
+        self.gauges: dict[str, Any] = {}
+        self.prometheus = prometheus_port is not None
+        if self.prometheus:
+            from prometheus_client import start_http_server
+
+            start_http_server(prometheus_port)
+
+    def _export(self, rec: dict[str, Any]) -> None:
+        from prometheus_client import Gauge
+
+        for k, v in rec.items():
+            if isinstance(v, (int, float)):
+                if k not in self.gauges:
+                    self.gauges[k] = Gauge(f"rl_{k}", f"RL run metric {k}")
+                self.gauges[k].set(v)
+
+    def record(self, rec: dict[str, Any]) -> None:
+        self.records.append(rec)
+        with self.path.open("a") as f:
+            f.write(json.dumps(rec) + "\n")
+        if self.prometheus:
+            self._export(rec)
+        acc = rec.get("accuracy")
+        times = " ".join(f"{k.removeprefix('time_')}={rec[k]:.1f}s" for k in rec if k.startswith("time_"))
+        self.console.print(
+            f"iter {rec['iteration']:>4}  reward {rec['reward_mean']:.3f}  "
+            f"acc {'  -  ' if acc is None else f'{acc:.3f}'}  len {rec['response_len']:.1f}  "
+            f"trunc {rec['truncation_rate']:.2f}  T {rec['temperature']:.2f}  {times}"
+        )
+
+
+def plot_curves(records: list[dict[str, Any]], path: Path, initial_accuracy: float | None = None) -> None:
+    """Reward, held-out accuracy and response length against iteration, as one PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(CURVES), figsize=(4.2 * len(CURVES), 3.4))
+    for ax, (key, title) in zip(axes, CURVES, strict=True):
+        pts = [(r["iteration"], r[key]) for r in records if r.get(key) is not None]
+        if key == "accuracy" and initial_accuracy is not None:
+            pts = [(-1, initial_accuracy), *pts]
+        if pts:
+            xs, ys = zip(*pts, strict=True)
+            ax.plot(xs, ys, marker="o" if key == "accuracy" else None, markersize=3)
+        ax.set_title(title)
+        ax.set_xlabel("iteration")
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,89 @@
+"""The embedded default model: tokenizer, tiny Llama-family model, and an SFT warm start.
+
+The result is an ordinary Hugging Face directory, cached under ``$RL_CACHE_DIR`` (default
+``~/.cache/rl-colocated``) by a hash of its settings, so later runs reuse it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+
+import torch
+from rich.progress import Progress
+
+from engines.hf_io import ModelDirError, read_config, save_pretrained
+from engines.model import CausalLM
+from engines.model import ModelConfig as ArchConfig
+from engines.tokenizer import train_tokenizer
+from engines.training import TrainingEngine
+from rl.algorithm import sft_update
+from rl.config import Config
+from rl.data import SFT_SEED, env_class
+from rl.errors import UserError
+from rl.optim import build_optimizers
+
+FORMAT_VERSION = 1  # bump when the warm-start recipe changes, to invalidate caches
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("RL_CACHE_DIR", Path.home() / ".cache" / "rl-colocated"))
+
+
+def warmstart_key(cfg: Config) -> str:
+    blob = json.dumps([FORMAT_VERSION, cfg.env.name, cfg.env.kwargs, cfg.warmstart.model_dump(mode="json")],
+                      sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def prepare_model(cfg: Config, progress: Progress | None = None) -> Path:
+    """The starting model directory: ``model.path`` if given, else the cached warm start."""
+    if cfg.model.path is not None:
+        try:
+            read_config(cfg.model.path)
+        except ModelDirError as e:
+            raise UserError(f"model.path: {e}") from None
+        if not (Path(cfg.model.path) / "tokenizer.json").is_file():
+            raise UserError(f"model.path: model directory {cfg.model.path} has no tokenizer.json")
+        return Path(cfg.model.path)
+    target = cache_root() / f"warmstart-{warmstart_key(cfg)}"
+    if (target / "config.json").is_file():
+        return target
+    build_warmstart(cfg, target, progress)
+    return target
+
+
+def build_warmstart(cfg: Config, target: Path, progress: Progress | None = None) -> None:
+    """Train the tokenizer and the tiny model with SFT on reference solutions; save atomically."""
+    ws = cfg.warmstart
+    try:
+        tasks = env_class(cfg).generate_tasks(ws.num_examples, SFT_SEED, **cfg.env.kwargs)
+    except NotImplementedError:
+        raise UserError(f"environment {cfg.env.name!r} cannot generate warm-start data; set model.path") from None
+    if any("solution" not in t.meta for t in tasks[:1]):
+        raise UserError(f"environment {cfg.env.name!r} gives no reference solutions; set model.path")
+    torch.manual_seed(ws.seed)
+    rng = random.Random(ws.seed)
+    tok = train_tokenizer((t.prompt + t.meta["solution"] for t in tasks), ws.vocab_size)
+    arch = ArchConfig(vocab_size=tok.vocab_size, eos_token_id=tok.eos_id, pad_token_id=tok.pad_id,
+                      **ws.architecture.model_dump())
+    model = CausalLM(arch)
+    engine = TrainingEngine(model, build_optimizers(model, "muon", ws.lr, 0.0), tok.pad_id)
+    prompts = [tok.encode(t.prompt) for t in tasks]
+    responses = [[*tok.encode(t.meta["solution"]), tok.eos_id] for t in tasks]
+    bar = progress.add_task("warm start (SFT)", total=ws.steps) if progress else None
+    for _ in range(ws.steps):
+        idx = rng.sample(range(len(tasks)), min(ws.batch_size, len(tasks)))
+        m = sft_update(engine, [prompts[i] for i in idx], [responses[i] for i in idx], ws.batch_size)
+        if progress is not None:
+            progress.update(bar, advance=1, description=f"warm start (SFT) loss {m['loss']:.3f}")
+    tmp = target.with_name(target.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    save_pretrained(model, tok, tmp)
+    (tmp / "warmstart.json").write_text(json.dumps(ws.model_dump(mode="json"), indent=2))
+    shutil.rmtree(target, ignore_errors=True)
+    tmp.rename(target)

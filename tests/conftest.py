@@ -1,0 +1,58 @@
+"""Shared fixtures: a tiny model and tokenizer made by the project, a warm-start cache per
+session, and one local Ray cluster for the tests that need workers."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from engines.model import CausalLM, ModelConfig
+from engines.tokenizer import train_tokenizer
+from envs.arithmetic import ArithmeticEnv
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    tasks = ArithmeticEnv.generate_tasks(500, seed=11)
+    return train_tokenizer([t.prompt + t.meta["solution"] for t in tasks], vocab_size=400)
+
+
+def tiny_config(vocab_size: int, **kw) -> ModelConfig:
+    args = dict(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                eos_token_id=1, pad_token_id=0)
+    args.update(kw)
+    return ModelConfig(**args)
+
+
+@pytest.fixture
+def tiny_model(tokenizer):
+    torch.manual_seed(0)
+    cfg = tiny_config(tokenizer.vocab_size, eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.pad_id)
+    model = CausalLM(cfg)
+    # larger weights than the init so that logits are far from uniform and errors would show
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim == 2:
+                p.normal_(0, 0.2)
+    return model
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _isolated_cache(tmp_path_factory):
+    os.environ["RL_CACHE_DIR"] = str(tmp_path_factory.mktemp("cache"))
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    import logging
+
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, logging_level=logging.ERROR, log_to_driver=False,
+             object_store_memory=200 * 2**20)
+    yield
+    ray.shutdown()

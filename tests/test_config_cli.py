@@ -1,0 +1,92 @@
+"""Config validation and the CLI's handling of bad input: one clear message, non-zero exit."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rl.config import load_config, parse_config
+from rl.errors import UserError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_quickstart_config_is_valid():
+    cfg = load_config(ROOT / "configs" / "quickstart.yaml")
+    assert cfg.env.name == "arithmetic" and cfg.optimizer.kind == "muon"
+
+
+def test_unknown_key_is_named():
+    with pytest.raises(UserError, match=r"rollout\.max_tokenz: unknown key"):
+        parse_config({"rollout": {"max_tokenz": 3}})
+
+
+def test_bad_value_names_key_and_constraint():
+    with pytest.raises(UserError, match=r"algorithm\.tau: Input should be greater than 0 \(got -1\)"):
+        parse_config({"algorithm": {"tau": -1}})
+    with pytest.raises(UserError, match=r"optimizer\.kind: Input should be 'muon' or 'adamw'"):
+        parse_config({"optimizer": {"kind": "sgd"}})
+
+
+def test_overrides_are_parsed_as_yaml():
+    cfg = parse_config({}, overrides=["run.iterations=7", "rollout.temperature.schedule=linear"])
+    assert cfg.run.iterations == 7 and cfg.rollout.temperature.schedule == "linear"
+    with pytest.raises(UserError, match="must look like section.key=value"):
+        parse_config({}, overrides=["run.iterations"])
+
+
+def _rl(*args, cwd=None):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.run([sys.executable, "-m", "rl.cli", *args], capture_output=True, text=True,
+                          cwd=cwd or ROOT, env=env, timeout=120)
+
+
+def _assert_user_error(proc, fragment):
+    assert proc.returncode == 2, proc.stderr
+    assert fragment in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_cli_missing_config(tmp_path):
+    _assert_user_error(_rl("train", str(tmp_path / "nope.yaml")), "does not exist")
+
+
+def test_cli_malformed_yaml(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("run: [unclosed\n")
+    _assert_user_error(_rl("train", str(bad)), "is not valid YAML")
+
+
+def test_cli_unknown_key(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("run:\n  iteratons: 3\n")
+    _assert_user_error(_rl("train", str(bad)), "run.iteratons: unknown key")
+
+
+def test_cli_unregistered_environment(tmp_path):
+    _assert_user_error(_rl("train", str(ROOT / "configs/quickstart.yaml"), "--set", "env.name=chess",
+                           "--run-dir", str(tmp_path / "r")), "environment 'chess' is not registered")
+
+
+def test_cli_model_dir_without_config_json(tmp_path):
+    _assert_user_error(_rl("train", str(ROOT / "configs/quickstart.yaml"), "--set", f"model.path={tmp_path}",
+                           "--run-dir", str(tmp_path / "r")), "has no config.json")
+
+
+def test_cli_malformed_task_file(tmp_path):
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text(json.dumps({"prompt": "1+1?", "answer": "2"}) + "\n" + '{"prompt": 3}\n')
+    _assert_user_error(_rl("train", str(ROOT / "configs/quickstart.yaml"), "--set", f"env.train_tasks={tasks}",
+                           "--run-dir", str(tmp_path / "r")), "tasks.jsonl:2: missing field 'answer'")
+
+
+def test_cli_resume_without_checkpoint(tmp_path):
+    _assert_user_error(_rl("train", "--resume", str(tmp_path)), "is not a run directory")
+
+
+def test_cli_help_lists_commands():
+    out = _rl("--help")
+    assert out.returncode == 0 and "train" in out.stdout and "check-config" in out.stdout
