@@ -52,7 +52,8 @@ class MetricsLog:
         self.console.print(
             f"iter {rec['iteration']:>4}  reward {rec['reward_mean']:.3f}  "
             f"acc {'  -  ' if acc is None else f'{acc:.3f}'}  len {rec['response_len']:.1f}  "
-            f"trunc {rec['truncation_rate']:.2f}  T {rec['temperature']:.2f}  {times}"
+            f"trunc {rec['truncation_rate']:.2f}  T {rec['temperature']:.2f}  {times}",
+            soft_wrap=True,
         )
 
 
