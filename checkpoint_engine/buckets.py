@@ -35,19 +35,24 @@ class Piece:
 
 @dataclass(frozen=True)
 class BucketPlan:
+    """Buckets in transfer order; bucket k holds pieces of ``owners[k]``'s tensors only."""
+
     bucket_bytes: int
     tensors: dict[str, TensorSpec]
     buckets: list[list[Piece]]
+    owners: list[int]
+
+    def used_bytes(self, k: int) -> int:
+        """Bytes of bucket k that carry data, rounded up to ``ALIGN``."""
+        last = self.buckets[k][-1]
+        return -(-(last.offset + last.length) // ALIGN) * ALIGN
 
 
 def spec_of(name: str, t: torch.Tensor) -> TensorSpec:
     return TensorSpec(name, tuple(t.shape), str(t.dtype).removeprefix("torch."), t.numel() * t.element_size())
 
 
-def plan_buckets(specs: list[TensorSpec], bucket_bytes: int) -> BucketPlan:
-    """Assign every byte of every tensor to a bucket, in order, each piece aligned to ``ALIGN``."""
-    if bucket_bytes < ALIGN or bucket_bytes % ALIGN:
-        raise ValueError(f"bucket size must be a positive multiple of {ALIGN} bytes, got {bucket_bytes}")
+def _pack(specs: list[TensorSpec], bucket_bytes: int) -> list[list[Piece]]:
     buckets: list[list[Piece]] = [[]]
     used = 0
     for s in specs:
@@ -60,7 +65,29 @@ def plan_buckets(specs: list[TensorSpec], bucket_bytes: int) -> BucketPlan:
             buckets[-1].append(Piece(s.name, start, length, used))
             start += length
             used += -(-length // ALIGN) * ALIGN
-    return BucketPlan(bucket_bytes, {s.name: s for s in specs}, [b for b in buckets if b])
+    return [b for b in buckets if b]
+
+
+def plan_buckets(specs: list[TensorSpec], bucket_bytes: int, owners: dict[str, int] | None = None) -> BucketPlan:
+    """Assign every byte of every tensor to a bucket, each piece aligned to ``ALIGN``.
+
+    ``owners`` maps a tensor to the worker that holds it (its trainer shard); each owner's tensors
+    are packed separately and the owners' buckets interleaved, so broadcast sources rotate.
+    """
+    if bucket_bytes < ALIGN or bucket_bytes % ALIGN:
+        raise ValueError(f"bucket size must be a positive multiple of {ALIGN} bytes, got {bucket_bytes}")
+    owners = owners or {}
+    by_owner: dict[int, list[TensorSpec]] = {}
+    for s in specs:
+        by_owner.setdefault(owners.get(s.name, 0), []).append(s)
+    packed = {o: _pack(ss, bucket_bytes) for o, ss in sorted(by_owner.items())}
+    buckets, order = [], []
+    for i in range(max((len(b) for b in packed.values()), default=0)):
+        for o, bs in packed.items():
+            if i < len(bs):
+                buckets.append(bs[i])
+                order.append(o)
+    return BucketPlan(bucket_bytes, {s.name: s for s in specs}, buckets, order)
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:

@@ -1,8 +1,13 @@
-"""The two ends of a weight update: the sender packs buckets into shared IPC buffers, the
-receiver (inside the inference engine's process) copies them into its own parameters.
+"""The inference side of a weight update: map the IPC buffers, verify and load buckets.
 
-Two IPC buffers alternate, so the receiver reloads bucket k−1 from one while the sender fills
-bucket k into the other (``push_weights``).
+The receiver lives in the inference engine's process. It maps the checkpoint engine's IPC
+buffers without a copy (POSIX shared memory on CPU, CUDA IPC handles on GPU), checks each
+bucket's trailer (update version, bucket index, checksum) and copies each piece to where the
+engine's per-parameter load hook says it goes, so a sharded engine takes only its shard.
+
+Before a byte of the engine's weights is overwritten, its old value is saved in a host-memory
+journal; if the update fails midway the journal is written back, so the engine keeps serving
+the previous weights instead of a half-updated model.
 """
 
 from __future__ import annotations
@@ -11,59 +16,174 @@ from collections.abc import Callable
 
 import torch
 
-from checkpoint_engine.buckets import BucketPlan, as_bytes, plan_buckets, spec_of
+from checkpoint_engine.buckets import BucketPlan, Piece, as_bytes, spec_of
+from checkpoint_engine.engine import ABORT, checksum, read_trailer
 from checkpoint_engine.shm import SharedBuffer
-
-NUM_IPC_BUFFERS = 2
-
-
-class WeightSender:
-    """Owns the IPC buffers and fills them from the trainer's current tensors."""
-
-    def __init__(self, tensors: Callable[[], dict[str, torch.Tensor]], bucket_bytes: int, prefix: str) -> None:
-        self.tensors = tensors
-        self.plan = plan_buckets([spec_of(n, t) for n, t in tensors().items()], bucket_bytes)
-        self.buffers = [SharedBuffer.create(f"{prefix}-ipc{i}", bucket_bytes) for i in range(NUM_IPC_BUFFERS)]
-
-    @property
-    def buffer_names(self) -> list[str]:
-        return [b.name for b in self.buffers]
-
-    def fill(self, bucket: int, buffer: int) -> None:
-        """Copy bucket ``bucket`` of the current tensors into IPC buffer ``buffer``."""
-        src = self.tensors()
-        dst = self.buffers[buffer].tensor
-        for p in self.plan.buckets[bucket]:
-            dst[p.offset : p.offset + p.length].copy_(as_bytes(src[p.name])[p.start : p.start + p.length])
-
-    def close(self) -> None:
-        for b in self.buffers:
-            b.close()
 
 
 class PlanMismatchError(ValueError):
     """The sender's tensors do not match what the inference engine holds."""
 
 
+class CorruptUpdateError(RuntimeError):
+    """A bucket failed verification: a stale, aborted or damaged bucket was found."""
+
+
+#: load_hook(piece) -> [(dst, lo, hi)]: bytes [lo, hi) of the piece go to byte ``dst`` of its tensor.
+LoadHook = Callable[[Piece], list[tuple[int, int, int]]]
+
+#: How a receiver keeps the previous weights until an update is complete.
+#: "swap": load into a second host copy and swap at commit (no extra copy; CPU engines);
+#: "journal": save the bytes about to be overwritten in host memory (device engines);
+#: "none": nothing kept; a failed update leaves the engine marked inconsistent.
+ROLLBACK_MODES = ("swap", "journal", "none")
+
+
+def map_ipc(handle) -> tuple[torch.Tensor, object]:
+    """Map one IPC buffer from ``CheckpointEngine.ipc_handles()``; returns (tensor, keep-alive)."""
+    if handle[0] == "shm":
+        buf = SharedBuffer.attach(handle[1], handle[2])
+        return buf.tensor, buf
+    rebuild, args = handle[1]
+    t = rebuild(*args)
+    return t, t
+
+
+def check_plan(targets: dict[str, torch.Tensor], plan: BucketPlan) -> None:
+    """An unsharded engine must hold exactly the plan's tensors, with the same shapes and dtypes."""
+    for name, spec in plan.tensors.items():
+        if name not in targets:
+            raise PlanMismatchError(f"inference engine has no tensor {name}")
+        have = spec_of(name, targets[name])
+        if have != spec:
+            raise PlanMismatchError(f"{name}: sender has {spec}, inference engine has {have}")
+    missing = sorted(set(targets) - set(plan.tensors))
+    if missing:
+        raise PlanMismatchError(f"update does not cover inference tensors {missing[:5]}")
+
+
+def _full_tensor(piece: Piece) -> list[tuple[int, int, int]]:
+    return [(piece.start, 0, piece.length)]
+
+
 class WeightReceiver:
-    """Maps the sender's IPC buffers and loads buckets into the inference engine's tensors."""
+    """Loads buckets from the IPC buffers into the inference engine's tensors.
 
-    def __init__(self, targets: dict[str, torch.Tensor], plan: BucketPlan, buffer_names: list[str]) -> None:
-        for name, spec in plan.tensors.items():
-            if name not in targets:
-                raise PlanMismatchError(f"inference engine has no tensor {name}")
-            if spec_of(name, targets[name]) != spec:
-                have = spec_of(name, targets[name])
-                raise PlanMismatchError(f"{name}: sender has {spec}, inference engine has {have}")
-        missing = sorted(set(targets) - set(plan.tensors))
-        if missing:
-            raise PlanMismatchError(f"update does not cover inference tensors {missing[:5]}")
-        self.targets = {n: as_bytes(t) for n, t in targets.items()}
-        self.plan = plan
-        self.buffers = [SharedBuffer.attach(n, plan.bucket_bytes) for n in buffer_names]
+    ``load_hook`` maps a piece to byte ranges of the engine's own (possibly sharded) tensor; None
+    means the engine holds every tensor whole. ``on_commit`` receives the tensors to serve with
+    after a complete update (in "swap" mode they are new objects the engine must rebind to).
+    """
 
-    def load(self, bucket: int, buffer: int) -> None:
-        """Copy bucket ``bucket`` from IPC buffer ``buffer`` into the target tensors."""
-        src = self.buffers[buffer].tensor
+    def __init__(self, plan: BucketPlan, handles: list, tensors: dict[str, torch.Tensor],
+                 load_hook: LoadHook | None = None, rollback: str | None = None,
+                 on_commit: Callable[[dict[str, torch.Tensor]], None] | None = None) -> None:
+        if load_hook is None:
+            check_plan(tensors, plan)
+        if rollback is None:
+            rollback = "journal" if any(t.is_cuda for t in tensors.values()) else "swap"
+        if rollback not in ROLLBACK_MODES:
+            raise ValueError(f"rollback must be one of {ROLLBACK_MODES}, got {rollback!r}")
+        self.plan, self.rollback_mode, self.on_commit = plan, rollback, on_commit
+        self.load_hook = load_hook or _full_tensor
+        self.tensors = tensors            # what the engine serves with
+        self._shadow: dict[str, torch.Tensor] | None = None
+        mapped = [map_ipc(h) for h in handles]
+        self.buffers = [m[0] for m in mapped]
+        self._keep = [m[1] for m in mapped]
+        self.version: int | None = None   # last complete update
+        self.loads = 0                    # buckets applied, over the receiver's life
+        self._loading: tuple[int, set[int]] | None = None
+        self._written: dict[str, int] = {}
+        self._journal: list[tuple[torch.Tensor, int, int]] = []  # (destination, journal offset, bytes)
+        self._journal_buf: torch.Tensor | None = None
+        self._journal_used = 0
+        self._dest: dict[str, torch.Tensor] = {}
+
+    @property
+    def consistent(self) -> bool:
+        """False while an update is partly applied: the engine must not serve then."""
+        return self._loading is None
+
+    @property
+    def ready(self) -> bool:
+        """Holds a complete set of weights that came through the engine."""
+        return self.consistent and self.version is not None
+
+    def load(self, bucket: int, buffer: int, version: int) -> None:
+        """Verify bucket ``bucket`` of update ``version`` in IPC buffer ``buffer`` and apply it."""
+        used = self.plan.used_bytes(bucket)
+        src = self.buffers[buffer]
+        got_version, got_bucket, got_sum = read_trailer(src, used)
+        names = sorted({p.name for p in self.plan.buckets[bucket]})
+        where = f"bucket {bucket} of update {version} (parameters {', '.join(names[:4])}) from worker " \
+                f"{self.plan.owners[bucket]}"
+        if got_bucket == ABORT:
+            raise CorruptUpdateError(f"{where} was aborted by its owner")
+        if (got_version, got_bucket) != (version, bucket):
+            raise CorruptUpdateError(f"IPC buffer {buffer} holds bucket {got_bucket} of update {got_version}, "
+                                     f"expected {where}")
+        if checksum(src[:used]) != got_sum:
+            raise CorruptUpdateError(f"{where} fails its checksum")
+        if self._loading is None or self._loading[0] != version:
+            self._begin(version)
+        assert self._loading is not None
+        dest = self._dest
         for p in self.plan.buckets[bucket]:
-            self.targets[p.name][p.start : p.start + p.length].copy_(src[p.offset : p.offset + p.length])
+            piece = src[p.offset : p.offset + p.length]
+            raw = dest[p.name]
+            for at, lo, hi in self.load_hook(p):
+                dst = raw[at : at + hi - lo]
+                if self.rollback_mode == "journal":
+                    self._save(dst)
+                dst.copy_(piece[lo:hi])
+                self._written[p.name] = self._written.get(p.name, 0) + hi - lo
+        self.loads += 1
+        self._loading[1].add(bucket)
+        if len(self._loading[1]) == len(self.plan.buckets):
+            self._commit(version)
+
+    def rollback(self) -> bool:
+        """Undo a partly applied update; True if the previous weights are back in place."""
+        if self._loading is None:
+            return True
+        if self.rollback_mode == "none":
+            return False
+        for dst, at, n in reversed(self._journal):
+            dst.copy_(self._journal_buf[at : at + n])
+        self._loading, self._journal, self._journal_used = None, [], 0
+        return True
+
+    def _begin(self, version: int) -> None:
+        if self._loading is not None and not self.rollback():
+            raise CorruptUpdateError(f"update {self._loading[0]} was left partly applied")
+        self._loading, self._written = (version, set()), {}
+        if self.rollback_mode == "swap" and self._shadow is None:
+            self._shadow = {n: torch.empty_like(t) for n, t in self.tensors.items()}
+        into = self._shadow if self.rollback_mode == "swap" else self.tensors
+        self._dest = {n: as_bytes(t) for n, t in into.items()}
+
+    def _commit(self, version: int) -> None:
+        if self.rollback_mode == "swap":
+            assert self._shadow is not None
+            short = [n for n, t in self._shadow.items() if self._written.get(n, 0) != t.numel() * t.element_size()]
+            if short:  # a byte not written would serve weights from two updates ago
+                self._loading = None
+                raise CorruptUpdateError(f"update {version} did not cover every byte of {short[:4]}")
+            self.tensors, self._shadow = self._shadow, self.tensors
+        self.version, self._loading = version, None
+        self._journal, self._journal_used = [], 0
+        if self.on_commit is not None:
+            self.on_commit(self.tensors)
+
+    def _save(self, dst: torch.Tensor) -> None:
+        """Journal the bytes about to be overwritten, in one host buffer grown geometrically."""
+        n = dst.numel()
+        if self._journal_buf is None or self._journal_used + n > self._journal_buf.numel():
+            grown = torch.empty(max(2 * (self._journal_used + n), 1 << 20), dtype=torch.uint8,
+                                pin_memory=dst.is_cuda)
+            if self._journal_buf is not None:
+                grown[: self._journal_used].copy_(self._journal_buf[: self._journal_used])
+            self._journal_buf = grown
+        self._journal_buf[self._journal_used : self._journal_used + n].copy_(dst)
+        self._journal.append((dst, self._journal_used, n))
+        self._journal_used += n

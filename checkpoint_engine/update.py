@@ -1,22 +1,32 @@
-"""Driving a weight update across Ray actors: a two-stage pipeline over two IPC buffers."""
+"""Reloaders: how a checkpoint engine asks its local inference engine(s) to load a bucket."""
 
 from __future__ import annotations
+
+import socket
 
 import ray
 
 
-def push_weights(sender, receivers: list, num_buckets: int, on_bucket=None) -> None:
-    """Fill bucket k into buffer k mod 2 while every receiver loads bucket k−1 from the other.
+def free_port() -> int:
+    """A free TCP port on loopback, for a torch.distributed rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
-    ``sender`` exposes ``fill(bucket, buffer)`` and each receiver ``load(bucket, buffer)`` as Ray
-    actor methods; ``on_bucket`` is called after each bucket is loaded everywhere (progress).
-    """
-    for k in range(num_buckets + 1):
-        calls = []
-        if k < num_buckets:
-            calls.append(sender.fill.remote(k, k % 2))
-        if k > 0:
-            calls += [r.load_bucket.remote(k - 1, (k - 1) % 2) for r in receivers]
-        ray.get(calls)
-        if k > 0 and on_bucket is not None:
-            on_bucket()
+
+class RayReloader:
+    """Inference engines are Ray actors with ``load_bucket(bucket, buffer, version)``."""
+
+    def __init__(self, actors: list) -> None:
+        self.actors = actors
+        self.pending: dict[int, list] = {}
+
+    def start(self, bucket: int, buffer: int, version: int) -> None:
+        self.pending[bucket] = [a.load_bucket.remote(bucket, buffer, version) for a in self.actors]
+
+    def wait(self, bucket: int) -> None:
+        ray.get(self.pending.pop(bucket, []))
+
+    def abort(self, version: int) -> None:
+        self.pending.clear()
+        ray.get([a.abort_update.remote(version) for a in self.actors])

@@ -12,7 +12,6 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from checkpoint_engine.update import push_weights
 from engines.inference import Completion
 from rl.algorithm import Sample
 from rl.config import Config
@@ -49,9 +48,11 @@ class Cluster:
 
         self.trainers = [placed(TrainerWorker, i).remote(model_dir, cfg, f"{prefix}-w{i}") for i in range(n)]
         self.rollouts = [placed(RolloutWorker, i).remote(model_dir, cfg) for i in range(n)]
-        plan, buffers = ray.get(self.trainers[0].weight_plan.remote())
-        ray.get([r.attach.remote(plan, buffers) for r in self.rollouts])
+        plan, handles = ray.get(self.trainers[0].weight_plan.remote())
+        ray.get([r.attach.remote(plan, handles) for r in self.rollouts])
+        ray.get([t.connect.remote([r]) for t, r in zip(self.trainers, self.rollouts, strict=True)])
         self.num_buckets = len(plan.buckets)
+        self.weights_version = 0
 
     def generate(self, prompts: list[list[int]], temperature: float, max_tokens: int, seed: int,
                  on_chunk: Callable[[int], None] | None = None) -> list[Completion]:
@@ -80,9 +81,10 @@ class Cluster:
                 on_step(steps[-1])
         return steps
 
-    def update_weights(self, on_bucket: Callable[[], None] | None = None) -> None:
-        """Checkpoint-engine update of every inference engine from the trainer."""
-        push_weights(self.trainers[0], self.rollouts, self.num_buckets, on_bucket)
+    def update_weights(self) -> None:
+        """Checkpoint-engine update of every inference engine from the trainers."""
+        self.weights_version += 1
+        ray.get([t.update_weights.remote(self.weights_version) for t in self.trainers])
 
     def save(self, directory: str) -> None:
         ray.get(self.trainers[0].save.remote(directory))

@@ -95,8 +95,8 @@ def iteration(cluster: Cluster, cfg: Config, tasks, tok: TextTokenizer, it: int,
     times["time_train"] = time.time() - t
 
     t = time.time()
-    bar = progress.add_task(f"iter {it} weight update", total=cluster.num_buckets)
-    cluster.update_weights(on_bucket=lambda: progress.advance(bar))
+    bar = progress.add_task(f"iter {it} weight update ({cluster.num_buckets} buckets)", total=1)
+    cluster.update_weights()
     progress.remove_task(bar)
     times["time_weight_update"] = time.time() - t
 

@@ -13,7 +13,10 @@ from pathlib import Path
 
 import torch
 
-from checkpoint_engine.transfer import WeightReceiver, WeightSender
+from checkpoint_engine.buckets import plan_buckets, spec_of
+from checkpoint_engine.engine import CheckpointEngine
+from checkpoint_engine.transfer import WeightReceiver
+from checkpoint_engine.update import RayReloader, free_port
 from engines.hf_io import load_pretrained, save_pretrained
 from engines.inference import Completion, InferenceEngine, SamplingParams
 from engines.training import TrainingEngine
@@ -37,16 +40,23 @@ class TrainerWorker:
         o = cfg.optimizer
         opts = build_optimizers(model, o.kind, o.lr, o.weight_decay, o.momentum)
         self.engine = TrainingEngine(model, opts, model.config.pad_token_id, o.max_grad_norm)
-        self.sender = WeightSender(lambda: dict(self.engine.model.state_dict()),
-                                   cfg.checkpoint_engine.bucket_bytes, shm_prefix)
+        bucket = cfg.checkpoint_engine.bucket_bytes
+        self.plan = plan_buckets([spec_of(n, t) for n, t in model.state_dict().items()], bucket)
+        self.ckpt = CheckpointEngine(0, 1, f"tcp://127.0.0.1:{free_port()}", bucket, shm_prefix)
+        self.reloader: RayReloader | None = None
         self.cfg = cfg
 
     def weight_plan(self):
-        """The bucket plan and the IPC buffer names the receivers attach to."""
-        return self.sender.plan, self.sender.buffer_names
+        """The bucket plan and the IPC buffer handles the inference engines map."""
+        return self.plan, self.ckpt.ipc_handles()
 
-    def fill(self, bucket: int, buffer: int) -> None:
-        self.sender.fill(bucket, buffer)
+    def connect(self, rollouts: list) -> None:
+        """The local inference engines that this worker's checkpoint engine updates."""
+        self.reloader = RayReloader(rollouts)
+
+    def update_weights(self, version: int) -> None:
+        """Push the current weights to the connected inference engines (checkpoint engine)."""
+        self.ckpt.update(self.plan, dict(self.engine.model.state_dict()), version, self.reloader)
 
     def train(self, samples: list[Sample], temperature: float, seed: int) -> Iterator[dict[str, float]]:
         """Run the K1.5 update on a rollout batch; yields metrics after each optimizer step."""
@@ -66,7 +76,7 @@ class TrainerWorker:
         return {k: v.detach().clone() for k, v in self.engine.model.state_dict().items()}
 
     def close(self) -> None:
-        self.sender.close()
+        self.ckpt.close()
 
 
 class RolloutWorker:
@@ -79,15 +89,29 @@ class RolloutWorker:
         self.engine = InferenceEngine(model, c.eos_token_id, c.pad_token_id, cfg.rollout.max_batch)
         self.receiver: WeightReceiver | None = None
 
-    def attach(self, plan, buffer_names: list[str]) -> None:
-        """Map the sender's IPC buffers; checks that the plan matches this engine's tensors."""
-        self.receiver = WeightReceiver(self.engine.named_tensors(), plan, buffer_names)
+    def attach(self, plan, handles: list) -> None:
+        """Map the checkpoint engine's IPC buffers; checks the plan against this engine's tensors."""
+        self.receiver = WeightReceiver(plan, handles, self.engine.named_tensors(), on_commit=self._rebind)
 
-    def load_bucket(self, bucket: int, buffer: int) -> None:
+    def load_bucket(self, bucket: int, buffer: int, version: int) -> None:
         assert self.receiver is not None, "attach() before load_bucket()"
-        self.receiver.load(bucket, buffer)
+        self.receiver.load(bucket, buffer, version)
+
+    def abort_update(self, version: int) -> bool:
+        """The update failed on the trainer side: go back to the previous weights."""
+        return self.receiver is None or self.receiver.rollback()
+
+    def _rebind(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Serve with the tensors of the update just committed (the receiver loaded them aside)."""
+        model = self.engine.model
+        for name, t in tensors.items():
+            owner, _, attr = name.rpartition(".")
+            getattr(model.get_submodule(owner), attr).data = t
 
     def generate(self, prompts: list[list[int]], temperature: float, max_tokens: int, seed: int) -> list[Completion]:
+        if self.receiver is not None and not self.receiver.consistent:
+            raise RuntimeError("weights are partly updated (an update failed midway and could not be rolled "
+                               "back); refusing to generate until a complete update arrives")
         return self.engine.generate(prompts, SamplingParams(temperature, max_tokens), seed)
 
     def state_dict(self) -> dict[str, torch.Tensor]:

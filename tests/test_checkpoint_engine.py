@@ -1,4 +1,11 @@
-"""Weight update through shared-memory IPC buffers into another process: bitwise equal."""
+"""Checkpoint engine: bucket planning, verified loading, and real multi-process updates.
+
+The multi-process tests run N checkpoint-engine worker processes (one gloo group) and N
+inference processes that map the workers' shared-memory IPC buffers; replicas are compared with
+the trainer's tensors by digest, so "equal" means bitwise equal.
+"""
+
+from __future__ import annotations
 
 import multiprocessing as mp
 from itertools import pairwise
@@ -6,95 +13,205 @@ from itertools import pairwise
 import pytest
 import torch
 
-from checkpoint_engine.buckets import ALIGN, plan_buckets, spec_of
-from checkpoint_engine.transfer import PlanMismatchError, WeightReceiver, WeightSender
+from checkpoint_engine.buckets import ALIGN, TensorSpec, plan_buckets, spec_of
+from checkpoint_engine.engine import write_trailer
+from checkpoint_engine.local import (
+    Sharding,
+    Step,
+    expected_digests,
+    make_tensor,
+    run_scenario,
+    save_checkpoint,
+    synthetic_params,
+)
+from checkpoint_engine.shm import SharedBuffer
+from checkpoint_engine.transfer import CorruptUpdateError, PlanMismatchError, WeightReceiver
 
-
-def _tensors(seed: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return {
-        "big.fp32": torch.randn(40, 50, generator=g),                       # 8000 B > one bucket
-        "w.bf16": torch.randn(33, 7, generator=g).to(torch.bfloat16),
-        "w.fp16": torch.randn(3, 5, generator=g).to(torch.float16),
-        "norm": torch.randn(13, generator=g),
-        "ids": torch.randint(0, 1000, (17,), generator=g),
-    }
+# every dtype users train in, a tensor 3x larger than a bucket, and tensors that share a bucket
+MIXED = [TensorSpec("embed.fp32", (96, 64), "float32", 96 * 64 * 4),
+         TensorSpec("attn.bf16", (40, 33), "bfloat16", 40 * 33 * 2),
+         TensorSpec("mlp.fp16", (17, 20), "float16", 17 * 20 * 2),
+         TensorSpec("norm.fp32", (33,), "float32", 33 * 4)]
+BUCKET = 8192
 
 
 def test_plan_covers_every_byte_once_and_aligns():
-    specs = [spec_of(n, t) for n, t in _tensors(0).items()]
-    plan = plan_buckets(specs, bucket_bytes=2048)
-    covered = {s.name: [] for s in specs}
-    for bucket in plan.buckets:
+    owners = {s.name: i % 2 for i, s in enumerate(MIXED)}
+    plan = plan_buckets(MIXED, BUCKET, owners)
+    covered = {s.name: [] for s in MIXED}
+    for k, bucket in enumerate(plan.buckets):
         ends = []
         for p in bucket:
-            assert p.offset % ALIGN == 0 and p.offset + p.length <= 2048
+            assert p.offset % ALIGN == 0 and p.offset + p.length <= BUCKET
+            assert owners[p.name] == plan.owners[k]  # a bucket holds one owner's tensors only
             ends.append((p.offset, p.offset + p.length))
             covered[p.name].append((p.start, p.start + p.length))
-        ends.sort()
-        assert all(a[1] <= b[0] for a, b in pairwise(ends))  # no overlap in a bucket
-    for s in specs:
+        assert all(a[1] <= b[0] for a, b in pairwise(sorted(ends)))
+    for s in MIXED:
         spans = sorted(covered[s.name])
         assert spans[0][0] == 0 and spans[-1][1] == s.nbytes
         assert all(a[1] == b[0] for a, b in pairwise(spans))
-    assert len(covered["big.fp32"]) > 1  # split across buckets
+    assert len(covered["embed.fp32"]) == 3
+    assert plan.owners[:2] == [0, 1]  # owners alternate, so broadcast sources rotate
 
 
-def _receiver_process(plan, names, requests, replies):
-    targets = _tensors(seed=99)  # different values: the update must overwrite all of them
-    recv = WeightReceiver(targets, plan, names)
-    while True:
-        msg = requests.get()
-        if msg is None:
-            break
-        recv.load(*msg)
-        replies.put("ok")
-    # plain bytes: tensors would travel through torch's own shared memory, not what is tested
-    replies.put({k: (str(v.dtype), v.reshape(-1).view(torch.uint8).numpy().tobytes()) for k, v in targets.items()})
+def test_bucket_size_must_be_aligned():
+    with pytest.raises(ValueError, match="multiple of 256"):
+        plan_buckets(MIXED, 1000)
 
 
-@pytest.mark.parametrize("bucket_bytes", [1024, 4096, 1 << 20])
-def test_update_into_another_process_is_bitwise_equal(bucket_bytes):
-    src = _tensors(seed=1)
-    sender = WeightSender(lambda: src, bucket_bytes, prefix=f"test-ckpt-{bucket_bytes}")
-    ctx = mp.get_context("spawn")
-    requests, replies = ctx.Queue(), ctx.Queue()
-    proc = ctx.Process(target=_receiver_process, args=(sender.plan, sender.buffer_names, requests, replies))
-    proc.start()
+def test_update_is_bitwise_equal_for_every_dtype_and_large_tensors():
+    run = run_scenario(MIXED, 2, BUCKET, [Step("update", 1), Step("update", 2)])
+    for res in run.results.values():
+        assert res["errors"] == {}
+        assert res["version"] == 2 and res["consistent"]
+        assert res["digests"] == expected_digests(MIXED, Sharding(), 2)
+
+
+def test_workers_with_different_shardings_each_get_their_shard():
+    specs = synthetic_params(3 << 20, "bfloat16", width=384)
+    run = run_scenario(specs, 3, 256 << 10, [Step("update", 1)], shard_inference=True)
+    digests = [run.results[r]["digests"] for r in range(3)]
+    for r in range(3):
+        assert digests[r] == expected_digests(specs, Sharding(r, 3), 1)
+    assert digests[0]["layers.0.weight"] != digests[1]["layers.0.weight"]  # really different shards
+
+
+@pytest.mark.parametrize("rollback", ["swap", "journal"])
+def test_worker_that_fails_to_stage_leaves_previous_weights(rollback):
+    steps = [Step("update", 1), Step("fail", 2, rank=1), Step("update", 3), Step("fail", 4, rank=0)]
+    run = run_scenario(MIXED, 2, BUCKET, steps, rollback=rollback)
+    for rank, res in run.results.items():
+        for step, culprit in ((1, 1), (3, 0)):
+            err = res["errors"][step]
+            assert f"from worker {culprit}" in err  # the bucket's owner, i.e. the failing worker
+            assert ("failed to stage" if rank == culprit else "aborted") in err
+        assert 2 not in res["errors"]  # the group survives an aborted update: the next one lands
+        assert res["version"] == 3 and res["consistent"]
+        assert res["digests"] == expected_digests(MIXED, Sharding(), 3)
+    assert "holds no tensor" in run.results[1]["errors"][1]
+    # buckets loaded before each failure (1 of v2, 4 of v4) were really applied, then undone
+    assert run.results[0]["loads"] == 5 + 1 + 5 + 4
+
+
+def test_without_rollback_a_failed_update_is_flagged_not_served():
+    run = run_scenario(MIXED, 2, BUCKET, [Step("update", 1), Step("fail", 2, rank=1)], rollback="none")
+    assert all(not res["consistent"] and res["version"] == 1 for res in run.results.values())
+
+
+def test_crashed_worker_is_named_and_survivors_keep_previous_weights():
+    steps = [Step("update", 1), Step("crash", 2, rank=1)]
+    run = run_scenario(MIXED, 2, BUCKET, steps, timeout_s=180)
+    assert set(run.results) == {0}  # worker 1 died without reporting
+    res = run.results[0]
+    assert "from worker 1" in res["errors"][1]
+    assert res["version"] == 1 and res["consistent"]
+    assert res["digests"] == expected_digests(MIXED, Sharding(), 1)
+
+
+def test_startup_reads_each_file_once_and_fills_empty_replicas(tmp_path):
+    specs = synthetic_params(1 << 20, "bfloat16", width=256)
+    files = save_checkpoint(specs, 7, tmp_path, files=3)
+    run = run_scenario(specs, 2, 64 << 10, [Step("startup", 7, path=str(tmp_path))], shard_inference=True)
+    reads = [run.results[r]["reads"] for r in range(2)]
+    assert set(reads[0]).isdisjoint(reads[1])  # each file is read by one worker only
+    assert set(reads[0]) | set(reads[1]) == {f.name for f in files}
+    per_file = {f.name: len(specs[i::3]) for i, f in enumerate(files)}
+    assert {**reads[0], **reads[1]} == per_file  # each tensor read once, big ones included
+    for r in range(2):
+        assert run.results[r]["digests"] == expected_digests(specs, Sharding(r, 2), 7)
+
+
+def test_restarted_replica_catches_up_without_the_others_loading():
+    steps = [Step("update", 1), Step("restart", rank=1), Step("catch_up", 1, rank=1)]
+    run = run_scenario(MIXED, 2, BUCKET, steps)
+    n = run.results[0]["buckets"]
+    assert run.results[0]["loads"] == n      # replica 0 loaded the first update only
+    assert run.results[1]["loads"] == n      # the restarted replica loaded the catch-up only
+    for res in run.results.values():
+        assert res["digests"] == expected_digests(MIXED, Sharding(), 1) and res["version"] == 1
+
+
+def _one_bucket(tmp_name: str, version: int):
+    """A plan of one unsharded tensor and its bucket written by hand into a shared buffer."""
+    t = make_tensor(MIXED[1], version)
+    plan = plan_buckets([spec_of("attn.bf16", t)], BUCKET)
+    buf = SharedBuffer.create(tmp_name, BUCKET + ALIGN)
+    raw = t.reshape(-1).view(torch.uint8)
+    buf.tensor[: raw.numel()].copy_(raw)
+    write_trailer(buf.tensor, plan.used_bytes(0), version, 0)
+    return plan, buf, t
+
+
+def test_corrupted_or_stale_bucket_is_refused_and_weights_kept(tmp_path):
+    plan, buf, new = _one_bucket(f"test-ce-{tmp_path.name}", 2)
     try:
-        for k in range(len(sender.plan.buckets)):
-            sender.fill(k, k % 2)
-            requests.put((k, k % 2))
-            assert replies.get(timeout=60) == "ok"
-        requests.put(None)
-        received = replies.get(timeout=60)
+        old = make_tensor(MIXED[1], 1)
+        target = {"attn.bf16": old.clone()}
+        recv = WeightReceiver(plan, [("shm", buf.name, buf.nbytes)] * 2, target)
+        with pytest.raises(CorruptUpdateError, match="expected bucket 0 of update 3"):
+            recv.load(0, 0, version=3)   # the buffer holds update 2: stale
+        buf.tensor[5] ^= 1
+        with pytest.raises(CorruptUpdateError, match="checksum"):
+            recv.load(0, 0, version=2)
+        assert torch.equal(recv.tensors["attn.bf16"].view(torch.int16), old.view(torch.int16))
+        buf.tensor[5] ^= 1
+        recv.load(0, 0, version=2)
+        assert recv.ready and recv.version == 2
+        assert torch.equal(recv.tensors["attn.bf16"].view(torch.int16), new.view(torch.int16))
+    finally:
+        buf.close()
+
+
+def test_mismatched_receiver_is_rejected(tmp_path):
+    plan, buf, new = _one_bucket(f"test-ce-mm-{tmp_path.name}", 1)
+    handles = [("shm", buf.name, buf.nbytes)] * 2
+    try:
+        with pytest.raises(PlanMismatchError, match="attn.bf16"):
+            WeightReceiver(plan, handles, {"attn.bf16": new.float()})
+        with pytest.raises(PlanMismatchError, match="does not cover"):
+            WeightReceiver(plan, handles, {"attn.bf16": new, "extra": torch.zeros(3)})
+    finally:
+        buf.close()
+    assert not buf.path.exists()
+
+
+def _cuda_receiver(plan, handles, conn):
+    target = {"attn.bf16": torch.zeros(MIXED[1].shape, dtype=torch.bfloat16, device="cuda")}
+    recv = WeightReceiver(plan, handles, target)  # journal mode: device memory is not doubled
+    for k in range(len(plan.buckets)):
+        recv.load(k, k % 2, conn.recv())
+        conn.send("ok")
+    conn.send((recv.rollback_mode, recv.tensors["attn.bf16"].cpu().view(torch.int16).numpy().tobytes()))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CUDA IPC, NCCL)")
+def test_cuda_ipc_update_is_bitwise_equal():
+    from checkpoint_engine.engine import CheckpointEngine
+    from checkpoint_engine.update import free_port
+
+    t = make_tensor(MIXED[1], 1)
+    plan = plan_buckets([spec_of("attn.bf16", t)], 1024)
+    engine = CheckpointEngine(0, 1, f"tcp://127.0.0.1:{free_port()}", 1024, "test-cuda", device="cuda")
+    parent, child = mp.get_context("spawn").Pipe()
+    proc = mp.get_context("spawn").Process(target=_cuda_receiver, args=(plan, engine.ipc_handles(), child))
+    proc.start()
+
+    class Reloader:
+        def start(self, bucket, buffer, version):
+            parent.send(version)
+
+        def wait(self, bucket):
+            assert parent.recv() == "ok"
+
+        def abort(self, version):
+            pass
+
+    try:
+        engine.update(plan, {"attn.bf16": t.pin_memory()}, 1, Reloader())
+        mode, got = parent.recv()
     finally:
         proc.join(timeout=60)
-        sender.close()
-    for name, t in src.items():
-        dtype, raw = received[name]
-        assert dtype == str(t.dtype)
-        assert raw == t.reshape(-1).view(torch.uint8).numpy().tobytes(), name
-
-
-def test_mismatched_receiver_is_rejected():
-    src = _tensors(seed=1)
-    sender = WeightSender(lambda: src, 4096, prefix="test-ckpt-mismatch")
-    try:
-        wrong = dict(_tensors(2))
-        wrong["w.bf16"] = wrong["w.bf16"].float()
-        with pytest.raises(PlanMismatchError, match="w.bf16"):
-            WeightReceiver(wrong, sender.plan, sender.buffer_names)
-        extra = dict(_tensors(2), extra=torch.zeros(3))
-        with pytest.raises(PlanMismatchError, match="does not cover"):
-            WeightReceiver(extra, sender.plan, sender.buffer_names)
-    finally:
-        sender.close()
-
-
-def test_buffers_are_removed_on_close():
-    sender = WeightSender(lambda: _tensors(0), 4096, prefix="test-ckpt-close")
-    paths = [b.path for b in sender.buffers]
-    assert all(p.exists() for p in paths)
-    sender.close()
-    assert not any(p.exists() for p in paths)
+        engine.close()
+    assert mode == "journal"
+    assert got == t.view(torch.int16).numpy().tobytes()
