@@ -7,6 +7,7 @@ the trainer's tensors by digest, so "equal" means bitwise equal.
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 from itertools import pairwise
 
@@ -215,3 +216,13 @@ def test_cuda_ipc_update_is_bitwise_equal():
         engine.close()
     assert mode == "journal"
     assert got == t.view(torch.int16).numpy().tobytes()
+
+
+def test_benchmark_prints_its_record_last(capsys):
+    from benchmarks.weight_update import main
+
+    main(["--gib", "0.01", "--workers", "2", "--bucket-mb", "1", "--repeats", "1", "--json"])
+    rec = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert {"update_s", "floor_s", "ratio", "bytes", "gb_per_s", "bitwise_equal"} <= set(rec)
+    assert rec["bitwise_equal"] is True and rec["bytes"] >= 0.01 * (1 << 30) and rec["floor_passes"] == 4
+    assert rec["ratio"] == pytest.approx(rec["update_s"] / rec["floor_s"], rel=0.01)
