@@ -1,7 +1,7 @@
 """Weight-update benchmark: checkpoint-engine update time against the machine's copy floor.
 
     python -m benchmarks.weight_update --json                 # 1 GiB bf16, 2 workers
-    python -m benchmarks.weight_update --workers 4 --bucket-mb 16 --gib 0.5
+    python -m benchmarks.weight_update --workers 1 2 4 --bucket-mb 16 64 256   # a sweep
 
 N checkpoint-engine worker processes own round-robin shares of a model-like parameter set; each
 has its own inference process that maps its IPC buffers and loads every parameter (or its row
@@ -79,8 +79,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--gib", type=float, default=1.0, help="parameter bytes, in GiB (default 1)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     ap.add_argument("--workers", type=int, nargs="+", default=[2], help="checkpoint-engine workers (several: a sweep)")
-    ap.add_argument("--bucket-mb", type=int, nargs="+", default=[64], help="bucket size in MiB (several: a sweep)")
-    ap.add_argument("--repeats", type=int, default=3, help="timed updates after the cold one")
+    ap.add_argument("--bucket-mb", type=int, nargs="+", default=[16], help="bucket MiB (several: a sweep)")
+    ap.add_argument("--repeats", type=int, default=5, help="timed updates after the cold one")
     ap.add_argument("--shard-inference", action="store_true", help="replica r loads only row shard r of N")
     ap.add_argument("--rollback", choices=["swap", "journal", "none"], default=None,
                     help="how replicas keep the previous weights during an update (default swap on CPU)")

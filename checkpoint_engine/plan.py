@@ -90,12 +90,15 @@ def predict(params: float, bytes_per_param: float, cluster: Cluster, bucket_byte
 def calibrate(records: list[dict]) -> Calibration:
     """Fit efficiency and per-step latency from benchmark records (one JSON object per line).
 
-    On the benchmark's machine the bound is its copy floor, so efficiency = floor_s / update_s,
-    taken from the largest bucket (least latency); the step latency is the least-squares slope of
-    the time beyond that floor against the number of buckets.
+    Only the records with the most workers are used. On the benchmark's machine the bound is its
+    copy floor, so efficiency = floor_s / update_s, taken from the largest bucket (least latency);
+    the step latency is the least-squares slope of the time beyond that floor against the number
+    of buckets (zero if smaller buckets were no slower).
     """
     if not records:
         raise ValueError("no benchmark records to calibrate from")
+    most = max(r["workers"] for r in records)  # the most cluster-like: broadcast carries the most
+    records = [r for r in records if r["workers"] == most]
     best = max(records, key=lambda r: r["bucket_mb"])
     eff = min(1.0, best["floor_s"] / best["update_s"])
     xs = [r["buckets"] for r in records]
@@ -103,7 +106,7 @@ def calibrate(records: list[dict]) -> Calibration:
     mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
     var = sum((x - mx) ** 2 for x in xs)
     slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var if var else 0.0
-    src = f"{len(records)} benchmark records ({records[0].get('workers')}..{records[-1].get('workers')} workers)"
+    src = f"fitted to {len(records)} benchmark records with {most} workers"
     return Calibration(efficiency=eff, step_latency_s=max(slope, 0.0), source=src)
 
 

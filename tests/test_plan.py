@@ -29,6 +29,8 @@ def test_calibration_recovers_efficiency_and_step_latency():
     eff, lat = 0.7, 0.004
     records = [{"bucket_mb": mb, "buckets": n, "floor_s": 0.6, "update_s": 0.6 / eff + n * lat, "workers": 2}
                for mb, n in ((256, 5), (64, 17), (16, 65))]
+    # a one-worker record (no broadcast at all) must not enter the fit
+    records.append({"bucket_mb": 512, "buckets": 2, "floor_s": 0.3, "update_s": 0.1, "workers": 1})
     # the largest bucket's own latency makes its efficiency a little low; the fit absorbs the rest
     cal = calibrate(records)
     assert cal.efficiency == pytest.approx(0.6 / (0.6 / eff + 5 * lat))
