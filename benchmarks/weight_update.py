@@ -86,6 +86,8 @@ def main(argv: list[str] | None = None) -> None:
                     help="how replicas keep the previous weights during an update (default swap on CPU)")
     ap.add_argument("--json", action="store_true", help="print only JSON records, one per line")
     args = ap.parse_args(argv)
+    if args.gib <= 0 or min(args.workers) < 1 or min(args.bucket_mb) < 1 or args.repeats < 1:
+        ap.error("--gib must be > 0 and --workers, --bucket-mb, --repeats at least 1")
     records: list[dict] = []
     for w in args.workers:
         for b in args.bucket_mb:

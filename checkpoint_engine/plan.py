@@ -141,6 +141,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--target-s", type=float, default=30.0)
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
+    sizes = (a.params, a.bytes_per_param, a.nodes, a.gpus_per_node, a.pcie_gbps, a.nvlink_gbps, a.nic_gbps,
+             a.hbm_gbps, a.bucket_gib, a.inference_gpus)
+    if min(sizes) <= 0:
+        ap.error("sizes, counts and bandwidths must be positive")
     cluster = Cluster(a.nodes, a.gpus_per_node, a.pcie_gbps, a.nvlink_gbps, a.nic_gbps, a.hbm_gbps)
     cal = calibrate(load_records(a.calibration)) if a.calibration else Calibration()
     p = predict(a.params, a.bytes_per_param, cluster, a.bucket_gib * (1 << 30), a.inference_gpus, cal)

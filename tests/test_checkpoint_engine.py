@@ -123,6 +123,17 @@ def test_startup_reads_each_file_once_and_fills_empty_replicas(tmp_path):
         assert run.results[r]["digests"] == expected_digests(specs, Sharding(r, 2), 7)
 
 
+def test_missing_or_damaged_checkpoint_is_named(tmp_path):
+    from checkpoint_engine.startup import CheckpointReadError, checkpoint_files, read_index
+
+    with pytest.raises(CheckpointReadError, match="no .safetensors files"):
+        checkpoint_files(tmp_path / "nowhere")
+    bad = tmp_path / "model.safetensors"
+    bad.write_bytes(b"\x05")
+    with pytest.raises(CheckpointReadError, match="model.safetensors: not a readable safetensors file"):
+        read_index(checkpoint_files(tmp_path))
+
+
 def test_restarted_replica_catches_up_without_the_others_loading():
     steps = [Step("update", 1), Step("restart", rank=1), Step("catch_up", 1, rank=1)]
     run = run_scenario(MIXED, 2, BUCKET, steps)

@@ -48,3 +48,8 @@ def test_cli_states_whether_the_target_holds(capsys, tmp_path):
     f.write_text("workers 2 ...\n{not json\n")
     with pytest.raises(ValueError, match="bench.jsonl:2"):
         load_records(f)
+
+
+def test_cli_rejects_non_positive_sizes():
+    with pytest.raises(SystemExit):
+        main(["--nodes", "0"])
