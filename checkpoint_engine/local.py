@@ -26,11 +26,14 @@ from checkpoint_engine.startup import SafetensorsShare, assign_files, checkpoint
 from checkpoint_engine.transfer import WeightReceiver
 from checkpoint_engine.update import free_port
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+def _dtype(name: str) -> torch.dtype:
+    """The torch dtype a ``TensorSpec`` names (``spec_of`` writes it without the "torch." prefix)."""
+    return getattr(torch, name)
 
 
 def _el(dtype: str) -> int:
-    return torch.empty(0, dtype=_DTYPES[dtype]).element_size()
+    return _dtype(dtype).itemsize
 
 
 def synthetic_params(total_bytes: int, dtype: str = "bfloat16", width: int = 4096) -> list[TensorSpec]:
@@ -48,7 +51,7 @@ def synthetic_params(total_bytes: int, dtype: str = "bfloat16", width: int = 409
 def make_tensor(spec: TensorSpec, version: int = 1) -> torch.Tensor:
     """Deterministic random bits for a parameter at a version (every bit pattern, NaNs included)."""
     g = torch.Generator().manual_seed(zlib.crc32(f"{spec.name}@{version}".encode()))
-    t = torch.empty(spec.shape, dtype=_DTYPES[spec.dtype])
+    t = torch.empty(spec.shape, dtype=_dtype(spec.dtype))
     as_bytes(t).copy_(torch.randint(0, 256, (spec.nbytes,), dtype=torch.uint8, generator=g))
     return t
 
@@ -80,7 +83,7 @@ class ShardedWeights:
             row_bytes = _el(s.dtype) * (s.shape[1] if two_d else 1)
             lo, hi = sharding.rows(s.shape[0]) if two_d else (0, s.shape[0])
             shape = (hi - lo, s.shape[1]) if two_d else s.shape
-            self.tensors[s.name] = torch.zeros(shape, dtype=_DTYPES[s.dtype])
+            self.tensors[s.name] = torch.zeros(shape, dtype=_dtype(s.dtype))
             self.ranges[s.name] = (lo * row_bytes, hi * row_bytes)
 
     def hook(self, piece: Piece) -> list[tuple[int, int, int]]:
@@ -97,7 +100,7 @@ def expected_digests(specs: list[TensorSpec], sharding: Sharding, version: int) 
     """What an inference engine with ``sharding`` must hold after update ``version`` (0: zeros)."""
     out = {}
     for s in specs:
-        t = make_tensor(s, version) if version else torch.zeros(s.shape, dtype=_DTYPES[s.dtype])
+        t = make_tensor(s, version) if version else torch.zeros(s.shape, dtype=_dtype(s.dtype))
         if len(s.shape) == 2:
             t = t[slice(*sharding.rows(s.shape[0]))]
         out[s.name] = digest(t)
