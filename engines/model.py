@@ -8,7 +8,7 @@ load in ``transformers`` unchanged.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -82,46 +82,43 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        # normalise in float32, scale in the model's dtype (as transformers' Llama does)
+        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
-    """cos/sin tables of shape [B, T, head_dim] for integer positions [B, T]."""
-    inv_freq = 1.0 / (
-        theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device).float() / head_dim)
-    )
-    freqs = positions[..., None].float() * inv_freq
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+class Rotary:
+    """RoPE tables for every position of the context, computed once per device in float32."""
 
+    def __init__(self, cfg: ModelConfig) -> None:
+        d = cfg.head_dim
+        inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+        freqs = torch.arange(cfg.max_position_embeddings).float()[:, None] * inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        # rotate_half(x) = roll(x, d/2) * sign, so the sign is folded into the sine table
+        sign = torch.cat((-torch.ones(d // 2), torch.ones(d // 2)))
+        self._tables = {torch.device("cpu"): (emb.cos(), emb.sin() * sign)}
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+    def __call__(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin [B, T, head_dim] for integer positions [B, T]."""
+        dev = positions.device
+        if dev not in self._tables:
+            cpu = self._tables[torch.device("cpu")]
+            self._tables[dev] = (cpu[0].to(dev), cpu[1].to(dev))
+        cos, sin = self._tables[dev]
+        return cos[positions].to(dtype), sin[positions].to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [B, H, T, D] by the tables [B, T, D]."""
-    return x * cos[:, None] + _rotate_half(x) * sin[:, None]
+    """Rotate x [B, H, T, D] by the tables [B, T, D] (sin carries rotate_half's sign)."""
+    return x * cos[:, None] + x.roll(x.shape[-1] // 2, dims=-1) * sin[:, None]
 
 
-class KVCache:
-    """Preallocated keys/values [layers, B, kv_heads, max_len, head_dim] written by column."""
+class AttentionCache(Protocol):
+    """Where an inference engine keeps keys/values: it stores this call's k/v and attends."""
 
-    def __init__(self, cfg: ModelConfig, batch: int, max_len: int, dtype: torch.dtype, device=None):
-        shape = (cfg.num_hidden_layers, batch, cfg.num_key_value_heads, max_len, cfg.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.length = 0  # columns [0, length) are filled
-
-    def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor):
-        end = start + k.shape[2]
-        self.k[layer, :, :, start:end] = k
-        self.v[layer, :, :, start:end] = v
-        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Attention output [B, H, T, D] for queries q [B, H, T, D] and the new k/v [B, KVH, T, D]."""
+        ...
 
 
 class Attention(nn.Module):
@@ -134,16 +131,17 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(d, cfg.num_key_value_heads * hd, bias=False)
         self.o_proj = nn.Linear(cfg.num_attention_heads * hd, d, bias=False)
 
-    def forward(self, x, cos, sin, mask, layer: int, cache: KVCache | None, start: int):
+    def forward(self, x, cos, sin, mask, layer: int, cache: AttentionCache | None):
         b, t, _ = x.shape
         hd = self.cfg.head_dim
         q = self.q_proj(x).view(b, t, -1, hd).transpose(1, 2)
         k = self.k_proj(x).view(b, t, -1, hd).transpose(1, 2)
         v = self.v_proj(x).view(b, t, -1, hd).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if cache is not None:
-            k, v = cache.write(layer, start, k, v)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        if cache is None:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        else:
+            out = cache.attend(layer, q, k, v)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -166,8 +164,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, mask, layer, cache, start):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, layer, cache, start)
+    def forward(self, x, cos, sin, mask, layer, cache):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, layer, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -186,6 +184,7 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = Backbone(cfg)
+        self.rotary = Rotary(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -200,19 +199,22 @@ class CausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        mask: torch.Tensor,
-        cache: KVCache | None = None,
-        start: int = 0,
+        mask: torch.Tensor | None = None,
+        cache: AttentionCache | None = None,
+        select: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits [B, T, V] for tokens [B, T] at RoPE positions [B, T].
 
-        ``mask`` is a boolean [B, 1, T, S] (True = may attend) over the S keys visible to these
-        queries; with a cache, the new keys are written at columns [start, start + T).
+        ``mask`` is a boolean [B, 1, T, T] (True = may attend) used when there is no ``cache``;
+        a cache attends itself. ``select`` [B] picks one position per row: logits are then [B, V],
+        and the vocabulary projection runs only there.
         """
         x = self.model.embed_tokens(input_ids)
-        cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, x.dtype)
+        cos, sin = self.rotary(positions, x.dtype)
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, mask, i, cache, start)
+            x = layer(x, cos, sin, mask, i, cache)
+        if select is not None:
+            x = x[torch.arange(x.shape[0], device=x.device), select]
         return self.lm_head(self.model.norm(x))
 
 

@@ -10,8 +10,8 @@ from collections.abc import Sequence
 
 import torch
 
-from engines.inference import token_logprobs
 from engines.model import CausalLM, padded_causal_mask, positions_from_valid
+from engines.sampling import token_logprobs
 
 
 def pack(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], pad_id: int):

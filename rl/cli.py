@@ -47,6 +47,17 @@ def _cmd_envs(args: argparse.Namespace) -> None:
     print("\n".join(registered()))
 
 
+def _cmd_serve(args: argparse.Namespace) -> None:
+    from engines.hf_io import ModelDirError
+    from engines.server import serve
+
+    try:
+        serve(args.model_dir, host=args.host, port=args.port, name=args.served_model_name, dtype=args.dtype,
+              max_num_seqs=args.max_num_seqs, kv_cache_bytes=args.kv_cache_mb << 20)
+    except (ModelDirError, FileNotFoundError, ValueError) as e:
+        raise UserError(f"rl serve: {e}") from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="rl", description="RL post-training with colocated engines.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -63,6 +74,16 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("config")
     c.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     c.set_defaults(func=_cmd_check)
+
+    s = sub.add_parser("serve", help="serve a model directory over an OpenAI-compatible HTTP API")
+    s.add_argument("model_dir", help="Hugging Face-format model directory (config.json, safetensors, tokenizer.json)")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--served-model-name", help="model id clients send (default: the directory's name)")
+    s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    s.add_argument("--max-num-seqs", type=int, default=256, help="most sequences decoded together")
+    s.add_argument("--kv-cache-mb", type=int, default=512, help="KV-cache memory budget in MiB")
+    s.set_defaults(func=_cmd_serve)
 
     e = sub.add_parser("envs", help="list registered environments")
     e.set_defaults(func=_cmd_envs)

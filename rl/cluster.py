@@ -81,6 +81,13 @@ class Cluster:
                 on_step(steps[-1])
         return steps
 
+    def sleep_rollouts(self) -> None:
+        """Free inference memory (per ``rollout.sleep_level``) before the trainer runs."""
+        ray.get([r.sleep.remote(self.cfg.rollout.sleep_level) for r in self.rollouts])
+
+    def wake_rollouts(self) -> None:
+        ray.get([r.wake_up.remote() for r in self.rollouts])
+
     def update_weights(self) -> None:
         """Checkpoint-engine update of every inference engine from the trainers."""
         self.weights_version += 1

@@ -80,7 +80,10 @@ class RolloutConfig(Strict):
     max_tokens: int = Field(40, ge=1, description="token budget of a response")
     truncation_penalty: float = Field(0.0, description="reward of a response that hits the budget")
     temperature: TemperatureConfig = TemperatureConfig()
-    max_batch: int = Field(512, ge=1, description="sequences per inference forward pass")
+    max_batch: int = Field(512, ge=1, description="most sequences decoded together (KV-cache slots)")
+    kv_cache_mb: int = Field(512, ge=1, description="KV-cache memory budget of each inference engine")
+    sleep_level: Literal[0, 1, 2] = Field(
+        1, description="while training: 1 frees the KV cache, 2 also the inference weights, 0 keeps both")
 
 
 class AlgorithmConfig(Strict):

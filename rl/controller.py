@@ -81,6 +81,7 @@ def iteration(cluster: Cluster, cfg: Config, tasks, tok: TextTokenizer, it: int,
     completions = cluster.generate(prompts, temperature, r.max_tokens, seed=cfg.run.seed * 100_003 + it,
                                    on_chunk=lambda n: progress.advance(bar, n))
     progress.remove_task(bar)
+    cluster.sleep_rollouts()
     times["time_rollout"] = time.time() - t
 
     t = time.time()
@@ -96,6 +97,7 @@ def iteration(cluster: Cluster, cfg: Config, tasks, tok: TextTokenizer, it: int,
 
     t = time.time()
     bar = progress.add_task(f"iter {it} weight update ({cluster.num_buckets} buckets)", total=1)
+    cluster.wake_rollouts()
     cluster.update_weights()
     progress.remove_task(bar)
     times["time_weight_update"] = time.time() - t

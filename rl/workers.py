@@ -85,13 +85,30 @@ class RolloutWorker:
     def __init__(self, model_dir: str, cfg: Config) -> None:
         _set_threads(cfg.cluster.threads_per_worker)
         model = load_pretrained(model_dir, getattr(torch, cfg.model.dtype))
-        c = model.config
-        self.engine = InferenceEngine(model, c.eos_token_id, c.pad_token_id, cfg.rollout.max_batch)
+        c, r = model.config, cfg.rollout
+        self.engine = InferenceEngine(model, c.eos_token_id, c.pad_token_id, max_num_seqs=r.max_batch,
+                                      kv_cache_bytes=r.kv_cache_mb << 20)
         self.receiver: WeightReceiver | None = None
+        self._ipc: tuple | None = None
 
     def attach(self, plan, handles: list) -> None:
         """Map the checkpoint engine's IPC buffers; checks the plan against this engine's tensors."""
+        self._ipc = (plan, handles)
         self.receiver = WeightReceiver(plan, handles, self.engine.named_tensors(), on_commit=self._rebind)
+
+    def sleep(self, level: int) -> None:
+        """Free the KV cache (1) and the weights (2) while the trainer uses the device."""
+        if level:
+            self.engine.sleep(level)
+            if level == 2:
+                self.receiver = None  # its spare copy goes too; a new one is made at wake-up
+
+    def wake_up(self) -> None:
+        """Reallocate; after a level-2 sleep the next weight update refills the weights."""
+        if self.engine.sleeping:
+            self.engine.wake_up()
+            if self.receiver is None and self._ipc is not None:
+                self.attach(*self._ipc)
 
     def load_bucket(self, bucket: int, buffer: int, version: int) -> None:
         assert self.receiver is not None, "attach() before load_bucket()"
@@ -107,12 +124,13 @@ class RolloutWorker:
         for name, t in tensors.items():
             owner, _, attr = name.rpartition(".")
             getattr(model.get_submodule(owner), attr).data = t
+        self.engine.weights_loaded()
 
     def generate(self, prompts: list[list[int]], temperature: float, max_tokens: int, seed: int) -> list[Completion]:
         if self.receiver is not None and not self.receiver.consistent:
             raise RuntimeError("weights are partly updated (an update failed midway and could not be rolled "
                                "back); refusing to generate until a complete update arrives")
-        return self.engine.generate(prompts, SamplingParams(temperature, max_tokens), seed)
+        return self.engine.generate(prompts, SamplingParams(temperature, max_tokens), seed=seed)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().clone() for k, v in self.engine.named_tensors().items()}

@@ -102,8 +102,8 @@ def test_rl_update_raises_reward_on_a_toy_task(tiny_model, tokenizer):
     prompts = [tokenizer.encode(f"Question: {i}") for i in range(8)]
     rates = []
     for it in range(12):
-        inf = InferenceEngine(tiny_model, tokenizer.eos_id, tokenizer.pad_id)
-        outs = inf.generate([p for p in prompts for _ in range(8)], SamplingParams(1.0, 3), seed=it)
+        inf = InferenceEngine(tiny_model, tokenizer.eos_id, tokenizer.pad_id, seed=it)
+        outs = inf.generate([p for p in prompts for _ in range(8)], SamplingParams(1.0, 3))
         samples = [Sample(j // 8, o.prompt_ids, o.token_ids, o.logprobs, float(o.token_ids[0] % 2 == 0))
                    for j, o in enumerate(outs)]
         rates.append(sum(s.reward for s in samples) / len(samples))

@@ -1,0 +1,170 @@
+"""Rollout benchmark: the native inference engine against Hugging Face ``generate`` on one workload.
+
+    python -m benchmarks.rollout --json                  # the demo model
+    python -m benchmarks.rollout --model 100m --json     # a ~100M-parameter model
+
+Both generate the same workload in one run: ``--prompts`` prompts x ``--samples`` samples, fixed
+prompt and output lengths (EOS ignored), the same sampling parameters, the same weights and dtype
+(the model is saved in Hugging Face format and loaded by ``transformers``). Throughput counts
+generated tokens per second of wall time, prefill included. Memory is the peak RSS growth during
+generation divided by the tokens in flight at the peak (prompt + output of every sequence), in
+MiB per 1k tokens. The last line printed is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from engines.hf_io import load_pretrained, save_pretrained
+from engines.inference import InferenceEngine, SamplingParams
+from engines.model import CausalLM, ModelConfig
+
+#: Architectures the benchmark builds (random weights: throughput does not depend on them).
+MODELS = {
+    # the quick-start model (configs/quickstart.yaml, warmstart.architecture)
+    "demo": ModelConfig(vocab_size=512, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128),
+    # about 100M parameters, Llama-style proportions
+    "100m": ModelConfig(vocab_size=8192, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
+                        num_attention_heads=12, num_key_value_heads=4, max_position_embeddings=1024),
+}
+DEFAULT_LENGTHS = {"demo": (32, 64), "100m": (128, 128)}
+
+
+def _read_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field):
+                return int(line.split()[1])
+    return 0
+
+
+def peak_rss_growth(fn: Callable[..., Any], *args: Any) -> tuple[Any, int]:
+    """Run ``fn(*args)``; returns (its result, peak RSS above the RSS before the call, in bytes)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # reset the peak (VmHWM) to the current RSS
+    except OSError:
+        pass
+    before = _read_kib("VmRSS:")
+    result = fn(*args)
+    return result, max(0, _read_kib("VmHWM:") - before) * 1024
+
+
+def workload(n_prompts: int, prompt_len: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(2, vocab, (n_prompts, prompt_len), generator=g).tolist()
+
+
+def run_engine(model: CausalLM, prompts, samples: int, output_len: int, temperature: float):
+    seq = len(prompts[0]) + output_len
+    per_seq = 2 * model.config.num_hidden_layers * model.config.num_key_value_heads * model.config.head_dim * seq
+    engine = InferenceEngine(model, eos_id=1, pad_id=0, max_seq_len=seq, max_num_seqs=len(prompts) * samples,
+                             kv_cache_bytes=per_seq * next(model.parameters()).element_size() * len(prompts) * samples)
+    params = SamplingParams(temperature=temperature, max_tokens=output_len, ignore_eos=True)
+    engine.generate(prompts[:2], params)  # warm-up: first-call allocations
+    t0 = time.perf_counter()
+    outs = engine.generate([p for p in prompts for _ in range(samples)], params)
+    elapsed = time.perf_counter() - t0
+    assert all(len(o.token_ids) == output_len for o in outs)
+    return elapsed, engine.kv_cache_bytes
+
+
+def run_hf(model_dir: str, dtype: torch.dtype, prompts, samples: int, output_len: int, temperature: float):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    ids = torch.tensor(prompts)
+    kw = dict(do_sample=temperature > 0, temperature=temperature if temperature > 0 else None, top_k=0, top_p=1.0,
+              max_new_tokens=output_len, min_new_tokens=output_len, pad_token_id=0, eos_token_id=1)
+    with torch.no_grad():
+        model.generate(ids[:2], attention_mask=torch.ones_like(ids[:2]), num_return_sequences=1, **kw)
+        t0 = time.perf_counter()
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), num_return_sequences=samples, **kw)
+        elapsed = time.perf_counter() - t0
+    assert out.shape == (len(prompts) * samples, ids.shape[1] + output_len)
+    return elapsed
+
+
+def measure(model_name: str, prompts_n: int, samples: int, prompt_len: int, output_len: int, *,
+            dtype: str = "float32", temperature: float = 1.0, threads: int | None = None,
+            skip_hf: bool = False) -> dict:
+    """One benchmark record (also printed as the JSON line)."""
+    torch.set_num_threads(threads or os.cpu_count() or 1)
+    cfg = MODELS[model_name]
+    if prompt_len + output_len > cfg.max_position_embeddings:
+        raise SystemExit(f"prompt_len + output_len = {prompt_len + output_len} exceeds the {model_name} model's "
+                         f"context of {cfg.max_position_embeddings}")
+    if min(prompts_n, samples, prompt_len, output_len) < 1:
+        raise SystemExit("--prompts, --samples, --prompt-len and --output-len must be >= 1")
+    torch.manual_seed(0)
+    tdtype = getattr(torch, dtype)
+    prompts = workload(prompts_n, prompt_len, cfg.vocab_size)
+    tokens = prompts_n * samples * output_len
+    in_flight = prompts_n * samples * (prompt_len + output_len)
+    with tempfile.TemporaryDirectory() as d:
+        save_pretrained(CausalLM(cfg), None, d)
+        model = load_pretrained(d, tdtype)
+        params = sum(p.numel() for p in model.parameters())
+        (engine_s, kv_bytes), engine_rss = peak_rss_growth(run_engine, model, prompts, samples, output_len,
+                                                           temperature)
+        del model  # HF loads its own copy
+        hf_s, hf_rss = (None, None) if skip_hf else peak_rss_growth(run_hf, d, tdtype, prompts, samples,
+                                                                     output_len, temperature)
+    rec = {
+        "model": model_name,
+        "params": params,
+        "engine_tok_s": round(tokens / engine_s, 1),
+        "hf_generate_tok_s": None if hf_s is None else round(tokens / hf_s, 1),
+        "speedup": None if hf_s is None else round(hf_s / engine_s, 3),
+        "engine_s": round(engine_s, 3),
+        "hf_generate_s": None if hf_s is None else round(hf_s, 3),
+        "engine_peak_rss_mib_per_1k_tokens": round(engine_rss / 2**20 / (in_flight / 1000), 3),
+        "hf_peak_rss_mib_per_1k_tokens": None if hf_rss is None else round(hf_rss / 2**20 / (in_flight / 1000), 3),
+        "kv_cache_mib": round(kv_bytes / 2**20, 1),
+        "prompts": prompts_n,
+        "samples": samples,
+        "prompt_len": prompt_len,
+        "output_len": output_len,
+        "dtype": dtype,
+        "temperature": temperature,
+        "threads": torch.get_num_threads(),
+    }
+    return rec
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap.add_argument("--model", choices=sorted(MODELS), default="demo")
+    ap.add_argument("--prompts", type=int, default=64)
+    ap.add_argument("--samples", type=int, default=8, help="responses per prompt")
+    ap.add_argument("--prompt-len", type=int, help="tokens per prompt (default: 32 demo, 128 for 100m)")
+    ap.add_argument("--output-len", type=int, help="tokens per response (default: 64 demo, 128 for 100m)")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--threads", type=int, help="torch threads (default: all cores)")
+    ap.add_argument("--skip-hf", action="store_true", help="time only the engine")
+    ap.add_argument("--json", action="store_true", help="print only the JSON record")
+    a = ap.parse_args(argv)
+    plen, olen = DEFAULT_LENGTHS[a.model]
+    rec = measure(a.model, a.prompts, a.samples, a.prompt_len or plen, a.output_len or olen, dtype=a.dtype,
+                  temperature=a.temperature, threads=a.threads, skip_hf=a.skip_hf)
+    if not a.json:
+        print(f"{a.model} model ({rec['params']:,} parameters), {a.prompts} prompts x {a.samples} samples, "
+              f"{rec['prompt_len']} + {rec['output_len']} tokens, {a.dtype}")
+        print(f"engine: {rec['engine_tok_s']} tok/s; HF generate: {rec['hf_generate_tok_s']} tok/s; "
+              f"speedup {rec['speedup']}")
+    print(json.dumps(rec))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,89 @@
+"""The inference engine's KV cache: preallocated slots, one per running sequence.
+
+The running batch always occupies slots 0..n-1 (a finished sequence's slot is refilled by moving
+the last one into it), so a decode step attends over a view of the cache, never a gathered copy.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engines.model import ModelConfig
+
+
+def bytes_per_slot(cfg: ModelConfig, max_seq_len: int, dtype: torch.dtype) -> int:
+    """KV-cache bytes of one sequence of ``max_seq_len`` tokens."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * max_seq_len * elem
+
+
+class SlotKVCache:
+    """Keys and values [layers, slots, kv_heads, max_seq_len, head_dim]."""
+
+    def __init__(self, cfg: ModelConfig, slots: int, max_seq_len: int, dtype: torch.dtype,
+                 device: torch.device | str | None = None) -> None:
+        shape = (cfg.num_hidden_layers, slots, cfg.num_key_value_heads, max_seq_len, cfg.head_dim)
+        # zeros, not empty: masked positions get probability 0, and 0 * NaN garbage would be NaN
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+    def store_prefill(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Copy prefill keys/values k, v [len(slots), kv_heads, T, head_dim] into ``slots``."""
+        t = k.shape[2]
+        self.k[layer, slots, :, :t] = k
+        self.v[layer, slots, :, :t] = v
+
+    def move(self, src: int, dst: int, length: int) -> None:
+        """Copy the first ``length`` positions of slot ``src`` to slot ``dst`` (all layers)."""
+        self.k[:, dst, :, :length] = self.k[:, src, :, :length]
+        self.v[:, dst, :, :length] = self.v[:, src, :, :length]
+
+
+class PrefillPass:
+    """Attention for a right-padded prefill batch; keeps each layer's keys/values for the slots."""
+
+    def __init__(self, mask: torch.Tensor) -> None:
+        self.mask = mask
+        self.k: list[torch.Tensor] = []
+        self.v: list[torch.Tensor] = []
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        self.k.append(k)
+        self.v.append(v)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask, enable_gqa=True)
+
+
+class DecodePass:
+    """One decode step for slots 0..n-1: writes each new key at its row's position, then attends
+    to that row's positions [0, pos].
+
+    Attention is two batched matmuls over a view of the cache with grouped-query heads folded
+    into the query axis; for one query per row this beats the fused CPU kernel, which is built for
+    long query blocks.
+    """
+
+    def __init__(self, cache: SlotKVCache, positions: torch.Tensor) -> None:
+        n = positions.shape[0]
+        self.cache, self.n = cache, n
+        self.width = int(positions.max()) + 1
+        cols = torch.arange(self.width, device=positions.device)
+        self.hidden = (cols[None] > positions[:, None])[:, None, None, :]  # [n, 1, 1, W]
+        kv_heads, max_len = cache.k.shape[2], cache.k.shape[3]
+        rows = torch.arange(n * kv_heads, device=positions.device)
+        self.flat = rows * max_len + positions.repeat_interleave(kv_heads)  # (slot, head, pos) in [S*KVH*L]
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        n, w = self.n, self.width
+        heads, kv_heads, dim = q.shape[1], k.shape[1], q.shape[3]
+        self.cache.k[layer].view(-1, dim).index_copy_(0, self.flat, k.reshape(-1, dim))
+        self.cache.v[layer].view(-1, dim).index_copy_(0, self.flat, v.reshape(-1, dim))
+        kc, vc = self.cache.k[layer, :n], self.cache.v[layer, :n]
+        qg = q.reshape(n, kv_heads, heads // kv_heads, dim)  # query heads sharing a key head
+        scores = torch.matmul(qg, kc[:, :, :w].transpose(-1, -2)) * dim**-0.5
+        probs = torch.softmax(scores.masked_fill(self.hidden, float("-inf")), dim=-1)
+        return torch.matmul(probs, vc[:, :, :w]).reshape(n, heads, 1, dim)

@@ -1,0 +1,133 @@
+"""Sampling parameters and the batched sampler of the inference engine.
+
+Every row of a decode batch carries its own temperature, top-k, top-p and seed, so one call
+samples for hundreds of requests. Randomness is counter-based: the uniform draw of a request's
+n-th token is a hash of (seed, n), so a request samples the same tokens whatever else is in the
+batch, and a paused request resumes exactly where it would have gone.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+class InvalidRequestError(ValueError):
+    """A request the engine cannot serve (bad sampling parameters, too long for the context...)."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one response.
+
+    ``temperature`` 0 is greedy; ``top_k`` 0 and ``top_p`` 1 disable those filters;
+    ``max_tokens`` is the response budget; generation also stops at EOS (unless ``ignore_eos``),
+    at any of ``stop_token_ids`` and after any of the ``stop`` strings; ``seed`` makes the request
+    reproducible on its own (None: derived from the engine's seed and the request's arrival order).
+    """
+
+    temperature: float = 1.0
+    max_tokens: int = 32
+    top_p: float = 1.0
+    top_k: int = 0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        problems = []
+        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
+                and self.temperature >= 0):
+            problems.append(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
+            problems.append(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not (isinstance(self.top_k, int) and self.top_k >= 0):
+            problems.append(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        if not (isinstance(self.max_tokens, int) and self.max_tokens >= 1):
+            problems.append(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            problems.append(f"stop must be non-empty strings, got {self.stop!r}")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            problems.append(f"stop_token_ids must be token ids >= 0, got {self.stop_token_ids!r}")
+        if self.seed is not None and not (isinstance(self.seed, int) and 0 <= self.seed < 2**63):
+            problems.append(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
+        if problems:
+            raise InvalidRequestError("; ".join(problems))
+
+
+def token_logprobs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Log-probabilities under the sampling distribution: softmax(logits / T), or T = 1 if greedy."""
+    logits = logits.float()
+    if temperature > 0:
+        logits = logits / temperature
+    return torch.log_softmax(logits, dim=-1)
+
+
+_M32 = 0xFFFFFFFF
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer finaliser (xor-shift-multiply) on int64 tensors holding values < 2**32."""
+    for _ in range(2):
+        x = x ^ (x >> 16)
+        x = (x * 0x45D9F3B) & _M32  # the multiplier is < 2**27, so the product never overflows
+    return x ^ (x >> 16)
+
+
+def counter_uniform(seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
+    """Uniform floats in [0, 1) (53 random bits) that depend only on each row's (seed, counter)."""
+    base = _mix32(_mix32(seeds & _M32) ^ ((seeds >> 32) & _M32))
+    c = (counters & 0x7FFFFFFF) * 2
+    hi = _mix32(base ^ _mix32(c))
+    lo = _mix32(base ^ _mix32(c + 1))
+    return ((hi << 21) | (lo >> 11)).double() * 2.0**-53
+
+
+@dataclass
+class RowParams:
+    """Sampling parameters of the rows of a batch, as tensors (one entry per row)."""
+
+    temperature: torch.Tensor  # float32
+    top_k: torch.Tensor  # int64, 0 = off
+    top_p: torch.Tensor  # float32
+    seed: torch.Tensor  # int64
+
+    def __getitem__(self, rows) -> RowParams:
+        return RowParams(self.temperature[rows], self.top_k[rows], self.top_p[rows], self.seed[rows])
+
+
+def sample(logits: torch.Tensor, rows: RowParams, counters: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one token per row of ``logits`` [n, V]; returns (tokens [n], logprobs [n]).
+
+    The logprob is the token's log-probability under softmax(logits / T) over the whole vocabulary
+    (T = 1 for greedy rows), which is what the trainer recomputes; top-k/top-p only restrict which
+    tokens may be drawn.
+    """
+    logits = logits.float()
+    greedy = rows.temperature <= 0
+    temp = torch.where(greedy, torch.ones_like(rows.temperature), rows.temperature)
+    logp = torch.log_softmax(logits / temp[:, None], dim=-1)
+    u = counter_uniform(rows.seed, counters)
+    filtered = bool(((rows.top_k > 0) | (rows.top_p < 1)).any())
+    if filtered:
+        probs, order = logp.exp().sort(dim=-1, descending=True)
+        rank = torch.arange(probs.shape[1], device=probs.device)
+        k = torch.where(rows.top_k > 0, rows.top_k, probs.shape[1])
+        before = probs.cumsum(-1) - probs  # mass of the tokens ranked above this one
+        keep = (rank[None] < k[:, None]) & (before < rows.top_p[:, None])
+        probs = probs * keep
+    else:
+        probs, order = logp.exp(), None
+    cdf = probs.double().cumsum(-1)
+    target = (u * cdf[:, -1])[:, None]
+    idx = torch.searchsorted(cdf, target, right=True).clamp_(max=probs.shape[1] - 1).squeeze(1)
+    tokens = order.gather(1, idx[:, None]).squeeze(1) if order is not None else idx
+    tokens = torch.where(greedy, logits.argmax(-1), tokens)
+    return tokens, logp.gather(1, tokens[:, None]).squeeze(1)

@@ -1,0 +1,267 @@
+"""An OpenAI-compatible HTTP server over the inference engine (``rl serve MODEL_DIR``).
+
+``/v1/completions``, ``/v1/chat/completions`` and ``/v1/models``, so a checkpoint can be evaluated
+with the usual clients (the ``openai`` package, lm-eval's ``local-completions``...). One thread owns
+the engine and steps it while requests are pending; concurrent HTTP requests join the same running
+batch (continuous batching) and the ``n`` samples of one request share their prompt's prefill.
+A request the engine cannot serve gets a 400 with the reason; the others are not affected.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import queue
+import threading
+import time
+import uuid
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+from tokenizers import Tokenizer
+
+from engines.hf_io import load_pretrained, read_config
+from engines.inference import Completion, InferenceEngine, InvalidRequestError, SamplingParams
+
+
+class _Sampling(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # unknown OpenAI fields (user, presence_penalty=0...) are ignored
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    n: int = Field(1, ge=1, le=256)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool = False
+    ignore_eos: bool = False
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool = False
+
+
+class ChatMessage(BaseModel):
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str
+
+
+class ChatRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: bool = False
+    max_completion_tokens: int | None = None
+
+
+def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": "invalid_request_error", "param": param,
+                                   "code": None}}, status_code=status)
+
+
+class EngineLoop:
+    """Owns the engine on one thread; ``submit`` is safe from any thread."""
+
+    def __init__(self, engine: InferenceEngine) -> None:
+        self.engine = engine
+        self._inbox: queue.Queue = queue.Queue()
+        self._futures: dict[int, Future] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    def submit(self, prompt: list[int], params: SamplingParams) -> Future:
+        fut: Future = Future()
+        self._inbox.put((prompt, params, fut))
+        return fut
+
+    def close(self) -> None:
+        self._stop.set()
+        self._inbox.put(None)
+        self._thread.join(timeout=10)
+
+    def _take(self, block: bool) -> None:
+        while True:
+            try:
+                item = self._inbox.get(block=block, timeout=0.5 if block else None)
+            except queue.Empty:
+                return
+            block = False
+            if item is None:
+                return
+            prompt, params, fut = item
+            try:
+                self._futures[self.engine.add_request(prompt, params)] = fut
+            except InvalidRequestError as e:
+                fut.set_exception(e)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._take(block=not self.engine.has_unfinished())
+            if not self.engine.has_unfinished():
+                continue
+            try:
+                done = self.engine.step()
+            except Exception as e:  # a failing step fails its requests, not the server
+                for c in self.engine.pause():
+                    self._futures.pop(c.request_id).set_exception(e)
+                continue
+            for c in done:
+                self._futures.pop(c.request_id).set_result(c)
+
+
+class ServedModel:
+    """The engine, its tokenizer and chat template, as the HTTP handlers need them."""
+
+    def __init__(self, model_dir: str | Path, name: str | None = None, dtype: str = "float32",
+                 max_num_seqs: int = 256, kv_cache_bytes: int = 512 * 2**20) -> None:
+        cfg = read_config(model_dir)
+        self.name = name or Path(model_dir).name
+        path = Path(model_dir) / "tokenizer.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"{model_dir} has no tokenizer.json")
+        self.tokenizer = Tokenizer.from_file(str(path))
+        self.chat_template = _chat_template(Path(model_dir))
+        model = load_pretrained(model_dir, getattr(torch, dtype))
+        self.engine = InferenceEngine(model, cfg.eos_token_id, cfg.pad_token_id, max_num_seqs=max_num_seqs,
+                                      kv_cache_bytes=kv_cache_bytes, detokenize=self.decode)
+        self.default_max_tokens = 16
+        self.loop = EngineLoop(self.engine)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def render_chat(self, messages: list[ChatMessage]) -> str:
+        if self.chat_template is not None:
+            return self.chat_template.apply_chat_template([m.model_dump() for m in messages], tokenize=False,
+                                                          add_generation_prompt=True)
+        # no template shipped: plain role-prefixed turns, ending with the assistant's turn
+        return "".join(f"{m.role.capitalize()}: {m.content}\n" for m in messages) + "Assistant:"
+
+
+def _chat_template(model_dir: Path):
+    cfg = model_dir / "tokenizer_config.json"
+    if cfg.is_file() and json.loads(cfg.read_text()).get("chat_template"):
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(model_dir)
+    return None
+
+
+def _params(req: _Sampling, served: ServedModel, max_tokens: int | None) -> SamplingParams:
+    stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+    return SamplingParams(temperature=req.temperature, max_tokens=max_tokens or served.default_max_tokens,
+                          top_p=req.top_p, top_k=req.top_k, stop=stop, seed=req.seed, ignore_eos=req.ignore_eos)
+
+
+def _trim(served: ServedModel, c: Completion) -> str:
+    text = served.decode(c.token_ids)
+    if isinstance(c.stop_reason, str):
+        text = text[: text.find(c.stop_reason)] if c.stop_reason in text else text
+    return text
+
+
+async def _run_all(served: ServedModel, prompts: list[list[int]], params: SamplingParams, n: int) -> list[Completion]:
+    """Submit n samples of each prompt (seeded requests get seed, seed+1, ... per sample)."""
+    futs = []
+    for prompt in prompts:
+        for i in range(n):
+            p = params if params.seed is None else SamplingParams(**{**params.__dict__, "seed": params.seed + i})
+            futs.append(asyncio.wrap_future(served.loop.submit(prompt, p)))
+    return list(await asyncio.gather(*futs))
+
+
+def _usage(prompts: list[list[int]], n: int, outs: list[Completion]) -> dict[str, int]:
+    p = sum(len(x) for x in prompts) * n
+    c = sum(len(o.token_ids) for o in outs)
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+
+def build_app(served: ServedModel) -> FastAPI:
+    """The FastAPI application serving ``served``."""
+    app = FastAPI(title="colocated-rl OpenAI-compatible server")
+
+    @app.exception_handler(RequestValidationError)
+    async def _bad_body(request: Request, exc: RequestValidationError):
+        first = exc.errors()[0] if exc.errors() else {}
+        where = ".".join(str(x) for x in first.get("loc", ())[1:]) or None
+        return _error(400, f"{where}: {first.get('msg', 'invalid request')}" if where else str(exc), where)
+
+    @app.exception_handler(InvalidRequestError)
+    async def _bad_request(request: Request, exc: InvalidRequestError):
+        return _error(400, str(exc))
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": served.name, "object": "model", "owned_by": "colocated-rl",
+                                            "created": 0}]}
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest):
+        if req.stream:
+            return _error(400, "stream=true is not supported; send the request without streaming", "stream")
+        raw = req.prompt
+        if isinstance(raw, str):
+            prompts = [served.encode(raw)]
+        elif raw and all(isinstance(x, int) for x in raw):
+            prompts = [list(raw)]  # type: ignore[arg-type]
+        else:
+            prompts = [served.encode(x) if isinstance(x, str) else list(x) for x in raw]  # type: ignore[union-attr]
+        outs = await _run_all(served, prompts, _params(req, served, req.max_tokens), req.n)
+        choices = []
+        for i, o in enumerate(outs):
+            text = _trim(served, o)
+            choice: dict[str, Any] = {"index": i, "text": (served.decode(o.prompt_ids) + text) if req.echo else text,
+                                      "finish_reason": o.finish_reason, "logprobs": None}
+            if req.logprobs is not None:
+                choice["logprobs"] = {"tokens": [served.decode([t]) for t in o.token_ids],
+                                      "token_logprobs": o.logprobs, "top_logprobs": None, "text_offset": None}
+            choices.append(choice)
+        return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+                "model": served.name, "choices": choices, "usage": _usage(prompts, req.n, outs)}
+
+    @app.post("/v1/chat/completions")
+    async def chat(req: ChatRequest):
+        if req.stream:
+            return _error(400, "stream=true is not supported; send the request without streaming", "stream")
+        prompt = served.encode(served.render_chat(req.messages))
+        outs = await _run_all(served, [prompt], _params(req, served, req.max_completion_tokens or req.max_tokens),
+                              req.n)
+        choices = []
+        for i, o in enumerate(outs):
+            lp = None
+            if req.logprobs:
+                lp = {"content": [{"token": served.decode([t]), "logprob": v, "bytes": None, "top_logprobs": []}
+                                  for t, v in zip(o.token_ids, o.logprobs, strict=True)]}
+            choices.append({"index": i, "message": {"role": "assistant", "content": _trim(served, o)},
+                            "finish_reason": o.finish_reason, "logprobs": lp})
+        return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+                "model": served.name, "choices": choices, "usage": _usage([prompt], req.n, outs)}
+
+    return app
+
+
+def serve(model_dir: str, host: str = "127.0.0.1", port: int = 8000, **kw: Any) -> None:
+    """Load ``model_dir`` and serve it until interrupted."""
+    import uvicorn
+
+    served = ServedModel(model_dir, **kw)
+    try:
+        uvicorn.run(build_app(served), host=host, port=port, log_level="info")
+    finally:
+        served.loop.close()

@@ -1,0 +1,232 @@
+"""The inference engine: trainer-consistent logprobs, continuous batching, prefix sharing,
+sampling controls, stop conditions, pause/resume, sleep/wake and per-request errors."""
+
+import math
+
+import pytest
+import torch
+
+from engines.inference import InferenceEngine, InvalidRequestError, SamplingParams
+from engines.model import padded_causal_mask, positions_from_valid
+from engines.sampling import RowParams, sample
+from engines.training import TrainingEngine
+
+TEXTS = ["Question: Mia has 3 apples.", "Q", "Answer: 1+2=3, 3*2=6. The", "Question: Leo has 5 pens."]
+
+
+def engine(model, tok, **kw):
+    return InferenceEngine(model, tok.eos_id, tok.pad_id, detokenize=tok.decode, **kw)
+
+
+def trainer_logprobs(model, prompts, responses, temperature):
+    with torch.no_grad():
+        lp, mask = TrainingEngine(model, [], 0).response_logprobs(prompts, responses, temperature)
+    return [lp[i][mask[i]] for i in range(len(prompts))]
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_logprobs_equal_trainer_whatever_the_batch(tiny_model, tokenizer, temperature):
+    prompts = [tokenizer.encode(t) for t in TEXTS]
+    params = [SamplingParams(temperature, 24, seed=100 + i) for i in range(len(prompts))]
+    alone = [engine(tiny_model, tokenizer).generate([p], [s])[0] for p, s in zip(prompts, params, strict=True)]
+    # two slots for four requests: requests join mid-way, rows move between slots as others finish
+    mixed = engine(tiny_model, tokenizer, max_num_seqs=2).generate(prompts[::-1], params[::-1])[::-1]
+    big = engine(tiny_model, tokenizer).generate(prompts * 3, params * 3)[:4]
+    for runs in (mixed, big):
+        assert [c.token_ids for c in runs] == [c.token_ids for c in alone]
+    ref = trainer_logprobs(tiny_model, prompts, [c.token_ids for c in alone], temperature)
+    for runs in (alone, mixed, big):
+        for c, r in zip(runs, ref, strict=True):
+            assert len(c.token_ids) > 0
+            torch.testing.assert_close(torch.tensor(c.logprobs), r, atol=1e-5, rtol=0)
+
+
+def test_greedy_matches_argmax_of_full_forward(tiny_model, tokenizer):
+    prompt = tokenizer.encode("Question: Leo has 5 pens.")
+    out = engine(tiny_model, tokenizer).generate([prompt], SamplingParams(0.0, 6))[0]
+    ids = list(prompt)
+    for _ in range(len(out.token_ids)):
+        x = torch.tensor([ids])
+        valid = torch.ones_like(x, dtype=torch.bool)
+        ids.append(int(tiny_model(x, positions_from_valid(valid), padded_causal_mask(valid))[0, -1].argmax()))
+    assert ids[len(prompt):] == out.token_ids
+
+
+def test_continuous_batching_never_exceeds_slots_and_refills(tiny_model, tokenizer):
+    eng = engine(tiny_model, tokenizer, max_num_seqs=3)
+    budgets = [2, 9, 4, 7, 3, 5, 8]
+    for i, b in enumerate(budgets):
+        eng.add_request(tokenizer.encode(TEXTS[i % 4]), SamplingParams(1.0, b, ignore_eos=True, seed=i))
+    done, admitted_while_running = {}, False
+    while eng.has_unfinished():
+        before = {r.id for r in eng.running}
+        for c in eng.step():
+            done[c.request_id] = c
+        after = {r.id for r in eng.running}
+        admitted_while_running |= bool(after - before) and bool(before & after)
+        assert len(eng.running) <= 3
+    assert admitted_while_running
+    assert [len(done[i].token_ids) for i in range(len(budgets))] == budgets
+    assert all(c.finish_reason == "length" for c in done.values())
+
+
+def test_samples_of_one_prompt_share_one_prefill(tiny_model, tokenizer):
+    widths = []
+    forward = tiny_model.forward
+
+    def spy(ids, *a, **kw):
+        if ids.shape[1] > 1:
+            widths.append(ids.shape[0])
+        return forward(ids, *a, **kw)
+
+    tiny_model.forward = spy
+    prompts = [tokenizer.encode(t) for t in TEXTS[:3] for _ in range(5)]
+    outs = engine(tiny_model, tokenizer).generate(prompts, SamplingParams(1.0, 8))
+    assert widths == [3]  # one prefill row per distinct prompt
+    assert len({tuple(c.token_ids) for c in outs}) > 3  # the samples still differ
+
+
+def test_sampler_matches_the_distribution_and_filters():
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0]])
+    n = 20000
+    rows = RowParams(torch.full((n,), 1.0), torch.zeros(n, dtype=torch.long), torch.ones(n),
+                     torch.arange(n, dtype=torch.long))
+    tok, lp = sample(logits.expand(n, -1), rows, torch.zeros(n, dtype=torch.long))
+    freq = torch.bincount(tok, minlength=6).float() / n
+    probs = torch.softmax(logits[0], -1)
+    assert (freq - probs).abs().max() < 4 * math.sqrt(0.25 / n)  # 4 sigma
+    torch.testing.assert_close(lp, probs.log()[tok])
+    # top-k 2: only the two best tokens, renormalised; logprobs stay those of the full softmax
+    rows.top_k[:] = 2
+    tok, lp = sample(logits.expand(n, -1), rows, torch.zeros(n, dtype=torch.long))
+    assert set(tok.tolist()) == {0, 1}
+    assert abs((tok == 0).float().mean() - probs[0] / probs[:2].sum()) < 4 * math.sqrt(0.25 / n)
+    torch.testing.assert_close(lp, probs.log()[tok])
+    # top-p: the smallest set whose mass reaches p
+    rows.top_k[:] = 0
+    rows.top_p[:] = float(probs[0] + probs[1] / 2)
+    tok, _ = sample(logits.expand(n, -1), rows, torch.zeros(n, dtype=torch.long))
+    assert set(tok.tolist()) == {0, 1}
+
+
+def test_top_k_one_is_greedy_and_seeds_reproduce(tiny_model, tokenizer):
+    prompt = [tokenizer.encode(TEXTS[0])]
+    eng = engine(tiny_model, tokenizer)
+    greedy = eng.generate(prompt, SamplingParams(0.0, 10))[0].token_ids
+    assert eng.generate(prompt, SamplingParams(1.0, 10, top_k=1, seed=3))[0].token_ids == greedy
+    assert eng.generate(prompt, SamplingParams(1.0, 10, top_p=1e-6, seed=4))[0].token_ids == greedy
+    a = eng.generate(prompt * 4, SamplingParams(1.0, 10, seed=9))
+    assert len({tuple(c.token_ids) for c in a}) == 1  # same seed, same tokens
+    b = engine(tiny_model, tokenizer, seed=1).generate(prompt * 4, SamplingParams(1.0, 10))
+    c = engine(tiny_model, tokenizer, seed=1).generate(prompt * 4, SamplingParams(1.0, 10))
+    assert [x.token_ids for x in b] == [x.token_ids for x in c]
+    assert len({tuple(x.token_ids) for x in b}) > 1  # unseeded requests differ from each other
+
+
+def test_stop_reasons(tiny_model, tokenizer):
+    prompt = tokenizer.encode(TEXTS[2])
+    eng = engine(tiny_model, tokenizer)
+    free = eng.generate([prompt], SamplingParams(1.0, 30, ignore_eos=True, seed=5))[0]
+    assert free.finish_reason == "length" and len(free.token_ids) == 30 and free.stop_reason is None
+    stop_tok = free.token_ids[6]
+    first = free.token_ids.index(stop_tok)
+    by_id = eng.generate([prompt], SamplingParams(1.0, 30, ignore_eos=True, seed=5, stop_token_ids=(stop_tok,)))[0]
+    assert by_id.finish_reason == "stop" and by_id.stop_reason == stop_tok
+    assert by_id.token_ids == free.token_ids[: first + 1]
+    text = tokenizer.decode(free.token_ids)
+    needle = text[10:13]
+    by_str = eng.generate([prompt], SamplingParams(1.0, 30, ignore_eos=True, seed=5, stop=needle))[0]
+    assert by_str.finish_reason == "stop" and by_str.stop_reason == needle
+    assert needle in tokenizer.decode(by_str.token_ids)
+    assert needle not in tokenizer.decode(by_str.token_ids[:-1])
+    eos = free.token_ids[4]  # an engine whose EOS is a token this sample draws stops there
+    eos_eng = InferenceEngine(tiny_model, eos, tokenizer.pad_id)
+    by_eos = eos_eng.generate([prompt], SamplingParams(1.0, 30, seed=5))[0]
+    assert by_eos.finish_reason == "stop" and by_eos.stop_reason == eos
+    assert by_eos.token_ids == free.token_ids[: free.token_ids.index(eos) + 1]
+
+
+def test_pause_resume_continues_the_same_sample(tiny_model, tokenizer):
+    prompts = [tokenizer.encode(t) for t in TEXTS]
+    params = SamplingParams(1.0, 20, ignore_eos=True)
+    ref = engine(tiny_model, tokenizer, seed=7).generate(prompts, params)
+    eng = engine(tiny_model, tokenizer, seed=7, max_num_seqs=3)
+    for p in prompts:
+        eng.add_request(p, params)
+    finished = []
+    for _ in range(6):
+        finished += eng.step()
+    paused = eng.pause()
+    assert not eng.has_unfinished() and len(paused) == 4 and all(c.finish_reason is None for c in paused)
+    assert {len(c.token_ids) for c in paused} - {0, 1, 2, 3, 4, 5, 6}  == set()
+    eng.resume(paused)
+    while eng.has_unfinished():
+        finished += eng.step()
+    by_id = {c.request_id: c for c in finished}
+    for i, r in enumerate(ref):
+        assert by_id[i].token_ids == r.token_ids
+        torch.testing.assert_close(by_id[i].logprobs, r.logprobs, atol=1e-5, rtol=0)
+
+
+def test_resume_after_weight_update_recomputes_with_new_weights(tiny_model, tokenizer):
+    prompt = tokenizer.encode(TEXTS[0])
+    eng = engine(tiny_model, tokenizer)
+    eng.add_request(prompt, SamplingParams(1.0, 12, ignore_eos=True, seed=2))
+    for _ in range(5):
+        eng.step()
+    (paused,) = eng.pause()
+    old_lp = trainer_logprobs(tiny_model, [prompt], [paused.token_ids], 1.0)[0]
+    with torch.no_grad():  # an update lands in place, as the checkpoint engine does
+        for t in eng.named_tensors().values():
+            t.mul_(1.05)
+    eng.resume([paused])
+    (done,) = [c for _ in range(20) for c in eng.step()]
+    n = len(paused.token_ids)
+    assert done.token_ids[:n] == paused.token_ids and len(done.token_ids) == 12
+    torch.testing.assert_close(torch.tensor(done.logprobs[:n]), old_lp, atol=1e-5, rtol=0)
+    new_lp = trainer_logprobs(tiny_model, [prompt], [done.token_ids], 1.0)[0]
+    torch.testing.assert_close(torch.tensor(done.logprobs[n:]), new_lp[n:], atol=1e-5, rtol=0)
+
+
+def test_sleep_frees_and_wake_restores(tiny_model, tokenizer):
+    prompts = [tokenizer.encode(t) for t in TEXTS]
+    params = SamplingParams(1.0, 10, seed=1)
+    eng = engine(tiny_model, tokenizer)
+    ref = eng.generate(prompts, params)
+    weights = {k: v.detach().clone() for k, v in eng.named_tensors().items()}
+    eng.sleep(1)
+    assert eng.kv is None and eng.sleeping == 1
+    with pytest.raises(RuntimeError, match="asleep"):
+        eng.generate(prompts, params)
+    eng.wake_up()
+    assert [c.token_ids for c in eng.generate(prompts, params)] == [c.token_ids for c in ref]
+    eng.sleep(2)
+    assert all(t.numel() == 0 for t in eng.named_tensors().values())
+    eng.wake_up()
+    with pytest.raises(RuntimeError, match="load weights"):
+        eng.generate(prompts, params)
+    eng.load_weights(weights.items())
+    assert [c.token_ids for c in eng.generate(prompts, params)] == [c.token_ids for c in ref]
+    eng.add_request(prompts[0], params)
+    with pytest.raises(RuntimeError, match="pause"):
+        eng.sleep(1)
+
+
+def test_bad_requests_fail_alone(tiny_model, tokenizer):
+    good = [tokenizer.encode(t) for t in TEXTS[:2]]
+    params = SamplingParams(1.0, 16, seed=3)
+    eng = engine(tiny_model, tokenizer, max_seq_len=64)
+    ref = eng.generate(good, params)
+    outs = eng.generate([good[0], [5] * 120, [5] * 60, [], [10**6], good[1]], params)
+    assert [c.token_ids for c in (outs[0], outs[5])] == [c.token_ids for c in ref]
+    errors = [c.error for c in outs[1:5]]
+    assert all(c.finish_reason == "error" for c in outs[1:5])
+    assert "exceeds the model's context of 128" in errors[0]
+    assert "does not fit the KV cache" in errors[1]
+    assert "empty" in errors[2] and "outside the vocabulary" in errors[3]
+    for bad, msg in [(dict(temperature=-1.0), "temperature"), (dict(top_p=0.0), "top_p"), (dict(top_k=-2), "top_k"),
+                     (dict(max_tokens=0), "max_tokens"), (dict(stop=("",)), "stop")]:
+        with pytest.raises(InvalidRequestError, match=msg):
+            SamplingParams(**bad)
+    with pytest.raises(ValueError, match="holds no sequence"):
+        engine(tiny_model, tokenizer, kv_cache_bytes=1000)
