@@ -83,7 +83,7 @@ class DecodePass:
         self.cache.k[layer].view(-1, dim).index_copy_(0, self.flat, k.reshape(-1, dim))
         self.cache.v[layer].view(-1, dim).index_copy_(0, self.flat, v.reshape(-1, dim))
         kc, vc = self.cache.k[layer, :n], self.cache.v[layer, :n]
-        qg = q.reshape(n, kv_heads, heads // kv_heads, dim)  # query heads sharing a key head
-        scores = torch.matmul(qg, kc[:, :, :w].transpose(-1, -2)) * dim**-0.5
+        qg = q.reshape(n, kv_heads, heads // kv_heads, dim) * dim**-0.5  # query heads sharing a key head
+        scores = torch.matmul(qg, kc[:, :, :w].transpose(-1, -2))
         probs = torch.softmax(scores.masked_fill(self.hidden, float("-inf")), dim=-1)
         return torch.matmul(probs, vc[:, :, :w]).reshape(n, heads, 1, dim)

@@ -125,9 +125,12 @@ def sample(logits: torch.Tensor, rows: RowParams, counters: torch.Tensor) -> tup
         probs = probs * keep
     else:
         probs, order = logp.exp(), None
-    cdf = probs.double().cumsum(-1)
-    target = (u * cdf[:, -1])[:, None]
+    cdf = probs.cumsum(-1)
+    total = cdf[:, -1:]
+    # strictly below the total, so the draw never lands past the last token with mass
+    target = torch.minimum((u[:, None] * total.double()).float(), torch.nextafter(total, torch.zeros_like(total)))
     idx = torch.searchsorted(cdf, target, right=True).clamp_(max=probs.shape[1] - 1).squeeze(1)
     tokens = order.gather(1, idx[:, None]).squeeze(1) if order is not None else idx
-    tokens = torch.where(greedy, logits.argmax(-1), tokens)
+    if bool(greedy.any()):
+        tokens = torch.where(greedy, logits.argmax(-1), tokens)
     return tokens, logp.gather(1, tokens[:, None]).squeeze(1)

@@ -1,6 +1,7 @@
 """The inference engine: trainer-consistent logprobs, continuous batching, prefix sharing,
 sampling controls, stop conditions, pause/resume, sleep/wake and per-request errors."""
 
+import copy
 import math
 
 import pytest
@@ -230,3 +231,28 @@ def test_bad_requests_fail_alone(tiny_model, tokenizer):
             SamplingParams(**bad)
     with pytest.raises(ValueError, match="holds no sequence"):
         engine(tiny_model, tokenizer, kv_cache_bytes=1000)
+
+
+def test_rollout_benchmark_runs_both_generators():
+    from benchmarks.rollout import measure
+
+    rec = measure("demo", 2, 3, 8, 5)
+    assert rec["engine_tok_s"] > 0 and rec["hf_generate_tok_s"] > 0
+    assert rec["speedup"] == pytest.approx(rec["engine_tok_s"] / rec["hf_generate_tok_s"], rel=1e-2)
+    assert rec["kv_cache_mib"] > 0 and rec["engine_peak_rss_mib_per_1k_tokens"] >= 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_engine_matches_trainer_and_sleeps(tiny_model, tokenizer):
+    cpu_model = copy.deepcopy(tiny_model)
+    model = tiny_model.cuda()
+    prompts = [tokenizer.encode(t) for t in TEXTS]
+    eng = engine(model, tokenizer)
+    outs = eng.generate(prompts, SamplingParams(1.0, 16, seed=1))
+    ref = trainer_logprobs(cpu_model, prompts, [c.token_ids for c in outs], 1.0)
+    for c, r in zip(outs, ref, strict=True):  # TF32 and kernel choice differ from CPU: looser tolerance
+        torch.testing.assert_close(torch.tensor(c.logprobs), r, atol=1e-3, rtol=0)
+    eng.sleep(1)
+    assert all(t.numel() == 0 for t in eng.named_tensors().values())  # weights moved to host
+    eng.wake_up()
+    assert [c.token_ids for c in eng.generate(prompts, SamplingParams(1.0, 16, seed=1))] == [c.token_ids for c in outs]

@@ -34,8 +34,11 @@ def tiny(**sections):
     return parse_config(raw)
 
 
-def test_weight_update_makes_inference_bitwise_equal(ray_cluster):
-    cfg = tiny()
+@pytest.mark.parametrize("sleep_level", [1, 2])
+def test_weight_update_makes_inference_bitwise_equal(ray_cluster, sleep_level):
+    """Rollout, sleep (level 2 discards the inference weights), train, wake, update: the inference
+    engine then holds the trainer's weights bit for bit and generates again."""
+    cfg = tiny(rollout={"sleep_level": sleep_level})
     model_dir = prepare_model(cfg)
     with Cluster(cfg, str(model_dir)) as cluster:
         assert cluster.num_buckets > 3
@@ -44,12 +47,15 @@ def test_weight_update_makes_inference_bitwise_equal(ray_cluster):
 
         prompts = [[5, 6, 7]] * 4
         outs = cluster.generate(prompts, 1.0, 8, seed=0)
+        cluster.sleep_rollouts()
         samples = [Sample(0, o.prompt_ids, o.token_ids, o.logprobs, float(i % 2)) for i, o in enumerate(outs)]
         cluster.train(samples, 1.0, seed=0)
         trained = ray.get(cluster.trainers[0].state_dict.remote())
         assert any(not torch.equal(trained[k], before[k]) for k in trained)
+        cluster.wake_rollouts()
         cluster.update_weights()
         after = ray.get(cluster.rollouts[0].state_dict.remote())
+        assert len(cluster.generate(prompts, 1.0, 8, seed=1)) == 4
     assert set(after) == set(trained)
     for k in trained:
         assert torch.equal(after[k], trained[k]), k
