@@ -16,6 +16,7 @@ import threading
 import time
 import uuid
 from concurrent.futures import Future
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -177,7 +178,7 @@ async def _run_all(served: ServedModel, prompts: list[list[int]], params: Sampli
     futs = []
     for prompt in prompts:
         for i in range(n):
-            p = params if params.seed is None else SamplingParams(**{**params.__dict__, "seed": params.seed + i})
+            p = params if params.seed is None else replace(params, seed=params.seed + i)
             futs.append(asyncio.wrap_future(served.loop.submit(prompt, p)))
     return list(await asyncio.gather(*futs))
 
