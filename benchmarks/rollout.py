@@ -25,6 +25,7 @@ import torch
 
 from engines.hf_io import load_pretrained, save_pretrained
 from engines.inference import InferenceEngine, SamplingParams
+from engines.kv_cache import bytes_per_slot
 from engines.model import CausalLM, ModelConfig
 
 #: Architectures the benchmark builds (random weights: throughput does not depend on them).
@@ -65,10 +66,9 @@ def workload(n_prompts: int, prompt_len: int, vocab: int, seed: int = 0) -> list
 
 
 def run_engine(model: CausalLM, prompts, samples: int, output_len: int, temperature: float):
-    seq = len(prompts[0]) + output_len
-    per_seq = 2 * model.config.num_hidden_layers * model.config.num_key_value_heads * model.config.head_dim * seq
-    engine = InferenceEngine(model, eos_id=1, pad_id=0, max_seq_len=seq, max_num_seqs=len(prompts) * samples,
-                             kv_cache_bytes=per_seq * next(model.parameters()).element_size() * len(prompts) * samples)
+    seq, n = len(prompts[0]) + output_len, len(prompts) * samples
+    per_seq = bytes_per_slot(model.config, seq, next(model.parameters()).dtype)
+    engine = InferenceEngine(model, eos_id=1, pad_id=0, max_seq_len=seq, max_num_seqs=n, kv_cache_bytes=per_seq * n)
     params = SamplingParams(temperature=temperature, max_tokens=output_len, ignore_eos=True)
     engine.generate(prompts[:2], params)  # warm-up: first-call allocations
     t0 = time.perf_counter()

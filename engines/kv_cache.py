@@ -28,10 +28,6 @@ class SlotKVCache:
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
 
-    @property
-    def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes
-
     def store_prefill(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Copy prefill keys/values k, v [len(slots), kv_heads, T, head_dim] into ``slots``."""
         t = k.shape[2]
