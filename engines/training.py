@@ -1,16 +1,26 @@
 """The training engine: recomputes log-probabilities with gradients and steps the optimizers.
 
-It owns the trainable model and its optimizers; the RL algorithm (``rl.algorithm``) decides what
-loss to build from the log-probabilities it returns.
+It owns the trainable model (plain, or sharded with ``engines.distributed.shard_model``) and its
+optimizers; the RL algorithm (``rl.algorithm``) decides what loss to build from the
+log-probabilities it returns. Between training phases ``offload`` moves the weights and optimizer
+state to host memory so the colocated inference engine can use the accelerator.
+
+With a sharded model every forward and backward is collective: all ranks must run the same number
+of them, padding with ``dummy_forward``/``dummy_backward``.
 """
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 
 import torch
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
+from engines.distributed import is_sharded, local_shards, world_size
 from engines.model import CausalLM, padded_causal_mask, positions_from_valid
+from engines.offload import HostOffloader
 from engines.sampling import token_logprobs
 
 
@@ -32,8 +42,12 @@ def pack(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], p
     return ids, valid, target
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 class TrainingEngine:
-    """Model plus optimizers, with log-probability recompute and a clipped optimizer step."""
+    """Model plus optimizers, with log-probability recompute, a clipped optimizer step and offload."""
 
     def __init__(self, model: CausalLM, optimizers: list[torch.optim.Optimizer], pad_id: int,
                  max_grad_norm: float = 1.0) -> None:
@@ -41,29 +55,164 @@ class TrainingEngine:
         self.optimizers = optimizers
         self.pad_id = pad_id
         self.max_grad_norm = max_grad_norm
+        self.device = _local(next(model.parameters())).device
+        self._offloader = HostOffloader()
+        self._host_shards: dict[str, tuple[torch.Tensor, int]] = {}
 
-    def response_logprobs(self, prompts, responses, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    @property
+    def sharded(self) -> bool:
+        return is_sharded(self.model)
+
+    @property
+    def offloaded(self) -> bool:
+        return self._offloader.offloaded
+
+    def _check_onloaded(self) -> None:
+        if self.offloaded:
+            raise RuntimeError("the training engine is offloaded: call onload() first")
+
+    def _forward(self, ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        ids, valid = ids.to(self.device), valid.to(self.device)
+        return self.model(ids, positions_from_valid(valid), padded_causal_mask(valid))
+
+    def response_logprobs(self, prompts, responses,
+                          temperature: float | Sequence[float]) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-token log-probs of the response tokens [B, T-1] (zero elsewhere) and their mask.
 
+        ``temperature`` is one for all rows or one per row (0 = greedy, scored at T = 1).
         Differentiable; the caller decides whether to wrap it in ``torch.no_grad``.
         """
+        self._check_onloaded()
         ids, valid, target = pack(prompts, responses, self.pad_id)
-        logits = self.model(ids, positions_from_valid(valid), padded_causal_mask(valid))[:, :-1]
-        lp = token_logprobs(logits, temperature).gather(-1, ids[:, 1:, None]).squeeze(-1)
+        logits = self._forward(ids, valid)[:, :-1]
+        if isinstance(temperature, numbers.Real) or (isinstance(temperature, torch.Tensor) and temperature.ndim == 0):
+            logp = token_logprobs(logits, float(temperature))
+        else:
+            temps = torch.as_tensor([float(t) for t in temperature], dtype=torch.float32, device=logits.device)
+            if temps.shape != (len(prompts),):
+                raise ValueError(f"{temps.numel()} temperatures for {len(prompts)} rows")
+            temps = torch.where(temps > 0, temps, torch.ones_like(temps))
+            logp = torch.log_softmax(logits.float() / temps[:, None, None], dim=-1)
+        target = target.to(self.device)
+        lp = logp.gather(-1, ids.to(self.device)[:, 1:, None]).squeeze(-1)
         return lp * target, target
 
+    def _dummy_ids(self) -> torch.Tensor:
+        return torch.full((1, 2), self.pad_id if self.pad_id is not None else 0)
+
+    def dummy_forward(self) -> None:
+        """A no-grad forward on two tokens: pads a rank's no-grad forwards to its peers' count."""
+        self._check_onloaded()
+        if not self.sharded:
+            return  # no collectives to keep in step with
+        with torch.no_grad():
+            self._forward(self._dummy_ids(), torch.ones(1, 2, dtype=torch.bool))
+
+    def dummy_backward(self) -> None:
+        """A forward/backward on two tokens that adds exactly zero to every gradient.
+
+        Pads a rank with fewer micro-batches so every rank runs FSDP's collectives equally often.
+        A plain model has no collectives, so there it does nothing (gradients that are None stay None).
+        """
+        self._check_onloaded()
+        if not self.sharded:
+            return
+        logits = self._forward(self._dummy_ids(), torch.ones(1, 2, dtype=torch.bool))
+        (logits.float().sum() * 0.0).backward()
+
     def step(self) -> float:
-        """Clip gradients, step every optimizer, zero gradients; returns the pre-clip grad norm."""
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
+        """Clip gradients, step every optimizer, zero gradients; returns the global pre-clip grad norm.
+
+        With a sharded model the norm is over all ranks' shards (a collective).
+        """
+        self._check_onloaded()
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        norm = torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
         for opt in self.optimizers:
             opt.step()
             opt.zero_grad(set_to_none=True)
+        self.model.zero_grad(set_to_none=True)
         return float(norm)
 
+    # ---- offload / onload -------------------------------------------------------------------
+
+    def _state_tensors(self) -> list[torch.Tensor]:
+        """Every tensor whose storage offload moves: parameters, buffers, optimizer state on our device."""
+        out = [_local(p) for p in self.model.parameters()] + [_local(b) for b in self.model.buffers()]
+        for opt in self.optimizers:
+            for state in opt.state.values():
+                out.extend(_local(v) for v in state.values() if isinstance(v, torch.Tensor))
+        # optimizers keep scalars such as AdamW's ``step`` on the CPU even for CUDA parameters
+        return [t for t in out if t.device == self.device]
+
+    def offload(self) -> dict:
+        """Move parameters and optimizer state to one host buffer and drop gradients.
+
+        Returns {"bytes", "seconds"}. Raises RuntimeError when already offloaded. Until ``onload``
+        the model can not run; ``host_shards`` gives the parameters' bytes meanwhile.
+        """
+        self._check_onloaded()
+        if self.sharded:
+            for m in self.model.modules():
+                if isinstance(m, FSDPModule):
+                    m.reshard()  # a no-grad forward of the root leaves its parameters gathered
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=True)
+        self.model.zero_grad(set_to_none=True)
+        shards = local_shards(self.model)
+        stats = self._offloader.offload(self._state_tensors(), expose={n: t for n, (t, _) in shards.items()})
+        self._host_shards = {n: (self._offloader.views[n], off) for n, (_, off) in shards.items()}
+        return stats
+
+    def onload(self) -> dict:
+        """Bring parameters and optimizer state back (one host-to-device pass); returns {"bytes", "seconds"}.
+
+        Raises RuntimeError when not offloaded.
+        """
+        stats = self._offloader.onload()
+        self._host_shards = {}
+        return stats
+
+    def host_shards(self) -> dict[str, tuple[torch.Tensor, int]]:
+        """While offloaded: per state_dict name, this rank's shard as a view of the host buffer and
+        its byte offset in the full tensor (as ``engines.distributed.local_shards``)."""
+        if not self.offloaded:
+            raise RuntimeError("host_shards() is only valid while offloaded; use local_shards(model) otherwise")
+        return dict(self._host_shards)
+
+    # ---- optimizer state --------------------------------------------------------------------
+
     def state_dict(self) -> dict:
-        """Optimizer states (the weights are saved separately, in Hugging Face format)."""
-        return {"optimizers": [opt.state_dict() for opt in self.optimizers]}
+        """This rank's optimizer states (weights are saved separately, in Hugging Face format).
+
+        Sharded states are stored as this rank's local tensors: resuming needs the same world size.
+        """
+        self._check_onloaded()
+        opts = []
+        for opt in self.optimizers:
+            sd = opt.state_dict()
+            sd["state"] = {k: {n: _local(v) if isinstance(v, torch.Tensor) else v for n, v in s.items()}
+                           for k, s in sd["state"].items()}
+            opts.append(sd)
+        return {"optimizers": opts, "world_size": world_size()}
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore what ``state_dict`` returned (on every rank, from that rank's own file)."""
+        self._check_onloaded()
+        saved_world = state.get("world_size", 1)
+        if saved_world != world_size():
+            raise ValueError(f"optimizer state saved with world size {saved_world}, now {world_size()}")
         for opt, s in zip(self.optimizers, state["optimizers"], strict=True):
             opt.load_state_dict(s)
+            for p, st in opt.state.items():
+                if not isinstance(p, DTensor):
+                    continue
+                for name, v in st.items():
+                    if isinstance(v, torch.Tensor) and not isinstance(v, DTensor) and v.ndim > 0:
+                        if v.shape != p.to_local().shape:
+                            raise ValueError(f"optimizer state {name} has local shape {tuple(v.shape)}, the "
+                                             f"parameter's shard {tuple(p.to_local().shape)}")
+                        st[name] = DTensor.from_local(v, p.device_mesh, p.placements, run_check=False,
+                                                      shape=p.shape, stride=p.stride())

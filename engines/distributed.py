@@ -1,0 +1,131 @@
+"""The trainer's process group and FSDP2 sharding of the model.
+
+Every worker's trainer is one rank of the default torch.distributed group (gloo on CPU, NCCL on
+CUDA); the checkpoint engine reuses that group. ``shard_model`` shards each decoder layer and the
+root with ``fully_shard`` (dim-0 shards, torch.chunk sizes) and makes gradient reduction a plain
+SUM, because the RL losses are already weighted by global (all-rank) counts.
+"""
+
+from __future__ import annotations
+
+import math
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from engines.model import CausalLM
+
+PARAM_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def init_distributed(rank: int, world: int, init_method: str, device: str = "cpu", timeout_s: float = 300) -> None:
+    """Initialise the default process group (gloo on CPU, NCCL on CUDA) unless it already exists."""
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is not None:
+        torch.cuda.set_device(dev)
+    if dist.is_initialized():
+        if (dist.get_rank(), dist.get_world_size()) != (rank, world):
+            raise RuntimeError(f"the process group is already initialised as rank {dist.get_rank()} of "
+                               f"{dist.get_world_size()}, not {rank} of {world}")
+        return
+    backend = "nccl" if dev.type == "cuda" else "gloo"
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
+                            timeout=timedelta(seconds=timeout_s))
+
+
+def world_size() -> int:
+    """Ranks in the default group; 1 when torch.distributed is not initialised."""
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def rank() -> int:
+    """This process's rank in the default group; 0 when torch.distributed is not initialised."""
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def global_sum(value: float) -> float:
+    """``value`` summed over all ranks (itself when not distributed), e.g. a minibatch's token count."""
+    if world_size() == 1:
+        return float(value)
+    dev = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    t = torch.tensor([float(value)], dtype=torch.float64, device=dev)
+    dist.all_reduce(t)
+    return float(t.item())
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """Whether ``model`` went through ``fully_shard`` (its parameters are DTensors)."""
+    return isinstance(model, FSDPModule)
+
+
+def shard_model(model: CausalLM, param_dtype: str = "float32") -> CausalLM:
+    """Shard ``model`` in place over the default group: each decoder layer, then the root.
+
+    Master weights stay float32 and gradients are reduced in float32; ``param_dtype`` "bfloat16"
+    runs forward/backward in bf16. Gradients are summed over ranks, never averaged. The model must
+    already be on this rank's device, with identical weights on every rank.
+    """
+    if param_dtype not in PARAM_DTYPES:
+        raise ValueError(f"param_dtype must be one of {sorted(PARAM_DTYPES)}, got {param_dtype!r}")
+    if not dist.is_initialized():
+        raise RuntimeError("shard_model needs an initialised process group (init_distributed)")
+    dev = next(model.parameters()).device
+    mesh = init_device_mesh(dev.type, (dist.get_world_size(),))
+    policy = MixedPrecisionPolicy(param_dtype=PARAM_DTYPES[param_dtype], reduce_dtype=torch.float32)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            # factor 1 with sum-only collectives: a SUM reduce-scatter and no division afterwards
+            # (gloo has no PREMUL_SUM, which a factor alone would ask for)
+            m.set_gradient_divide_factor(1.0)
+            m.set_force_sum_reduction_for_comms(True)
+    return model
+
+
+def shard_offset(t: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """This rank's local tensor of ``t`` and its byte offset inside the full tensor's row-major bytes."""
+    if not isinstance(t, DTensor):
+        return t, 0
+    local = t.to_local()
+    if t.device_mesh.ndim != 1 or not isinstance(t.placements[0], (Shard, Replicate)):
+        raise ValueError(f"only 1-D meshes with Shard(0) or Replicate placements are supported, got {t.placements}")
+    if isinstance(t.placements[0], Replicate):
+        return local, 0
+    if t.placements[0].dim != 0:
+        raise ValueError(f"only dim-0 sharding is a contiguous byte range, got {t.placements}")
+    rows, world, r = t.shape[0], t.device_mesh.size(), t.device_mesh.get_local_rank()
+    chunk = math.ceil(rows / world) if rows else 0
+    start = min(r * chunk, rows)
+    expected = min(chunk, rows - start)
+    if local.shape[0] != expected:  # a different chunking rule than torch.chunk's would land here
+        raise RuntimeError(f"rank {r} holds {local.shape[0]} rows of {rows}, expected {expected}")
+    row_bytes = (t.numel() // rows if rows else 0) * t.element_size()
+    return local, start * row_bytes
+
+
+def local_shards(model: nn.Module) -> dict[str, tuple[torch.Tensor, int]]:
+    """Per state_dict entry (HF names): this rank's contiguous local tensor and its byte offset.
+
+    The tensors are views of the live storage: valid only while the engine is not offloaded
+    (``TrainingEngine.host_shards`` gives the same views inside the host buffer meanwhile).
+    """
+    out = {}
+    for name, t in model.state_dict().items():
+        local, offset = shard_offset(t)
+        if not local.is_contiguous():
+            raise RuntimeError(f"{name}: the local shard is not contiguous")
+        out[name] = (local, offset)
+    return out
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every entry of the state_dict as a full tensor; collective, every rank must call it."""
+    return {name: t.full_tensor() if isinstance(t, DTensor) else t.detach()
+            for name, t in model.state_dict().items()}
