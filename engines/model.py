@@ -7,6 +7,7 @@ load in ``transformers`` unchanged.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Protocol
 
@@ -130,6 +131,9 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(d, cfg.num_key_value_heads * hd, bias=False)
         self.v_proj = nn.Linear(d, cfg.num_key_value_heads * hd, bias=False)
         self.o_proj = nn.Linear(cfg.num_attention_heads * hd, d, bias=False)
+        # QK-Clip's signal: plain attributes, not buffers, so the state dict is unchanged
+        self.track_logits = False
+        self.max_logits: torch.Tensor | None = None  # running max pre-softmax logit per query head [H]
 
     def forward(self, x, cos, sin, mask, layer: int, cache: AttentionCache | None):
         b, t, _ = x.shape
@@ -139,10 +143,62 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(b, t, -1, hd).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is None:
+            if self.track_logits:
+                self._record_max_logits(q, k, mask)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
         else:
             out = cache.attend(layer, q, k, v)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+    @torch.no_grad()
+    def _record_max_logits(self, q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None) -> None:
+        """Fold this call's per-head max of q·kᵀ/√d over the pairs ``mask`` allows into ``max_logits``."""
+        heads = head_max_logits(q, k, mask)
+        self.max_logits = heads if self.max_logits is None else torch.maximum(self.max_logits, heads)
+
+
+#: Elements of one block of logits in ``head_max_logits``, to bound its memory on long sequences.
+_LOGIT_BLOCK = 1 << 24
+
+
+@torch.no_grad()
+def head_max_logits(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Per query head max of q·kᵀ/√d [H] (float32) for q [B, H, T, D], k [B, KVH, S, D].
+
+    Query head h reads kv head h // (H / KVH), as SDPA's ``enable_gqa``. ``mask`` as SDPA's
+    ``attn_mask`` (boolean True = attend, or additive float with -inf = masked); None allows every pair.
+    """
+    b, h, t, d = q.shape
+    kvh, s = k.shape[1], k.shape[2]
+    g = h // kvh
+    # group the query heads of each kv head so the shared keys are never repeated
+    qg = q.float().unflatten(1, (kvh, g))
+    kt = k.float().transpose(-1, -2)[:, :, None]
+    if mask is not None:
+        allowed = mask if mask.dtype == torch.bool else mask > float("-inf")
+        allowed = allowed.expand(b, h, t, s).unflatten(1, (kvh, g))
+    best = torch.full((b, kvh, g), float("-inf"), device=q.device)
+    step = max(1, _LOGIT_BLOCK // max(1, b * h * s))
+    for i in range(0, t, step):
+        logits = torch.matmul(qg[:, :, :, i:i + step], kt) * (1.0 / math.sqrt(d))
+        if mask is not None:
+            logits.masked_fill_(~allowed[:, :, :, i:i + step], float("-inf"))
+        best = torch.maximum(best, logits.amax(dim=(-2, -1)))
+    return best.amax(dim=0).reshape(h)
+
+
+def track_max_logits(model: nn.Module, enabled: bool = True) -> None:
+    """Switch per-head max-logit tracking of every attention layer in ``model`` (training forwards only)."""
+    for m in model.modules():
+        if isinstance(m, Attention):
+            m.track_logits = enabled
+
+
+def reset_max_logits(model: nn.Module) -> None:
+    """Forget the tracked maxima of every attention layer in ``model``."""
+    for m in model.modules():
+        if isinstance(m, Attention):
+            m.max_logits = None
 
 
 class MLP(nn.Module):

@@ -1,0 +1,282 @@
+"""Muon that orthogonalises whole matrices when the parameters are FSDP2 shards (DTensor ``Shard(0)``).
+
+The per-matrix rule is ``torch.optim.Muon``'s (momentum in lerp form, Nesterov, quintic Newton–Schulz
+in bfloat16, decoupled weight decay, ``adjust_lr_fn``). Newton–Schulz is not row-separable, so for a
+sharded matrix one owner rank gathers the full update, orthogonalises it and scatters the rows back;
+owners are assigned per step by a deterministic size-balanced rule. Momentum stays sharded like the
+parameter. Matrices of one shape are orthogonalised together with batched matmuls.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+try:
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+except ImportError:  # a torch built without distributed support: every parameter is plain
+    DTensor = Replicate = Shard = None  # type: ignore[assignment,misc]
+
+try:
+    from torch.optim._muon import _adjust_lr
+except ImportError:  # the private helper moved: the same rule, written out
+    def _adjust_lr(lr: float, adjust_lr_fn: str | None, param_shape: torch.Size) -> float:
+        a, b = param_shape[:2]
+        if adjust_lr_fn is None or adjust_lr_fn == "original":
+            return lr * math.sqrt(max(1, a / b))
+        if adjust_lr_fn == "match_rms_adamw":
+            return lr * 0.2 * math.sqrt(max(a, b))
+        return lr
+
+#: Upper bound on one batched Newton–Schulz call's input per device type. On CPU, batches past a few
+#: MiB leave the caches and measured slower than one matrix at a time; accelerators want large batches.
+MAX_BATCH_BYTES = {"cpu": 4 << 20}
+DEFAULT_MAX_BATCH_BYTES = 256 << 20
+
+
+def newton_schulz_(x: Tensor, ns_coefficients: Sequence[float], ns_steps: int, eps: float) -> Tensor:
+    """Orthogonalise every matrix of bfloat16 ``x`` [B, n, m] as ``torch.optim.Muon`` does; overwrites ``x``.
+
+    Returns a bfloat16 [B, n, m] result (possibly a transposed view). The iteration runs in four
+    preallocated buffers, since fresh allocations per matmul cost page faults on CPU.
+    """
+    if ns_steps >= 100:
+        raise ValueError("Number of steps must be less than 100 for computational efficiency")
+    if x.ndim != 3 or x.dtype != torch.bfloat16:
+        raise ValueError(f"expected a bfloat16 batch of matrices [B, n, m], got {x.dtype} {tuple(x.shape)}")
+    if len(ns_coefficients) != 3:
+        raise ValueError("Coefficients must be a tuple of exactly 3 values")
+    a, b, c = ns_coefficients
+    tall = x.size(1) > x.size(2)
+    y = x.mT if tall else x
+    # one norm per matrix, each reduced exactly as the unbatched reference reduces it
+    norms = torch.stack([m.norm() for m in y]).clamp(min=eps)
+    y.div_(norms.view(-1, 1, 1))
+    bsz, n, m = y.shape
+    gram, update = y.new_empty(bsz, n, n), y.new_empty(bsz, n, n)
+    # ping-pong between a new buffer and x's own storage, which is free once the first step read it
+    iterates = [y.new_empty(bsz, n, m), x.view(bsz, n, m) if x.is_contiguous() else y.new_empty(bsz, n, m)]
+    for k in range(ns_steps):
+        torch.bmm(y, y.mT, out=gram)
+        torch.baddbmm(gram, gram, gram, beta=b, alpha=c, out=update)
+        y = torch.baddbmm(y, update, y, beta=a, out=iterates[k % 2])
+    return y.mT if tall else y
+
+
+def orthogonalize(shapes: Sequence[tuple[int, int]], fill: Callable[[int, Tensor], None],
+                  consume: Callable[[int, Tensor], None], ns_coefficients: Sequence[float], ns_steps: int,
+                  eps: float, device: torch.device | str = "cpu", max_batch_bytes: int | None = None) -> None:
+    """Newton–Schulz of matrices ``i < len(shapes)``, batching those of equal shape.
+
+    ``fill(i, slot)`` writes matrix i into a bfloat16 slot of ``shapes[i]`` (the cast is Muon's own);
+    ``consume(i, result)`` receives its bfloat16 result, valid until the next batch starts.
+    """
+    if max_batch_bytes is None:
+        max_batch_bytes = MAX_BATCH_BYTES.get(torch.device(device).type, DEFAULT_MAX_BATCH_BYTES)
+    by_shape: dict[tuple[int, int], list[int]] = defaultdict(list)
+    for i, shape in enumerate(shapes):
+        by_shape[tuple(shape)].append(i)
+    for shape, idx in by_shape.items():
+        per_batch = max(1, max_batch_bytes // max(1, 2 * shape[0] * shape[1]))
+        for s in range(0, len(idx), per_batch):
+            chunk = idx[s:s + per_batch]
+            batch = torch.empty((len(chunk), *shape), dtype=torch.bfloat16, device=device)
+            for j, i in enumerate(chunk):
+                fill(i, batch[j])
+            res = newton_schulz_(batch, ns_coefficients, ns_steps, eps)
+            for j, i in enumerate(chunk):
+                consume(i, res[j])
+
+
+def _nesterov_into(out: Tensor, grad: Tensor, buf: Tensor, momentum: float, nesterov: bool) -> None:
+    """Muon's update direction (before Newton–Schulz) written straight into ``out`` (cast on write)."""
+    if nesterov:
+        torch.lerp(grad, buf, momentum, out=out)
+    else:
+        out.copy_(buf)
+
+
+def _is_dtensor(t: Tensor) -> bool:
+    return DTensor is not None and isinstance(t, DTensor)
+
+
+def _local(t: Tensor) -> Tensor:
+    return t.to_local() if _is_dtensor(t) else t
+
+
+def _sharded_mesh(p: Tensor):
+    """The mesh when ``p`` is row-sharded across more than one rank; None when its local tensor is whole."""
+    if not _is_dtensor(p) or p.device_mesh.size() == 1 or all(isinstance(x, Replicate) for x in p.placements):
+        return None
+    if p.device_mesh.ndim != 1 or not (isinstance(p.placements[0], Shard) and p.placements[0].dim == 0):
+        raise NotImplementedError("ShardedMuon supports DTensor parameters sharded as Shard(0) on a 1-D mesh, "
+                                  f"got placements {p.placements} on a {p.device_mesh.ndim}-D mesh")
+    return p.device_mesh
+
+
+def shard_rows(rows: int, world: int) -> list[int]:
+    """Rows of each rank under ``torch.chunk``-style ``Shard(0)`` splitting (later ranks may get 0)."""
+    c = -(-rows // world)
+    return [max(0, min(c, rows - r * c)) for r in range(world)]
+
+
+def assign_owners(costs: Sequence[float], world: int) -> list[int]:
+    """Owner rank of each matrix: largest first to the least-loaded rank (ties to the lower index)."""
+    load = [0.0] * world
+    owner = [0] * len(costs)
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        r = min(range(world), key=lambda r: (load[r], r))
+        owner[i] = r
+        load[r] += costs[i]
+    return owner
+
+
+class ShardedMuon(torch.optim.Muon):
+    """``torch.optim.Muon`` for plain and FSDP2-sharded 2-D parameters; same arguments and state.
+
+    For plain tensors (or a one-rank mesh) each step equals ``torch.optim.Muon``'s. For ``Shard(0)``
+    DTensors every rank must step the same parameters (collectives run on the parameters' mesh).
+    """
+
+    def __init__(self, params, lr: float = 1e-3, weight_decay: float = 0.1, momentum: float = 0.95,
+                 nesterov: bool = True, ns_coefficients: tuple[float, float, float] = (3.4445, -4.7750, 2.0315),
+                 eps: float = 1e-7, ns_steps: int = 5, adjust_lr_fn: str | None = None,
+                 max_batch_bytes: int | None = None) -> None:
+        super().__init__(params, lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
+                         ns_coefficients=ns_coefficients, eps=eps, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn)
+        # kept out of the param groups so the state dict stays interchangeable with torch.optim.Muon's;
+        # None picks a size per device type (MAX_BATCH_BYTES)
+        self.max_batch_bytes = max_batch_bytes
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Perform one optimisation step; collective when parameters are sharded."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            params: list[Tensor] = []
+            grads: list[Tensor] = []
+            bufs: list[Tensor] = []
+            self._init_group(group, params, grads, bufs)
+            if params:
+                self._step_group(group, params, grads, bufs)
+        return loss
+
+    def _step_group(self, group: dict, params: list[Tensor], grads: list[Tensor], bufs: list[Tensor]) -> None:
+        lr = float(group["lr"])
+        momentum, nesterov = group["momentum"], group["nesterov"]
+        for g in grads:
+            if g.ndim != 2:
+                raise ValueError("Param gradient must be a 2D matrix")
+        p_loc, g_loc, b_loc = [_local(p) for p in params], [_local(g) for g in grads], [_local(b) for b in bufs]
+        # elementwise momentum works shard by shard, no communication
+        torch._foreach_lerp_(b_loc, g_loc, 1 - momentum)
+        ns = (group["ns_coefficients"], group["ns_steps"], group["eps"])
+        decay = 1 - lr * group["weight_decay"]
+
+        def fill_local(i: int, out: Tensor) -> None:
+            _nesterov_into(out, g_loc[i], b_loc[i], momentum, nesterov)
+
+        def apply(i: int, ortho: Tensor) -> None:
+            p_loc[i].mul_(decay)
+            p_loc[i].add_(ortho, alpha=-_adjust_lr(lr, group["adjust_lr_fn"], params[i].shape))
+
+        whole: list[int] = []
+        by_mesh: dict[int, list[int]] = defaultdict(list)
+        meshes = {}
+        for i, p in enumerate(params):
+            mesh = _sharded_mesh(p)
+            if mesh is None:
+                whole.append(i)
+            else:
+                want = (shard_rows(p.shape[0], mesh.size())[mesh.get_local_rank()], p.shape[1])
+                if tuple(p_loc[i].shape) != want or tuple(g_loc[i].shape) != want:
+                    raise RuntimeError(f"local shard {tuple(p_loc[i].shape)} of a {tuple(p.shape)} matrix is not "
+                                       f"its torch.chunk-style Shard(0) block {want}")
+                by_mesh[id(mesh)].append(i)
+                meshes[id(mesh)] = mesh
+        if whole:
+            orthogonalize([tuple(p_loc[i].shape) for i in whole], lambda j, out: fill_local(whole[j], out),
+                          lambda j, o: apply(whole[j], o), *ns, device=p_loc[whole[0]].device,
+                          max_batch_bytes=self.max_batch_bytes)
+        for key, idx in by_mesh.items():
+            self._sharded_step(meshes[key], [tuple(params[i].shape) for i in idx],
+                               lambda j, out, idx=idx: fill_local(idx[j], out),
+                               lambda j, o, idx=idx: apply(idx[j], o), ns, p_loc[idx[0]].device)
+
+    def _sharded_step(self, mesh, shapes: list[tuple[int, int]], fill: Callable[[int, Tensor], None],
+                      apply: Callable[[int, Tensor], None], ns: tuple, device: torch.device) -> None:
+        """Gather each full update to its owner, orthogonalise there, scatter the rows back and ``apply`` them.
+
+        ``fill(j, out)`` writes this rank's rows of matrix j's update; collective over ``mesh``.
+        """
+        pg, world, rank = mesh.get_group(), mesh.size(), mesh.get_local_rank()
+        owners = assign_owners([r * c * min(r, c) for r, c in shapes], world)
+        rows = [shard_rows(r, world) for r, _ in shapes]
+        owned = [[j for j, o in enumerate(owners) if o == r] for r in range(world)]
+        # every rank's rows of matrix j sit in a padded slot of ceil(rows / world) rows of the owner's buffer
+        slot: dict[int, int] = {}
+        totals = [0] * world
+        for r in range(world):
+            for j in owned[r]:
+                slot[j] = totals[r]
+                totals[r] += max(rows[j]) * shapes[j][1]
+
+        def rows_of(buf: Tensor, j: int, r: int) -> Tensor:
+            return buf[slot[j]:slot[j] + rows[j][r] * shapes[j][1]].view(rows[j][r], shapes[j][1])
+
+        # 1. gather to each owner (bfloat16 as Newton–Schulz casts anyway; sent as bytes for any backend)
+        inbox: list[Tensor] = []
+        works = []
+        for r in range(world):
+            if totals[r] == 0:
+                continue
+            send = torch.zeros(totals[r], dtype=torch.bfloat16, device=device)
+            for j in owned[r]:
+                fill(j, rows_of(send, j, rank))
+            if r == rank:
+                inbox = [torch.empty_like(send) for _ in range(world)]
+            works.append(dist.gather(send.view(torch.uint8), [t.view(torch.uint8) for t in inbox] if r == rank
+                                     else None, group=pg, group_dst=r, async_op=True))
+        for w in works:
+            w.wait()
+
+        # 2. the owner orthogonalises its full matrices, writing each rank's rows into that rank's outbox
+        mine = owned[rank]
+        outbox = [torch.zeros(totals[rank], dtype=torch.bfloat16, device=device) for _ in range(world)]
+
+        def fill_full(k: int, out: Tensor) -> None:
+            j, start = mine[k], 0
+            for r in range(world):
+                out[start:start + rows[j][r]].copy_(rows_of(inbox[r], j, r))
+                start += rows[j][r]
+
+        def split_full(k: int, ortho: Tensor) -> None:
+            j, start = mine[k], 0
+            for r in range(world):
+                rows_of(outbox[r], j, r).copy_(ortho[start:start + rows[j][r]])
+                start += rows[j][r]
+
+        orthogonalize([shapes[j] for j in mine], fill_full, split_full, *ns, device=device,
+                      max_batch_bytes=self.max_batch_bytes)
+
+        # 3. scatter every rank's rows back and update the local shards
+        received: dict[int, Tensor] = {}
+        works = []
+        for r in range(world):
+            if totals[r] == 0:
+                continue
+            received[r] = torch.empty(totals[r], dtype=torch.bfloat16, device=device)
+            works.append(dist.scatter(received[r].view(torch.uint8), [t.view(torch.uint8) for t in outbox]
+                                      if r == rank else None, group=pg, group_src=r, async_op=True))
+        for w in works:
+            w.wait()
+        for j in range(len(shapes)):
+            apply(j, rows_of(received[owners[j]], j, rank))
