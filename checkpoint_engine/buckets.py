@@ -6,6 +6,8 @@ memory never depends on the largest parameter.
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -52,34 +54,47 @@ def spec_of(name: str, t: torch.Tensor) -> TensorSpec:
     return TensorSpec(name, tuple(t.shape), str(t.dtype).removeprefix("torch."), t.numel() * t.element_size())
 
 
-def _pack(specs: list[TensorSpec], bucket_bytes: int) -> list[list[Piece]]:
+#: Who holds a tensor: one worker (the whole tensor), or byte ranges ``(worker, lo, hi)`` of it,
+#: as a row-sharded trainer holds them (a dim-0 shard is a contiguous byte range).
+Ownership = int | Sequence[tuple[int, int, int]]
+
+
+def _pack(segments: list[tuple[str, int, int]], bucket_bytes: int) -> list[list[Piece]]:
     buckets: list[list[Piece]] = [[]]
     used = 0
-    for s in specs:
-        start = 0
-        while start < s.nbytes:
+    for name, start, end in segments:
+        while start < end:
             if used >= bucket_bytes:
                 buckets.append([])
                 used = 0
-            length = min(s.nbytes - start, bucket_bytes - used)
-            buckets[-1].append(Piece(s.name, start, length, used))
+            length = min(end - start, bucket_bytes - used)
+            buckets[-1].append(Piece(name, start, length, used))
             start += length
             used += -(-length // ALIGN) * ALIGN
     return [b for b in buckets if b]
 
 
-def plan_buckets(specs: list[TensorSpec], bucket_bytes: int, owners: dict[str, int] | None = None) -> BucketPlan:
+def plan_buckets(specs: list[TensorSpec], bucket_bytes: int, owners: Mapping[str, Ownership] | None = None
+                 ) -> BucketPlan:
     """Assign every byte of every tensor to a bucket, each piece aligned to ``ALIGN``.
 
-    ``owners`` maps a tensor to the worker that holds it (its trainer shard); each owner's tensors
-    are packed separately and the owners' buckets interleaved, so broadcast sources rotate.
+    ``owners`` maps a tensor to the worker that holds it, or to the byte ranges each worker holds
+    (its trainer shard); each owner's bytes are packed separately and the owners' buckets
+    interleaved, so broadcast sources rotate. Unlisted tensors belong to worker 0.
     """
     if bucket_bytes < ALIGN or bucket_bytes % ALIGN:
         raise ValueError(f"bucket size must be a positive multiple of {ALIGN} bytes, got {bucket_bytes}")
     owners = owners or {}
-    by_owner: dict[int, list[TensorSpec]] = {}
+    by_owner: dict[int, list[tuple[str, int, int]]] = {}
     for s in specs:
-        by_owner.setdefault(owners.get(s.name, 0), []).append(s)
+        held = owners.get(s.name, 0)
+        ranges = [(held, 0, s.nbytes)] if isinstance(held, int) else sorted(held, key=lambda r: r[1])
+        if sum(hi - lo for _, lo, hi in ranges) != s.nbytes or any(
+                a[2] != b[1] for a, b in itertools.pairwise(ranges)) or ranges[0][1] != 0:
+            raise ValueError(f"{s.name}: owner ranges {list(ranges)} do not tile its {s.nbytes} bytes")
+        for owner, lo, hi in ranges:
+            if hi > lo:
+                by_owner.setdefault(owner, []).append((s.name, lo, hi))
     packed = {o: _pack(ss, bucket_bytes) for o, ss in sorted(by_owner.items())}
     buckets, order = [], []
     for i in range(max((len(b) for b in packed.values()), default=0)):

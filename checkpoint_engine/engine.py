@@ -84,14 +84,17 @@ class CheckpointEngine:
         return [("cuda", reduce_tensor(t)) for t in self.ipc]
 
     def update(self, plan: BucketPlan, tensors: Mapping[str, torch.Tensor], version: int,
-               reloader: Reloader | None = None) -> None:
+               reloader: Reloader | None = None, offsets: Mapping[str, int] | None = None) -> None:
         """Broadcast every bucket of ``plan`` to all workers; ``tensors`` are this worker's own.
+
+        ``offsets`` gives, for a tensor this worker holds only a shard of, the byte offset of that
+        shard inside the full tensor (the plan's pieces address full tensors).
 
         ``reloader`` is the local inference engine to load the buckets into; None when this
         worker's replica needs nothing (another worker's restarted replica is catching up).
         """
         try:
-            self._pipeline(plan, tensors, version, reloader)
+            self._pipeline(plan, tensors, version, reloader, offsets or {})
         except Exception:
             if reloader is not None:
                 try:
@@ -101,7 +104,7 @@ class CheckpointEngine:
             raise
 
     def _pipeline(self, plan: BucketPlan, tensors: Mapping[str, torch.Tensor], version: int,
-                  reloader: Reloader | None) -> None:
+                  reloader: Reloader | None, offsets: Mapping[str, int]) -> None:
         n_buckets = len(plan.buckets)
         load_failure: tuple[int, Exception] | None = None
         for k, pieces in enumerate(plan.buckets):
@@ -119,7 +122,7 @@ class CheckpointEngine:
                 if owner == self.rank:
                     src = dst if self.h2d is None else self.h2d[: used + TRAILER]
                     try:
-                        self._stage(pieces, tensors, src, used, version, k)
+                        self._stage(pieces, tensors, offsets, src, used, version, k)
                     except Exception as e:
                         stage_failure = e
                         write_trailer(src, used, version, ABORT)
@@ -148,7 +151,7 @@ class CheckpointEngine:
             k, e = load_failure
             raise UpdateError(f"worker {self.rank}: its inference engine failed to load bucket {k}: {e}") from e
 
-    def _stage(self, pieces, tensors, into: torch.Tensor, used: int, version: int, bucket: int) -> None:
+    def _stage(self, pieces, tensors, offsets, into: torch.Tensor, used: int, version: int, bucket: int) -> None:
         """Stage 1: the synchronous copy of this worker's bucket into its H2D (on CPU: IPC) buffer.
 
         On GPU the source is the offloaded (pinned host) parameter, so each piece is one H2D copy.
@@ -156,7 +159,8 @@ class CheckpointEngine:
         for p in pieces:
             if p.name not in tensors:
                 raise KeyError(f"worker {self.rank} holds no tensor {p.name}")
-            into[p.offset : p.offset + p.length].copy_(as_bytes(tensors[p.name])[p.start : p.start + p.length])
+            start = p.start - offsets.get(p.name, 0)
+            into[p.offset : p.offset + p.length].copy_(as_bytes(tensors[p.name])[start : start + p.length])
         write_trailer(into, used, version, bucket)
 
     def close(self) -> None:

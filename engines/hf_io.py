@@ -16,12 +16,14 @@ class ModelDirError(ValueError):
     """A model directory that cannot be loaded; the message names the file and the problem."""
 
 
-def save_pretrained(model: CausalLM, tokenizer: TextTokenizer | None, directory: str | Path) -> Path:
-    """Write ``model`` (and ``tokenizer``) to ``directory`` in Hugging Face format."""
+def save_pretrained(model: CausalLM, tokenizer: TextTokenizer | None, directory: str | Path,
+                    state: dict[str, torch.Tensor] | None = None) -> Path:
+    """Write ``model`` (and ``tokenizer``) to ``directory`` in Hugging Face format; ``state`` replaces
+    the model's own state dict (a sharded trainer passes its gathered full tensors)."""
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     (d / "config.json").write_text(json.dumps(model.config.to_hf_dict(), indent=2))
-    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    state = {k: v.detach().contiguous() for k, v in (state or model.state_dict()).items()}
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     save_file(state, str(d / "model.safetensors"), metadata={"format": "pt"})

@@ -2,14 +2,17 @@
 
 For each prompt x with K samples: L = 1/K Σ_i (r_i − r̄ − τ·(log π_θ(y_i|x) − log π_old(y_i|x)))²,
 averaged over prompts; log π is the sum over the response's tokens. The SFT/PTX loss is the
-token-mean negative log-likelihood of reference responses.
+token-mean negative log-likelihood of reference responses. Total loss of a step: L_RL + λ_ptx·L_PTX.
+With several ranks every rank sees the same batch and trains on its share; loss weights are
+normalised over the whole batch and gradients are summed across ranks (FSDP), so the update does
+not depend on how the batch is split over ranks or micro-batches.
 """
 
 from __future__ import annotations
 
 import random
 from collections import defaultdict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +29,15 @@ class Sample:
     response_ids: list[int]
     old_logprobs: list[float]  # per token, from the sampler (π_old)
     reward: float
+    temperature: float = 1.0   # what it was sampled at; the recompute uses the same
+
+
+@dataclass
+class PtxBatch:
+    """Curated (prompt, response) token ids for the PTX loss of one optimizer step."""
+
+    prompts: list[list[int]]
+    responses: list[list[int]]
 
 
 def k15_loss(new_logp: torch.Tensor, old_logp: torch.Tensor, advantage: torch.Tensor,
@@ -50,45 +62,87 @@ def _minibatches(groups: list[int], n: int, rng: random.Random) -> list[list[int
     return [groups[i::n] for i in range(n)]
 
 
-def k15_backward(engine: TrainingEngine, samples: Sequence[Sample], advantages: Sequence[float],
-                 weights: Sequence[float], *, tau: float, temperature: float, micro_batch: int) -> float:
-    """Accumulate the gradient of Σ_i w_i·(A_i − τ·δ_i)² in micro-batches; returns the loss.
+def micro_batches(n_items: int, micro_batch: int, rank: int, world: int) -> tuple[list[range], int]:
+    """This rank's micro-batches of its share (items rank, rank+world, ...) and how many passes
+    every rank must run: with FSDP each forward/backward is collective, so ranks pad to the most."""
+    mine = list(range(rank, n_items, world))
+    share = -(-n_items // world)  # rank 0 holds the most: ceil(n / world) items
+    passes = -(-share // micro_batch)
+    return [mine[i : i + micro_batch] for i in range(0, len(mine), micro_batch)], passes
 
-    The loss is a weighted sum over sequences, so any micro-batch split gives the same gradient.
+
+def k15_backward(engine: TrainingEngine, samples: Sequence[Sample], advantages: Sequence[float],
+                 weights: Sequence[float], *, tau: float, micro_batch: int, rank: int = 0, world: int = 1) -> float:
+    """Accumulate the gradient of Σ_i w_i·(A_i − τ·δ_i)² in micro-batches; returns this rank's loss.
+
+    The loss is a weighted sum over sequences with weights normalised over the whole minibatch
+    (all ranks), so any micro-batch split and any number of ranks give the same gradient.
     """
     total = 0.0
-    for start in range(0, len(samples), micro_batch):
-        part = samples[start : start + micro_batch]
-        lp, _ = engine.response_logprobs([s.prompt_ids for s in part], [s.response_ids for s in part], temperature)
+    parts, passes = micro_batches(len(samples), micro_batch, rank, world)
+    for part in parts:
+        chosen = [samples[i] for i in part]
+        lp, _ = engine.response_logprobs([s.prompt_ids for s in chosen], [s.response_ids for s in chosen],
+                                         [s.temperature for s in chosen])
         loss = k15_loss(
             lp.sum(-1),
-            torch.tensor([sum(s.old_logprobs) for s in part]),
-            torch.tensor(advantages[start : start + micro_batch], dtype=torch.float32),
-            torch.tensor(weights[start : start + micro_batch], dtype=torch.float32),
+            torch.tensor([sum(s.old_logprobs) for s in chosen]),
+            torch.tensor([advantages[i] for i in part], dtype=torch.float32),
+            torch.tensor([weights[i] for i in part], dtype=torch.float32),
             tau,
         )
         loss.backward()
         total += float(loss.detach())
+    for _ in range(passes - len(parts)):
+        engine.dummy_backward()
     return total
 
 
-def rl_update(engine: TrainingEngine, samples: Sequence[Sample], *, tau: float, temperature: float,
-              minibatches: int, micro_batch: int, seed: int) -> Iterator[dict[str, float]]:
+def ptx_backward(engine: TrainingEngine, batch: PtxBatch, coef: float, *, micro_batch: int, rank: int = 0,
+                 world: int = 1) -> float:
+    """Accumulate the gradient of coef · (token-mean NLL over the whole batch); returns this rank's share.
+
+    Normalised by the batch's total response tokens (over all ranks), so the split does not matter.
+    """
+    n_tokens = sum(len(r) for r in batch.responses)
+    total = 0.0
+    parts, passes = micro_batches(len(batch.prompts), micro_batch, rank, world)
+    for part in parts:
+        loss = coef * nll_loss(engine, [batch.prompts[i] for i in part], [batch.responses[i] for i in part], n_tokens)
+        loss.backward()
+        total += float(loss.detach())
+    for _ in range(passes - len(parts)):
+        engine.dummy_backward()
+    return total
+
+
+def rl_update(engine: TrainingEngine, samples: Sequence[Sample], *, tau: float, minibatches: int, micro_batch: int,
+              seed: int, ptx: Sequence[PtxBatch] = (), ptx_coef: float = 0.0, rank: int = 0, world: int = 1,
+              after_step: Callable[[], dict[str, float]] | None = None) -> Iterator[dict[str, float]]:
     """Several optimizer steps on one rollout batch, one per minibatch of whole prompt groups.
 
-    Yields each step's loss and gradient norm as it completes.
+    Every rank gets the same ``samples`` and trains on its share of each minibatch. ``ptx[j]``
+    is mixed into step j with weight ``ptx_coef``. ``after_step`` runs after each optimizer step
+    (QK-Clip). Yields each step's metrics (losses are this rank's shares) as it completes.
     """
     adv = group_advantages(samples)
     by_group: dict[int, list[int]] = defaultdict(list)
     for i, s in enumerate(samples):
         by_group[s.group].append(i)
-    for mb in _minibatches(sorted(by_group), minibatches, random.Random(seed)):
+    for j, mb in enumerate(_minibatches(sorted(by_group), minibatches, random.Random(seed))):
         idx = [i for g in mb for i in by_group[g]]
         # w = 1/(K_g · G): mean over each prompt's samples, then over the minibatch's prompts
         weights = [1.0 / (len(by_group[samples[i].group]) * len(mb)) for i in idx]
         loss = k15_backward(engine, [samples[i] for i in idx], [adv[i] for i in idx], weights,
-                            tau=tau, temperature=temperature, micro_batch=micro_batch)
-        yield {"loss": loss, "grad_norm": engine.step()}
+                            tau=tau, micro_batch=micro_batch, rank=rank, world=world)
+        metrics = {"loss": loss}
+        if ptx_coef > 0 and j < len(ptx):
+            metrics["ptx_loss"] = ptx_backward(engine, ptx[j], ptx_coef, micro_batch=micro_batch, rank=rank,
+                                               world=world) / ptx_coef
+        metrics["grad_norm"] = engine.step()
+        if after_step is not None:
+            metrics.update(after_step())
+        yield metrics
 
 
 def nll_loss(engine: TrainingEngine, prompts, responses, n_tokens: int) -> torch.Tensor:

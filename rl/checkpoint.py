@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import json
 import shutil
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 from rl.errors import UserError
 
@@ -24,6 +25,9 @@ class LoopState:
     iteration: int              # last completed iteration
     initial_accuracy: float
     wall_s: float               # time spent by earlier attempts
+    weights_version: int = 0    # checkpoint-engine updates so far (tags partial-rollout segments)
+    partial: dict[str, Any] = field(default_factory=dict)  # the partial-rollout buffer
+    workers: int = 1            # the optimizer state is sharded over this many trainer ranks
 
 
 def checkpoint_dir(run_dir: Path, iteration: int) -> Path:

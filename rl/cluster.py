@@ -12,10 +12,11 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from engines.inference import Completion
-from rl.algorithm import Sample
+from engines.inference import Completion, SamplingParams
+from rl.algorithm import PtxBatch, Sample
 from rl.config import Config
-from rl.workers import RolloutWorker, TrainerWorker
+from rl.partial import Trajectory, to_completion
+from rl.workers import RolloutWorker, TrainerWorker, default_threads
 
 # Both actors of a worker share one bundle: they alternate, never compute at the same time.
 ACTOR_CPUS = 0.5
@@ -41,25 +42,30 @@ class Cluster:
         self.pg = placement_group([{"CPU": 2 * ACTOR_CPUS}] * n, strategy="PACK")
         ray.get(self.pg.ready(), timeout=120)
         prefix = f"rl-{uuid.uuid4().hex[:8]}"
+        threads = default_threads(cfg)
 
         def placed(cls, i):
             strategy = PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i)
             return ray.remote(num_cpus=ACTOR_CPUS, scheduling_strategy=strategy)(cls)
 
-        self.trainers = [placed(TrainerWorker, i).remote(model_dir, cfg, f"{prefix}-w{i}") for i in range(n)]
-        self.rollouts = [placed(RolloutWorker, i).remote(model_dir, cfg) for i in range(n)]
-        plan, handles = ray.get(self.trainers[0].weight_plan.remote())
-        ray.get([r.attach.remote(plan, handles) for r in self.rollouts])
+        self.trainers = [placed(TrainerWorker, i).remote(cfg, threads) for i in range(n)]
+        self.rollouts = [placed(RolloutWorker, i).remote(model_dir, cfg, threads) for i in range(n)]
+        address = ray.get(self.trainers[0].rendezvous.remote())
+        ray.get([t.setup.remote(model_dir, i, n, address, f"{prefix}-w{i}") for i, t in enumerate(self.trainers)])
+        # one plan for all (every rank computed the same); each replica maps its own worker's IPC buffers
+        plans = ray.get([t.weight_plan.remote() for t in self.trainers])
+        ray.get([r.attach.remote(plans[0][0], handles) for r, (_, handles) in zip(self.rollouts, plans, strict=True)])
         ray.get([t.connect.remote([r]) for t, r in zip(self.trainers, self.rollouts, strict=True)])
-        self.num_buckets = len(plan.buckets)
+        self.num_buckets = len(plans[0][0].buckets)
         self.weights_version = 0
 
-    def generate(self, prompts: list[list[int]], temperature: float, max_tokens: int, seed: int,
+    def generate(self, prompts: list[list[int]], params: list[SamplingParams], seed: int,
                  on_chunk: Callable[[int], None] | None = None) -> list[Completion]:
-        """Spread prompts over the inference engines in chunks; results keep the prompts' order."""
+        """Spread requests over the inference engines in chunks; results keep the prompts' order."""
         size = self.cfg.rollout.max_batch
-        chunks = [prompts[i : i + size] for i in range(0, len(prompts), size)]
-        refs = [self.rollouts[i % len(self.rollouts)].generate.remote(c, temperature, max_tokens, seed * 7919 + i)
+        chunks = [range(i, min(i + size, len(prompts))) for i in range(0, len(prompts), size)]
+        refs = [self.rollouts[i % len(self.rollouts)].generate.remote([prompts[j] for j in c], [params[j] for j in c],
+                                                                      seed * 7919 + i)
                 for i, c in enumerate(chunks)]
         index = {ref: i for i, ref in enumerate(refs)}
         results: list[list[Completion] | None] = [None] * len(refs)
@@ -71,15 +77,53 @@ class Cluster:
                 on_chunk(len(chunks[index[done[0]]]))
         return [c for r in results for c in r]  # type: ignore[union-attr]
 
-    def train(self, samples: list[Sample], temperature: float, seed: int,
+    def rollout(self, trajectories: list[Trajectory], token_budget: int | None,
+                on_worker: Callable[[int], None] | None = None) -> list[Completion]:
+        """Run the iteration's trajectories (new and paused) on the inference engines, whole prompt
+        groups per engine (they share a prefill); each engine gets an equal share of the token budget."""
+        n = len(self.rollouts)
+        groups = sorted({t.group for t in trajectories})
+        worker_of = {g: i % n for i, g in enumerate(groups)}
+        shares: list[tuple[list, list]] = [([], []) for _ in range(n)]
+        for t in trajectories:
+            new, partials = shares[worker_of[t.group]]
+            if t.token_ids:
+                partials.append(to_completion(t))
+            else:
+                new.append((t.prompt_ids, t.params, t.key))
+        budget = None if token_budget is None else max(1, token_budget // n)
+        refs = [r.rollout.remote(new, partials, budget)
+                for r, (new, partials) in zip(self.rollouts, shares, strict=True)]
+        out: list[Completion] = []
+        pending = list(refs)
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1)
+            finished, paused = ray.get(done[0])
+            out += finished + paused
+            if on_worker:
+                on_worker(len(finished) + len(paused))
+        return out
+
+    def train(self, samples: list[Sample], ptx: list[PtxBatch], seed: int,
               on_step: Callable[[dict], None] | None = None) -> list[dict[str, float]]:
-        """One K1.5 update; returns the metrics of each optimizer step."""
+        """One K1.5 update on every trainer rank; returns the metrics of each optimizer step."""
+        samples_ref, ptx_ref = ray.put(samples), ray.put(ptx)
+        gens = [t.train.remote(samples_ref, ptx_ref, seed) for t in self.trainers]
         steps = []
-        for ref in self.trainers[0].train.remote(samples, temperature, seed):
+        for ref in gens[0]:
             steps.append(ray.get(ref))
             if on_step:
                 on_step(steps[-1])
+        for g in gens[1:]:
+            ray.get(list(g))
         return steps
+
+    def offload_trainers(self) -> dict:
+        """Trainer state to host memory (rank 0's figures)."""
+        return ray.get([t.offload.remote() for t in self.trainers])[0]
+
+    def onload_trainers(self) -> dict:
+        return ray.get([t.onload.remote() for t in self.trainers])[0]
 
     def sleep_rollouts(self) -> None:
         """Free inference memory (per ``rollout.sleep_level``) before the trainer runs."""
@@ -94,10 +138,10 @@ class Cluster:
         ray.get([t.update_weights.remote(self.weights_version) for t in self.trainers])
 
     def save(self, directory: str) -> None:
-        ray.get(self.trainers[0].save.remote(directory))
+        ray.get([t.save.remote(directory) for t in self.trainers])
 
     def load_optimizer(self, directory: str) -> None:
-        ray.get(self.trainers[0].load_optimizer.remote(directory))
+        ray.get([t.load_optimizer.remote(directory) for t in self.trainers])
 
     def close(self) -> None:
         try:

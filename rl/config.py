@@ -29,8 +29,8 @@ class RunConfig(Strict):
 
 class ClusterConfig(Strict):
     ray_address: str | None = Field(None, description="None starts a local Ray cluster")
-    workers: int = Field(1, ge=1, le=1, description="colocated workers (multi-worker training: FSDP2)")
-    threads_per_worker: int | None = Field(None, ge=1, description="torch threads; None = all cores")
+    workers: int = Field(1, ge=1, description="colocated workers; the trainer is sharded over them (FSDP2)")
+    threads_per_worker: int | None = Field(None, ge=1, description="torch threads; None = cores / workers")
 
 
 class Architecture(Strict):
@@ -74,22 +74,55 @@ class TemperatureConfig(Strict):
     end: float = Field(1.0, gt=0)
 
 
+class TaskTypeConfig(Strict):
+    """Overrides for one task type (``Env.task_type``, or a task's ``meta.task_type``)."""
+
+    max_tokens: int | None = Field(None, ge=1, description="token budget of a response of this type")
+    truncation_penalty: float | None = Field(None, description="reward of a response that hits the budget")
+    temperature: TemperatureConfig | None = None
+
+
+class PartialRolloutConfig(Strict):
+    """Partial rollout (report 3.3): a per-iteration token budget; unfinished trajectories wait."""
+
+    token_budget: int | None = Field(None, ge=1, description="tokens generated per iteration (all workers); "
+                                                               "None = every trajectory finishes in its iteration")
+    max_age: int = Field(2, ge=0, description="iterations a paused trajectory may wait before it is dropped")
+
+
 class RolloutConfig(Strict):
-    prompts_per_iteration: int = Field(64, ge=1)
+    prompts_per_iteration: int = Field(64, ge=1, description="prompt groups in flight per iteration")
     samples_per_prompt: int = Field(8, ge=2, description="K of the K1.5 objective")
-    max_tokens: int = Field(40, ge=1, description="token budget of a response")
+    max_tokens: int = Field(40, ge=1, description="token budget of a response (default for every task type)")
     truncation_penalty: float = Field(0.0, description="reward of a response that hits the budget")
     temperature: TemperatureConfig = TemperatureConfig()
+    task_types: dict[str, TaskTypeConfig] = Field({}, description="per task type budget, penalty, temperature")
+    partial: PartialRolloutConfig = PartialRolloutConfig()
     max_batch: int = Field(512, ge=1, description="most sequences decoded together (KV-cache slots)")
     kv_cache_mb: int = Field(512, ge=1, description="KV-cache memory budget of each inference engine")
     sleep_level: Literal[0, 1, 2] = Field(
         1, description="while training: 1 frees the KV cache, 2 also the inference weights, 0 keeps both")
 
 
+class PtxConfig(Strict):
+    """PTX loss: token-mean NLL on a curated dataset, mixed into every optimizer step."""
+
+    data: Path | None = Field(None, description="JSONL of chat samples ({messages: [...]} or {prompt, response})")
+    coef: float = Field(0.0, ge=0, description="λ_ptx; 0 turns the loss off")
+    batch_size: int = Field(32, ge=1, description="samples per optimizer step")
+
+
 class AlgorithmConfig(Strict):
     tau: float = Field(1.0, gt=0, description="τ of the K1.5 objective")
     minibatches: int = Field(2, ge=1, description="optimizer steps per rollout batch")
-    micro_batch: int = Field(256, ge=1)
+    micro_batch: int = Field(256, ge=1, description="sequences per forward/backward on each worker")
+    ptx: PtxConfig = PtxConfig()
+
+    @model_validator(mode="after")
+    def _check(self) -> AlgorithmConfig:
+        if self.ptx.coef > 0 and self.ptx.data is None:
+            raise ValueError("ptx.coef > 0 needs ptx.data (a JSONL file of chat samples)")
+        return self
 
 
 class OptimizerConfig(Strict):
@@ -98,6 +131,15 @@ class OptimizerConfig(Strict):
     weight_decay: float = Field(0.0, ge=0)
     momentum: float = Field(0.95, ge=0, lt=1)
     max_grad_norm: float = Field(1.0, gt=0)
+    qk_clip_tau: float | None = Field(100.0, gt=0, description="QK-Clip threshold τ_qk on the max attention "
+                                                                "logit per head; None = no clipping (still logged)")
+
+
+class TrainerConfig(Strict):
+    param_dtype: Literal["float32", "bfloat16"] = Field("float32", description="compute dtype (master weights "
+                                                                                  "and gradient reduction: float32)")
+    offload: bool = Field(True, description="move parameters, gradients and optimizer state to host memory "
+                                            "while the inference engine runs")
 
 
 class CheckpointEngineConfig(Strict):
@@ -121,6 +163,7 @@ class Config(Strict):
     rollout: RolloutConfig = RolloutConfig()
     algorithm: AlgorithmConfig = AlgorithmConfig()
     optimizer: OptimizerConfig = OptimizerConfig()
+    trainer: TrainerConfig = TrainerConfig()
     checkpoint_engine: CheckpointEngineConfig = CheckpointEngineConfig()
     metrics: MetricsConfig = MetricsConfig()
 
@@ -131,6 +174,14 @@ class Config(Strict):
             raise ValueError("warmstart.architecture: hidden_size must divide by num_attention_heads, "
                              "and num_attention_heads by num_key_value_heads")
         return self
+
+    def task_type(self, name: str) -> tuple[int, float, TemperatureConfig]:
+        """(token budget, truncation penalty, temperature schedule) of task type ``name``."""
+        r = self.rollout
+        t = r.task_types.get(name) or TaskTypeConfig()
+        return (t.max_tokens or r.max_tokens,
+                r.truncation_penalty if t.truncation_penalty is None else t.truncation_penalty,
+                t.temperature or r.temperature)
 
 
 def _format(e: ValidationError, source: str) -> str:

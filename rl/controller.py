@@ -1,4 +1,9 @@
-"""The central controller: one RL iteration is rollout → reward → train → weight update."""
+"""The central controller: one RL iteration is rollout → reward → train → weight update.
+
+Rollout runs new prompt groups and the trajectories paused by the last iteration's token budget;
+the groups whose every trajectory finished are rewarded and trained on; the trainer is on the
+device only between its onload and offload; the checkpoint engine then moves the new weights.
+"""
 
 from __future__ import annotations
 
@@ -9,15 +14,22 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from engines.sampling import SamplingParams
 from engines.tokenizer import TextTokenizer
+from rl.algorithm import PtxBatch
 from rl.checkpoint import LoopState, copy_tokenizer, latest_checkpoint, save_checkpoint
 from rl.cluster import Cluster
 from rl.config import Config, dump_config
-from rl.data import load_task_sets, sample_prompts
+from rl.data import env_class, load_task_sets, sample_prompts
+from rl.errors import UserError
 from rl.metrics import MetricsLog, plot_curves
-from rl.rewards import evaluate, score
+from rl.partial import PartialRolloutBuffer, Trajectory
+from rl.ptx import load_ptx, ptx_batches
+from rl.rewards import evaluate, score, task_type_of
 from rl.schedules import temperature_at
 from rl.warmstart import prepare_model
+
+GROUPS_PER_ITERATION = 1_000_000  # group ids are it * this + index: unique across the run
 
 
 def train(cfg: Config, run_dir: Path, resume: bool = False, console: Console | None = None) -> dict:
@@ -29,6 +41,9 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, console: Console | N
     with progress:
         if resume:
             start_dir, state = latest_checkpoint(run_dir)
+            if state.workers != cfg.cluster.workers:
+                raise UserError(f"--resume: {start_dir} holds optimizer state sharded over {state.workers} workers; "
+                                f"cluster.workers is {cfg.cluster.workers} (set it to {state.workers})")
         else:
             start_dir, state = prepare_model(cfg, progress), None
             run_dir.mkdir(parents=True, exist_ok=True)
@@ -36,19 +51,25 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, console: Console | N
         tok = TextTokenizer.load(start_dir)
         log = MetricsLog(run_dir, console, cfg.metrics.prometheus_port, resume_at=state and state.iteration + 1)
         t0 = time.time()
+        buffer = PartialRolloutBuffer(cfg.rollout.partial.max_age)
+        ptx = load_ptx(cfg.algorithm.ptx.data) if cfg.algorithm.ptx.coef > 0 else []
         with Cluster(cfg, str(start_dir)) as cluster:
             if state:
                 cluster.load_optimizer(str(start_dir))
+                cluster.weights_version = state.weights_version
+                buffer.load_state_dict(state.partial)
                 initial = state.initial_accuracy
             else:
                 initial = evaluate(cluster, tasks.eval, tok, cfg, progress)["accuracy"]
                 console.print(f"warm start: held-out accuracy {initial:.3f} on {len(tasks.eval)} prompts")
+            cluster.offload_trainers()
             first = state.iteration + 1 if state else 0
             for it in range(first, cfg.run.iterations):
-                rec = iteration(cluster, cfg, tasks, tok, it, progress)
+                rec = iteration(cluster, cfg, tasks, tok, it, progress, buffer, ptx)
                 log.record(rec)
                 if (it + 1) % cfg.run.save_every == 0 or it + 1 == cfg.run.iterations:
-                    loop = LoopState(it, initial, (state.wall_s if state else 0) + time.time() - t0)
+                    loop = LoopState(it, initial, (state.wall_s if state else 0) + time.time() - t0,
+                                     cluster.weights_version, buffer.state_dict(), cfg.cluster.workers)
                     save_checkpoint(run_dir, loop, cluster.save, start_dir, cfg.run.keep_checkpoints)
             final_dir = run_dir / "final"
             cluster.save(str(final_dir))
@@ -68,37 +89,70 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, console: Console | N
     return summary
 
 
-def iteration(cluster: Cluster, cfg: Config, tasks, tok: TextTokenizer, it: int, progress: Progress) -> dict:
+def temperature_of(cfg: Config, task_type: str, it: int) -> float:
+    """Sampling temperature of a task type at iteration ``it`` (its schedule, or the default one)."""
+    sched = cfg.task_type(task_type)[2]
+    return temperature_at(sched.schedule, sched.start, sched.end, it, cfg.run.iterations)
+
+
+def new_groups(cfg: Config, tasks, tok: TextTokenizer, it: int, buffer: PartialRolloutBuffer) -> dict[str, float]:
+    """Add this iteration's new prompt groups (K trajectories each) to the buffer, so that
+    ``prompts_per_iteration`` groups are in flight; returns the temperature of each task type."""
+    r, temps = cfg.rollout, {}
+    for g, index in enumerate(sample_prompts(len(tasks.train), r.prompts_per_iteration - buffer.in_flight_groups(),
+                                             cfg.run.seed, it)):
+        task = tasks.train[index]
+        ttype = task_type_of(task, cfg)
+        max_tokens = cfg.task_type(ttype)[0]
+        temps[ttype] = temperature_of(cfg, ttype, it)
+        group, prompt = it * GROUPS_PER_ITERATION + g, tok.encode(task.prompt)
+        keys = [group * r.samples_per_prompt + j for j in range(r.samples_per_prompt)]
+        buffer.add_group([Trajectory(key=k, group=group, task_index=index, prompt_ids=prompt, started=it,
+                                     params=SamplingParams(temps[ttype], max_tokens,
+                                                           seed=(cfg.run.seed * 1_000_003 + k) % 2**63))
+                          for k in keys])
+    return temps
+
+
+def iteration(cluster: Cluster, cfg: Config, tasks, tok: TextTokenizer, it: int, progress: Progress,
+              buffer: PartialRolloutBuffer, ptx: list) -> dict:
     """One RL iteration; returns its metrics record."""
-    r, times = cfg.rollout, {}
-    temperature = temperature_at(r.temperature.schedule, r.temperature.start, r.temperature.end, it,
-                                 cfg.run.iterations)
-    batch = sample_prompts(tasks.train, r.prompts_per_iteration, cfg.run.seed, it)
-    prompts = [tok.encode(t.prompt) for t in batch for _ in range(r.samples_per_prompt)]
+    times: dict[str, float] = {}
 
     t = time.time()
-    bar = progress.add_task(f"iter {it} rollout", total=len(prompts))
-    completions = cluster.generate(prompts, temperature, r.max_tokens, seed=cfg.run.seed * 100_003 + it,
-                                   on_chunk=lambda n: progress.advance(bar, n))
+    temps = new_groups(cfg, tasks, tok, it, buffer)
+    pending, _ = buffer.pending(it)  # trajectories past rollout.partial.max_age are dropped here
+    bar = progress.add_task(f"iter {it} rollout", total=len(pending))
+    results = cluster.rollout(pending, cfg.rollout.partial.token_budget, on_worker=lambda n: progress.advance(bar, n))
     progress.remove_task(bar)
+    prior = {t.key: len(t.token_ids) for t in pending}
+    generated = sum(len(c.token_ids) - prior[c.request_id] for c in results)
+    buffer.record(results, it, cluster.weights_version)
     cluster.sleep_rollouts()
     times["time_rollout"] = time.time() - t
 
     t = time.time()
-    samples, stats = score(batch, completions, tok, cfg)
+    samples, stats = score(buffer.pop_complete(), tasks.train, tok, cfg)
+    partial_stats = buffer.stats()  # after pop_complete: waiting_groups are the groups carried over
     times["time_reward"] = time.time() - t
 
     t = time.time()
-    bar = progress.add_task(f"iter {it} train", total=cfg.algorithm.minibatches)
-    steps = cluster.train(samples, temperature, seed=cfg.run.seed * 100_003 + it,
-                          on_step=lambda _: progress.advance(bar))
+    times["time_onload"] = cluster.onload_trainers().get("seconds", 0.0)
+    a = cfg.algorithm
+    ptx_steps = [PtxBatch(*b) for b in ptx_batches(ptx, tok, a.ptx.batch_size, a.minibatches, cfg.run.seed, it)] \
+        if ptx else []
+    bar = progress.add_task(f"iter {it} train", total=a.minibatches)
+    steps = cluster.train(samples, ptx_steps, seed=cfg.run.seed * 100_003 + it,
+                          on_step=lambda _: progress.advance(bar)) if samples else []
     progress.remove_task(bar)
+    times["time_offload"] = cluster.offload_trainers().get("seconds", 0.0)
     times["time_train"] = time.time() - t
 
     t = time.time()
     bar = progress.add_task(f"iter {it} weight update ({cluster.num_buckets} buckets)", total=1)
     cluster.wake_rollouts()
-    cluster.update_weights()
+    if steps:
+        cluster.update_weights()
     progress.remove_task(bar)
     times["time_weight_update"] = time.time() - t
 
@@ -111,9 +165,24 @@ def iteration(cluster: Cluster, cfg: Config, tasks, tok: TextTokenizer, it: int,
         "iteration": it,
         **stats,
         "accuracy": accuracy,
-        "temperature": temperature,
-        "loss": sum(s["loss"] for s in steps) / max(1, len(steps)),
-        "grad_norm": sum(s["grad_norm"] for s in steps) / max(1, len(steps)),
-        "optimizer_steps": len(steps),
+        "temperature": temperature_of(cfg, env_class(cfg).task_type, it),
+        **({f"temperature/{k}": v for k, v in temps.items()} if len(temps) > 1 else {}),
+        "rollout_tokens": generated,
+        **{f"partial_{k}": v for k, v in partial_stats.items()},
+        **step_metrics(steps),
         **{k: round(v, 3) for k, v in times.items()},
     }
+
+
+def step_metrics(steps: list[dict[str, float]]) -> dict[str, float]:
+    """Losses and gradient norms averaged over the optimizer steps; max logits as their maximum."""
+    out: dict[str, float] = {"optimizer_steps": len(steps)}
+    for key in sorted({k for s in steps for k in s}):
+        values = [s[key] for s in steps if key in s]
+        if key.startswith("max_logit"):
+            out[key] = max(values)
+        elif key == "qk_clipped_heads":
+            out[key] = sum(values)
+        else:
+            out[key] = sum(values) / len(values)
+    return out

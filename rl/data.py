@@ -52,7 +52,8 @@ def load_task_sets(cfg: Config) -> TaskSets:
     return TaskSets(train, held_out)
 
 
-def sample_prompts(tasks: list[Task], n: int, seed: int, iteration: int) -> list[Task]:
-    """The iteration's prompts: a deterministic function of (seed, iteration), so resumes replay."""
+def sample_prompts(n_tasks: int, n: int, seed: int, iteration: int) -> list[int]:
+    """Indices of the iteration's new prompts: a deterministic function of (seed, iteration), so
+    resumes replay."""
     rng = random.Random(seed * 1_000_003 + iteration)
-    return rng.sample(tasks, min(n, len(tasks)))
+    return rng.sample(range(n_tasks), min(n, n_tasks))

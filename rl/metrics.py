@@ -37,8 +37,8 @@ class MetricsLog:
 
         for k, v in rec.items():
             if isinstance(v, (int, float)):
-                if k not in self.gauges:
-                    self.gauges[k] = Gauge(f"rl_{k}", f"RL run metric {k}")
+                if k not in self.gauges:  # "truncation_rate/math" -> rl_truncation_rate_math
+                    self.gauges[k] = Gauge(f"rl_{k.replace('/', '_').replace('.', '_')}", f"RL run metric {k}")
                 self.gauges[k].set(v)
 
     def record(self, rec: dict[str, Any]) -> None:
@@ -48,11 +48,17 @@ class MetricsLog:
         if self.prometheus:
             self._export(rec)
         acc = rec.get("accuracy")
-        times = " ".join(f"{k.removeprefix('time_')}={rec[k]:.1f}s" for k in rec if k.startswith("time_"))
+        times = " ".join(f"{k.removeprefix('time_')}={rec[k]:.1f}s" for k in rec
+                         if k.startswith("time_") and k not in ("time_onload", "time_offload"))
+        extra = ""
+        if rec.get("partial_paused") or rec.get("partial_resumed") or rec.get("partial_waiting_groups"):
+            extra += f"  paused {rec['partial_paused']} resumed {rec['partial_resumed']}"
+        if rec.get("max_logit") is not None:
+            extra += f"  max-logit {rec['max_logit']:.1f}"
         self.console.print(
             f"iter {rec['iteration']:>4}  reward {rec['reward_mean']:.3f}  "
             f"acc {'  -  ' if acc is None else f'{acc:.3f}'}  len {rec['response_len']:.1f}  "
-            f"trunc {rec['truncation_rate']:.2f}  T {rec['temperature']:.2f}  {times}",
+            f"trunc {rec['truncation_rate']:.2f}  T {rec['temperature']:.2f}{extra}  {times}",
             soft_wrap=True,
         )
 

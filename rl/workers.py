@@ -2,49 +2,88 @@
 
 Both actors of a worker sit in the same placement-group bundle, so they share its devices; the
 weights cross from the trainer process to the inference process only through the checkpoint
-engine's shared IPC buffers.
+engine's shared IPC buffers. The trainers of all workers form one torch.distributed group: FSDP2
+shards the model over it and the checkpoint engine broadcasts each rank's shard over it.
 """
 
 from __future__ import annotations
 
 import os
+import socket
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+from torch.utils._pytree import tree_map_only
 
 from checkpoint_engine.buckets import plan_buckets, spec_of
 from checkpoint_engine.engine import CheckpointEngine
 from checkpoint_engine.transfer import WeightReceiver
 from checkpoint_engine.update import RayReloader, free_port
+from engines import distributed
 from engines.hf_io import load_pretrained, save_pretrained
 from engines.inference import Completion, InferenceEngine, SamplingParams
+from engines.model import track_max_logits
 from engines.training import TrainingEngine
-from rl.algorithm import Sample, rl_update
+from rl.algorithm import PtxBatch, Sample, rl_update
 from rl.config import Config
 from rl.optim import build_optimizers
+from rl.partial import generate_with_budget
+from rl.qk_clip import qk_clip
 
 OPTIMIZER_FILE = "optimizer.pt"
 
 
-def _set_threads(threads: int | None) -> None:
-    torch.set_num_threads(threads or os.cpu_count() or 1)
+def _set_threads(threads: int) -> None:
+    torch.set_num_threads(max(1, threads))
+
+
+def _host_ip() -> str:
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
 
 
 class TrainerWorker:
-    """Holds the training engine and the sending end of the checkpoint engine."""
+    """Holds one rank of the (sharded) training engine and the sending end of the checkpoint engine."""
 
-    def __init__(self, model_dir: str, cfg: Config, shm_prefix: str) -> None:
-        _set_threads(cfg.cluster.threads_per_worker)
+    def __init__(self, cfg: Config, threads: int) -> None:
+        _set_threads(threads)
+        self.cfg = cfg
+        self.reloader: RayReloader | None = None
+
+    def rendezvous(self) -> str:
+        """The torch.distributed address of this worker (asked of rank 0 only)."""
+        ip = "127.0.0.1" if self.cfg.cluster.ray_address is None else _host_ip()
+        return f"tcp://{ip}:{free_port()}"
+
+    def setup(self, model_dir: str, rank: int, world: int, init_method: str, shm_prefix: str) -> None:
+        """Join the group, load and shard the model, build the optimizers and the checkpoint engine."""
+        cfg, o = self.cfg, self.cfg.optimizer
+        self.rank, self.world = rank, world
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        distributed.init_distributed(rank, world, init_method, device=device)
+        # the trainer keeps its weights in model.dtype: the inference engines take those bytes as they are
         model = load_pretrained(model_dir, getattr(torch, cfg.model.dtype))
-        o = cfg.optimizer
+        if device == "cuda":
+            model = model.to(device)
+        if world > 1 or cfg.trainer.param_dtype != cfg.model.dtype:
+            model = distributed.shard_model(model, param_dtype=cfg.trainer.param_dtype)
+        track_max_logits(model, True)
         opts = build_optimizers(model, o.kind, o.lr, o.weight_decay, o.momentum)
         self.engine = TrainingEngine(model, opts, model.config.pad_token_id, o.max_grad_norm)
         bucket = cfg.checkpoint_engine.bucket_bytes
-        self.plan = plan_buckets([spec_of(n, t) for n, t in model.state_dict().items()], bucket)
-        self.ckpt = CheckpointEngine(0, 1, f"tcp://127.0.0.1:{free_port()}", bucket, shm_prefix)
-        self.reloader: RayReloader | None = None
-        self.cfg = cfg
+        # every rank must plan the same buckets: share who holds which bytes of every tensor
+        mine = {n: (off, off + t.numel() * t.element_size()) for n, (t, off) in distributed.local_shards(model).items()}
+        everyone: list = [None] * world
+        dist.all_gather_object(everyone, mine)
+        owners = {n: [(r, *everyone[r][n]) for r in range(world)] for n in mine}
+        specs = [spec_of(n, t) for n, t in model.state_dict().items()]  # DTensors report their full shape
+        self.plan = plan_buckets(specs, bucket, owners)
+        self.ckpt = CheckpointEngine(rank, world, init_method, bucket, shm_prefix, device=device)
 
     def weight_plan(self):
         """The bucket plan and the IPC buffer handles the inference engines map."""
@@ -55,25 +94,79 @@ class TrainerWorker:
         self.reloader = RayReloader(rollouts)
 
     def update_weights(self, version: int) -> None:
-        """Push the current weights to the connected inference engines (checkpoint engine)."""
-        self.ckpt.update(self.plan, dict(self.engine.model.state_dict()), version, self.reloader)
+        """Push this rank's shard of the weights to every inference engine (checkpoint engine).
 
-    def train(self, samples: list[Sample], temperature: float, seed: int) -> Iterator[dict[str, float]]:
-        """Run the K1.5 update on a rollout batch; yields metrics after each optimizer step."""
-        a = self.cfg.algorithm
-        yield from rl_update(self.engine, samples, tau=a.tau, temperature=temperature,
-                             minibatches=a.minibatches, micro_batch=a.micro_batch, seed=seed)
+        While offloaded the shards are read from host memory: stage 1 is then the H2D copy."""
+        shards = self.engine.host_shards() if self.engine.offloaded else distributed.local_shards(self.engine.model)
+        self.ckpt.update(self.plan, {n: t for n, (t, _) in shards.items()}, version, self.reloader,
+                         offsets={n: off for n, (_, off) in shards.items()})
+
+    def train(self, samples: list[Sample], ptx: list[PtxBatch], seed: int) -> Iterator[dict[str, float]]:
+        """Run the K1.5 (+ PTX) update on a rollout batch; yields metrics after each optimizer step."""
+        a, model = self.cfg.algorithm, self.engine.model
+        tau_qk = self.cfg.optimizer.qk_clip_tau
+        for m in rl_update(self.engine, samples, tau=a.tau, minibatches=a.minibatches, micro_batch=a.micro_batch,
+                           seed=seed, ptx=ptx, ptx_coef=a.ptx.coef, rank=self.rank, world=self.world,
+                           after_step=lambda: qk_clip(model, tau_qk)):
+            if self.world > 1:  # the losses are each rank's share of the minibatch
+                keys = [k for k in ("loss", "ptx_loss") if k in m]
+                t = torch.tensor([m[k] for k in keys], dtype=torch.float64)
+                dist.all_reduce(t)
+                m.update(zip(keys, t.tolist(), strict=True))
+            yield m
+
+    def offload(self) -> dict:
+        """Parameters, gradients and optimizer state to host memory while the inference engine runs."""
+        return self.engine.offload() if self.cfg.trainer.offload and not self.engine.offloaded else {}
+
+    def onload(self) -> dict:
+        return self.engine.onload() if self.engine.offloaded else {}
+
+    @contextmanager
+    def _onloaded(self):
+        """The trainer's tensors in place for the duration (an offloaded tensor has no storage)."""
+        was = self.engine.offloaded
+        if was:
+            self.engine.onload()
+        try:
+            yield
+        finally:
+            if was:
+                self.engine.offload()
 
     def save(self, directory: str) -> None:
-        """Weights in Hugging Face format plus the optimizer state."""
-        save_pretrained(self.engine.model, None, directory)
-        torch.save(self.engine.state_dict(), Path(directory) / OPTIMIZER_FILE)
+        """Weights in Hugging Face format plus the optimizer state of every rank (collective)."""
+        with self._onloaded():
+            self._save(directory)
+
+    def _save(self, directory: str) -> None:
+        state = distributed.full_state_dict(self.engine.model)
+        opt = self.engine.state_dict()
+        states: list = [None] * self.world
+        if self.world > 1:
+            dist.all_gather_object(states, opt)
+        else:
+            states = [opt]
+        if self.rank == 0:
+            save_pretrained(self.engine.model, None, directory, state=state)
+            torch.save({"world": self.world, "ranks": states}, Path(directory) / OPTIMIZER_FILE)
+        if self.world > 1:
+            dist.barrier()
 
     def load_optimizer(self, directory: str) -> None:
-        self.engine.load_state_dict(torch.load(Path(directory) / OPTIMIZER_FILE, weights_only=False))
+        saved = torch.load(Path(directory) / OPTIMIZER_FILE, weights_only=False)
+        if saved.get("world") != self.world:
+            raise ValueError(f"{directory}: optimizer state was saved by {saved.get('world')} workers; this run has "
+                             f"{self.world} (set cluster.workers to {saved.get('world')} to resume)")
+        # torch.load's storages are not resizable, which offloading needs: give the state its own memory
+        state = tree_map_only(torch.Tensor, torch.clone, saved["ranks"][self.rank])
+        with self._onloaded():
+            self.engine.load_state_dict(state)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        return {k: v.detach().clone() for k, v in self.engine.model.state_dict().items()}
+        """Full weights (collective when sharded)."""
+        with self._onloaded():
+            return {k: v.detach().clone() for k, v in distributed.full_state_dict(self.engine.model).items()}
 
     def close(self) -> None:
         self.ckpt.close()
@@ -82,8 +175,8 @@ class TrainerWorker:
 class RolloutWorker:
     """Holds the inference engine and the receiving end of the checkpoint engine."""
 
-    def __init__(self, model_dir: str, cfg: Config) -> None:
-        _set_threads(cfg.cluster.threads_per_worker)
+    def __init__(self, model_dir: str, cfg: Config, threads: int) -> None:
+        _set_threads(threads)
         model = load_pretrained(model_dir, getattr(torch, cfg.model.dtype))
         c, r = model.config, cfg.rollout
         self.engine = InferenceEngine(model, c.eos_token_id, c.pad_token_id, max_num_seqs=r.max_batch,
@@ -126,11 +219,26 @@ class RolloutWorker:
             getattr(model.get_submodule(owner), attr).data = t
         self.engine.weights_loaded()
 
-    def generate(self, prompts: list[list[int]], temperature: float, max_tokens: int, seed: int) -> list[Completion]:
+    def _check_consistent(self) -> None:
         if self.receiver is not None and not self.receiver.consistent:
             raise RuntimeError("weights are partly updated (an update failed midway and could not be rolled "
                                "back); refusing to generate until a complete update arrives")
-        return self.engine.generate(prompts, SamplingParams(temperature, max_tokens), seed=seed)
+
+    def generate(self, prompts: list[list[int]], params: list[SamplingParams], seed: int) -> list[Completion]:
+        """Run requests to completion (held-out evaluation)."""
+        self._check_consistent()
+        return self.engine.generate(prompts, params, seed=seed)
+
+    def rollout(self, requests: list[tuple[list[int], SamplingParams, int]], partials: list[Completion],
+                token_budget: int | None) -> tuple[list[Completion], list[Completion]]:
+        """New requests and paused ones, until done or ``token_budget`` tokens: (finished, paused)."""
+        self._check_consistent()
+        return generate_with_budget(self.engine, requests, partials, token_budget)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().clone() for k, v in self.engine.named_tensors().items()}
+
+
+def default_threads(cfg: Config) -> int:
+    """Torch threads per process: the configured number, or this machine's cores shared by the workers."""
+    return cfg.cluster.threads_per_worker or max(1, (os.cpu_count() or 1) // cfg.cluster.workers)

@@ -8,13 +8,13 @@ import torch.nn.functional as F
 from engines.inference import InferenceEngine, SamplingParams
 from engines.model import padded_causal_mask, positions_from_valid
 from engines.training import TrainingEngine
-from rl.algorithm import Sample, group_advantages, k15_backward, rl_update
+from rl.algorithm import PtxBatch, Sample, group_advantages, k15_backward, micro_batches, ptx_backward, rl_update
 from rl.optim import build_optimizers
 
 
-def _reference_loss(model, samples, tau, temperature):
+def _reference_loss(model, samples, tau):
     """Straight from DESIGN.md: mean over prompts of 1/K Σ_i (r_i − r̄ − τ log(π_θ/π_old))²,
-    with log π_θ computed one sequence at a time, without padding."""
+    with log π_θ computed one sequence at a time, without padding, at its sampling temperature."""
     groups = {}
     for s in samples:
         groups.setdefault(s.group, []).append(s)
@@ -26,7 +26,7 @@ def _reference_loss(model, samples, tau, temperature):
             ids = torch.tensor([s.prompt_ids + s.response_ids])
             valid = torch.ones_like(ids, dtype=torch.bool)
             logits = model(ids, positions_from_valid(valid), padded_causal_mask(valid))[0]
-            logp = F.log_softmax(logits.float() / temperature, dim=-1)
+            logp = F.log_softmax(logits.float() / s.temperature, dim=-1)
             new = sum(logp[len(s.prompt_ids) - 1 + t, tok] for t, tok in enumerate(s.response_ids))
             ratio = new - sum(s.old_logprobs)
             terms.append((s.reward - mean_r - tau * ratio) ** 2)
@@ -40,17 +40,18 @@ def _random_samples(rng, vocab, n_groups=3, k=4):
         prompt = [rng.randrange(2, vocab) for _ in range(rng.randint(2, 6))]
         for _ in range(k - (g == 1)):  # one group with K-1 samples: weights must still be per prompt
             resp = [rng.randrange(2, vocab) for _ in range(rng.randint(1, 5))]
-            samples.append(Sample(g, prompt, resp, [rng.uniform(-3, -0.1) for _ in resp], float(rng.random() < 0.5)))
+            samples.append(Sample(g, prompt, resp, [rng.uniform(-3, -0.1) for _ in resp], float(rng.random() < 0.5),
+                                  temperature=rng.choice([0.7, 1.0, 1.3])))
     return samples
 
 
 def test_k15_loss_and_gradient_match_reference(tiny_model, tokenizer):
     rng = random.Random(0)
     samples = _random_samples(rng, tokenizer.vocab_size)
-    tau, temperature = 0.3, 0.8
+    tau = 0.3
 
     tiny_model.zero_grad()
-    ref = _reference_loss(tiny_model, samples, tau, temperature)
+    ref = _reference_loss(tiny_model, samples, tau)
     ref.backward()
     ref_grads = {n: p.grad.clone() for n, p in tiny_model.named_parameters()}
 
@@ -59,21 +60,23 @@ def test_k15_loss_and_gradient_match_reference(tiny_model, tokenizer):
     adv = group_advantages(samples)
     sizes = {g: sum(s.group == g for s in samples) for g in {s.group for s in samples}}
     weights = [1.0 / (sizes[s.group] * len(sizes)) for s in samples]
-    loss = k15_backward(engine, samples, adv, weights, tau=tau, temperature=temperature, micro_batch=3)
+    loss = k15_backward(engine, samples, adv, weights, tau=tau, micro_batch=3)
 
     assert abs(loss - ref.item()) < 1e-5 * max(1.0, abs(ref.item()))
     for n, p in tiny_model.named_parameters():
         torch.testing.assert_close(p.grad, ref_grads[n], atol=1e-5, rtol=1e-4, msg=n)
 
 
-def test_gradient_does_not_depend_on_micro_batch_split(tiny_model, tokenizer):
+def test_gradient_does_not_depend_on_micro_batch_or_rank_split(tiny_model, tokenizer):
+    """Each rank's share, summed over ranks (what FSDP's reduce-scatter does), equals one process."""
     samples = _random_samples(random.Random(1), tokenizer.vocab_size)
     adv, weights = group_advantages(samples), [1 / len(samples)] * len(samples)
     engine = TrainingEngine(tiny_model, [], tokenizer.pad_id)
     grads = []
-    for mb in (1, 5, len(samples)):
+    for mb, world in ((1, 1), (5, 1), (len(samples), 1), (2, 2), (3, 3)):
         tiny_model.zero_grad()
-        k15_backward(engine, samples, adv, weights, tau=1.0, temperature=1.0, micro_batch=mb)
+        for rank in range(world):
+            k15_backward(engine, samples, adv, weights, tau=1.0, micro_batch=mb, rank=rank, world=world)
         grads.append([p.grad.clone() for p in tiny_model.parameters()])
     for other in grads[1:]:
         for a, b in zip(grads[0], other, strict=True):
@@ -108,5 +111,38 @@ def test_rl_update_raises_reward_on_a_toy_task(tiny_model, tokenizer):
                    for j, o in enumerate(outs)]
         rates.append(sum(s.reward for s in samples) / len(samples))
         tiny_model.train().requires_grad_(True)
-        list(rl_update(engine, samples, tau=1.0, temperature=1.0, minibatches=2, micro_batch=64, seed=it))
+        list(rl_update(engine, samples, tau=1.0, minibatches=2, micro_batch=64, seed=it))
     assert sum(rates[-3:]) / 3 > sum(rates[:3]) / 3 + 0.25, rates
+
+
+def test_micro_batches_pad_every_rank_to_the_same_pass_count():
+    for n, mb, world in ((10, 3, 2), (7, 2, 3), (1, 4, 2), (0, 2, 2), (9, 9, 4)):
+        shares = [micro_batches(n, mb, r, world) for r in range(world)]
+        assert len({p for _, p in shares}) == 1  # the same number of passes on every rank
+        assert sorted(i for parts, _ in shares for part in parts for i in part) == list(range(n))
+        assert all(len(parts) <= passes for parts, passes in shares)
+
+
+def test_ptx_loss_is_token_mean_nll_whatever_the_split(tiny_model, tokenizer):
+    rng = random.Random(3)
+    prompts = [[rng.randrange(2, tokenizer.vocab_size) for _ in range(rng.randint(2, 6))] for _ in range(7)]
+    responses = [[rng.randrange(2, tokenizer.vocab_size) for _ in range(rng.randint(1, 6))] for _ in range(7)]
+    tiny_model.zero_grad()
+    nll, count = 0.0, 0
+    for p, r in zip(prompts, responses, strict=True):  # reference: one sequence at a time
+        ids = torch.tensor([p + r])
+        valid = torch.ones_like(ids, dtype=torch.bool)
+        logp = F.log_softmax(tiny_model(ids, positions_from_valid(valid), padded_causal_mask(valid))[0], -1)
+        nll = nll - sum(logp[len(p) - 1 + t, tok] for t, tok in enumerate(r))
+        count += len(r)
+    ref = 0.5 * nll / count
+    ref.backward()
+    ref_grads = [p.grad.clone() for p in tiny_model.parameters()]
+    engine = TrainingEngine(tiny_model, [], tokenizer.pad_id)
+    for mb, world in ((7, 1), (2, 2), (1, 3)):
+        tiny_model.zero_grad()
+        loss = sum(ptx_backward(engine, PtxBatch(prompts, responses), 0.5, micro_batch=mb, rank=r, world=world)
+                   for r in range(world))
+        assert abs(loss - ref.item()) < 1e-5
+        for a, b in zip(ref_grads, [p.grad for p in tiny_model.parameters()], strict=True):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)

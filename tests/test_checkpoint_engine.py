@@ -56,6 +56,28 @@ def test_plan_covers_every_byte_once_and_aligns():
     assert plan.owners[:2] == [0, 1]  # owners alternate, so broadcast sources rotate
 
 
+def test_plan_with_row_shards_sends_each_byte_from_its_holder():
+    """A row-sharded trainer (FSDP2) holds byte ranges of every tensor; each range is sent by its rank."""
+    def rows(s, world):  # torch.chunk-style split of dim 0, as FSDP2 shards; the last rank may get nothing
+        per_row = s.nbytes // s.shape[0]
+        step = -(-s.shape[0] // world)
+        return [(r, min(r * step, s.shape[0]) * per_row, min((r + 1) * step, s.shape[0]) * per_row)
+                for r in range(world)]
+
+    owners = {s.name: rows(s, 3) for s in MIXED}
+    plan = plan_buckets(MIXED, BUCKET, owners)
+    for k, bucket in enumerate(plan.buckets):
+        for p in bucket:
+            holder = next((lo, hi) for r, lo, hi in owners[p.name] if r == plan.owners[k])
+            assert holder[0] <= p.start and p.start + p.length <= holder[1]
+    sent = sorted((p.name, p.start, p.start + p.length) for b in plan.buckets for p in b)
+    for s in MIXED:
+        spans = [(lo, hi) for n, lo, hi in sent if n == s.name]
+        assert spans[0][0] == 0 and spans[-1][1] == s.nbytes and all(a[1] == b[0] for a, b in pairwise(spans))
+    with pytest.raises(ValueError, match="do not tile"):
+        plan_buckets(MIXED, BUCKET, {MIXED[0].name: [(0, 0, 8), (1, 16, MIXED[0].nbytes)]})
+
+
 def test_bucket_size_must_be_aligned():
     with pytest.raises(ValueError, match="multiple of 256"):
         plan_buckets(MIXED, 1000)

@@ -31,6 +31,39 @@ def test_bad_value_names_key_and_constraint():
         parse_config({"optimizer": {"kind": "sgd"}})
 
 
+def test_algorithm_sections_validate():
+    cfg = parse_config({"cluster": {"workers": 2}, "optimizer": {"qk_clip_tau": None},
+                        "rollout": {"partial": {"token_budget": 5000, "max_age": 1},
+                                    "task_types": {"math": {"max_tokens": 64}}}})
+    assert cfg.cluster.workers == 2 and cfg.optimizer.qk_clip_tau is None
+    assert cfg.task_type("math")[0] == 64 and cfg.task_type("code")[0] == cfg.rollout.max_tokens
+    with pytest.raises(UserError, match=r"algorithm: Value error, ptx.coef > 0 needs ptx.data"):
+        parse_config({"algorithm": {"ptx": {"coef": 0.1}}})
+    with pytest.raises(UserError, match=r"rollout\.task_types\.math\.max_tokens: Input should be greater"):
+        parse_config({"rollout": {"task_types": {"math": {"max_tokens": 0}}}})
+    with pytest.raises(UserError, match=r"rollout\.partial\.token_budget: Input should be greater"):
+        parse_config({"rollout": {"partial": {"token_budget": 0}}})
+
+
+def test_ptx_file_errors_name_the_line(tmp_path):
+    from rl.ptx import load_ptx
+
+    good = {"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]}
+    f = tmp_path / "ptx.jsonl"
+    f.write_text(json.dumps(good) + "\n" + json.dumps({"prompt": "a", "response": "b"}) + "\n")
+    samples = load_ptx(f)
+    assert samples[0].prompt == "user: 2+2?\nassistant:" and samples[0].response == " 4"
+    assert (samples[1].prompt, samples[1].response) == ("a", "b")
+    f.write_text(json.dumps(good) + "\n" + json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    with pytest.raises(UserError, match=r"ptx.jsonl:2: the last message must be the assistant's reply"):
+        load_ptx(f)
+    f.write_text("{not json\n")
+    with pytest.raises(UserError, match=r"ptx.jsonl:1: not valid JSON"):
+        load_ptx(f)
+    with pytest.raises(UserError, match="does not exist"):
+        load_ptx(tmp_path / "missing.jsonl")
+
+
 def test_overrides_are_parsed_as_yaml():
     cfg = parse_config({}, overrides=["run.iterations=7", "rollout.temperature.schedule=linear"])
     assert cfg.run.iterations == 7 and cfg.rollout.temperature.schedule == "linear"

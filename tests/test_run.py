@@ -8,10 +8,14 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
+from engines.sampling import SamplingParams
+from envs.arithmetic import ArithmeticEnv
+from rl.algorithm import Sample
 from rl.checkpoint import LoopState, latest_checkpoint, save_checkpoint
 from rl.cluster import Cluster
 from rl.config import parse_config
 from rl.controller import train
+from rl.errors import UserError
 from rl.warmstart import prepare_model
 
 TINY = {
@@ -30,46 +34,60 @@ TINY = {
 def tiny(**sections):
     raw = json.loads(json.dumps(TINY))
     for k, v in sections.items():
-        raw[k].update(v)
+        raw.setdefault(k, {}).update(v)
     return parse_config(raw)
 
 
-@pytest.mark.parametrize("sleep_level", [1, 2])
-def test_weight_update_makes_inference_bitwise_equal(ray_cluster, sleep_level):
-    """Rollout, sleep (level 2 discards the inference weights), train, wake, update: the inference
-    engine then holds the trainer's weights bit for bit and generates again."""
-    cfg = tiny(rollout={"sleep_level": sleep_level})
+@pytest.mark.parametrize(("sleep_level", "workers"), [(1, 1), (2, 1), (1, 2)])
+def test_weight_update_makes_inference_bitwise_equal(ray_cluster, sleep_level, workers):
+    """Rollout, sleep (level 2 discards the inference weights), onload, train (FSDP2-sharded over
+    two workers in the last case), offload, wake, update from the offloaded shards: every inference
+    engine then holds the trainer's full weights bit for bit and generates again."""
+    cfg = tiny(rollout={"sleep_level": sleep_level}, cluster={"workers": workers})
     model_dir = prepare_model(cfg)
     with Cluster(cfg, str(model_dir)) as cluster:
         assert cluster.num_buckets > 3
         before = ray.get(cluster.rollouts[0].state_dict.remote())
-        from rl.algorithm import Sample
-
         prompts = [[5, 6, 7]] * 4
-        outs = cluster.generate(prompts, 1.0, 8, seed=0)
+        params = [SamplingParams(1.0, 8)] * 4
+        cluster.offload_trainers()
+        outs = cluster.generate(prompts, params, seed=0)
         cluster.sleep_rollouts()
+        cluster.onload_trainers()
         samples = [Sample(0, o.prompt_ids, o.token_ids, o.logprobs, float(i % 2)) for i, o in enumerate(outs)]
-        cluster.train(samples, 1.0, seed=0)
-        trained = ray.get(cluster.trainers[0].state_dict.remote())
+        cluster.train(samples, [], seed=0)
+        cluster.offload_trainers()
+        trained = ray.get([t.state_dict.remote() for t in cluster.trainers])[0]
         assert any(not torch.equal(trained[k], before[k]) for k in trained)
         cluster.wake_rollouts()
         cluster.update_weights()
-        after = ray.get(cluster.rollouts[0].state_dict.remote())
-        assert len(cluster.generate(prompts, 1.0, 8, seed=1)) == 4
-    assert set(after) == set(trained)
-    for k in trained:
-        assert torch.equal(after[k], trained[k]), k
+        after = [ray.get(r.state_dict.remote()) for r in cluster.rollouts]
+        assert len(cluster.generate(prompts, params, seed=1)) == 4
+    for replica in after:
+        assert set(replica) == set(trained)
+        for k in trained:
+            assert torch.equal(replica[k], trained[k]), k
 
 
 def test_run_outputs_and_exact_resume(ray_cluster, tmp_path):
+    """A run with partial rollout and PTX: its outputs, and a resume that continues exactly (the
+    partial-rollout buffer is part of the checkpoint)."""
+    ptx = tmp_path / "ptx.jsonl"
+    ptx.write_text("".join(json.dumps({"prompt": t.prompt, "response": t.meta["solution"]}) + "\n"
+                           for t in ArithmeticEnv.generate_tasks(20, seed=5)))
+    features = {"rollout": {"partial": {"token_budget": 120, "max_age": 1}},
+                "algorithm": {"ptx": {"data": str(ptx), "coef": 0.1, "batch_size": 4}}}
     full = tmp_path / "full"
-    summary = train(tiny(), full)
+    summary = train(tiny(**features), full)
     assert {"initial_accuracy", "final_accuracy", "iterations", "wall_s"} <= set(summary)
     assert summary["iterations"] == 4
     records = [json.loads(x) for x in (full / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in records] == [0, 1, 2, 3]
-    assert {"reward_mean", "response_len", "truncation_rate", "time_rollout", "time_train",
-            "time_weight_update"} <= set(records[0])
+    assert {"reward_mean", "response_len", "truncation_rate", "time_rollout", "time_train", "time_offload",
+            "time_onload", "time_weight_update", "ptx_loss", "max_logit", "max_logit_layer0", "partial_paused",
+            "partial_resumed", "partial_dropped"} <= set(records[1])
+    assert sum(r["partial_paused"] for r in records) > 0 and sum(r["partial_resumed"] for r in records) > 0
+    assert all(r["rollout_tokens"] <= 120 + 16 for r in records)  # budget + at most one token per slot
     assert (full / "curves.png").stat().st_size > 10_000
     hf = transformers.AutoModelForCausalLM.from_pretrained(full / "final")
     assert type(hf).__name__ == "LlamaForCausalLM"
@@ -77,7 +95,7 @@ def test_run_outputs_and_exact_resume(ray_cluster, tmp_path):
 
     # stop after 2 iterations, then resume to 4: same weights and metrics as the uninterrupted run
     split = tmp_path / "split"
-    train(tiny(run={"iterations": 2}), split)
+    train(tiny(run={"iterations": 2}, **features), split)
     ckpt, state = latest_checkpoint(split)
     assert state.iteration == 1 and (ckpt / "optimizer.pt").is_file()
     (split / "config.yaml").write_text((split / "config.yaml").read_text().replace("iterations: 2", "iterations: 4"))
@@ -90,6 +108,26 @@ def test_run_outputs_and_exact_resume(ray_cluster, tmp_path):
         assert torch.equal(a[k], b[k]), k
     resumed = [json.loads(x) for x in (split / "metrics.jsonl").read_text().splitlines()]
     assert [r["reward_mean"] for r in resumed] == [r["reward_mean"] for r in records]
+
+
+def test_two_worker_run_resumes_exactly(ray_cluster, tmp_path):
+    """FSDP2 over two workers: sharded optimizer state in the checkpoint, bitwise-exact resume, and a
+    clear error when resuming with another worker count."""
+    two = {"cluster": {"workers": 2}, "run": {"iterations": 3, "eval_every": 3, "save_every": 2}}
+    train(tiny(**two), tmp_path / "full")
+    cut = json.loads(json.dumps(two))
+    cut["run"]["iterations"] = 2
+    train(tiny(**cut), tmp_path / "split")
+    from rl.config import load_config
+
+    with pytest.raises(UserError, match="sharded over 2 workers; cluster.workers is 1"):
+        train(load_config(tmp_path / "split" / "config.yaml", ["run.iterations=3", "cluster.workers=1"]),
+              tmp_path / "split", resume=True)
+    train(load_config(tmp_path / "split" / "config.yaml", ["run.iterations=3"]), tmp_path / "split", resume=True)
+    a = load_file(str(tmp_path / "full" / "final" / "model.safetensors"))
+    b = load_file(str(tmp_path / "split" / "final" / "model.safetensors"))
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
 
 
 def test_failed_save_leaves_last_checkpoint_intact(tmp_path):
