@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -23,12 +24,15 @@ VARIANTS = {
     "k1.5 + adamw": ["optimizer.kind=adamw"],
     "k1.5 + muon + partial rollout": ["rollout.partial.token_budget=6000"],
     "k1.5 + adamw + partial rollout": ["optimizer.kind=adamw", "rollout.partial.token_budget=6000"],
+    "k1.5 + adamw, lr/4": ["optimizer.kind=adamw", "optimizer.lr=1.0e-4"],  # AdamW with a smaller step
 }
+DEFAULT = list(VARIANTS)[:4]
 
 
 def run_variant(name: str, sets: list[str], seed: int, iterations: int | None, out: Path) -> dict:
     """One training run; returns its summary plus partial-rollout totals from metrics.jsonl."""
-    run_dir = out / f"{name.replace(' ', '').replace('+', '-').replace('.', '')}-seed{seed}"
+    slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+    run_dir = out / f"{slug}-seed{seed}"
     args = [sys.executable, "-m", "rl.cli", "train", str(ROOT / "configs" / "ablation.yaml"), "--run-dir",
             str(run_dir), "--set", f"run.seed={seed}"]
     for s in sets + ([f"run.iterations={iterations}"] if iterations else []):
@@ -45,7 +49,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--iterations", type=int, help="override run.iterations of configs/ablation.yaml")
     p.add_argument("--seeds", type=int, nargs="+", default=[0])
-    p.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
+    p.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=DEFAULT)
     p.add_argument("--out", type=Path, default=ROOT / "runs" / "ablation")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()

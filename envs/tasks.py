@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 from envs.base import Task
@@ -13,12 +14,12 @@ class TaskFileError(ValueError):
     pass
 
 
-def load_tasks(path: str | Path) -> list[Task]:
-    """Read and validate a JSONL task file."""
+def read_jsonl(path: str | Path, what: str = "task file") -> Iterator[tuple[str, int, dict]]:
+    """The JSON objects of a JSONL file with their ``file:line`` and line number; blank lines are
+    skipped and anything else that is not an object raises TaskFileError naming the line."""
     p = Path(path)
     if not p.is_file():
-        raise TaskFileError(f"task file {p} does not exist")
-    tasks = []
+        raise TaskFileError(f"{what} {p} does not exist")
     with p.open() as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
@@ -30,17 +31,25 @@ def load_tasks(path: str | Path) -> list[Task]:
                 raise TaskFileError(f"{where}: not valid JSON ({e.msg})") from None
             if not isinstance(rec, dict):
                 raise TaskFileError(f"{where}: a record must be a JSON object")
-            for key in ("prompt", "answer"):
-                if key not in rec:
-                    raise TaskFileError(f"{where}: missing field {key!r}")
-            if not isinstance(rec["prompt"], str) or not rec["prompt"]:
-                raise TaskFileError(f"{where}: 'prompt' must be a non-empty string")
-            if not isinstance(rec["answer"], (str, int)):
-                raise TaskFileError(f"{where}: 'answer' must be a string or an integer")
-            if not isinstance(rec.get("meta", {}), dict):
-                raise TaskFileError(f"{where}: 'meta' must be an object")
-            tasks.append(Task(str(rec.get("id", f"{p.stem}-{n}")), rec["prompt"], str(rec["answer"]),
-                              rec.get("meta", {})))
+            yield where, n, rec
+
+
+def load_tasks(path: str | Path) -> list[Task]:
+    """Read and validate a JSONL task file."""
+    p = Path(path)
+    tasks = []
+    for where, n, rec in read_jsonl(p):
+        for key in ("prompt", "answer"):
+            if key not in rec:
+                raise TaskFileError(f"{where}: missing field {key!r}")
+        if not isinstance(rec["prompt"], str) or not rec["prompt"]:
+            raise TaskFileError(f"{where}: 'prompt' must be a non-empty string")
+        if not isinstance(rec["answer"], (str, int)):
+            raise TaskFileError(f"{where}: 'answer' must be a string or an integer")
+        if not isinstance(rec.get("meta", {}), dict):
+            raise TaskFileError(f"{where}: 'meta' must be an object")
+        tasks.append(Task(str(rec.get("id", f"{p.stem}-{n}")), rec["prompt"], str(rec["answer"]),
+                          rec.get("meta", {})))
     if not tasks:
         raise TaskFileError(f"task file {p} has no records")
     return tasks

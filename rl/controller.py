@@ -16,7 +16,6 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from engines.sampling import SamplingParams
 from engines.tokenizer import TextTokenizer
-from rl.algorithm import PtxBatch
 from rl.checkpoint import LoopState, copy_tokenizer, latest_checkpoint, save_checkpoint
 from rl.cluster import Cluster
 from rl.config import Config, dump_config
@@ -36,6 +35,7 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, console: Console | N
     """Run (or resume) an RL run in ``run_dir``; returns the summary also written to summary.json."""
     console = console or Console()
     tasks = load_task_sets(cfg)  # validates task files and the env name before any work
+    ptx = load_ptx(cfg.algorithm.ptx.data) if cfg.algorithm.ptx.coef > 0 else []
     progress = Progress(TextColumn("{task.description:<34}"), BarColumn(), MofNCompleteColumn(),
                         TimeElapsedColumn(), console=console, transient=True)
     with progress:
@@ -52,7 +52,6 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, console: Console | N
         log = MetricsLog(run_dir, console, cfg.metrics.prometheus_port, resume_at=state and state.iteration + 1)
         t0 = time.time()
         buffer = PartialRolloutBuffer(cfg.rollout.partial.max_age)
-        ptx = load_ptx(cfg.algorithm.ptx.data) if cfg.algorithm.ptx.coef > 0 else []
         with Cluster(cfg, str(start_dir)) as cluster:
             if state:
                 cluster.load_optimizer(str(start_dir))
@@ -139,8 +138,7 @@ def iteration(cluster: Cluster, cfg: Config, tasks, tok: TextTokenizer, it: int,
     t = time.time()
     times["time_onload"] = cluster.onload_trainers().get("seconds", 0.0)
     a = cfg.algorithm
-    ptx_steps = [PtxBatch(*b) for b in ptx_batches(ptx, tok, a.ptx.batch_size, a.minibatches, cfg.run.seed, it)] \
-        if ptx else []
+    ptx_steps = ptx_batches(ptx, tok, a.ptx.batch_size, a.minibatches, cfg.run.seed, it) if ptx else []
     bar = progress.add_task(f"iter {it} train", total=a.minibatches)
     steps = cluster.train(samples, ptx_steps, seed=cfg.run.seed * 100_003 + it,
                           on_step=lambda _: progress.advance(bar)) if samples else []

@@ -9,11 +9,12 @@ default) should use the prompt/response form so PTX text looks like its rollouts
 
 from __future__ import annotations
 
-import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
 
+from envs.tasks import TaskFileError, read_jsonl
+from rl.algorithm import PtxBatch
 from rl.errors import UserError
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -38,37 +39,29 @@ def _render(messages: list[dict], where: str) -> PtxSample:
 
 def load_ptx(path: Path) -> list[PtxSample]:
     """Read and validate a PTX JSONL file; a bad line stops the run with its file and line number."""
-    p = Path(path)
-    if not p.is_file():
-        raise UserError(f"algorithm.ptx.data: {p} does not exist")
     samples = []
-    for n, line in enumerate(p.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        where = f"{p}:{n}"
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise UserError(f"{where}: not valid JSON: {e}") from None
-        if not isinstance(rec, dict):
-            raise UserError(f"{where}: expected an object")
-        if "messages" in rec:
-            samples.append(_render(rec["messages"], where))
-        elif isinstance(rec.get("prompt"), str) and isinstance(rec.get("response"), str) and rec["response"]:
-            samples.append(PtxSample(rec["prompt"], rec["response"]))
-        else:
-            raise UserError(f"{where}: needs 'messages' or non-empty string 'prompt' and 'response'")
+    try:
+        for where, _, rec in read_jsonl(path, "algorithm.ptx.data:"):
+            if "messages" in rec:
+                samples.append(_render(rec["messages"], where))
+            elif isinstance(rec.get("prompt"), str) and isinstance(rec.get("response"), str) and rec["response"]:
+                samples.append(PtxSample(rec["prompt"], rec["response"]))
+            else:
+                raise UserError(f"{where}: needs 'messages' or non-empty string 'prompt' and 'response'")
+    except TaskFileError as e:
+        raise UserError(str(e)) from None
     if not samples:
-        raise UserError(f"algorithm.ptx.data: {p} holds no samples")
+        raise UserError(f"algorithm.ptx.data: {path} holds no samples")
     return samples
 
 
 def ptx_batches(samples: list[PtxSample], tok, batch_size: int, steps: int, seed: int, iteration: int
-                ) -> list[tuple[list[list[int]], list[list[int]]]]:
-    """``steps`` batches of (prompt ids, response ids + EOS), a deterministic function of the iteration."""
+                ) -> list[PtxBatch]:
+    """``steps`` batches of prompt ids and response ids + EOS, a deterministic function of the iteration."""
     rng = random.Random(seed * 7_000_003 + iteration)
     out = []
     for _ in range(steps):
         chosen = [samples[rng.randrange(len(samples))] for _ in range(batch_size)]
-        out.append(([tok.encode(s.prompt) for s in chosen], [[*tok.encode(s.response), tok.eos_id] for s in chosen]))
+        out.append(PtxBatch([tok.encode(s.prompt) for s in chosen],
+                            [[*tok.encode(s.response), tok.eos_id] for s in chosen]))
     return out
