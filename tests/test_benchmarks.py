@@ -1,0 +1,29 @@
+"""The optimizer and offload benchmarks run and print the JSON record the README documents."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _last_json(*args: str) -> dict:
+    out = subprocess.run([sys.executable, "-m", *args, "--json"], capture_output=True, text=True, cwd=ROOT,
+                         timeout=300, check=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def test_optimizer_benchmark_reports_muon_against_adamw():
+    rec = _last_json("benchmarks.optimizer", "--repeats", "2", "--warmup", "1")
+    assert rec["model"] == "demo" and rec["params"] == 918656
+    assert abs(rec["ratio"] - rec["muon_step_s"] / rec["adamw_step_s"]) < 0.01 * rec["ratio"]
+    assert rec["qk_clipped_heads"] > 0  # the timed MuonClip step really clipped
+
+
+def test_offload_benchmark_reports_both_directions_against_a_copy():
+    rec = _last_json("benchmarks.offload", "--repeats", "2")
+    assert rec["bytes"] > 4 * rec["params"]  # parameters plus optimizer state
+    for k in ("offload_s", "onload_s", "copy_s"):
+        assert rec[k] > 0
+    assert abs(rec["offload_ratio"] - rec["offload_s"] / rec["copy_s"]) < 0.01 * rec["offload_ratio"] + 1e-3
