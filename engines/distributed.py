@@ -8,7 +8,6 @@ SUM, because the RL losses are already weighted by global (all-rank) counts.
 
 from __future__ import annotations
 
-import math
 from datetime import timedelta
 
 import torch
@@ -89,25 +88,47 @@ def shard_model(model: CausalLM, param_dtype: str = "float32") -> CausalLM:
     return model
 
 
+class UnsupportedShardingError(ValueError, NotImplementedError):
+    """A DTensor layout other than rows split over a 1-D mesh (``Shard(0)``) or replication."""
+
+
+def chunk_rows(rows: int, world: int) -> list[int]:
+    """Rows each rank holds under FSDP2's ``torch.chunk``-style ``Shard(0)`` split (later ranks may hold 0)."""
+    c = -(-rows // world)
+    return [max(0, min(c, rows - r * c)) for r in range(world)]
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The locally held part of ``t``: a DTensor's local shard, or ``t`` itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def is_row_sharded(t: torch.Tensor) -> bool:
+    """Whether ``t``'s rows are split over several ranks (False: each rank holds it whole); any layout
+    other than ``Shard(0)`` on a 1-D mesh or replication raises UnsupportedShardingError."""
+    if not isinstance(t, DTensor) or t.device_mesh.size() == 1 or all(isinstance(p, Replicate) for p in t.placements):
+        return False
+    if t.device_mesh.ndim != 1 or not (isinstance(t.placements[0], Shard) and t.placements[0].dim == 0):
+        raise UnsupportedShardingError(f"only rows sharded as Shard(0) on a 1-D mesh (or Replicate) are supported, "
+                                       f"got placements {t.placements} on a {t.device_mesh.ndim}-D mesh")
+    return True
+
+
+def local_rows(t: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """This rank's local tensor of ``t`` and the global index of its first row (dim-0 sharding)."""
+    local = local_tensor(t)
+    if not is_row_sharded(t):
+        return local, 0
+    counts, r = chunk_rows(t.shape[0], t.device_mesh.size()), t.device_mesh.get_local_rank()
+    if local.shape[0] != counts[r]:  # a different chunking rule than torch.chunk's would land here
+        raise RuntimeError(f"rank {r} holds {local.shape[0]} rows of {t.shape[0]}, expected {counts[r]}")
+    return local, sum(counts[:r])
+
+
 def shard_offset(t: torch.Tensor) -> tuple[torch.Tensor, int]:
     """This rank's local tensor of ``t`` and its byte offset inside the full tensor's row-major bytes."""
-    if not isinstance(t, DTensor):
-        return t, 0
-    local = t.to_local()
-    if t.device_mesh.ndim != 1 or not isinstance(t.placements[0], (Shard, Replicate)):
-        raise ValueError(f"only 1-D meshes with Shard(0) or Replicate placements are supported, got {t.placements}")
-    if isinstance(t.placements[0], Replicate):
-        return local, 0
-    if t.placements[0].dim != 0:
-        raise ValueError(f"only dim-0 sharding is a contiguous byte range, got {t.placements}")
-    rows, world, r = t.shape[0], t.device_mesh.size(), t.device_mesh.get_local_rank()
-    chunk = math.ceil(rows / world) if rows else 0
-    start = min(r * chunk, rows)
-    expected = min(chunk, rows - start)
-    if local.shape[0] != expected:  # a different chunking rule than torch.chunk's would land here
-        raise RuntimeError(f"rank {r} holds {local.shape[0]} rows of {rows}, expected {expected}")
-    row_bytes = (t.numel() // rows if rows else 0) * t.element_size()
-    return local, start * row_bytes
+    local, first = local_rows(t)
+    return local, (first * (t.numel() // t.shape[0]) * t.element_size() if first else 0)
 
 
 def local_shards(model: nn.Module) -> dict[str, tuple[torch.Tensor, int]]:

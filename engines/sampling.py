@@ -62,10 +62,16 @@ class SamplingParams:
             raise InvalidRequestError("; ".join(problems))
 
 
-def token_logprobs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """Log-probabilities under the sampling distribution: softmax(logits / T), or T = 1 if greedy."""
+def token_logprobs(logits: torch.Tensor, temperature: float | torch.Tensor) -> torch.Tensor:
+    """Log-probabilities under the sampling distribution: softmax(logits / T), or T = 1 if greedy.
+
+    ``temperature`` is one number, or a tensor with one per row (first dimension) of ``logits``.
+    """
     logits = logits.float()
-    if temperature > 0:
+    if isinstance(temperature, torch.Tensor):
+        temps = torch.where(temperature > 0, temperature, torch.ones_like(temperature)).float()
+        logits = logits / temps.view(-1, *[1] * (logits.ndim - 1))
+    elif temperature > 0:
         logits = logits / temperature
     return torch.log_softmax(logits, dim=-1)
 

@@ -18,7 +18,7 @@ import torch
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from engines.distributed import is_sharded, local_shards, world_size
+from engines.distributed import is_sharded, local_shards, local_tensor, world_size
 from engines.model import CausalLM, padded_causal_mask, positions_from_valid
 from engines.offload import HostOffloader
 from engines.sampling import token_logprobs
@@ -42,10 +42,6 @@ def pack(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], p
     return ids, valid, target
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
 class TrainingEngine:
     """Model plus optimizers, with log-probability recompute, a clipped optimizer step and offload."""
 
@@ -55,7 +51,7 @@ class TrainingEngine:
         self.optimizers = optimizers
         self.pad_id = pad_id
         self.max_grad_norm = max_grad_norm
-        self.device = _local(next(model.parameters())).device
+        self.device = local_tensor(next(model.parameters())).device
         self._offloader = HostOffloader()
         self._host_shards: dict[str, tuple[torch.Tensor, int]] = {}
 
@@ -86,13 +82,12 @@ class TrainingEngine:
         ids, valid, target = pack(prompts, responses, self.pad_id)
         logits = self._forward(ids, valid)[:, :-1]
         if isinstance(temperature, numbers.Real) or (isinstance(temperature, torch.Tensor) and temperature.ndim == 0):
-            logp = token_logprobs(logits, float(temperature))
+            temps: float | torch.Tensor = float(temperature)
         else:
             temps = torch.as_tensor([float(t) for t in temperature], dtype=torch.float32, device=logits.device)
             if temps.shape != (len(prompts),):
                 raise ValueError(f"{temps.numel()} temperatures for {len(prompts)} rows")
-            temps = torch.where(temps > 0, temps, torch.ones_like(temps))
-            logp = torch.log_softmax(logits.float() / temps[:, None, None], dim=-1)
+        logp = token_logprobs(logits, temps)
         target = target.to(self.device)
         lp = logp.gather(-1, ids.to(self.device)[:, 1:, None]).squeeze(-1)
         return lp * target, target
@@ -140,10 +135,10 @@ class TrainingEngine:
 
     def _state_tensors(self) -> list[torch.Tensor]:
         """Every tensor whose storage offload moves: parameters, buffers, optimizer state on our device."""
-        out = [_local(p) for p in self.model.parameters()] + [_local(b) for b in self.model.buffers()]
+        out = [local_tensor(p) for p in self.model.parameters()] + [local_tensor(b) for b in self.model.buffers()]
         for opt in self.optimizers:
             for state in opt.state.values():
-                out.extend(_local(v) for v in state.values() if isinstance(v, torch.Tensor))
+                out.extend(local_tensor(v) for v in state.values() if isinstance(v, torch.Tensor))
         # optimizers keep scalars such as AdamW's ``step`` on the CPU even for CUDA parameters
         return [t for t in out if t.device == self.device]
 
@@ -193,7 +188,7 @@ class TrainingEngine:
         opts = []
         for opt in self.optimizers:
             sd = opt.state_dict()
-            sd["state"] = {k: {n: _local(v) if isinstance(v, torch.Tensor) else v for n, v in s.items()}
+            sd["state"] = {k: {n: local_tensor(v) if isinstance(v, torch.Tensor) else v for n, v in s.items()}
                            for k, s in sd["state"].items()}
             opts.append(sd)
         return {"optimizers": opts, "world_size": world_size()}

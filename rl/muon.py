@@ -17,10 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-try:
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-except ImportError:  # a torch built without distributed support: every parameter is plain
-    DTensor = Replicate = Shard = None  # type: ignore[assignment,misc]
+from engines.distributed import chunk_rows, is_row_sharded, local_tensor
 
 try:
     from torch.optim._muon import _adjust_lr
@@ -101,28 +98,9 @@ def _nesterov_into(out: Tensor, grad: Tensor, buf: Tensor, momentum: float, nest
         out.copy_(buf)
 
 
-def _is_dtensor(t: Tensor) -> bool:
-    return DTensor is not None and isinstance(t, DTensor)
-
-
-def _local(t: Tensor) -> Tensor:
-    return t.to_local() if _is_dtensor(t) else t
-
-
 def _sharded_mesh(p: Tensor):
     """The mesh when ``p`` is row-sharded across more than one rank; None when its local tensor is whole."""
-    if not _is_dtensor(p) or p.device_mesh.size() == 1 or all(isinstance(x, Replicate) for x in p.placements):
-        return None
-    if p.device_mesh.ndim != 1 or not (isinstance(p.placements[0], Shard) and p.placements[0].dim == 0):
-        raise NotImplementedError("ShardedMuon supports DTensor parameters sharded as Shard(0) on a 1-D mesh, "
-                                  f"got placements {p.placements} on a {p.device_mesh.ndim}-D mesh")
-    return p.device_mesh
-
-
-def shard_rows(rows: int, world: int) -> list[int]:
-    """Rows of each rank under ``torch.chunk``-style ``Shard(0)`` splitting (later ranks may get 0)."""
-    c = -(-rows // world)
-    return [max(0, min(c, rows - r * c)) for r in range(world)]
+    return p.device_mesh if is_row_sharded(p) else None
 
 
 def assign_owners(costs: Sequence[float], world: int) -> list[int]:
@@ -175,7 +153,7 @@ class ShardedMuon(torch.optim.Muon):
         for g in grads:
             if g.ndim != 2:
                 raise ValueError("Param gradient must be a 2D matrix")
-        p_loc, g_loc, b_loc = [_local(p) for p in params], [_local(g) for g in grads], [_local(b) for b in bufs]
+        p_loc, g_loc, b_loc = ([local_tensor(t) for t in ts] for ts in (params, grads, bufs))
         # elementwise momentum works shard by shard, no communication
         torch._foreach_lerp_(b_loc, g_loc, 1 - momentum)
         ns = (group["ns_coefficients"], group["ns_steps"], group["eps"])
@@ -196,7 +174,7 @@ class ShardedMuon(torch.optim.Muon):
             if mesh is None:
                 whole.append(i)
             else:
-                want = (shard_rows(p.shape[0], mesh.size())[mesh.get_local_rank()], p.shape[1])
+                want = (chunk_rows(p.shape[0], mesh.size())[mesh.get_local_rank()], p.shape[1])
                 if tuple(p_loc[i].shape) != want or tuple(g_loc[i].shape) != want:
                     raise RuntimeError(f"local shard {tuple(p_loc[i].shape)} of a {tuple(p.shape)} matrix is not "
                                        f"its torch.chunk-style Shard(0) block {want}")
@@ -219,7 +197,7 @@ class ShardedMuon(torch.optim.Muon):
         """
         pg, world, rank = mesh.get_group(), mesh.size(), mesh.get_local_rank()
         owners = assign_owners([r * c * min(r, c) for r, c in shapes], world)
-        rows = [shard_rows(r, world) for r, _ in shapes]
+        rows = [chunk_rows(r, world) for r, _ in shapes]
         owned = [[j for j, o in enumerate(owners) if o == r] for r in range(world)]
         # every rank's rows of matrix j sit in a padded slot of ceil(rows / world) rows of the owner's buffer
         slot: dict[int, int] = {}

@@ -16,36 +16,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from engines.distributed import local_rows
 from engines.model import Attention
-
-try:
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-except ImportError:  # a torch built without distributed support
-    DTensor = Replicate = Shard = None  # type: ignore[assignment,misc]
-
-
-def _local_rows(w: Tensor) -> tuple[Tensor, int]:
-    """The locally held rows of weight ``w`` and the global index of the first of them."""
-    if DTensor is None or not isinstance(w, DTensor):
-        return w, 0
-    local = w.to_local()
-    if w.device_mesh.size() == 1 or all(isinstance(p, Replicate) for p in w.placements):
-        return local, 0
-    if w.device_mesh.ndim != 1 or not (isinstance(w.placements[0], Shard) and w.placements[0].dim == 0):
-        raise NotImplementedError(f"qk_clip supports DTensor weights sharded as Shard(0) on a 1-D mesh, "
-                                  f"got placements {w.placements}")
-    rows, world, rank = w.shape[0], w.device_mesh.size(), w.device_mesh.get_local_rank()
-    chunk = -(-rows // world)  # torch.chunk-style split: later ranks may hold fewer or no rows
-    start = min(rows, rank * chunk)
-    if local.shape[0] != min(chunk, rows - start):
-        raise RuntimeError(f"local shard of {local.shape[0]} rows is not row block {rank} of {rows} rows")
-    return local, start
 
 
 @torch.no_grad()
 def _scale_rows(w: Tensor, head_dim: int, scales: dict[int, float]) -> None:
     """Multiply head h's rows [h·d, (h+1)·d) of ``w`` by ``scales[h]``, touching only the local shard."""
-    local, start = _local_rows(w)
+    local, start = local_rows(w)
     end = start + local.shape[0]
     for h, s in scales.items():
         lo, hi = max(h * head_dim, start), min((h + 1) * head_dim, end)

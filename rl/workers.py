@@ -108,11 +108,9 @@ class TrainerWorker:
         for m in rl_update(self.engine, samples, tau=a.tau, minibatches=a.minibatches, micro_batch=a.micro_batch,
                            seed=seed, ptx=ptx, ptx_coef=a.ptx.coef, rank=self.rank, world=self.world,
                            after_step=lambda: qk_clip(model, tau_qk)):
-            if self.world > 1:  # the losses are each rank's share of the minibatch
-                keys = [k for k in ("loss", "ptx_loss") if k in m]
-                t = torch.tensor([m[k] for k in keys], dtype=torch.float64)
-                dist.all_reduce(t)
-                m.update(zip(keys, t.tolist(), strict=True))
+            for k in ("loss", "ptx_loss"):  # each rank's share of the minibatch
+                if k in m:
+                    m[k] = distributed.global_sum(m[k])
             yield m
 
     def offload(self) -> dict:
@@ -142,9 +140,9 @@ class TrainerWorker:
     def _save(self, directory: str) -> None:
         state = distributed.full_state_dict(self.engine.model)
         opt = self.engine.state_dict()
-        states: list = [None] * self.world
+        states: list | None = [None] * self.world if self.rank == 0 else None
         if self.world > 1:
-            dist.all_gather_object(states, opt)
+            dist.gather_object(opt, states, dst=0)  # only rank 0 writes the file
         else:
             states = [opt]
         if self.rank == 0:

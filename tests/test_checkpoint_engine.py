@@ -27,6 +27,7 @@ from checkpoint_engine.local import (
 )
 from checkpoint_engine.shm import SharedBuffer
 from checkpoint_engine.transfer import CorruptUpdateError, PlanMismatchError, WeightReceiver
+from engines.distributed import chunk_rows
 
 # every dtype users train in, a tensor 3x larger than a bucket, and tensors that share a bucket
 MIXED = [TensorSpec("embed.fp32", (96, 64), "float32", 96 * 64 * 4),
@@ -58,11 +59,9 @@ def test_plan_covers_every_byte_once_and_aligns():
 
 def test_plan_with_row_shards_sends_each_byte_from_its_holder():
     """A row-sharded trainer (FSDP2) holds byte ranges of every tensor; each range is sent by its rank."""
-    def rows(s, world):  # torch.chunk-style split of dim 0, as FSDP2 shards; the last rank may get nothing
-        per_row = s.nbytes // s.shape[0]
-        step = -(-s.shape[0] // world)
-        return [(r, min(r * step, s.shape[0]) * per_row, min((r + 1) * step, s.shape[0]) * per_row)
-                for r in range(world)]
+    def rows(s, world):  # FSDP2's split of dim 0 as byte ranges; the last rank may get nothing
+        per_row, counts = s.nbytes // s.shape[0], chunk_rows(s.shape[0], world)
+        return [(r, sum(counts[:r]) * per_row, sum(counts[: r + 1]) * per_row) for r in range(world)]
 
     owners = {s.name: rows(s, 3) for s in MIXED}
     plan = plan_buckets(MIXED, BUCKET, owners)

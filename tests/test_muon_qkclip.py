@@ -18,9 +18,10 @@ import pytest
 import torch
 from torch import nn
 
+from engines.distributed import chunk_rows
 from engines.inference import InferenceEngine, SamplingParams
 from engines.model import Attention, CausalLM, padded_causal_mask, positions_from_valid, track_max_logits
-from rl.muon import ShardedMuon, assign_owners, shard_rows
+from rl.muon import ShardedMuon, assign_owners
 from rl.optim import build_optimizers
 from rl.qk_clip import qk_clip
 from tests.conftest import tiny_config
@@ -176,7 +177,7 @@ def test_shard_rows_follow_torch_chunk_and_owners_balance():
     for rows in (1, 2, 5, 37, 64):
         for world in (1, 2, 3, 4):
             chunks = [len(c) for c in torch.arange(rows).chunk(world)]
-            assert shard_rows(rows, world) == chunks + [0] * (world - len(chunks))
+            assert chunk_rows(rows, world) == chunks + [0] * (world - len(chunks))
     owners = assign_owners([5.0, 4.0, 3.0, 3.0, 3.0], 2)
     assert owners == [0, 1, 1, 0, 1]  # largest first to the least loaded rank: loads 8 and 10
     assert assign_owners([1.0] * 4, 3) == [0, 1, 2, 0]

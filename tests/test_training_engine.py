@@ -25,6 +25,7 @@ from engines.distributed import (
     full_state_dict,
     init_distributed,
     local_shards,
+    local_tensor,
     rank,
     shard_model,
     world_size,
@@ -87,10 +88,6 @@ def _engine(model, kind: str = "adamw", max_grad_norm: float = 1e9) -> TrainingE
     return TrainingEngine(model, _optimizers(model, kind), PAD, max_grad_norm)
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
 def _accumulate(engine, prompts, responses, rows, micro, passes, n_tokens) -> float:
     """Backward the global token-mean NLL of rows [lo, hi) in micro-batches; pad to ``passes``."""
     (lo, hi), total, done = rows, 0.0, 0
@@ -111,16 +108,16 @@ def _passes(split) -> int:
 def _snapshot(engine) -> dict[str, torch.Tensor]:
     """Local copies of every parameter and optimizer-state tensor, keyed by parameter name."""
     names = {id(p): n for n, p in engine.model.named_parameters()}
-    out = {f"param/{n}": _local(p).detach().clone() for n, p in engine.model.named_parameters()}
+    out = {f"param/{n}": local_tensor(p).detach().clone() for n, p in engine.model.named_parameters()}
     for i, opt in enumerate(engine.optimizers):
         for p, st in opt.state.items():
-            out.update({f"opt{i}/{names[id(p)]}/{k}": _local(v).clone() for k, v in st.items()})
+            out.update({f"opt{i}/{names[id(p)]}/{k}": local_tensor(v).clone() for k, v in st.items()})
     return out
 
 
 def _storage_bytes(engine) -> list[int]:
-    ts = [_local(p) for p in engine.model.parameters()]
-    ts += [_local(v) for opt in engine.optimizers for st in opt.state.values() for v in st.values()]
+    ts = [local_tensor(p) for p in engine.model.parameters()]
+    ts += [local_tensor(v) for opt in engine.optimizers for st in opt.state.values() for v in st.values()]
     return [t.untyped_storage().nbytes() for t in ts]
 
 
@@ -189,7 +186,7 @@ def _two_rank_checks(me: int, world: int) -> dict:
     grads = {n: p.grad.full_tensor() for n, p in engine.model.named_parameters()}
     engine.step()
     res["bf16"] = {"loss": loss, "grads": grads, "weights": full_state_dict(engine.model),
-                   "dtypes": {n: _local(p).dtype for n, p in engine.model.named_parameters()}}
+                   "dtypes": {n: local_tensor(p).dtype for n, p in engine.model.named_parameters()}}
 
     model = shard_model(_model())
     res["shards"] = {n: (t.clone(), off) for n, (t, off) in local_shards(model).items()}
@@ -213,7 +210,7 @@ def _two_rank_checks(me: int, world: int) -> dict:
     resumed = _engine(shard_model(_model()), "muon")
     with torch.no_grad():
         for p, q in zip(resumed.model.parameters(), first.model.parameters(), strict=True):
-            _local(p).copy_(_local(q))
+            local_tensor(p).copy_(local_tensor(q))
     resumed.load_state_dict(torch.load(io.BytesIO(buf.getvalue()), weights_only=False))
     prompts2, responses2 = _batch(8, seed=11)  # _train's second step
     lp, _ = resumed.response_logprobs(prompts2[me::world], responses2[me::world], 1.0)
@@ -487,7 +484,7 @@ def test_cuda_offload_uses_pinned_memory_and_one_h2d_pass():
     _train(engine, 1, False)
     before = _snapshot(engine)
     on_device = {t.untyped_storage().data_ptr() for t in
-                 [_local(p) for p in engine.model.parameters()]
+                 [local_tensor(p) for p in engine.model.parameters()]
                  + [v for o in engine.optimizers for st in o.state.values() for v in st.values() if v.is_cuda]}
     allocated = torch.cuda.memory_allocated()
     stats = engine.offload()
