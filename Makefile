@@ -6,11 +6,19 @@ BIN := $(VENV)/bin
 # e.g. `make setup TORCH_SPEC=torch`.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: setup demo test lint clean
+# System packages: bubblewrap for the sandbox service's local backend.
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-setup: $(VENV)/.installed
+.PHONY: setup system-deps demo test lint clean
 
-$(VENV)/.installed: pyproject.toml Makefile
+setup: system-deps $(VENV)/.installed
+
+system-deps:
+	@command -v bwrap >/dev/null || { $(SUDO) apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq bubblewrap >/dev/null; }
+
+# setup.py generates the sandbox's gRPC stubs from the .proto during the install.
+$(VENV)/.installed: pyproject.toml setup.py sandbox/proto/sandbox.proto Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --disable-pip-version-check "$(TORCH_SPEC)"
 	$(BIN)/pip install -q --disable-pip-version-check -e '.[dev]'

@@ -58,6 +58,50 @@ def _cmd_serve(args: argparse.Namespace) -> None:
         raise UserError(f"rl serve: {e}") from None
 
 
+def _cmd_sandbox_serve(args: argparse.Namespace) -> None:
+    from rl.config import Config, load_config
+    from sandbox.backend import SandboxError
+    from sandbox.server import server_from_config
+
+    cfg = load_config(args.config, args.set) if args.config else Config()
+    flags = {k: v for k, v in (("host", args.host), ("port", args.port), ("backend", args.backend),
+                                ("concurrency", args.concurrency), ("max_queue", args.max_queue),
+                                ("max_sessions", args.max_sessions), ("metrics_port", args.metrics_port))
+             if v is not None}
+    sc = cfg.sandbox.model_copy(update=flags)
+    try:
+        server = server_from_config(sc)
+    except SandboxError as e:
+        raise UserError(f"rl sandbox serve: {e}") from None
+    metrics = f", metrics on :{server.metrics_port}/metrics" if server.metrics_port is not None else ""
+    print(f"sandbox service ({sc.backend} backend, {sc.concurrency} at once) listening on {server.address}{metrics}",
+          flush=True)
+    try:
+        server.wait()
+    finally:
+        server.stop()
+
+
+def _cmd_sandbox_run(args: argparse.Namespace) -> None:
+    from sandbox.backend import Limits, SandboxError
+    from sandbox.client import connect
+
+    if args.command[:1] == ["--"]:
+        args.command = args.command[1:]
+    if not args.command:
+        raise UserError("rl sandbox run needs a command after --, e.g. rl sandbox run -- python3 -c 'print(1)'")
+    files = {Path(f).name: Path(f).read_bytes() for f in args.file}
+    try:
+        client = connect(args.address)
+        r = client.run(args.command, files, limits=Limits().merged(wall_s=args.wall_s))
+    except SandboxError as e:
+        raise UserError(f"rl sandbox run: {e}") from None
+    sys.stdout.buffer.write(r.stdout)
+    sys.stderr.buffer.write(r.stderr)
+    print(f"verdict: {r.verdict.value}, exit code {r.exit_code}, {r.wall_s:.3f} s"
+          + (f" ({r.detail})" if r.detail else ""), file=sys.stderr)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="rl", description="RL post-training with colocated engines.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -84,6 +128,26 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-num-seqs", type=int, default=256, help="most sequences decoded together")
     s.add_argument("--kv-cache-mb", type=int, default=512, help="KV-cache memory budget in MiB")
     s.set_defaults(func=_cmd_serve)
+
+    sb = sub.add_parser("sandbox", help="the sandbox service that runs untrusted code")
+    sbs = sb.add_subparsers(dest="sandbox_command", required=True)
+    sv = sbs.add_parser("serve", help="start the gRPC sandbox service (flags override the config's sandbox section)")
+    sv.add_argument("--config", help="run config whose `sandbox` section to use (default: built-in defaults)")
+    sv.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config value")
+    sv.add_argument("--host", help="address to bind (default 127.0.0.1)")
+    sv.add_argument("--port", type=int, help="gRPC port (default 50051; 0 picks a free one)")
+    sv.add_argument("--backend", choices=["local", "kubernetes"], help="bubblewrap here, or one pod per session")
+    sv.add_argument("--concurrency", type=int, help="commands running at once (default 8)")
+    sv.add_argument("--max-queue", type=int, help="waiting commands before requests are refused (default 256)")
+    sv.add_argument("--max-sessions", type=int, help="open sessions allowed (default 256)")
+    sv.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port")
+    sv.set_defaults(func=_cmd_sandbox_serve)
+    sr = sbs.add_parser("run", help="run one command in a fresh sandbox and print its output and verdict")
+    sr.add_argument("--address", help="host:port of a running service (default: start a local one)")
+    sr.add_argument("--file", action="append", default=[], help="copy this file into the sandbox (repeatable)")
+    sr.add_argument("--wall-s", type=float, default=10.0, help="wall-clock limit in seconds")
+    sr.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command")
+    sr.set_defaults(func=_cmd_sandbox_run)
 
     e = sub.add_parser("envs", help="list registered environments")
     e.set_defaults(func=_cmd_envs)

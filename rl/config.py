@@ -154,6 +154,53 @@ class MetricsConfig(Strict):
     prometheus_port: int | None = Field(None, ge=0, le=65535, description="serve /metrics on this port")
 
 
+class SandboxLimitsConfig(Strict):
+    """Default limits of one sandboxed command (a request may ask for others, up to the server's maximum)."""
+
+    wall_s: float = Field(10.0, gt=0)
+    cpu_s: float = Field(10.0, gt=0)
+    memory_mb: int = Field(512, ge=16)
+    processes: int = Field(64, ge=1)
+    open_files: int = Field(256, ge=16)
+    file_size_mb: int = Field(16, ge=1)
+    output_kb: int = Field(1024, ge=1, description="per stream (stdout and stderr each)")
+
+    def to_limits(self):
+        from sandbox.backend import Limits
+
+        return Limits(wall_s=self.wall_s, cpu_s=self.cpu_s, memory_bytes=self.memory_mb << 20,
+                      processes=self.processes, open_files=self.open_files,
+                      file_size_bytes=self.file_size_mb << 20, output_bytes=self.output_kb << 10)
+
+
+class KubernetesSandboxConfig(Strict):
+    """The pod backend: one pod per session, from the task's image (see docs/sandbox-kubernetes.md)."""
+
+    namespace: str = "default"
+    agent_image: str = Field("colocated-rl:cpu", description="runtime image whose init container copies the agent")
+    default_image: str = Field("python:3.11-slim", description="image of sessions that name none")
+    runtime_class: str | None = Field(None, description="e.g. gvisor, for a kernel boundary between sandboxes")
+    ttl_s: float = Field(3600, gt=0, description="pods are deleted after this long, even if the service dies")
+    max_creates_per_s: float = Field(20, gt=0, description="client-side pod-creation rate limit")
+    warm_pool: dict[str, int] = Field(default_factory=dict, description="image -> ready pods kept waiting")
+    cpu: str = "1"
+    memory: str = "2Gi"
+
+
+class SandboxConfig(Strict):
+    address: str | None = Field(None, description="host:port of a running `rl sandbox serve`; None starts a local "
+                                                  "service inside the run when an environment needs one")
+    backend: Literal["local", "kubernetes"] = "local"
+    host: str = "127.0.0.1"
+    port: int = Field(50051, ge=0, le=65535)
+    concurrency: int = Field(8, ge=1, description="commands running at once")
+    max_queue: int = Field(256, ge=0, description="commands waiting for a slot before requests are refused")
+    max_sessions: int = Field(256, ge=1)
+    metrics_port: int | None = Field(None, ge=0, le=65535, description="Prometheus /metrics of the service")
+    limits: SandboxLimitsConfig = SandboxLimitsConfig()
+    kubernetes: KubernetesSandboxConfig = KubernetesSandboxConfig()
+
+
 class Config(Strict):
     run: RunConfig = RunConfig()
     cluster: ClusterConfig = ClusterConfig()
@@ -166,6 +213,7 @@ class Config(Strict):
     trainer: TrainerConfig = TrainerConfig()
     checkpoint_engine: CheckpointEngineConfig = CheckpointEngineConfig()
     metrics: MetricsConfig = MetricsConfig()
+    sandbox: SandboxConfig = SandboxConfig()
 
     @model_validator(mode="after")
     def _check(self) -> Config:

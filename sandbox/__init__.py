@@ -1,0 +1,1 @@
+"""Sandbox service: runs untrusted, model-written code over gRPC (local bubblewrap or Kubernetes pod backends)."""

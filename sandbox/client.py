@@ -1,0 +1,119 @@
+"""Client of the sandbox service: one-shot runs and sessions, with gRPC errors turned into SandboxError."""
+
+from __future__ import annotations
+
+import atexit
+import threading
+from collections.abc import Iterable
+
+import grpc
+
+from sandbox.backend import ExecResult, Limits, SandboxError
+from sandbox.proto import sandbox_pb2 as pb
+from sandbox.proto import sandbox_pb2_grpc as pb_grpc
+from sandbox.server import GRPC_OPTIONS, SandboxServer, start_server
+from sandbox.wire import files_from_pb, files_to_pb, limits_to_pb, result_from_pb
+
+# Time beyond a command's wall limit allowed for sandbox set-up and queueing before the client gives up.
+DEADLINE_SLACK_S = 120.0
+
+
+class SandboxClient:
+    """Talks to a sandbox service at ``address`` (host:port)."""
+
+    def __init__(self, address: str, *, slack_s: float = DEADLINE_SLACK_S):
+        self.address, self.slack_s = address, slack_s
+        self._channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
+        self._stub = pb_grpc.SandboxStub(self._channel)
+
+    def run(self, command: list[str] | None = None, files: dict[str, bytes | str] | None = None, *,
+            code: str = "", tests: str = "", limits: Limits | None = None, stdin: bytes = b"",
+            env: dict[str, str] | None = None, image: str = "", executable: Iterable[str] = (),
+            timeout_s: float | None = None) -> ExecResult:
+        """Run one command (or ``code`` followed by ``tests`` as one Python program) in a fresh sandbox."""
+        req = pb.RunRequest(files=files_to_pb(files, frozenset(executable)), command=command or [], code=code,
+                            tests=tests, limits=limits_to_pb(limits), stdin=stdin, env=env or {}, image=image)
+        return result_from_pb(self._call(self._stub.Run, req, self._timeout(limits, timeout_s)))
+
+    def create_session(self, image: str = "", files: dict[str, bytes | str] | None = None,
+                       executable: Iterable[str] = (), timeout_s: float | None = 600.0) -> RemoteSession:
+        """Open a session (a private work directory, or a pod from ``image``) holding ``files``."""
+        req = pb.CreateSessionRequest(image=image, files=files_to_pb(files, frozenset(executable)))
+        resp = self._call(self._stub.CreateSession, req, timeout_s)
+        return RemoteSession(self, resp.session_id)
+
+    def close(self) -> None:
+        """Close the channel."""
+        self._channel.close()
+
+    def __enter__(self) -> SandboxClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _timeout(self, limits: Limits | None, timeout_s: float | None) -> float | None:
+        if timeout_s is not None:
+            return timeout_s
+        return (limits.wall_s if limits and limits.wall_s else Limits().wall_s) + self.slack_s
+
+    @staticmethod
+    def _call(method, request, timeout_s: float | None):
+        try:
+            return method(request, timeout=timeout_s)
+        except grpc.RpcError as e:
+            raise SandboxError(f"sandbox service: {e.details()}", e.code().name) from None
+
+
+class RemoteSession:
+    """A session on the service; close it (or use ``with``) to free its sandbox."""
+
+    def __init__(self, client: SandboxClient, session_id: str):
+        self.client, self.id = client, session_id
+        self.closed = False
+
+    def exec(self, command: list[str], *, limits: Limits | None = None, stdin: bytes = b"",
+             env: dict[str, str] | None = None, timeout_s: float | None = None) -> ExecResult:
+        """Run ``command`` in the session's work directory."""
+        req = pb.ExecRequest(session_id=self.id, command=command, limits=limits_to_pb(limits), stdin=stdin,
+                             env=env or {})
+        c = self.client
+        return result_from_pb(c._call(c._stub.Exec, req, c._timeout(limits, timeout_s)))
+
+    def write_files(self, files: dict[str, bytes | str], executable: Iterable[str] = ()) -> None:
+        """Create or replace files in the work directory."""
+        req = pb.WriteFilesRequest(session_id=self.id, files=files_to_pb(files, frozenset(executable)))
+        self.client._call(self.client._stub.WriteFiles, req, 300.0)
+
+    def read_files(self, paths: list[str], max_bytes: int = 0) -> dict[str, bytes]:
+        """Contents of files in the work directory (``max_bytes`` per file; 0 = the server's default)."""
+        req = pb.ReadFilesRequest(session_id=self.id, paths=paths, max_bytes=max_bytes)
+        return files_from_pb(self.client._call(self.client._stub.ReadFiles, req, 300.0).files)[0]
+
+    def close(self) -> None:
+        """Delete the session's sandbox (idempotent)."""
+        if not self.closed:
+            self.closed = True
+            self.client._call(self.client._stub.CloseSession, pb.CloseSessionRequest(session_id=self.id), 300.0)
+
+    def __enter__(self) -> RemoteSession:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+_local: SandboxServer | None = None
+_local_lock = threading.Lock()
+
+
+def connect(address: str | None = None, *, concurrency: int = 8) -> SandboxClient:
+    """A client of the service at ``address``; with None, of a local-backend service started once in this process."""
+    global _local
+    if address:
+        return SandboxClient(address)
+    with _local_lock:
+        if _local is None:
+            _local = start_server("local", concurrency=concurrency)
+            atexit.register(_local.stop)
+        return SandboxClient(_local.address)

@@ -1,0 +1,103 @@
+"""Starting the sandbox service: pick a backend, bind a gRPC port, expose Prometheus metrics."""
+
+from __future__ import annotations
+
+import logging
+from concurrent import futures
+from typing import Any
+
+import grpc
+
+from sandbox.backend import DEFAULT_LIMITS, Backend, Limits, SandboxError
+from sandbox.metrics import SandboxMetrics
+from sandbox.proto import sandbox_pb2_grpc as pb_grpc
+from sandbox.service import SandboxService
+
+log = logging.getLogger(__name__)
+BACKENDS = ("local", "kubernetes")
+# Files of a whole repository travel in one message; gRPC's default cap is 4 MiB.
+MAX_MESSAGE_BYTES = 256 << 20
+GRPC_OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
+
+
+def build_backend(name: str, **options: Any) -> Backend:
+    """The backend called ``name`` ("local" or "kubernetes"), built with its keyword options."""
+    if name == "local":
+        from sandbox.local import LocalBackend
+
+        return LocalBackend(**options)
+    if name == "kubernetes":
+        from sandbox.kubernetes import KubernetesBackend
+
+        return KubernetesBackend(**options)
+    raise SandboxError(f"unknown sandbox backend {name!r}; choose one of {', '.join(BACKENDS)}", "INVALID_ARGUMENT")
+
+
+class SandboxServer:
+    """A running sandbox service: ``address`` to connect to, ``stop()`` to shut it down (closing all sessions)."""
+
+    def __init__(self, backend: Backend, *, host: str = "127.0.0.1", port: int = 0, concurrency: int = 8,
+                 max_queue: int = 256, max_sessions: int = 256, default_limits: Limits = DEFAULT_LIMITS,
+                 metrics_port: int | None = None, session_idle_s: float = 1800.0):
+        self.metrics = SandboxMetrics()
+        self.service = SandboxService(backend, concurrency=concurrency, max_queue=max_queue,
+                                      max_sessions=max_sessions, default_limits=default_limits,
+                                      session_idle_s=session_idle_s, metrics=self.metrics)
+        # One thread per running or queued call, plus a few for session calls that need no slot.
+        workers = concurrency + max_queue + 16
+        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="sandbox-rpc"),
+                                   options=GRPC_OPTIONS)
+        pb_grpc.add_SandboxServicer_to_server(self.service, self._server)
+        self.port = self._server.add_insecure_port(f"{host}:{port}")
+        if self.port == 0:
+            self.service.close()
+            raise SandboxError(f"cannot bind the sandbox service to {host}:{port} (port in use?)", "UNAVAILABLE")
+        self.address = f"{host}:{self.port}"
+        self.metrics_port = None
+        if metrics_port is not None:
+            from prometheus_client import start_http_server
+
+            server, _ = start_http_server(metrics_port, registry=self.metrics.registry)
+            self._metrics_server = server
+            self.metrics_port = server.server_port
+        self._server.start()
+        log.info("sandbox service (%s backend) on %s", backend.name, self.address)
+
+    def wait(self) -> None:
+        """Block until the server stops."""
+        self._server.wait_for_termination()
+
+    def stop(self, grace_s: float = 1.0) -> None:
+        """Stop serving (running calls get ``grace_s``), then close every session and the backend."""
+        self._server.stop(grace_s).wait()
+        self.service.close()
+        if self.metrics_port is not None:
+            self._metrics_server.shutdown()
+
+    def __enter__(self) -> SandboxServer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def start_server(backend: str | Backend = "local", backend_options: dict[str, Any] | None = None,
+                 **server_options: Any) -> SandboxServer:
+    """Start a sandbox service in this process (port 0 picks a free port); see SandboxServer for the options."""
+    if isinstance(backend, str):
+        backend = build_backend(backend, **(backend_options or {}))
+    return SandboxServer(backend, **server_options)
+
+
+def server_from_config(sc: Any) -> SandboxServer:
+    """Start the service an ``rl.config.SandboxConfig`` describes (host, port, backend, concurrency, limits)."""
+    options: dict[str, Any] = {}
+    if sc.backend == "kubernetes":
+        k = sc.kubernetes
+        options = {"namespace": k.namespace, "agent_image": k.agent_image, "default_image": k.default_image,
+                   "runtime_class": k.runtime_class, "ttl_s": k.ttl_s, "max_creates_per_s": k.max_creates_per_s,
+                   "warm_pool": dict(k.warm_pool), "resources": {"cpu": k.cpu, "memory": k.memory}}
+    return start_server(sc.backend, options, host=sc.host, port=sc.port, concurrency=sc.concurrency,
+                        max_queue=sc.max_queue, max_sessions=sc.max_sessions, metrics_port=sc.metrics_port,
+                        default_limits=sc.limits.to_limits())
