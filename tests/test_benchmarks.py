@@ -1,4 +1,4 @@
-"""The optimizer and offload benchmarks run and print the JSON record the README documents."""
+"""The optimizer, offload and sandbox benchmarks run and print the JSON record the README documents."""
 
 import json
 import subprocess
@@ -27,3 +27,10 @@ def test_offload_benchmark_reports_both_directions_against_a_copy():
     for k in ("offload_s", "onload_s", "copy_s"):
         assert rec[k] > 0
     assert abs(rec["offload_ratio"] - rec["offload_s"] / rec["copy_s"]) < 0.01 * rec["offload_ratio"] + 1e-3
+
+
+def test_sandbox_benchmark_runs_both_sides_without_failures():
+    rec = _last_json("benchmarks.sandbox", "--n", "12", "--concurrency", "4", "--rounds", "1")
+    assert rec["failures"] == 0 and rec["baseline_failures"] == 0 and rec["concurrency"] == 4
+    assert abs(rec["overhead"] - rec["baseline_execs_per_s"] / rec["execs_per_s"]) < 0.01 * rec["overhead"] + 0.01
+    assert rec["p99_s"] > 0 and rec["baseline_p99_s"] > 0
