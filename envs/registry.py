@@ -6,6 +6,7 @@ Every registered environment is also registered with gymnasium as ``rl/NAME``, s
 
 from __future__ import annotations
 
+import importlib
 from importlib import metadata
 from typing import Any
 
@@ -14,6 +15,7 @@ import gymnasium
 from envs.base import Env
 
 ENTRY_POINT_GROUP = "rl.envs"
+BUILTIN_MODULES = ("envs.arithmetic", "envs.rubric")
 _REGISTRY: dict[str, type[Env]] = {}
 _loaded_plugins = False
 
@@ -38,7 +40,8 @@ def _load_plugins() -> None:
     if _loaded_plugins:
         return
     _loaded_plugins = True
-    import envs.arithmetic  # noqa: F401  (built-ins register themselves on import)
+    for module in BUILTIN_MODULES:  # built-ins register themselves on import
+        importlib.import_module(module)
 
     for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
         if ep.name not in _REGISTRY:

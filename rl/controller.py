@@ -19,12 +19,13 @@ from engines.tokenizer import TextTokenizer
 from rl.checkpoint import LoopState, copy_tokenizer, latest_checkpoint, save_checkpoint
 from rl.cluster import Cluster
 from rl.config import Config, dump_config
-from rl.data import env_class, load_task_sets, sample_prompts
+from rl.data import load_task_sets, sample_mix
+from rl.episodes import env_class, task_type_of
 from rl.errors import UserError
 from rl.metrics import MetricsLog, plot_curves
 from rl.partial import PartialRolloutBuffer, Trajectory
 from rl.ptx import load_ptx, ptx_batches
-from rl.rewards import evaluate, score, task_type_of
+from rl.rewards import evaluate, score
 from rl.schedules import temperature_at
 from rl.warmstart import prepare_model
 
@@ -59,7 +60,7 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, console: Console | N
                 buffer.load_state_dict(state.partial)
                 initial = state.initial_accuracy
             else:
-                initial = evaluate(cluster, tasks.eval, tok, cfg, progress)["accuracy"]
+                initial = evaluate(cluster, tasks, tok, cfg, progress)["accuracy"]
                 console.print(f"warm start: held-out accuracy {initial:.3f} on {len(tasks.eval)} prompts")
             cluster.offload_trainers()
             first = state.iteration + 1 if state else 0
@@ -98,10 +99,10 @@ def new_groups(cfg: Config, tasks, tok: TextTokenizer, it: int, buffer: PartialR
     """Add this iteration's new prompt groups (K trajectories each) to the buffer, so that
     ``prompts_per_iteration`` groups are in flight; returns the temperature of each task type."""
     r, temps = cfg.rollout, {}
-    for g, index in enumerate(sample_prompts(len(tasks.train), r.prompts_per_iteration - buffer.in_flight_groups(),
-                                             cfg.run.seed, it)):
+    for g, index in enumerate(sample_mix(tasks, r.prompts_per_iteration - buffer.in_flight_groups(),
+                                         cfg.run.seed, it)):
         task = tasks.train[index]
-        ttype = task_type_of(task, cfg)
+        ttype = task_type_of(task, tasks.train_entry(index))
         max_tokens = cfg.task_type(ttype)[0]
         temps[ttype] = temperature_of(cfg, ttype, it)
         group, prompt = it * GROUPS_PER_ITERATION + g, tok.encode(task.prompt)
@@ -131,7 +132,7 @@ def iteration(cluster: Cluster, cfg: Config, tasks, tok: TextTokenizer, it: int,
     times["time_rollout"] = time.time() - t
 
     t = time.time()
-    samples, stats = score(buffer.pop_complete(), tasks.train, tok, cfg)
+    samples, stats = score(buffer.pop_complete(), tasks, tok, cfg)
     partial_stats = buffer.stats()  # after pop_complete: waiting_groups are the groups carried over
     times["time_reward"] = time.time() - t
 
@@ -154,16 +155,19 @@ def iteration(cluster: Cluster, cfg: Config, tasks, tok: TextTokenizer, it: int,
     progress.remove_task(bar)
     times["time_weight_update"] = time.time() - t
 
-    accuracy = None
+    accuracy, per_type = None, {}
     if (it + 1) % cfg.run.eval_every == 0 or it + 1 == cfg.run.iterations:
         t = time.time()
-        accuracy = evaluate(cluster, tasks.eval, tok, cfg, progress)["accuracy"]
+        per_type = evaluate(cluster, tasks, tok, cfg, progress)
+        accuracy = per_type.pop("accuracy")
+        per_type = {k: v for k, v in per_type.items() if k.startswith("accuracy/")}
         times["time_eval"] = time.time() - t
     return {
         "iteration": it,
         **stats,
         "accuracy": accuracy,
-        "temperature": temperature_of(cfg, env_class(cfg).task_type, it),
+        **per_type,
+        "temperature": temperature_of(cfg, cfg.env_entries[0].task_type or env_class(cfg.env_entries[0]).task_type, it),
         **({f"temperature/{k}": v for k, v in temps.items()} if len(temps) > 1 else {}),
         "rollout_tokens": generated,
         **{f"partial_{k}": v for k, v in partial_stats.items()},

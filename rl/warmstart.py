@@ -23,7 +23,8 @@ from engines.tokenizer import train_tokenizer
 from engines.training import TrainingEngine
 from rl.algorithm import sft_update
 from rl.config import Config
-from rl.data import SFT_SEED, env_class
+from rl.data import SFT_SEED
+from rl.episodes import env_class
 from rl.errors import UserError
 from rl.optim import build_optimizers
 
@@ -35,8 +36,8 @@ def cache_root() -> Path:
 
 
 def warmstart_key(cfg: Config) -> str:
-    blob = json.dumps([FORMAT_VERSION, cfg.env.name, cfg.env.kwargs, cfg.warmstart.model_dump(mode="json")],
-                      sort_keys=True)
+    env = cfg.env_entries[0]  # the warm start learns the first environment of a task mix
+    blob = json.dumps([FORMAT_VERSION, env.name, env.kwargs, cfg.warmstart.model_dump(mode="json")], sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -59,13 +60,13 @@ def prepare_model(cfg: Config, progress: Progress | None = None) -> Path:
 
 def build_warmstart(cfg: Config, target: Path, progress: Progress | None = None) -> None:
     """Train the tokenizer and the tiny model with SFT on reference solutions; save atomically."""
-    ws = cfg.warmstart
+    ws, env = cfg.warmstart, cfg.env_entries[0]
     try:
-        tasks = env_class(cfg).generate_tasks(ws.num_examples, SFT_SEED, **cfg.env.kwargs)
+        tasks = env_class(env).generate_tasks(ws.num_examples, SFT_SEED, **env.kwargs)
     except NotImplementedError:
-        raise UserError(f"environment {cfg.env.name!r} cannot generate warm-start data; set model.path") from None
+        raise UserError(f"environment {env.name!r} cannot generate warm-start data; set model.path") from None
     if any("solution" not in t.meta for t in tasks[:1]):
-        raise UserError(f"environment {cfg.env.name!r} gives no reference solutions; set model.path")
+        raise UserError(f"environment {env.name!r} gives no reference solutions; set model.path")
     torch.manual_seed(ws.seed)
     rng = random.Random(ws.seed)
     tok = train_tokenizer((t.prompt + t.meta["solution"] for t in tasks), ws.vocab_size)

@@ -1,9 +1,13 @@
-"""Rewards come from the environment; budget control per task type; raising environments are handled."""
+"""Rewards come from the environments (a task mix, stepped concurrently); budget control per task type; raising
+or hanging environments cost only their own trajectory."""
+
+import threading
 
 from engines.sampling import SamplingParams
 from envs import Env, Task, register
 from envs.arithmetic import ArithmeticEnv
 from rl.config import parse_config
+from rl.data import TaskSets, sample_mix, sample_prompts
 from rl.partial import Trajectory
 from rl.rewards import score
 
@@ -18,6 +22,11 @@ class Flaky(Env):
 
 
 register("flaky-test", Flaky)
+
+
+def single(tasks, cfg) -> TaskSets:
+    """Training tasks of the config's single environment."""
+    return TaskSets(tasks, [], cfg.env_entries, [0] * len(tasks))
 
 
 def _traj(tok, key, group, task_index, text, reason="stop", temperature=1.0):
@@ -37,7 +46,7 @@ def test_reward_truncation_and_errors(tokenizer):
         [_traj(tokenizer, 2, 9, 1, tasks[1].meta["solution"]),                      # grader raises
          _traj(tokenizer, 3, 9, 1, " The answer is 0.")],                           # grader raises
     ]
-    samples, stats = score(groups, tasks, tokenizer, cfg)
+    samples, stats = score(groups, single(tasks, cfg), tokenizer, cfg)
     assert [(s.group, s.reward, s.temperature) for s in samples] == [(7, 1.0, 0.8), (7, -0.5, 1.0)]
     assert stats["env_errors"] == 2 and "grader crashed" in stats["first_env_error"]
     assert stats["truncation_rate"] == 0.25
@@ -58,8 +67,54 @@ def test_budget_and_penalty_per_task_type(tokenizer):
     groups = [[_traj(tokenizer, 0, 0, 0, "12+", "length"), _traj(tokenizer, 1, 0, 0, base[0].meta["solution"])],
               [_traj(tokenizer, 2, 1, 1, "1", "length"), _traj(tokenizer, 3, 1, 1, base[1].meta["solution"])],
               [_traj(tokenizer, 4, 2, 2, base[2].meta["solution"]), _traj(tokenizer, 5, 2, 2, "x")]]
-    samples, stats = score(groups, tasks, tokenizer, cfg)
+    samples, stats = score(groups, single(tasks, cfg), tokenizer, cfg)
     assert [s.reward for s in samples] == [-1.0, 1.0, 0.0, 1.0, 1.0, 0.0]
     assert stats["truncation_rate/short"] == 0.5 and stats["truncation_rate/long"] == 0.25
     assert stats["truncation_rate"] == 2 / 6
     assert stats["reward_mean/short"] == 0.0 and stats["reward_mean/long"] == 0.5
+
+
+class Slow(Env):
+    """Answers only once three episodes are inside ``score`` at the same time (so it needs concurrency), and hangs
+    on tasks whose id ends in -2."""
+
+    barrier = threading.Barrier(3)
+    task_type = "slow"
+
+    def score(self, task, response):
+        if task.id.endswith("-2"):
+            threading.Event().wait(5)
+        Slow.barrier.wait(timeout=20)
+        return 0.5, {}
+
+
+register("slow-test", Slow)
+
+
+def test_task_mix_routes_each_task_to_its_environment_concurrently(tokenizer):
+    cfg = parse_config({"envs": [{"name": "arithmetic", "num_train": 50, "num_eval": 10},
+                                 {"name": "slow-test", "weight": 3, "timeout_s": 1.0, "num_train": 50,
+                                  "num_eval": 10, "kwargs": {}}],
+                        "rollout": {"samples_per_prompt": 2, "env_workers": 8}})
+    arith = ArithmeticEnv.generate_tasks(3, seed=0)
+    slow = [Task(f"s-{i}", f"prompt {i}", "") for i in range(3)]
+    sets = TaskSets(arith + slow, [], cfg.env_entries, [0, 0, 0, 1, 1, 1])
+    groups = [[_traj(tokenizer, 0, 0, 0, arith[0].meta["solution"]), _traj(tokenizer, 1, 0, 0, "no")],
+              [_traj(tokenizer, 2, 1, 3, "a"), _traj(tokenizer, 3, 1, 3, "b")],
+              [_traj(tokenizer, 4, 2, 4, "c"), _traj(tokenizer, 5, 2, 5, "hangs")]]
+    samples, stats = score(groups, sets, tokenizer, cfg)
+    assert [(s.group, s.reward) for s in samples] == [(0, 1.0), (0, 0.0), (1, 0.5), (1, 0.5), (2, 0.5)]
+    assert stats["env_errors"] == 1 and "took over 1 s" in stats["first_env_error"]
+    assert stats["reward_mean/slow"] == 0.5 * 3 / 4 and stats["reward_mean/arithmetic"] == 0.5
+
+
+def test_mix_sampling_follows_the_weights():
+    cfg = parse_config({"envs": [{"name": "arithmetic", "weight": 1}, {"name": "arithmetic", "weight": 3,
+                                                                       "task_type": "b"}]})
+    sets = TaskSets([Task(str(i), "", "") for i in range(2000)], [], cfg.env_entries, [0] * 1000 + [1] * 1000)
+    picks = [i for it in range(20) for i in sample_mix(sets, 64, seed=0, iteration=it)]
+    share = sum(i >= 1000 for i in picks) / len(picks)
+    assert 0.7 < share < 0.8 and len(set(sample_mix(sets, 64, 0, 5))) == 64
+    assert sample_mix(sets, 64, 0, 5) == sample_mix(sets, 64, 0, 5)
+    one = TaskSets(sets.train, [], cfg.env_entries[:1], [0] * 2000)
+    assert sample_mix(one, 64, 0, 5) == sample_prompts(2000, 64, 0, 5)  # single env: the demo's draw, unchanged

@@ -1,0 +1,110 @@
+"""Environments at run time: one fresh environment per episode, many episodes stepped concurrently.
+
+A slow environment (a sandbox, a critic) must not hold up the others, and an environment that raises
+or runs past its entry's ``timeout_s`` costs only its own trajectory: the result carries the error,
+the trajectory is left out of the loss and counted in ``env_errors``.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from envs import Env, Task, registry
+from rl.config import Config, EnvConfig
+from rl.errors import UserError
+
+
+class _EpisodeTimeout(Exception):
+    """An episode ran past its entry's timeout_s (distinct from a TimeoutError the environment raises)."""
+
+
+@dataclass
+class EpisodeResult:
+    reward: float
+    info: dict[str, Any]
+    error: str | None = None  # set when the environment raised or timed out
+
+
+def env_class(entry: EnvConfig) -> type[Env]:
+    """The environment class of a config entry (a clear error when the name is not registered)."""
+    try:
+        return registry.get(entry.name)
+    except registry.UnknownEnvironmentError as e:
+        raise UserError(f"env.name: {e}") from None
+
+
+def make_env(entry: EnvConfig, cfg: Config) -> Env:
+    """A fresh environment of ``entry``; environments that run code get the run's sandbox service address."""
+    cls = env_class(entry)
+    kwargs = dict(entry.kwargs)
+    if getattr(cls, "uses_sandbox", False):
+        kwargs.setdefault("sandbox_address", cfg.sandbox.address)
+    return cls(**kwargs)
+
+
+def task_type_of(task: Task, entry: EnvConfig) -> str:
+    """A task's type: its ``meta.task_type``, else its entry's ``task_type``, else the environment's."""
+    return str(task.meta.get("task_type") or entry.task_type or env_class(entry).task_type)
+
+
+def run_episode(env: Env, task: Task, text: str) -> tuple[float, dict[str, Any]]:
+    """One single-turn episode: reset on the task, step the response."""
+    try:
+        env.reset(options={"task": task})
+        _, reward, _, _, info = env.step(text)
+    finally:
+        env.close()
+    return float(reward), info
+
+
+class EpisodeRunner:
+    """Runs episodes on a thread pool; ``map`` returns one EpisodeResult per job, in order."""
+
+    def __init__(self, cfg: Config, workers: int | None = None):
+        self.cfg = cfg
+        self.pool = cf.ThreadPoolExecutor(workers or cfg.rollout.env_workers, thread_name_prefix="env")
+
+    def map(self, jobs: list[tuple[EnvConfig, Task, str]],
+            on_done: Callable[[], None] | None = None) -> list[EpisodeResult]:
+        """Score ``(entry, task, response)`` jobs concurrently, each within its entry's ``timeout_s``."""
+        starts: dict[int, float] = {}
+
+        def one(i: int, entry: EnvConfig, task: Task, text: str) -> tuple[float, dict[str, Any]]:
+            starts[i] = time.monotonic()
+            return run_episode(make_env(entry, self.cfg), task, text)
+
+        futures = [self.pool.submit(one, i, *job) for i, job in enumerate(jobs)]
+        results = []
+        for i, fut in enumerate(futures):
+            timeout_s = jobs[i][0].timeout_s
+            try:
+                results.append(EpisodeResult(*self._wait(fut, lambda i=i: starts.get(i), timeout_s)))
+            except _EpisodeTimeout:
+                # The thread cannot be killed; it finishes in the background and its result is ignored.
+                results.append(EpisodeResult(0.0, {}, f"TimeoutError: the environment took over {timeout_s:g} s"))
+            except UserError:
+                raise
+            except Exception as e:
+                results.append(EpisodeResult(0.0, {}, f"{type(e).__name__}: {e}"))
+            if on_done:
+                on_done()
+        return results
+
+    @staticmethod
+    def _wait(fut: cf.Future, started: Callable[[], float | None], timeout_s: float):
+        """The future's result; the timeout counts from when the episode started, not from when it was queued."""
+        while not fut.done():
+            t0 = started()
+            remaining = 0.2 if t0 is None else t0 + timeout_s - time.monotonic()
+            if remaining <= 0:
+                raise _EpisodeTimeout
+            cf.wait([fut], timeout=min(0.2, remaining))
+        return fut.result()  # the environment's own exception, if any, propagates from here
+
+    def close(self) -> None:
+        """Stop the pool without waiting for timed-out episodes."""
+        self.pool.shutdown(wait=False, cancel_futures=True)
