@@ -20,12 +20,12 @@ from rl.checkpoint import LoopState, copy_tokenizer, latest_checkpoint, save_che
 from rl.cluster import Cluster
 from rl.config import Config, dump_config
 from rl.data import load_task_sets, sample_mix
-from rl.episodes import env_class, task_type_of
+from rl.episodes import EpisodeRunner, env_class, is_group_level, task_type_of
 from rl.errors import UserError
 from rl.metrics import MetricsLog, plot_curves
 from rl.partial import PartialRolloutBuffer, Trajectory
 from rl.ptx import load_ptx, ptx_batches
-from rl.rewards import evaluate, score
+from rl.rewards import evaluate, policy_critic, score
 from rl.schedules import temperature_at
 from rl.warmstart import prepare_model
 
@@ -128,12 +128,19 @@ def iteration(cluster: Cluster, cfg: Config, tasks, tok: TextTokenizer, it: int,
     prior = {t.key: len(t.token_ids) for t in pending}
     generated = sum(len(c.token_ids) - prior[c.request_id] for c in results)
     buffer.record(results, it, cluster.weights_version)
-    cluster.sleep_rollouts()
     times["time_rollout"] = time.time() - t
 
     t = time.time()
-    samples, stats = score(buffer.pop_complete(), tasks, tok, cfg)
+    # The inference engines sleep only after rewards: a critic environment runs the policy on them.
+    critic = policy_critic(cluster, tok, cfg, seed=cfg.run.seed * 7_919 + it) \
+        if any(is_group_level(e) for e in tasks.entries) else None
+    runner = EpisodeRunner(cfg, critic=critic)
+    try:
+        samples, stats = score(buffer.pop_complete(), tasks, tok, cfg, runner)
+    finally:
+        runner.close()
     partial_stats = buffer.stats()  # after pop_complete: waiting_groups are the groups carried over
+    cluster.sleep_rollouts()
     times["time_reward"] = time.time() - t
 
     t = time.time()

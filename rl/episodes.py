@@ -11,6 +11,7 @@ import concurrent.futures as cf
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from envs import Env, Task, registry
@@ -61,35 +62,76 @@ def run_episode(env: Env, task: Task, text: str) -> tuple[float, dict[str, Any]]
     return float(reward), info
 
 
-class EpisodeRunner:
-    """Runs episodes on a thread pool; ``map`` returns one EpisodeResult per job, in order."""
+def is_group_level(entry: EnvConfig) -> bool:
+    """Whether the environment rewards the K responses of a prompt together (``score_group``), e.g. a critic."""
+    return callable(getattr(env_class(entry), "score_group", None))
 
-    def __init__(self, cfg: Config, workers: int | None = None):
-        self.cfg = cfg
+
+Critic = Callable[[list[str]], list[str]]
+
+
+class EpisodeRunner:
+    """Runs episodes on a thread pool; each ``map*`` returns one result per job, in order.
+
+    ``critic`` (prompts -> outputs, usually the policy on the shared inference engine) is attached to
+    environments that take one (``attach``), such as the rubric environment.
+    """
+
+    def __init__(self, cfg: Config, workers: int | None = None, critic: Critic | None = None):
+        self.cfg, self.critic = cfg, critic
         self.pool = cf.ThreadPoolExecutor(workers or cfg.rollout.env_workers, thread_name_prefix="env")
+
+    def make_env(self, entry: EnvConfig) -> Env:
+        """A fresh environment of ``entry``, with the critic attached where it takes one."""
+        env = make_env(entry, self.cfg)
+        if self.critic is not None and callable(getattr(env, "attach", None)):
+            env.attach(self.critic)
+        return env
 
     def map(self, jobs: list[tuple[EnvConfig, Task, str]],
             on_done: Callable[[], None] | None = None) -> list[EpisodeResult]:
         """Score ``(entry, task, response)`` jobs concurrently, each within its entry's ``timeout_s``."""
+        def one(entry: EnvConfig, task: Task, text: str) -> tuple[float, dict[str, Any]]:
+            return run_episode(self.make_env(entry), task, text)
+
+        outs = self._run([(partial(one, *job), job[0].timeout_s) for job in jobs], on_done)
+        return [EpisodeResult(0.0, {}, err) if err else EpisodeResult(*out) for out, err in outs]
+
+    def map_groups(self, jobs: list[tuple[EnvConfig, Task, list[str]]]) -> list[tuple[list[float] | None, str | None]]:
+        """Group-level rewards of ``(entry, task, responses)`` jobs: (rewards, None) or (None, error)."""
+        def one(entry: EnvConfig, task: Task, texts: list[str]) -> list[float]:
+            env = self.make_env(entry)
+            try:
+                rewards, _ = env.score_group(task, texts)
+            finally:
+                env.close()
+            if len(rewards) != len(texts):
+                raise ValueError(f"score_group returned {len(rewards)} rewards for {len(texts)} responses")
+            return [float(r) for r in rewards]
+
+        return self._run([(partial(one, *job), job[0].timeout_s) for job in jobs], None)
+
+    def _run(self, calls: list[tuple[Callable[[], Any], float]],
+             on_done: Callable[[], None] | None) -> list[tuple[Any, str | None]]:
         starts: dict[int, float] = {}
 
-        def one(i: int, entry: EnvConfig, task: Task, text: str) -> tuple[float, dict[str, Any]]:
+        def timed(i: int, fn: Callable[[], Any]) -> Any:
             starts[i] = time.monotonic()
-            return run_episode(make_env(entry, self.cfg), task, text)
+            return fn()
 
-        futures = [self.pool.submit(one, i, *job) for i, job in enumerate(jobs)]
-        results = []
+        futures = [self.pool.submit(timed, i, fn) for i, (fn, _) in enumerate(calls)]
+        results: list[tuple[Any, str | None]] = []
         for i, fut in enumerate(futures):
-            timeout_s = jobs[i][0].timeout_s
+            timeout_s = calls[i][1]
             try:
-                results.append(EpisodeResult(*self._wait(fut, lambda i=i: starts.get(i), timeout_s)))
+                results.append((self._wait(fut, lambda i=i: starts.get(i), timeout_s), None))
             except _EpisodeTimeout:
                 # The thread cannot be killed; it finishes in the background and its result is ignored.
-                results.append(EpisodeResult(0.0, {}, f"TimeoutError: the environment took over {timeout_s:g} s"))
+                results.append((None, f"TimeoutError: the environment took over {timeout_s:g} s"))
             except UserError:
                 raise
             except Exception as e:
-                results.append(EpisodeResult(0.0, {}, f"{type(e).__name__}: {e}"))
+                results.append((None, f"{type(e).__name__}: {e}"))
             if on_done:
                 on_done()
         return results

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections import Counter
 
 from rich.progress import Progress
@@ -11,7 +12,7 @@ from engines.tokenizer import TextTokenizer
 from rl.algorithm import Sample
 from rl.config import Config
 from rl.data import TaskSets
-from rl.episodes import EpisodeRunner, task_type_of
+from rl.episodes import EpisodeRunner, is_group_level, task_type_of
 from rl.partial import Trajectory
 
 
@@ -26,12 +27,24 @@ def score(groups: list[list[Trajectory]], tasks: TaskSets, tok: TextTokenizer, c
     """
     trajs = [t for g in groups for t in g]
     entries = [tasks.train_entry(t.task_index) for t in trajs]
-    scored = [t for t in trajs if t.finish_reason != "error"]
-    jobs = [(tasks.train_entry(t.task_index), tasks.train[t.task_index], tok.decode(t.token_ids)) for t in scored]
     own = runner is None
     runner = runner or EpisodeRunner(cfg)
+    by_key: dict[int, tuple[float, str | None]] = {}
     try:
-        by_key = dict(zip([t.key for t in scored], runner.map(jobs), strict=True))
+        # Group-level environments (a critic comparing the K responses) are scored once per group.
+        grouped = [[t for t in g if t.finish_reason != "error"] for g in groups
+                   if is_group_level(tasks.train_entry(g[0].task_index))]
+        grouped = [g for g in grouped if g]
+        outs = runner.map_groups([(tasks.train_entry(g[0].task_index), tasks.train[g[0].task_index],
+                                   [tok.decode(t.token_ids) for t in g]) for g in grouped])
+        for g, (rewards, err) in zip(grouped, outs, strict=True):
+            for j, t in enumerate(g):
+                by_key[t.key] = (0.0, err) if err else (rewards[j], None)
+        single = [t for t, e in zip(trajs, entries, strict=True)
+                  if t.finish_reason != "error" and not is_group_level(e)]
+        results = runner.map([(tasks.train_entry(t.task_index), tasks.train[t.task_index], tok.decode(t.token_ids))
+                              for t in single])
+        by_key.update({t.key: (r.reward, r.error) for t, r in zip(single, results, strict=True)})
     finally:
         if own:
             runner.close()
@@ -45,13 +58,11 @@ def score(groups: list[list[Trajectory]], tasks: TaskSets, tok: TextTokenizer, c
         ttype = task_type_of(task, entry)
         n_type[ttype] += 1
         lengths.append(len(traj.token_ids))
-        res = by_key.get(traj.key)
-        error = res.error if res else f"the inference engine refused the request: {traj.error}"
+        reward, error = by_key.get(traj.key, (0.0, f"the inference engine refused the request: {traj.error}"))
         if error:
             errors += 1
             first_error = first_error or f"task {task.id}: {error}"
             continue
-        reward = res.reward
         if traj.finish_reason == "length":
             truncated[ttype] += 1
             reward = cfg.task_type(ttype)[1]
@@ -78,9 +89,13 @@ def score(groups: list[list[Trajectory]], tasks: TaskSets, tok: TextTokenizer, c
 def evaluate(cluster, tasks: TaskSets, tok: TextTokenizer, cfg: Config, progress: Progress | None = None) -> dict:
     """Greedy accuracy on the held-out tasks: the fraction with reward 1 (errors count as wrong), overall and,
     with several task types, per type."""
-    held_out = tasks.eval
+    # Group-level rewards (a critic comparing responses) have no right answer to count.
+    keep = [i for i in range(len(tasks.eval)) if not is_group_level(tasks.eval_entry(i))]
+    held_out = [tasks.eval[i] for i in keep]
+    if not held_out:
+        return {"accuracy": float("nan"), "response_len": 0.0}
     bar = progress.add_task("held-out eval (greedy)", total=len(held_out)) if progress else None
-    types = [task_type_of(t, tasks.eval_entry(i)) for i, t in enumerate(held_out)]
+    types = [task_type_of(tasks.eval[i], tasks.eval_entry(i)) for i in keep]
     params = [SamplingParams(0.0, cfg.task_type(tt)[0]) for tt in types]
     outs = cluster.generate([tok.encode(t.prompt) for t in held_out], params, seed=0,
                             on_chunk=(lambda n: progress.advance(bar, n)) if progress else None)
@@ -88,8 +103,8 @@ def evaluate(cluster, tasks: TaskSets, tok: TextTokenizer, cfg: Config, progress
         progress.remove_task(bar)
     runner = EpisodeRunner(cfg)
     try:
-        results = runner.map([(tasks.eval_entry(i), t, tok.decode(c.token_ids))
-                              for i, (t, c) in enumerate(zip(held_out, outs, strict=True))])
+        results = runner.map([(tasks.eval_entry(i), tasks.eval[i], tok.decode(c.token_ids))
+                              for i, c in zip(keep, outs, strict=True)])
     finally:
         runner.close()
     right = [r.error is None and r.reward >= 1.0 and c.finish_reason == "stop"
@@ -101,3 +116,18 @@ def evaluate(cluster, tasks: TaskSets, tok: TextTokenizer, cfg: Config, progress
             hits = [r for r, t in zip(right, types, strict=True) if t == tt]
             out[f"accuracy/{tt}"] = sum(hits) / len(hits)
     return out
+
+
+def policy_critic(cluster, tok: TextTokenizer, cfg: Config, seed: int):
+    """The policy itself as the critic, on the shared inference engines (task type "critic" sets its budget and
+    temperature)."""
+    max_tokens, _, sched = cfg.task_type("critic")
+    lock = threading.Lock()  # episodes call it from several threads; the engines take one batch at a time
+
+    def generate(prompts: list[str]) -> list[str]:
+        params = [SamplingParams(sched.start, max_tokens) for _ in prompts]
+        with lock:
+            outs = cluster.generate([tok.encode(p) for p in prompts], params, seed=seed)
+        return [tok.decode(c.token_ids) for c in outs]
+
+    return generate

@@ -118,3 +118,37 @@ def test_mix_sampling_follows_the_weights():
     assert sample_mix(sets, 64, 0, 5) == sample_mix(sets, 64, 0, 5)
     one = TaskSets(sets.train, [], cfg.env_entries[:1], [0] * 2000)
     assert sample_mix(one, 64, 0, 5) == sample_prompts(2000, 64, 0, 5)  # single env: the demo's draw, unchanged
+
+
+def test_group_level_environment_gets_all_k_responses_and_the_critic(tokenizer):
+    """A rubric task's K responses are judged together by the critic (here a stand-in that prefers the longer
+    response), so the longest response gets the highest reward; verifiable tasks in the same batch are untouched."""
+    from envs.rubric import parse_verdict
+    from rl.episodes import EpisodeRunner
+
+    def longer(prompts: list[str]) -> list[str]:
+        outs = []
+        for p in prompts:
+            a = p.split("## Response A\n")[1].split("\n\n## Response B")[0]
+            b = p.split("## Response B\n")[1].split("\n\n## Your task")[0]
+            outs.append("Verdict: A" if len(a) > len(b) else "Verdict: B")
+        return outs
+
+    cfg = parse_config({"envs": [{"name": "arithmetic"}, {"name": "rubric", "kwargs": {"rubrics": ["core"]}}],
+                        "rollout": {"samples_per_prompt": 3}})
+    arith = ArithmeticEnv.generate_tasks(1, seed=0)
+    sets = TaskSets([*arith, Task("r-0", "Tell me about rivers.", "")], [], cfg.env_entries, [0, 1])
+    groups = [[_traj(tokenizer, 0, 0, 0, arith[0].meta["solution"]), _traj(tokenizer, 1, 0, 0, "x"),
+               _traj(tokenizer, 2, 0, 0, "y")],
+              [_traj(tokenizer, 3, 1, 1, "Rivers flow to the sea and carry water"), _traj(tokenizer, 4, 1, 1, "Rivers"),
+               _traj(tokenizer, 5, 1, 1, "Rivers flow")]]
+    runner = EpisodeRunner(cfg, critic=longer)
+    try:
+        samples, stats = score(groups, sets, tokenizer, cfg, runner)
+    finally:
+        runner.close()
+    assert parse_verdict("Verdict: A") == "A"
+    assert stats["env_errors"] == 0
+    assert [s.reward for s in samples[:3]] == [1.0, 0.0, 0.0]
+    r = [s.reward for s in samples[3:]]
+    assert r[0] > r[2] > r[1]
