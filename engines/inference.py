@@ -15,12 +15,22 @@ import itertools
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 
 from engines.kv_cache import DecodePass, PrefillPass, SlotKVCache, bytes_per_slot
 from engines.model import CausalLM, padded_causal_mask, positions_from_valid
-from engines.sampling import InvalidRequestError, RowParams, SamplingParams, sample, token_logprobs
+from engines.sampling import (
+    InvalidRequestError,
+    RowParams,
+    SamplingParams,
+    advance_matchers,
+    mask_logits,
+    new_matcher,
+    sample,
+    token_logprobs,
+)
 
 __all__ = ["Completion", "InferenceEngine", "InvalidRequestError", "SamplingParams", "token_logprobs"]
 
@@ -51,6 +61,7 @@ class _Request:
     seed: int
     prior: list[int] = field(default_factory=list)  # tokens generated before a pause
     prior_logprobs: list[float] = field(default_factory=list)
+    matcher: Any = None  # per-sequence grammar state when params.grammar is set (engines.constrained)
 
 
 class InferenceEngine:
@@ -91,6 +102,7 @@ class InferenceEngine:
         self._sleep_level = 0
         self._weights_loaded = True
         self._offloaded: dict[str, tuple] = {}
+        self._n_constrained = 0  # running requests with a grammar; 0 keeps the batched path free of Python loops
         self._alloc_state()
 
     # --- requests -------------------------------------------------------------------------
@@ -124,9 +136,10 @@ class InferenceEngine:
             raise InvalidRequestError("stop strings need an engine built with a detokenize function")
         if len(params.stop_token_ids) > MAX_STOP_IDS:
             raise InvalidRequestError(f"at most {MAX_STOP_IDS} stop_token_ids, got {len(params.stop_token_ids)}")
+        matcher = new_matcher(params, prior)
         rid = next(self._ids) if request_id is None else request_id
         seed = params.seed if params.seed is not None else (self._seed * 1_000_003 + rid) % 2**63
-        self.waiting.append(_Request(rid, prompt, params, seed, list(prior), list(prior_logprobs)))
+        self.waiting.append(_Request(rid, prompt, params, seed, list(prior), list(prior_logprobs), matcher))
         return rid
 
     def has_unfinished(self) -> bool:
@@ -176,6 +189,7 @@ class InferenceEngine:
                 for r in self.waiting]
         self.running.clear()
         self.waiting.clear()
+        self._n_constrained = 0
         return out
 
     def resume(self, partials: Iterable[Completion]) -> list[int]:
@@ -333,10 +347,14 @@ class InferenceEngine:
         self.has_stop_str[slot] = bool(p.stop)
         self.rows.temperature[slot], self.rows.top_k[slot] = p.temperature, p.top_k
         self.rows.top_p[slot], self.rows.seed[slot] = p.top_p, r.seed
+        self._n_constrained += r.matcher is not None
 
     def _commit(self, slots: torch.Tensor, logits: torch.Tensor) -> list[int]:
         """Sample the next token of ``slots`` from ``logits``, record it; returns the slots that finished."""
         gen = self.gen[slots]
+        if self._n_constrained:
+            # logprobs are then those of the masked distribution, the one the tokens are drawn from
+            logits = mask_logits(logits, self._matchers(slots))
         tok, lp = sample(logits, self.rows[slots], gen)
         self.out_tokens[slots, gen] = tok
         self.out_logprobs[slots, gen] = lp.float()
@@ -344,6 +362,8 @@ class InferenceEngine:
         self.gen[slots] = gen + 1
         done = ((tok == self.eos_id) & self.eos_stop[slots]) | (self.stop_ids[slots] == tok[:, None]).any(1)
         done |= gen + 1 >= self.max_gen[slots]
+        if self._n_constrained:
+            done |= advance_matchers(self._matchers(slots), tok)
         check = self.has_stop_str[slots] & ~done
         finished = slots[done].tolist()
         if bool(check.any()):
@@ -368,6 +388,8 @@ class InferenceEngine:
         tok = int(self.out_tokens[slot, int(self.gen[slot]) - 1])
         if tok in r.params.stop_token_ids or (tok == self.eos_id and not r.params.ignore_eos):
             return tok
+        if r.matcher is not None and r.matcher.is_terminated():
+            return tok  # the grammar's stop token ended it (even with ignore_eos)
         return self._stop_string(slot) if r.params.stop else None
 
     def _release(self, finished: list[int]) -> list[Completion]:
@@ -376,6 +398,7 @@ class InferenceEngine:
             r = self.running[slot]
             why = self._stop_reason(r, slot)
             out.append(self._completion(r, slot, "length" if why is None else "stop", why))
+            self._n_constrained -= r.matcher is not None
             self._move(len(self.running) - 1, slot)
             self.running.pop()
         return out[::-1]
@@ -393,3 +416,8 @@ class InferenceEngine:
             t[dst] = t[src]
         self.out_tokens[dst, :g] = self.out_tokens[src, :g]
         self.out_logprobs[dst, :g] = self.out_logprobs[src, :g]
+
+    # --- constrained decoding (SamplingParams.grammar) -------------------------------------
+
+    def _matchers(self, slots: torch.Tensor) -> list[Any]:
+        return [self.running[s].matcher for s in slots.tolist()]

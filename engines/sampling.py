@@ -9,9 +9,14 @@ batch, and a paused request resumes exactly where it would have gone.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from engines.constrained import Constraint, Matcher
 
 
 class InvalidRequestError(ValueError):
@@ -26,6 +31,8 @@ class SamplingParams:
     ``max_tokens`` is the response budget; generation also stops at EOS (unless ``ignore_eos``),
     at any of ``stop_token_ids`` and after any of the ``stop`` strings; ``seed`` makes the request
     reproducible on its own (None: derived from the engine's seed and the request's arrival order).
+    ``grammar`` constrains decoding (e.g. ``engines.constrained.ConstraintCompiler.tool_calls``):
+    disallowed tokens are masked before sampling, and the request stops when the grammar terminates.
     """
 
     temperature: float = 1.0
@@ -36,6 +43,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     seed: int | None = None
+    grammar: Constraint | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -58,6 +66,8 @@ class SamplingParams:
             problems.append(f"stop_token_ids must be token ids >= 0, got {self.stop_token_ids!r}")
         if self.seed is not None and not (isinstance(self.seed, int) and 0 <= self.seed < 2**63):
             problems.append(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
+        if self.grammar is not None and not callable(getattr(self.grammar, "matcher", None)):
+            problems.append(f"grammar must have a matcher() method, got {type(self.grammar).__name__}")
         if problems:
             raise InvalidRequestError("; ".join(problems))
 
@@ -140,3 +150,49 @@ def sample(logits: torch.Tensor, rows: RowParams, counters: torch.Tensor) -> tup
     if bool(greedy.any()):
         tokens = torch.where(greedy, logits.argmax(-1), tokens)
     return tokens, logp.gather(1, tokens[:, None]).squeeze(1)
+
+
+# --- constrained decoding (SamplingParams.grammar; the matchers come from engines.constrained) ------
+
+
+def new_matcher(params: SamplingParams, prior: Sequence[int] = ()) -> Matcher | None:
+    """A fresh matcher of ``params.grammar`` advanced past ``prior`` tokens (a resumed request); None without one."""
+    if params.grammar is None:
+        return None
+    matcher = params.grammar.matcher()
+    for t in prior:
+        if not matcher.accept(int(t)):
+            raise InvalidRequestError(f"resumed request's token {int(t)} violates its grammar")
+    return matcher
+
+
+def mask_logits(logits: torch.Tensor, matchers: Sequence[Matcher | None]) -> torch.Tensor:
+    """``logits`` [n, V] with the tokens each row's matcher disallows set to -inf (rows without one untouched).
+
+    Sampling from these logits makes the reported logprobs those of the masked, renormalised
+    distribution: the one the tokens were actually drawn from (the behaviour policy). The trainer
+    recomputes logprobs from the unmasked model, so for constrained tokens the two differ (masked >=
+    unmasked); a grammar that only removes tokens the model would almost never pick changes little.
+    """
+    rows = [i for i, m in enumerate(matchers) if m is not None]
+    if not rows:
+        return logits
+    allowed = torch.zeros(len(rows), logits.shape[-1], dtype=torch.bool)
+    for j, i in enumerate(rows):
+        mask = matchers[i].allowed_mask()
+        width = min(logits.shape[-1], mask.shape[0])  # logits past the grammar's vocabulary stay disallowed
+        allowed[j, :width] = mask[:width]
+    idx = torch.tensor(rows, device=logits.device)
+    logits = logits.clone()
+    logits[idx] = logits[idx].masked_fill(~allowed.to(logits.device), float("-inf"))
+    return logits
+
+
+def advance_matchers(matchers: Sequence[Matcher | None], tokens: torch.Tensor) -> torch.Tensor:
+    """Feed each row's sampled token to its matcher; returns a bool [n]: the rows whose grammar ended."""
+    done = [False] * len(matchers)
+    for i, (m, t) in enumerate(zip(matchers, tokens.tolist(), strict=True)):
+        # a token outside the mask cannot be drawn; if one were, stop rather than go on unconstrained
+        if m is not None and (not m.accept(t) or m.is_terminated()):
+            done[i] = True
+    return torch.tensor(done, dtype=torch.bool, device=tokens.device)

@@ -102,6 +102,17 @@ def _cmd_sandbox_run(args: argparse.Namespace) -> None:
           + (f" ({r.detail})" if r.detail else ""), file=sys.stderr)
 
 
+def _cmd_filter(args: argparse.Namespace) -> None:
+    from rl.config import load_config
+    from rl.difficulty import filter_by_difficulty
+
+    cfg = load_config(args.config, args.set)
+    r = filter_by_difficulty(cfg, Path(args.out), k=args.k, min_pass=args.min_pass, max_pass=args.max_pass,
+                             limit=args.limit, seed=args.seed)
+    print(f"kept {r['kept']} of {r['prompts']} prompts (pass rate over {r['k']} samples in "
+          f"[{args.min_pass}, {args.max_pass}]; {r['too_easy']} too easy, {r['too_hard']} too hard) -> {r['out']}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="rl", description="RL post-training with colocated engines.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -128,6 +139,18 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-num-seqs", type=int, default=256, help="most sequences decoded together")
     s.add_argument("--kv-cache-mb", type=int, default=512, help="KV-cache memory budget in MiB")
     s.set_defaults(func=_cmd_serve)
+
+    f = sub.add_parser("filter-tasks", help="keep the training prompts of moderate difficulty for the current model "
+                                            "(pass rate over k samples)")
+    f.add_argument("config", help="run config: its environments' training prompts and its model")
+    f.add_argument("--out", required=True, help="task file to write (.jsonl or .parquet)")
+    f.add_argument("--k", type=int, default=8, help="samples per prompt")
+    f.add_argument("--min-pass", type=float, default=0.125, help="drop prompts solved less often than this")
+    f.add_argument("--max-pass", type=float, default=0.875, help="drop prompts solved more often than this")
+    f.add_argument("--limit", type=int, help="look at the first N training prompts only")
+    f.add_argument("--seed", type=int, default=0)
+    f.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config value")
+    f.set_defaults(func=_cmd_filter)
 
     sb = sub.add_parser("sandbox", help="the sandbox service that runs untrusted code")
     sbs = sb.add_subparsers(dest="sandbox_command", required=True)
