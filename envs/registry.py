@@ -15,7 +15,7 @@ import gymnasium
 from envs.base import Env
 
 ENTRY_POINT_GROUP = "rl.envs"
-BUILTIN_MODULES = ("envs.arithmetic", "envs.math", "envs.puzzles", "envs.code", "envs.rubric")
+BUILTIN_MODULES = ("envs.arithmetic", "envs.math", "envs.puzzles", "envs.code", "envs.swe", "envs.rubric")
 _REGISTRY: dict[str, type[Env]] = {}
 _loaded_plugins = False
 

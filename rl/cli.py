@@ -152,6 +152,10 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config value")
     f.set_defaults(func=_cmd_filter)
 
+    g = sub.add_parser("swe-generate", help="make SWE tasks by injecting bugs into a pure-Python package (see "
+                                            "python -m envs.swe_smith --help)", add_help=False)
+    g.add_argument("args", nargs=argparse.REMAINDER)
+
     sb = sub.add_parser("sandbox", help="the sandbox service that runs untrusted code")
     sbs = sb.add_subparsers(dest="sandbox_command", required=True)
     sv = sbs.add_parser("serve", help="start the gRPC sandbox service (flags override the config's sandbox section)")
@@ -178,6 +182,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["swe-generate"]:  # its own parser, options included
+        from envs.swe_smith import main as generate
+
+        return generate(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         args.func(args)
