@@ -33,6 +33,9 @@ class Env(gymnasium.Env):
     metadata: ClassVar[dict[str, Any]] = {"render_modes": []}
     #: Short name of the task type, used for per-task budgets and metrics.
     task_type: str = "text"
+    #: Multi-turn environments return the next observation from ``step`` until the episode ends; the RL loop
+    #: then generates turn by turn and trains only on the model's own tokens.
+    multi_turn: ClassVar[bool] = False
 
     def __init__(self, tasks: list[Task] | None = None) -> None:
         self.observation_space = gymnasium.spaces.Text(MAX_TEXT, charset=_CHARSET)

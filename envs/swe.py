@@ -202,6 +202,7 @@ class SWEEnv(Env):
     """Fix a repository with bash/view/edit/create tools; reward 1.0 when the task's tests all pass."""
 
     task_type = "swe"
+    multi_turn = True
     uses_sandbox = True
     tools = TOOLS
 

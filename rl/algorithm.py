@@ -30,6 +30,15 @@ class Sample:
     old_logprobs: list[float]  # per token, from the sampler (π_old)
     reward: float
     temperature: float = 1.0   # what it was sampled at; the recompute uses the same
+    # Multi-turn: 1 for the model's own tokens, 0 for what the environment inserted (tool results, user turns),
+    # which are context only; None = every response token is the model's.
+    loss_mask: list[int] | None = None
+
+    def policy_logprob(self) -> float:
+        """log π_old of the model's own tokens (the masked-in ones)."""
+        if self.loss_mask is None:
+            return sum(self.old_logprobs)
+        return sum(lp for lp, m in zip(self.old_logprobs, self.loss_mask, strict=True) if m)
 
 
 @dataclass
@@ -82,11 +91,13 @@ def k15_backward(engine: TrainingEngine, samples: Sequence[Sample], advantages: 
     parts, passes = micro_batches(len(samples), micro_batch, rank, world)
     for part in parts:
         chosen = [samples[i] for i in part]
-        lp, _ = engine.response_logprobs([s.prompt_ids for s in chosen], [s.response_ids for s in chosen],
-                                         [s.temperature for s in chosen])
+        lp, target = engine.response_logprobs([s.prompt_ids for s in chosen], [s.response_ids for s in chosen],
+                                              [s.temperature for s in chosen])
+        if any(s.loss_mask is not None for s in chosen):
+            lp = lp * _token_mask(chosen, target)
         loss = k15_loss(
             lp.sum(-1),
-            torch.tensor([sum(s.old_logprobs) for s in chosen]),
+            torch.tensor([s.policy_logprob() for s in chosen]),
             torch.tensor([advantages[i] for i in part], dtype=torch.float32),
             torch.tensor([weights[i] for i in part], dtype=torch.float32),
             tau,
@@ -96,6 +107,15 @@ def k15_backward(engine: TrainingEngine, samples: Sequence[Sample], advantages: 
     for _ in range(passes - len(parts)):
         engine.dummy_backward()
     return total
+
+
+def _token_mask(samples: Sequence[Sample], target: torch.Tensor) -> torch.Tensor:
+    """Each sample's loss mask laid over the response positions of ``response_logprobs``' [B, T-1] layout."""
+    mask = torch.zeros(target.shape, dtype=torch.float32, device=target.device)
+    for b, s in enumerate(samples):
+        row = s.loss_mask if s.loss_mask is not None else [1] * len(s.response_ids)
+        mask[b, target[b].bool()] = torch.as_tensor(row, dtype=torch.float32, device=target.device)
+    return mask
 
 
 def ptx_backward(engine: TrainingEngine, batch: PtxBatch, coef: float, *, micro_batch: int, rank: int = 0,

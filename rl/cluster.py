@@ -26,6 +26,9 @@ class Cluster:
     """Colocated workers (one trainer and one inference actor per placement-group bundle)."""
 
     def __init__(self, cfg: Config, model_dir: str) -> None:
+        from engines.hf_io import read_config
+
+        self.max_context = read_config(model_dir).max_position_embeddings
         self.cfg = cfg
         self._own_ray = not ray.is_initialized()
         if self._own_ray:

@@ -103,6 +103,8 @@ class RolloutConfig(Strict):
     task_types: dict[str, TaskTypeConfig] = Field({}, description="per task type budget, penalty, temperature")
     partial: PartialRolloutConfig = PartialRolloutConfig()
     env_workers: int = Field(16, ge=1, description="episodes stepped concurrently (sandboxes, critics)")
+    max_turns: int = Field(8, ge=1, description="most model turns of a multi-turn episode (the env may end it "
+                                                "sooner); its task type's max_tokens is per turn")
     max_batch: int = Field(512, ge=1, description="most sequences decoded together (KV-cache slots)")
     kv_cache_mb: int = Field(512, ge=1, description="KV-cache memory budget of each inference engine")
     sleep_level: Literal[0, 1, 2] = Field(

@@ -16,13 +16,15 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from engines.sampling import SamplingParams
 from engines.tokenizer import TextTokenizer
+from envs import Task
 from rl.checkpoint import LoopState, copy_tokenizer, latest_checkpoint, save_checkpoint
 from rl.cluster import Cluster
-from rl.config import Config, dump_config
+from rl.config import Config, EnvConfig, dump_config
 from rl.data import load_task_sets, sample_mix
 from rl.episodes import EpisodeRunner, env_class, is_group_level, task_type_of
 from rl.errors import UserError
 from rl.metrics import MetricsLog, plot_curves
+from rl.multiturn import run_multi_turn
 from rl.partial import PartialRolloutBuffer, Trajectory
 from rl.ptx import load_ptx, ptx_batches
 from rl.rewards import evaluate, policy_critic, score
@@ -95,23 +97,28 @@ def temperature_of(cfg: Config, task_type: str, it: int) -> float:
     return temperature_at(sched.schedule, sched.start, sched.end, it, cfg.run.iterations)
 
 
-def new_groups(cfg: Config, tasks, tok: TextTokenizer, it: int, buffer: PartialRolloutBuffer) -> dict[str, float]:
-    """Add this iteration's new prompt groups (K trajectories each) to the buffer, so that
-    ``prompts_per_iteration`` groups are in flight; returns the temperature of each task type."""
-    r, temps = cfg.rollout, {}
+def new_groups(cfg: Config, tasks, tok: TextTokenizer, it: int,
+               buffer: PartialRolloutBuffer) -> tuple[dict[str, float], list[tuple[int, EnvConfig, Task]]]:
+    """Add this iteration's new single-turn prompt groups (K trajectories each) to the buffer, so that
+    ``prompts_per_iteration`` groups are in flight; returns the temperature of each task type and the
+    new multi-turn groups, which are played out separately."""
+    r, temps, multi = cfg.rollout, {}, []
     for g, index in enumerate(sample_mix(tasks, r.prompts_per_iteration - buffer.in_flight_groups(),
                                          cfg.run.seed, it)):
-        task = tasks.train[index]
-        ttype = task_type_of(task, tasks.train_entry(index))
+        task, entry = tasks.train[index], tasks.train_entry(index)
+        ttype = task_type_of(task, entry)
         max_tokens = cfg.task_type(ttype)[0]
         temps[ttype] = temperature_of(cfg, ttype, it)
         group, prompt = it * GROUPS_PER_ITERATION + g, tok.encode(task.prompt)
+        if env_class(entry).multi_turn:
+            multi.append((group, entry, task))
+            continue
         keys = [group * r.samples_per_prompt + j for j in range(r.samples_per_prompt)]
         buffer.add_group([Trajectory(key=k, group=group, task_index=index, prompt_ids=prompt, started=it,
                                      params=SamplingParams(temps[ttype], max_tokens,
                                                            seed=(cfg.run.seed * 1_000_003 + k) % 2**63))
                           for k in keys])
-    return temps
+    return temps, multi
 
 
 def iteration(cluster: Cluster, cfg: Config, tasks, tok: TextTokenizer, it: int, progress: Progress,
@@ -120,7 +127,7 @@ def iteration(cluster: Cluster, cfg: Config, tasks, tok: TextTokenizer, it: int,
     times: dict[str, float] = {}
 
     t = time.time()
-    temps = new_groups(cfg, tasks, tok, it, buffer)
+    temps, multi = new_groups(cfg, tasks, tok, it, buffer)
     pending, _ = buffer.pending(it)  # trajectories past rollout.partial.max_age are dropped here
     bar = progress.add_task(f"iter {it} rollout", total=len(pending))
     results = cluster.rollout(pending, cfg.rollout.partial.token_budget, on_worker=lambda n: progress.advance(bar, n))
@@ -137,6 +144,14 @@ def iteration(cluster: Cluster, cfg: Config, tasks, tok: TextTokenizer, it: int,
     runner = EpisodeRunner(cfg, critic=critic)
     try:
         samples, stats = score(buffer.pop_complete(), tasks, tok, cfg, runner)
+        if multi:
+            more, multi_stats = run_multi_turn(cluster, cfg, tok, runner, multi, temps, cfg.run.seed * 7_919 + it,
+                                               cluster.max_context)
+            samples += more
+            stats.update({k: v for k, v in multi_stats.items() if k not in stats})
+            stats["env_errors"] += multi_stats["multi_turn_errors"]
+            stats["trained_samples"] = len(samples)
+            stats["reward_mean"] = sum(s.reward for s in samples) / max(1, len(samples))
     finally:
         runner.close()
     partial_stats = buffer.stats()  # after pop_complete: waiting_groups are the groups carried over

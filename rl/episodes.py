@@ -94,7 +94,7 @@ class EpisodeRunner:
         def one(entry: EnvConfig, task: Task, text: str) -> tuple[float, dict[str, Any]]:
             return run_episode(self.make_env(entry), task, text)
 
-        outs = self._run([(partial(one, *job), job[0].timeout_s) for job in jobs], on_done)
+        outs = self.run_calls([(partial(one, *job), job[0].timeout_s) for job in jobs], on_done)
         return [EpisodeResult(0.0, {}, err) if err else EpisodeResult(*out) for out, err in outs]
 
     def map_groups(self, jobs: list[tuple[EnvConfig, Task, list[str]]]) -> list[tuple[list[float] | None, str | None]]:
@@ -109,10 +109,11 @@ class EpisodeRunner:
                 raise ValueError(f"score_group returned {len(rewards)} rewards for {len(texts)} responses")
             return [float(r) for r in rewards]
 
-        return self._run([(partial(one, *job), job[0].timeout_s) for job in jobs], None)
+        return self.run_calls([(partial(one, *job), job[0].timeout_s) for job in jobs], None)
 
-    def _run(self, calls: list[tuple[Callable[[], Any], float]],
-             on_done: Callable[[], None] | None) -> list[tuple[Any, str | None]]:
+    def run_calls(self, calls: list[tuple[Callable[[], Any], float]],
+             on_done: Callable[[], None] | None = None) -> list[tuple[Any, str | None]]:
+        """Run each ``(fn, timeout_s)`` on the pool: (result, None), or (None, error) when it raised or timed out."""
         starts: dict[int, float] = {}
 
         def timed(i: int, fn: Callable[[], Any]) -> Any:

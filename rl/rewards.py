@@ -12,7 +12,7 @@ from engines.tokenizer import TextTokenizer
 from rl.algorithm import Sample
 from rl.config import Config
 from rl.data import TaskSets
-from rl.episodes import EpisodeRunner, is_group_level, task_type_of
+from rl.episodes import EpisodeRunner, env_class, is_group_level, task_type_of
 from rl.partial import Trajectory
 
 
@@ -89,8 +89,10 @@ def score(groups: list[list[Trajectory]], tasks: TaskSets, tok: TextTokenizer, c
 def evaluate(cluster, tasks: TaskSets, tok: TextTokenizer, cfg: Config, progress: Progress | None = None) -> dict:
     """Greedy accuracy on the held-out tasks: the fraction with reward 1 (errors count as wrong), overall and,
     with several task types, per type."""
-    # Group-level rewards (a critic comparing responses) have no right answer to count.
-    keep = [i for i in range(len(tasks.eval)) if not is_group_level(tasks.eval_entry(i))]
+    # Group-level rewards (a critic comparing responses) have no right answer to count; multi-turn episodes are
+    # not single greedy responses.
+    keep = [i for i in range(len(tasks.eval))
+            if not is_group_level(tasks.eval_entry(i)) and not env_class(tasks.eval_entry(i)).multi_turn]
     held_out = [tasks.eval[i] for i in keep]
     if not held_out:
         return {"accuracy": float("nan"), "response_len": 0.0}

@@ -1,7 +1,9 @@
 """The K1.5 loss and its gradient against an independent computation, and learning on a toy reward."""
 
 import random
+from dataclasses import replace
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -27,27 +29,35 @@ def _reference_loss(model, samples, tau):
             valid = torch.ones_like(ids, dtype=torch.bool)
             logits = model(ids, positions_from_valid(valid), padded_causal_mask(valid))[0]
             logp = F.log_softmax(logits.float() / s.temperature, dim=-1)
-            new = sum(logp[len(s.prompt_ids) - 1 + t, tok] for t, tok in enumerate(s.response_ids))
-            ratio = new - sum(s.old_logprobs)
+            mask = s.loss_mask or [1] * len(s.response_ids)  # multi-turn: only the model's own tokens count
+            new = sum(logp[len(s.prompt_ids) - 1 + t, tok] for t, tok in enumerate(s.response_ids) if mask[t])
+            ratio = new - sum(lp for lp, m in zip(s.old_logprobs, mask, strict=True) if m)
             terms.append((s.reward - mean_r - tau * ratio) ** 2)
         per_prompt.append(sum(terms) / len(terms))
     return sum(per_prompt) / len(per_prompt)
 
 
-def _random_samples(rng, vocab, n_groups=3, k=4):
+def _random_samples(rng, vocab, n_groups=3, k=4, masked=False):
     samples = []
     for g in range(n_groups):
         prompt = [rng.randrange(2, vocab) for _ in range(rng.randint(2, 6))]
         for _ in range(k - (g == 1)):  # one group with K-1 samples: weights must still be per prompt
             resp = [rng.randrange(2, vocab) for _ in range(rng.randint(1, 5))]
+            mask = [1] + [int(rng.random() < 0.6) for _ in resp[1:]] if masked else None
             samples.append(Sample(g, prompt, resp, [rng.uniform(-3, -0.1) for _ in resp], float(rng.random() < 0.5),
-                                  temperature=rng.choice([0.7, 1.0, 1.3])))
+                                  temperature=rng.choice([0.7, 1.0, 1.3]), loss_mask=mask))
     return samples
 
 
-def test_k15_loss_and_gradient_match_reference(tiny_model, tokenizer):
+@pytest.mark.parametrize("masked", [False, True], ids=["single-turn", "multi-turn-loss-mask"])
+def test_k15_loss_and_gradient_match_reference(tiny_model, tokenizer, masked):
     rng = random.Random(0)
-    samples = _random_samples(rng, tokenizer.vocab_size)
+    samples = _random_samples(rng, tokenizer.vocab_size, masked=masked)
+    if masked:  # environment tokens are context only: their sampler logprobs must not matter
+        assert any(0 in s.loss_mask for s in samples)
+        samples = [replace(s, old_logprobs=[lp if m else 123.0
+                                            for lp, m in zip(s.old_logprobs, s.loss_mask, strict=True)])
+                   for s in samples]
     tau = 0.3
 
     tiny_model.zero_grad()

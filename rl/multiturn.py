@@ -1,0 +1,129 @@
+"""Multi-turn episodes in the RL loop: generate a turn, step the environment, append its observation, repeat.
+
+All active episodes of the iteration generate their next turn in one batch on the inference engines;
+the environments then step concurrently (a sandbox command, a tool call) within their entry's
+``timeout_s``. The trained sequence is the whole conversation after the first prompt: the model's
+tokens (loss mask 1, with the sampler's log-probs) and the environment's observations (loss mask 0,
+context only). An episode ends when the environment says so, after ``rollout.max_turns`` turns
+(truncated: its task type's truncation penalty), or when the conversation no longer fits the model's
+context; an environment error drops that trajectory and is counted. Multi-turn groups are not paused
+by partial rollout: they finish within their iteration.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from engines.sampling import SamplingParams
+from engines.tokenizer import TextTokenizer
+from envs import Env, Task
+from rl.algorithm import Sample
+from rl.config import Config, EnvConfig
+from rl.episodes import EpisodeRunner, task_type_of
+
+
+@dataclass
+class Episode:
+    group: int
+    key: int
+    entry: EnvConfig
+    task: Task
+    env: Env
+    prompt_ids: list[int]
+    response_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    temperature: float = 1.0
+    turns: int = 0
+    reward: float = 0.0
+    done: bool = False
+    truncated: bool = False
+    error: str | None = None
+
+
+def _reset(env: Env, task: Task) -> str:
+    obs, _ = env.reset(options={"task": task})
+    return obs
+
+
+def run_multi_turn(cluster, cfg: Config, tok: TextTokenizer, runner: EpisodeRunner,
+                   groups: list[tuple[int, EnvConfig, Task]], temperatures: dict[str, float], seed: int,
+                   max_context: int) -> tuple[list[Sample], dict[str, Any]]:
+    """Play K episodes for each ``(group id, entry, task)``; returns the samples of finished episodes and stats."""
+    k = cfg.rollout.samples_per_prompt
+    episodes: list[Episode] = []
+    for group, entry, task in groups:
+        for j in range(k):
+            episodes.append(Episode(group, group * k + j, entry, task, runner.make_env(entry), []))
+    firsts = runner.run_calls([(lambda e=e: _reset(e.env, e.task), e.entry.timeout_s) for e in episodes])
+    for e, (obs, err) in zip(episodes, firsts, strict=True):
+        e.prompt_ids = tok.encode(obs) if err is None else []
+        e.error, e.done = err, err is not None
+    for turn in range(cfg.rollout.max_turns):
+        active = [e for e in episodes if not e.done]
+        if not active:
+            break
+        params = []
+        for e in active:
+            ttype = task_type_of(e.task, e.entry)
+            e.temperature = temperatures[ttype]
+            budget = min(cfg.task_type(ttype)[0], max_context - len(e.prompt_ids) - len(e.response_ids))
+            params.append(SamplingParams(e.temperature, max(budget, 1),
+                                         seed=(seed * 1_000_003 + e.key * 131 + turn) % 2**63))
+        outs = cluster.generate([e.prompt_ids + e.response_ids for e in active], params, seed=seed)
+        steps = runner.run_calls([(lambda e=e, c=c: e.env.step(tok.decode(c.token_ids)), e.entry.timeout_s)
+                                  for e, c in zip(active, outs, strict=True)])
+        for e, c, (result, err) in zip(active, outs, steps, strict=True):
+            e.turns += 1
+            if c.finish_reason == "error":
+                e.error, e.done = f"the inference engine refused the request: {c.error}", True
+                continue
+            e.response_ids += c.token_ids
+            e.logprobs += c.logprobs
+            e.loss_mask += [1] * len(c.token_ids)
+            if err is not None:
+                e.error, e.done = err, True
+                continue
+            obs, reward, terminated, truncated, _ = result
+            if terminated or truncated:
+                e.reward, e.done, e.truncated = float(reward), True, bool(truncated)
+                continue
+            obs_ids = tok.encode(obs)
+            if len(e.prompt_ids) + len(e.response_ids) + len(obs_ids) + 1 >= max_context:
+                e.done, e.truncated = True, True  # no room for another turn
+                continue
+            e.response_ids += obs_ids
+            e.logprobs += [0.0] * len(obs_ids)
+            e.loss_mask += [0] * len(obs_ids)
+    for e in episodes:
+        if not e.done:
+            e.done, e.truncated = True, True  # out of turns
+    runner.run_calls([(e.env.close, 10.0) for e in episodes])
+    return _samples(episodes, cfg)
+
+
+def _samples(episodes: list[Episode], cfg: Config) -> tuple[list[Sample], dict[str, Any]]:
+    samples, errors, first_error = [], 0, None
+    reward_sum: Counter[str] = Counter()
+    n_type: Counter[str] = Counter()
+    for e in episodes:
+        ttype = task_type_of(e.task, e.entry)
+        n_type[ttype] += 1
+        if e.error or not e.loss_mask:
+            errors += 1
+            first_error = first_error or f"task {e.task.id}: {e.error or 'no tokens generated'}"
+            continue
+        reward = cfg.task_type(ttype)[1] if e.truncated else e.reward
+        reward_sum[ttype] += reward
+        samples.append(Sample(e.group, e.prompt_ids, e.response_ids, e.logprobs, reward,
+                              temperature=e.temperature, loss_mask=e.loss_mask))
+    stats: dict[str, Any] = {"multi_turn_episodes": len(episodes), "multi_turn_errors": errors,
+                             "multi_turn_turns": sum(e.turns for e in episodes) / max(1, len(episodes)),
+                             "multi_turn_truncated": sum(e.truncated for e in episodes)}
+    for ttype, count in n_type.items():
+        stats[f"reward_mean/{ttype}"] = reward_sum[ttype] / count
+    if first_error:
+        stats["first_multi_turn_error"] = first_error
+    return samples, stats
