@@ -119,11 +119,24 @@ class PtxConfig(Strict):
     batch_size: int = Field(32, ge=1, description="samples per optimizer step")
 
 
+class CriticTrainingConfig(Strict):
+    """Closed-loop critic refinement (report 3.2.2): the policy, as critic, judges pairs of this iteration's
+    verifiable responses; each judgment is rewarded by its agreement with the verifiable rewards and trained on."""
+
+    enabled: bool = False
+    pairs: int = Field(8, ge=1, description="critic prompts (response pairs with different rewards) per iteration")
+    samples: int = Field(4, ge=2, description="judgments sampled per critic prompt (K of the K1.5 baseline)")
+    max_tokens: int = Field(64, ge=1)
+    temperature: float = Field(1.0, gt=0)
+    rubrics: list[str] = Field(["core"], description="rubric sets shown to the critic (envs/rubrics/)")
+
+
 class AlgorithmConfig(Strict):
     tau: float = Field(1.0, gt=0, description="τ of the K1.5 objective")
     minibatches: int = Field(2, ge=1, description="optimizer steps per rollout batch")
     micro_batch: int = Field(256, ge=1, description="sequences per forward/backward on each worker")
     ptx: PtxConfig = PtxConfig()
+    critic_training: CriticTrainingConfig = CriticTrainingConfig()
 
     @model_validator(mode="after")
     def _check(self) -> AlgorithmConfig:

@@ -20,6 +20,7 @@ from envs import Task
 from rl.checkpoint import LoopState, copy_tokenizer, latest_checkpoint, save_checkpoint
 from rl.cluster import Cluster
 from rl.config import Config, EnvConfig, dump_config
+from rl.critic_loop import critic_training_batch
 from rl.data import load_task_sets, sample_mix
 from rl.episodes import EpisodeRunner, env_class, is_group_level, task_type_of
 from rl.errors import UserError
@@ -152,6 +153,11 @@ def iteration(cluster: Cluster, cfg: Config, tasks, tok: TextTokenizer, it: int,
             stats["env_errors"] += multi_stats["multi_turn_errors"]
             stats["trained_samples"] = len(samples)
             stats["reward_mean"] = sum(s.reward for s in samples) / max(1, len(samples))
+        if cfg.algorithm.critic_training.enabled:
+            judged, critic_stats = critic_training_batch(cluster, tok, cfg, samples, it, GROUPS_PER_ITERATION)
+            samples += judged
+            stats.update(critic_stats)
+            stats["trained_samples"] = len(samples)
     finally:
         runner.close()
     partial_stats = buffer.stats()  # after pop_complete: waiting_groups are the groups carried over

@@ -36,10 +36,12 @@ import errno
 import heapq
 import os
 import shutil
+import signal
 import stat
 import sys
 import tempfile
 import threading
+import time
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
@@ -77,6 +79,28 @@ def _rmtree(path: Path) -> None:
                     with contextlib.suppress(OSError):
                         os.chmod(p, 0o700)
         shutil.rmtree(path, ignore_errors=True)
+
+
+def _reap_uid(uid: int, timeout_s: float = 2.0) -> None:
+    """Wait until no process of the session's own uid is left, SIGKILLing stragglers.
+
+    The kernel tears down the pid namespace asynchronously once its pid 1 exits, so a killed program's
+    children can still be alive for a moment after bwrap is reaped; an exec returns only once they are gone.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        pids = []
+        for name in os.listdir("/proc"):
+            if name.isdigit():
+                with contextlib.suppress(OSError):
+                    if os.stat(f"/proc/{name}").st_uid == uid:
+                        pids.append(int(name))
+        if not pids or time.monotonic() > deadline:
+            return
+        for pid in pids:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.005)
 
 
 class _EitherEvent(threading.Event):
@@ -297,6 +321,8 @@ class LocalSession:
             res = run_command(full, limits, cwd=str(self.dir), env={}, stdin=stdin,
                               cancel=_EitherEvent(self._closed, cancel) if cancel else self._closed,
                               rlimits="none", scan_dirs=self._scan)
+            if self.backend.as_root:
+                _reap_uid(self.uid)
         finally:
             with self._cond:
                 self._inflight -= 1

@@ -1,0 +1,74 @@
+"""Closed-loop critic refinement (report 3.2.2) inside the run.
+
+After rewards, pairs of responses to the same verifiable prompt whose verifiable rewards differ are
+shown to the policy acting as critic (order randomised against position bias), ``samples`` times
+each. A judgment is rewarded 1 when it picks the response with the higher verifiable reward, 0
+otherwise (a tie or an unparseable verdict included); these critic samples join the iteration's
+training batch as their own prompt groups, so the same K1.5 update that improves the policy also
+makes its judgments agree with verifiable signals, which then carries over to the rubric reward on
+non-verifiable prompts. ``critic_agreement`` (the mean of those rewards) is logged every iteration.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import defaultdict
+
+from engines.sampling import SamplingParams
+from engines.tokenizer import TextTokenizer
+from envs.rubric import build_pair_prompt, load_rubrics, parse_verdict
+from rl.algorithm import Sample
+from rl.config import Config
+
+CRITIC_GROUP_OFFSET = 500_000  # critic groups of iteration it: it * GROUPS_PER_ITERATION + this + index
+
+
+def critic_pairs(samples: list[Sample], n: int, rng: random.Random) -> list[tuple[Sample, Sample]]:
+    """Up to ``n`` (better, worse) pairs of responses to the same prompt with different verifiable rewards."""
+    by_group: dict[int, list[Sample]] = defaultdict(list)
+    for s in samples:
+        if s.loss_mask is None:  # single-turn responses only: a conversation is not one response
+            by_group[s.group].append(s)
+    candidates = []
+    for members in by_group.values():
+        for i, a in enumerate(members):
+            for b in members[i + 1:]:
+                if a.reward != b.reward:
+                    candidates.append((a, b) if a.reward > b.reward else (b, a))
+    rng.shuffle(candidates)
+    return candidates[:n]
+
+
+def critic_training_batch(cluster, tok: TextTokenizer, cfg: Config, samples: list[Sample], it: int,
+                          groups_per_iteration: int) -> tuple[list[Sample], dict[str, float]]:
+    """Critic samples for this iteration and the critic's agreement with the verifiable rewards."""
+    c = cfg.algorithm.critic_training
+    rng = random.Random(cfg.run.seed * 1_000_003 + it)
+    pairs = critic_pairs(samples, c.pairs, rng)
+    if not pairs:
+        return [], {}
+    rubrics = load_rubrics(c.rubrics)
+    prompts, better_is_a = [], []
+    for better, worse in pairs:
+        swap = rng.random() < 0.5  # position bias: the better response is shown first half of the time
+        a, b = (worse, better) if swap else (better, worse)
+        prompts.append(build_pair_prompt(tok.decode(better.prompt_ids), tok.decode(a.response_ids),
+                                         tok.decode(b.response_ids), rubrics))
+        better_is_a.append(not swap)
+    ids = [tok.encode(p) for p in prompts]
+    params = [SamplingParams(c.temperature, c.max_tokens) for _ in prompts for _ in range(c.samples)]
+    outs = cluster.generate([p for p in ids for _ in range(c.samples)], params, seed=rng.randrange(2**31))
+    out, refused, unparseable = [], 0, 0
+    for n, comp in enumerate(outs):
+        p = n // c.samples
+        if comp.finish_reason == "error":
+            refused += 1
+            continue
+        verdict = parse_verdict(tok.decode(comp.token_ids))
+        unparseable += verdict is None
+        right = "A" if better_is_a[p] else "B"
+        out.append(Sample(it * groups_per_iteration + CRITIC_GROUP_OFFSET + p, ids[p], comp.token_ids,
+                          comp.logprobs, float(verdict == right), temperature=c.temperature))
+    stats = {"critic_prompts": len(pairs), "critic_agreement": sum(s.reward for s in out) / max(1, len(out)),
+             "critic_unparseable": unparseable / max(1, len(out)), "critic_refused": refused}
+    return out, stats
