@@ -20,19 +20,15 @@ from envs import Task
 from rl.checkpoint import LoopState, copy_tokenizer, latest_checkpoint, save_checkpoint
 from rl.cluster import Cluster
 from rl.config import Config, EnvConfig, dump_config
-from rl.critic_loop import critic_training_batch
-from rl.data import load_task_sets, sample_mix
-from rl.episodes import EpisodeRunner, env_class, is_group_level, task_type_of
+from rl.data import GROUPS_PER_ITERATION, load_task_sets, sample_mix
+from rl.episodes import env_class, task_type_of
 from rl.errors import UserError
 from rl.metrics import MetricsLog, plot_curves
-from rl.multiturn import run_multi_turn
 from rl.partial import PartialRolloutBuffer, Trajectory
 from rl.ptx import load_ptx, ptx_batches
-from rl.rewards import evaluate, policy_critic, score
+from rl.rewards import collect_samples, evaluate
 from rl.schedules import temperature_at
 from rl.warmstart import prepare_model
-
-GROUPS_PER_ITERATION = 1_000_000  # group ids are it * this + index: unique across the run
 
 
 def train(cfg: Config, run_dir: Path, resume: bool = False, console: Console | None = None) -> dict:
@@ -139,27 +135,8 @@ def iteration(cluster: Cluster, cfg: Config, tasks, tok: TextTokenizer, it: int,
     times["time_rollout"] = time.time() - t
 
     t = time.time()
-    # The inference engines sleep only after rewards: a critic environment runs the policy on them.
-    critic = policy_critic(cluster, tok, cfg, seed=cfg.run.seed * 7_919 + it) \
-        if any(is_group_level(e) for e in tasks.entries) else None
-    runner = EpisodeRunner(cfg, critic=critic)
-    try:
-        samples, stats = score(buffer.pop_complete(), tasks, tok, cfg, runner)
-        if multi:
-            more, multi_stats = run_multi_turn(cluster, cfg, tok, runner, multi, temps, cfg.run.seed * 7_919 + it,
-                                               cluster.max_context)
-            samples += more
-            stats.update({k: v for k, v in multi_stats.items() if k not in stats})
-            stats["env_errors"] += multi_stats["multi_turn_errors"]
-            stats["trained_samples"] = len(samples)
-            stats["reward_mean"] = sum(s.reward for s in samples) / max(1, len(samples))
-        if cfg.algorithm.critic_training.enabled:
-            judged, critic_stats = critic_training_batch(cluster, tok, cfg, samples, it, GROUPS_PER_ITERATION)
-            samples += judged
-            stats.update(critic_stats)
-            stats["trained_samples"] = len(samples)
-    finally:
-        runner.close()
+    # The inference engines sleep only after rewards: critics and multi-turn episodes run the policy on them.
+    samples, stats = collect_samples(cluster, cfg, tasks, tok, it, buffer.pop_complete(), multi, temps)
     partial_stats = buffer.stats()  # after pop_complete: waiting_groups are the groups carried over
     cluster.sleep_rollouts()
     times["time_reward"] = time.time() - t

@@ -17,6 +17,7 @@ from rl.errors import UserError
 
 # Fixed seeds: the held-out set stays the same across runs, so accuracies are comparable.
 TRAIN_SEED, EVAL_SEED, SFT_SEED = 1, 2, 3
+GROUPS_PER_ITERATION = 1_000_000  # group ids are it * this + index: unique across the run
 
 
 @dataclass

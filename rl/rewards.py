@@ -11,7 +11,7 @@ from engines.inference import SamplingParams
 from engines.tokenizer import TextTokenizer
 from rl.algorithm import Sample
 from rl.config import Config
-from rl.data import TaskSets
+from rl.data import GROUPS_PER_ITERATION, TaskSets
 from rl.episodes import EpisodeRunner, env_class, is_group_level, task_type_of
 from rl.partial import Trajectory
 
@@ -133,3 +133,32 @@ def policy_critic(cluster, tok: TextTokenizer, cfg: Config, seed: int):
         return [tok.decode(c.token_ids) for c in outs]
 
     return generate
+
+
+def collect_samples(cluster, cfg: Config, tasks: TaskSets, tok: TextTokenizer, it: int,
+                    completed: list[list[Trajectory]], multi: list, temps: dict[str, float]):
+    """The iteration's training samples and reward metrics: the completed single-turn groups scored by their
+    environments (the policy as critic where one judges), the multi-turn groups played out, and the critic's
+    own judgments when closed-loop critic training is on."""
+    from rl.critic_loop import critic_training_batch
+    from rl.multiturn import run_multi_turn
+
+    seed = cfg.run.seed * 7_919 + it
+    critic = policy_critic(cluster, tok, cfg, seed) if any(is_group_level(e) for e in tasks.entries) else None
+    runner = EpisodeRunner(cfg, critic=critic)
+    try:
+        samples, stats = score(completed, tasks, tok, cfg, runner)
+        if multi:
+            more, multi_stats = run_multi_turn(cluster, cfg, tok, runner, multi, temps, seed, cluster.max_context)
+            samples += more
+            stats.update({k: v for k, v in multi_stats.items() if k not in stats})
+            stats["env_errors"] += multi_stats["multi_turn_errors"]
+            stats["reward_mean"] = sum(s.reward for s in samples) / max(1, len(samples))
+        if cfg.algorithm.critic_training.enabled:
+            judged, critic_stats = critic_training_batch(cluster, tok, cfg, samples, it, GROUPS_PER_ITERATION)
+            samples += judged
+            stats.update(critic_stats)
+    finally:
+        runner.close()
+    stats["trained_samples"] = len(samples)
+    return samples, stats
