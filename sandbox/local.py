@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import heapq
 import os
 import shutil
@@ -81,6 +82,45 @@ def _rmtree(path: Path) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
+_UID_LOCKS = Path(tempfile.gettempdir()) / "rl-sandbox-uids"
+
+
+def _claim_uid(uid: int) -> int | None:
+    """Claim ``uid`` host-wide for one session (an flock held while the session lives); None if another holds it.
+
+    Sessions are told apart by their uid (process limits, permissions, the clean-up below), so two backends on
+    one host, in one process or several, must never hand out the same uid at the same time.
+    """
+    _UID_LOCKS.mkdir(mode=0o700, exist_ok=True)
+    fd = os.open(_UID_LOCKS / str(uid), os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def _release_uid(fd: int | None) -> None:
+    if fd is not None and fd >= 0:
+        with contextlib.suppress(OSError):
+            os.close(fd)  # closing the descriptor drops the flock
+
+
+def _live_pids(uid: int) -> list[int]:
+    """Processes of ``uid`` that are not zombies (a zombie is already dead; its parent reaps it)."""
+    pids = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            if os.stat(f"/proc/{name}").st_uid == uid:
+                with open(f"/proc/{name}/stat", "rb") as f:
+                    if f.read().rsplit(b")", 1)[-1].split()[0] != b"Z":
+                        pids.append(int(name))
+    return pids
+
+
 def _reap_uid(uid: int, timeout_s: float = 2.0) -> None:
     """Wait until no process of the session's own uid is left, SIGKILLing stragglers.
 
@@ -89,12 +129,7 @@ def _reap_uid(uid: int, timeout_s: float = 2.0) -> None:
     """
     deadline = time.monotonic() + timeout_s
     while True:
-        pids = []
-        for name in os.listdir("/proc"):
-            if name.isdigit():
-                with contextlib.suppress(OSError):
-                    if os.stat(f"/proc/{name}").st_uid == uid:
-                        pids.append(int(name))
+        pids = _live_pids(uid)
         if not pids or time.monotonic() > deadline:
             return
         for pid in pids:
@@ -223,12 +258,21 @@ class LocalBackend:
         with self._lock:
             if self._closed:
                 raise SandboxError("the local sandbox backend is closed", "UNAVAILABLE")
-            if not self._free:
+            slot, lock_fd, busy = None, None, []
+            while self._free and lock_fd is None:
+                slot = heapq.heappop(self._free)
+                lock_fd = _claim_uid(self.uid_base + slot) if self.as_root else -1
+                if lock_fd is None:
+                    busy.append(slot)  # held by another backend on this host (another service, another test)
+            for b in busy:
+                heapq.heappush(self._free, b)
+            if lock_fd is None:
                 raise SandboxError(f"all {self.max_sessions} local sandbox sessions are in use", "RESOURCE_EXHAUSTED")
-            slot = heapq.heappop(self._free)
         try:
             session = LocalSession(self, slot)
+            session.uid_lock = lock_fd
         except BaseException:
+            _release_uid(lock_fd)
             self._release_slot(slot)
             raise
         with self._lock:
@@ -252,6 +296,8 @@ class LocalBackend:
     def _forget(self, session: LocalSession) -> None:
         with self._lock:
             self._sessions.pop(session.id, None)
+            _release_uid(session.uid_lock)
+            session.uid_lock = -1
             heapq.heappush(self._free, session.slot)
 
     def close(self) -> None:
@@ -285,6 +331,7 @@ class LocalSession:
         self.backend, self.slot = backend, slot
         self.id = uuid.uuid4().hex
         self.uid = backend.uid_base + slot if backend.as_root else os.getuid()
+        self.uid_lock: int | None = None  # the host-wide claim on self.uid (see _claim_uid)
         self.dir = backend.root / self.id
         self.work, self.tmp = self.dir / "work", self.dir / "tmp"
         self.dir.mkdir(mode=0o700)

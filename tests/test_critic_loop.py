@@ -5,11 +5,11 @@ import random
 import re
 
 from engines.inference import Completion
-from envs import Env, Task, register
 from rl.algorithm import Sample
 from rl.config import parse_config
 from rl.controller import train
 from rl.critic_loop import critic_pairs, critic_training_batch
+from tests.test_difficulty import EvenLength  # noqa: F401  (registers "even-length-test")
 from tests.test_run import TINY
 
 
@@ -52,20 +52,6 @@ def test_judgments_are_rewarded_by_agreement_with_verifiable_rewards(tokenizer):
     assert len({s.group for s in out}) == 6 and all(s.group >= 3 * 10**6 for s in out)
 
 
-class EvenLength(Env):
-    """Reward 1 when the response has an even number of characters: sampled responses differ in reward."""
-
-    def score(self, task, response):
-        return float(len(response) % 2 == 0), {}
-
-    @classmethod
-    def generate_tasks(cls, n, seed):
-        return [Task(f"e-{seed}-{i}", f"Say something {seed}-{i}.", "") for i in range(n)]
-
-
-register("even-length-critic-test", EvenLength)
-
-
 def test_a_run_trains_the_critic_and_logs_its_agreement(ray_cluster, tmp_path):
     raw = json.loads(json.dumps(TINY))
     raw["warmstart"]["architecture"]["max_position_embeddings"] = 1024  # room for a critic prompt
@@ -75,7 +61,7 @@ def test_a_run_trains_the_critic_and_logs_its_agreement(ray_cluster, tmp_path):
     # the warm start learns arithmetic (the first entry); prompts come from an env whose rewards vary within groups
     raw.pop("env")
     raw["envs"] = [{"name": "arithmetic", "weight": 0.01, "num_train": 50, "num_eval": 8},
-                   {"name": "even-length-critic-test", "weight": 1, "num_train": 50, "num_eval": 8}]
+                   {"name": "even-length-test", "weight": 1, "num_train": 50, "num_eval": 8}]
     train(parse_config(raw), tmp_path / "run")
     rec = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
     assert rec["critic_prompts"] > 0 and rec["critic_refused"] == 0 and 0 <= rec["critic_agreement"] <= 1

@@ -352,3 +352,18 @@ def test_unavailable_without_bwrap(monkeypatch):
     with pytest.raises(SandboxError) as e:
         LocalBackend()
     assert e.value.code == "UNAVAILABLE" and "apt-get install bubblewrap" in str(e.value)
+
+
+def test_two_backends_on_one_host_never_share_a_uid():
+    """Sessions are told apart by uid (limits, permissions, clean-up), so uids are claimed host-wide."""
+    a, b = LocalBackend(), LocalBackend()
+    try:
+        s1, s2, s3 = a.create_session(), b.create_session(), a.create_session()
+        assert len({s1.uid, s2.uid, s3.uid}) == 3
+        s1.close()
+        s4 = b.create_session()
+        assert s4.uid == s1.uid  # freed by a, reused by b
+        assert b.create_session().uid not in {s2.uid, s3.uid, s4.uid}
+    finally:
+        a.close()
+        b.close()
