@@ -38,7 +38,7 @@ from collections.abc import Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from sandbox.backend import ExecResult, Limits, SandboxError, Verdict, check_relative_path
+from sandbox.backend import ExecResult, Limits, SandboxError, Verdict, check_relative_path, open_parent_dir
 
 TOKEN_ENV = "SANDBOX_AGENT_TOKEN"
 TOKEN_HEADER = "X-Sandbox-Token"
@@ -115,36 +115,14 @@ class WorkDir:
         os.makedirs(root, exist_ok=True)
         self.root = os.path.realpath(root)
 
-    def _parent_fd(self, path: str) -> tuple[int, str]:
-        """An open descriptor of the directory holding ``path`` (made if missing) and the file's name, walked without
-        following links."""
-        parts = check_relative_path(path).parts
-        if not parts:
-            raise SandboxError(f"file path {path!r} names the work directory itself", "INVALID_ARGUMENT")
-        fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            for part in parts[:-1]:
-                try:
-                    os.mkdir(part, 0o755, dir_fd=fd)
-                except FileExistsError:
-                    pass
-                try:
-                    nfd = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
-                except OSError as e:
-                    if e.errno in (errno.ELOOP, errno.ENOTDIR):
-                        raise SandboxError(f"file path {path!r} goes through a symlink or a file ({part!r})",
-                                           "INVALID_ARGUMENT") from None
-                    raise
-                os.close(fd)
-                fd = nfd
-            return fd, parts[-1]
-        except BaseException:
-            os.close(fd)
-            raise
-
     def write(self, path: str, data: bytes, executable: bool) -> None:
         """Create or replace one file, atomically (a temporary file renamed over the name)."""
-        fd, name = self._parent_fd(path)
+        try:
+            fd, name = open_parent_dir(self.root, path, create=True)
+        except OSError as e:
+            if e.errno in (errno.ELOOP, errno.ENOTDIR):
+                raise SandboxError(f"file path {path!r} goes through a symlink or a file", "INVALID_ARGUMENT") from None
+            raise
         tmp = f".sandbox-{uuid.uuid4().hex[:12]}.tmp"
         try:
             f = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600, dir_fd=fd)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import enum
+import os
 import threading
 from dataclasses import dataclass, field
 from pathlib import PurePosixPath
@@ -76,6 +78,40 @@ def check_relative_path(path: str) -> PurePosixPath:
         raise SandboxError(f"file path {path!r} must be relative to the session's work directory, without '..'",
                            "INVALID_ARGUMENT")
     return p
+
+
+def open_parent_dir(root: str | os.PathLike, rel: str, *, create: bool,
+                    owner: int | None = None) -> tuple[int, str]:
+    """An open descriptor of the directory holding ``rel`` inside ``root``, and the file's name.
+
+    The path is walked one directory at a time with O_NOFOLLOW, so a symlink that sandboxed code planted on the
+    way cannot lead out of ``root``. Missing directories are made when ``create`` (owned by ``owner`` if given).
+    A bad path raises SandboxError INVALID_ARGUMENT; a symlink or a file on the way raises OSError (ELOOP or
+    ENOTDIR), a missing directory with ``create`` False FileNotFoundError. The caller closes the descriptor.
+    """
+    parts = check_relative_path(rel).parts
+    if not parts:
+        raise SandboxError(f"file path {rel!r} names the work directory itself", "INVALID_ARGUMENT")
+    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
+    fd = os.open(root, flags)
+    try:
+        for name in parts[:-1]:
+            try:
+                nxt = os.open(name, flags, dir_fd=fd)
+            except FileNotFoundError:
+                if not create:
+                    raise
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(name, 0o755, dir_fd=fd)
+                    if owner is not None:
+                        os.chown(name, owner, owner, dir_fd=fd, follow_symlinks=False)
+                nxt = os.open(name, flags, dir_fd=fd)
+            os.close(fd)
+            fd = nxt
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, parts[-1]
 
 
 class Session(Protocol):

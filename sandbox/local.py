@@ -47,7 +47,7 @@ import uuid
 from collections.abc import Sequence
 from pathlib import Path
 
-from sandbox.backend import ExecResult, Limits, SandboxError, Verdict, check_relative_path
+from sandbox.backend import ExecResult, Limits, SandboxError, Verdict, check_relative_path, open_parent_dir
 from sandbox.runner import classify, prlimit_argv, run_command
 
 _ETC_FILES = ("passwd", "group", "hosts", "host.conf", "nsswitch.conf", "gai.conf", "ld.so.cache", "ld.so.conf",
@@ -389,35 +389,11 @@ class LocalSession:
             res.verdict, res.detail = classify(None, res.signal, limits, res.stderr, res.cpu_s, self._scan)
         return res
 
-    def _walk(self, rel: str, create: bool) -> tuple[int, str]:
-        """An fd of the parent directory of ``rel`` inside /work and the last name, never following symlinks."""
-        parts = check_relative_path(rel).parts
-        if not parts:
-            raise SandboxError(f"file path {rel!r} names the work directory itself", "INVALID_ARGUMENT")
-        fd = os.open(self.work, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
-        try:
-            for name in parts[:-1]:
-                try:
-                    nxt = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
-                except FileNotFoundError:
-                    if not create:
-                        raise
-                    with contextlib.suppress(FileExistsError):
-                        os.mkdir(name, 0o755, dir_fd=fd)
-                        if self.backend.as_root:
-                            os.chown(name, self.uid, self.uid, dir_fd=fd, follow_symlinks=False)
-                    nxt = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
-                os.close(fd)
-                fd = nxt
-        except BaseException:
-            os.close(fd)
-            raise
-        return fd, parts[-1]
-
     def _open(self, rel: str, flags: int, mode: int = 0o644, create: bool = False) -> int:
         """Open a regular file inside /work; symlinks, directories and special files are refused."""
         try:
-            dfd, name = self._walk(rel, create)
+            dfd, name = open_parent_dir(self.work, rel, create=create,
+                                        owner=self.uid if self.backend.as_root else None)
             try:
                 fd = os.open(name, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, mode, dir_fd=dfd)
             finally:
