@@ -12,6 +12,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from rl.errors import UserError
+from rl.schedules import temperature_at
 
 
 class Strict(BaseModel):
@@ -249,6 +250,11 @@ class Config(Strict):
     def env_entries(self) -> list[EnvConfig]:
         """The environments of the run: the task mix, or the single ``env``."""
         return list(self.envs) or [self.env]
+
+    def temperature(self, task_type: str, it: int) -> float:
+        """Sampling temperature of a task type at iteration ``it`` (its schedule, or the default one)."""
+        sched = self.task_type(task_type)[2]
+        return temperature_at(sched.schedule, sched.start, sched.end, it, self.run.iterations)
 
     def task_type(self, name: str) -> tuple[int, float, TemperatureConfig]:
         """(token budget, truncation penalty, temperature schedule) of task type ``name``."""

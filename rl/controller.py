@@ -27,7 +27,6 @@ from rl.metrics import MetricsLog, plot_curves
 from rl.partial import PartialRolloutBuffer, Trajectory
 from rl.ptx import load_ptx, ptx_batches
 from rl.rewards import collect_samples, evaluate
-from rl.schedules import temperature_at
 from rl.warmstart import prepare_model
 
 
@@ -88,12 +87,6 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, console: Console | N
     return summary
 
 
-def temperature_of(cfg: Config, task_type: str, it: int) -> float:
-    """Sampling temperature of a task type at iteration ``it`` (its schedule, or the default one)."""
-    sched = cfg.task_type(task_type)[2]
-    return temperature_at(sched.schedule, sched.start, sched.end, it, cfg.run.iterations)
-
-
 def new_groups(cfg: Config, tasks, tok: TextTokenizer, it: int,
                buffer: PartialRolloutBuffer) -> tuple[dict[str, float], list[tuple[int, EnvConfig, Task]]]:
     """Add this iteration's new single-turn prompt groups (K trajectories each) to the buffer, so that
@@ -105,7 +98,7 @@ def new_groups(cfg: Config, tasks, tok: TextTokenizer, it: int,
         task, entry = tasks.train[index], tasks.train_entry(index)
         ttype = task_type_of(task, entry)
         max_tokens = cfg.task_type(ttype)[0]
-        temps[ttype] = temperature_of(cfg, ttype, it)
+        temps[ttype] = cfg.temperature(ttype, it)
         group, prompt = it * GROUPS_PER_ITERATION + g, tok.encode(task.prompt)
         if env_class(entry).multi_turn:
             multi.append((group, entry, task))
@@ -172,7 +165,7 @@ def iteration(cluster: Cluster, cfg: Config, tasks, tok: TextTokenizer, it: int,
         **stats,
         "accuracy": accuracy,
         **per_type,
-        "temperature": temperature_of(cfg, cfg.env_entries[0].task_type or env_class(cfg.env_entries[0]).task_type, it),
+        "temperature": cfg.temperature(cfg.env_entries[0].task_type or env_class(cfg.env_entries[0]).task_type, it),
         **({f"temperature/{k}": v for k, v in temps.items()} if len(temps) > 1 else {}),
         "rollout_tokens": generated,
         **{f"partial_{k}": v for k, v in partial_stats.items()},

@@ -21,9 +21,8 @@ from envs import Task
 from envs.tasks import save_tasks
 from rl.config import Config
 from rl.data import load_task_sets
-from rl.episodes import EpisodeRunner, is_group_level, task_type_of
+from rl.episodes import EpisodeRunner, is_group_level, solved, task_type_of
 from rl.errors import UserError
-from rl.schedules import temperature_at
 from rl.warmstart import prepare_model
 
 
@@ -41,8 +40,8 @@ def pass_rates(cfg: Config, model_dir: Path, tasks: list[Task], entries: list, k
             chunk = list(zip(tasks[lo:lo + batch], entries[lo:lo + batch], strict=True))
             prompts, params, jobs_meta = [], [], []
             for task, entry in chunk:
-                max_tokens, _, sched = cfg.task_type(task_type_of(task, entry))
-                t0 = temperature_at(sched.schedule, sched.start, sched.end, 0, cfg.run.iterations)
+                ttype = task_type_of(task, entry)
+                max_tokens, t0 = cfg.task_type(ttype)[0], cfg.temperature(ttype, 0)
                 ids = tok.encode(task.prompt)
                 for _ in range(k):
                     prompts.append(ids)
@@ -52,8 +51,7 @@ def pass_rates(cfg: Config, model_dir: Path, tasks: list[Task], entries: list, k
             results = runner.map([(e, t, tok.decode(c.token_ids)) for (e, t), c in zip(jobs_meta, outs, strict=True)])
             for i in range(len(chunk)):
                 group = zip(results[i * k:(i + 1) * k], outs[i * k:(i + 1) * k], strict=True)
-                rates.append(sum(r.error is None and r.reward >= 1.0 and c.finish_reason == "stop"
-                                 for r, c in group) / k)
+                rates.append(sum(solved(r, c) for r, c in group) / k)
     finally:
         runner.close()
     return rates

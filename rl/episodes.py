@@ -30,6 +30,12 @@ class EpisodeResult:
     error: str | None = None  # set when the environment raised or timed out
 
 
+def solved(result: EpisodeResult, completion) -> bool:
+    """Whether a response counts as right: reward 1 without an environment error, and it ended on its own rather
+    than at its token budget."""
+    return result.error is None and result.reward >= 1.0 and completion.finish_reason == "stop"
+
+
 def env_class(entry: EnvConfig) -> type[Env]:
     """The environment class of a config entry (a clear error when the name is not registered)."""
     try:

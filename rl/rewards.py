@@ -12,7 +12,7 @@ from engines.tokenizer import TextTokenizer
 from rl.algorithm import Sample
 from rl.config import Config
 from rl.data import GROUPS_PER_ITERATION, TaskSets
-from rl.episodes import EpisodeRunner, env_class, is_group_level, task_type_of
+from rl.episodes import EpisodeRunner, env_class, is_group_level, solved, task_type_of
 from rl.partial import Trajectory
 
 
@@ -109,8 +109,7 @@ def evaluate(cluster, tasks: TaskSets, tok: TextTokenizer, cfg: Config, progress
                               for i, c in zip(keep, outs, strict=True)])
     finally:
         runner.close()
-    right = [r.error is None and r.reward >= 1.0 and c.finish_reason == "stop"
-             for r, c in zip(results, outs, strict=True)]
+    right = [solved(r, c) for r, c in zip(results, outs, strict=True)]
     out = {"accuracy": sum(right) / len(held_out),
            "response_len": sum(len(c.token_ids) for c in outs) / len(outs)}
     if len(set(types)) > 1:
