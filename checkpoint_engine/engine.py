@@ -139,6 +139,8 @@ class CheckpointEngine:
             if read_trailer(dst, used)[1] == ABORT:  # every worker stops here, so the group stays usable
                 raise UpdateError(f"worker {self.rank}: worker {owner} aborted {where}")
             if reloader is not None:
+                if dst.is_cuda:  # the inference process reads the buffer on its own stream
+                    torch.cuda.current_stream(dst.device).synchronize()
                 reloader.start(k, buf, version)
         if reloader is not None:
             for k in range(max(0, n_buckets - 2), n_buckets):

@@ -137,6 +137,8 @@ class WeightReceiver:
                     self._save(dst)
                 dst.copy_(piece[lo:hi])
                 self._written[p.name] = self._written.get(p.name, 0) + hi - lo
+        if src.is_cuda:  # the sender overwrites this buffer once we return: our copies must be done
+            torch.cuda.current_stream(src.device).synchronize()
         self.loads += 1
         self._loading[1].add(bucket)
         if len(self._loading[1]) == len(self.plan.buckets):

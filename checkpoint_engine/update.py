@@ -1,10 +1,10 @@
-"""Reloaders: how a checkpoint engine asks its local inference engine(s) to load a bucket."""
+"""Reloaders: how a checkpoint engine asks its local inference engine(s) to load a bucket.
+
+Ray is imported only where Ray actors are used: the checkpoint engine itself runs without it."""
 
 from __future__ import annotations
 
 import socket
-
-import ray
 
 
 def free_port() -> int:
@@ -25,8 +25,12 @@ class RayReloader:
         self.pending[bucket] = [a.load_bucket.remote(bucket, buffer, version) for a in self.actors]
 
     def wait(self, bucket: int) -> None:
+        import ray
+
         ray.get(self.pending.pop(bucket, []))
 
     def abort(self, version: int) -> None:
+        import ray
+
         self.pending.clear()
         ray.get([a.abort_update.remote(version) for a in self.actors])
