@@ -41,15 +41,17 @@ class Cluster:
                 log_to_driver=False,
                 object_store_memory=None if cfg.cluster.ray_address else 256 * 2**20,
             )
-        n = cfg.cluster.workers
-        self.pg = placement_group([{"CPU": 2 * ACTOR_CPUS}] * n, strategy="PACK")
+        n, gpus = cfg.cluster.workers, cfg.cluster.gpus_per_worker
+        bundle = {"CPU": 2 * ACTOR_CPUS} | ({"GPU": gpus} if gpus else {})
+        self.pg = placement_group([bundle] * n, strategy="PACK")
         ray.get(self.pg.ready(), timeout=120)
         prefix = f"rl-{uuid.uuid4().hex[:8]}"
         threads = default_threads(cfg)
 
         def placed(cls, i):
             strategy = PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i)
-            return ray.remote(num_cpus=ACTOR_CPUS, scheduling_strategy=strategy)(cls)
+            # half the bundle's GPUs each: Ray then shows both actors the same device(s)
+            return ray.remote(num_cpus=ACTOR_CPUS, num_gpus=gpus / 2, scheduling_strategy=strategy)(cls)
 
         self.trainers = [placed(TrainerWorker, i).remote(cfg, threads) for i in range(n)]
         self.rollouts = [placed(RolloutWorker, i).remote(model_dir, cfg, threads) for i in range(n)]

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from rl.errors import UserError
 from rl.schedules import temperature_at
@@ -32,6 +32,8 @@ class ClusterConfig(Strict):
     ray_address: str | None = Field(None, description="None starts a local Ray cluster")
     workers: int = Field(1, ge=1, description="colocated workers; the trainer is sharded over them (FSDP2)")
     threads_per_worker: int | None = Field(None, ge=1, description="torch threads; None = cores / workers")
+    gpus_per_worker: float = Field(0, ge=0, description="GPUs of each colocated worker (its trainer and "
+                                   "inference engine share them); 0 = CPU only")
 
 
 class Architecture(Strict):
@@ -204,8 +206,14 @@ class KubernetesSandboxConfig(Strict):
     ttl_s: float = Field(3600, gt=0, description="pods are deleted after this long, even if the service dies")
     max_creates_per_s: float = Field(20, gt=0, description="client-side pod-creation rate limit")
     warm_pool: dict[str, int] = Field(default_factory=dict, description="image -> ready pods kept waiting")
-    cpu: str = "1"
-    memory: str = "2Gi"
+    cpu: str = Field("1", description="Kubernetes quantity per session pod, e.g. 1 or 500m")
+    memory: str = Field("2Gi", description="Kubernetes quantity per session pod")
+
+    @field_validator("cpu", "memory", mode="before")
+    @classmethod
+    def _quantity(cls, v: Any) -> Any:
+        # `--set sandbox.kubernetes.cpu=2` reads as a number; Kubernetes takes quantities as strings
+        return str(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v
 
 
 class SandboxConfig(Strict):
