@@ -11,7 +11,7 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 .PHONY: setup system-deps demo test lint clean
 
-setup: system-deps $(VENV)/.installed
+setup: system-deps $(VENV)/.installed $(BIN)/helm
 
 system-deps:
 	@command -v bwrap >/dev/null || { $(SUDO) apt-get update -qq && \
@@ -23,6 +23,10 @@ $(VENV)/.installed: pyproject.toml setup.py sandbox/proto/sandbox.proto Makefile
 	$(BIN)/pip install -q --disable-pip-version-check "$(TORCH_SPEC)"
 	$(BIN)/pip install -q --disable-pip-version-check -e '.[dev]'
 	touch $@
+
+# helm and kubectl (pinned, checksummed) for the chart checks; the script is a no-op when they are in place.
+$(BIN)/helm: tools/install_helm.py | $(VENV)/.installed
+	$(BIN)/python tools/install_helm.py $(BIN)
 
 demo: setup
 	$(BIN)/rl train configs/quickstart.yaml --run-dir runs/quickstart
