@@ -38,7 +38,7 @@ def set_max_logits(model: torch.nn.Module, tau: float = TAU) -> int:
     for m in model.modules():
         if isinstance(m, Attention):
             h = m.cfg.num_attention_heads
-            s = torch.full((h,), tau / 2)
+            s = torch.full((h,), tau / 2, device=next(m.parameters()).device)
             s[::4] = tau * 1.5
             m.max_logits = s
             over += len(range(0, h, 4))
@@ -54,39 +54,51 @@ def newton_schulz_flops(shapes: list[tuple[int, int]], ns_steps: int = 5) -> flo
     return total
 
 
-def bf16_gemm_flops_per_s(shape: tuple[int, int], batch: int = 4, tries: int = 3) -> float:
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def bf16_gemm_flops_per_s(shape: tuple[int, int], batch: int = 4, tries: int = 3,
+                          device: str | torch.device = "cpu") -> float:
     """This machine's bfloat16 X·Xᵀ throughput on matrices of ``shape`` (best of ``tries``)."""
+    device = torch.device(device)
     n, m = min(shape), max(shape)
-    x = torch.randn(batch, n, m).bfloat16()
-    out = torch.empty(batch, n, n, dtype=torch.bfloat16)
+    x = torch.randn(batch, n, m, device=device).bfloat16()
+    out = torch.empty(batch, n, n, dtype=torch.bfloat16, device=device)
     torch.bmm(x, x.mT, out=out)
     best = float("inf")
     for _ in range(tries):
+        _sync(device)
         t0 = time.perf_counter()
         torch.bmm(x, x.mT, out=out)
+        _sync(device)
         best = min(best, time.perf_counter() - t0)
     return 2 * batch * n * n * m / best
 
 
-def _step(opts: list[torch.optim.Optimizer]) -> float:
+def _step(opts: list[torch.optim.Optimizer], device: torch.device) -> float:
+    _sync(device)
     t0 = time.perf_counter()
     for o in opts:
         o.step()
+    _sync(device)
     return time.perf_counter() - t0
 
 
 def measure(model_name: str, repeats: int = 5, warmup: int = 2, lr: float = 1e-3, seed: int = 0,
-            torch_muon: bool = False) -> dict:
+            torch_muon: bool = False, device: str = "cpu") -> dict:
     """Build the model, time the set-ups in alternation; returns the JSON record.
 
     ``torch_muon`` also times the same set-up with ``torch.optim.Muon`` in place of the project's Muon.
     """
     cfg = MODELS[model_name]
     torch.manual_seed(seed)
-    model = CausalLM(cfg)
+    dev = torch.device(device)
+    model = CausalLM(cfg).to(dev)
     g = torch.Generator().manual_seed(seed + 1)
     for p in model.parameters():
-        p.grad = torch.randn(p.shape, generator=g) * 1e-3
+        p.grad = (torch.randn(p.shape, generator=g) * 1e-3).to(dev)
     muon = build_optimizers(model, "muon", lr, 0.1)
     adamw = build_optimizers(model, "adamw", lr, 0.1)
     peer = [torch.optim.Muon(muon[0].param_groups[0]["params"], lr=lr, weight_decay=0.1,
@@ -95,12 +107,13 @@ def measure(model_name: str, repeats: int = 5, warmup: int = 2, lr: float = 1e-3
     clipped = 0
     for i in range(warmup + repeats):
         set_max_logits(model)
-        t_opt = _step(muon)
+        t_opt = _step(muon, dev)
         t0 = time.perf_counter()
         metrics = qk_clip(model, TAU)
+        _sync(dev)
         t_clip = time.perf_counter() - t0
-        t_adamw = _step(adamw)
-        t_peer = _step(peer)
+        t_adamw = _step(adamw, dev)
+        t_peer = _step(peer, dev)
         if i >= warmup:
             muon_s.append(t_opt + t_clip)
             clip_s.append(t_clip)
@@ -111,13 +124,13 @@ def measure(model_name: str, repeats: int = 5, warmup: int = 2, lr: float = 1e-3
     shapes = [tuple(p.shape) for grp in muon[0].param_groups for p in grp["params"]]
     hidden = sum(r * c for r, c in shapes)
     flops = newton_schulz_flops(shapes)
-    rate = bf16_gemm_flops_per_s(max(shapes, key=lambda s: s[0] * s[1]))
+    rate = bf16_gemm_flops_per_s(max(shapes, key=lambda s: s[0] * s[1]), device=dev)
     return {"muon_step_s": round(muon_step, 5), "adamw_step_s": round(adamw_step, 5),
             "ratio": round(muon_step / adamw_step, 3), "qk_clip_s": round(statistics.median(clip_s), 6),
             "params": sum(p.numel() for p in model.parameters()), "muon_params": hidden,
             "qk_clipped_heads": clipped, "ns_gflop": round(flops / 1e9, 2),
             "gemm_bf16_gflops": round(rate / 1e9, 1), "ns_floor_s": round(flops / rate, 5),
-            "model": model_name, "threads": torch.get_num_threads(),
+            "model": model_name, "threads": torch.get_num_threads(), "device": device,
             "repeats": repeats, "muon_all_s": [round(t, 5) for t in muon_s],
             "adamw_all_s": [round(t, 5) for t in adamw_s],
             **({"torch_muon_step_s": round(statistics.median(peer_s), 5)} if torch_muon else {})}
@@ -133,6 +146,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     ap.add_argument("--torch-muon", action="store_true",
                     help="also time the set-up with torch.optim.Muon (+ QK-Clip) as a peer")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda")
     ap.add_argument("--json", action="store_true", help="print the JSON record as the last line")
     args = ap.parse_args(argv)
     args.repeats = DEFAULT_REPEATS[args.model] if args.repeats is None else args.repeats
@@ -140,7 +154,7 @@ def main(argv: list[str] | None = None) -> dict:
         ap.error("--repeats must be >= 1 and --warmup >= 0")
     if args.threads:
         torch.set_num_threads(args.threads)
-    rec = measure(args.model, args.repeats, args.warmup, torch_muon=args.torch_muon)
+    rec = measure(args.model, args.repeats, args.warmup, torch_muon=args.torch_muon, device=args.device)
     print(f"model {rec['model']}: {rec['params'] / 1e6:.1f}M params ({rec['muon_params'] / 1e6:.1f}M under Muon), "
           f"{rec['threads']} threads")
     print(f"  Muon set-up + QK-Clip: {rec['muon_step_s'] * 1e3:9.2f} ms/step  "

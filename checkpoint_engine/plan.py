@@ -99,8 +99,8 @@ def calibrate(records: list[dict]) -> Calibration:
         raise ValueError("no benchmark records to calibrate from")
     # the engine's own rollback modes (swap on CPU, journal on GPU), not the "none" comparison runs
     records = [r for r in records if r.get("rollback", "swap") != "none"] or records
-    most = max(r["workers"] for r in records)  # the most cluster-like: broadcast carries the most
-    records = [r for r in records if r["workers"] == most]
+    most = max(r.get("workers", 1) for r in records)  # the most cluster-like: broadcast carries the most
+    records = [r for r in records if r.get("workers", 1) == most]
     best = max(records, key=lambda r: r["bucket_mb"])
     eff = min(1.0, best["floor_s"] / best["update_s"])
     xs = [r["buckets"] for r in records]
