@@ -113,6 +113,27 @@ def _cmd_filter(args: argparse.Namespace) -> None:
           f"[{args.min_pass}, {args.max_pass}]; {r['too_easy']} too easy, {r['too_hard']} too hard) -> {r['out']}")
 
 
+def _cmd_launch(args: argparse.Namespace) -> None:
+    from rl.launch import launch
+
+    out = launch(args.k8s, values=args.values, sets=args.set, name=args.name, namespace=args.namespace,
+                 dry_run=args.dry_run)
+    print(out, end="")
+
+
+def _cmd_status(args: argparse.Namespace) -> None:
+    from rl.launch import status
+
+    print(status(args.name, args.namespace))
+
+
+def _cmd_logs(args: argparse.Namespace) -> None:
+    from rl.launch import logs
+
+    if logs(args.name, args.namespace, args.follow) != 0:
+        raise UserError(f"kubectl logs job/{args.name} failed (is the run launched, in this namespace?)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="rl", description="RL post-training with colocated engines.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -175,6 +196,25 @@ def build_parser() -> argparse.ArgumentParser:
     sr.add_argument("--wall-s", type=float, default=10.0, help="wall-clock limit in seconds")
     sr.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command")
     sr.set_defaults(func=_cmd_sandbox_run)
+
+    la = sub.add_parser("launch", help="launch a run on Kubernetes (KubeRay) with the Helm chart in helm/")
+    la.add_argument("--k8s", required=True, metavar="CONFIG", help="the run config to launch")
+    la.add_argument("--values", action="append", default=[], metavar="FILE",
+                    help="chart values, e.g. helm/colocated-rl/examples/gpu-cluster.yaml (repeatable)")
+    la.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="one chart value (repeatable)")
+    la.add_argument("--name", help="release and RayJob name (default: the config's run.name)")
+    la.add_argument("-n", "--namespace", help="Kubernetes namespace (default: kubectl's current one)")
+    la.add_argument("--dry-run", action="store_true", help="print the manifests instead of installing them")
+    la.set_defaults(func=_cmd_launch)
+    st = sub.add_parser("status", help="the state of a run launched with rl launch (its RayJob)")
+    st.add_argument("name", help="the release name rl launch printed")
+    st.add_argument("-n", "--namespace")
+    st.set_defaults(func=_cmd_status)
+    lg = sub.add_parser("logs", help="the console of a run launched with rl launch")
+    lg.add_argument("name")
+    lg.add_argument("-n", "--namespace")
+    lg.add_argument("-f", "--follow", action="store_true", help="keep streaming until the run ends")
+    lg.set_defaults(func=_cmd_logs)
 
     e = sub.add_parser("envs", help="list registered environments")
     e.set_defaults(func=_cmd_envs)

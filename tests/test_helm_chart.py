@@ -1,0 +1,275 @@
+"""The Helm chart in helm/colocated-rl: lint and render every example values file, validate every
+manifest (Kubernetes schemas + the KubeRay / Prometheus-operator CRD schemas in tests/data/crds),
+reject bad values naming the field, and run the rendered RayJob entrypoint against a real local Ray
+cluster, including the resume a retried job takes."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rl.cli import main as rl_main
+from rl.launch import CHART, release_name
+from tests.k8s_validation import helm_binary, validate_documents
+from tests.test_run import TINY
+
+ROOT = Path(__file__).resolve().parents[1]
+QUICKSTART = ROOT / "configs" / "quickstart.yaml"
+EXAMPLES = sorted((CHART / "examples").glob("*.yaml"))
+HELM = helm_binary()
+pytestmark = pytest.mark.skipif(HELM is None, reason="helm is not installed (make setup installs it)")
+
+
+def helm(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run([HELM, *args], capture_output=True, text=True, timeout=120)
+    if check:
+        assert proc.returncode == 0, proc.stderr
+    return proc
+
+
+def render(*values: Path | str, config: Path = QUICKSTART, sets: tuple[str, ...] = ()) -> list[dict]:
+    args = ["template", "myrun", str(CHART), "--namespace", "rl", "--set-file", f"runConfig={config}"]
+    for v in values:
+        args += ["--values", str(v)]
+    for s in sets:
+        args += ["--set", s]
+    text = helm(*args).stdout
+    errors = validate_documents(text)
+    assert not errors, "\n".join(errors)
+    return [d for d in yaml.safe_load_all(text) if d]
+
+
+def one(docs: list[dict], kind: str) -> dict:
+    found = [d for d in docs if d["kind"] == kind]
+    assert len(found) == 1, f"{len(found)} {kind} objects"
+    return found[0]
+
+
+def run_configmap(docs: list[dict]) -> dict:
+    return one([d for d in docs if d["metadata"]["name"].endswith("-config")], "ConfigMap")
+
+
+def pod_templates(job: dict) -> list[dict]:
+    spec = job["spec"]["rayClusterSpec"]
+    return [spec["headGroupSpec"]["template"]] + [g["template"] for g in spec["workerGroupSpecs"]]
+
+
+def train_args(docs: list[dict]) -> tuple[list[str], list[str]]:
+    """The fresh-start and the resume command lines of the ConfigMap's launch.sh."""
+    script = run_configmap(docs)["data"]["launch.sh"]
+    lines = [shlex.split(x.strip()) for x in script.splitlines() if x.strip().startswith("exec rl train")]
+    resume, fresh = lines
+    return fresh, resume
+
+
+def overrides(argv: list[str]) -> dict[str, str]:
+    return dict(argv[i + 1].split("=", 1) for i, a in enumerate(argv) if a == "--set")
+
+
+def test_the_examples_exist_and_lint():
+    assert {p.name for p in EXAMPLES} >= {"cpu-demo.yaml", "gpu-cluster.yaml", "local-sandbox.yaml"}
+    for values in [None, *EXAMPLES]:
+        extra = ["--values", str(values)] if values else []
+        proc = helm("lint", str(CHART), "--strict", "--set-file", f"runConfig={QUICKSTART}", *extra)
+        assert "0 chart(s) failed" in proc.stdout, proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("values", [None, *EXAMPLES], ids=lambda v: v.name if v else "defaults")
+def test_every_example_renders_valid_manifests(values):
+    docs = render(*([values] if values else []))
+    job = one(docs, "RayJob")
+    assert job["spec"]["entrypoint"] == "bash /etc/rl/launch.sh"
+    cm = run_configmap(docs)
+    assert yaml.safe_load(cm["data"]["config.yaml"]) == yaml.safe_load(QUICKSTART.read_text())
+    for t in pod_templates(job):  # every Ray pod: the config, the run storage, a memory-backed /dev/shm
+        mounts = {m["mountPath"] for m in t["spec"]["containers"][0]["volumeMounts"]}
+        assert {"/etc/rl", "/data", "/dev/shm"} <= mounts
+        shm = next(v for v in t["spec"]["volumes"] if v["name"] == "dshm")
+        assert shm["emptyDir"]["medium"] == "Memory"
+    fresh, _ = train_args(docs)
+    assert fresh[:4] == ["exec", "rl", "train", "/etc/rl/config.yaml"]
+    # the overrides the head passes must make a valid run config
+    assert rl_main(["check-config", str(QUICKSTART), *fresh[4 + 2:]]) == 0
+
+
+def test_gpu_example_sizes_workers_and_reaches_model_and_monitoring():
+    docs = render(CHART / "examples" / "gpu-cluster.yaml")
+    job = one(docs, "RayJob")
+    group = job["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]
+    assert group["replicas"] == 2
+    c = group["template"]["spec"]["containers"][0]
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == "8" and c["image"].endswith(":cuda")
+    assert group["template"]["spec"]["tolerations"][0]["key"] == "nvidia.com/gpu"
+    assert group["template"]["spec"]["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
+    models = next(v for v in group["template"]["spec"]["volumes"] if v["name"] == "models")
+    assert models["persistentVolumeClaim"] == {"claimName": "rl-models", "readOnly": True}
+    data = next(v for v in group["template"]["spec"]["volumes"] if v["name"] == "data")
+    assert data["persistentVolumeClaim"]["claimName"] == "rl-runs"
+    assert not [d for d in docs if d["kind"] == "PersistentVolumeClaim"]  # an existing claim is used as it is
+    fresh, resume = train_args(docs)
+    o = overrides(fresh)
+    assert o["cluster.workers"] == "16" and o["cluster.gpus_per_worker"] == "1"
+    assert o["model.path"] == "/models/Qwen3-8B" and o["sandbox.address"] == "myrun-sandbox.rl.svc:50051"
+    assert fresh[-2:] == ["--set", "run.save_every=5"]
+    assert "run_dir='/data/runs/math-16gpu'" in run_configmap(docs)["data"]["launch.sh"]
+    assert resume[:4] == ["exec", "rl", "train", "--resume"] and overrides(resume) == o
+    assert job["spec"]["backoffLimit"] == 2 and job["spec"]["rayClusterSpec"]["rayVersion"] == "2.60.0"
+    hpa = one(docs, "HorizontalPodAutoscaler")
+    assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (2, 16)
+    assert "replicas" not in one(docs, "Deployment")["spec"]  # the HPA owns the replica count
+    monitor = one(docs, "ServiceMonitor")
+    assert monitor["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    assert {e["port"] for e in monitor["spec"]["endpoints"]} == {"rl-metrics", "metrics"}
+    dash = next(d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "myrun-dashboard")
+    assert dash["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert json.loads(dash["data"]["colocated-rl.json"])["panels"]
+
+
+def test_sandbox_pod_backend_rbac_is_limited_and_sandboxes_get_no_egress():
+    docs = render()
+    role = one(docs, "Role")
+    assert sorted((tuple(r["apiGroups"]), tuple(r["resources"]), tuple(sorted(r["verbs"]))) for r in role["rules"]) \
+        == [(("",), ("pods",), ("create", "delete", "get", "list", "watch")),
+            (("networking.k8s.io",), ("networkpolicies",), ("create", "get"))]
+    binding = one(docs, "RoleBinding")
+    assert binding["subjects"][0]["name"] == one(docs, "ServiceAccount")["metadata"]["name"]
+    assert not [d for d in docs if d["kind"] in ("ClusterRole", "ClusterRoleBinding")]
+    policy = one(docs, "NetworkPolicy")["spec"]
+    # the labels the pod backend puts on session pods, and the label its ingress rule admits
+    from sandbox import k8s_manifests as m
+
+    assert policy["podSelector"]["matchLabels"] == {m.MANAGED_BY_LABEL: m.MANAGED_BY}
+    assert policy["egress"] == [] and "Egress" in policy["policyTypes"]
+    pod_labels = one(docs, "Deployment")["spec"]["template"]["metadata"]["labels"]
+    assert m.DEFAULT_SERVICE_LABELS.items() <= pod_labels.items()
+    assert policy["ingress"][0]["from"][0]["podSelector"]["matchLabels"].items() <= pod_labels.items()
+    args = one(docs, "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--backend=kubernetes" in args and "--set=sandbox.kubernetes.namespace=rl" in args
+    sets = [a.removeprefix("--set=") for a in args if a.startswith("--set=")]
+    assert rl_main(["check-config", str(QUICKSTART), *[x for s in sets for x in ("--set", s)]]) == 0
+
+
+def test_local_sandbox_backend_is_privileged_without_rbac_or_egress():
+    docs = render(CHART / "examples" / "local-sandbox.yaml")
+    assert not [d for d in docs if d["kind"] in ("Role", "RoleBinding")]
+    assert one(docs, "ServiceAccount")["automountServiceAccountToken"] is False
+    pod = one(docs, "Deployment")["spec"]["template"]
+    assert pod["spec"]["containers"][0]["securityContext"]["privileged"] is True
+    policy = one(docs, "NetworkPolicy")["spec"]
+    assert policy["podSelector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+    assert policy["egress"] == [] and policy["policyTypes"] == ["Egress"]
+    job = one(docs, "RayJob")
+    assert len(job["spec"]["rayClusterSpec"]["workerGroupSpecs"]) == 2
+    assert overrides(train_args(docs)[0])["cluster.workers"] == "3"
+    assert one(docs, "PodMonitor")["spec"]["podMetricsEndpoints"][0]["interval"] == "15s"
+    assert "annotations" not in pod_templates(job)[0]["metadata"]
+
+
+@pytest.mark.parametrize(("values", "named"), [
+    ({"workerGroups": [{"name": "w", "replicas": "2", "cpu": "4", "memory": "8Gi"}]}, "/workerGroups/0/replicas"),
+    ({"sandbox": {"bakend": "local"}}, "'bakend'"),
+    ({"sandbox": {"backend": "docker"}}, "/sandbox/backend"),
+    ({"head": {"memory": "lots"}}, "/head/memory"),
+    ({"workerGroups": [{"name": "GPU_Pool", "replicas": 1, "cpu": "4", "memory": "8Gi"}]}, "/workerGroups/0/name"),
+    ({"metrics": {"podMonitor": {"interval": 30}}}, "/metrics/podMonitor/interval"),
+])
+def test_bad_values_fail_naming_the_field(tmp_path, values, named):
+    f = tmp_path / "values.yaml"
+    f.write_text(yaml.safe_dump(values))
+    for verb in (["template"], ["install", "--dry-run=client"]):
+        proc = helm(*verb, "myrun", str(CHART), "--set-file", f"runConfig={QUICKSTART}", "--values", str(f),
+                    check=False)
+        assert proc.returncode != 0 and named in proc.stderr, proc.stderr
+
+
+def test_missing_run_config_is_named():
+    proc = helm("template", "myrun", str(CHART), check=False)
+    assert proc.returncode != 0 and "runConfig" in proc.stderr
+
+
+def test_rl_launch_dry_run_prints_the_manifests(capsys):
+    assert rl_main(["launch", "--k8s", str(QUICKSTART), "--values", str(CHART / "examples" / "cpu-demo.yaml"),
+                    "--namespace", "rl", "--dry-run"]) == 0
+    text = capsys.readouterr().out
+    assert not validate_documents(text)
+    job = one([d for d in yaml.safe_load_all(text) if d], "RayJob")
+    assert job["metadata"]["name"] == release_name("quickstart") == "quickstart"
+
+
+def test_rl_launch_errors_name_the_problem(tmp_path, capsys, monkeypatch):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("rollout:\n  samples_per_prompt: 1\n")
+    assert rl_main(["launch", "--k8s", str(bad), "--dry-run"]) == 2
+    assert "rollout.samples_per_prompt" in capsys.readouterr().err
+    assert rl_main(["launch", "--k8s", str(QUICKSTART), "--values", str(tmp_path / "none.yaml")]) == 2
+    assert "none.yaml: no such file" in capsys.readouterr().err
+    assert rl_main(["launch", "--k8s", str(QUICKSTART), "--set", "sandbox.backend=docker", "--dry-run"]) == 2
+    assert "/sandbox/backend" in capsys.readouterr().err
+    kubeconfig = tmp_path / "kubeconfig"  # a cluster nobody listens on: the install fails with helm's reason
+    kubeconfig.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "c",
+        "clusters": [{"name": "c", "cluster": {"server": "https://127.0.0.1:9"}}],
+        "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}], "users": [{"name": "u", "user": {}}]}))
+    monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
+    assert rl_main(["launch", "--k8s", str(QUICKSTART)]) == 2
+    err = capsys.readouterr().err
+    assert "helm upgrade --install failed" in err and "127.0.0.1:9" in err
+
+
+def _free_port() -> int:
+    from checkpoint_engine.update import free_port
+
+    return free_port()
+
+
+def test_rendered_entrypoint_trains_on_a_ray_cluster_and_a_retry_resumes(tmp_path):
+    """launch.sh from the rendered ConfigMap, with the chart's mount paths pointed at temporary
+    folders, runs `rl train` against a separately started Ray cluster (as on the RayJob's head);
+    run again, as a retried job would, it resumes from the checkpoint instead of starting over."""
+    cfg = json.loads(json.dumps(TINY))
+    cfg["run"] = {"iterations": 1, "eval_every": 1, "save_every": 1, "name": "tiny"}
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg))
+    etc, data = tmp_path / "etc", tmp_path / "data"
+    etc.mkdir()
+
+    def write_configmap(*sets: str) -> None:
+        docs = render(config=tmp_path / "run.yaml", sets=(f"run.configMountPath={etc}", f"storage.mountPath={data}",
+                                                          "sandbox.enabled=false", *sets))
+        for name, text in run_configmap(docs)["data"].items():
+            (etc / name).write_text(text)
+
+    port = _free_port()
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+           "RAY_ADDRESS": f"127.0.0.1:{port}", "RAY_AUTH_MODE": "disabled"}
+    head = subprocess.Popen(["ray", "start", "--head", "--block", f"--port={port}", "--num-cpus=2",
+                             "--include-dashboard=false", "--object-store-memory=200000000", "--disable-usage-stats"],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        deadline = time.time() + 120
+        while subprocess.run(["ray", "status", f"--address=127.0.0.1:{port}"], env=env,
+                             capture_output=True).returncode != 0:
+            assert head.poll() is None and time.time() < deadline, "the Ray head did not start"
+            time.sleep(2)
+        write_configmap()
+        first = subprocess.run(["bash", str(etc / "launch.sh")], env=env, capture_output=True, text=True,
+                               timeout=600)
+        assert first.returncode == 0, first.stderr[-3000:]
+        run_dir = data / "runs" / "myrun"
+        assert [json.loads(x)["iteration"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()] == [0]
+        write_configmap("run.extraArgs={--set,run.iterations=2}")
+        second = subprocess.run(["bash", str(etc / "launch.sh")], env=env, capture_output=True, text=True,
+                                timeout=600)
+        assert second.returncode == 0, second.stderr[-3000:]
+        assert [json.loads(x)["iteration"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()] == [0, 1]
+    finally:
+        os.killpg(head.pid, signal.SIGTERM)
+        head.wait(timeout=60)
