@@ -8,9 +8,11 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -250,8 +252,14 @@ def test_rendered_entrypoint_trains_on_a_ray_cluster_and_a_retry_resumes(tmp_pat
     port = _free_port()
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
            "RAY_ADDRESS": f"127.0.0.1:{port}", "RAY_AUTH_MODE": "disabled"}
+    # A temp dir of its own (short: it holds sockets): `ray start` records its address under the
+    # temp dir, and a record in the default one would make every later ray.init() join this cluster.
+    ray_tmp = tempfile.mkdtemp(prefix="rl-ray-", dir="/tmp")
+    recorded = Path("/tmp/ray/ray_current_cluster")
+    recorded_before = recorded.exists()
     head = subprocess.Popen(["ray", "start", "--head", "--block", f"--port={port}", "--num-cpus=2",
-                             "--include-dashboard=false", "--object-store-memory=200000000", "--disable-usage-stats"],
+                             f"--temp-dir={ray_tmp}", "--include-dashboard=false", "--object-store-memory=200000000",
+                             "--disable-usage-stats"],
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
     try:
         deadline = time.time() + 120
@@ -273,3 +281,5 @@ def test_rendered_entrypoint_trains_on_a_ray_cluster_and_a_retry_resumes(tmp_pat
     finally:
         os.killpg(head.pid, signal.SIGTERM)
         head.wait(timeout=60)
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    assert recorded.exists() == recorded_before  # later ray.init() calls still start their own cluster
