@@ -66,7 +66,8 @@ def _cmd_sandbox_serve(args: argparse.Namespace) -> None:
     cfg = load_config(args.config, args.set) if args.config else Config()
     flags = {k: v for k, v in (("host", args.host), ("port", args.port), ("backend", args.backend),
                                 ("concurrency", args.concurrency), ("max_queue", args.max_queue),
-                                ("max_sessions", args.max_sessions), ("metrics_port", args.metrics_port))
+                                ("max_sessions", args.max_sessions), ("metrics_port", args.metrics_port),
+                                ("advertise_address", args.advertise_address))
              if v is not None}
     sc = cfg.sandbox.model_copy(update=flags)
     try:
@@ -189,6 +190,8 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--max-queue", type=int, help="waiting commands before requests are refused (default 256)")
     sv.add_argument("--max-sessions", type=int, help="open sessions allowed (default 256)")
     sv.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port")
+    sv.add_argument("--advertise-address", help="host:port clients reach this replica at, when several replicas "
+                                                "serve one name (sessions stay on the replica that made them)")
     sv.set_defaults(func=_cmd_sandbox_serve)
     sr = sbs.add_parser("run", help="run one command in a fresh sandbox and print its output and verdict")
     sr.add_argument("--address", help="host:port of a running service (default: start a local one)")

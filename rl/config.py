@@ -226,6 +226,8 @@ class SandboxConfig(Strict):
     max_queue: int = Field(256, ge=0, description="commands waiting for a slot before requests are refused")
     max_sessions: int = Field(256, ge=1)
     metrics_port: int | None = Field(None, ge=0, le=65535, description="Prometheus /metrics of the service")
+    advertise_address: str | None = Field(None, description="host:port clients reach this replica at (its pod "
+                                          "IP on Kubernetes): sessions created here are used through it")
     limits: SandboxLimitsConfig = SandboxLimitsConfig()
     kubernetes: KubernetesSandboxConfig = KubernetesSandboxConfig()
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import json
 import threading
 from collections.abc import Iterable
 
@@ -18,13 +19,22 @@ from sandbox.wire import files_from_pb, files_to_pb, limits_to_pb, result_from_p
 DEADLINE_SLACK_S = 120.0
 
 
+# One-shot runs spread over every address the name resolves to (the replicas behind a headless Service).
+ROUND_ROBIN = ("grpc.service_config", json.dumps({"loadBalancingConfig": [{"round_robin": {}}]}))
+
+
 class SandboxClient:
-    """Talks to a sandbox service at ``address`` (host:port)."""
+    """Talks to a sandbox service at ``address``: host:port, or any gRPC target naming several replicas
+    (``dns:///sandbox.ns.svc:50051`` of a headless Service, ``ipv4:10.0.0.1:50051,10.0.0.2:50051``).
+
+    Runs go round-robin over the replicas; a session's calls go to the replica that holds it."""
 
     def __init__(self, address: str, *, slack_s: float = DEADLINE_SLACK_S):
         self.address, self.slack_s = address, slack_s
-        self._channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
+        self._channel = grpc.insecure_channel(address, options=[*GRPC_OPTIONS, ROUND_ROBIN])
         self._stub = pb_grpc.SandboxStub(self._channel)
+        self._replicas: dict[str, SandboxClient] = {}
+        self._replicas_lock = threading.Lock()
 
     def run(self, command: list[str] | None = None, files: dict[str, bytes | str] | None = None, *,
             code: str = "", tests: str = "", limits: Limits | None = None, stdin: bytes = b"",
@@ -40,10 +50,21 @@ class SandboxClient:
         """Open a session (a private work directory, or a pod from ``image``) holding ``files``."""
         req = pb.CreateSessionRequest(image=image, files=files_to_pb(files, frozenset(executable)))
         resp = self._call(self._stub.CreateSession, req, timeout_s)
-        return RemoteSession(self, resp.session_id)
+        return RemoteSession(self._replica(resp.address), resp.session_id)
+
+    def _replica(self, address: str) -> SandboxClient:
+        """The client of one replica (one channel each, reused), or this one when it names none."""
+        if not address or address == self.address:
+            return self
+        with self._replicas_lock:
+            if address not in self._replicas:
+                self._replicas[address] = SandboxClient(address, slack_s=self.slack_s)
+            return self._replicas[address]
 
     def close(self) -> None:
-        """Close the channel."""
+        """Close the channels."""
+        for replica in self._replicas.values():
+            replica.close()
         self._channel.close()
 
     def __enter__(self) -> SandboxClient:

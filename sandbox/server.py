@@ -19,6 +19,9 @@ BACKENDS = ("local", "kubernetes")
 MAX_MESSAGE_BYTES = 256 << 20
 GRPC_OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
+# Clients reconnect (and re-resolve the service's name) this often, so replicas an autoscaler adds get
+# traffic; calls in flight are never cut (no grace limit).
+MAX_CONNECTION_AGE_MS = 60_000
 
 
 def build_backend(name: str, **options: Any) -> Backend:
@@ -39,15 +42,16 @@ class SandboxServer:
 
     def __init__(self, backend: Backend, *, host: str = "127.0.0.1", port: int = 0, concurrency: int = 8,
                  max_queue: int = 256, max_sessions: int = 256, default_limits: Limits = DEFAULT_LIMITS,
-                 metrics_port: int | None = None, session_idle_s: float = 1800.0):
+                 metrics_port: int | None = None, session_idle_s: float = 1800.0, advertise_address: str = ""):
         self.metrics = SandboxMetrics()
         self.service = SandboxService(backend, concurrency=concurrency, max_queue=max_queue,
                                       max_sessions=max_sessions, default_limits=default_limits,
-                                      session_idle_s=session_idle_s, metrics=self.metrics)
+                                      session_idle_s=session_idle_s, metrics=self.metrics,
+                                      advertise_address=advertise_address)
         # One thread per running or queued call, plus a few for session calls that need no slot.
         workers = concurrency + max_queue + 16
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="sandbox-rpc"),
-                                   options=GRPC_OPTIONS)
+                                   options=[*GRPC_OPTIONS, ("grpc.max_connection_age_ms", MAX_CONNECTION_AGE_MS)])
         pb_grpc.add_SandboxServicer_to_server(self.service, self._server)
         self.port = self._server.add_insecure_port(f"{host}:{port}")
         if self.port == 0:
@@ -100,4 +104,4 @@ def server_from_config(sc: Any) -> SandboxServer:
                    "warm_pool": dict(k.warm_pool), "resources": {"cpu": k.cpu, "memory": k.memory}}
     return start_server(sc.backend, options, host=sc.host, port=sc.port, concurrency=sc.concurrency,
                         max_queue=sc.max_queue, max_sessions=sc.max_sessions, metrics_port=sc.metrics_port,
-                        default_limits=sc.limits.to_limits())
+                        default_limits=sc.limits.to_limits(), advertise_address=sc.advertise_address or "")

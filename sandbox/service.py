@@ -33,8 +33,10 @@ class SandboxService(pb_grpc.SandboxServicer):
 
     def __init__(self, backend: Backend, *, concurrency: int = 8, max_queue: int = 256, max_sessions: int = 256,
                  default_limits: Limits = DEFAULT_LIMITS, max_limits: Limits = MAX_LIMITS,
-                 session_idle_s: float = 1800.0, max_read_bytes: int = 16 << 20, metrics: SandboxMetrics | None = None):
+                 session_idle_s: float = 1800.0, max_read_bytes: int = 16 << 20, metrics: SandboxMetrics | None = None,
+                 advertise_address: str = ""):
         self.backend = backend
+        self.advertise_address = advertise_address  # where this replica's sessions are reached
         self.concurrency, self.max_queue, self.max_sessions = concurrency, max_queue, max_sessions
         self.default_limits, self.max_limits = default_limits, max_limits
         self.session_idle_s, self.max_read_bytes = session_idle_s, max_read_bytes
@@ -97,7 +99,7 @@ class SandboxService(pb_grpc.SandboxServicer):
         with self._lock:
             self._sessions[sid] = SessionInfo(session, created=now, last_used=now)
         self.metrics.active_sessions.set(len(self._sessions))
-        return pb.CreateSessionResponse(session_id=sid)
+        return pb.CreateSessionResponse(session_id=sid, address=self.advertise_address)
 
     def Exec(self, request: pb.ExecRequest, context: grpc.ServicerContext) -> pb.ExecResult:
         t0 = time.perf_counter()

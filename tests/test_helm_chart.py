@@ -120,7 +120,7 @@ def test_gpu_example_sizes_workers_and_reaches_model_and_monitoring():
     fresh, resume = train_args(docs)
     o = overrides(fresh)
     assert o["cluster.workers"] == "16" and o["cluster.gpus_per_worker"] == "1"
-    assert o["model.path"] == "/models/Qwen3-8B" and o["sandbox.address"] == "myrun-sandbox.rl.svc:50051"
+    assert o["model.path"] == "/models/Qwen3-8B" and o["sandbox.address"] == "dns:///myrun-sandbox.rl.svc:50051"
     assert fresh[-2:] == ["--set", "run.save_every=5"]
     assert "run_dir='/data/runs/math-16gpu'" in run_configmap(docs)["data"]["launch.sh"]
     assert resume[:4] == ["exec", "rl", "train", "--resume"] and overrides(resume) == o
@@ -156,6 +156,10 @@ def test_sandbox_pod_backend_rbac_is_limited_and_sandboxes_get_no_egress():
     assert policy["ingress"][0]["from"][0]["podSelector"]["matchLabels"].items() <= pod_labels.items()
     args = one(docs, "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
     assert "--backend=kubernetes" in args and "--set=sandbox.kubernetes.namespace=rl" in args
+    assert "--advertise-address=$(POD_IP):50051" in args  # sessions come back to their replica
+    env = one(docs, "Deployment")["spec"]["template"]["spec"]["containers"][0]["env"]
+    assert env == [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]
+    assert one([d for d in docs if d["metadata"]["name"] == "myrun-sandbox"], "Service")["spec"]["clusterIP"] == "None"
     sets = [a.removeprefix("--set=") for a in args if a.startswith("--set=")]
     assert rl_main(["check-config", str(QUICKSTART), *[x for s in sets for x in ("--set", s)]]) == 0
 

@@ -253,3 +253,32 @@ def test_cli_serve_and_run():
     bad = subprocess.run([sys.executable, "-m", "rl.cli", "sandbox", "serve", "--backend", "docker"],
                          capture_output=True, text=True)
     assert bad.returncode != 0 and "invalid choice: 'docker'" in bad.stderr
+
+
+def test_replicas_behind_one_name_share_runs_and_keep_each_session():
+    """Two replicas behind one gRPC target (as a headless Service's DNS name resolves to its pods): runs
+    go round-robin over both, and every call of a session reaches the replica that holds it (another
+    replica answers NOT_FOUND, so half of them would fail without the advertised address)."""
+    from checkpoint_engine.update import free_port
+
+    ports = [free_port(), free_port()]
+    replicas = [start_server("local", port=p, concurrency=2, metrics_port=0, advertise_address=f"127.0.0.1:{p}")
+                for p in ports]
+    try:
+        with SandboxClient("ipv4:" + ",".join(f"127.0.0.1:{p}" for p in ports)) as client:
+            runs = [client.run(["python3", "-c", f"print({i} * 2)"], limits=SMALL) for i in range(8)]
+            assert [r.stdout for r in runs] == [f"{i * 2}\n".encode() for i in range(8)]
+            served = [metric(r, "sandbox_commands_total", kind="run", verdict="ok") for r in replicas]
+            assert sum(served) == 8 and min(served) >= 2, served
+            sessions = [client.create_session(files={"n.txt": str(i)}) for i in range(6)]
+            holders = {s.client.address for s in sessions}
+            assert holders == {f"127.0.0.1:{p}" for p in ports}, holders
+            for i, s in enumerate(sessions):
+                s.write_files({"m.txt": f"{i}!"})
+                assert s.exec(["cat", "n.txt", "m.txt"], limits=SMALL).stdout == f"{i}{i}!".encode()
+                assert s.read_files(["m.txt"]) == {"m.txt": f"{i}!".encode()}
+                s.close()
+            assert all(len(r.service._sessions) == 0 for r in replicas)
+    finally:
+        for r in replicas:
+            r.stop()

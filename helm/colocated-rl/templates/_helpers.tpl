@@ -25,8 +25,9 @@ app.kubernetes.io/name: rl-sandbox-service
 app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end -}}
 
+{{/* The headless Service's name resolves to every ready replica; the client spreads runs over them. */}}
 {{- define "rl.sandboxAddress" -}}
-{{- printf "%s-sandbox.%s.svc:%v" (include "rl.fullname" .) .Release.Namespace .Values.sandbox.port -}}
+{{- printf "dns:///%s-sandbox.%s.svc:%v" (include "rl.fullname" .) .Release.Namespace .Values.sandbox.port -}}
 {{- end -}}
 
 {{- define "rl.claimName" -}}
