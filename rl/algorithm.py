@@ -97,9 +97,9 @@ def k15_backward(engine: TrainingEngine, samples: Sequence[Sample], advantages: 
             lp = lp * _token_mask(chosen, target)
         loss = k15_loss(
             lp.sum(-1),
-            torch.tensor([s.policy_logprob() for s in chosen]),
-            torch.tensor([advantages[i] for i in part], dtype=torch.float32),
-            torch.tensor([weights[i] for i in part], dtype=torch.float32),
+            torch.tensor([s.policy_logprob() for s in chosen], device=lp.device),
+            torch.tensor([advantages[i] for i in part], dtype=torch.float32, device=lp.device),
+            torch.tensor([weights[i] for i in part], dtype=torch.float32, device=lp.device),
             tau,
         )
         loss.backward()

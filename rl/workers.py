@@ -176,6 +176,8 @@ class RolloutWorker:
     def __init__(self, model_dir: str, cfg: Config, threads: int) -> None:
         _set_threads(threads)
         model = load_pretrained(model_dir, getattr(torch, cfg.model.dtype))
+        if torch.cuda.is_available():  # the GPU Ray gave this worker's bundle, shared with its trainer
+            model = model.cuda()
         c, r = model.config, cfg.rollout
         self.engine = InferenceEngine(model, c.eos_token_id, c.pad_token_id, max_num_seqs=r.max_batch,
                                       kv_cache_bytes=r.kv_cache_mb << 20)

@@ -77,6 +77,24 @@ def test_k15_loss_and_gradient_match_reference(tiny_model, tokenizer, masked):
         torch.testing.assert_close(p.grad, ref_grads[n], atol=1e-5, rtol=1e-4, msg=n)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_k15_update_on_cuda_matches_cpu(tiny_model, tokenizer):
+    """Samples come from the rollout side as Python lists; the loss must build its tensors on the
+    model's device (it once mixed a CUDA log-ratio with CPU sampler logprobs)."""
+    import copy
+
+    samples = _random_samples(random.Random(1), tokenizer.vocab_size, masked=True)
+    losses = {}
+    for device in ("cpu", "cuda"):
+        model = copy.deepcopy(tiny_model).to(device)
+        engine = TrainingEngine(model, [], tokenizer.pad_id)
+        adv = group_advantages(samples)
+        weights = [1.0 / len(samples)] * len(samples)
+        losses[device] = k15_backward(engine, samples, adv, weights, tau=0.3, micro_batch=4)
+        assert all(p.grad is not None and p.grad.device.type == device for p in model.parameters())
+    assert losses["cuda"] == pytest.approx(losses["cpu"], rel=1e-3)
+
+
 def test_gradient_does_not_depend_on_micro_batch_or_rank_split(tiny_model, tokenizer):
     """Each rank's share, summed over ranks (what FSDP's reduce-scatter does), equals one process."""
     samples = _random_samples(random.Random(1), tokenizer.vocab_size)
