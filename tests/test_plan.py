@@ -8,7 +8,7 @@ from checkpoint_engine.plan import Calibration, Cluster, calibrate, load_records
 
 
 def test_k2_on_h800_is_broadcast_bound_and_under_30_s():
-    p = predict(1.04e12, 2, Cluster(), 2 * (1 << 30), 16, Calibration(efficiency=0.8, step_latency_s=1e-3))
+    p = predict(1.04e12, 2, Cluster(pcie_gbps=50), 2 * (1 << 30), 16, Calibration(efficiency=0.8, step_latency_s=1e-3))
     b = 2.08e12
     assert p.broadcast_s == pytest.approx(b / 200e9)             # each GPU takes all of B over NVLink
     assert p.h2d_s == pytest.approx(b / 256 / 50e9)               # its own share over PCIe
@@ -31,6 +31,9 @@ def test_calibration_recovers_efficiency_and_step_latency():
                for mb, n in ((256, 5), (64, 17), (16, 65))]
     # a one-worker record (no broadcast at all) must not enter the fit
     records.append({"bucket_mb": 512, "buckets": 2, "floor_s": 0.3, "update_s": 0.1, "workers": 1})
+    # nor a comparison run without the engine's rollback (its update skips work the engine does)
+    records.append({"bucket_mb": 1024, "buckets": 2, "floor_s": 0.6, "update_s": 0.61, "workers": 2,
+                    "rollback": "none"})
     # the largest bucket's own latency makes its efficiency a little low; the fit absorbs the rest
     cal = calibrate(records)
     assert cal.efficiency == pytest.approx(0.6 / (0.6 / eff + 5 * lat))
