@@ -24,7 +24,7 @@ import torch.multiprocessing as mp
 
 from checkpoint_engine.buckets import as_bytes, plan_buckets
 from checkpoint_engine.engine import CheckpointEngine
-from checkpoint_engine.local import PipeReloader, digest, synthetic_params
+from checkpoint_engine.local import PipeReloader, answer_load, digest, synthetic_params
 from checkpoint_engine.transfer import WeightReceiver
 from checkpoint_engine.update import free_port
 
@@ -50,11 +50,7 @@ def _receiver(conn, specs, plan, handles, rollback: str) -> None:
     while True:
         msg = conn.recv()
         if msg[0] == "load":
-            try:
-                recv.load(msg[1], msg[2], msg[3])
-                conn.send(("ack", msg[1]))
-            except Exception as e:
-                conn.send(("error", f"{type(e).__name__}: {e}", msg[1]))
+            answer_load(recv, conn, msg)
         elif msg[0] == "digests":
             conn.send(("digests", {n: digest(t.cpu()) for n, t in recv.tensors.items()}, recv.version,
                        torch.cuda.max_memory_allocated()))

@@ -140,6 +140,15 @@ class PipeReloader:
         return msg[1]
 
 
+def answer_load(recv: WeightReceiver, conn, msg: tuple) -> None:
+    """Apply a ("load", bucket, buffer, version) message and answer it as ``PipeReloader`` expects."""
+    try:
+        recv.load(msg[1], msg[2], msg[3])
+        conn.send(("ack", msg[1]))
+    except Exception as e:
+        conn.send(("error", f"{type(e).__name__}: {e}", msg[1]))
+
+
 def _inference_main(conn, specs, sharding: Sharding, plan: BucketPlan, handles, threads: int,
                     rollback: str | None) -> None:
     """An inference engine's process: starts empty (zeros) and loads what the engine sends."""
@@ -153,11 +162,7 @@ def _inference_main(conn, specs, sharding: Sharding, plan: BucketPlan, handles, 
             recv.rollback()
             return
         if msg[0] == "load":
-            try:
-                recv.load(msg[1], msg[2], msg[3])
-                conn.send(("ack", msg[1]))
-            except Exception as e:
-                conn.send(("error", f"{type(e).__name__}: {e}", msg[1]))
+            answer_load(recv, conn, msg)
         elif msg[0] == "plan":  # start-up reads the checkpoint's own layout
             recv.plan = msg[1]
         elif msg[0] == "abort":
