@@ -89,7 +89,8 @@ def status(name: str, namespace: str | None = None) -> str:
     """The state of a launched run, from its RayJob."""
     proc = subprocess.run(_kubectl(["get", "rayjob", name, "-o", "json"], namespace), capture_output=True, text=True)
     if proc.returncode != 0:
-        raise UserError(f"kubectl get rayjob {name} failed: {proc.stderr.strip()}")
+        raise UserError(f"kubectl get rayjob {name} failed (is kubectl's context the cluster, and the run launched "
+                        f"in this namespace?): {proc.stderr.strip()}")
     return describe_rayjob(json.loads(proc.stdout))
 
 

@@ -287,3 +287,31 @@ def test_rendered_entrypoint_trains_on_a_ray_cluster_and_a_retry_resumes(tmp_pat
         head.wait(timeout=60)
         shutil.rmtree(ray_tmp, ignore_errors=True)
     assert recorded.exists() == recorded_before  # later ray.init() calls still start their own cluster
+
+
+def test_rl_status_describes_the_rayjob():
+    from rl.launch import describe_rayjob
+
+    job = {"metadata": {"name": "quickstart"},
+           "status": {"jobStatus": "RUNNING", "jobDeploymentStatus": "Running", "rayClusterName": "quickstart-x7k2p",
+                      "dashboardURL": "quickstart-x7k2p-head-svc.rl.svc.cluster.local:8265",
+                      "jobId": "quickstart-abcde", "startTime": "2026-11-22T20:00:00Z", "failed": 0}}
+    text = describe_rayjob(job)
+    assert text.splitlines()[0] == "run quickstart: job RUNNING, deployment Running"
+    assert "ray cluster: quickstart-x7k2p" in text and "dashboard: quickstart-x7k2p-head-svc" in text
+    assert "started: 2026-11-22T20:00:00Z" in text and "ended" not in text and "failed attempts: 0" in text
+    assert describe_rayjob({"metadata": {"name": "new"}}) == "run new: job PENDING, deployment New"
+
+
+def test_rl_status_and_logs_name_the_problem_without_a_cluster(tmp_path, capsys, monkeypatch):
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "c",
+        "clusters": [{"name": "c", "cluster": {"server": "https://127.0.0.1:9"}}],
+        "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}], "users": [{"name": "u", "user": {}}]}))
+    monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
+    assert rl_main(["status", "quickstart", "-n", "rl"]) == 2
+    err = capsys.readouterr().err
+    assert "kubectl get rayjob quickstart failed" in err and "kubectl's context" in err
+    assert rl_main(["logs", "quickstart", "-n", "rl"]) == 2
+    assert "kubectl logs job/quickstart failed" in capsys.readouterr().err
