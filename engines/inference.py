@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from engines.cuda_graphs import DecodeGraphs
 from engines.kv_cache import DecodePass, PrefillPass, SlotKVCache, bytes_per_slot
 from engines.model import CausalLM, padded_causal_mask, positions_from_valid
 from engines.sampling import (
@@ -75,7 +76,7 @@ class InferenceEngine:
     def __init__(self, model: CausalLM, eos_id: int | None, pad_id: int | None = None, *,
                  max_seq_len: int | None = None, kv_cache_bytes: int = 512 * 2**20, max_num_seqs: int = 512,
                  max_prefill_tokens: int = 8192, seed: int = 0,
-                 detokenize: Callable[[list[int]], str] | None = None) -> None:
+                 detokenize: Callable[[list[int]], str] | None = None, cuda_graphs: bool = True) -> None:
         self.model = model.eval().requires_grad_(False)
         cfg = model.config
         self.eos_id = -1 if eos_id is None else eos_id
@@ -103,6 +104,7 @@ class InferenceEngine:
         self._weights_loaded = True
         self._offloaded: dict[str, tuple] = {}
         self._n_constrained = 0  # running requests with a grammar; 0 keeps the batched path free of Python loops
+        self.graphs = DecodeGraphs(self) if cuda_graphs and self.device.type == "cuda" else None
         self._alloc_state()
 
     # --- requests -------------------------------------------------------------------------
@@ -218,6 +220,8 @@ class InferenceEngine:
             raise RuntimeError(f"{len(self.running) + len(self.waiting)} requests unfinished; pause() them "
                                "before sleep()")
         self.kv = None
+        if self.graphs is not None:  # their memory pool goes too
+            self.graphs.clear()
         self._alloc_state(free=True)
         for name, t in self.named_tensors().items():
             if level == 2:
@@ -286,7 +290,10 @@ class InferenceEngine:
     def _decode(self) -> list[int]:
         n = len(self.running)
         pos = self.pos[:n]
-        logits = self.model(self.last[:n, None], pos[:, None], cache=DecodePass(self._cache(), pos))[:, -1]
+        if self.graphs is not None:
+            logits = self.graphs.logits(n)
+        else:
+            logits = self.model(self.last[:n, None], pos[:, None], cache=DecodePass(self._cache(), pos))[:, -1]
         self.pos[:n] += 1
         return self._commit(torch.arange(n, device=self.device), logits)
 

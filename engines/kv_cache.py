@@ -63,15 +63,17 @@ class DecodePass:
     long query blocks.
     """
 
-    def __init__(self, cache: SlotKVCache, positions: torch.Tensor) -> None:
+    def __init__(self, cache: SlotKVCache, positions: torch.Tensor, width: int | None = None) -> None:
         n = positions.shape[0]
         self.cache, self.n = cache, n
-        self.width = int(positions.max()) + 1
+        # a given width (≥ every position + 1) keeps shapes static for a captured CUDA graph
+        self.width = int(positions.max()) + 1 if width is None else width
         cols = torch.arange(self.width, device=positions.device)
         self.hidden = (cols[None] > positions[:, None])[:, None, None, :]  # [n, 1, 1, W]
         kv_heads, max_len = cache.k.shape[2], cache.k.shape[3]
         rows = torch.arange(n * kv_heads, device=positions.device)
-        self.flat = rows * max_len + positions.repeat_interleave(kv_heads)  # (slot, head, pos) in [S*KVH*L]
+        # (slot, head, pos) in [S*KVH*L]; expand, not repeat_interleave, which may sync with the host
+        self.flat = rows * max_len + positions[:, None].expand(n, kv_heads).reshape(-1)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         n, w = self.n, self.width

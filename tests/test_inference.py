@@ -256,3 +256,27 @@ def test_cuda_engine_matches_trainer_and_sleeps(tiny_model, tokenizer):
     assert all(t.numel() == 0 for t in eng.named_tensors().values())  # weights moved to host
     eng.wake_up()
     assert [c.token_ids for c in eng.generate(prompts, SamplingParams(1.0, 16, seed=1))] == [c.token_ids for c in outs]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_graph_decode_matches_eager_decode(tiny_model, tokenizer):
+    """Graph replays give the eager step's tokens while the batch shrinks through several buckets,
+    and are captured again after a sleep/wake moves the cache and the weights."""
+    model = tiny_model.cuda()
+    prompts = [tokenizer.encode(t) for t in TEXTS] * 3  # 12 sequences
+    params = [SamplingParams(1.0, 4 + 3 * i, seed=i, ignore_eos=True) for i in range(len(prompts))]
+    eager = engine(model, tokenizer, cuda_graphs=False)
+    assert eager.graphs is None
+    want = eager.generate(prompts, params)
+    graphed = engine(model, tokenizer)
+    got = graphed.generate(prompts, params)
+    assert [c.token_ids for c in got] == [c.token_ids for c in want]
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(torch.tensor(g.logprobs), torch.tensor(w.logprobs), atol=1e-4, rtol=0)
+    first = graphed.graphs.captures
+    assert first >= 4  # 12 rows shrinking one by one: buckets 16, 8, 4, 2, 1
+    graphed.sleep(1)
+    assert not graphed.graphs.graphs
+    graphed.wake_up()
+    assert [c.token_ids for c in graphed.generate(prompts, params)] == [c.token_ids for c in want]
+    assert graphed.graphs.captures > first

@@ -1,0 +1,86 @@
+"""CUDA graphs of the inference engine's decode step.
+
+A decode step of a small batch is a few hundred tiny kernels: on a GPU their launches, not the
+arithmetic, set the pace. One graph per (batch bucket, attention width bucket) replays the whole
+step with one launch. A graph reads the engine's persistent state (last tokens, positions, the KV
+cache, the weights) in place; rows past the running batch are padding that only writes into free
+slots. Graphs are captured on first use and dropped whenever the memory they point at moves
+(sleep and wake-up, a new KV cache, rebound weights).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from engines.kv_cache import DecodePass
+
+if TYPE_CHECKING:
+    from engines.inference import InferenceEngine
+
+MIN_WIDTH = 64  # the smallest attention-width bucket (tokens)
+
+
+def bucket(n: int, limit: int, least: int = 1) -> int:
+    """The power of two ≥ n (at least ``least``), capped at ``limit``."""
+    b = max(least, 1)
+    while b < n:
+        b *= 2
+    return min(b, limit)
+
+
+class DecodeGraphs:
+    """Captured decode steps of one engine, keyed by (batch bucket, width bucket)."""
+
+    def __init__(self, engine: InferenceEngine) -> None:
+        self.engine = engine
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.pool = None
+        self._where: tuple[int, ...] = ()
+        self.captures = 0  # over the engine's life (tests and benchmarks read it)
+
+    def clear(self) -> None:
+        """Drop every graph and the memory pool they share."""
+        self.graphs.clear()
+        self.pool = None
+
+    def logits(self, n: int) -> torch.Tensor:
+        """Next-token logits [n, V] of running slots 0..n-1, as the eager decode step computes them."""
+        e = self.engine
+        where = self._addresses()
+        if where != self._where:
+            self.clear()
+            self._where = where
+        width = bucket(int(e.pos[:n].max()) + 1, e.max_seq_len, MIN_WIDTH)
+        key = (bucket(n, e.slots), width)
+        if key not in self.graphs:
+            self.graphs[key] = self._capture(*key)
+        graph, out = self.graphs[key]
+        graph.replay()
+        return out[:n]
+
+    def _addresses(self) -> tuple[int, ...]:
+        e = self.engine
+        kv = e._cache()
+        return (e.last.data_ptr(), e.pos.data_ptr(), kv.k.data_ptr(), kv.v.data_ptr(),
+                *(t.data_ptr() for t in e.model.parameters()))
+
+    def _step(self, rows: int, width: int) -> torch.Tensor:
+        e = self.engine
+        pos = e.pos[:rows]
+        return e.model(e.last[:rows, None], pos[:, None], cache=DecodePass(e._cache(), pos, width))[:, -1]
+
+    def _capture(self, rows: int, width: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        # warm-up on a side stream, as capture requires; its cache writes are the ones the replay makes
+        side = torch.cuda.Stream(self.engine.device)
+        side.wait_stream(torch.cuda.current_stream(self.engine.device))
+        with torch.cuda.stream(side):
+            self._step(rows, width)
+        torch.cuda.current_stream(self.engine.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = self._step(rows, width)
+        self.pool = graph.pool()
+        self.captures += 1
+        return graph, out
