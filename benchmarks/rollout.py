@@ -19,6 +19,7 @@ import os
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -65,30 +66,45 @@ def workload(n_prompts: int, prompt_len: int, vocab: int, seed: int = 0) -> list
     return torch.randint(2, vocab, (n_prompts, prompt_len), generator=g).tolist()
 
 
-def run_engine(model: CausalLM, prompts, samples: int, output_len: int, temperature: float):
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_engine(model: CausalLM, prompts, samples: int, output_len: int, temperature: float,
+               cuda_graphs: bool = True):
     seq, n = len(prompts[0]) + output_len, len(prompts) * samples
-    per_seq = bytes_per_slot(model.config, seq, next(model.parameters()).dtype)
-    engine = InferenceEngine(model, eos_id=1, pad_id=0, max_seq_len=seq, max_num_seqs=n, kv_cache_bytes=per_seq * n)
+    p = next(model.parameters())
+    per_seq = bytes_per_slot(model.config, seq, p.dtype)
+    engine = InferenceEngine(model, eos_id=1, pad_id=0, max_seq_len=seq, max_num_seqs=n, kv_cache_bytes=per_seq * n,
+                             cuda_graphs=cuda_graphs)
     params = SamplingParams(temperature=temperature, max_tokens=output_len, ignore_eos=True)
-    engine.generate(prompts[:2], params)  # warm-up: first-call allocations
+    # warm-up: first-call allocations, and on a GPU the graphs of every batch size the run meets
+    engine.generate([q for q in prompts for _ in range(samples)], replace(params, max_tokens=2))
+    engine.generate(prompts[:2], params)
+    _sync(p.device)
     t0 = time.perf_counter()
     outs = engine.generate([p for p in prompts for _ in range(samples)], params)
+    _sync(p.device)
     elapsed = time.perf_counter() - t0
     assert all(len(o.token_ids) == output_len for o in outs)
     return elapsed, engine.kv_cache_bytes
 
 
-def run_hf(model_dir: str, dtype: torch.dtype, prompts, samples: int, output_len: int, temperature: float):
+def run_hf(model_dir: str, dtype: torch.dtype, prompts, samples: int, output_len: int, temperature: float,
+           device: str = "cpu"):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
-    ids = torch.tensor(prompts)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval().to(device)
+    ids = torch.tensor(prompts, device=device)
     kw = dict(do_sample=temperature > 0, temperature=temperature if temperature > 0 else None, top_k=0, top_p=1.0,
               max_new_tokens=output_len, min_new_tokens=output_len, pad_token_id=0, eos_token_id=1)
     with torch.no_grad():
         model.generate(ids[:2], attention_mask=torch.ones_like(ids[:2]), num_return_sequences=1, **kw)
+        _sync(ids.device)
         t0 = time.perf_counter()
         out = model.generate(ids, attention_mask=torch.ones_like(ids), num_return_sequences=samples, **kw)
+        _sync(ids.device)
         elapsed = time.perf_counter() - t0
     assert out.shape == (len(prompts) * samples, ids.shape[1] + output_len)
     return elapsed
@@ -96,7 +112,7 @@ def run_hf(model_dir: str, dtype: torch.dtype, prompts, samples: int, output_len
 
 def measure(model_name: str, prompts_n: int, samples: int, prompt_len: int, output_len: int, *,
             dtype: str = "float32", temperature: float = 1.0, threads: int | None = None,
-            skip_hf: bool = False) -> dict:
+            skip_hf: bool = False, device: str = "cpu") -> dict:
     """One benchmark record (also printed as the JSON line)."""
     torch.set_num_threads(threads or os.cpu_count() or 1)
     cfg = MODELS[model_name]
@@ -112,13 +128,15 @@ def measure(model_name: str, prompts_n: int, samples: int, prompt_len: int, outp
     in_flight = prompts_n * samples * (prompt_len + output_len)
     with tempfile.TemporaryDirectory() as d:
         save_pretrained(CausalLM(cfg), None, d)
-        model = load_pretrained(d, tdtype)
+        model = load_pretrained(d, tdtype).to(device)
         params = sum(p.numel() for p in model.parameters())
         (engine_s, kv_bytes), engine_rss = peak_rss_growth(run_engine, model, prompts, samples, output_len,
                                                            temperature)
+        # on a GPU the same engine without CUDA graphs, as the graphs' peer
+        eager_s = run_engine(model, prompts, samples, output_len, temperature, False)[0] if device == "cuda" else None
         del model  # HF loads its own copy
         hf_s, hf_rss = (None, None) if skip_hf else peak_rss_growth(run_hf, d, tdtype, prompts, samples,
-                                                                     output_len, temperature)
+                                                                     output_len, temperature, device)
     rec = {
         "model": model_name,
         "params": params,
@@ -137,6 +155,9 @@ def measure(model_name: str, prompts_n: int, samples: int, prompt_len: int, outp
         "dtype": dtype,
         "temperature": temperature,
         "threads": torch.get_num_threads(),
+        "device": device,
+        **({"engine_eager_tok_s": round(tokens / eager_s, 1), "cuda_graph_speedup": round(eager_s / engine_s, 3)}
+           if eager_s else {}),
     }
     return rec
 
@@ -153,11 +174,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--threads", type=int, help="torch threads (default: all cores)")
     ap.add_argument("--skip-hf", action="store_true", help="time only the engine")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (on cuda the engine also runs without CUDA graphs)")
     ap.add_argument("--json", action="store_true", help="print only the JSON record")
     a = ap.parse_args(argv)
     plen, olen = DEFAULT_LENGTHS[a.model]
     rec = measure(a.model, a.prompts, a.samples, a.prompt_len or plen, a.output_len or olen, dtype=a.dtype,
-                  temperature=a.temperature, threads=a.threads, skip_hf=a.skip_hf)
+                  temperature=a.temperature, threads=a.threads, skip_hf=a.skip_hf, device=a.device)
     if not a.json:
         print(f"{a.model} model ({rec['params']:,} parameters), {a.prompts} prompts x {a.samples} samples, "
               f"{rec['prompt_len']} + {rec['output_len']} tokens, {a.dtype}")
