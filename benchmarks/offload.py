@@ -25,7 +25,7 @@ import torch
 
 from benchmarks.rollout import MODELS
 from engines.model import CausalLM
-from engines.offload import malloc_trim
+from engines.offload import malloc_trim, synchronize
 from engines.training import TrainingEngine
 from rl.optim import build_optimizers
 
@@ -39,10 +39,6 @@ def rss_bytes() -> int:
         return 0
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
 
 def copy_seconds(nbytes: int, src_device: torch.device, dst_device: torch.device, repeats: int) -> float:
     """Median time to allocate ``nbytes`` on ``dst_device`` and copy them there from ``src_device``."""
@@ -50,11 +46,11 @@ def copy_seconds(nbytes: int, src_device: torch.device, dst_device: torch.device
     src = torch.ones(nbytes, dtype=torch.uint8, device=src_device, pin_memory=pin and src_device.type == "cpu")
     times = []
     for _ in range(repeats + 1):  # the first one warms allocators up
-        _sync(src_device)
+        synchronize(src_device)
         t0 = time.perf_counter()
         dst = torch.empty(nbytes, dtype=torch.uint8, device=dst_device, pin_memory=pin and dst_device.type == "cpu")
         dst.copy_(src, non_blocking=pin)
-        _sync(src_device if src_device.type == "cuda" else dst_device)
+        synchronize(src_device if src_device.type == "cuda" else dst_device)
         times.append(time.perf_counter() - t0)
         del dst
         malloc_trim()  # as offload does: the next allocation gets fresh pages, as the engine's do
@@ -84,7 +80,7 @@ def measure(model_name: str, repeats: int = 5, device: str | None = None) -> dic
     off, on, freed = [], [], []
     nbytes = 0
     for _ in range(repeats):
-        _sync(dev)
+        synchronize(dev)
         before = rss_bytes()
         stats = engine.offload()
         freed.append(before - rss_bytes())

@@ -25,6 +25,7 @@ import torch
 
 from benchmarks.rollout import MODELS
 from engines.model import Attention, CausalLM
+from engines.offload import synchronize
 from rl.optim import build_optimizers
 from rl.qk_clip import qk_clip
 
@@ -54,10 +55,6 @@ def newton_schulz_flops(shapes: list[tuple[int, int]], ns_steps: int = 5) -> flo
     return total
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
 
 def bf16_gemm_flops_per_s(shape: tuple[int, int], batch: int = 4, tries: int = 3,
                           device: str | torch.device = "cpu") -> float:
@@ -69,20 +66,20 @@ def bf16_gemm_flops_per_s(shape: tuple[int, int], batch: int = 4, tries: int = 3
     torch.bmm(x, x.mT, out=out)
     best = float("inf")
     for _ in range(tries):
-        _sync(device)
+        synchronize(device)
         t0 = time.perf_counter()
         torch.bmm(x, x.mT, out=out)
-        _sync(device)
+        synchronize(device)
         best = min(best, time.perf_counter() - t0)
     return 2 * batch * n * n * m / best
 
 
 def _step(opts: list[torch.optim.Optimizer], device: torch.device) -> float:
-    _sync(device)
+    synchronize(device)
     t0 = time.perf_counter()
     for o in opts:
         o.step()
-    _sync(device)
+    synchronize(device)
     return time.perf_counter() - t0
 
 
@@ -110,7 +107,7 @@ def measure(model_name: str, repeats: int = 5, warmup: int = 2, lr: float = 1e-3
         t_opt = _step(muon, dev)
         t0 = time.perf_counter()
         metrics = qk_clip(model, TAU)
-        _sync(dev)
+        synchronize(dev)
         t_clip = time.perf_counter() - t0
         t_adamw = _step(adamw, dev)
         t_peer = _step(peer, dev)

@@ -28,6 +28,7 @@ from engines.hf_io import load_pretrained, save_pretrained
 from engines.inference import InferenceEngine, SamplingParams
 from engines.kv_cache import bytes_per_slot
 from engines.model import CausalLM, ModelConfig
+from engines.offload import synchronize
 
 #: Architectures the benchmark builds (random weights: throughput does not depend on them).
 MODELS = {
@@ -66,10 +67,6 @@ def workload(n_prompts: int, prompt_len: int, vocab: int, seed: int = 0) -> list
     return torch.randint(2, vocab, (n_prompts, prompt_len), generator=g).tolist()
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
 
 def run_engine(model: CausalLM, prompts, samples: int, output_len: int, temperature: float,
                cuda_graphs: bool = True):
@@ -82,10 +79,10 @@ def run_engine(model: CausalLM, prompts, samples: int, output_len: int, temperat
     # warm-up: first-call allocations, and on a GPU the graphs of every batch size the run meets
     engine.generate([q for q in prompts for _ in range(samples)], replace(params, max_tokens=2))
     engine.generate(prompts[:2], params)
-    _sync(p.device)
+    synchronize(p.device)
     t0 = time.perf_counter()
     outs = engine.generate([p for p in prompts for _ in range(samples)], params)
-    _sync(p.device)
+    synchronize(p.device)
     elapsed = time.perf_counter() - t0
     assert all(len(o.token_ids) == output_len for o in outs)
     return elapsed, engine.kv_cache_bytes
@@ -101,10 +98,10 @@ def run_hf(model_dir: str, dtype: torch.dtype, prompts, samples: int, output_len
               max_new_tokens=output_len, min_new_tokens=output_len, pad_token_id=0, eos_token_id=1)
     with torch.no_grad():
         model.generate(ids[:2], attention_mask=torch.ones_like(ids[:2]), num_return_sequences=1, **kw)
-        _sync(ids.device)
+        synchronize(ids.device)
         t0 = time.perf_counter()
         out = model.generate(ids, attention_mask=torch.ones_like(ids), num_return_sequences=samples, **kw)
-        _sync(ids.device)
+        synchronize(ids.device)
         elapsed = time.perf_counter() - t0
     assert out.shape == (len(prompts) * samples, ids.shape[1] + output_len)
     return elapsed

@@ -45,7 +45,8 @@ def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src, non_blocking=True)
 
 
-def _sync(device: torch.device) -> None:
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (a no-op on CPU)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -118,7 +119,7 @@ class HostOffloader:
         slots = list(by_ptr.values())
         for s in slots:
             _copy(self._buffer[s.offset : s.offset + s.nbytes], _bytes_of(s.storage))
-        _sync(device)
+        synchronize(device)
         self.views = {}
         for name, t in (expose or {}).items():
             slot = by_ptr.get(t.untyped_storage().data_ptr())
@@ -146,7 +147,7 @@ class HostOffloader:
         for s in self._slots:
             s.storage.resize_(s.nbytes)
             _copy(_bytes_of(s.storage), self._buffer[s.offset : s.offset + s.nbytes])
-        _sync(self._device)
+        synchronize(self._device)
         nbytes = sum(s.nbytes for s in self._slots)
         self._slots, self.views = [], {}
         keep = self.keep_buffer if self.keep_buffer is not None else pin
