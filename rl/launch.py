@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -19,7 +20,7 @@ CHART = Path(__file__).resolve().parents[1] / "helm" / "colocated-rl"
 def find_tool(name: str) -> str:
     """``helm`` or ``kubectl``: the one `make setup` put beside this Python, else the one on PATH."""
     beside = Path(sys.executable).parent / name
-    if beside.is_file():
+    if beside.is_file() and os.access(beside, os.X_OK):
         return str(beside)
     found = shutil.which(name)
     if found is None:

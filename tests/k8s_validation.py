@@ -25,10 +25,7 @@ from __future__ import annotations
 import difflib
 import functools
 import json
-import os
 import re
-import shutil
-import sys
 from collections.abc import Iterable, Iterator
 from decimal import Decimal
 from pathlib import Path
@@ -38,6 +35,9 @@ import jsonschema
 import kubernetes_validate
 import yaml
 from kubernetes_validate.utils import InvalidSchemaError, SchemaNotFoundError, latest_version
+
+from rl.errors import UserError
+from rl.launch import find_tool
 
 CRD_DIR = Path(__file__).resolve().parent / "data" / "crds"
 
@@ -49,10 +49,10 @@ Finding = tuple[FieldPath, str]  # (field path, message)
 
 
 def _tool(name: str) -> str | None:
-    beside = Path(sys.executable).parent / name  # .venv/bin, where `make setup` installs it
-    if beside.is_file() and os.access(beside, os.X_OK):
-        return str(beside)
-    return shutil.which(name)
+    try:
+        return find_tool(name)  # rl launch's own lookup: .venv/bin, where `make setup` installs it, then PATH
+    except UserError:
+        return None
 
 
 def helm_binary() -> str | None:
