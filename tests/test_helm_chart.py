@@ -77,6 +77,16 @@ def overrides(argv: list[str]) -> dict[str, str]:
     return dict(argv[i + 1].split("=", 1) for i, a in enumerate(argv) if a == "--set")
 
 
+def point_kubectl_at_nothing(tmp_path: Path, monkeypatch) -> None:
+    """KUBECONFIG naming a cluster nobody listens on (127.0.0.1:9)."""
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "c",
+        "clusters": [{"name": "c", "cluster": {"server": "https://127.0.0.1:9"}}],
+        "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}], "users": [{"name": "u", "user": {}}]}))
+    monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
+
+
 def test_the_examples_exist_and_lint():
     assert {p.name for p in EXAMPLES} >= {"cpu-demo.yaml", "gpu-cluster.yaml", "local-sandbox.yaml"}
     for values in [None, *EXAMPLES]:
@@ -220,12 +230,7 @@ def test_rl_launch_errors_name_the_problem(tmp_path, capsys, monkeypatch):
     assert "none.yaml: no such file" in capsys.readouterr().err
     assert rl_main(["launch", "--k8s", str(QUICKSTART), "--set", "sandbox.backend=docker", "--dry-run"]) == 2
     assert "/sandbox/backend" in capsys.readouterr().err
-    kubeconfig = tmp_path / "kubeconfig"  # a cluster nobody listens on: the install fails with helm's reason
-    kubeconfig.write_text(yaml.safe_dump({
-        "apiVersion": "v1", "kind": "Config", "current-context": "c",
-        "clusters": [{"name": "c", "cluster": {"server": "https://127.0.0.1:9"}}],
-        "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}], "users": [{"name": "u", "user": {}}]}))
-    monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
+    point_kubectl_at_nothing(tmp_path, monkeypatch)  # the install fails with helm's reason
     assert rl_main(["launch", "--k8s", str(QUICKSTART)]) == 2
     err = capsys.readouterr().err
     assert "helm upgrade --install failed" in err and "127.0.0.1:9" in err
@@ -304,12 +309,7 @@ def test_rl_status_describes_the_rayjob():
 
 
 def test_rl_status_and_logs_name_the_problem_without_a_cluster(tmp_path, capsys, monkeypatch):
-    kubeconfig = tmp_path / "kubeconfig"
-    kubeconfig.write_text(yaml.safe_dump({
-        "apiVersion": "v1", "kind": "Config", "current-context": "c",
-        "clusters": [{"name": "c", "cluster": {"server": "https://127.0.0.1:9"}}],
-        "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}], "users": [{"name": "u", "user": {}}]}))
-    monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
+    point_kubectl_at_nothing(tmp_path, monkeypatch)
     assert rl_main(["status", "quickstart", "-n", "rl"]) == 2
     err = capsys.readouterr().err
     assert "kubectl get rayjob quickstart failed" in err and "kubectl's context" in err
