@@ -14,8 +14,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engines.kv_cache import DecodePass
-
 if TYPE_CHECKING:
     from engines.inference import InferenceEngine
 
@@ -66,21 +64,16 @@ class DecodeGraphs:
         return (e.last.data_ptr(), e.pos.data_ptr(), kv.k.data_ptr(), kv.v.data_ptr(),
                 *(t.data_ptr() for t in e.model.parameters()))
 
-    def _step(self, rows: int, width: int) -> torch.Tensor:
-        e = self.engine
-        pos = e.pos[:rows]
-        return e.model(e.last[:rows, None], pos[:, None], cache=DecodePass(e._cache(), pos, width))[:, -1]
-
     def _capture(self, rows: int, width: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         # warm-up on a side stream, as capture requires; its cache writes are the ones the replay makes
         side = torch.cuda.Stream(self.engine.device)
         side.wait_stream(torch.cuda.current_stream(self.engine.device))
         with torch.cuda.stream(side):
-            self._step(rows, width)
+            self.engine.decode_logits(rows, width)
         torch.cuda.current_stream(self.engine.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            out = self._step(rows, width)
+            out = self.engine.decode_logits(rows, width)
         self.pool = graph.pool()
         self.captures += 1
         return graph, out

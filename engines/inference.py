@@ -289,13 +289,15 @@ class InferenceEngine:
 
     def _decode(self) -> list[int]:
         n = len(self.running)
-        pos = self.pos[:n]
-        if self.graphs is not None:
-            logits = self.graphs.logits(n)
-        else:
-            logits = self.model(self.last[:n, None], pos[:, None], cache=DecodePass(self._cache(), pos))[:, -1]
+        logits = self.graphs.logits(n) if self.graphs is not None else self.decode_logits(n)
         self.pos[:n] += 1
         return self._commit(torch.arange(n, device=self.device), logits)
+
+    def decode_logits(self, rows: int, width: int | None = None) -> torch.Tensor:
+        """Next-token logits [rows, V] of slots 0..rows-1 from their last token, writing its key/value
+        into the cache; ``width`` fixes the attention span (the CUDA graphs' static shapes)."""
+        pos = self.pos[:rows]
+        return self.model(self.last[:rows, None], pos[:, None], cache=DecodePass(self._cache(), pos, width))[:, -1]
 
     def _admit(self) -> list[int]:
         """Prefill waiting requests into free slots (one prefill per distinct sequence) and sample
