@@ -38,7 +38,7 @@ def set_max_logits(model: torch.nn.Module, tau: float = TAU) -> int:
     over = 0
     for m in model.modules():
         if isinstance(m, Attention):
-            h = m.cfg.num_attention_heads
+            h = m.num_heads
             s = torch.full((h,), tau / 2, device=next(m.parameters()).device)
             s[::4] = tau * 1.5
             m.max_logits = s

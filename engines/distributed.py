@@ -9,6 +9,7 @@ SUM, because the RL losses are already weighted by global (all-rank) counts.
 from __future__ import annotations
 
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -17,7 +18,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from engines.model import CausalLM
+if TYPE_CHECKING:  # engines.model imports this module
+    from engines.model import CausalLM
 
 PARAM_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -62,18 +64,24 @@ def is_sharded(model: nn.Module) -> bool:
     return isinstance(model, FSDPModule)
 
 
-def shard_model(model: CausalLM, param_dtype: str = "float32") -> CausalLM:
+def shard_model(model: CausalLM, param_dtype: str = "float32", device: torch.device | str | None = None) -> CausalLM:
     """Shard ``model`` in place over the default group: each decoder layer, then the root.
 
-    Master weights stay float32 and gradients are reduced in float32; ``param_dtype`` "bfloat16"
-    runs forward/backward in bf16. Gradients are summed over ranks, never averaged. The model must
-    already be on this rank's device, with identical weights on every rank.
+    Master weights stay in the model's dtype and gradients are reduced in float32; ``param_dtype``
+    "bfloat16" runs forward/backward in bf16. Gradients are summed over ranks, never averaged. Either
+    the model is on this rank's device with identical weights on every rank, or it is on the meta
+    device: it is then moved to ``device`` with uninitialised local shards, for the caller to load.
     """
     if param_dtype not in PARAM_DTYPES:
         raise ValueError(f"param_dtype must be one of {sorted(PARAM_DTYPES)}, got {param_dtype!r}")
     if not dist.is_initialized():
         raise RuntimeError("shard_model needs an initialised process group (init_distributed)")
     dev = next(model.parameters()).device
+    on_meta = dev.type == "meta"
+    if on_meta:
+        if device is None:
+            raise ValueError("shard_model of a meta-device model needs the device its shards go to")
+        dev = torch.device(device)
     mesh = init_device_mesh(dev.type, (dist.get_world_size(),))
     policy = MixedPrecisionPolicy(param_dtype=PARAM_DTYPES[param_dtype], reduce_dtype=torch.float32)
     for layer in model.model.layers:
@@ -85,6 +93,8 @@ def shard_model(model: CausalLM, param_dtype: str = "float32") -> CausalLM:
             # (gloo has no PREMUL_SUM, which a factor alone would ask for)
             m.set_gradient_divide_factor(1.0)
             m.set_force_sum_reduction_for_comms(True)
+    if on_meta:
+        model.to_empty(device=dev)
     return model
 
 

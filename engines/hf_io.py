@@ -1,39 +1,36 @@
-"""Hugging Face-format model directories: ``config.json`` + ``model.safetensors`` + tokenizer."""
+"""Hugging Face-format model directories: ``config.json`` + safetensors (one file or sharded with an
+index) + tokenizer files.
+
+Loading builds the model on the meta device and then reads, tensor by tensor, only the bytes the
+model's storage holds: a rank of an FSDP2-sharded trainer reads its own rows, never the whole
+checkpoint. Saving writes a checkpoint's own tensor names (one tensor per expert), so
+``transformers.AutoModelForCausalLM.from_pretrained`` loads the result unchanged.
+"""
 
 from __future__ import annotations
 
 import json
+import re
+from collections import defaultdict
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors import safe_open
+from safetensors.torch import save_file
 
-from engines.model import CausalLM, ModelConfig
-from engines.tokenizer import TextTokenizer
+from engines.arch import ModelConfig, UnsupportedModelError
+from engines.distributed import local_rows
+from engines.layout import Placement, hub_state, model_tensors, placements
+from engines.model import CausalLM, build_model
+
+INDEX_FILE = "model.safetensors.index.json"
+#: safetensors dtype names the loader reads (FP8 block-quantised checkpoints are refused by read_config)
+DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
+DEFAULT_SHARD_BYTES = 5 * 2**30
 
 
 class ModelDirError(ValueError):
     """A model directory that cannot be loaded; the message names the file and the problem."""
-
-
-def save_pretrained(model: CausalLM, tokenizer: TextTokenizer | None, directory: str | Path,
-                    state: dict[str, torch.Tensor] | None = None) -> Path:
-    """Write ``model`` (and ``tokenizer``) to ``directory`` in Hugging Face format; ``state`` replaces
-    the model's own state dict (a sharded trainer passes its gathered full tensors)."""
-    d = Path(directory)
-    d.mkdir(parents=True, exist_ok=True)
-    (d / "config.json").write_text(json.dumps(model.config.to_hf_dict(), indent=2))
-    state = {k: v.detach().contiguous() for k, v in (state or model.state_dict()).items()}
-    if model.config.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
-    save_file(state, str(d / "model.safetensors"), metadata={"format": "pt"})
-    cfg = model.config
-    (d / "generation_config.json").write_text(
-        json.dumps({"eos_token_id": cfg.eos_token_id, "pad_token_id": cfg.pad_token_id}, indent=2)
-    )
-    if tokenizer is not None:
-        tokenizer.save(d)
-    return d
 
 
 def read_config(directory: str | Path) -> ModelConfig:
@@ -48,45 +45,146 @@ def read_config(directory: str | Path) -> ModelConfig:
         raw = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise ModelDirError(f"{path} is not valid JSON: {e}") from None
-    arch = raw.get("model_type")
-    if arch not in ("llama", "qwen2", "mistral"):
-        raise ModelDirError(f"{path}: model_type {arch!r} is not supported (llama, qwen2, mistral)")
-    if raw.get("attention_bias") or arch == "qwen2":
-        raise ModelDirError(f"{path}: attention biases (Qwen2) are not supported yet")
     try:
         return ModelConfig.from_hf_dict(raw)
-    except (TypeError, ValueError, KeyError) as e:
+    except UnsupportedModelError as e:
         raise ModelDirError(f"{path}: {e}") from None
+    except (TypeError, ValueError, KeyError, AttributeError) as e:
+        raise ModelDirError(f"{path}: {type(e).__name__}: {e}") from None
 
 
-def load_state(directory: str | Path) -> dict[str, torch.Tensor]:
-    """All tensors of the directory's safetensors files (one file or a sharded index)."""
+def checkpoint_index(directory: str | Path) -> dict[str, tuple[Path, tuple[int, ...], str]]:
+    """Tensor name -> (file, shape, safetensors dtype), from the headers only (no tensor data is read)."""
     d = Path(directory)
-    files = sorted(d.glob("*.safetensors"))
-    if not files:
-        raise ModelDirError(f"model directory {d} has no *.safetensors weights")
-    state: dict[str, torch.Tensor] = {}
+    index = d / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ModelDirError(f"{index} is not a safetensors index ({type(e).__name__}: {e})") from None
+        files = sorted({d / f for f in weight_map.values()})
+        for f in files:
+            if not f.is_file():
+                raise ModelDirError(f"{index} names {f.name}, which is not in {d}")
+    else:
+        files = sorted(d.glob("*.safetensors"))
+        weight_map = {}
+        if not files:
+            raise ModelDirError(f"model directory {d} has no *.safetensors weights")
+    out: dict[str, tuple[Path, tuple[int, ...], str]] = {}
     for f in files:
-        state.update(load_file(str(f)))
-    return state
+        try:
+            with safe_open(str(f), framework="pt") as fh:
+                for name in fh.keys():
+                    if weight_map and weight_map.get(name) != f.name:
+                        continue
+                    s = fh.get_slice(name)
+                    out[name] = (f, tuple(s.get_shape()), s.get_dtype())
+        except (OSError, ValueError, RuntimeError) as e:
+            raise ModelDirError(f"{f}: not a readable safetensors file ({e})") from None
+    missing = sorted(set(weight_map) - set(out))
+    if missing:
+        raise ModelDirError(f"{index} maps {missing[:3]} to files that do not hold them")
+    return out
 
 
-def load_pretrained(directory: str | Path, dtype: torch.dtype = torch.float32) -> CausalLM:
-    """Build a ``CausalLM`` from a Hugging Face directory; names and shapes must match exactly."""
-    cfg = read_config(directory)
-    model = CausalLM(cfg)
-    state = load_state(directory)
-    if cfg.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
-        state["lm_head.weight"] = state["model.embed_tokens.weight"]
-    expected = model.state_dict()
-    missing = sorted(set(expected) - set(state))
-    unexpected = sorted(set(state) - set(expected))
-    if missing or unexpected:
-        raise ModelDirError(f"{directory}: missing tensors {missing[:5]}, unexpected tensors {unexpected[:5]}")
-    for name, t in state.items():
-        if t.shape != expected[name].shape:
-            raise ModelDirError(f"{directory}: {name} has shape {tuple(t.shape)}, config implies "
-                                f"{tuple(expected[name].shape)}")
-    model.load_state_dict(state)
-    return model.to(dtype)
+def _ignorable(name: str, cfg: ModelConfig) -> bool:
+    """Checkpoint tensors the model does not use: precomputed RoPE tables, a tied output head,
+    DeepSeek's multi-token-prediction layers (beyond num_hidden_layers)."""
+    if name.endswith("rotary_emb.inv_freq") or (cfg.tie_word_embeddings and name == "lm_head.weight"):
+        return True
+    m = re.match(r"model\.layers\.(\d+)\.", name)
+    return bool(m and cfg.is_mla and int(m.group(1)) >= cfg.num_hidden_layers)
+
+
+def load_weights(model: CausalLM, directory: str | Path) -> None:
+    """Fill ``model``'s tensors (plain or FSDP2 shards) from the checkpoint in ``directory``, reading
+    only the rows this process holds; every tensor's name and shape is checked against the config."""
+    index = checkpoint_index(directory)
+    place = placements(model)
+    missing = [n for n in place if n not in index]
+    if missing:
+        raise ModelDirError(f"{directory}: missing tensors {missing[:5]} ({len(missing)} in all) that the "
+                            f"config.json implies")
+    unexpected = [n for n in index if n not in place and not _ignorable(n, model.config)]
+    if unexpected:
+        raise ModelDirError(f"{directory}: unexpected tensors {unexpected[:5]} ({len(unexpected)} in all) that "
+                            f"the config.json does not imply")
+    for name, p in place.items():
+        f, shape, dtype = index[name]
+        if shape != p.shape:
+            raise ModelDirError(f"{f}: tensor {name} has shape {shape}, the config implies {p.shape}")
+        if dtype not in DTYPES:
+            raise ModelDirError(f"{f}: tensor {name} has dtype {dtype}; readable: {', '.join(DTYPES)}")
+    by_file: dict[Path, list[str]] = defaultdict(list)
+    for name in place:
+        by_file[index[name][0]].append(name)
+    targets = model_tensors(model)
+    with torch.no_grad():
+        for f, names in by_file.items():
+            with safe_open(str(f), framework="pt") as fh:
+                for name in names:
+                    _read_into(fh, name, place[name], targets[place[name].target])
+
+
+def _read_into(fh, name: str, p: Placement, target: torch.Tensor) -> None:
+    """Copy the part of checkpoint tensor ``name`` that this rank's piece of ``target`` holds."""
+    local, first_row = local_rows(target)
+    row = target.numel() // target.shape[0] if target.ndim else 1
+    lo, hi = first_row * row, first_row * row + local.numel()
+    a, b = max(lo, p.offset), min(hi, p.offset + p.numel)
+    if a >= b:
+        return
+    hub_row = p.numel // p.shape[0] if p.shape else p.numel
+    s, e = a - p.offset, b - p.offset
+    if s % hub_row == 0 and e % hub_row == 0 and p.shape:
+        data = fh.get_slice(name)[s // hub_row:e // hub_row].reshape(-1)  # only these rows are read
+    else:
+        data = fh.get_tensor(name).reshape(-1)[s:e]
+    local.view(-1)[a - lo:b - lo].copy_(data)
+
+
+def load_pretrained(directory: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                    fused: bool = False) -> CausalLM:
+    """Build a ``CausalLM`` from a Hugging Face directory on ``device``; names and shapes must match."""
+    model = build_model(read_config(directory), device=device, dtype=dtype, fused=fused)
+    load_weights(model, directory)
+    return model
+
+
+def save_pretrained(model: CausalLM, tokenizer, directory: str | Path, state: dict[str, torch.Tensor] | None = None,
+                    max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
+    """Write ``model`` (and ``tokenizer``) to ``directory`` in Hugging Face format, in files of at most
+    ``max_shard_bytes`` (more than one: with an index). ``state`` replaces the model's own tensors (a
+    sharded trainer passes its gathered full tensors, by the model's names)."""
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    for old in [*d.glob("*.safetensors"), d / INDEX_FILE]:
+        old.unlink(missing_ok=True)  # a previous save's shards must not mix with this one's
+    hub = hub_state(model, state)
+    dtype = hub["model.embed_tokens.weight"].dtype
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name, t in hub.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    files = ["model.safetensors"] if len(shards) == 1 else \
+        [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    for fname, names in zip(files, shards, strict=True):
+        # clones: views of one stacked tensor share storage, which safetensors refuses to write
+        save_file({n: hub[n].cpu().clone() for n in names}, str(d / fname), metadata={"format": "pt"})
+    if len(files) > 1:
+        total = sum(t.numel() * t.element_size() for t in hub.values())
+        weight_map = {n: f for f, names in zip(files, shards, strict=True) for n in names}
+        (d / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    cfg = model.config
+    (d / "config.json").write_text(json.dumps(cfg.to_hf_dict(dtype), indent=2))
+    gen = {"bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id, "pad_token_id": cfg.pad_token_id}
+    (d / "generation_config.json").write_text(json.dumps({k: v for k, v in gen.items() if v is not None}, indent=2))
+    if tokenizer is not None:
+        tokenizer.save(d)
+    return d

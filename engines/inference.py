@@ -21,6 +21,7 @@ import torch
 
 from engines.cuda_graphs import DecodeGraphs
 from engines.kv_cache import DecodePass, PrefillPass, SlotKVCache, bytes_per_slot
+from engines.layout import hub_state, model_tensors
 from engines.model import CausalLM, padded_causal_mask, positions_from_valid
 from engines.sampling import (
     InvalidRequestError,
@@ -73,14 +74,15 @@ class InferenceEngine:
     ``detokenize`` turns token ids into text; it is needed only for stop strings.
     """
 
-    def __init__(self, model: CausalLM, eos_id: int | None, pad_id: int | None = None, *,
+    def __init__(self, model: CausalLM, eos_id: int | Sequence[int] | None, pad_id: int | None = None, *,
                  max_seq_len: int | None = None, kv_cache_bytes: int = 512 * 2**20, max_num_seqs: int = 512,
                  max_prefill_tokens: int = 8192, seed: int = 0,
                  detokenize: Callable[[list[int]], str] | None = None, cuda_graphs: bool = True) -> None:
         self.model = model.eval().requires_grad_(False)
         cfg = model.config
-        self.eos_id = -1 if eos_id is None else eos_id
-        self.pad_id = pad_id if pad_id is not None else max(self.eos_id, 0)
+        # a model may end a turn with any of several tokens (Llama 3: <|eot_id|> and <|end_of_text|>)
+        self.eos_ids = [] if eos_id is None else [int(eos_id)] if isinstance(eos_id, int) else [int(e) for e in eos_id]
+        self.pad_id = pad_id if pad_id is not None else (self.eos_ids[0] if self.eos_ids else 0)
         self.max_seq_len = max_seq_len or cfg.max_position_embeddings
         if self.max_seq_len > cfg.max_position_embeddings:
             raise ValueError(f"max_seq_len {self.max_seq_len} exceeds the model's context "
@@ -208,8 +210,8 @@ class InferenceEngine:
     # --- colocation -----------------------------------------------------------------------
 
     def named_tensors(self) -> dict[str, torch.Tensor]:
-        """The tensors the checkpoint engine writes into, by Hugging Face name."""
-        return dict(self.model.state_dict(keep_vars=True))
+        """The tensors the checkpoint engine writes into, by the model's names (each storage once)."""
+        return model_tensors(self.model)
 
     def sleep(self, level: int = 1) -> None:
         """Free the KV cache (level 1; on an accelerator the weights also move to host memory)
@@ -254,12 +256,13 @@ class InferenceEngine:
         self._weights_loaded = True
 
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy tensors into the engine's weights by name (e.g. from a safetensors file)."""
-        mine = self.named_tensors()
+        """Copy tensors into the engine's weights by their checkpoint names (e.g. from a safetensors
+        file), whatever the engine's own layout."""
+        mine = hub_state(self.model)
         for name, t in tensors:
             if name not in mine or mine[name].shape != t.shape:
                 raise ValueError(f"no weight {name} of shape {tuple(t.shape)} in the inference engine")
-            mine[name].data.copy_(t)
+            mine[name].copy_(t)
         self._weights_loaded = True
 
     # --- internals ------------------------------------------------------------------------
@@ -276,6 +279,7 @@ class InferenceEngine:
         self.pos, self.last, self.gen, self.max_gen = (torch.zeros(s, **z) for _ in range(4))
         self.stop_ids = torch.full((s, MAX_STOP_IDS), -1, **z)
         self.eos_stop = torch.zeros(s, dtype=torch.bool, device=dev)
+        self._eos = torch.tensor(self.eos_ids, **z)
         self.has_stop_str = torch.zeros(s, dtype=torch.bool, device=dev)
         self.rows = RowParams(torch.zeros(s, device=dev), torch.zeros(s, **z), torch.ones(s, device=dev),
                               torch.zeros(s, **z))
@@ -330,9 +334,10 @@ class InferenceEngine:
                 valid[i, : len(s)] = True
             ids, valid = ids.to(self.device), valid.to(self.device)
             mask = padded_causal_mask(valid)
-            capture = PrefillPass(mask)
+            positions = positions_from_valid(valid)
+            capture = PrefillPass(mask, positions)
             lengths = valid.sum(-1)
-            logits = self.model(ids, positions_from_valid(valid), mask, cache=capture, select=lengths - 1)
+            logits = self.model(ids, positions, mask, cache=capture, select=lengths - 1)
             src = [i for i, s in enumerate(chunk) for _ in groups[s]]
             dst = torch.tensor([slot for s in chunk for slot in groups[s]], device=self.device)
             src_t = torch.tensor(src, device=self.device)
@@ -369,7 +374,7 @@ class InferenceEngine:
         self.out_logprobs[slots, gen] = lp.float()
         self.last[slots] = tok
         self.gen[slots] = gen + 1
-        done = ((tok == self.eos_id) & self.eos_stop[slots]) | (self.stop_ids[slots] == tok[:, None]).any(1)
+        done = (torch.isin(tok, self._eos) & self.eos_stop[slots]) | (self.stop_ids[slots] == tok[:, None]).any(1)
         done |= gen + 1 >= self.max_gen[slots]
         if self._n_constrained:
             done |= advance_matchers(self._matchers(slots), tok)
@@ -395,7 +400,7 @@ class InferenceEngine:
     def _stop_reason(self, r: _Request, slot: int) -> int | str | None:
         """What stopped a finished request: a stop token id (EOS included), a stop string, or None."""
         tok = int(self.out_tokens[slot, int(self.gen[slot]) - 1])
-        if tok in r.params.stop_token_ids or (tok == self.eos_id and not r.params.ignore_eos):
+        if tok in r.params.stop_token_ids or (tok in self.eos_ids and not r.params.ignore_eos):
             return tok
         if r.matcher is not None and r.matcher.is_terminated():
             return tok  # the grammar's stop token ended it (even with ignore_eos)

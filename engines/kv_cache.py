@@ -9,24 +9,39 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engines.model import ModelConfig
+from engines.arch import ModelConfig
+from engines.attention import window_mask
+
+
+def cache_dims(cfg: ModelConfig) -> tuple[int, int, int]:
+    """(heads, key dim, value dim) cached per token and layer. MLA caches its keys and values
+    expanded per head (qk = nope + rope dims; the compressed-latent cache is not built yet)."""
+    if cfg.is_mla:
+        return cfg.num_attention_heads, cfg.qk_head_dim, cfg.v_head_dim
+    return cfg.num_key_value_heads, cfg.head_dim, cfg.head_dim
+
+
+def bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
+    """KV-cache bytes of one token (all layers)."""
+    heads, dk, dv = cache_dims(cfg)
+    return cfg.num_hidden_layers * heads * (dk + dv) * dtype.itemsize
 
 
 def bytes_per_slot(cfg: ModelConfig, max_seq_len: int, dtype: torch.dtype) -> int:
     """KV-cache bytes of one sequence of ``max_seq_len`` tokens."""
-    elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * max_seq_len * elem
+    return bytes_per_token(cfg, dtype) * max_seq_len
 
 
 class SlotKVCache:
-    """Keys and values [layers, slots, kv_heads, max_seq_len, head_dim]."""
+    """Keys [layers, slots, heads, max_seq_len, key dim] and values [..., value dim]."""
 
     def __init__(self, cfg: ModelConfig, slots: int, max_seq_len: int, dtype: torch.dtype,
                  device: torch.device | str | None = None) -> None:
-        shape = (cfg.num_hidden_layers, slots, cfg.num_key_value_heads, max_seq_len, cfg.head_dim)
+        heads, dk, dv = cache_dims(cfg)
+        shape = (cfg.num_hidden_layers, slots, heads, max_seq_len)
         # zeros, not empty: masked positions get probability 0, and 0 * NaN garbage would be NaN
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.k = torch.zeros((*shape, dk), dtype=dtype, device=device)
+        self.v = torch.zeros((*shape, dv), dtype=dtype, device=device)
 
     def store_prefill(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Copy prefill keys/values k, v [len(slots), kv_heads, T, head_dim] into ``slots``."""
@@ -43,15 +58,18 @@ class SlotKVCache:
 class PrefillPass:
     """Attention for a right-padded prefill batch; keeps each layer's keys/values for the slots."""
 
-    def __init__(self, mask: torch.Tensor) -> None:
-        self.mask = mask
+    def __init__(self, mask: torch.Tensor, positions: torch.Tensor) -> None:
+        self.masks, self.positions = {None: mask}, positions
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+               window: int | None) -> torch.Tensor:
         self.k.append(k)
         self.v.append(v)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask, enable_gqa=True)
+        if window not in self.masks:
+            self.masks[window] = window_mask(self.masks[None], self.positions, window)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=self.masks[window], scale=scale, enable_gqa=True)
 
 
 class DecodePass:
@@ -68,20 +86,24 @@ class DecodePass:
         self.cache, self.n = cache, n
         # a given width (≥ every position + 1) keeps shapes static for a captured CUDA graph
         self.width = int(positions.max()) + 1 if width is None else width
-        cols = torch.arange(self.width, device=positions.device)
-        self.hidden = (cols[None] > positions[:, None])[:, None, None, :]  # [n, 1, 1, W]
+        self.positions, self.cols = positions, torch.arange(self.width, device=positions.device)
+        self.hidden = {None: (self.cols[None] > positions[:, None])[:, None, None, :]}  # [n, 1, 1, W]
         kv_heads, max_len = cache.k.shape[2], cache.k.shape[3]
         rows = torch.arange(n * kv_heads, device=positions.device)
         # (slot, head, pos) in [S*KVH*L]; expand, not repeat_interleave, which may sync with the host
         self.flat = rows * max_len + positions[:, None].expand(n, kv_heads).reshape(-1)
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+               window: int | None) -> torch.Tensor:
         n, w = self.n, self.width
-        heads, kv_heads, dim = q.shape[1], k.shape[1], q.shape[3]
-        self.cache.k[layer].view(-1, dim).index_copy_(0, self.flat, k.reshape(-1, dim))
-        self.cache.v[layer].view(-1, dim).index_copy_(0, self.flat, v.reshape(-1, dim))
+        heads, kv_heads, dk, dv = q.shape[1], k.shape[1], k.shape[3], v.shape[3]
+        self.cache.k[layer].view(-1, dk).index_copy_(0, self.flat, k.reshape(-1, dk))
+        self.cache.v[layer].view(-1, dv).index_copy_(0, self.flat, v.reshape(-1, dv))
         kc, vc = self.cache.k[layer, :n], self.cache.v[layer, :n]
-        qg = q.reshape(n, kv_heads, heads // kv_heads, dim) * dim**-0.5  # query heads sharing a key head
+        qg = q.reshape(n, kv_heads, heads // kv_heads, dk) * scale  # query heads sharing a key head
         scores = torch.matmul(qg, kc[:, :, :w].transpose(-1, -2))
-        probs = torch.softmax(scores.masked_fill(self.hidden, float("-inf")), dim=-1)
-        return torch.matmul(probs, vc[:, :, :w]).reshape(n, heads, 1, dim)
+        if window not in self.hidden:  # also hide keys that slid out of the window
+            old = self.cols[None] <= self.positions[:, None] - window
+            self.hidden[window] = self.hidden[None] | old[:, None, None, :]
+        probs = torch.softmax(scores.masked_fill(self.hidden[window], float("-inf")), dim=-1)
+        return torch.matmul(probs, vc[:, :, :w]).reshape(n, heads, 1, dv)
