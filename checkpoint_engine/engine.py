@@ -87,8 +87,9 @@ class CheckpointEngine:
                reloader: Reloader | None = None, offsets: Mapping[str, int] | None = None) -> None:
         """Broadcast every bucket of ``plan`` to all workers; ``tensors`` are this worker's own.
 
-        ``offsets`` gives, for a tensor this worker holds only a shard of, the byte offset of that
-        shard inside the full tensor (the plan's pieces address full tensors).
+        ``offsets`` gives, for a tensor this worker holds only a part of, the element offset of that
+        part inside the full tensor (the plan's pieces address full tensors). A tensor whose dtype
+        differs from the plan's is cast while it is staged (fp32 master weights to a bf16 replica).
 
         ``reloader`` is the local inference engine to load the buckets into; None when this
         worker's replica needs nothing (another worker's restarted replica is catching up).
@@ -122,7 +123,7 @@ class CheckpointEngine:
                 if owner == self.rank:
                     src = dst if self.h2d is None else self.h2d[: used + TRAILER]
                     try:
-                        self._stage(pieces, tensors, offsets, src, used, version, k)
+                        self._stage(plan, pieces, tensors, offsets, src, used, version, k)
                     except Exception as e:
                         stage_failure = e
                         write_trailer(src, used, version, ABORT)
@@ -153,7 +154,8 @@ class CheckpointEngine:
             k, e = load_failure
             raise UpdateError(f"worker {self.rank}: its inference engine failed to load bucket {k}: {e}") from e
 
-    def _stage(self, pieces, tensors, offsets, into: torch.Tensor, used: int, version: int, bucket: int) -> None:
+    def _stage(self, plan: BucketPlan, pieces, tensors, offsets, into: torch.Tensor, used: int, version: int,
+               bucket: int) -> None:
         """Stage 1: the synchronous copy of this worker's bucket into its H2D (on CPU: IPC) buffer.
 
         On GPU the source is the offloaded (pinned host) parameter, so each piece is one H2D copy.
@@ -161,8 +163,13 @@ class CheckpointEngine:
         for p in pieces:
             if p.name not in tensors:
                 raise KeyError(f"worker {self.rank} holds no tensor {p.name}")
-            start = p.start - offsets.get(p.name, 0)
-            into[p.offset : p.offset + p.length].copy_(as_bytes(tensors[p.name])[start : start + p.length])
+            src, wire = tensors[p.name], getattr(torch, plan.tensors[p.name].dtype)  # spec_of's names
+            first = (p.start // wire.itemsize) - offsets.get(p.name, 0)
+            dst = into[p.offset : p.offset + p.length]
+            if src.dtype == wire:
+                dst.copy_(as_bytes(src)[first * wire.itemsize : first * wire.itemsize + p.length])
+            else:  # one cast per piece, as the tensor itself would be cast (round to nearest even)
+                dst.view(wire).copy_(src.reshape(-1)[first : first + p.length // wire.itemsize])
         write_trailer(into, used, version, bucket)
 
     def close(self) -> None:

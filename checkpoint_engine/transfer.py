@@ -12,7 +12,7 @@ the previous weights instead of a half-updated model.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -32,6 +32,10 @@ class CorruptUpdateError(RuntimeError):
 #: load_hook(piece) -> [(dst, lo, hi)]: bytes [lo, hi) of the piece go to byte ``dst`` of its tensor.
 LoadHook = Callable[[Piece], list[tuple[int, int, int]]]
 
+#: plan tensor name -> (engine tensor, byte offset): where an engine whose layout differs from the
+#: sender's (fused q/k/v, stacked experts) keeps each tensor of the plan, as one contiguous run of bytes.
+Placements = Mapping[str, tuple[str, int]]
+
 #: How a receiver keeps the previous weights until an update is complete.
 #: "swap": load into a second host copy and swap at commit (no extra copy; CPU engines);
 #: "journal": save the bytes about to be overwritten in host memory (device engines);
@@ -49,15 +53,36 @@ def map_ipc(handle) -> tuple[torch.Tensor, object]:
     return t, t
 
 
-def check_plan(targets: dict[str, torch.Tensor], plan: BucketPlan) -> None:
-    """An unsharded engine must hold exactly the plan's tensors, with the same shapes and dtypes."""
+def check_plan(targets: dict[str, torch.Tensor], plan: BucketPlan, placements: Placements | None = None) -> None:
+    """An unsharded engine must hold exactly the plan's tensors, with the same dtypes and shapes (or,
+    through ``placements``, as runs of bytes that tile each of its tensors exactly once)."""
+    placements = placements or {}
+    runs: dict[str, list[tuple[int, int, str]]] = {}
     for name, spec in plan.tensors.items():
-        if name not in targets:
-            raise PlanMismatchError(f"inference engine has no tensor {name}")
-        have = spec_of(name, targets[name])
-        if have != spec:
+        target, offset = placements.get(name, (name, 0))
+        if target not in targets:
+            raise PlanMismatchError(f"inference engine has no tensor {target}" + (f" (for {name})" if target != name
+                                                                                  else ""))
+        t = targets[target]
+        have = spec_of(name, t)
+        if target == name and have != spec:
             raise PlanMismatchError(f"{name}: sender has {spec}, inference engine has {have}")
-    missing = sorted(set(targets) - set(plan.tensors))
+        if have.dtype != spec.dtype or offset + spec.nbytes > have.nbytes:
+            raise PlanMismatchError(f"{name}: sender has {spec}, inference engine holds it at byte {offset} of "
+                                    f"{target} {have}")
+        runs.setdefault(target, []).append((offset, offset + spec.nbytes, name))
+    for target, rs in runs.items():
+        rs.sort()
+        end = 0
+        for lo, hi, name in rs:
+            if lo != end:
+                raise PlanMismatchError(f"{target}: bytes {end}..{lo} are not covered by the update" if lo > end else
+                                        f"{target}: {name} overlaps another tensor of the update")
+            end = hi
+        if end != targets[target].numel() * targets[target].element_size():
+            raise PlanMismatchError(f"{target}: the update covers {end} of its "
+                                    f"{targets[target].numel() * targets[target].element_size()} bytes")
+    missing = sorted(set(targets) - set(runs))
     if missing:
         raise PlanMismatchError(f"update does not cover inference tensors {missing[:5]}")
 
@@ -70,15 +95,18 @@ class WeightReceiver:
     """Loads buckets from the IPC buffers into the inference engine's tensors.
 
     ``load_hook`` maps a piece to byte ranges of the engine's own (possibly sharded) tensor; None
-    means the engine holds every tensor whole. ``on_commit`` receives the tensors to serve with
-    after a complete update (in "swap" mode they are new objects the engine must rebind to).
+    means the engine holds every tensor whole. ``placements`` says where a plan tensor lives in an
+    engine with another layout. ``on_commit`` receives the tensors to serve with after a complete
+    update (in "swap" mode they are new objects the engine must rebind to).
     """
 
     def __init__(self, plan: BucketPlan, handles: list, tensors: dict[str, torch.Tensor],
                  load_hook: LoadHook | None = None, rollback: str | None = None,
-                 on_commit: Callable[[dict[str, torch.Tensor]], None] | None = None) -> None:
+                 on_commit: Callable[[dict[str, torch.Tensor]], None] | None = None,
+                 placements: Placements | None = None) -> None:
+        self.placements = dict(placements or {})
         if load_hook is None:
-            check_plan(tensors, plan)
+            check_plan(tensors, plan, self.placements)
         if rollback is None:
             rollback = "journal" if any(t.is_cuda for t in tensors.values()) else "swap"
         if rollback not in ROLLBACK_MODES:
@@ -130,13 +158,14 @@ class WeightReceiver:
         dest = self._dest
         for p in self.plan.buckets[bucket]:
             piece = src[p.offset : p.offset + p.length]
-            raw = dest[p.name]
+            target, base = self.placements.get(p.name, (p.name, 0))
+            raw = dest[target]
             for at, lo, hi in self.load_hook(p):
-                dst = raw[at : at + hi - lo]
+                dst = raw[base + at : base + at + hi - lo]
                 if self.rollback_mode == "journal":
                     self._save(dst)
                 dst.copy_(piece[lo:hi])
-                self._written[p.name] = self._written.get(p.name, 0) + hi - lo
+                self._written[target] = self._written.get(target, 0) + hi - lo
         if src.is_cuda:  # the sender overwrites this buffer once we return: our copies must be done
             torch.cuda.current_stream(src.device).synchronize()
         self.loads += 1

@@ -110,6 +110,9 @@ class RolloutConfig(Strict):
                                                 "sooner); its task type's max_tokens is per turn")
     max_batch: int = Field(512, ge=1, description="most sequences decoded together (KV-cache slots)")
     kv_cache_mb: int = Field(512, ge=1, description="KV-cache memory budget of each inference engine")
+    dtype: Literal["float32", "bfloat16"] | None = Field(
+        None, description="weights of the inference engines; None = model.dtype (the trainer's master weights "
+                          "are cast per bucket when they differ)")
     sleep_level: Literal[0, 1, 2] = Field(
         1, description="while training: 1 frees the KV cache, 2 also the inference weights, 0 keeps both")
 
@@ -255,6 +258,11 @@ class Config(Strict):
             raise ValueError("warmstart.architecture: hidden_size must divide by num_attention_heads, "
                              "and num_attention_heads by num_key_value_heads")
         return self
+
+    @property
+    def rollout_dtype(self) -> str:
+        """The inference engines' weight dtype."""
+        return self.rollout.dtype or self.model.dtype
 
     @property
     def env_entries(self) -> list[EnvConfig]:

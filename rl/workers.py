@@ -18,14 +18,16 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_map_only
 
-from checkpoint_engine.buckets import plan_buckets, spec_of
 from checkpoint_engine.engine import CheckpointEngine
+from checkpoint_engine.model_plan import local_parts, plan_model_update, plan_sources, receiver_placements
 from checkpoint_engine.transfer import WeightReceiver
 from checkpoint_engine.update import RayReloader, free_port
 from engines import distributed
-from engines.hf_io import load_pretrained, save_pretrained
+from engines.hf_io import load_pretrained, load_weights, read_config, save_pretrained
 from engines.inference import Completion, InferenceEngine, SamplingParams
-from engines.model import track_max_logits
+from engines.layout import hub_state
+from engines.model import build_model, track_max_logits
+from engines.tokenizer import TextTokenizer
 from engines.training import TrainingEngine
 from rl.algorithm import PtxBatch, Sample, rl_update
 from rl.config import Config
@@ -61,29 +63,29 @@ class TrainerWorker:
         return f"tcp://{ip}:{free_port()}"
 
     def setup(self, model_dir: str, rank: int, world: int, init_method: str, shm_prefix: str) -> None:
-        """Join the group, load and shard the model, build the optimizers and the checkpoint engine."""
+        """Join the group, build the model on the meta device, shard it and read this rank's rows of the
+        checkpoint, build the optimizers and the checkpoint engine."""
         cfg, o = self.cfg, self.cfg.optimizer
         self.rank, self.world = rank, world
         device = "cuda" if torch.cuda.is_available() else "cpu"
         distributed.init_distributed(rank, world, init_method, device=device)
-        # the trainer keeps its weights in model.dtype: the inference engines take those bytes as they are
-        model = load_pretrained(model_dir, getattr(torch, cfg.model.dtype))
-        if device == "cuda":
-            model = model.to(device)
-        if world > 1 or cfg.trainer.param_dtype != cfg.model.dtype:
-            model = distributed.shard_model(model, param_dtype=cfg.trainer.param_dtype)
+        arch = read_config(model_dir)
+        shard = world > 1 or cfg.trainer.param_dtype != cfg.model.dtype
+        # the trainer keeps its master weights in model.dtype; replicas get rollout.dtype (cast per bucket)
+        model = build_model(arch, device="meta" if shard else device, dtype=getattr(torch, cfg.model.dtype))
+        if shard:
+            model = distributed.shard_model(model, param_dtype=cfg.trainer.param_dtype, device=device)
+        load_weights(model, model_dir)
         track_max_logits(model, True)
         opts = build_optimizers(model, o.kind, o.lr, o.weight_decay, o.momentum)
-        self.engine = TrainingEngine(model, opts, model.config.pad_token_id, o.max_grad_norm)
-        bucket = cfg.checkpoint_engine.bucket_bytes
-        # every rank must plan the same buckets: share who holds which bytes of every tensor
-        mine = {n: (off, off + t.numel() * t.element_size()) for n, (t, off) in distributed.local_shards(model).items()}
-        everyone: list = [None] * world
-        dist.all_gather_object(everyone, mine)
-        owners = {n: [(r, *everyone[r][n]) for r in range(world)] for n in mine}
-        specs = [spec_of(n, t) for n, t in model.state_dict().items()]  # DTensors report their full shape
-        self.plan = plan_buckets(specs, bucket, owners)
-        self.ckpt = CheckpointEngine(rank, world, init_method, bucket, shm_prefix, device=device)
+        # any id will do for padding: padded positions are masked out of attention and of the loss
+        pad = arch.pad_token_id if arch.pad_token_id is not None else 0
+        self.engine = TrainingEngine(model, opts, pad, o.max_grad_norm)
+        replica = build_model(arch, device="meta", dtype=getattr(torch, cfg.rollout_dtype), fused=True)
+        self.plan = plan_model_update(model, local_parts(distributed.local_shards(model)),
+                                      cfg.checkpoint_engine.bucket_bytes, replica)
+        self.ckpt = CheckpointEngine(rank, world, init_method, cfg.checkpoint_engine.bucket_bytes, shm_prefix,
+                                     device=device)
 
     def weight_plan(self):
         """The bucket plan and the IPC buffer handles the inference engines map."""
@@ -98,8 +100,8 @@ class TrainerWorker:
 
         While offloaded the shards are read from host memory: stage 1 is then the H2D copy."""
         shards = self.engine.host_shards() if self.engine.offloaded else distributed.local_shards(self.engine.model)
-        self.ckpt.update(self.plan, {n: t for n, (t, _) in shards.items()}, version, self.reloader,
-                         offsets={n: off for n, (_, off) in shards.items()})
+        tensors, offsets = plan_sources(self.engine.model, local_parts(shards))
+        self.ckpt.update(self.plan, tensors, version, self.reloader, offsets=offsets)
 
     def train(self, samples: list[Sample], ptx: list[PtxBatch], seed: int) -> Iterator[dict[str, float]]:
         """Run the K1.5 (+ PTX) update on a rollout batch; yields metrics after each optimizer step."""
@@ -162,9 +164,10 @@ class TrainerWorker:
             self.engine.load_state_dict(state)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """Full weights (collective when sharded)."""
+        """Full weights under the checkpoint's names (collective when sharded)."""
         with self._onloaded():
-            return {k: v.detach().clone() for k, v in distributed.full_state_dict(self.engine.model).items()}
+            full = distributed.full_state_dict(self.engine.model)
+            return {k: v.clone() for k, v in hub_state(self.engine.model, full).items()}
 
     def close(self) -> None:
         self.ckpt.close()
@@ -175,11 +178,11 @@ class RolloutWorker:
 
     def __init__(self, model_dir: str, cfg: Config, threads: int) -> None:
         _set_threads(threads)
-        model = load_pretrained(model_dir, getattr(torch, cfg.model.dtype))
-        if torch.cuda.is_available():  # the GPU Ray gave this worker's bundle, shared with its trainer
-            model = model.cuda()
-        c, r = model.config, cfg.rollout
-        self.engine = InferenceEngine(model, c.eos_token_id, c.pad_token_id, max_num_seqs=r.max_batch,
+        # on the GPU Ray gave this worker's bundle (shared with its trainer), in the fused inference layout
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        model = load_pretrained(model_dir, getattr(torch, cfg.rollout_dtype), device=device, fused=True)
+        r, tok = cfg.rollout, TextTokenizer.load(model_dir)  # the same stop ids as the controller's
+        self.engine = InferenceEngine(model, tok.eos_ids, tok.pad_id, max_num_seqs=r.max_batch,
                                       kv_cache_bytes=r.kv_cache_mb << 20)
         self.receiver: WeightReceiver | None = None
         self._ipc: tuple | None = None
@@ -187,7 +190,8 @@ class RolloutWorker:
     def attach(self, plan, handles: list) -> None:
         """Map the checkpoint engine's IPC buffers; checks the plan against this engine's tensors."""
         self._ipc = (plan, handles)
-        self.receiver = WeightReceiver(plan, handles, self.engine.named_tensors(), on_commit=self._rebind)
+        self.receiver = WeightReceiver(plan, handles, self.engine.named_tensors(), on_commit=self._rebind,
+                                       placements=receiver_placements(self.engine.model))
 
     def sleep(self, level: int) -> None:
         """Free the KV cache (1) and the weights (2) while the trainer uses the device."""
@@ -236,7 +240,8 @@ class RolloutWorker:
         return generate_with_budget(self.engine, requests, partials, token_budget)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        return {k: v.detach().clone() for k, v in self.engine.named_tensors().items()}
+        """The engine's weights under the checkpoint's names."""
+        return {k: v.clone() for k, v in hub_state(self.engine.model).items()}
 
 
 def default_threads(cfg: Config) -> int:
