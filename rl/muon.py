@@ -115,18 +115,28 @@ def assign_owners(costs: Sequence[float], world: int) -> list[int]:
 
 
 class ShardedMuon(torch.optim.Muon):
-    """``torch.optim.Muon`` for plain and FSDP2-sharded 2-D parameters; same arguments and state.
+    """``torch.optim.Muon`` for plain and FSDP2-sharded 2-D parameters, and for stacked 3-D ones
+    [batch, n, m] (MoE experts) whose every matrix is orthogonalised on its own; same arguments and state.
 
-    For plain tensors (or a one-rank mesh) each step equals ``torch.optim.Muon``'s. For ``Shard(0)``
-    DTensors every rank must step the same parameters (collectives run on the parameters' mesh).
+    For plain tensors (or a one-rank mesh) each step equals ``torch.optim.Muon``'s on each matrix. For
+    ``Shard(0)`` DTensors every rank must step the same parameters (collectives run on the parameters'
+    mesh); a sharded 3-D tensor holds whole matrices on each rank, so it needs no communication.
     """
 
     def __init__(self, params, lr: float = 1e-3, weight_decay: float = 0.1, momentum: float = 0.95,
                  nesterov: bool = True, ns_coefficients: tuple[float, float, float] = (3.4445, -4.7750, 2.0315),
                  eps: float = 1e-7, ns_steps: int = 5, adjust_lr_fn: str | None = None,
                  max_batch_bytes: int | None = None) -> None:
-        super().__init__(params, lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
-                         ns_coefficients=ns_coefficients, eps=eps, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn)
+        # torch.optim.Muon refuses 3-D parameters: let it check the arguments on a 2-D stand-in, then
+        # take its defaults for the real parameters
+        probe = torch.optim.Muon([torch.empty(1, 1)], lr=lr, weight_decay=weight_decay, momentum=momentum,
+                                 nesterov=nesterov, ns_coefficients=ns_coefficients, eps=eps, ns_steps=ns_steps,
+                                 adjust_lr_fn=adjust_lr_fn)
+        torch.optim.Optimizer.__init__(self, params, probe.defaults)
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.ndim not in (2, 3):
+                    raise ValueError(f"Muon takes matrices or stacks of matrices, got a parameter of size {p.size()}")
         # kept out of the param groups so the state dict stays interchangeable with torch.optim.Muon's;
         # None picks a size per device type (MAX_BATCH_BYTES)
         self.max_batch_bytes = max_batch_bytes
@@ -151,43 +161,53 @@ class ShardedMuon(torch.optim.Muon):
         lr = float(group["lr"])
         momentum, nesterov = group["momentum"], group["nesterov"]
         for g in grads:
-            if g.ndim != 2:
-                raise ValueError("Param gradient must be a 2D matrix")
+            if g.ndim not in (2, 3):
+                raise ValueError("Param gradient must be a 2D matrix or a 3D stack of matrices")
         p_loc, g_loc, b_loc = ([local_tensor(t) for t in ts] for ts in (params, grads, bufs))
         # elementwise momentum works shard by shard, no communication
         torch._foreach_lerp_(b_loc, g_loc, 1 - momentum)
         ns = (group["ns_coefficients"], group["ns_steps"], group["eps"])
         decay = 1 - lr * group["weight_decay"]
 
-        def fill_local(i: int, out: Tensor) -> None:
-            _nesterov_into(out, g_loc[i], b_loc[i], momentum, nesterov)
-
-        def apply(i: int, ortho: Tensor) -> None:
-            p_loc[i].mul_(decay)
-            p_loc[i].add_(ortho, alpha=-_adjust_lr(lr, group["adjust_lr_fn"], params[i].shape))
-
-        whole: list[int] = []
-        by_mesh: dict[int, list[int]] = defaultdict(list)
+        # each job is one matrix: (parameter, index in its stack or None); a stack's local matrices are whole
+        whole: list[tuple[int, int | None]] = []
+        by_mesh: dict[int, list[tuple[int, None]]] = defaultdict(list)
         meshes = {}
         for i, p in enumerate(params):
+            if p.ndim == 3:
+                whole += [(i, j) for j in range(p_loc[i].shape[0])]
+                continue
             mesh = _sharded_mesh(p)
             if mesh is None:
-                whole.append(i)
+                whole.append((i, None))
             else:
                 want = (chunk_rows(p.shape[0], mesh.size())[mesh.get_local_rank()], p.shape[1])
                 if tuple(p_loc[i].shape) != want or tuple(g_loc[i].shape) != want:
                     raise RuntimeError(f"local shard {tuple(p_loc[i].shape)} of a {tuple(p.shape)} matrix is not "
                                        f"its torch.chunk-style Shard(0) block {want}")
-                by_mesh[id(mesh)].append(i)
+                by_mesh[id(mesh)].append((i, None))
                 meshes[id(mesh)] = mesh
+
+        def pick(t: Tensor, job: tuple[int, int | None]) -> Tensor:
+            return t if job[1] is None else t[job[1]]
+
+        def fill_local(job: tuple[int, int | None], out: Tensor) -> None:
+            i = job[0]
+            _nesterov_into(out, pick(g_loc[i], job), pick(b_loc[i], job), momentum, nesterov)
+
+        def apply(job: tuple[int, int | None], ortho: Tensor) -> None:
+            target = pick(p_loc[job[0]], job)
+            target.mul_(decay)
+            target.add_(ortho, alpha=-_adjust_lr(lr, group["adjust_lr_fn"], params[job[0]].shape[-2:]))
+
         if whole:
-            orthogonalize([tuple(p_loc[i].shape) for i in whole], lambda j, out: fill_local(whole[j], out),
-                          lambda j, o: apply(whole[j], o), *ns, device=p_loc[whole[0]].device,
-                          max_batch_bytes=self.max_batch_bytes)
-        for key, idx in by_mesh.items():
-            self._sharded_step(meshes[key], [tuple(params[i].shape) for i in idx],
-                               lambda j, out, idx=idx: fill_local(idx[j], out),
-                               lambda j, o, idx=idx: apply(idx[j], o), ns, p_loc[idx[0]].device)
+            orthogonalize([tuple(pick(p_loc[i], (i, j)).shape) for i, j in whole],
+                          lambda k, out: fill_local(whole[k], out), lambda k, o: apply(whole[k], o), *ns,
+                          device=p_loc[whole[0][0]].device, max_batch_bytes=self.max_batch_bytes)
+        for key, jobs in by_mesh.items():
+            self._sharded_step(meshes[key], [tuple(params[i].shape) for i, _ in jobs],
+                               lambda k, out, jobs=jobs: fill_local(jobs[k], out),
+                               lambda k, o, jobs=jobs: apply(jobs[k], o), ns, p_loc[jobs[0][0]].device)
 
     def _sharded_step(self, mesh, shapes: list[tuple[int, int]], fill: Callable[[int, Tensor], None],
                       apply: Callable[[int, Tensor], None], ns: tuple, device: torch.device) -> None:

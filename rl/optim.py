@@ -1,16 +1,29 @@
-"""Optimizers: Muon on 2-D hidden matrices, AdamW on embeddings, the output head and norms."""
+"""Optimizers: Muon on the matrices inside the transformer blocks, AdamW on everything else.
+
+Muon (report Algorithm 1) takes 2-D weights of the decoder layers and stacked expert tensors
+[experts, n, m], each expert's matrix orthogonalised on its own. AdamW takes embeddings, the output
+head, norms, biases and MoE routers: a router's rows score experts against each other rather than
+map hidden features, and DeepSeek-V3 and Kimi K2 train theirs with AdamW too. DeepSeek-V3's
+``e_score_correction_bias`` is a buffer, not a parameter: it only steers which experts are chosen,
+gets no gradient, and stays frozen here (DeepSeek adjusts it during pre-training by expert load, a
+rule for large batches; freezing it keeps the policy's routing where the checkpoint left it).
+"""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from engines.moe import Router
 from rl.muon import ShardedMuon
 
 
-def is_hidden_matrix(name: str, p: torch.Tensor) -> bool:
-    """Muon's domain: 2-D weights inside the transformer blocks (report Algorithm 1)."""
-    return p.ndim == 2 and ".layers." in f".{name}"
+def muon_params(model: nn.Module) -> set[int]:
+    """ids of the parameters Muon optimises: 2-D and stacked 3-D weights inside the decoder layers,
+    routers excepted."""
+    routers = {id(p) for m in model.modules() if isinstance(m, Router) for p in m.parameters()}
+    return {id(p) for n, p in model.named_parameters()
+            if p.ndim in (2, 3) and ".layers." in f".{n}" and id(p) not in routers}
 
 
 def build_optimizers(model: nn.Module, kind: str, lr: float, weight_decay: float,
@@ -22,9 +35,10 @@ def build_optimizers(model: nn.Module, kind: str, lr: float, weight_decay: float
     """
     if kind not in ("muon", "adamw"):
         raise ValueError(f"unknown optimizer kind {kind!r}; expected 'muon' or 'adamw'")
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    hidden = [p for n, p in named if kind == "muon" and is_hidden_matrix(n, p)]
-    rest = [p for n, p in named if not (kind == "muon" and is_hidden_matrix(n, p))]
+    muon = muon_params(model) if kind == "muon" else set()
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    hidden = [p for p in trainable if id(p) in muon]
+    rest = [p for p in trainable if id(p) not in muon]
     opts: list[torch.optim.Optimizer] = []
     if hidden:
         opts.append(ShardedMuon(hidden, lr=lr, weight_decay=weight_decay, momentum=momentum,
