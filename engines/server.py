@@ -10,7 +10,6 @@ A request the engine cannot serve gets a 400 with the reason; the others are not
 from __future__ import annotations
 
 import asyncio
-import json
 import queue
 import threading
 import time
@@ -25,10 +24,10 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
-from tokenizers import Tokenizer
 
-from engines.hf_io import load_pretrained, read_config
+from engines.hf_io import load_pretrained
 from engines.inference import Completion, InferenceEngine, InvalidRequestError, SamplingParams
+from engines.tokenizer import TextTokenizer
 
 
 class _Sampling(BaseModel):
@@ -120,44 +119,30 @@ class EngineLoop:
 
 
 class ServedModel:
-    """The engine, its tokenizer and chat template, as the HTTP handlers need them."""
+    """The engine and its tokenizer (chat template included), as the HTTP handlers need them."""
 
     def __init__(self, model_dir: str | Path, name: str | None = None, dtype: str = "float32",
                  max_num_seqs: int = 256, kv_cache_bytes: int = 512 * 2**20) -> None:
-        cfg = read_config(model_dir)
         self.name = name or Path(model_dir).name
-        path = Path(model_dir) / "tokenizer.json"
-        if not path.is_file():
-            raise FileNotFoundError(f"{model_dir} has no tokenizer.json")
-        self.tokenizer = Tokenizer.from_file(str(path))
-        self.chat_template = _chat_template(Path(model_dir))
+        self.tokenizer = TextTokenizer.load(model_dir)
         model = load_pretrained(model_dir, getattr(torch, dtype))
-        self.engine = InferenceEngine(model, cfg.eos_token_id, cfg.pad_token_id, max_num_seqs=max_num_seqs,
-                                      kv_cache_bytes=kv_cache_bytes, detokenize=self.decode)
+        self.engine = InferenceEngine(model, self.tokenizer.eos_ids, self.tokenizer.pad_id,
+                                      max_num_seqs=max_num_seqs, kv_cache_bytes=kv_cache_bytes, detokenize=self.decode)
         self.default_max_tokens = 16
         self.loop = EngineLoop(self.engine)
 
     def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False).ids
+        return self.tokenizer.encode(text)
 
     def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        return self.tokenizer.hf.decode(ids, skip_special_tokens=True)
 
-    def render_chat(self, messages: list[ChatMessage]) -> str:
-        if self.chat_template is not None:
-            return self.chat_template.apply_chat_template([m.model_dump() for m in messages], tokenize=False,
-                                                          add_generation_prompt=True)
+    def chat_ids(self, messages: list[ChatMessage]) -> list[int]:
+        """Prompt ids of a chat request: the model's chat template, else plain role-prefixed turns."""
+        if self.tokenizer.has_chat_template:
+            return self.tokenizer.apply_chat_template([m.model_dump() for m in messages])
         # no template shipped: plain role-prefixed turns, ending with the assistant's turn
-        return "".join(f"{m.role.capitalize()}: {m.content}\n" for m in messages) + "Assistant:"
-
-
-def _chat_template(model_dir: Path):
-    cfg = model_dir / "tokenizer_config.json"
-    if cfg.is_file() and json.loads(cfg.read_text()).get("chat_template"):
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(model_dir)
-    return None
+        return self.encode("".join(f"{m.role.capitalize()}: {m.content}\n" for m in messages) + "Assistant:")
 
 
 def _params(req: _Sampling, served: ServedModel, max_tokens: int | None) -> SamplingParams:
@@ -240,7 +225,7 @@ def build_app(served: ServedModel) -> FastAPI:
     async def chat(req: ChatRequest):
         if req.stream:
             return _error(400, "stream=true is not supported; send the request without streaming", "stream")
-        prompt = served.encode(served.render_chat(req.messages))
+        prompt = served.chat_ids(req.messages)
         outs = await _run_all(served, [prompt], _params(req, served, req.max_completion_tokens or req.max_tokens),
                               req.n)
         choices = []

@@ -1,14 +1,22 @@
-"""Byte-level BPE tokenizer built with ``tokenizers``; digits are always single tokens.
+"""Tokenizers: any Hugging Face tokenizer directory, and the project's own tiny BPE for the embedded default.
 
-Splitting digits keeps arithmetic learnable for a tiny model. Saved as ``tokenizer.json`` plus
-``tokenizer_config.json`` so ``transformers.AutoTokenizer`` loads it too.
+``TextTokenizer`` wraps ``transformers.AutoTokenizer`` so that a real model's ``tokenizer.json`` +
+``tokenizer_config.json`` (special tokens, chat template) behave exactly as transformers makes them
+behave. What the engines need on top: every id that ends a response (``eos_ids``: the tokenizer's
+EOS plus the lists in ``generation_config.json`` and ``config.json``, e.g. Llama 3's ``<|eot_id|>``),
+and a pad id that exists even when the tokenizer defines none (the first EOS: padded positions are
+masked everywhere, so any real id serves).
+
+The project's own tokenizer (``train_tokenizer``) is a byte-level BPE whose digits are always single
+tokens, which keeps arithmetic learnable for a tiny model.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import Any
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -16,50 +24,104 @@ EOS = "<|endoftext|>"
 PAD = "<|pad|>"
 
 
-class TextTokenizer:
-    """Thin wrapper over ``tokenizers.Tokenizer`` with the ids the engines need."""
+class ChatTemplateError(ValueError):
+    """Chat-format input for a tokenizer that has no chat template."""
 
-    def __init__(self, tok: Tokenizer) -> None:
-        self.tok = tok
-        self.eos_id = tok.token_to_id(EOS)
-        self.pad_id = tok.token_to_id(PAD)
-        if self.eos_id is None or self.pad_id is None:
-            raise ValueError(f"tokenizer must define {EOS} and {PAD}")
+
+def _json(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _ids(value: Any) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
+
+
+class TextTokenizer:
+    """A Hugging Face tokenizer with the ids the engines need (``eos_ids``, ``pad_id``)."""
+
+    def __init__(self, hf, extra_eos_ids: Sequence[int] = (), pad_id: int | None = None,
+                 source: str = "tokenizer") -> None:
+        self.hf, self.source = hf, source
+        self.tok: Tokenizer = hf.backend_tokenizer  # the Rust tokenizer (grammar-constrained decoding uses it)
+        eos = _ids(hf.eos_token_id) + list(extra_eos_ids)
+        self.eos_ids = list(dict.fromkeys(eos))  # ordered, no repeats
+        if not self.eos_ids:
+            raise ValueError(f"{source}: no EOS token (tokenizer_config.json eos_token or generation_config.json "
+                             "eos_token_id), so responses could never end")
+        self.eos_id = self.eos_ids[0]
+        self.pad_id = hf.pad_token_id if hf.pad_token_id is not None else pad_id
+        if self.pad_id is None:
+            self.pad_id = self.eos_id
+        self._hidden = set(self.eos_ids) | {self.pad_id}
 
     @property
     def vocab_size(self) -> int:
-        return self.tok.get_vocab_size()
+        """Number of token ids, added tokens included (the model's embedding may be larger)."""
+        return len(self.hf)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.hf, "chat_template", None))
 
     def encode(self, text: str) -> list[int]:
-        return self.tok.encode(text, add_special_tokens=False).ids
+        """Token ids of ``text`` as is: no BOS/EOS added (templates and prompts carry their own)."""
+        return self.hf.encode(text, add_special_tokens=False)
 
     def decode(self, ids: Iterable[int]) -> str:
-        return self.tok.decode([i for i in ids if i not in (self.eos_id, self.pad_id)])
+        """Text of ``ids`` without EOS and padding (other special tokens, e.g. tool-call markers, stay)."""
+        return self.hf.decode([i for i in ids if i not in self._hidden], skip_special_tokens=False)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], tools: list[dict] | None = None,
+                            add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of ``messages`` (OpenAI chat format) rendered with the model's chat template, as
+        transformers renders them; ends with the assistant header when ``add_generation_prompt``."""
+        if not self.has_chat_template:
+            raise ChatTemplateError(f"{self.source} has no chat_template (tokenizer_config.json or "
+                                    "chat_template.jinja), so chat-format `messages` cannot be rendered; "
+                                    "use plain `prompt` tasks or a tokenizer with a template")
+        text = self.hf.apply_chat_template(messages, tools=tools, tokenize=False,
+                                           add_generation_prompt=add_generation_prompt)
+        return self.encode(text)
+
+    def prompt_ids(self, task: Any) -> list[int]:
+        """The prompt of a task as token ids: its ``messages`` through the chat template when it has
+        them, else its ``prompt`` text. The one place every phase turns a task into tokens."""
+        messages = getattr(task, "messages", None)
+        return self.apply_chat_template(messages) if messages else self.encode(task.prompt)
 
     def save(self, directory: str | Path) -> None:
-        d = Path(directory)
-        d.mkdir(parents=True, exist_ok=True)
-        self.tok.save(str(d / "tokenizer.json"))
-        (d / "tokenizer_config.json").write_text(
-            json.dumps(
-                {
-                    "tokenizer_class": "PreTrainedTokenizerFast",
-                    "eos_token": EOS,
-                    "pad_token": PAD,
-                    "model_max_length": 1 << 30,
-                    "clean_up_tokenization_spaces": False,
-                },
-                indent=2,
-            )
-        )
-        (d / "special_tokens_map.json").write_text(json.dumps({"eos_token": EOS, "pad_token": PAD}))
+        """``tokenizer.json`` + ``tokenizer_config.json`` (+ template), loadable by ``AutoTokenizer``."""
+        self.hf.save_pretrained(str(directory))
 
     @classmethod
     def load(cls, directory: str | Path) -> TextTokenizer:
-        path = Path(directory) / "tokenizer.json"
-        if not path.is_file():
+        """The tokenizer of a model directory; EOS ids also from its generation_config/config.json."""
+        from transformers import AutoTokenizer
+
+        d = Path(directory)
+        if not (d / "tokenizer.json").is_file() and not (d / "tokenizer_config.json").is_file():
             raise FileNotFoundError(f"{directory} has no tokenizer.json")
-        return cls(Tokenizer.from_file(str(path)))
+        try:
+            hf = AutoTokenizer.from_pretrained(str(d))
+        except Exception as e:  # transformers raises many types for a broken tokenizer directory
+            raise ValueError(f"{directory}: transformers cannot load the tokenizer ({e})") from e
+        gen, cfg = _json(d / "generation_config.json"), _json(d / "config.json")
+        extra = _ids(gen.get("eos_token_id")) + _ids(cfg.get("eos_token_id"))
+        pad = gen.get("pad_token_id", cfg.get("pad_token_id"))
+        return cls(hf, extra, pad if isinstance(pad, int) else None, source=str(directory))
+
+
+def wrap(tok: Tokenizer, eos: str = EOS, pad: str | None = PAD, chat_template: str | None = None) -> TextTokenizer:
+    """A TextTokenizer over a ``tokenizers.Tokenizer`` built in memory (tests, the project's own)."""
+    from transformers import PreTrainedTokenizerFast
+
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos, pad_token=pad, model_max_length=1 << 30,
+                                 clean_up_tokenization_spaces=False)
+    if chat_template is not None:
+        hf.chat_template = chat_template
+    return TextTokenizer(hf)
 
 
 def train_tokenizer(corpus: Iterable[str], vocab_size: int = 256) -> TextTokenizer:
@@ -76,4 +138,4 @@ def train_tokenizer(corpus: Iterable[str], vocab_size: int = 256) -> TextTokeniz
         show_progress=False,
     )
     tok.train_from_iterator(corpus, trainer=trainer)
-    return TextTokenizer(tok)
+    return wrap(tok)

@@ -25,6 +25,9 @@ class Task:
     prompt: str
     answer: str
     meta: dict[str, Any] = field(default_factory=dict)
+    #: the prompt as chat messages (OpenAI format); when set, the model sees them rendered with its chat
+    #: template (``TextTokenizer.prompt_ids``) and ``prompt`` is the last user message, for graders and logs
+    messages: list[dict[str, Any]] | None = None
 
 
 class Env(gymnasium.Env):

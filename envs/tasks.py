@@ -2,7 +2,10 @@
 
 Schema of a record:
 
-- ``prompt`` (str, required, non-empty): what the model sees.
+- ``prompt`` (str, non-empty): what the model sees, as raw text; or
+- ``messages`` (list of ``{"role": ..., "content": ...}``, OpenAI chat format): the prompt as a conversation,
+  rendered with the model's chat template and its generation prompt. One of the two is required; with
+  ``messages`` only, ``prompt`` becomes the content of the last user message (what graders and critics read).
 - ``answer`` (str or int, stored as str): the reference answer. Required by default; ``load_tasks(path,
   require_answer=False)`` makes it default to "" (code tasks carry tests instead).
 - ``id`` (str, optional): defaults to ``<file stem>-<line or row number>`` (numbers start at 1).
@@ -23,7 +26,7 @@ from typing import Any
 
 from envs.base import Task
 
-_FIELDS = ("id", "prompt", "answer", "meta")
+_FIELDS = ("id", "prompt", "answer", "meta", "messages")
 
 
 class TaskFileError(ValueError):
@@ -87,10 +90,15 @@ def _meta_of(where: str, rec: dict[str, Any]) -> dict[str, Any]:
 
 def record_to_task(where: str, n: int, rec: dict[str, Any], stem: str, require_answer: bool = True) -> Task:
     """Validate one record (see the module docstring) and make it a Task; errors name ``where``."""
-    for key in ("prompt", "answer") if require_answer else ("prompt",):
-        if key not in rec or rec[key] is None:
-            raise TaskFileError(f"{where}: missing field {key!r}")
-    if not isinstance(rec["prompt"], str) or not rec["prompt"]:
+    messages = _messages_of(where, rec.get("messages"))
+    prompt = rec.get("prompt")
+    if prompt is None and messages:
+        prompt = next((m["content"] for m in reversed(messages) if m["role"] == "user"), messages[-1]["content"])
+    if prompt is None:
+        raise TaskFileError(f"{where}: missing field 'prompt' (or 'messages')")
+    if require_answer and rec.get("answer") is None:
+        raise TaskFileError(f"{where}: missing field 'answer'")
+    if not isinstance(prompt, str) or not prompt:
         raise TaskFileError(f"{where}: 'prompt' must be a non-empty string")
     answer = rec.get("answer")
     if answer is None:
@@ -102,7 +110,23 @@ def record_to_task(where: str, n: int, rec: dict[str, Any], stem: str, require_a
         task_id = f"{stem}-{n}"
     elif not isinstance(task_id, (str, int)):
         raise TaskFileError(f"{where}: 'id' must be a string or an integer")
-    return Task(str(task_id), rec["prompt"], str(answer), _meta_of(where, rec))
+    return Task(str(task_id), prompt, str(answer), _meta_of(where, rec), messages)
+
+
+def _messages_of(where: str, messages: Any) -> list[dict[str, Any]] | None:
+    if messages is None:
+        return None
+    if isinstance(messages, str):  # Parquet files written by save_tasks hold messages as JSON text
+        try:
+            messages = json.loads(messages)
+        except json.JSONDecodeError as e:
+            raise TaskFileError(f"{where}: 'messages' is a string but not valid JSON ({e.msg})") from None
+    if not isinstance(messages, list) or not messages:
+        raise TaskFileError(f"{where}: 'messages' must be a non-empty list of chat messages")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise TaskFileError(f"{where}: messages[{i}] must be an object with string 'role' and 'content'")
+    return messages
 
 
 def load_tasks(path: str | Path, *, require_answer: bool = True) -> list[Task]:
@@ -124,9 +148,12 @@ def save_tasks(tasks: list[Task], path: str | Path) -> None:
 
         # meta as JSON text: a struct column would force one schema on every task's meta
         table = pa.table({"id": [t.id for t in tasks], "prompt": [t.prompt for t in tasks],
-                          "answer": [t.answer for t in tasks], "meta": [json.dumps(t.meta) for t in tasks]})
+                          "answer": [t.answer for t in tasks], "meta": [json.dumps(t.meta) for t in tasks]}
+                         | ({"messages": [t.messages and json.dumps(t.messages) for t in tasks]}
+                            if any(t.messages for t in tasks) else {}))
         pq.write_table(table, p)
         return
     with p.open("w") as f:
         for t in tasks:
-            f.write(json.dumps({"id": t.id, "prompt": t.prompt, "answer": t.answer, "meta": t.meta}) + "\n")
+            rec = {"id": t.id, "prompt": t.prompt, "answer": t.answer, "meta": t.meta}
+            f.write(json.dumps(rec | ({"messages": t.messages} if t.messages else {})) + "\n")

@@ -20,7 +20,7 @@ from envs import Task
 from rl.checkpoint import LoopState, copy_tokenizer, latest_checkpoint, save_checkpoint
 from rl.cluster import Cluster
 from rl.config import Config, EnvConfig, dump_config
-from rl.data import GROUPS_PER_ITERATION, load_task_sets, sample_mix
+from rl.data import GROUPS_PER_ITERATION, check_renderable, load_task_sets, sample_mix
 from rl.episodes import env_class, task_type_of
 from rl.errors import UserError
 from rl.metrics import MetricsLog, plot_curves
@@ -48,6 +48,7 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, console: Console | N
             run_dir.mkdir(parents=True, exist_ok=True)
             (run_dir / "config.yaml").write_text(dump_config(cfg))
         tok = TextTokenizer.load(start_dir)
+        check_renderable(tasks, tok, str(start_dir))
         log = MetricsLog(run_dir, console, cfg.metrics.prometheus_port, resume_at=state and state.iteration + 1)
         t0 = time.time()
         buffer = PartialRolloutBuffer(cfg.rollout.partial.max_age)
@@ -99,7 +100,7 @@ def new_groups(cfg: Config, tasks, tok: TextTokenizer, it: int,
         ttype = task_type_of(task, entry)
         max_tokens = cfg.task_type(ttype)[0]
         temps[ttype] = cfg.temperature(ttype, it)
-        group, prompt = it * GROUPS_PER_ITERATION + g, tok.encode(task.prompt)
+        group, prompt = it * GROUPS_PER_ITERATION + g, tok.prompt_ids(task)
         if env_class(entry).multi_turn:
             multi.append((group, entry, task))
             continue

@@ -72,6 +72,19 @@ def load_task_sets(cfg: Config) -> TaskSets:
     return sets
 
 
+def check_renderable(sets: TaskSets, tok, model_dir: str) -> None:
+    """Refuse chat-format tasks (``messages``) when the model's tokenizer has no chat template to render them."""
+    if tok.has_chat_template:
+        return
+    for tasks, envs, what in ((sets.train, sets.train_env, "train"), (sets.eval, sets.eval_env, "held-out")):
+        chat = next((i for i, t in enumerate(tasks) if t.messages), None)
+        if chat is not None:
+            entry = sets.entries[envs[chat]]
+            raise UserError(f"{what} task {tasks[chat].id!r} of env {entry.name!r} is in chat format (`messages`) "
+                            f"but the tokenizer in {model_dir} has no chat_template; give the model a template "
+                            "or write the tasks as plain `prompt` text")
+
+
 def sample_prompts(n_tasks: int, n: int, seed: int, iteration: int) -> list[int]:
     """Indices of the iteration's new prompts: a deterministic function of (seed, iteration), so
     resumes replay."""

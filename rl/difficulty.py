@@ -31,7 +31,7 @@ def pass_rates(cfg: Config, model_dir: Path, tasks: list[Task], entries: list, k
     """Fraction of ``k`` samples of each task whose reward is 1, with the model in ``model_dir``."""
     torch.manual_seed(seed)
     tok = TextTokenizer.load(model_dir)
-    engine = InferenceEngine(load_pretrained(model_dir).eval(), tok.eos_id, tok.pad_id,
+    engine = InferenceEngine(load_pretrained(model_dir).eval(), tok.eos_ids, tok.pad_id,
                              max_num_seqs=cfg.rollout.max_batch, kv_cache_bytes=cfg.rollout.kv_cache_mb << 20)
     runner = EpisodeRunner(cfg)
     rates = []
@@ -42,7 +42,7 @@ def pass_rates(cfg: Config, model_dir: Path, tasks: list[Task], entries: list, k
             for task, entry in chunk:
                 ttype = task_type_of(task, entry)
                 max_tokens, t0 = cfg.task_type(ttype)[0], cfg.temperature(ttype, 0)
-                ids = tok.encode(task.prompt)
+                ids = tok.prompt_ids(task)
                 for _ in range(k):
                     prompts.append(ids)
                     params.append(SamplingParams(t0, max_tokens))

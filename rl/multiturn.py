@@ -59,7 +59,7 @@ def run_multi_turn(cluster, cfg: Config, tok: TextTokenizer, runner: EpisodeRunn
             episodes.append(Episode(group, group * k + j, entry, task, runner.make_env(entry), []))
     firsts = runner.run_calls([(lambda e=e: _reset(e.env, e.task), e.entry.timeout_s) for e in episodes])
     for e, (obs, err) in zip(episodes, firsts, strict=True):
-        e.prompt_ids = tok.encode(obs) if err is None else []
+        e.prompt_ids = (tok.prompt_ids(e.task) if e.task.messages else tok.encode(obs)) if err is None else []
         e.error, e.done = err, err is not None
     for turn in range(cfg.rollout.max_turns):
         active = [e for e in episodes if not e.done]

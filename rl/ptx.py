@@ -2,9 +2,12 @@
 
 A JSONL file, one sample per line, either ``{"messages": [{"role": ..., "content": ...}, ...]}``
 (the last message is the assistant's reply the loss is taken on) or ``{"prompt": ..., "response": ...}``.
-Messages before the reply are rendered with the tokenizer's chat template if it has one, else as
-``role: content`` lines ending in ``assistant:``; a model trained on plain prompts (the embedded
-default) should use the prompt/response form so PTX text looks like its rollouts.
+With a chat template, the conversation is rendered as transformers renders it: the prompt is the
+messages before the reply with the generation prompt, the response is what the whole conversation
+adds after it, up to and including the template's end-of-turn token when that is an EOS id (so the
+model learns to stop as its template stops). Without a template, messages become ``role: content``
+lines ending in ``assistant:``; a model trained on plain prompts (the embedded default) should use
+the prompt/response form so PTX text looks like its rollouts.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ ROLES = ("system", "user", "assistant", "tool")
 class PtxSample:
     prompt: str
     response: str
+    messages: tuple[dict, ...] | None = None  # the conversation, when the chat template should render it
 
 
 def _render(messages: list[dict], where: str) -> PtxSample:
@@ -34,7 +38,22 @@ def _render(messages: list[dict], where: str) -> PtxSample:
     if messages[-1]["role"] != "assistant":
         raise UserError(f"{where}: the last message must be the assistant's reply (the loss is taken on it)")
     context = "".join(f"{m['role']}: {m['content']}\n" for m in messages[:-1])
-    return PtxSample(context + "assistant:", " " + messages[-1]["content"])
+    return PtxSample(context + "assistant:", " " + messages[-1]["content"], tuple(messages))
+
+
+def sample_ids(sample: PtxSample, tok) -> tuple[list[int], list[int]]:
+    """(prompt ids, response ids ending in an EOS id) of a sample, through the chat template when it has one."""
+    if sample.messages and tok.has_chat_template:
+        messages = list(sample.messages)
+        prompt = tok.apply_chat_template(messages[:-1])
+        full = tok.apply_chat_template(messages, add_generation_prompt=False)
+        if full[:len(prompt)] != prompt:
+            raise UserError("algorithm.ptx.data: the chat template renders a conversation that does not begin with "
+                            "its own generation prompt, so the reply cannot be separated from the context")
+        response = full[len(prompt):]
+        stop = next((i for i, t in enumerate(response) if t in tok.eos_ids), None)
+        return prompt, response[:stop + 1] if stop is not None else [*response, tok.eos_id]
+    return tok.encode(sample.prompt), [*tok.encode(sample.response), tok.eos_id]
 
 
 def load_ptx(path: Path) -> list[PtxSample]:
@@ -62,6 +81,6 @@ def ptx_batches(samples: list[PtxSample], tok, batch_size: int, steps: int, seed
     out = []
     for _ in range(steps):
         chosen = [samples[rng.randrange(len(samples))] for _ in range(batch_size)]
-        out.append(PtxBatch([tok.encode(s.prompt) for s in chosen],
-                            [[*tok.encode(s.response), tok.eos_id] for s in chosen]))
+        prompts, responses = zip(*(sample_ids(s, tok) for s in chosen), strict=True)
+        out.append(PtxBatch(list(prompts), list(responses)))
     return out

@@ -99,7 +99,7 @@ def evaluate(cluster, tasks: TaskSets, tok: TextTokenizer, cfg: Config, progress
     bar = progress.add_task("held-out eval (greedy)", total=len(held_out)) if progress else None
     types = [task_type_of(tasks.eval[i], tasks.eval_entry(i)) for i in keep]
     params = [SamplingParams(0.0, cfg.task_type(tt)[0]) for tt in types]
-    outs = cluster.generate([tok.encode(t.prompt) for t in held_out], params, seed=0,
+    outs = cluster.generate([tok.prompt_ids(t) for t in held_out], params, seed=0,
                             on_chunk=(lambda n: progress.advance(bar, n)) if progress else None)
     if progress:
         progress.remove_task(bar)
