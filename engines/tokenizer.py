@@ -55,6 +55,8 @@ class TextTokenizer:
         if self.pad_id is None:
             self.pad_id = self.eos_id
         self._hidden = set(self.eos_ids) | {self.pad_id}
+        #: render plain prompts as one user message through the chat template (``model.chat_template``)
+        self.chat_prompts = False
 
     @property
     def vocab_size(self) -> int:
@@ -87,8 +89,11 @@ class TextTokenizer:
 
     def prompt_ids(self, task: Any) -> list[int]:
         """The prompt of a task as token ids: its ``messages`` through the chat template when it has
-        them, else its ``prompt`` text. The one place every phase turns a task into tokens."""
+        them (or, with ``chat_prompts``, its prompt as one user message), else its ``prompt`` text. The one
+        place every phase turns a task into tokens."""
         messages = getattr(task, "messages", None)
+        if not messages and self.chat_prompts:
+            messages = [{"role": "user", "content": task.prompt}]
         return self.apply_chat_template(messages) if messages else self.encode(task.prompt)
 
     def save(self, directory: str | Path) -> None:
@@ -96,7 +101,7 @@ class TextTokenizer:
         self.hf.save_pretrained(str(directory))
 
     @classmethod
-    def load(cls, directory: str | Path) -> TextTokenizer:
+    def load(cls, directory: str | Path, chat_prompts: bool = False) -> TextTokenizer:
         """The tokenizer of a model directory; EOS ids also from its generation_config/config.json."""
         from transformers import AutoTokenizer
 
@@ -110,7 +115,9 @@ class TextTokenizer:
         gen, cfg = _json(d / "generation_config.json"), _json(d / "config.json")
         extra = _ids(gen.get("eos_token_id")) + _ids(cfg.get("eos_token_id"))
         pad = gen.get("pad_token_id", cfg.get("pad_token_id"))
-        return cls(hf, extra, pad if isinstance(pad, int) else None, source=str(directory))
+        tok = cls(hf, extra, pad if isinstance(pad, int) else None, source=str(directory))
+        tok.chat_prompts = chat_prompts
+        return tok
 
 
 def wrap(tok: Tokenizer, eos: str = EOS, pad: str | None = PAD, chat_template: str | None = None) -> TextTokenizer:

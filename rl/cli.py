@@ -37,8 +37,14 @@ def _cmd_train(args: argparse.Namespace) -> None:
 
 def _cmd_check(args: argparse.Namespace) -> None:
     from rl.config import dump_config, load_config
+    from rl.memory import check_fits, estimate_run
 
-    print(dump_config(load_config(args.config, args.set)), end="")
+    cfg = load_config(args.config, args.set)
+    print(dump_config(cfg), end="")
+    est = estimate_run(cfg)
+    print(f"# memory per worker ({cfg.cluster.workers} workers; activations not counted):")
+    print("\n".join(f"#{line}" for line in est.table().splitlines()))
+    check_fits(cfg, est)
 
 
 def _cmd_envs(args: argparse.Namespace) -> None:
@@ -147,7 +153,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="override a config value, e.g. --set run.iterations=10 (repeatable)")
     t.set_defaults(func=_cmd_train)
 
-    c = sub.add_parser("check-config", help="validate a config and print it with defaults filled in")
+    c = sub.add_parser("check-config", help="validate a config, print it with defaults filled in and the memory "
+                                            "each worker needs; refuses one that cannot fit")
     c.add_argument("config")
     c.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     c.set_defaults(func=_cmd_check)

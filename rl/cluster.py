@@ -15,6 +15,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from engines.inference import Completion, SamplingParams
 from rl.algorithm import PtxBatch, Sample
 from rl.config import Config
+from rl.errors import UserError
 from rl.partial import Trajectory, to_completion
 from rl.workers import RolloutWorker, TrainerWorker, default_threads
 
@@ -25,10 +26,15 @@ ACTOR_CPUS = 0.5
 class Cluster:
     """Colocated workers (one trainer and one inference actor per placement-group bundle)."""
 
-    def __init__(self, cfg: Config, model_dir: str) -> None:
+    def __init__(self, cfg: Config, model_dir: str, max_seq_len: int | None = None) -> None:
+        """``max_seq_len``: tokens per sequence of the inference KV caches (default: ``rollout.max_seq_len``,
+        else the model's context)."""
         from engines.hf_io import read_config
 
-        self.max_context = read_config(model_dir).max_position_embeddings
+        context = read_config(model_dir).max_position_embeddings
+        self.max_context = max_seq_len or cfg.rollout.max_seq_len or context
+        if self.max_context > context:
+            raise UserError(f"rollout.max_seq_len {self.max_context} exceeds the model's context of {context} tokens")
         self.cfg = cfg
         self._own_ray = not ray.is_initialized()
         if self._own_ray:
@@ -54,7 +60,7 @@ class Cluster:
             return ray.remote(num_cpus=ACTOR_CPUS, num_gpus=gpus / 2, scheduling_strategy=strategy)(cls)
 
         self.trainers = [placed(TrainerWorker, i).remote(cfg, threads) for i in range(n)]
-        self.rollouts = [placed(RolloutWorker, i).remote(model_dir, cfg, threads) for i in range(n)]
+        self.rollouts = [placed(RolloutWorker, i).remote(model_dir, cfg, threads, self.max_context) for i in range(n)]
         address = ray.get(self.trainers[0].rendezvous.remote())
         ray.get([t.setup.remote(model_dir, i, n, address, f"{prefix}-w{i}") for i, t in enumerate(self.trainers)])
         # one plan for all (every rank computed the same); each replica maps its own worker's IPC buffers

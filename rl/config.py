@@ -36,13 +36,46 @@ class ClusterConfig(Strict):
                                    "inference engine share them); 0 = CPU only")
 
 
+class MoEArchitecture(Strict):
+    """The Kimi K2 / DeepSeek-V3 parts of the embedded model (``family: deepseek_v3``)."""
+
+    q_lora_rank: int | None = Field(64, ge=1, description="rank of the query compression; None = full q_proj")
+    kv_lora_rank: int = Field(32, ge=1, description="rank of the compressed key/value latent")
+    qk_nope_head_dim: int = Field(32, ge=1)
+    qk_rope_head_dim: int = Field(16, ge=2, multiple_of=2)
+    v_head_dim: int = Field(32, ge=1)
+    n_routed_experts: int = Field(8, ge=1)
+    num_experts_per_tok: int = Field(2, ge=1)
+    n_shared_experts: int = Field(1, ge=0)
+    moe_intermediate_size: int = Field(128, ge=1)
+    first_k_dense_replace: int = Field(1, ge=0, description="leading layers with a dense MLP instead of experts")
+    routed_scaling_factor: float = Field(1.0, gt=0)
+
+
 class Architecture(Strict):
+    family: Literal["llama", "qwen3", "deepseek_v3"] = Field(
+        "llama", description="layout of the embedded model: llama (GQA), qwen3 (GQA + q/k RMSNorm), "
+                             "deepseek_v3 (Kimi K2: latent attention + mixture of experts with a shared expert)")
     hidden_size: int = Field(128, ge=8)
     intermediate_size: int = Field(384, ge=8)
     num_hidden_layers: int = Field(4, ge=1)
     num_attention_heads: int = Field(4, ge=1)
-    num_key_value_heads: int = Field(2, ge=1)
+    num_key_value_heads: int = Field(2, ge=1, description="GQA key/value heads (llama, qwen3)")
     max_position_embeddings: int = Field(128, ge=16)
+    moe: MoEArchitecture = MoEArchitecture()
+
+    def hf_kwargs(self) -> dict[str, Any]:
+        """Arguments of transformers' config class for ``family`` (vocabulary and special ids apart)."""
+        common = self.model_dump(exclude={"family", "moe"})
+        if self.family == "llama":
+            return common
+        if self.family == "qwen3":
+            return {**common, "head_dim": self.hidden_size // self.num_attention_heads}
+        m = self.moe
+        if m.num_experts_per_tok > m.n_routed_experts:
+            raise ValueError("warmstart.architecture.moe: num_experts_per_tok exceeds n_routed_experts")
+        return {**common, **m.model_dump(), "num_key_value_heads": self.num_attention_heads, "n_group": 1,
+                "topk_group": 1, "rope_interleave": False}
 
 
 class WarmStartConfig(Strict):
@@ -60,6 +93,8 @@ class WarmStartConfig(Strict):
 class ModelConfig(Strict):
     path: Path | None = Field(None, description="Hugging Face model directory; None = embedded warm start")
     dtype: Literal["float32", "bfloat16"] = "float32"
+    chat_template: bool = Field(False, description="render plain `prompt` tasks as one user message with the "
+                                                   "model's chat template (tasks with `messages` always are)")
 
 
 class EnvConfig(Strict):
@@ -110,6 +145,10 @@ class RolloutConfig(Strict):
                                                 "sooner); its task type's max_tokens is per turn")
     max_batch: int = Field(512, ge=1, description="most sequences decoded together (KV-cache slots)")
     kv_cache_mb: int = Field(512, ge=1, description="KV-cache memory budget of each inference engine")
+    max_seq_len: int | None = Field(
+        None, ge=2, description="tokens per sequence (prompt + response) the KV cache is sized for; None = the "
+                                "run's longest prompt + largest max_tokens (the model's context when prompts are "
+                                "not known up front: multi-turn environments, the policy as critic)")
     dtype: Literal["float32", "bfloat16"] | None = Field(
         None, description="weights of the inference engines; None = model.dtype (the trainer's master weights "
                           "are cast per bucket when they differ)")
@@ -254,7 +293,8 @@ class Config(Strict):
     @model_validator(mode="after")
     def _check(self) -> Config:
         a = self.warmstart.architecture
-        if a.hidden_size % a.num_attention_heads or a.num_attention_heads % a.num_key_value_heads:
+        if a.family != "deepseek_v3" and (a.hidden_size % a.num_attention_heads
+                                          or a.num_attention_heads % a.num_key_value_heads):
             raise ValueError("warmstart.architecture: hidden_size must divide by num_attention_heads, "
                              "and num_attention_heads by num_key_value_heads")
         return self

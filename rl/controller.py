@@ -14,15 +14,17 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from engines.hf_io import read_config
 from engines.sampling import SamplingParams
 from engines.tokenizer import TextTokenizer
 from envs import Task
 from rl.checkpoint import LoopState, copy_tokenizer, latest_checkpoint, save_checkpoint
 from rl.cluster import Cluster
 from rl.config import Config, EnvConfig, dump_config
-from rl.data import GROUPS_PER_ITERATION, check_renderable, load_task_sets, sample_mix
+from rl.data import GROUPS_PER_ITERATION, check_renderable, load_task_sets, rollout_seq_len, sample_mix
 from rl.episodes import env_class, task_type_of
 from rl.errors import UserError
+from rl.memory import check_fits, estimate
 from rl.metrics import MetricsLog, plot_curves
 from rl.partial import PartialRolloutBuffer, Trajectory
 from rl.ptx import load_ptx, ptx_batches
@@ -47,12 +49,14 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, console: Console | N
             start_dir, state = prepare_model(cfg, progress), None
             run_dir.mkdir(parents=True, exist_ok=True)
             (run_dir / "config.yaml").write_text(dump_config(cfg))
-        tok = TextTokenizer.load(start_dir)
+        tok = TextTokenizer.load(start_dir, cfg.model.chat_template)
         check_renderable(tasks, tok, str(start_dir))
         log = MetricsLog(run_dir, console, cfg.metrics.prometheus_port, resume_at=state and state.iteration + 1)
         t0 = time.time()
         buffer = PartialRolloutBuffer(cfg.rollout.partial.max_age)
-        with Cluster(cfg, str(start_dir)) as cluster:
+        seq_len = rollout_seq_len(cfg, tasks, tok, read_config(start_dir).max_position_embeddings)
+        check_fits(cfg, estimate(cfg, read_config(start_dir), seq_len))
+        with Cluster(cfg, str(start_dir), seq_len) as cluster:
             if state:
                 cluster.load_optimizer(str(start_dir))
                 cluster.weights_version = state.weights_version

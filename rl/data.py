@@ -73,9 +73,12 @@ def load_task_sets(cfg: Config) -> TaskSets:
 
 
 def check_renderable(sets: TaskSets, tok, model_dir: str) -> None:
-    """Refuse chat-format tasks (``messages``) when the model's tokenizer has no chat template to render them."""
+    """Refuse chat-format tasks (``messages``, or ``model.chat_template``) when the model's tokenizer has no
+    chat template to render them."""
     if tok.has_chat_template:
         return
+    if tok.chat_prompts:
+        raise UserError(f"model.chat_template is on but the tokenizer in {model_dir} has no chat_template")
     for tasks, envs, what in ((sets.train, sets.train_env, "train"), (sets.eval, sets.eval_env, "held-out")):
         chat = next((i for i, t in enumerate(tasks) if t.messages), None)
         if chat is not None:
@@ -83,6 +86,28 @@ def check_renderable(sets: TaskSets, tok, model_dir: str) -> None:
             raise UserError(f"{what} task {tasks[chat].id!r} of env {entry.name!r} is in chat format (`messages`) "
                             f"but the tokenizer in {model_dir} has no chat_template; give the model a template "
                             "or write the tasks as plain `prompt` text")
+
+
+def rollout_seq_len(cfg: Config, sets: TaskSets, tok, context: int) -> int:
+    """Tokens per sequence the inference KV cache is sized for (``rollout.max_seq_len``, see its description)."""
+    from rl.episodes import is_group_level
+
+    if cfg.rollout.max_seq_len is not None:
+        return cfg.rollout.max_seq_len
+    if cfg.algorithm.critic_training.enabled or any(env_class(e).multi_turn or is_group_level(e)
+                                                     for e in sets.entries):
+        return context
+    tasks = sets.train + sets.eval
+    chat = [t for t in tasks if t.messages or tok.chat_prompts]
+    plain = [t.prompt for t in tasks if not (t.messages or tok.chat_prompts)]  # batch-encoded: fast on 10⁵ prompts
+    lengths = [len(tok.prompt_ids(t)) for t in chat]
+    lengths += [len(ids) for ids in tok.hf(plain, add_special_tokens=False)["input_ids"]] if plain else []
+    longest = max(lengths, default=0)
+    budget = max([cfg.rollout.max_tokens] + [t.max_tokens or 0 for t in cfg.rollout.task_types.values()])
+    if longest + budget > context:
+        raise UserError(f"the longest prompt ({longest} tokens) + max_tokens {budget} exceed the model's context of "
+                        f"{context} tokens; lower rollout.max_tokens or drop the longest prompts")
+    return longest + budget
 
 
 def sample_prompts(n_tasks: int, n: int, seed: int, iteration: int) -> list[int]:

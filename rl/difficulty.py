@@ -30,7 +30,7 @@ def pass_rates(cfg: Config, model_dir: Path, tasks: list[Task], entries: list, k
                batch: int = 64) -> list[float]:
     """Fraction of ``k`` samples of each task whose reward is 1, with the model in ``model_dir``."""
     torch.manual_seed(seed)
-    tok = TextTokenizer.load(model_dir)
+    tok = TextTokenizer.load(model_dir, cfg.model.chat_template)
     engine = InferenceEngine(load_pretrained(model_dir).eval(), tok.eos_ids, tok.pad_id,
                              max_num_seqs=cfg.rollout.max_batch, kv_cache_bytes=cfg.rollout.kv_cache_mb << 20)
     runner = EpisodeRunner(cfg)

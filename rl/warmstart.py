@@ -1,4 +1,4 @@
-"""The embedded default model: tokenizer, tiny Llama-family model, and an SFT warm start.
+"""The embedded default model: tokenizer, a tiny model (Llama, Qwen3 or Kimi K2 layout), and an SFT warm start.
 
 The result is an ordinary Hugging Face directory, cached under ``$RL_CACHE_DIR`` (default
 ``~/.cache/rl-colocated``) by a hash of its settings, so later runs reuse it.
@@ -16,9 +16,9 @@ from pathlib import Path
 import torch
 from rich.progress import Progress
 
+from engines.arch import make_config
 from engines.hf_io import ModelDirError, read_config, save_pretrained
 from engines.model import CausalLM
-from engines.model import ModelConfig as ArchConfig
 from engines.tokenizer import train_tokenizer
 from engines.training import TrainingEngine
 from rl.algorithm import sft_update
@@ -70,8 +70,9 @@ def build_warmstart(cfg: Config, target: Path, progress: Progress | None = None)
     torch.manual_seed(ws.seed)
     rng = random.Random(ws.seed)
     tok = train_tokenizer((t.prompt + t.meta["solution"] for t in tasks), ws.vocab_size)
-    arch = ArchConfig(vocab_size=tok.vocab_size, eos_token_id=tok.eos_id, pad_token_id=tok.pad_id,
-                      **ws.architecture.model_dump())
+    a = ws.architecture
+    arch = make_config(a.family, vocab_size=tok.vocab_size, eos_token_id=tok.eos_id, pad_token_id=tok.pad_id,
+                       bos_token_id=None, tie_word_embeddings=False, **a.hf_kwargs())
     model = CausalLM(arch)
     engine = TrainingEngine(model, build_optimizers(model, "muon", ws.lr, 0.0), tok.pad_id)
     prompts = [tok.encode(t.prompt) for t in tasks]

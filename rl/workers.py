@@ -176,14 +176,14 @@ class TrainerWorker:
 class RolloutWorker:
     """Holds the inference engine and the receiving end of the checkpoint engine."""
 
-    def __init__(self, model_dir: str, cfg: Config, threads: int) -> None:
+    def __init__(self, model_dir: str, cfg: Config, threads: int, max_seq_len: int | None = None) -> None:
         _set_threads(threads)
         # on the GPU Ray gave this worker's bundle (shared with its trainer), in the fused inference layout
         device = "cuda" if torch.cuda.is_available() else "cpu"
         model = load_pretrained(model_dir, getattr(torch, cfg.rollout_dtype), device=device, fused=True)
         r, tok = cfg.rollout, TextTokenizer.load(model_dir)  # the same stop ids as the controller's
         self.engine = InferenceEngine(model, tok.eos_ids, tok.pad_id, max_num_seqs=r.max_batch,
-                                      kv_cache_bytes=r.kv_cache_mb << 20)
+                                      max_seq_len=max_seq_len, kv_cache_bytes=r.kv_cache_mb << 20)
         self.receiver: WeightReceiver | None = None
         self._ipc: tuple | None = None
 

@@ -109,6 +109,9 @@ def test_tasks_with_messages_render_through_the_template_and_roundtrip(qwen_dir,
     assert chat.prompt == "What is 12 + 30?" and chat.messages == MESSAGES and plain.messages is None
     assert tok.prompt_ids(chat) == _transformers_ids(qwen_dir, MESSAGES, add_generation_prompt=True)
     assert tok.prompt_ids(plain) == tok.encode("What is 12 + 30?")
+    as_chat = TextTokenizer.load(qwen_dir, chat_prompts=True)  # model.chat_template: plain prompts as a user turn
+    assert as_chat.prompt_ids(plain) == _transformers_ids(qwen_dir, [{"role": "user", "content": "What is 12 + 30?"}],
+                                                          add_generation_prompt=True)
     for suffix in (".jsonl", ".parquet"):
         save_tasks([chat, plain], tmp_path / f"again{suffix}")
         assert [t.messages for t in load_tasks(tmp_path / f"again{suffix}")] == [MESSAGES, None]
