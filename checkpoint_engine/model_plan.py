@@ -42,12 +42,14 @@ def plan_model_update(model: nn.Module, parts: LocalParts, bucket_bytes: int, re
         dtype = their_tensors[theirs[name].target].dtype
         el = dtype.itemsize
         specs.append(TensorSpec(name, p.shape, str(dtype).removeprefix("torch."), p.numel * el))
-        ranges = []
-        for rank, held in enumerate(everyone):
-            lo, hi = held[p.target]
-            a, b = max(lo, p.offset), min(hi, p.offset + p.numel)
+        ranges, covered = [], p.offset
+        # FSDP shards are disjoint runs in rank order; a tensor FSDP leaves whole (a buffer such as the
+        # router's score-correction bias) is held by every rank, and the lowest rank sends it
+        for lo, hi, rank in sorted((*held[p.target], rank) for rank, held in enumerate(everyone)):
+            a, b = max(lo, covered), min(hi, p.offset + p.numel)
             if a < b:
                 ranges.append((rank, (a - p.offset) * el, (b - p.offset) * el))
+                covered = b
         owners[name] = ranges
     return plan_buckets(specs, bucket_bytes, owners)
 

@@ -25,7 +25,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from engines.hf_io import load_pretrained
+from engines.hf_io import load_pretrained, read_config
 from engines.inference import Completion, InferenceEngine, InvalidRequestError, SamplingParams
 from engines.tokenizer import TextTokenizer
 
@@ -124,6 +124,7 @@ class ServedModel:
     def __init__(self, model_dir: str | Path, name: str | None = None, dtype: str = "float32",
                  max_num_seqs: int = 256, kv_cache_bytes: int = 512 * 2**20) -> None:
         self.name = name or Path(model_dir).name
+        read_config(model_dir)  # a missing or unreadable model directory is named before its tokenizer
         self.tokenizer = TextTokenizer.load(model_dir)
         model = load_pretrained(model_dir, getattr(torch, dtype))
         self.engine = InferenceEngine(model, self.tokenizer.eos_ids, self.tokenizer.pad_id,

@@ -15,7 +15,10 @@ from typing import Any
 from rl.errors import UserError
 
 STATE_FILE = "state.json"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+#: what a saved model carries over from the starting directory: the tokenizer in every format transformers
+#: writes (the chat template may be its own file) and the generation config (EOS lists, sampling defaults)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json", "generation_config.json")
 
 
 @dataclass

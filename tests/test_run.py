@@ -38,12 +38,23 @@ def tiny(**sections):
     return parse_config(raw)
 
 
-@pytest.mark.parametrize(("sleep_level", "workers"), [(1, 1), (2, 1), (1, 2)])
-def test_weight_update_makes_inference_bitwise_equal(ray_cluster, sleep_level, workers):
+K2_TINY = {"family": "deepseek_v3", "moe": {"q_lora_rank": 16, "kv_lora_rank": 8, "qk_nope_head_dim": 8,
+                                             "qk_rope_head_dim": 4, "v_head_dim": 8, "n_routed_experts": 4,
+                                             "moe_intermediate_size": 16}}
+
+
+@pytest.mark.parametrize(("sleep_level", "workers", "dtype", "arch"),
+                         [(1, 1, None, {}), (2, 1, None, {}), (1, 2, None, {}), (1, 1, "bfloat16", {}),
+                          (2, 2, "bfloat16", K2_TINY)])
+def test_weight_update_makes_inference_bitwise_equal(ray_cluster, sleep_level, workers, dtype, arch):
     """Rollout, sleep (level 2 discards the inference weights), onload, train (FSDP2-sharded over
-    two workers in the last case), offload, wake, update from the offloaded shards: every inference
-    engine then holds the trainer's full weights bit for bit and generates again."""
-    cfg = tiny(rollout={"sleep_level": sleep_level}, cluster={"workers": workers})
+    two workers), offload, wake, update from the offloaded shards: every inference engine then holds
+    the trainer's full weights bit for bit (cast to bfloat16 where its replica is bfloat16; the Kimi K2
+    layout's experts and latent attention included; fused q/k/v and gate/up in the replica) and
+    generates again."""
+    ws = json.loads(json.dumps(TINY["warmstart"]))
+    ws["architecture"].update(arch)
+    cfg = tiny(rollout={"sleep_level": sleep_level, "dtype": dtype}, cluster={"workers": workers}, warmstart=ws)
     model_dir = prepare_model(cfg)
     with Cluster(cfg, str(model_dir)) as cluster:
         assert cluster.num_buckets > 3
@@ -63,10 +74,13 @@ def test_weight_update_makes_inference_bitwise_equal(ray_cluster, sleep_level, w
         cluster.update_weights()
         after = [ray.get(r.state_dict.remote()) for r in cluster.rollouts]
         assert len(cluster.generate(prompts, params, seed=1)) == 4
+    # the cast reference; the router's score-correction bias stays float32 in any replica, as DeepSeek stores it
+    want = {k: v if k.endswith("e_score_correction_bias") else v.to(getattr(torch, dtype or "float32"))
+            for k, v in trained.items()}
     for replica in after:
         assert set(replica) == set(trained)
         for k in trained:
-            assert torch.equal(replica[k], trained[k]), k
+            assert replica[k].dtype == want[k].dtype and torch.equal(replica[k], want[k]), k
 
 
 def test_run_outputs_and_exact_resume(ray_cluster, tmp_path):
@@ -145,3 +159,51 @@ def test_failed_save_leaves_last_checkpoint_intact(tmp_path):
         save_checkpoint(tmp_path, LoopState(9, 0.1, 2.0), broken, tmp_path / "tok", keep=2)
     ckpt, state = latest_checkpoint(tmp_path)
     assert state.iteration == 4 and (ckpt / "model.safetensors").read_text() == "weights"
+
+
+def _qwen_format_dir(d, tokenizer_corpus: list[str]) -> None:
+    """A Qwen3-format directory made here: random tiny Qwen3 (vocabulary padded past the tokenizer's, as
+    Qwen's is), a byte-level BPE with ChatML special tokens and chat template, EOS list in generation_config."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                                 pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(tokenizer_corpus, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    hf_tok = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>",
+                                                  pad_token="<|endoftext|>")
+    hf_tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                            "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    hf_tok.save_pretrained(d)
+    torch.manual_seed(0)
+    cfg = transformers.Qwen3Config(vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                   max_position_embeddings=256, eos_token_id=2, pad_token_id=0)
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(d)
+    transformers.GenerationConfig(eos_token_id=[2, 0], pad_token_id=0).save_pretrained(d)
+
+
+def test_a_qwen3_format_directory_trains_with_model_path(ray_cluster, tmp_path):
+    """`model.path` on a Qwen3-format directory: chat-format tasks rendered with its template, a run, and a
+    final model that transformers loads as Qwen3 with the tokenizer and generation config carried over."""
+    tasks = ArithmeticEnv.generate_tasks(60, seed=3)
+    _qwen_format_dir(tmp_path / "qwen", [t.prompt + t.meta["solution"] for t in tasks])
+    for name, part in (("train", tasks[:50]), ("eval", tasks[50:])):
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(
+            {"messages": [{"role": "user", "content": t.prompt}], "answer": t.answer}) + "\n" for t in part))
+    cfg = tiny(model={"path": str(tmp_path / "qwen")}, run={"iterations": 2, "eval_every": 1, "save_every": 2},
+               env={"train_tasks": str(tmp_path / "train.jsonl"), "eval_tasks": str(tmp_path / "eval.jsonl")})
+    summary = train(cfg, tmp_path / "run")
+    assert summary["iterations"] == 2
+    records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["loss"] == r["loss"] for r in records)  # trained: a finite loss every iteration
+    final = tmp_path / "run" / "final"
+    model = transformers.AutoModelForCausalLM.from_pretrained(final)
+    assert type(model).__name__ == "Qwen3ForCausalLM"
+    start = load_file(str(tmp_path / "qwen" / "model.safetensors"))
+    assert any(not torch.equal(model.state_dict()[k], v) for k, v in start.items())
+    tok = transformers.AutoTokenizer.from_pretrained(final)
+    assert tok.chat_template and json.loads((final / "generation_config.json").read_text())["eos_token_id"] == [2, 0]
