@@ -18,7 +18,7 @@ from rich.progress import Progress
 
 from engines.arch import make_config
 from engines.hf_io import ModelDirError, read_config, save_pretrained
-from engines.model import CausalLM
+from engines.model import CausalLM, track_max_logits
 from engines.tokenizer import train_tokenizer
 from engines.training import TrainingEngine
 from rl.algorithm import sft_update
@@ -27,6 +27,7 @@ from rl.data import SFT_SEED
 from rl.episodes import env_class
 from rl.errors import UserError
 from rl.optim import build_optimizers
+from rl.qk_clip import qk_clip
 
 FORMAT_VERSION = 1  # bump when the warm-start recipe changes, to invalidate caches
 
@@ -37,7 +38,8 @@ def cache_root() -> Path:
 
 def warmstart_key(cfg: Config) -> str:
     env = cfg.env_entries[0]  # the warm start learns the first environment of a task mix
-    blob = json.dumps([FORMAT_VERSION, env.name, env.kwargs, cfg.warmstart.model_dump(mode="json")], sort_keys=True)
+    blob = json.dumps([FORMAT_VERSION, env.name, env.kwargs, cfg.warmstart.model_dump(mode="json"),
+                       cfg.optimizer.qk_clip_tau], sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -59,7 +61,9 @@ def prepare_model(cfg: Config, progress: Progress | None = None) -> Path:
 
 
 def build_warmstart(cfg: Config, target: Path, progress: Progress | None = None) -> None:
-    """Train the tokenizer and the tiny model with SFT on reference solutions; save atomically."""
+    """Train the tokenizer and the tiny model with SFT on reference solutions; save atomically. The SFT
+    optimizer is MuonClip with the run's ``optimizer.qk_clip_tau``, as in K2's pre-training, so the model
+    RL starts from already keeps its attention logits within τ."""
     ws, env = cfg.warmstart, cfg.env_entries[0]
     try:
         tasks = env_class(env).generate_tasks(ws.num_examples, SFT_SEED, **env.kwargs)
@@ -75,14 +79,19 @@ def build_warmstart(cfg: Config, target: Path, progress: Progress | None = None)
                        bos_token_id=None, tie_word_embeddings=False, **a.hf_kwargs())
     model = CausalLM(arch)
     engine = TrainingEngine(model, build_optimizers(model, "muon", ws.lr, 0.0), tok.pad_id)
+    tau = cfg.optimizer.qk_clip_tau
+    track_max_logits(model, tau is not None)
     prompts = [tok.encode(t.prompt) for t in tasks]
     responses = [[*tok.encode(t.meta["solution"]), tok.eos_id] for t in tasks]
     bar = progress.add_task("warm start (SFT)", total=ws.steps) if progress else None
     for _ in range(ws.steps):
         idx = rng.sample(range(len(tasks)), min(ws.batch_size, len(tasks)))
         m = sft_update(engine, [prompts[i] for i in idx], [responses[i] for i in idx], ws.batch_size)
+        if tau is not None:
+            qk_clip(model, tau)
         if progress is not None:
             progress.update(bar, advance=1, description=f"warm start (SFT) loss {m['loss']:.3f}")
+    track_max_logits(model, False)
     tmp = target.with_name(target.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     save_pretrained(model, tok, tmp)

@@ -11,9 +11,7 @@ All in float32 within 1e-5.
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
-import socket
 import traceback
 from pathlib import Path
 
@@ -26,6 +24,7 @@ from engines.inference import InferenceEngine, SamplingParams
 from engines.model import padded_causal_mask, positions_from_valid
 from engines.moe import Router
 from engines.training import TrainingEngine
+from tests.ranks import run_ranks
 
 VOCAB = 128
 BASE = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
@@ -244,7 +243,7 @@ def test_missing_or_misshaped_tensor_names_the_tensor_and_file(tmp_path):
 
 
 # ------------------------------------------------- 2 processes: each rank reads only its own rows
-def _load_worker(rank: int, port: int, model_dir: str, out_dir: str) -> None:
+def _load_worker(rank: int, world: int, port: int, out_dir: str, model_dir: str) -> None:
     import safetensors
     import torch.distributed as dist
 
@@ -254,7 +253,7 @@ def _load_worker(rank: int, port: int, model_dir: str, out_dir: str) -> None:
 
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
         read = {"elements": 0}
         real_open = safetensors.safe_open
 
@@ -313,23 +312,9 @@ def test_sharded_start_up_reads_only_each_ranks_rows(name, tmp_path):
     torch.manual_seed(0)
     transformers.AutoModelForCausalLM.from_config(getattr(transformers, cls_name)(**{**BASE, **kw})).save_pretrained(
         tmp_path / "model")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=_load_worker, args=(r, port, str(tmp_path / "model"), str(tmp_path)))
-             for r in range(2)]
-    [p.start() for p in procs]
-    for p in procs:
-        p.join(timeout=300)
-        if p.is_alive():
-            p.kill()
-            p.join()
-    errors = "\n".join(e.read_text() for e in sorted(tmp_path.glob("*.err")))
-    assert all(p.exitcode == 0 for p in procs), errors
+    results = run_ranks(_load_worker, tmp_path, str(tmp_path / "model"))
     files = load_file(str(tmp_path / "model" / "model.safetensors"))
     total = sum(t.numel() for t in files.values())
-    results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
     for res in results:
         assert res["read"] < 0.6 * total  # its own rows (1-D norms split too), not the whole checkpoint
         assert set(res["state"]) == set(files)

@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import copy
 import math
-import multiprocessing
 import os
-import socket
 import traceback
 from pathlib import Path
 
@@ -25,6 +23,7 @@ from rl.muon import ShardedMuon, assign_owners
 from rl.optim import build_optimizers
 from rl.qk_clip import qk_clip
 from tests.conftest import tiny_config
+from tests.ranks import run_ranks
 
 MUON_SHAPES = [(37, 16), (24, 37), (1, 24), (37, 16), (16, 16)]  # odd rows, a 1-row matrix, a repeated shape
 MUON_STEPS = 4
@@ -359,21 +358,7 @@ def _dist_worker(rank: int, world: int, port: int, out_dir: str) -> None:
 
 @pytest.fixture(scope="module")
 def dist_results(tmp_path_factory) -> list[dict]:
-    out = tmp_path_factory.mktemp("dist")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=_dist_worker, args=(r, 2, port, str(out))) for r in range(2)]
-    [p.start() for p in procs]
-    for p in procs:
-        p.join(timeout=300)
-        if p.is_alive():  # a hung collective: fail rather than wait forever
-            p.kill()
-            p.join()
-    errors = "\n".join(e.read_text() for e in sorted(out.glob("*.err")))
-    assert all(p.exitcode == 0 for p in procs), errors or [p.exitcode for p in procs]
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    return run_ranks(_dist_worker, tmp_path_factory.mktemp("dist"))
 
 
 def test_fsdp2_sharded_muon_equals_single_process_muon(dist_results):

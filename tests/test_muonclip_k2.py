@@ -9,9 +9,7 @@ expert's matrix is orthogonalised on its own, exactly as torch.optim.Muon does a
 from __future__ import annotations
 
 import math
-import multiprocessing
 import os
-import socket
 import traceback
 from pathlib import Path
 
@@ -26,6 +24,7 @@ from engines.moe import Router
 from rl.muon import ShardedMuon
 from rl.optim import build_optimizers
 from rl.qk_clip import qk_clip
+from tests.ranks import run_ranks
 
 TAU = 11.5  # between the heads' maxima (about 7 to 15.5): some heads clipped, some not
 EXPERTS, ROWS, COLS = 5, 12, 8  # an odd expert count: the two FSDP ranks hold 3 and 2 experts
@@ -223,7 +222,7 @@ def test_muon_orthogonalises_each_expert_on_its_own():
     assert (flat.detach().reshape_as(want) - want).abs().max() > 1e-3
 
 
-def _dist_worker(rank: int, port: int, out_dir: str) -> None:
+def _dist_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -231,8 +230,8 @@ def _dist_worker(rank: int, port: int, out_dir: str) -> None:
 
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-        mesh = init_device_mesh("cpu", (2,))
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        mesh = init_device_mesh("cpu", (world,))
         torch.manual_seed(0)
         holder = nn.Module()
         holder.experts = nn.Parameter(torch.randn(EXPERTS, ROWS, COLS))
@@ -250,21 +249,8 @@ def _dist_worker(rank: int, port: int, out_dir: str) -> None:
 
 
 def test_fsdp2_sharded_expert_stack_equals_per_expert_muon(tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=_dist_worker, args=(r, port, str(tmp_path))) for r in range(2)]
-    [p.start() for p in procs]
-    for p in procs:
-        p.join(timeout=300)
-        if p.is_alive():
-            p.kill()
-            p.join()
-    errors = "\n".join(e.read_text() for e in sorted(tmp_path.glob("*.err")))
-    assert all(p.exitcode == 0 for p in procs), errors
+    results = run_ranks(_dist_worker, tmp_path)
     want = torch.stack(per_expert_reference()[-1])
-    results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     assert [r["local"] for r in results] == [3, 2]  # whole experts on each rank
     for r in results:
         torch.testing.assert_close(r["full"], want, atol=1e-6, rtol=0)

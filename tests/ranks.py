@@ -1,0 +1,29 @@
+"""Spawned processes that form a gloo group on loopback, for the tests of sharded code."""
+
+from __future__ import annotations
+
+import multiprocessing
+import socket
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+
+def run_ranks(target: Callable, out_dir: Path, *args, world: int = 2, timeout_s: float = 300) -> list:
+    """Run ``target(rank, world, port, out_dir, *args)`` in ``world`` spawned processes; each writes
+    ``rank{r}.pt`` (or ``rank{r}.err`` with its traceback). Returns what the ranks saved, in rank order."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=target, args=(r, world, port, str(out_dir), *args)) for r in range(world)]
+    [p.start() for p in procs]
+    for p in procs:
+        p.join(timeout=timeout_s)
+        if p.is_alive():  # a hung collective: fail rather than wait forever
+            p.kill()
+            p.join()
+    errors = "\n".join(e.read_text() for e in sorted(Path(out_dir).glob("*.err")))
+    assert all(p.exitcode == 0 for p in procs), errors or [p.exitcode for p in procs]
+    return [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=False) for r in range(world)]
