@@ -41,6 +41,11 @@ def _cmd_check(args: argparse.Namespace) -> None:
 
     cfg = load_config(args.config, args.set)
     print(dump_config(cfg), end="")
+    if cfg.cluster.ray_address is not None and cfg.model.path and not Path(cfg.model.path).exists():
+        # a run for a remote cluster (rl launch): its model directory lives there, not here
+        print(f"# memory per worker: not estimated, {cfg.model.path} is not on this machine "
+              "(the run checks it at start)")
+        return
     est = estimate_run(cfg)
     print(f"# memory per worker ({cfg.cluster.workers} workers; activations not counted):")
     print("\n".join(f"#{line}" for line in est.table().splitlines()))

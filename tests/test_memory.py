@@ -87,3 +87,12 @@ def test_the_qwen3_8b_gpu_config_fits_an_80gb_gpu_per_worker(tmp_path):
     est = estimate(cfg, read_config(tmp_path), 512 + cfg.rollout.max_tokens)
     assert 8.1e9 < est.params < 8.3e9 and est.kv_sequences >= 64
     assert est.device_peak < 80e9 * 0.9  # room for activations on an 80 GB H100
+
+
+def test_check_config_of_a_remote_run_needs_no_local_model_directory(tmp_path, capsys):
+    """`rl launch` validates a cluster run here, where the cluster's model directory does not exist."""
+    (tmp_path / "run.yaml").write_text(json.dumps({"model": {"path": "/models/not-here"}}))
+    assert main(["check-config", str(tmp_path / "run.yaml"), "--set", "cluster.ray_address=auto"]) == 0
+    assert "not estimated, /models/not-here is not on this machine" in capsys.readouterr().out
+    assert main(["check-config", str(tmp_path / "run.yaml")]) == 2  # a local run: the directory must exist
+    assert "model.path: model directory /models/not-here does not exist" in capsys.readouterr().err
