@@ -61,12 +61,9 @@ def generate_with_budget(engine: InferenceEngine, requests: Sequence[tuple[list[
                 engine.add_request(prompt, params, request_id=rid)
             except InvalidRequestError as e:
                 done(Completion([], [], "error", list(prompt), error=str(e), request_id=rid, params=params))
-        generated = 0
-        while engine.has_unfinished() and (token_budget is None or generated < token_budget):
-            running, waiting = len(engine.running), len(engine.waiting)
+        start = engine.generated
+        while engine.has_unfinished() and (token_budget is None or engine.generated - start < token_budget):
             out = engine.step()
-            # a step decodes one token per running request and samples the first token of each admitted one
-            generated += running + waiting - len(engine.waiting)
             for c in out:
                 done(c)
     except BaseException:

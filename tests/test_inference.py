@@ -72,19 +72,40 @@ def test_continuous_batching_never_exceeds_slots_and_refills(tiny_model, tokeniz
 
 
 def test_samples_of_one_prompt_share_one_prefill(tiny_model, tokenizer):
-    widths = []
+    computed = []
     forward = tiny_model.forward
 
     def spy(ids, *a, **kw):
-        if ids.shape[1] > 1:
-            widths.append(ids.shape[0])
+        computed.append(ids.shape[1])  # tokens of one step's flat batch
         return forward(ids, *a, **kw)
 
     tiny_model.forward = spy
     prompts = [tokenizer.encode(t) for t in TEXTS[:3] for _ in range(5)]
-    outs = engine(tiny_model, tokenizer).generate(prompts, SamplingParams(1.0, 8))
-    assert widths == [3]  # one prefill row per distinct prompt
+    eng = engine(tiny_model, tokenizer)
+    outs = eng.generate(prompts, SamplingParams(1.0, 8))
+    distinct = sum(map(len, {tuple(p) for p in prompts}))
+    # each distinct prompt is computed once; then one token per sample per step (its previous token)
+    assert sum(computed) == distinct + sum(len(c.token_ids) - 1 for c in outs)
+    stats = eng.stats()
+    assert stats["prefix_miss_tokens"] == distinct and stats["prefix_hit_tokens"] == 4 * distinct
     assert len({tuple(c.token_ids) for c in outs}) > 3  # the samples still differ
+
+
+def test_samples_share_the_prompt_blocks_and_copy_the_block_they_write(tiny_model, tokenizer):
+    prompt = tokenizer.encode(TEXTS[2])
+    assert len(prompt) % 4 != 0  # the prompt ends inside a block
+    eng = engine(tiny_model, tokenizer, block_size=4)
+    for i in range(3):
+        eng.add_request(prompt, SamplingParams(1.0, 6, ignore_eos=True, seed=i))
+    eng.step()  # one prefill, three rows sharing its blocks
+    tables = [r.seq.blocks for r in eng.running]
+    assert len(eng.running) == 3 and tables[0] == tables[1] == tables[2]
+    full = len(prompt) // 4
+    eng.step()  # each writes its first token into the shared partial block: two copies, one in place
+    tables = [r.seq.blocks for r in eng.running]
+    assert all(t[:full] == tables[0][:full] for t in tables)
+    assert len({t[full] for t in tables}) == 3
+    assert eng.stats()["kv_blocks_used"] == full + 3
 
 
 def test_sampler_matches_the_distribution_and_filters():
