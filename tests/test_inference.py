@@ -7,8 +7,10 @@ import math
 import pytest
 import torch
 
+from engines.arch import make_config
 from engines.inference import InferenceEngine, InvalidRequestError, SamplingParams
-from engines.model import padded_causal_mask, positions_from_valid
+from engines.kv_cache import bytes_per_token
+from engines.model import build_model, padded_causal_mask, positions_from_valid
 from engines.sampling import RowParams, sample
 from engines.training import TrainingEngine
 
@@ -145,6 +147,31 @@ def test_top_k_one_is_greedy_and_seeds_reproduce(tiny_model, tokenizer):
     assert len({tuple(x.token_ids) for x in b}) > 1  # unseeded requests differ from each other
 
 
+def test_a_request_draws_the_same_tokens_whatever_filters_its_batch_mates_use(tiny_model, tokenizer):
+    prompt = tokenizer.encode(TEXTS[0])
+    params = [SamplingParams(1.0, 12, seed=1), SamplingParams(1.0, 12, top_k=5, seed=2),
+              SamplingParams(1.0, 12, top_p=0.8, seed=3), SamplingParams(0.0, 12)]
+    eng = engine(tiny_model, tokenizer)
+    alone = [eng.generate([prompt], [p])[0].token_ids for p in params]
+    together = [c.token_ids for c in eng.generate([prompt] * 4, params)]
+    assert together == alone
+
+
+def test_latent_attention_caches_only_the_latent_and_rotary_key():
+    cfg = make_config("deepseek_v3", vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16,
+                      qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=4,
+                      num_experts_per_tok=2, n_group=1, topk_group=1, max_position_embeddings=64)
+    # per token and layer: kv_lora_rank + rope dims, not heads x (nope + rope + v) = 4 x 40
+    assert bytes_per_token(cfg, torch.bfloat16) == 2 * (16 + 8) * 2
+    torch.manual_seed(0)
+    eng = InferenceEngine(build_model(cfg, init=True, fused=True), eos_id=None, max_seq_len=64,
+                          kv_cache_bytes=1 << 16)
+    assert eng.kv_cache_bytes // bytes_per_token(cfg, torch.float32) == eng.num_blocks * eng.block_size
+    out = eng.generate([[1, 2, 3, 4, 5]], SamplingParams(1.0, 8, seed=0))[0]
+    assert eng.kv.v is None and eng.kv.k.shape[-1] == 24 and len(out.token_ids) == 8
+
+
 def test_stop_reasons(tiny_model, tokenizer):
     prompt = tokenizer.encode(TEXTS[2])
     eng = engine(tiny_model, tokenizer)
@@ -192,15 +219,16 @@ def test_pause_resume_continues_the_same_sample(tiny_model, tokenizer):
 
 def test_resume_after_weight_update_recomputes_with_new_weights(tiny_model, tokenizer):
     prompt = tokenizer.encode(TEXTS[0])
-    eng = engine(tiny_model, tokenizer)
+    eng = engine(tiny_model, tokenizer, block_size=4)  # small blocks: the paused prefix is cached
     eng.add_request(prompt, SamplingParams(1.0, 12, ignore_eos=True, seed=2))
     for _ in range(5):
         eng.step()
     (paused,) = eng.pause()
     old_lp = trainer_logprobs(tiny_model, [prompt], [paused.token_ids], 1.0)[0]
-    with torch.no_grad():  # an update lands in place, as the checkpoint engine does
+    with torch.no_grad():  # an update lands in place, as the checkpoint engine does, and is declared
         for t in eng.named_tensors().values():
             t.mul_(1.05)
+    eng.weights_loaded()
     eng.resume([paused])
     (done,) = [c for _ in range(20) for c in eng.step()]
     n = len(paused.token_ids)
@@ -208,6 +236,77 @@ def test_resume_after_weight_update_recomputes_with_new_weights(tiny_model, toke
     torch.testing.assert_close(torch.tensor(done.logprobs[:n]), old_lp, atol=1e-5, rtol=0)
     new_lp = trainer_logprobs(tiny_model, [prompt], [done.token_ids], 1.0)[0]
     torch.testing.assert_close(torch.tensor(done.logprobs[n:]), new_lp[n:], atol=1e-5, rtol=0)
+
+
+def test_resume_with_unchanged_weights_reuses_the_cached_prefix(tiny_model, tokenizer):
+    prompts = [tokenizer.encode(t) for t in TEXTS]
+    params = SamplingParams(1.0, 20, ignore_eos=True)
+    ref = engine(tiny_model, tokenizer, seed=5).generate(prompts, params)
+    eng = engine(tiny_model, tokenizer, seed=5, block_size=4)
+    for p in prompts:
+        eng.add_request(p, params)
+    for _ in range(9):
+        eng.step()
+    paused = eng.pause()
+    held = sum(len(c.prompt_ids) + len(c.token_ids) for c in paused)
+    before = eng.stats()
+    eng.resume(paused)
+    done = {c.request_id: c for c in eng.step()}  # the whole resumed batch is admitted at once
+    after = eng.stats()
+    missed = after["prefix_miss_tokens"] - before["prefix_miss_tokens"]
+    # only what is past each request's last full block is computed again (under one block each)
+    assert after["prefix_hit_tokens"] - before["prefix_hit_tokens"] + missed == held
+    assert missed < 4 * len(paused)
+    while eng.has_unfinished():
+        done.update({c.request_id: c for c in eng.step()})
+    for i, r in enumerate(ref):
+        assert done[i].token_ids == r.token_ids
+        torch.testing.assert_close(done[i].logprobs, r.logprobs, atol=1e-5, rtol=0)
+    # declared new weights drop every cached prefix
+    eng.weights_loaded()
+    hits = eng.stats()["prefix_hit_tokens"]
+    eng.generate(prompts[:1], params)
+    assert eng.stats()["prefix_hit_tokens"] == hits
+
+
+def test_out_of_blocks_preempts_and_recomputes_the_same_tokens(tiny_model, tokenizer):
+    prompts = [tokenizer.encode(t) for t in TEXTS] * 2
+    params = [SamplingParams(1.0, 40, ignore_eos=True, seed=i) for i in range(len(prompts))]
+    ref = engine(tiny_model, tokenizer).generate(prompts, params)
+    per_token = tiny_model.config.num_hidden_layers * 2 * 2 * 8 * 4  # layers x (k, v) x kv heads x dim x float32
+    eng = engine(tiny_model, tokenizer, block_size=4, max_seq_len=64, kv_cache_bytes=24 * 4 * per_token)
+    outs = eng.generate(prompts, params)
+    assert eng.stats()["preemptions"] > 0 and eng.stats()["kv_blocks"] == 24
+    for a, b in zip(outs, ref, strict=True):
+        assert a.token_ids == b.token_ids
+        torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_while_others_decode(tiny_model, tokenizer):
+    long_prompt = tokenizer.encode(" ".join(TEXTS * 2))
+    short = [tokenizer.encode(t) for t in TEXTS[:3]]
+    params = SamplingParams(1.0, 30, ignore_eos=True, seed=1)
+    ref = engine(tiny_model, tokenizer).generate([long_prompt, *short], params)
+    eng = engine(tiny_model, tokenizer, max_num_seqs=4, max_batch_tokens=8)
+    for p in short:
+        eng.add_request(p, params)
+    while len(eng.running) < 3:
+        eng.step()
+    eng.add_request(long_prompt, params)
+    steps = 0
+    while len(eng.running) < 4:
+        lengths = [len(r.tokens) for r in eng.running]
+        eng.step()
+        steps += 1
+        assert [len(r.tokens) for r in eng.running[:3]] == [n + 1 for n in lengths]  # nobody stalls
+    assert steps >= len(long_prompt) // 5  # at most 8 - 3 prompt tokens per step
+    outs = {}
+    while eng.has_unfinished():
+        outs.update({c.request_id: c for c in eng.step()})
+    got = [outs[3], outs[0], outs[1], outs[2]]
+    for a, b in zip(got, ref, strict=True):
+        assert a.token_ids == b.token_ids
+        torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
 
 
 def test_sleep_frees_and_wake_restores(tiny_model, tokenizer):
