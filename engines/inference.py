@@ -91,6 +91,7 @@ class InferenceEngine:
         self._host_weights: dict[str, torch.Tensor] = {}  # pinned once, reused by every sleep
         self._offloaded: dict[str, tuple[torch.Size, int]] = {}  # emptied by sleep: shape, level
         self.generated = 0  # tokens sampled over the engine's life
+        self.steps = 0  # forwards run over the engine's life
         self.graphs = DecodeGraphs(self) if cuda_graphs and self.device.type == "cuda" else None
         self._alloc_state()
 
@@ -190,6 +191,7 @@ class InferenceEngine:
             return []
         self._sync_tables(n, plan.dirty)
         logits = self._forward(n, plan)
+        self.steps += 1
         # prefills that reached their last token start decoding: rows for them and the samples sharing them
         src = list(range(n))
         for j, (r, _, end) in enumerate(plan.chunks):
@@ -219,12 +221,13 @@ class InferenceEngine:
         return ids
 
     def stats(self) -> dict[str, float]:
-        """Prefix-cache and memory counters: hit and missed prompt tokens, blocks, preemptions."""
+        """Counters: prompt tokens found in the prefix cache and computed, blocks, preemptions, tokens, steps."""
         a = self.sched.alloc
         looked = a.hits + a.misses
         return {"prefix_hit_tokens": a.hits, "prefix_miss_tokens": a.misses,
                 "prefix_hit_rate": a.hits / looked if looked else 0.0, "kv_blocks": a.num_blocks,
-                "kv_blocks_used": a.used(), "preemptions": self.sched.preemptions, "generated_tokens": self.generated}
+                "kv_blocks_used": a.used(), "preemptions": self.sched.preemptions, "generated_tokens": self.generated,
+                "steps": self.steps}
 
     # --- colocation -----------------------------------------------------------------------
 
