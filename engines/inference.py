@@ -43,6 +43,8 @@ __all__ = ["Completion", "InferenceEngine", "InvalidRequestError", "SamplingPara
 
 #: Most stop token ids one request may name (besides EOS).
 MAX_STOP_IDS = 16
+#: Tokens per KV block on a GPU (flex_attention's block masks work in tiles of at least this size).
+GPU_BLOCK_SIZE = 128
 
 
 class InferenceEngine:
@@ -52,13 +54,15 @@ class InferenceEngine:
     hold at least one sequence of ``max_seq_len`` tokens (prompt + response, default the model's
     context). At most ``max_num_seqs`` sequences decode at once; a step computes at most
     ``max_batch_tokens`` tokens (decode rows first, then prompt chunks). ``detokenize`` turns token
-    ids into text; it is needed only for stop strings.
+    ids into text; it is needed only for stop strings. ``attention``: "torch" (the default on CPU) or
+    "flex" (flex_attention through block masks, the default on a GPU); see ``engines.kv_cache``.
     """
 
     def __init__(self, model: CausalLM, eos_id: int | Sequence[int] | None, pad_id: int | None = None, *,
                  max_seq_len: int | None = None, kv_cache_bytes: int = 512 * 2**20, max_num_seqs: int = 512,
-                 max_batch_tokens: int = 8192, block_size: int = BLOCK_SIZE, seed: int = 0,
-                 detokenize: Callable[[list[int]], str] | None = None, cuda_graphs: bool = True) -> None:
+                 max_batch_tokens: int = 8192, block_size: int | None = None, seed: int = 0,
+                 detokenize: Callable[[list[int]], str] | None = None, cuda_graphs: bool = True,
+                 attention: str | None = None) -> None:
         self.model = model.eval().requires_grad_(False)
         cfg = model.config
         # a model may end a turn with any of several tokens (Llama 3: <|eot_id|> and <|end_of_text|>)
@@ -70,10 +74,13 @@ class InferenceEngine:
                              f"{cfg.max_position_embeddings}")
         p = next(model.parameters())
         self.dtype, self.device = p.dtype, p.device
-        self.block_size = block_size
-        per_block = bytes_per_token(cfg, self.dtype) * block_size
+        # on a GPU flex_attention reads the pool through block masks whose blocks match its tiles
+        gpu = self.device.type == "cuda"
+        self.attention = attention or ("flex" if gpu else "torch")
+        self.block_size = block_size or (GPU_BLOCK_SIZE if gpu else BLOCK_SIZE)
+        per_block = bytes_per_token(cfg, self.dtype) * self.block_size
         self.num_blocks = kv_cache_bytes // per_block
-        self.max_blocks = -(-self.max_seq_len // block_size)  # block-table width
+        self.max_blocks = -(-self.max_seq_len // self.block_size)  # block-table width
         if self.num_blocks < self.max_blocks:
             raise ValueError(f"a KV cache budget of {kv_cache_bytes} bytes holds no sequence of {self.max_seq_len} "
                              f"tokens ({per_block * self.max_blocks} bytes each); raise kv_cache_bytes or lower "
@@ -333,9 +340,9 @@ class InferenceEngine:
         pos = self.pos[:rows]
         width = width if width is not None else self._width(rows)
         table = self.block_table[:rows]
-        dec = Ragged.decode(table, pos, width, self.block_size)
         write = rows_of(table, pos[:, None], self.block_size)[:, 0]
-        return self.model(self.last[None, :rows], pos[None], cache=PagedPass(self._cache(), write, [dec]))[0]
+        step = PagedPass(self._cache(), write, [Ragged.decode(table, pos, width)], self.attention)
+        return self.model(self.last[None, :rows], pos[None], cache=step)[0]
 
     def _width(self, rows: int) -> int:
         return max(r.context_len for r in self.running[:rows])
@@ -354,38 +361,34 @@ class InferenceEngine:
                 return self.graphs.logits(n, self._width(n))
             return self.decode_logits(n)
         bs, dev = self.block_size, self.device
-        ids, positions, write, last = [], [], [], []
-        q_index, q_pos, key_rows = [], [], []
+        ids, positions, write, last, q_index, q_pos, tables = [], [], [], [], [], [], []
         offset = n
         for r, start, end in plan.chunks:
             ctx, blocks = r.context, r.seq.blocks
-            rows = [blocks[p // bs] * bs + p % bs for p in range(end)]
             ids += ctx[start:end]
             positions += range(start, end)
-            write += rows[start:]
+            write += [blocks[p // bs] * bs + p % bs for p in range(start, end)]
             q_index.append(list(range(offset, offset + end - start)))
             q_pos.append(list(range(start, end)))
-            key_rows.append(rows)
+            tables.append(blocks)
             offset += end - start
             last.append(offset - 1)
-        width_q, width_k = max(map(len, q_index)), max(map(len, key_rows))
-        pad = lambda rows, w: [x + [x[-1]] * (w - len(x)) for x in rows]  # noqa: E731
-        pre = Ragged(torch.tensor(pad(q_index, width_q), device=dev), torch.tensor(pad(q_pos, width_q), device=dev),
-                     torch.tensor(pad(key_rows, width_k), device=dev),
+        pad = lambda rows: [x + [x[-1]] * (max(map(len, rows)) - len(x)) for x in rows]  # noqa: E731
+        width_q = max(map(len, q_index))
+        pre = Ragged(torch.tensor(pad(q_index), device=dev), torch.tensor(pad(q_pos), device=dev),
+                     torch.tensor(pad(tables), device=dev), max(end for _, _, end in plan.chunks),
                      torch.tensor([[j < len(x) for j in range(width_q)] for x in q_index], device=dev))
-        tail_ids = torch.tensor(ids, device=dev)
-        tail_pos = torch.tensor(positions, device=dev)
-        tail_write = torch.tensor(write, device=dev)
-        groups = [pre]
+        flat_ids, flat_pos = torch.tensor(ids, device=dev), torch.tensor(positions, device=dev)
+        flat_write, groups = torch.tensor(write, device=dev), [pre]
         if n:
             table, pos = self.block_table[:n], self.pos[:n]
-            groups.insert(0, Ragged.decode(table, pos, self._width(n), bs))
-            tail_ids = torch.cat((self.last[:n], tail_ids))
-            tail_pos = torch.cat((pos, tail_pos))
-            tail_write = torch.cat((rows_of(table, pos[:, None], bs)[:, 0], tail_write))
+            groups.insert(0, Ragged.decode(table, pos, self._width(n)))
+            flat_ids = torch.cat((self.last[:n], flat_ids))
+            flat_pos = torch.cat((pos, flat_pos))
+            flat_write = torch.cat((rows_of(table, pos[:, None], bs)[:, 0], flat_write))
         select = torch.cat((torch.arange(n, device=dev), torch.tensor(last, device=dev)))
-        return self.model(tail_ids[None], tail_pos[None], cache=PagedPass(self._cache(), tail_write, groups),
-                          select=select)
+        step = PagedPass(self._cache(), flat_write, groups, self.attention)
+        return self.model(flat_ids[None], flat_pos[None], cache=step, select=select)
 
     def _set_row(self, row: int, r: Request) -> None:
         p, g = r.params, len(r.tokens)

@@ -4,16 +4,20 @@ Keys and values of every layer live in one pool of fixed-size blocks (``engines.
 holds which block); row ``block * block_size + offset`` of a layer's pool is one token. A step of the
 engine runs one forward over a flat batch of tokens: one query per decoding sequence, plus chunks of
 prompts being prefilled. ``PagedPass`` is the ``AttentionCache`` of that forward: it writes the new
-tokens' keys/values into their rows, then lets each query attend to its own sequence's rows, gathered
-through the block table, up to its own position (and within a sliding window where the layer has
-one). Multi-head latent attention (DeepSeek-V3, Kimi K2) caches only its compressed latent and rotary
-key per token, one "head" whose first ``kv_lora_rank`` dimensions double as the values.
+tokens' keys/values into their rows, then lets each query attend to its own sequence's rows, found
+through its block table, up to its own position (and within a sliding window where the layer has one).
+Multi-head latent attention (DeepSeek-V3, Kimi K2) caches only its compressed latent and rotary key per
+token, one "head" whose first ``kv_lora_rank`` dimensions double as the values.
 
-This is the pure-torch path; it runs on every device and is the reference for faster kernels.
+Two ways to attend, same results: ``torch`` gathers each sequence's rows and runs two matmuls (every
+device; the reference), ``flex`` runs PyTorch's flex_attention over the whole pool with a block mask
+built from the block tables, so a query reads only its own blocks and nothing is gathered (the GPU
+path, compiled there; eager elsewhere, which the tests use to check it against ``torch``).
 """
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -44,7 +48,7 @@ def bytes_per_slot(cfg: ModelConfig, max_seq_len: int, dtype: torch.dtype) -> in
 
 
 class PagedKVCache:
-    """The block pool: keys [layers, blocks·block_size, heads, key dim], values likewise (or none)."""
+    """The block pool: keys [layers, heads, blocks·block_size, key dim], values likewise (or none)."""
 
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device | str | None = None) -> None:
@@ -52,8 +56,8 @@ class PagedKVCache:
         rows = num_blocks * block_size
         self.block_size, self.num_blocks = block_size, num_blocks
         # zeros, not empty: a masked key gets probability 0, and 0 * NaN garbage would be NaN
-        self.k = torch.zeros((cfg.num_hidden_layers, rows, heads, dk), dtype=dtype, device=device)
-        self.v = None if dv is None else torch.zeros((cfg.num_hidden_layers, rows, heads, dv), dtype=dtype,
+        self.k = torch.zeros((cfg.num_hidden_layers, heads, rows, dk), dtype=dtype, device=device)
+        self.v = None if dv is None else torch.zeros((cfg.num_hidden_layers, heads, rows, dv), dtype=dtype,
                                                      device=device)
         self.value_dim = dv if dv is not None else cfg.kv_lora_rank
 
@@ -66,7 +70,7 @@ class PagedKVCache:
         dst = torch.tensor([d * bs + i for _, d in pairs for i in range(bs)], device=self.k.device)
         for t in (self.k, self.v):
             if t is not None:
-                t[:, dst] = t[:, src]
+                t[:, :, dst] = t[:, :, src]
 
 
 def rows_of(block_table: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -79,32 +83,36 @@ class Ragged:
     """Queries of several sequences, padded to one batch, each attending to its own cached keys.
 
     ``q_index`` [S, Q]: the queries' places in the flat token axis; ``q_pos`` [S, Q]: their positions in
-    their sequence (padding repeats a real one); ``key_rows`` [S, K]: the pool rows of key positions
-    0..K-1 of each sequence; ``valid`` [S, Q]: which queries are real."""
+    their sequence (padding repeats a real one); ``table`` [S, B]: each sequence's block table (unused
+    entries any valid block); ``width``: keys 0..width-1 cover every query's sequence; ``valid`` [S, Q]:
+    which queries are real."""
 
     q_index: torch.Tensor
     q_pos: torch.Tensor
-    key_rows: torch.Tensor
+    table: torch.Tensor
+    width: int
     valid: torch.Tensor
 
     @classmethod
-    def decode(cls, block_table: torch.Tensor, positions: torch.Tensor, width: int, block_size: int) -> Ragged:
-        """One query per sequence at ``positions`` [n], keys 0..width-1 (device ops only: a CUDA graph
-        can capture it)."""
+    def decode(cls, block_table: torch.Tensor, positions: torch.Tensor, width: int) -> Ragged:
+        """One query per sequence at ``positions`` [n] (device ops only: a CUDA graph can capture it)."""
         n = positions.shape[0]
-        cols = torch.arange(width, device=positions.device)
-        keys = rows_of(block_table[:, : -(-width // block_size)], cols.expand(n, width), block_size)
         q_index = torch.arange(n, device=positions.device)[:, None]
-        return cls(q_index, positions[:, None], keys, torch.ones(n, 1, dtype=torch.bool, device=positions.device))
+        return cls(q_index, positions[:, None], block_table, width,
+                   torch.ones(n, 1, dtype=torch.bool, device=positions.device))
 
 
 class PagedPass:
     """``AttentionCache`` of one engine step: ``write_rows`` [N] are the pool rows of the step's N new
-    tokens; ``groups`` are the queries (decode rows, prefill chunks) and the keys each may see."""
+    tokens; ``groups`` are the queries (decode rows, prefill chunks) and the keys each may see;
+    ``backend`` is "torch" or "flex" (see the module's docstring)."""
 
-    def __init__(self, cache: PagedKVCache, write_rows: torch.Tensor, groups: list[Ragged]) -> None:
-        self.cache, self.write_rows, self.groups = cache, write_rows, groups
-        self._masks: dict[tuple[int, int | None], torch.Tensor] = {}
+    def __init__(self, cache: PagedKVCache, write_rows: torch.Tensor, groups: list[Ragged],
+                 backend: str = "torch") -> None:
+        if backend not in ("torch", "flex"):
+            raise ValueError(f"attention backend must be 'torch' or 'flex', got {backend!r}")
+        self.cache, self.write_rows, self.groups, self.backend = cache, write_rows, groups, backend
+        self._memo: dict[tuple, object] = {}  # per group: masks or block masks, shared by every layer
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, scale: float,
                window: int | None) -> torch.Tensor:
@@ -112,38 +120,113 @@ class PagedPass:
         ``v`` None: the values are the first dimensions of the keys (MLA's latent)."""
         c = self.cache
         kc = c.k[layer]
-        kc.index_copy_(0, self.write_rows, k[0].transpose(0, 1).to(kc.dtype))
+        kc.index_copy_(1, self.write_rows, k[0].to(kc.dtype))
         if v is not None:
-            c.v[layer].index_copy_(0, self.write_rows, v[0].transpose(0, 1).to(kc.dtype))
+            c.v[layer].index_copy_(1, self.write_rows, v[0].to(kc.dtype))
         qf = q[0].transpose(0, 1)  # [N, H, D]
         out = qf.new_empty(qf.shape[0], qf.shape[1], c.value_dim)
         for i, g in enumerate(self.groups):
-            res = self._attend_group(i, g, layer, qf, scale, window)
+            attend = self._flex if self.backend == "flex" else self._torch
+            res = attend(i, g, layer, qf[g.q_index], scale, window)  # [S, Q, H, Dv]
             out.index_copy_(0, g.q_index[g.valid], res[g.valid])
         return out.transpose(0, 1)[None]
 
-    def _attend_group(self, i: int, g: Ragged, layer: int, qf: torch.Tensor, scale: float,
-                      window: int | None) -> torch.Tensor:
+    def _values(self, layer: int) -> torch.Tensor:
         c = self.cache
-        nq = g.q_index.shape[1]
-        heads, kv_heads = qf.shape[1], c.k.shape[2]
-        keys = c.k[layer][g.key_rows]  # [S, K, KVH, Dk]
-        values = keys[..., : c.value_dim] if c.v is None else c.v[layer][g.key_rows]
+        return c.k[layer][..., : c.value_dim] if c.v is None else c.v[layer]
+
+    def _torch(self, i: int, g: Ragged, layer: int, q: torch.Tensor, scale: float,
+               window: int | None) -> torch.Tensor:
+        """Gather each sequence's keys/values by its block table, then two matmuls."""
+        c = self.cache
+        nq, heads, kv_heads = q.shape[1], q.shape[2], c.k.shape[1]
+        group = heads // kv_heads
+        key = ("rows", i)
+        if key not in self._memo:
+            cols = torch.arange(g.width, device=g.table.device)
+            table = g.table[:, : -(-g.width // c.block_size)]
+            self._memo[key] = rows_of(table, cols.expand(table.shape[0], g.width), c.block_size)
+        rows = self._memo[key]  # [S, K]
+        keys = c.k[layer][:, rows].transpose(0, 1)  # [S, KVH, K, Dk]
+        values = self._values(layer)[:, rows].transpose(0, 1)
         # query heads sharing a key head side by side: [S, KVH, Q·G, D]
-        q = qf[g.q_index].unflatten(2, (kv_heads, heads // kv_heads)).permute(0, 2, 1, 3, 4).flatten(2, 3)
-        scores = torch.matmul(q * scale, keys.permute(0, 2, 3, 1))
-        scores = scores.masked_fill(self._hidden(i, g, window, heads // kv_heads), float("-inf"))
+        qg = q.unflatten(2, (kv_heads, group)).permute(0, 2, 1, 3, 4).flatten(2, 3)
+        scores = torch.matmul(qg * scale, keys.transpose(-1, -2))
+        scores = scores.masked_fill(self._hidden(i, g, window, group), float("-inf"))
         probs = torch.softmax(scores.float(), dim=-1).to(values.dtype)
-        out = torch.matmul(probs, values.transpose(1, 2))  # [S, KVH, Q·G, Dv]
-        return out.unflatten(2, (nq, heads // kv_heads)).permute(0, 2, 1, 3, 4).flatten(2, 3)  # [S, Q, H, Dv]
+        out = torch.matmul(probs, values)  # [S, KVH, Q·G, Dv]
+        return out.unflatten(2, (nq, group)).permute(0, 2, 1, 3, 4).flatten(2, 3)
 
     def _hidden(self, i: int, g: Ragged, window: int | None, group: int) -> torch.Tensor:
         """[S, 1, Q·G, K] True where a key lies beyond its query's position (or out of its window)."""
-        key = (i, window, group)
-        if key not in self._masks:
-            kpos = torch.arange(g.key_rows.shape[1], device=g.key_rows.device)
+        key = ("hidden", i, window, group)
+        if key not in self._memo:
+            kpos = torch.arange(g.width, device=g.q_pos.device)
             hide = kpos[None, None] > g.q_pos[..., None]  # [S, Q, K]
             if window is not None:
                 hide |= kpos[None, None] <= g.q_pos[..., None] - window
-            self._masks[key] = hide.repeat_interleave(group, dim=1)[:, None]
-        return self._masks[key]
+            self._memo[key] = hide.repeat_interleave(group, dim=1)[:, None]
+        return self._memo[key]
+
+    def _flex(self, i: int, g: Ragged, layer: int, q: torch.Tensor, scale: float,
+              window: int | None) -> torch.Tensor:
+        """flex_attention of the group's queries over the whole pool, through a block mask of their blocks."""
+        c = self.cache
+        s = q.shape[0]
+        key = ("block_mask", i, window)
+        if key not in self._memo:
+            self._memo[key] = _paged_block_mask(g, c.num_blocks, c.block_size, window)
+        keys = c.k[layer][None].expand(s, -1, -1, -1)
+        values = self._values(layer)[None].expand(s, -1, -1, -1)
+        out = _flex_attention(q.transpose(1, 2), keys, values, block_mask=self._memo[key], scale=scale,
+                              enable_gqa=True)
+        return out.transpose(1, 2)  # [S, Q, H, Dv]
+
+
+def _paged_block_mask(g: Ragged, num_blocks: int, block_size: int, window: int | None):
+    """A flex_attention block mask over the pool's rows: query (s, q) may read physical row r when r's block
+    is block j of sequence s's table and j·block_size + offset ≤ its position (and within its window)."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    s, nq = g.q_pos.shape
+    used = -(-g.width // block_size)
+    table = g.table[:, :used]
+    cols = torch.arange(used, device=table.device)
+    last = g.q_pos.max(dim=1).values // block_size  # the last block each sequence reads
+    logical = torch.where(cols[None] <= last[:, None], cols[None], -1).expand(s, used)
+    # physical block -> its index in the sequence's table (-1: not the sequence's)
+    to_logical = torch.full((s, num_blocks), -1, dtype=torch.long, device=table.device)
+    to_logical.scatter_reduce_(1, table, logical, reduce="amax")
+    q_pos = g.q_pos
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        j = to_logical[b, kv_idx // block_size]
+        pos = j * block_size + kv_idx % block_size
+        ok = (j >= 0) & (pos <= q_pos[b, q_idx])
+        if window is not None:
+            ok &= pos > q_pos[b, q_idx] - window
+        return ok
+
+    q_blocks = -(-nq // 128)
+    kv_num = (last + 1).to(torch.int32)[:, None, None].expand(s, 1, q_blocks).contiguous()
+    # as wide as the pool: the indices are physical blocks, and flex sizes its dense view by this width
+    kv_indices = torch.zeros(s, 1, q_blocks, num_blocks, dtype=torch.int32, device=table.device)
+    kv_indices[..., :used] = table.to(torch.int32)[:, None, None, :]
+    return BlockMask.from_kv_blocks(kv_num, kv_indices, BLOCK_SIZE=(128, block_size), mask_mod=mask_mod,
+                                    seq_lengths=(nq, num_blocks * block_size))
+
+
+_COMPILED = {}
+
+
+def _flex_attention(q, k, v, **kw):
+    """flex_attention, compiled on an accelerator; eager (the reference implementation) on CPU."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if q.device.type == "cpu":
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # eager flex warns that it is not fused: known, used to test the path
+            return flex_attention(q, k, v, **kw)
+    if "fn" not in _COMPILED:
+        _COMPILED["fn"] = torch.compile(flex_attention, dynamic=True)
+    return _COMPILED["fn"](q, k, v, **kw)

@@ -16,7 +16,7 @@ from engines.inference import Completion, SamplingParams
 from rl.algorithm import PtxBatch, Sample
 from rl.config import Config
 from rl.errors import UserError
-from rl.partial import Trajectory, to_completion
+from rl.partial import Trajectory
 from rl.workers import RolloutWorker, TrainerWorker, default_threads
 
 # Both actors of a worker share one bundle: they alternate, never compute at the same time.
@@ -89,30 +89,27 @@ class Cluster:
         return [c for r in results for c in r]  # type: ignore[union-attr]
 
     def rollout(self, trajectories: list[Trajectory], token_budget: int | None,
-                on_worker: Callable[[int], None] | None = None) -> list[Completion]:
+                on_worker: Callable[[int], None] | None = None) -> list[Trajectory]:
         """Run the iteration's trajectories (new and paused) on the inference engines, whole prompt
-        groups per engine (they share a prefill); each engine gets an equal share of the token budget."""
+        groups per engine (they share a prefill); each engine gets an equal share of the token budget.
+        Returns them updated (``rl.partial.advance``), tagged with the current weights version."""
         n = len(self.rollouts)
         groups = sorted({t.group for t in trajectories})
         worker_of = {g: i % n for i, g in enumerate(groups)}
-        shares: list[tuple[list, list]] = [([], []) for _ in range(n)]
+        shares: list[list[Trajectory]] = [[] for _ in range(n)]
         for t in trajectories:
-            new, partials = shares[worker_of[t.group]]
-            if t.token_ids:
-                partials.append(to_completion(t))
-            else:
-                new.append((t.prompt_ids, t.params, t.key))
+            shares[worker_of[t.group]].append(t)
         budget = None if token_budget is None else max(1, token_budget // n)
-        refs = [r.rollout.remote(new, partials, budget)
-                for r, (new, partials) in zip(self.rollouts, shares, strict=True)]
-        out: list[Completion] = []
+        refs = [r.rollout.remote(share, budget, self.weights_version)
+                for r, share in zip(self.rollouts, shares, strict=True)]
+        out: list[Trajectory] = []
         pending = list(refs)
         while pending:
             done, pending = ray.wait(pending, num_returns=1)
-            finished, paused = ray.get(done[0])
-            out += finished + paused
+            got = ray.get(done[0])
+            out += got
             if on_worker:
-                on_worker(len(finished) + len(paused))
+                on_worker(len(got))
         return out
 
     def train(self, samples: list[Sample], ptx: list[PtxBatch], seed: int,

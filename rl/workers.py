@@ -32,7 +32,7 @@ from engines.training import TrainingEngine
 from rl.algorithm import PtxBatch, Sample, rl_update
 from rl.config import Config
 from rl.optim import build_optimizers
-from rl.partial import generate_with_budget
+from rl.partial import Trajectory, advance
 from rl.qk_clip import qk_clip
 
 OPTIMIZER_FILE = "optimizer.pt"
@@ -233,11 +233,10 @@ class RolloutWorker:
         self._check_consistent()
         return self.engine.generate(prompts, params, seed=seed)
 
-    def rollout(self, requests: list[tuple[list[int], SamplingParams, int]], partials: list[Completion],
-                token_budget: int | None) -> tuple[list[Completion], list[Completion]]:
-        """New requests and paused ones, until done or ``token_budget`` tokens: (finished, paused)."""
+    def rollout(self, trajectories: list[Trajectory], token_budget: int | None, version: int) -> list[Trajectory]:
+        """New and paused trajectories, until done or ``token_budget`` tokens (``rl.partial.advance``)."""
         self._check_consistent()
-        return generate_with_budget(self.engine, requests, partials, token_budget)
+        return advance(self.engine, trajectories, token_budget, version)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The engine's weights under the checkpoint's names."""
