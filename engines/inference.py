@@ -43,8 +43,8 @@ __all__ = ["Completion", "InferenceEngine", "InvalidRequestError", "SamplingPara
 
 #: Most stop token ids one request may name (besides EOS).
 MAX_STOP_IDS = 16
-#: Tokens per KV block on a GPU (flex_attention's block masks work in tiles of at least this size).
-GPU_BLOCK_SIZE = 128
+#: Tokens per KV block with flex attention (its block masks work in tiles of this size).
+FLEX_BLOCK_SIZE = 128
 
 
 class InferenceEngine:
@@ -54,8 +54,8 @@ class InferenceEngine:
     hold at least one sequence of ``max_seq_len`` tokens (prompt + response, default the model's
     context). At most ``max_num_seqs`` sequences decode at once; a step computes at most
     ``max_batch_tokens`` tokens (decode rows first, then prompt chunks). ``detokenize`` turns token
-    ids into text; it is needed only for stop strings. ``attention``: "torch" (the default on CPU) or
-    "flex" (flex_attention through block masks, the default on a GPU); see ``engines.kv_cache``.
+    ids into text; it is needed only for stop strings. ``attention``: "torch" (gathering, the default) or
+    "flex" (flex_attention through block masks, compiled on a GPU); see ``engines.kv_cache``.
     """
 
     def __init__(self, model: CausalLM, eos_id: int | Sequence[int] | None, pad_id: int | None = None, *,
@@ -74,10 +74,9 @@ class InferenceEngine:
                              f"{cfg.max_position_embeddings}")
         p = next(model.parameters())
         self.dtype, self.device = p.dtype, p.device
-        # on a GPU flex_attention reads the pool through block masks whose blocks match its tiles
-        gpu = self.device.type == "cuda"
-        self.attention = attention or ("flex" if gpu else "torch")
-        self.block_size = block_size or (GPU_BLOCK_SIZE if gpu else BLOCK_SIZE)
+        self.attention = attention or "torch"
+        # flex_attention reads the pool through block masks whose blocks should match its tiles
+        self.block_size = block_size or (FLEX_BLOCK_SIZE if self.attention == "flex" else BLOCK_SIZE)
         per_block = bytes_per_token(cfg, self.dtype) * self.block_size
         self.num_blocks = kv_cache_bytes // per_block
         self.max_blocks = -(-self.max_seq_len // self.block_size)  # block-table width
@@ -99,7 +98,10 @@ class InferenceEngine:
         self._offloaded: dict[str, tuple[torch.Size, int]] = {}  # emptied by sleep: shape, level
         self.generated = 0  # tokens sampled over the engine's life
         self.steps = 0  # forwards run over the engine's life
-        self.graphs = DecodeGraphs(self) if cuda_graphs and self.device.type == "cuda" else None
+        self.peak_blocks = 0  # most KV blocks held at once (callers may reset it)
+        # mixture-of-experts layers size each expert's batch on the host, which a captured graph cannot do
+        use_graphs = cuda_graphs and self.device.type == "cuda" and not cfg.is_moe
+        self.graphs = DecodeGraphs(self) if use_graphs else None
         self._alloc_state()
 
     def _new_scheduler(self) -> Scheduler:
@@ -190,6 +192,7 @@ class InferenceEngine:
         self._check_awake()
         cache = self._cache()
         plan = self.sched.schedule()
+        self.peak_blocks = max(self.peak_blocks, self.sched.alloc.used())
         for src, dst in plan.moves:
             self._move(src, dst)
         cache.copy_blocks(plan.copies)
@@ -233,8 +236,8 @@ class InferenceEngine:
         looked = a.hits + a.misses
         return {"prefix_hit_tokens": a.hits, "prefix_miss_tokens": a.misses,
                 "prefix_hit_rate": a.hits / looked if looked else 0.0, "kv_blocks": a.num_blocks,
-                "kv_blocks_used": a.used(), "preemptions": self.sched.preemptions, "generated_tokens": self.generated,
-                "steps": self.steps}
+                "kv_blocks_used": a.used(), "kv_blocks_peak": self.peak_blocks, "preemptions": self.sched.preemptions,
+                "generated_tokens": self.generated, "steps": self.steps}
 
     # --- colocation -----------------------------------------------------------------------
 

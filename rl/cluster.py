@@ -89,10 +89,11 @@ class Cluster:
         return [c for r in results for c in r]  # type: ignore[union-attr]
 
     def rollout(self, trajectories: list[Trajectory], token_budget: int | None,
-                on_worker: Callable[[int], None] | None = None) -> list[Trajectory]:
+                on_worker: Callable[[int], None] | None = None) -> tuple[list[Trajectory], dict[str, float]]:
         """Run the iteration's trajectories (new and paused) on the inference engines, whole prompt
         groups per engine (they share a prefill); each engine gets an equal share of the token budget.
-        Returns them updated (``rl.partial.advance``), tagged with the current weights version."""
+        Returns them updated (``rl.partial.advance``), tagged with the current weights version, and the
+        engines' metrics: prefix-cache hit rate, preemptions, peak fraction of KV blocks held."""
         n = len(self.rollouts)
         groups = sorted({t.group for t in trajectories})
         worker_of = {g: i % n for i, g in enumerate(groups)}
@@ -103,14 +104,19 @@ class Cluster:
         refs = [r.rollout.remote(share, budget, self.weights_version)
                 for r, share in zip(self.rollouts, shares, strict=True)]
         out: list[Trajectory] = []
+        counts: list[dict[str, int]] = []
         pending = list(refs)
         while pending:
             done, pending = ray.wait(pending, num_returns=1)
-            got = ray.get(done[0])
+            got, stats = ray.get(done[0])
             out += got
+            counts.append(stats)
             if on_worker:
                 on_worker(len(got))
-        return out
+        hits, misses = (sum(c[k] for c in counts) for k in ("prefix_hit_tokens", "prefix_miss_tokens"))
+        return out, {"prefix_hit_rate": round(hits / (hits + misses), 4) if hits + misses else 0.0,
+                     "preemptions": sum(c["preemptions"] for c in counts),
+                     "kv_usage_peak": round(max(c["kv_blocks_peak"] / c["kv_blocks"] for c in counts), 4)}
 
     def train(self, samples: list[Sample], ptx: list[PtxBatch], seed: int,
               on_step: Callable[[dict], None] | None = None) -> list[dict[str, float]]:

@@ -128,8 +128,8 @@ def iteration(cluster: Cluster, cfg: Config, tasks, tok: TextTokenizer, it: int,
         temps, multi = new_groups(cfg, tasks, tok, it, buffer)
         pending, _ = buffer.pending(it)  # trajectories past rollout.partial.max_age are dropped here
         bar = progress.add_task(f"iter {it} rollout", total=len(pending))
-        results = cluster.rollout(pending, cfg.rollout.partial.token_budget,
-                                  on_worker=lambda n: progress.advance(bar, n))
+        results, engine_stats = cluster.rollout(pending, cfg.rollout.partial.token_budget,
+                                                on_worker=lambda n: progress.advance(bar, n))
         progress.remove_task(bar)
         prior = {t.key: len(t.token_ids) for t in pending}
         generated = sum(len(r.token_ids) - prior[r.key] for r in results)
@@ -181,6 +181,7 @@ def iteration(cluster: Cluster, cfg: Config, tasks, tok: TextTokenizer, it: int,
         "temperature": cfg.temperature(cfg.env_entries[0].task_type or env_class(cfg.env_entries[0]).task_type, it),
         **({f"temperature/{k}": v for k, v in temps.items()} if len(temps) > 1 else {}),
         "rollout_tokens": generated,
+        **engine_stats,
         **{f"partial_{k}": v for k, v in partial_stats.items()},
         **step_metrics(steps),
         **{k: round(v, 3) for k, v in times.items()},

@@ -183,7 +183,8 @@ class RolloutWorker:
         model = load_pretrained(model_dir, getattr(torch, cfg.rollout_dtype), device=device, fused=True)
         r, tok = cfg.rollout, TextTokenizer.load(model_dir)  # the same stop ids as the controller's
         self.engine = InferenceEngine(model, tok.eos_ids, tok.pad_id, max_num_seqs=r.max_batch,
-                                      max_seq_len=max_seq_len, kv_cache_bytes=r.kv_cache_mb << 20)
+                                      max_seq_len=max_seq_len, kv_cache_bytes=r.kv_cache_mb << 20,
+                                      max_batch_tokens=r.max_batch_tokens, attention=r.attention)
         self.receiver: WeightReceiver | None = None
         self._ipc: tuple | None = None
 
@@ -233,10 +234,17 @@ class RolloutWorker:
         self._check_consistent()
         return self.engine.generate(prompts, params, seed=seed)
 
-    def rollout(self, trajectories: list[Trajectory], token_budget: int | None, version: int) -> list[Trajectory]:
-        """New and paused trajectories, until done or ``token_budget`` tokens (``rl.partial.advance``)."""
+    def rollout(self, trajectories: list[Trajectory], token_budget: int | None,
+                version: int) -> tuple[list[Trajectory], dict[str, int]]:
+        """New and paused trajectories, until done or ``token_budget`` tokens (``rl.partial.advance``), and the
+        engine's counters over this call (prefix-cache tokens found and computed, preemptions, peak KV blocks)."""
         self._check_consistent()
-        return advance(self.engine, trajectories, token_budget, version)
+        before = self.engine.stats()
+        self.engine.peak_blocks = 0
+        out = advance(self.engine, trajectories, token_budget, version)
+        after = self.engine.stats()
+        counts = {k: after[k] - before[k] for k in ("prefix_hit_tokens", "prefix_miss_tokens", "preemptions")}
+        return out, {**counts, "kv_blocks_peak": after["kv_blocks_peak"], "kv_blocks": after["kv_blocks"]}
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The engine's weights under the checkpoint's names."""
