@@ -116,7 +116,8 @@ class Cluster:
         hits, misses = (sum(c[k] for c in counts) for k in ("prefix_hit_tokens", "prefix_miss_tokens"))
         return out, {"prefix_hit_rate": round(hits / (hits + misses), 4) if hits + misses else 0.0,
                      "preemptions": sum(c["preemptions"] for c in counts),
-                     "kv_usage_peak": round(max(c["kv_blocks_peak"] / c["kv_blocks"] for c in counts), 4)}
+                     "kv_usage_peak": round(max(c["kv_blocks_peak"] / c["kv_blocks"] for c in counts), 4),
+                     "mem_rollout_peak_gib": round(max(c["peak_bytes"] for c in counts) / 2**30, 3)}
 
     def train(self, samples: list[Sample], ptx: list[PtxBatch], seed: int,
               on_step: Callable[[dict], None] | None = None) -> list[dict[str, float]]:
@@ -131,6 +132,10 @@ class Cluster:
         for g in gens[1:]:
             ray.get(list(g))
         return steps
+
+    def train_peak_gib(self) -> float:
+        """The largest trainer process's peak memory over its last training phase (GiB)."""
+        return round(max(ray.get([t.peak_memory.remote() for t in self.trainers])) / 2**30, 3)
 
     def offload_trainers(self) -> dict:
         """Trainer state to host memory (rank 0's figures)."""

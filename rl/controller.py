@@ -155,6 +155,7 @@ def iteration(cluster: Cluster, cfg: Config, tasks, tok: TextTokenizer, it: int,
     steps = cluster.train(samples, ptx_steps, seed=cfg.run.seed * 100_003 + it,
                           on_step=lambda _: progress.advance(bar)) if samples else []
     progress.remove_task(bar)
+    train_peak = cluster.train_peak_gib() if steps else None
     times["time_offload"] = cluster.offload_trainers().get("seconds", 0.0)
     times["time_train"] = time.time() - t
 
@@ -182,6 +183,7 @@ def iteration(cluster: Cluster, cfg: Config, tasks, tok: TextTokenizer, it: int,
         **({f"temperature/{k}": v for k, v in temps.items()} if len(temps) > 1 else {}),
         "rollout_tokens": generated,
         **engine_stats,
+        "mem_train_peak_gib": train_peak,
         **{f"partial_{k}": v for k, v in partial_stats.items()},
         **step_metrics(steps),
         **{k: round(v, 3) for k, v in times.items()},

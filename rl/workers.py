@@ -22,7 +22,7 @@ from checkpoint_engine.engine import CheckpointEngine
 from checkpoint_engine.model_plan import local_parts, plan_model_update, plan_sources, receiver_placements
 from checkpoint_engine.transfer import WeightReceiver
 from checkpoint_engine.update import RayReloader, free_port
-from engines import distributed
+from engines import distributed, peak_memory
 from engines.hf_io import load_pretrained, load_weights, read_config, save_pretrained
 from engines.inference import Completion, InferenceEngine, SamplingParams
 from engines.layout import hub_state
@@ -106,6 +106,7 @@ class TrainerWorker:
     def train(self, samples: list[Sample], ptx: list[PtxBatch], seed: int) -> Iterator[dict[str, float]]:
         """Run the K1.5 (+ PTX) update on a rollout batch; yields metrics after each optimizer step."""
         a, model = self.cfg.algorithm, self.engine.model
+        peak_memory.reset(self.engine.device)
         tau_qk = self.cfg.optimizer.qk_clip_tau
         for m in rl_update(self.engine, samples, tau=a.tau, minibatches=a.minibatches, micro_batch=a.micro_batch,
                            seed=seed, ptx=ptx, ptx_coef=a.ptx.coef, rank=self.rank, world=self.world,
@@ -114,6 +115,10 @@ class TrainerWorker:
                 if k in m:
                     m[k] = distributed.global_sum(m[k])
             yield m
+
+    def peak_memory(self) -> int:
+        """Peak bytes of this process since its last ``train`` began (device memory on a GPU, RSS on CPU)."""
+        return peak_memory.peak_bytes(self.engine.device)
 
     def offload(self) -> dict:
         """Parameters, gradients and optimizer state to host memory while the inference engine runs."""
@@ -241,10 +246,12 @@ class RolloutWorker:
         self._check_consistent()
         before = self.engine.stats()
         self.engine.peak_blocks = 0
+        peak_memory.reset(self.engine.device)
         out = advance(self.engine, trajectories, token_budget, version)
         after = self.engine.stats()
         counts = {k: after[k] - before[k] for k in ("prefix_hit_tokens", "prefix_miss_tokens", "preemptions")}
-        return out, {**counts, "kv_blocks_peak": after["kv_blocks_peak"], "kv_blocks": after["kv_blocks"]}
+        return out, {**counts, "kv_blocks_peak": after["kv_blocks_peak"], "kv_blocks": after["kv_blocks"],
+                     "peak_bytes": peak_memory.peak_bytes(self.engine.device)}
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The engine's weights under the checkpoint's names."""
