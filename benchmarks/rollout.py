@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from benchmarks.rollout_rl import measure_rl
+from engines import peak_memory
 from engines.hf_io import load_pretrained, save_pretrained
 from engines.inference import InferenceEngine, SamplingParams
 from engines.kv_cache import bytes_per_slot
@@ -49,24 +50,13 @@ MODELS = {
 DEFAULT_LENGTHS = {"demo": (32, 64), "100m": (128, 128), "qwen3-0.6b": (512, 512)}
 
 
-def _read_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field):
-                return int(line.split()[1])
-    return 0
-
-
 def peak_rss_growth(fn: Callable[..., Any], *args: Any) -> tuple[Any, int]:
     """Run ``fn(*args)``; returns (its result, peak RSS above the RSS before the call, in bytes)."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # reset the peak (VmHWM) to the current RSS
-    except OSError:
-        pass
-    before = _read_kib("VmRSS:")
+    cpu = torch.device("cpu")
+    peak_memory.reset(cpu)
+    before = peak_memory.peak_bytes(cpu)  # right after a reset: the current RSS
     result = fn(*args)
-    return result, max(0, _read_kib("VmHWM:") - before) * 1024
+    return result, max(0, peak_memory.peak_bytes(cpu) - before)
 
 
 def workload(n_prompts: int, prompt_len: int, vocab: int, seed: int = 0) -> list[list[int]]:
