@@ -110,9 +110,11 @@ class Scheduler:
         context = head.context
         seq = self.alloc.match_prefix(context)
         need = self.alloc.blocks_for(len(context)) - len(seq.blocks)
-        # keep a little room for the sequences already running to grow, unless nothing else is
+        # the prefills already admitted must be able to finish, and the running sequences need a little
+        # room to grow (unless nothing else is in flight)
+        outstanding = sum(self.alloc.blocks_for(p.context_len) - len(p.seq.blocks) for p in self.prefilling)
         busy = self.running or self.prefilling
-        if need + (max(1, self.alloc.num_blocks // 100) if busy else 0) > self.alloc.available():
+        if need + outstanding + (max(1, self.alloc.num_blocks // 100) if busy else 0) > self.alloc.available():
             self.alloc.free(seq)
             return False
         self.waiting.popleft()

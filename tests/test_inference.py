@@ -307,6 +307,20 @@ def test_out_of_blocks_preempts_and_recomputes_the_same_tokens(tiny_model, token
         torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
 
 
+def test_long_prompts_in_a_tight_cache_all_finish_with_the_same_tokens(tiny_model, tokenizer):
+    """Admitted prefills always have their blocks, even when several wait for chunks of a small budget."""
+    prompts = [tokenizer.encode(" ".join(TEXTS[i:] + TEXTS[:i])) for i in range(4)] * 2
+    params = [SamplingParams(1.0, 24, ignore_eos=True, seed=i) for i in range(len(prompts))]
+    ref = engine(tiny_model, tokenizer).generate(prompts, params)
+    per_token = tiny_model.config.num_hidden_layers * 2 * 2 * 8 * 4
+    eng = engine(tiny_model, tokenizer, block_size=4, max_seq_len=80, kv_cache_bytes=40 * 4 * per_token,
+                 max_batch_tokens=12, max_num_seqs=6)
+    outs = eng.generate(prompts, params)
+    for a, b in zip(outs, ref, strict=True):
+        assert a.token_ids == b.token_ids
+        torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
+
+
 def test_a_long_prompt_is_prefilled_in_chunks_while_others_decode(tiny_model, tokenizer):
     long_prompt = tokenizer.encode(" ".join(TEXTS * 2))
     short = [tokenizer.encode(t) for t in TEXTS[:3]]
