@@ -141,31 +141,33 @@ class PagedPass:
         c = self.cache
         nq, heads, kv_heads = q.shape[1], q.shape[2], c.k.shape[1]
         group = heads // kv_heads
-        key = ("rows", i)
-        if key not in self._memo:
-            cols = torch.arange(g.width, device=g.table.device)
-            table = g.table[:, : -(-g.width // c.block_size)]
-            self._memo[key] = rows_of(table, cols.expand(table.shape[0], g.width), c.block_size)
-        rows = self._memo[key]  # [S, K]
-        keys = c.k[layer][:, rows].transpose(0, 1)  # [S, KVH, K, Dk]
-        values = self._values(layer)[:, rows].transpose(0, 1)
-        # query heads sharing a key head side by side: [S, KVH, Q·G, D]
-        qg = q.unflatten(2, (kv_heads, group)).permute(0, 2, 1, 3, 4).flatten(2, 3)
+        blocks = g.table[:, : -(-g.width // c.block_size)]  # [S, B]: the blocks holding keys 0..width-1
+        s, width = blocks.shape[0], blocks.shape[1] * c.block_size
+        flat = blocks.reshape(-1)
+        # whole blocks gathered as [KVH, S, B·block, D]: contiguous runs to copy, and contiguous for the
+        # matmuls below; keys past each query's position are masked
+        keys = _gather_blocks(c.k[layer], flat, c.block_size).view(kv_heads, s, width, -1)
+        values = keys[..., : c.value_dim] if c.v is None else \
+            _gather_blocks(c.v[layer], flat, c.block_size).view(kv_heads, s, width, -1)
+        # query heads sharing a key head side by side: [KVH, S, Q·G, D]
+        qg = q.unflatten(2, (kv_heads, group)).permute(2, 0, 1, 3, 4).flatten(2, 3)
         scores = torch.matmul(qg * scale, keys.transpose(-1, -2))
         scores = scores.masked_fill(self._hidden(i, g, window, group), float("-inf"))
         probs = torch.softmax(scores.float(), dim=-1).to(values.dtype)
-        out = torch.matmul(probs, values)  # [S, KVH, Q·G, Dv]
-        return out.unflatten(2, (nq, group)).permute(0, 2, 1, 3, 4).flatten(2, 3)
+        out = torch.matmul(probs, values)  # [KVH, S, Q·G, Dv]
+        return out.unflatten(2, (nq, group)).permute(1, 2, 0, 3, 4).flatten(2, 3)
 
     def _hidden(self, i: int, g: Ragged, window: int | None, group: int) -> torch.Tensor:
-        """[S, 1, Q·G, K] True where a key lies beyond its query's position (or out of its window)."""
+        """[S, Q·G, K] True where a key lies beyond its query's position (or out of its window); K is the
+        width rounded up to whole blocks."""
         key = ("hidden", i, window, group)
         if key not in self._memo:
-            kpos = torch.arange(g.width, device=g.q_pos.device)
+            bs = self.cache.block_size
+            kpos = torch.arange(-(-g.width // bs) * bs, device=g.q_pos.device)
             hide = kpos[None, None] > g.q_pos[..., None]  # [S, Q, K]
             if window is not None:
                 hide |= kpos[None, None] <= g.q_pos[..., None] - window
-            self._memo[key] = hide.repeat_interleave(group, dim=1)[:, None]
+            self._memo[key] = hide.repeat_interleave(group, dim=1)
         return self._memo[key]
 
     def _flex(self, i: int, g: Ragged, layer: int, q: torch.Tensor, scale: float,
@@ -181,6 +183,12 @@ class PagedPass:
         out = _flex_attention(q.transpose(1, 2), keys, values, block_mask=self._memo[key], scale=scale,
                               enable_gqa=True)
         return out.transpose(1, 2)  # [S, Q, H, Dv]
+
+
+def _gather_blocks(pool: torch.Tensor, blocks: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Rows of ``blocks`` (whole blocks, in order) of one layer's pool [heads, rows, D]: [heads, n·block, D]."""
+    h, rows, d = pool.shape
+    return pool.view(h, rows // block_size, block_size * d).index_select(1, blocks).view(h, -1, d)
 
 
 def _paged_block_mask(g: Ragged, num_blocks: int, block_size: int, window: int | None):
