@@ -270,12 +270,13 @@ class _Run:
 
 def run_command(argv: list[str], limits: Limits, *, cwd: str, env: dict[str, str], stdin: bytes = b"",
                 cancel: threading.Event | None = None, rlimits: str = "preexec",
-                scan_dirs: Sequence[str] = ()) -> ExecResult:
+                scan_dirs: Sequence[str] = (), pass_fds: Sequence[int] = ()) -> ExecResult:
     """Run ``argv`` in its own session under ``limits`` and classify the outcome (see ``classify``).
 
     ``rlimits="preexec"`` sets the rlimits in a preexec_fn; ``"none"`` means ``argv`` applies them itself (for
     example with ``prlimit_argv``). The whole process group is SIGKILLed on wall timeout, output overflow, cancel,
-    and once the command exited (so nothing it started in its group outlives it). ``cancel`` only needs ``is_set()``.
+    and once the command exited (so nothing it started in its group outlives it). ``cancel`` only needs ``is_set()``;
+    ``pass_fds`` are descriptors the command inherits (all others are closed).
     """
     if rlimits not in ("preexec", "none"):
         raise ValueError(f"rlimits must be 'preexec' or 'none', not {rlimits!r}")
@@ -286,6 +287,7 @@ def run_command(argv: list[str], limits: Limits, *, cwd: str, env: dict[str, str
         proc = subprocess.Popen(
             argv, stdin=subprocess.PIPE if stdin else subprocess.DEVNULL, stdout=subprocess.PIPE,
             stderr=subprocess.PIPE, cwd=cwd, env=env, start_new_session=True, close_fds=True,
+            pass_fds=tuple(pass_fds),
             preexec_fn=_preexec_rlimits(limits) if rlimits == "preexec" else None)
     except ValueError as e:  # NUL bytes in argv or env
         raise SandboxError(f"invalid command or environment: {e}", "INVALID_ARGUMENT") from e

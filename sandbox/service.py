@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import threading
 import time
 import uuid
@@ -24,7 +25,7 @@ T = TypeVar("T")
 
 # The most a request may ask for; a request above it is refused rather than silently clamped.
 MAX_LIMITS = Limits(wall_s=3600, cpu_s=3600, memory_bytes=64 << 30, processes=4096, open_files=65536,
-                    file_size_bytes=16 << 30, output_bytes=256 << 20)
+                    file_size_bytes=16 << 30, output_bytes=256 << 20, cpus=256)
 DEADLINE_MARGIN_S = 0.05  # leave time to send the result before the caller's deadline
 
 
@@ -163,7 +164,7 @@ class SandboxService(pb_grpc.SandboxServicer):
         asked = limits_from_pb(msg)
         for name, value in asked.items():
             top = getattr(self.max_limits, name)
-            if value < 0 or value > top:
+            if not math.isfinite(value) or value < 0 or value > top:  # NaN compares false to everything
                 _abort(context, grpc.StatusCode.INVALID_ARGUMENT,
                        f"limits.{name}={value} is outside what this server allows (0..{top})")
         return self.default_limits.merged(**asked)
