@@ -88,6 +88,11 @@ def _cmd_sandbox_serve(args: argparse.Namespace) -> None:
     metrics = f", metrics on :{server.metrics_port}/metrics" if server.metrics_port is not None else ""
     print(f"sandbox service ({sc.backend} backend, {sc.concurrency} at once) listening on {server.address}{metrics}",
           flush=True)
+    backend = server.service.backend
+    if hasattr(backend, "describe"):
+        print(f"enforced: {backend.describe()}", flush=True)
+        for warning in backend.warnings:
+            print(f"warning: {warning}", file=sys.stderr, flush=True)
     try:
         server.wait()
     finally:

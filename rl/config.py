@@ -16,7 +16,8 @@ from rl.schedules import temperature_at
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # NaN and ±inf pass a "gt=0" check (inf) or make it meaningless: no numeric field takes them
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class RunConfig(Strict):
@@ -229,13 +230,14 @@ class SandboxLimitsConfig(Strict):
     open_files: int = Field(256, ge=16)
     file_size_mb: int = Field(16, ge=1)
     output_kb: int = Field(1024, ge=1, description="per stream (stdout and stderr each)")
+    cpus: float = Field(1.0, gt=0, description="CPUs the whole sandbox may use at once (cgroup cpu.max)")
 
     def to_limits(self):
         from sandbox.backend import Limits
 
         return Limits(wall_s=self.wall_s, cpu_s=self.cpu_s, memory_bytes=self.memory_mb << 20,
                       processes=self.processes, open_files=self.open_files,
-                      file_size_bytes=self.file_size_mb << 20, output_bytes=self.output_kb << 10)
+                      file_size_bytes=self.file_size_mb << 20, output_bytes=self.output_kb << 10, cpus=self.cpus)
 
 
 class KubernetesSandboxConfig(Strict):
@@ -271,6 +273,8 @@ class SandboxConfig(Strict):
     advertise_address: str | None = Field(None, description="host:port clients reach this replica at (its pod "
                                           "IP on Kubernetes): sessions created here are used through it")
     limits: SandboxLimitsConfig = SandboxLimitsConfig()
+    disk_mb: int = Field(256, ge=0, description="local backend: disk quota of each session's /work and /tmp "
+                                                "together (a tmpfs); 0 = none")
     kubernetes: KubernetesSandboxConfig = KubernetesSandboxConfig()
 
 

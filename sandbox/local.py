@@ -71,7 +71,7 @@ _KILLED_BY_US = (Verdict.TIMEOUT, Verdict.OUTPUT_LIMIT, Verdict.CANCELLED)
 _BACKSTOP_S = 5  # timeout(1) kills the program this long after its wall limit if the service could not
 _CLOSE_WAIT_S = 10.0
 DISK_BYTES = 256 << 20  # default aggregate quota of a session's /work and /tmp
-_BYTES_PER_INODE = 4096  # files a session may hold: one per 4 KiB of its quota (at least 4096)
+_BYTES_PER_INODE = 4096  # files a session may hold: one per 4 KiB of its quota (at least 16384)
 
 
 def _tool(name: str) -> str:
@@ -378,7 +378,7 @@ class LocalSession:
         b = self.backend
         self.dir.mkdir(mode=0o700)
         if b.tmpfs:
-            mount_tmpfs(self.dir, b.disk_bytes, max(4096, b.disk_bytes // _BYTES_PER_INODE))
+            mount_tmpfs(self.dir, b.disk_bytes, max(16384, b.disk_bytes // _BYTES_PER_INODE))
             self._mounted = True
         for d in (self.work, self.tmp):
             d.mkdir(mode=0o700)
