@@ -123,7 +123,8 @@ def classify(exit_code: int | None, sig: int | None, limits: Limits, stderr: byt
     - ``MemoryError``, "Cannot allocate memory", ``std::bad_alloc``, "out of memory" in stderr → MEMORY_LIMIT
       (RLIMIT_AS makes allocations fail rather than killing the process);
     - "Resource temporarily unavailable", ``BlockingIOError: [Errno 11]``, "can't start new thread", "fork: retry"
-      in stderr → PROCESS_LIMIT (RLIMIT_NPROC makes fork/clone fail with EAGAIN);
+      in stderr → PROCESS_LIMIT (RLIMIT_NPROC makes fork/clone fail with EAGAIN); ``run_command`` also gives it to
+      a command that printed them and then ran out of wall time (a fork bomb whose first process never notices);
     - anything else → FAILED.
 
     The stderr markers are what CPython, glibc, libstdc++ and bash print; a program that prints them itself while
@@ -310,7 +311,11 @@ def run_command(argv: list[str], limits: Limits, *, cwd: str, env: dict[str, str
     exit_code = os.WEXITSTATUS(status) if os.WIFEXITED(status) else None
     sig = os.WTERMSIG(status) if os.WIFSIGNALED(status) else None
     stdout, stderr = bytes(run.out["stdout"]), bytes(run.out["stderr"])
-    if run.reason == "wall":
+    if run.reason == "wall" and any(m in run.out["stderr"] for m in _PROCESS_MARKS):
+        # a fork bomb is stopped by the process limit, but its first process may not notice before the wall clock
+        verdict = Verdict.PROCESS_LIMIT
+        detail = f"process/thread limit of {limits.processes} reached, then the wall-clock limit of {limits.wall_s:g}s"
+    elif run.reason == "wall":
         verdict, detail = Verdict.TIMEOUT, f"wall-clock limit of {limits.wall_s:g}s exceeded"
     elif run.reason == "cancel":
         verdict, detail = Verdict.CANCELLED, "cancelled by the caller"

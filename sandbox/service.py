@@ -15,6 +15,7 @@ from typing import TypeVar
 import grpc
 
 from sandbox.backend import DEFAULT_LIMITS, Backend, ExecResult, Limits, SandboxError, SessionInfo, Verdict
+from sandbox.judge import judge_command, judge_verdict
 from sandbox.metrics import SandboxMetrics
 from sandbox.proto import sandbox_pb2 as pb
 from sandbox.proto import sandbox_pb2_grpc as pb_grpc
@@ -55,13 +56,12 @@ class SandboxService(pb_grpc.SandboxServicer):
     def Run(self, request: pb.RunRequest, context: grpc.ServicerContext) -> pb.ExecResult:
         t0 = time.perf_counter()
         files, executable = files_from_pb(request.files)
-        argv = list(request.command)
+        argv, stdin, nonce = list(request.command), request.stdin, None
         if request.code or request.tests:
-            if argv:
-                _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "Run takes either a command (with files) or "
-                       "code + tests, not both")
-            files["program.py"] = (request.code + "\n\n" + request.tests + "\n").encode()
-            argv = ["python3", "program.py"]
+            if argv or files or stdin:
+                _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "Run takes either a command (with files and "
+                       "stdin) or code + tests, not both")
+            files, argv, stdin, nonce = judge_command(request.code, request.tests)
         if not argv:
             _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "Run needs a command (or code and tests)")
         limits = self._limits(request.limits, context)
@@ -72,9 +72,11 @@ class SandboxService(pb_grpc.SandboxServicer):
                 if executable:
                     self._call(context, session.write_files, files, executable)
                 result = self._call(context, session.exec, argv, self._deadline_limits(limits, context),
-                                    request.stdin, dict(request.env), cancel)
+                                    stdin, dict(request.env), cancel)
             finally:
                 session.close()
+        if nonce is not None:
+            result = judge_verdict(result, nonce)
         return self._finish("run", result, t0)
 
     def CreateSession(self, request: pb.CreateSessionRequest, context: grpc.ServicerContext):
