@@ -53,9 +53,12 @@ def _cmd_check(args: argparse.Namespace) -> None:
 
 
 def _cmd_envs(args: argparse.Namespace) -> None:
-    from envs import registered
+    from envs.registry import describe
 
-    print("\n".join(registered()))
+    rows = describe()
+    width = max(len(name) for name, _, _ in rows)
+    for name, kind, doc in rows:
+        print(f"{name:<{width}}  {kind:<8}  {doc}")
 
 
 def _cmd_serve(args: argparse.Namespace) -> None:
@@ -236,7 +239,7 @@ def build_parser() -> argparse.ArgumentParser:
     lg.add_argument("-f", "--follow", action="store_true", help="keep streaming until the run ends")
     lg.set_defaults(func=_cmd_logs)
 
-    e = sub.add_parser("envs", help="list registered environments")
+    e = sub.add_parser("envs", help="list the environments: name, built-in or plug-in, what it rewards")
     e.set_defaults(func=_cmd_envs)
     return p
 
