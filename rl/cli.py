@@ -8,8 +8,14 @@ import time
 from pathlib import Path
 
 from rl.errors import UserError
+from rl.guards import TrainingStopped
 
-EXIT_USER_ERROR = 2
+EXIT_USER_ERROR = 2  # bad input: config, flags, paths
+EXIT_RUN_FAILED = 1  # the run started and could not go on (a non-finite update, failing environments, a full disk)
+
+
+class RunFailure(Exception):
+    """A run that failed at run time; the message names the cause and what is left intact."""
 
 
 def _cmd_train(args: argparse.Namespace) -> None:
@@ -29,7 +35,11 @@ def _cmd_train(args: argparse.Namespace) -> None:
         run_dir = Path(args.run_dir or f"runs/{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}")
         if (run_dir / "checkpoints").exists():
             raise UserError(f"--run-dir {run_dir} already holds a run; use --resume {run_dir} to continue it")
-    summary = train(cfg, run_dir, resume=bool(args.resume))
+    try:
+        summary = train(cfg, run_dir, resume=bool(args.resume))
+    except OSError as e:  # a full or read-only disk while the run writes: checkpoints are written atomically
+        raise RunFailure(f"cannot write to {e.filename or run_dir}: {e.strerror or e}; the last checkpoint in "
+                         f"{run_dir}/checkpoints is intact (resume with --resume {run_dir})") from None
     print(f"run directory: {run_dir}")
     print(f"held-out accuracy {summary['initial_accuracy']:.3f} -> {summary['final_accuracy']:.3f} "
           f"in {summary['iterations']} iterations, {summary['wall_s']:.0f} s")
@@ -256,6 +266,9 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USER_ERROR
+    except (RunFailure, TrainingStopped) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_RUN_FAILED
     except KeyboardInterrupt:
         print("interrupted; the last checkpoint is intact (resume with --resume RUN_DIR)", file=sys.stderr)
         return 130

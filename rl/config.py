@@ -27,6 +27,11 @@ class RunConfig(Strict):
     eval_every: int = Field(5, ge=1, description="held-out greedy accuracy every N iterations")
     save_every: int = Field(10, ge=1, description="checkpoint every N iterations (and at the end)")
     keep_checkpoints: int = Field(2, ge=1)
+    max_minutes: float | None = Field(None, gt=0, description="wall-clock budget of the RL loop (resumes included): "
+                                      "after the iteration that reaches it the run saves a checkpoint, its final "
+                                      "model and summary, and ends")
+    max_env_error_rate: float = Field(0.5, ge=0, le=1, description="stop when a larger share of an iteration's "
+                                      "episodes fails in its environment (the first error is named)")
 
 
 class ClusterConfig(Strict):
@@ -368,9 +373,13 @@ def load_config(path: str | Path, overrides: list[str] = ()) -> Config:
     """Read and validate a YAML config file."""
     p = Path(path)
     if not p.is_file():
-        raise UserError(f"config file {p} does not exist")
+        raise UserError(f"config file {p} does not exist" + (" (it is a directory)" if p.is_dir() else ""))
     try:
-        raw = yaml.safe_load(p.read_text())
+        raw = yaml.safe_load(p.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise UserError(f"config file {p} is not text (a YAML file in UTF-8 is expected)") from None
+    except OSError as e:
+        raise UserError(f"cannot read config file {p}: {e.strerror or e}") from None
     except yaml.YAMLError as e:
         raise UserError(f"config file {p} is not valid YAML: {e}") from None
     return parse_config(raw, str(p), overrides)
