@@ -24,7 +24,14 @@ from rl.config import Config, EnvConfig, dump_config
 from rl.data import GROUPS_PER_ITERATION, check_renderable, load_task_sets, rollout_seq_len, sample_mix
 from rl.episodes import env_class, task_type_of
 from rl.errors import UserError
-from rl.guards import Budget, check_cluster_fits, check_error_rate, check_sample_rewards, check_writable
+from rl.guards import (
+    Budget,
+    check_cluster_fits,
+    check_error_rate,
+    check_max_tokens,
+    check_sample_rewards,
+    check_writable,
+)
 from rl.memory import check_fits, estimate
 from rl.metrics import MetricsLog, plot_curves
 from rl.partial import PartialRolloutBuffer, Trajectory
@@ -37,6 +44,7 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, console: Console | N
     """Run (or resume) an RL run in ``run_dir``; returns the summary also written to summary.json."""
     console = console or Console()
     check_cluster_fits(cfg)
+    check_max_tokens(cfg)
     check_writable(run_dir)
     tasks = load_task_sets(cfg, console)  # validates task files and the env name before any work
     ptx = load_ptx(cfg.algorithm.ptx.data) if cfg.algorithm.ptx.coef > 0 else []

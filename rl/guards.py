@@ -71,6 +71,24 @@ def check_cluster_fits(cfg: Config) -> None:
             raise UserError(f"cluster.workers x cluster.gpus_per_worker = {gpus:g} GPUs; this machine has {have}")
 
 
+def check_max_tokens(cfg: Config) -> None:
+    """Refuse a response budget that leaves no room for a prompt in the model's context, before any warm start (the
+    prompts themselves are checked once the tokenizer exists: ``rl.data.rollout_seq_len``)."""
+    if cfg.model.path is not None:
+        from engines.hf_io import ModelDirError, read_config
+
+        try:
+            context = read_config(cfg.model.path).max_position_embeddings
+        except ModelDirError:
+            return  # named by prepare_model
+    else:
+        context = cfg.warmstart.architecture.max_position_embeddings
+    budget = max([cfg.rollout.max_tokens] + [t.max_tokens or 0 for t in cfg.rollout.task_types.values()])
+    if budget >= context:
+        raise UserError(f"max_tokens {budget} (rollout.max_tokens or a task type's) leaves no room for a prompt in "
+                        f"the model's context of {context} tokens; lower it below {context}")
+
+
 def check_writable(run_dir: Path) -> None:
     """The run directory exists (made if needed) and takes a file; else a UserError naming the problem."""
     try:
