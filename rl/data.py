@@ -19,6 +19,7 @@ from rl.errors import UserError
 # Fixed seeds: the held-out set stays the same across runs, so accuracies are comparable.
 TRAIN_SEED, EVAL_SEED, SFT_SEED = 1, 2, 3
 GROUPS_PER_ITERATION = 1_000_000  # group ids are it * this + index: unique across the run
+SLOW_GENERATION_S = 5.0  # task generation that takes longer is reported on the console
 
 
 @dataclass
@@ -47,7 +48,7 @@ def _entry_sets(entry: EnvConfig, where: str, console=None) -> tuple[list[Task],
         t = time.time()
         with console.status(f"env {entry.name!r}: generating {n} {what} tasks"):
             out = cls.generate_tasks(n, seed, **entry.kwargs)
-        if time.time() - t > 5:  # say what took the time; quick ones stay silent
+        if time.time() - t > SLOW_GENERATION_S:  # say what took the time; quick ones stay silent
             console.print(f"env {entry.name!r}: generated {len(out)} {what} tasks in {time.time() - t:.0f} s")
         return out
 

@@ -204,3 +204,18 @@ def test_prompts_longer_than_the_context_are_refused_at_start(tmp_path):
     tok = TextTokenizer.load(prepare_model(cfg))
     with pytest.raises(UserError, match=r"1 of 16 prompts do not fit the model's context .* task 't0'"):
         rollout_seq_len(cfg, load_task_sets(cfg), tok, 128)
+
+
+def test_env_errors_and_slow_task_generation_show_on_the_console(tmp_path, monkeypatch):
+    from rl import data
+    from rl.metrics import MetricsLog
+
+    out = io.StringIO()
+    log = MetricsLog(tmp_path, Console(file=out, width=300))
+    log.record({"iteration": 3, "reward_mean": 0.1, "accuracy": None, "response_len": 5.0, "truncation_rate": 0.0,
+                "temperature": 1.0, "env_errors": 2, "first_env_error": "env 'code', task t1: RuntimeError: boom"})
+    assert "env-errors 2 (first: env 'code', task t1: RuntimeError: boom)" in out.getvalue()
+    monkeypatch.setattr(data, "SLOW_GENERATION_S", 0.0)
+    out = io.StringIO()
+    data.load_task_sets(tiny(), Console(file=out, width=200))
+    assert "env 'arithmetic': generated 200 train tasks in" in out.getvalue()
