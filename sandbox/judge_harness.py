@@ -1,13 +1,13 @@
 """The judge of a code task, run inside the sandbox: the tests run in one process, the solution in another.
 
-Started as ``python3 -I -c <this file> judge`` with a JSON object on stdin: ``{"nonce", "tests"}``; the solution is
-``/work/solution.py``. The judge (trusted) reads stdin to the end, makes itself undumpable (so that no process of
-the same uid can read its memory or open its descriptors), then starts the solution's process (untrusted), which
-runs ``solution.py`` as ``__main__`` and answers calls over two pipes. The judge executes the tests with a proxy for
-every top-level function of the solution; a call sends the arguments and gets back the return value (or the
-exception), encoded as tagged JSON that decodes only into plain data (None, bool, int, float, complex, str, bytes,
-list, tuple, dict, set, frozenset), so no object of the solution ever reaches the tests: an object that claims to
-equal anything cannot exist on the judge's side.
+Started as ``python3 -I -c <this file> judge`` with a JSON object on stdin: ``{"nonce", "tests"}``; the solution
+is ``solution.py`` in the working directory. The judge (trusted) reads stdin to the end, makes itself undumpable
+(so that no process of the same uid can read its memory or open its descriptors), then starts the solution's
+process (untrusted), which runs ``solution.py`` as ``__main__`` and answers calls over two pipes. The judge
+executes the tests with a proxy for every top-level function of the solution; a call sends the arguments and gets
+back the return value (or the exception), encoded as tagged JSON that decodes only into plain data (None, bool,
+int, float, complex, str, bytes, list, tuple, dict, set, frozenset), so no object of the solution ever reaches the
+tests: an object that claims to equal anything cannot exist on the judge's side.
 
 So the solution cannot end the tests early (an exit is a failed call), cannot read them (never sent, not on disk,
 the judge undumpable, ptrace refused by the sandbox's seccomp filter), cannot patch what they use (``unittest``,
@@ -36,7 +36,7 @@ import types
 MAX_MESSAGE = 64 << 20  # bytes of one encoded call or answer
 MAX_DEPTH = 100  # nesting of an encoded value
 MAX_PRINTED = 64 << 10  # what the tests printed, returned with the result
-SOLUTION = "/work/solution.py"
+SOLUTION = "solution.py"  # in the command's working directory (the session's work directory, on any backend)
 
 
 # ---- the value codec (both sides) -------------------------------------------------------------------------------
@@ -128,13 +128,13 @@ def _builtin_base(exc: BaseException) -> str:
     return "Exception"
 
 
-def serve(requests: int, answers: int) -> None:
-    """Run the solution as __main__, then answer calls until the judge closes the pipe."""
+def serve(requests: int, answers: int, path: str) -> None:
+    """Run the solution at ``path`` as __main__, then answer calls until the judge closes the pipe."""
     import runpy
 
     req, out = os.fdopen(requests, "rb"), os.fdopen(answers, "wb")
     try:
-        namespace = runpy.run_path(SOLUTION, run_name="__main__")
+        namespace = runpy.run_path(path, run_name="__main__")
     except BaseException as e:  # SystemExit included: the solution ended before the tests
         _send(out, {"load_error": f"{type(e).__name__}: {e}"[:1000]})
         raise
@@ -235,8 +235,10 @@ def judge() -> int:
     _undumpable()
     req_r, req_w = os.pipe()
     ans_r, ans_w = os.pipe()
-    proc = subprocess.Popen([sys.executable, "-c", _own_source(), "serve", str(req_r), str(ans_w)],
-                            pass_fds=(req_r, ans_w), stdin=subprocess.DEVNULL, stdout=2, stderr=2, cwd="/work")
+    workdir = os.getcwd()
+    proc = subprocess.Popen([sys.executable, "-c", _own_source(), "serve", str(req_r), str(ans_w),
+                             os.path.join(workdir, SOLUTION)],
+                            pass_fds=(req_r, ans_w), stdin=subprocess.DEVNULL, stdout=2, stderr=2, cwd=workdir)
     os.close(req_r)
     os.close(ans_w)
     channel = Channel(proc, os.fdopen(req_w, "wb"), os.fdopen(ans_r, "rb"))
@@ -301,7 +303,7 @@ def _own_source() -> str:
 if __name__ == "__main__":
     mode = sys.argv[1] if len(sys.argv) > 1 else ""
     if mode == "serve":
-        serve(int(sys.argv[2]), int(sys.argv[3]))
+        serve(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
     elif mode == "judge":
         sys.exit(judge())
     else:
