@@ -6,7 +6,8 @@ BIN := $(VENV)/bin
 # e.g. `make setup TORCH_SPEC=torch`.
 TORCH_SPEC ?= torch==2.13.0
 
-# System packages: bubblewrap for the sandbox service's local backend.
+# System packages: bubblewrap for the sandbox service's local backend, libseccomp for its seccomp filter
+# (built through the pyseccomp binding).
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 .PHONY: setup system-deps demo test lint clean
@@ -14,8 +15,9 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 setup: system-deps $(VENV)/.installed $(BIN)/helm
 
 system-deps:
-	@command -v bwrap >/dev/null || { $(SUDO) apt-get update -qq && \
-		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq bubblewrap >/dev/null; }
+	@{ command -v bwrap >/dev/null && /sbin/ldconfig -p | grep -q 'libseccomp\.so\.2'; } || { \
+		$(SUDO) apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq bubblewrap libseccomp2 >/dev/null; }
 
 # setup.py generates the sandbox's gRPC stubs from the .proto during the install.
 $(VENV)/.installed: pyproject.toml setup.py sandbox/proto/sandbox.proto Makefile

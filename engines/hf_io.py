@@ -10,6 +10,7 @@ checkpoint. Saving writes a checkpoint's own tensor names (one tensor per expert
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections import defaultdict
 from pathlib import Path
@@ -152,6 +153,15 @@ def load_pretrained(directory: str | Path, dtype: torch.dtype = torch.float32, d
     return model
 
 
+def _current_umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+_UMASK = _current_umask()
+
+
 def save_pretrained(model: CausalLM, tokenizer, directory: str | Path, state: dict[str, torch.Tensor] | None = None,
                     max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
     """Write ``model`` (and ``tokenizer``) to ``directory`` in Hugging Face format, in files of at most
@@ -177,6 +187,7 @@ def save_pretrained(model: CausalLM, tokenizer, directory: str | Path, state: di
     for fname, names in zip(files, shards, strict=True):
         # clones: views of one stacked tensor share storage, which safetensors refuses to write
         save_file({n: hub[n].cpu().clone() for n in names}, str(d / fname), metadata={"format": "pt"})
+        os.chmod(d / fname, 0o666 & ~_UMASK)  # safetensors writes 0600; the other files get the usual mode
     if len(files) > 1:
         total = sum(t.numel() * t.element_size() for t in hub.values())
         weight_map = {n: f for f, names in zip(files, shards, strict=True) for n in names}

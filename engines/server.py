@@ -25,9 +25,12 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from engines.attention import padded_causal_mask, positions_from_valid
 from engines.hf_io import load_pretrained, read_config
 from engines.inference import Completion, InferenceEngine, InvalidRequestError, SamplingParams
 from engines.tokenizer import TextTokenizer
+
+MAX_TOP_LOGPROBS = 20
 
 
 class _Sampling(BaseModel):
@@ -47,7 +50,7 @@ class _Sampling(BaseModel):
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # also the number of top alternatives
     echo: bool = False
 
 
@@ -59,6 +62,7 @@ class ChatMessage(BaseModel):
 class ChatRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     max_completion_tokens: int | None = None
 
 
@@ -83,6 +87,12 @@ class EngineLoop:
         self._inbox.put((prompt, params, fut))
         return fut
 
+    def call(self, fn) -> Future:
+        """Run ``fn()`` on the engine's thread between steps (the model is never used by two threads at once)."""
+        fut: Future = Future()
+        self._inbox.put((fn, None, fut))
+        return fut
+
     def close(self) -> None:
         self._stop.set()
         self._inbox.put(None)
@@ -98,6 +108,12 @@ class EngineLoop:
             if item is None:
                 return
             prompt, params, fut = item
+            if params is None:  # a function to run here (top log-probabilities)
+                try:
+                    fut.set_result(prompt())
+                except Exception as e:
+                    fut.set_exception(e)
+                continue
             try:
                 self._futures[self.engine.add_request(prompt, params)] = fut
             except InvalidRequestError as e:
@@ -127,6 +143,7 @@ class ServedModel:
         read_config(model_dir)  # a missing or unreadable model directory is named before its tokenizer
         self.tokenizer = TextTokenizer.load(model_dir)
         model = load_pretrained(model_dir, getattr(torch, dtype))
+        self.device = next(model.parameters()).device
         self.engine = InferenceEngine(model, self.tokenizer.eos_ids, self.tokenizer.pad_id,
                                       max_num_seqs=max_num_seqs, kv_cache_bytes=kv_cache_bytes, detokenize=self.decode)
         self.default_max_tokens = 16
@@ -152,11 +169,36 @@ def _params(req: _Sampling, served: ServedModel, max_tokens: int | None) -> Samp
                           top_p=req.top_p, top_k=req.top_k, stop=stop, seed=req.seed, ignore_eos=req.ignore_eos)
 
 
-def _trim(served: ServedModel, c: Completion) -> str:
-    text = served.decode(c.token_ids)
-    if isinstance(c.stop_reason, str):
-        text = text[: text.find(c.stop_reason)] if c.stop_reason in text else text
-    return text
+def _trim(served: ServedModel, c: Completion) -> Completion:
+    """The completion without its stop string: the tokens (and log-probs) up to the last one that ends before the
+    stop string, so that the text and the logprobs' tokens always agree (the stop string is in neither)."""
+    if not isinstance(c.stop_reason, str):
+        return c
+    end = served.decode(c.token_ids).find(c.stop_reason)
+    if end < 0:
+        return c
+    keep = len(c.token_ids)
+    while keep and len(served.decode(c.token_ids[:keep])) > end:
+        keep -= 1
+    return replace(c, token_ids=c.token_ids[:keep], logprobs=c.logprobs[:keep])
+
+
+def _top_logprobs(served: ServedModel, c: Completion, k: int) -> list[list[tuple[int, float]]]:
+    """The ``k`` most likely tokens and their log-probabilities at each position of the completion (the model's
+    own distribution, before temperature), from one forward pass on the engine's thread."""
+    if not k or not c.token_ids:
+        return [[] for _ in c.token_ids]
+
+    def score() -> list[list[tuple[int, float]]]:
+        ids = torch.tensor([c.prompt_ids + c.token_ids], device=served.device)
+        valid = torch.ones_like(ids, dtype=torch.bool)
+        with torch.no_grad():
+            logits = served.engine.model(ids, positions_from_valid(valid), padded_causal_mask(valid))
+        lp = torch.log_softmax(logits[0, len(c.prompt_ids) - 1:-1].float(), dim=-1)
+        values, indices = lp.topk(min(k, lp.shape[-1]), dim=-1)
+        return [list(zip(i.tolist(), v.tolist(), strict=True)) for i, v in zip(indices, values, strict=True)]
+
+    return served.loop.call(score).result()
 
 
 async def _run_all(served: ServedModel, prompts: list[list[int]], params: SamplingParams, n: int) -> list[Completion]:
@@ -169,8 +211,8 @@ async def _run_all(served: ServedModel, prompts: list[list[int]], params: Sampli
     return list(await asyncio.gather(*futs))
 
 
-def _usage(prompts: list[list[int]], n: int, outs: list[Completion]) -> dict[str, int]:
-    p = sum(len(x) for x in prompts) * n
+def _usage(prompts: list[list[int]], outs: list[Completion]) -> dict[str, int]:
+    p = sum(len(x) for x in prompts)  # each prompt once, however many samples it has (as OpenAI counts)
     c = sum(len(o.token_ids) for o in outs)
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
@@ -198,8 +240,15 @@ def build_app(served: ServedModel) -> FastAPI:
     async def health() -> dict[str, str]:
         return {"status": "ok"}
 
+    def unknown_model(name: str | None) -> JSONResponse | None:
+        if name is None or name == served.name:
+            return None
+        return _error(404, f"the model {name!r} does not exist; this server serves {served.name!r}", "model")
+
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest):
+        if (bad := unknown_model(req.model)) is not None:
+            return bad
         if req.stream:
             return _error(400, "stream=true is not supported; send the request without streaming", "stream")
         raw = req.prompt
@@ -212,18 +261,29 @@ def build_app(served: ServedModel) -> FastAPI:
         outs = await _run_all(served, prompts, _params(req, served, req.max_tokens), req.n)
         choices = []
         for i, o in enumerate(outs):
-            text = _trim(served, o)
+            o = _trim(served, o)
+            text = served.decode(o.token_ids)
             choice: dict[str, Any] = {"index": i, "text": (served.decode(o.prompt_ids) + text) if req.echo else text,
                                       "finish_reason": o.finish_reason, "logprobs": None}
             if req.logprobs is not None:
-                choice["logprobs"] = {"tokens": [served.decode([t]) for t in o.token_ids],
-                                      "token_logprobs": o.logprobs, "top_logprobs": None, "text_offset": None}
+                tokens = [served.decode([t]) for t in o.token_ids]
+                top = None
+                if req.logprobs > 0:
+                    top = [{served.decode([t]): v for t, v in alts}
+                           for alts in await asyncio.to_thread(_top_logprobs, served, o, req.logprobs)]
+                offsets = [sum(len(x) for x in tokens[:j]) for j in range(len(tokens))]
+                choice["logprobs"] = {"tokens": tokens, "token_logprobs": o.logprobs, "top_logprobs": top,
+                                      "text_offset": offsets}
             choices.append(choice)
         return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-                "model": served.name, "choices": choices, "usage": _usage(prompts, req.n, outs)}
+                "model": served.name, "choices": choices, "usage": _usage(prompts, outs)}
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatRequest):
+        if (bad := unknown_model(req.model)) is not None:
+            return bad
+        if req.top_logprobs and not req.logprobs:
+            return _error(400, "top_logprobs needs logprobs=true", "top_logprobs")
         if req.stream:
             return _error(400, "stream=true is not supported; send the request without streaming", "stream")
         prompt = served.chat_ids(req.messages)
@@ -231,14 +291,21 @@ def build_app(served: ServedModel) -> FastAPI:
                               req.n)
         choices = []
         for i, o in enumerate(outs):
+            o = _trim(served, o)
             lp = None
             if req.logprobs:
-                lp = {"content": [{"token": served.decode([t]), "logprob": v, "bytes": None, "top_logprobs": []}
-                                  for t, v in zip(o.token_ids, o.logprobs, strict=True)]}
-            choices.append({"index": i, "message": {"role": "assistant", "content": _trim(served, o)},
+                top = await asyncio.to_thread(_top_logprobs, served, o, req.top_logprobs or 0)
+
+                def entry(t: int, v: float) -> dict[str, Any]:
+                    text = served.decode([t])
+                    return {"token": text, "logprob": v, "bytes": list(text.encode())}
+
+                lp = {"content": [{**entry(t, v), "top_logprobs": [entry(a, w) for a, w in alts]}
+                                  for t, v, alts in zip(o.token_ids, o.logprobs, top, strict=True)]}
+            choices.append({"index": i, "message": {"role": "assistant", "content": served.decode(o.token_ids)},
                             "finish_reason": o.finish_reason, "logprobs": lp})
         return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-                "model": served.name, "choices": choices, "usage": _usage([prompt], req.n, outs)}
+                "model": served.name, "choices": choices, "usage": _usage([prompt], outs)}
 
     return app
 

@@ -11,6 +11,7 @@ of them, padding with ``dummy_forward``/``dummy_backward``.
 
 from __future__ import annotations
 
+import math
 import numbers
 from collections.abc import Sequence
 
@@ -40,6 +41,18 @@ def pack(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], p
         valid[i, : lengths[i]] = True
         target[i, len(p) - 1 : lengths[i] - 1] = True
     return ids, valid, target
+
+
+class NonFiniteError(RuntimeError):
+    """A non-finite loss or gradient: the optimizer step was not taken (the weights are as before it)."""
+
+
+def check_finite_grad_norm(norm: float, engine: TrainingEngine) -> None:
+    """Refuse an optimizer step whose gradient norm is NaN or infinite (every rank sees the same global norm)."""
+    if not math.isfinite(norm):
+        engine.model.zero_grad(set_to_none=True)
+        raise NonFiniteError(f"the gradient norm is {norm} in an optimizer step (a non-finite loss: a reward, "
+                             "advantage or logit went NaN or infinite); the step was skipped and the run stopped")
 
 
 class TrainingEngine:
@@ -125,6 +138,7 @@ class TrainingEngine:
         norm = torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
+        check_finite_grad_norm(float(norm), self)
         for opt in self.optimizers:
             opt.step()
             opt.zero_grad(set_to_none=True)

@@ -18,8 +18,10 @@ Task sources:
 Grading: the code is the last fenced ```python block of the response (else the last fenced block, else the raw
 text). When it defines the entry point at top level, the program is the prompt's code above the entry point's
 ``def`` (imports and helpers) followed by the code; otherwise the code continues the prompt's function and the
-program is prompt + code. Program and tests run as one Python file in a fresh sandbox; reward 1.0 when it exits 0
-within the limits (default wall 10 s, memory 512 MiB), else 0.0.
+program is prompt + code. The program and the tests run in a fresh sandbox, judged by ``sandbox.judge``: the
+program in its own process, the tests in the judge's, calling the program's functions with plain data; reward 1.0
+when the judge reports that every test passed within the limits (default wall 10 s, memory 512 MiB), else 0.0,
+with the judge's reason in ``info["detail"]`` (an early exit, a failed assertion, a value that is not plain data).
 """
 
 from __future__ import annotations
@@ -138,8 +140,9 @@ class CodeEnv(Env):
         result = self.client.run(code=program, tests=build_tests(task), limits=self.limits)
         if result.verdict in _INFRASTRUCTURE:
             raise RuntimeError(f"sandbox {result.verdict.value} on task {task.id}: {result.detail}")
-        info = {"verdict": result.verdict.value, "exit_code": result.exit_code, "program": how,
-                "stderr": result.stderr[-500:].decode(errors="replace"), "wall_s": round(result.wall_s, 3)}
+        info = {"verdict": result.verdict.value, "detail": result.detail, "exit_code": result.exit_code,
+                "program": how, "stderr": result.stderr[-500:].decode(errors="replace"),
+                "wall_s": round(result.wall_s, 3)}
         return (1.0 if result.verdict is Verdict.OK else 0.0), info
 
     @classmethod

@@ -22,8 +22,10 @@ How the repository gets into the session's work directory (both optional, applie
 ids and reads each test's outcome from the summary; any other string is a shell command with a ``{tests}``
 placeholder (the quoted ids) whose output is read the same way (``PASSED id`` / ``FAILED id`` lines), or, when
 it prints none, whose exit status decides for every id. The reward is 1.0 only when every FAIL_TO_PASS and
-PASS_TO_PASS test passes; the test files are put back first, so editing the tests does not help. A sandbox
-failure ends the episode with reward 0 and ``info["sandbox_error"]``; it never raises.
+PASS_TO_PASS test passes, as graded by ``envs.swe_grading``: in a fresh session that gets only the model's changes
+to source files, then the hidden ``test_patch``, with outcomes from a pytest plugin that tags them with a nonce
+(editing tests, adding a conftest, planting modules or printing ``PASSED`` lines does not help; the test command
+must run pytest). A sandbox failure ends the episode with reward 0 and ``info["sandbox_error"]``; it never raises.
 ``task_from_swebench`` turns a flat SWE-bench record into a ``Task``.
 """
 
@@ -40,6 +42,14 @@ from typing import TYPE_CHECKING, Any
 
 from envs.base import Env, Task
 from envs.registry import register
+from envs.swe_grading import (
+    PLUGIN_ENV,
+    allowed_changes,
+    graded_outcomes,
+    grading_files,
+    list_files,
+    new_nonce,
+)
 from envs.tools import (
     Tool,
     ToolCall,
@@ -136,16 +146,18 @@ def parse_test_output(text: str) -> tuple[dict[str, str], dict[str, str]]:
     return status, messages
 
 
-def run_tests(session: RemoteSession, targets: list[str], test_command: str = "pytest",
-              timeout_s: float = 300) -> tuple[dict[str, str], dict[str, str], ExecResult]:
-    """Run test ids (or files) in ``session``: (outcomes by id, failure messages by id, ExecResult)."""
+def run_tests(session: RemoteSession, targets: list[str], test_command: str = "pytest", timeout_s: float = 300,
+              env: dict[str, str] | None = None, stdin: bytes = b"") -> tuple[dict[str, str], dict[str, str],
+                                                                                ExecResult]:
+    """Run test ids (or files) in ``session``: (outcomes by id as pytest printed them, failure messages by id,
+    ExecResult). Printed outcomes are what grading must not trust (see ``envs.swe_grading``)."""
     limits = Limits(wall_s=timeout_s, cpu_s=timeout_s, memory_bytes=2 << 30, output_bytes=8 << 20)
-    env = {"COLUMNS": "400"}  # pytest cuts summary lines at the terminal width
+    env = {"COLUMNS": "400", **(env or {})}  # pytest cuts summary lines at the terminal width
     if test_command == "pytest":
         argv = ["python3", "-m", "pytest", "-rA", "-q", "-p", "no:cacheprovider", "--tb=short", *targets]
     else:
         argv = ["bash", "-c", test_command.replace("{tests}", " ".join(shlex.quote(t) for t in targets))]
-    res = session.exec(argv, limits=limits, env=env)
+    res = session.exec(argv, limits=limits, env=env, stdin=stdin)
     if res.verdict == Verdict.ERROR:
         raise SandboxFailure(f"running the tests: {res.detail}")
     status, messages = parse_test_output(res.stdout.decode(errors="replace"))
@@ -217,7 +229,7 @@ class SWEEnv(Env):
         self._client = None
         self._session = None
         self._repo_cache: dict[str, dict[str, bytes]] = {}
-        self._pristine: dict[str, bytes] = {}
+        self._baseline: dict[str, str] = {}
         self._turn, self._done, self._error = 0, True, None
 
     # -- episode ----------------------------------------------------------------------------------
@@ -307,21 +319,8 @@ class SWEEnv(Env):
         meta = task.meta
         files = load_repo_files(meta, self._repo_cache)
         self._session = self.client.create_session(image=meta.get("image_name") or "", files=files)
-        diff = meta.get("test_patch") or ""
-        if diff:  # git apply works outside a repository too, and SWE-bench's images have git
-            res = self._session.exec(["git", "apply", "--whitespace=nowarn", "-"], stdin=diff.encode(),
-                                     limits=Limits(wall_s=60, cpu_s=60))
-            if res.verdict != Verdict.OK:
-                raise SandboxFailure(f"test_patch does not apply: {res.stderr.decode(errors='replace')[:500]}")
-        # the test files as they are now, to put back before grading
-        ids = as_test_ids(meta.get("FAIL_TO_PASS")) + as_test_ids(meta.get("PASS_TO_PASS"))
-        paths = {t.split("::")[0] for t in ids}
-        paths.update(patch_paths(diff))
-        self._pristine = {}
-        for p in sorted(paths):
-            data = self._read(p)
-            if data is not None:
-                self._pristine[p] = data
+        # what the repository holds before the model acts; the hidden test_patch is applied only at grading
+        self._baseline = list_files(self._session)
 
     def _read(self, path: str) -> bytes | None:
         """A session file's bytes, or None when it does not exist."""
@@ -347,22 +346,44 @@ class SWEEnv(Env):
             self._session = None
 
     def _grade(self, observation: str, truncated: bool):
+        """Carry the model's source changes into a fresh session and run the tests there (``envs.swe_grading``)."""
         meta = self.task.meta
         f2p, p2p = as_test_ids(meta.get("FAIL_TO_PASS")), as_test_ids(meta.get("PASS_TO_PASS"))
-        if self._pristine:
-            self._session.write_files(self._pristine)
         if not f2p + p2p:
             raise SandboxFailure(f"task {self.task.id} has no FAIL_TO_PASS or PASS_TO_PASS tests to grade with")
-        status, _, res = run_tests(self._session, f2p + p2p, meta.get("test_command") or "pytest",
-                                   self.test_timeout_s)
+        diff = meta.get("test_patch") or ""
+        test_paths = {t.split("::")[0] for t in f2p + p2p} | set(patch_paths(diff))
+        kept, deleted, dropped = allowed_changes(self._baseline, list_files(self._session), test_paths)
+        changes = self._session.read_files(kept) if kept else {}
+        self._close_session()
+        files = grading_files(meta, load_repo_files(meta, self._repo_cache), changes)
+        grader = self.client.create_session(image=meta.get("image_name") or "", files=files)
+        try:
+            if deleted:
+                grader.exec(["python3", "-I", "-S", "-c", "import os, sys\nfor p in sys.argv[1:]:\n    os.remove(p)",
+                             *deleted], limits=Limits(wall_s=60, cpu_s=60))
+            if diff:  # git apply works outside a repository too, and SWE-bench's images have git
+                res = grader.exec(["git", "apply", "--whitespace=nowarn", "-"], stdin=diff.encode(),
+                                  limits=Limits(wall_s=60, cpu_s=60))
+                if res.verdict != Verdict.OK:
+                    raise SandboxFailure(f"test_patch does not apply: {res.stderr.decode(errors='replace')[:500]}")
+            nonce = new_nonce()
+            _, _, res = run_tests(grader, f2p + p2p, meta.get("test_command") or "pytest", self.test_timeout_s,
+                                  env=PLUGIN_ENV, stdin=(nonce + "\n").encode())
+        finally:
+            grader.close()
+        status, why = graded_outcomes(res.stdout, nonce)
+        status = status or {}
         f2p_ok = sum(status.get(t) in PASSING for t in f2p)
         p2p_ok = sum(status.get(t) in PASSING for t in p2p)
         resolved = f2p_ok == len(f2p) and p2p_ok == len(p2p)
         info = {"task_id": self.task.id, "turn": self._turn, "resolved": resolved, "submitted": not truncated,
                 "fail_to_pass_passed": f2p_ok, "fail_to_pass_total": len(f2p),
-                "pass_to_pass_passed": p2p_ok, "pass_to_pass_total": len(p2p), "test_verdict": res.verdict.value}
+                "pass_to_pass_passed": p2p_ok, "pass_to_pass_total": len(p2p), "test_verdict": res.verdict.value,
+                "changed_files": kept, "dropped_changes": dropped[:50]}
+        if why:
+            info["grade_error"] = why
         self._done = True
-        self._close_session()
         return observation, (1.0 if resolved else 0.0), not truncated, truncated, info
 
     # -- tools ------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import zipfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -68,15 +69,58 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
                   and not p.name.endswith(".tmp"))
 
 
-def latest_checkpoint(run_dir: Path) -> tuple[Path, LoopState]:
-    """The newest complete checkpoint of a run, or a clear error."""
+def _safetensors_problem(path: Path) -> str | None:
+    """Why a safetensors file is unreadable (bad header, cut short), or None."""
+    try:
+        size = path.stat().st_size
+        with path.open("rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            if n <= 0 or 8 + n > size:
+                return f"{path.name} has no valid header"
+            header = json.loads(f.read(n))
+        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    except (OSError, ValueError, KeyError, TypeError, IndexError) as e:
+        return f"{path.name} is unreadable ({e})"
+    return f"{path.name} is cut short ({size} of {8 + n + end} bytes)" if 8 + n + end > size else None
+
+
+def checkpoint_problem(path: Path) -> str | None:
+    """What makes a checkpoint directory unusable for a resume (a damaged file), or None when it looks intact."""
+    try:
+        LoopState(**json.loads((path / STATE_FILE).read_text()))
+        json.loads((path / "config.json").read_text())
+    except (OSError, json.JSONDecodeError, TypeError) as e:
+        return f"its state or config file is damaged ({e})"
+    weights = sorted(path.glob("*.safetensors"))
+    if not weights:
+        return "it holds no weights (*.safetensors)"
+    for w in weights:
+        problem = _safetensors_problem(w)
+        if problem:
+            return problem
+    optimizer = path / "optimizer.pt"
+    if optimizer.exists():
+        try:
+            with zipfile.ZipFile(optimizer) as z:  # torch.save's format: a zip whose directory sits at the end
+                z.namelist()
+        except (OSError, zipfile.BadZipFile) as e:
+            return f"optimizer.pt is damaged ({e})"
+    return None
+
+
+def latest_checkpoint(run_dir: Path, report=None) -> tuple[Path, LoopState]:
+    """The newest intact checkpoint of a run; a damaged newer one is skipped and ``report(message)`` says so."""
     if not run_dir.is_dir():
         raise UserError(f"--resume: run directory {run_dir} does not exist")
     found = list_checkpoints(run_dir)
     if not found:
         raise UserError(f"--resume: {run_dir} has no complete checkpoint under checkpoints/")
-    try:
-        state = LoopState(**json.loads((found[-1] / STATE_FILE).read_text()))
-    except (json.JSONDecodeError, TypeError) as e:
-        raise UserError(f"--resume: {found[-1] / STATE_FILE} is damaged: {e}") from None
-    return found[-1], state
+    damaged = []
+    for path in reversed(found):
+        problem = checkpoint_problem(path)
+        if problem is None:
+            if damaged and report is not None:
+                report(f"--resume: skipped damaged checkpoint(s) {'; '.join(damaged)}; resuming from {path.name}")
+            return path, LoopState(**json.loads((path / STATE_FILE).read_text()))
+        damaged.append(f"{path.name} ({problem})")
+    raise UserError(f"--resume: every checkpoint of {run_dir} is damaged: {'; '.join(damaged)}")

@@ -8,8 +8,14 @@ import time
 from pathlib import Path
 
 from rl.errors import UserError
+from rl.guards import TrainingStopped
 
-EXIT_USER_ERROR = 2
+EXIT_USER_ERROR = 2  # bad input: config, flags, paths
+EXIT_RUN_FAILED = 1  # the run started and could not go on (a non-finite update, failing environments, a full disk)
+
+
+class RunFailure(Exception):
+    """A run that failed at run time; the message names the cause and what is left intact."""
 
 
 def _cmd_train(args: argparse.Namespace) -> None:
@@ -29,7 +35,11 @@ def _cmd_train(args: argparse.Namespace) -> None:
         run_dir = Path(args.run_dir or f"runs/{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}")
         if (run_dir / "checkpoints").exists():
             raise UserError(f"--run-dir {run_dir} already holds a run; use --resume {run_dir} to continue it")
-    summary = train(cfg, run_dir, resume=bool(args.resume))
+    try:
+        summary = train(cfg, run_dir, resume=bool(args.resume))
+    except OSError as e:  # a full or read-only disk while the run writes: checkpoints are written atomically
+        raise RunFailure(f"cannot write to {e.filename or run_dir}: {e.strerror or e}; the last checkpoint in "
+                         f"{run_dir}/checkpoints is intact (resume with --resume {run_dir})") from None
     print(f"run directory: {run_dir}")
     print(f"held-out accuracy {summary['initial_accuracy']:.3f} -> {summary['final_accuracy']:.3f} "
           f"in {summary['iterations']} iterations, {summary['wall_s']:.0f} s")
@@ -53,9 +63,12 @@ def _cmd_check(args: argparse.Namespace) -> None:
 
 
 def _cmd_envs(args: argparse.Namespace) -> None:
-    from envs import registered
+    from envs.registry import describe
 
-    print("\n".join(registered()))
+    rows = describe()
+    width = max(len(name) for name, _, _ in rows)
+    for name, kind, doc in rows:
+        print(f"{name:<{width}}  {kind:<8}  {doc}")
 
 
 def _cmd_serve(args: argparse.Namespace) -> None:
@@ -88,6 +101,11 @@ def _cmd_sandbox_serve(args: argparse.Namespace) -> None:
     metrics = f", metrics on :{server.metrics_port}/metrics" if server.metrics_port is not None else ""
     print(f"sandbox service ({sc.backend} backend, {sc.concurrency} at once) listening on {server.address}{metrics}",
           flush=True)
+    backend = server.service.backend
+    if hasattr(backend, "describe"):
+        print(f"enforced: {backend.describe()}", flush=True)
+        for warning in backend.warnings:
+            print(f"warning: {warning}", file=sys.stderr, flush=True)
     try:
         server.wait()
     finally:
@@ -231,7 +249,7 @@ def build_parser() -> argparse.ArgumentParser:
     lg.add_argument("-f", "--follow", action="store_true", help="keep streaming until the run ends")
     lg.set_defaults(func=_cmd_logs)
 
-    e = sub.add_parser("envs", help="list registered environments")
+    e = sub.add_parser("envs", help="list the environments: name, built-in or plug-in, what it rewards")
     e.set_defaults(func=_cmd_envs)
     return p
 
@@ -248,6 +266,9 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USER_ERROR
+    except (RunFailure, TrainingStopped) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_RUN_FAILED
     except KeyboardInterrupt:
         print("interrupted; the last checkpoint is intact (resume with --resume RUN_DIR)", file=sys.stderr)
         return 130

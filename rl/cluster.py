@@ -122,15 +122,23 @@ class Cluster:
     def train(self, samples: list[Sample], ptx: list[PtxBatch], seed: int,
               on_step: Callable[[dict], None] | None = None) -> list[dict[str, float]]:
         """One K1.5 update on every trainer rank; returns the metrics of each optimizer step."""
+        from engines.training import NonFiniteError
+        from rl.guards import TrainingStopped
+
         samples_ref, ptx_ref = ray.put(samples), ray.put(ptx)
         gens = [t.train.remote(samples_ref, ptx_ref, seed) for t in self.trainers]
         steps = []
-        for ref in gens[0]:
-            steps.append(ray.get(ref))
-            if on_step:
-                on_step(steps[-1])
-        for g in gens[1:]:
-            ray.get(list(g))
+        try:
+            for ref in gens[0]:
+                steps.append(ray.get(ref))
+                if on_step:
+                    on_step(steps[-1])
+            for g in gens[1:]:
+                ray.get(list(g))
+        except ray.exceptions.RayTaskError as e:
+            if isinstance(e.cause, NonFiniteError):
+                raise TrainingStopped(str(e.cause)) from None
+            raise
         return steps
 
     def train_peak_gib(self) -> float:

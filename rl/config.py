@@ -16,7 +16,8 @@ from rl.schedules import temperature_at
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # NaN and ±inf pass a "gt=0" check (inf) or make it meaningless: no numeric field takes them
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class RunConfig(Strict):
@@ -26,6 +27,11 @@ class RunConfig(Strict):
     eval_every: int = Field(5, ge=1, description="held-out greedy accuracy every N iterations")
     save_every: int = Field(10, ge=1, description="checkpoint every N iterations (and at the end)")
     keep_checkpoints: int = Field(2, ge=1)
+    max_minutes: float | None = Field(None, gt=0, description="wall-clock budget of the RL loop (resumes included): "
+                                      "after the iteration that reaches it the run saves a checkpoint, its final "
+                                      "model and summary, and ends")
+    max_env_error_rate: float = Field(0.5, ge=0, le=1, description="stop when a larger share of an iteration's "
+                                      "episodes fails in its environment (the first error is named)")
 
 
 class ClusterConfig(Strict):
@@ -235,13 +241,14 @@ class SandboxLimitsConfig(Strict):
     open_files: int = Field(256, ge=16)
     file_size_mb: int = Field(16, ge=1)
     output_kb: int = Field(1024, ge=1, description="per stream (stdout and stderr each)")
+    cpus: float = Field(1.0, gt=0, description="CPUs the whole sandbox may use at once (cgroup cpu.max)")
 
     def to_limits(self):
         from sandbox.backend import Limits
 
         return Limits(wall_s=self.wall_s, cpu_s=self.cpu_s, memory_bytes=self.memory_mb << 20,
                       processes=self.processes, open_files=self.open_files,
-                      file_size_bytes=self.file_size_mb << 20, output_bytes=self.output_kb << 10)
+                      file_size_bytes=self.file_size_mb << 20, output_bytes=self.output_kb << 10, cpus=self.cpus)
 
 
 class KubernetesSandboxConfig(Strict):
@@ -277,6 +284,8 @@ class SandboxConfig(Strict):
     advertise_address: str | None = Field(None, description="host:port clients reach this replica at (its pod "
                                           "IP on Kubernetes): sessions created here are used through it")
     limits: SandboxLimitsConfig = SandboxLimitsConfig()
+    disk_mb: int = Field(256, ge=0, description="local backend: disk quota of each session's /work and /tmp "
+                                                "together (a tmpfs); 0 = none")
     kubernetes: KubernetesSandboxConfig = KubernetesSandboxConfig()
 
 
@@ -370,9 +379,13 @@ def load_config(path: str | Path, overrides: list[str] = ()) -> Config:
     """Read and validate a YAML config file."""
     p = Path(path)
     if not p.is_file():
-        raise UserError(f"config file {p} does not exist")
+        raise UserError(f"config file {p} does not exist" + (" (it is a directory)" if p.is_dir() else ""))
     try:
-        raw = yaml.safe_load(p.read_text())
+        raw = yaml.safe_load(p.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise UserError(f"config file {p} is not text (a YAML file in UTF-8 is expected)") from None
+    except OSError as e:
+        raise UserError(f"cannot read config file {p}: {e.strerror or e}") from None
     except yaml.YAMLError as e:
         raise UserError(f"config file {p} is not valid YAML: {e}") from None
     return parse_config(raw, str(p), overrides)

@@ -24,6 +24,14 @@ from rl.config import Config, EnvConfig, dump_config
 from rl.data import GROUPS_PER_ITERATION, check_renderable, load_task_sets, rollout_seq_len, sample_mix
 from rl.episodes import env_class, task_type_of
 from rl.errors import UserError
+from rl.guards import (
+    Budget,
+    check_cluster_fits,
+    check_error_rate,
+    check_max_tokens,
+    check_sample_rewards,
+    check_writable,
+)
 from rl.memory import check_fits, estimate
 from rl.metrics import MetricsLog, plot_curves
 from rl.multiturn import play_episodes
@@ -36,13 +44,16 @@ from rl.warmstart import prepare_model
 def train(cfg: Config, run_dir: Path, resume: bool = False, console: Console | None = None) -> dict:
     """Run (or resume) an RL run in ``run_dir``; returns the summary also written to summary.json."""
     console = console or Console()
-    tasks = load_task_sets(cfg)  # validates task files and the env name before any work
+    check_cluster_fits(cfg)
+    check_max_tokens(cfg)
+    check_writable(run_dir)
+    tasks = load_task_sets(cfg, console)  # validates task files and the env name before any work
     ptx = load_ptx(cfg.algorithm.ptx.data) if cfg.algorithm.ptx.coef > 0 else []
     progress = Progress(TextColumn("{task.description:<34}"), BarColumn(), MofNCompleteColumn(),
                         TimeElapsedColumn(), console=console, transient=True)
     with progress:
         if resume:
-            start_dir, state = latest_checkpoint(run_dir)
+            start_dir, state = latest_checkpoint(run_dir, report=console.print)
             if state.workers != cfg.cluster.workers:
                 raise UserError(f"--resume: {start_dir} holds optimizer state sharded over {state.workers} workers; "
                                 f"cluster.workers is {cfg.cluster.workers} (set it to {state.workers})")
@@ -50,10 +61,10 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, console: Console | N
             start_dir, state = prepare_model(cfg, progress), None
             run_dir.mkdir(parents=True, exist_ok=True)
             (run_dir / "config.yaml").write_text(dump_config(cfg))
-        tok = TextTokenizer.load(start_dir, cfg.model.chat_template)
+        tok = load_tokenizer(start_dir, cfg)
         check_renderable(tasks, tok, str(start_dir))
         log = MetricsLog(run_dir, console, cfg.metrics.prometheus_port, resume_at=state and state.iteration + 1)
-        t0 = time.time()
+        budget, stopped = Budget(cfg.run.max_minutes, state.wall_s if state else 0.0), None
         buffer = PartialRolloutBuffer(cfg.rollout.partial.max_age)
         seq_len = rollout_seq_len(cfg, tasks, tok, read_config(start_dir).max_position_embeddings)
         check_fits(cfg, estimate(cfg, read_config(start_dir), seq_len))
@@ -70,11 +81,19 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, console: Console | N
             first = state.iteration + 1 if state else 0
             for it in range(first, cfg.run.iterations):
                 rec = iteration(cluster, cfg, tasks, tok, it, progress, buffer, ptx)
+                if budget.reached() and it + 1 < cfg.run.iterations:
+                    stopped = "max_minutes"
+                    if rec["accuracy"] is None:  # end on a measured model, as a run that ran out of iterations
+                        rec.update(eval_metrics(cluster, tasks, tok, cfg, progress))
                 log.record(rec)
-                if (it + 1) % cfg.run.save_every == 0 or it + 1 == cfg.run.iterations:
-                    loop = LoopState(it, initial, (state.wall_s if state else 0) + time.time() - t0,
-                                     cluster.weights_version, buffer.state_dict(), cfg.cluster.workers)
+                if (it + 1) % cfg.run.save_every == 0 or it + 1 == cfg.run.iterations or stopped:
+                    loop = LoopState(it, initial, budget.elapsed(), cluster.weights_version, buffer.state_dict(),
+                                     cfg.cluster.workers)
                     save_checkpoint(run_dir, loop, cluster.save, start_dir, cfg.run.keep_checkpoints)
+                if stopped:
+                    console.print(f"run.max_minutes={cfg.run.max_minutes:g} reached after iteration {it} "
+                                  f"({budget.elapsed() / 60:.1f} min): checkpoint, final model and summary saved")
+                    break
             final_dir = run_dir / "final"
             cluster.save(str(final_dir))
             (final_dir / "optimizer.pt").unlink()
@@ -85,8 +104,9 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, console: Console | N
         "final_accuracy": accs[-1] if accs else initial,
         "best_accuracy": max([*accs, initial]),
         "iterations": len(log.records),
-        "wall_s": round((state.wall_s if state else 0) + time.time() - t0, 2),
+        "wall_s": round(budget.elapsed(), 2),
         "final_model": str(final_dir),
+        **({"stopped_by": stopped} if stopped else {}),
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     plot_curves(log.records, run_dir / "curves.png", initial)
@@ -143,6 +163,8 @@ def iteration(cluster: Cluster, cfg: Config, tasks, tok: TextTokenizer, it: int,
         samples, stats = collect_samples(cluster, cfg, tasks, tok, it, buffer.pop_complete(), episodes, runner)
     finally:
         runner.close()
+    check_error_rate(stats, cfg.run.max_env_error_rate)
+    check_sample_rewards(samples)
     partial_stats = buffer.stats()  # after pop_complete: waiting_groups are the groups carried over
     cluster.sleep_rollouts()
     times["time_reward"] = time.time() - t
@@ -167,18 +189,14 @@ def iteration(cluster: Cluster, cfg: Config, tasks, tok: TextTokenizer, it: int,
     progress.remove_task(bar)
     times["time_weight_update"] = time.time() - t
 
-    accuracy, per_type = None, {}
+    held_out = {"accuracy": None}
     if (it + 1) % cfg.run.eval_every == 0 or it + 1 == cfg.run.iterations:
-        t = time.time()
-        per_type = evaluate(cluster, tasks, tok, cfg, progress)
-        accuracy = per_type.pop("accuracy")
-        per_type = {k: v for k, v in per_type.items() if k.startswith("accuracy/")}
-        times["time_eval"] = time.time() - t
+        held_out = eval_metrics(cluster, tasks, tok, cfg, progress)
+        times["time_eval"] = held_out.pop("time_eval")
     return {
         "iteration": it,
         **stats,
-        "accuracy": accuracy,
-        **per_type,
+        **held_out,
         "temperature": cfg.temperature(cfg.env_entries[0].task_type or env_class(cfg.env_entries[0]).task_type, it),
         **({f"temperature/{k}": v for k, v in temps.items()} if len(temps) > 1 else {}),
         "rollout_tokens": generated,
@@ -188,6 +206,22 @@ def iteration(cluster: Cluster, cfg: Config, tasks, tok: TextTokenizer, it: int,
         **step_metrics(steps),
         **{k: round(v, 3) for k, v in times.items()},
     }
+
+
+def eval_metrics(cluster: Cluster, tasks, tok: TextTokenizer, cfg: Config, progress: Progress) -> dict:
+    """Held-out greedy accuracy (overall and per task type) and the time it took, for an iteration's record."""
+    t = time.time()
+    out = evaluate(cluster, tasks, tok, cfg, progress)
+    return {"accuracy": out["accuracy"], **{k: v for k, v in out.items() if k.startswith("accuracy/")},
+            "time_eval": round(time.time() - t, 3)}
+
+
+def load_tokenizer(model_dir: Path, cfg: Config) -> TextTokenizer:
+    """The run's tokenizer, or a UserError naming what is missing (files, the EOS token a response ends with)."""
+    try:
+        return TextTokenizer.load(model_dir, cfg.model.chat_template)
+    except (OSError, ValueError) as e:
+        raise UserError(f"the tokenizer in {model_dir} cannot be used: {e}") from None
 
 
 def step_metrics(steps: list[dict[str, float]]) -> dict[str, float]:

@@ -7,6 +7,7 @@ entry of task ``i``, and new prompts are drawn from the entries by weight.
 from __future__ import annotations
 
 import random
+import time
 from dataclasses import dataclass, field
 
 from envs import Task
@@ -18,6 +19,7 @@ from rl.errors import UserError
 # Fixed seeds: the held-out set stays the same across runs, so accuracies are comparable.
 TRAIN_SEED, EVAL_SEED, SFT_SEED = 1, 2, 3
 GROUPS_PER_ITERATION = 1_000_000  # group ids are it * this + index: unique across the run
+SLOW_GENERATION_S = 5.0  # task generation that takes longer is reported on the console
 
 
 @dataclass
@@ -37,14 +39,24 @@ class TaskSets:
         return self.entries[self.eval_env[index]]
 
 
-def _entry_sets(entry: EnvConfig, where: str) -> tuple[list[Task], list[Task]]:
+def _entry_sets(entry: EnvConfig, where: str, console=None) -> tuple[list[Task], list[Task]]:
     cls = env_class(entry)
+
+    def generate(n, seed, what):
+        if console is None:
+            return cls.generate_tasks(n, seed, **entry.kwargs)
+        t = time.time()
+        with console.status(f"env {entry.name!r}: generating {n} {what} tasks"):
+            out = cls.generate_tasks(n, seed, **entry.kwargs)
+        if time.time() - t > SLOW_GENERATION_S:  # say what took the time; quick ones stay silent
+            console.print(f"env {entry.name!r}: generated {len(out)} {what} tasks in {time.time() - t:.0f} s")
+        return out
 
     def get(path, n, seed, what):
         try:
             if path is not None:  # an environment with its own record schema reads its files itself
                 return getattr(cls, "load_tasks", load_tasks)(path)
-            return cls.generate_tasks(n, seed, **entry.kwargs)
+            return generate(n, seed, what)
         except TaskFileError as err:
             raise UserError(str(err)) from None
         except NotImplementedError as err:
@@ -60,11 +72,12 @@ def _entry_sets(entry: EnvConfig, where: str) -> tuple[list[Task], list[Task]]:
     return train, held_out
 
 
-def load_task_sets(cfg: Config) -> TaskSets:
-    """Read or generate every entry's task sets; held-out prompts seen in training are removed."""
+def load_task_sets(cfg: Config, console=None) -> TaskSets:
+    """Read or generate every entry's task sets; held-out prompts seen in training are removed. With a rich
+    ``console``, generation shows a spinner and, when slow, how long it took."""
     sets = TaskSets([], [], cfg.env_entries)
     for i, entry in enumerate(sets.entries):
-        train, held_out = _entry_sets(entry, f"envs[{i}]" if cfg.envs else "env")
+        train, held_out = _entry_sets(entry, f"envs[{i}]" if cfg.envs else "env", console)
         sets.train += train
         sets.eval += held_out
         sets.train_env += [i] * len(train)
@@ -92,21 +105,33 @@ def rollout_seq_len(cfg: Config, sets: TaskSets, tok, context: int) -> int:
     """Tokens per sequence the inference KV cache is sized for (``rollout.max_seq_len``, see its description)."""
     from rl.episodes import is_group_level
 
+    budget = max([cfg.rollout.max_tokens] + [t.max_tokens or 0 for t in cfg.rollout.task_types.values()])
+    room = cfg.rollout.max_seq_len or context
+    what = f"rollout.max_seq_len {room}" if cfg.rollout.max_seq_len else f"the model's context of {context} tokens"
+    if budget >= room:
+        raise UserError(f"max_tokens {budget} (rollout.max_tokens or a task type's) leaves no room for a prompt in "
+                        f"{what}; lower it below {room}")
+    # every prompt known up front must fit with its budget: a prompt that does not is refused episode by episode
+    # and the run would train on nothing (multi-turn prompts are made by their environment at reset)
+    single = [(t, sets.entries[e]) for tasks, envs in ((sets.train, sets.train_env), (sets.eval, sets.eval_env))
+              for t, e in zip(tasks, envs, strict=True) if not env_class(sets.entries[e]).multi_turn]
+    chat = [(t, e) for t, e in single if t.messages or tok.chat_prompts]
+    plain = [(t, e) for t, e in single if not (t.messages or tok.chat_prompts)]  # batch-encoded: fast on 10⁵
+    lengths = [len(tok.prompt_ids(t)) for t, _ in chat]
+    if plain:
+        lengths += [len(ids) for ids in tok.hf([t.prompt for t, _ in plain], add_special_tokens=False)["input_ids"]]
+    longest = max(lengths, default=0)
+    if longest + budget > room:
+        task, entry = (chat + plain)[lengths.index(longest)]
+        too_long = sum(n + budget > room for n in lengths)
+        raise UserError(f"{too_long} of {len(lengths)} prompts do not fit {what} with max_tokens {budget} (the "
+                        f"longest, task {task.id!r} of env {entry.name!r}, has {longest} tokens); lower "
+                        "rollout.max_tokens, drop the long prompts, or use a model with a longer context")
     if cfg.rollout.max_seq_len is not None:
         return cfg.rollout.max_seq_len
     if cfg.algorithm.critic_training.enabled or any(env_class(e).multi_turn or is_group_level(e)
                                                      for e in sets.entries):
         return context
-    tasks = sets.train + sets.eval
-    chat = [t for t in tasks if t.messages or tok.chat_prompts]
-    plain = [t.prompt for t in tasks if not (t.messages or tok.chat_prompts)]  # batch-encoded: fast on 10⁵ prompts
-    lengths = [len(tok.prompt_ids(t)) for t in chat]
-    lengths += [len(ids) for ids in tok.hf(plain, add_special_tokens=False)["input_ids"]] if plain else []
-    longest = max(lengths, default=0)
-    budget = max([cfg.rollout.max_tokens] + [t.max_tokens or 0 for t in cfg.rollout.task_types.values()])
-    if longest + budget > context:
-        raise UserError(f"the longest prompt ({longest} tokens) + max_tokens {budget} exceed the model's context of "
-                        f"{context} tokens; lower rollout.max_tokens or drop the longest prompts")
     return longest + budget
 
 

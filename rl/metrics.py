@@ -55,6 +55,8 @@ class MetricsLog:
             extra += f"  paused {rec['partial_paused']} resumed {rec['partial_resumed']}"
         if rec.get("max_logit") is not None:
             extra += f"  max-logit {rec['max_logit']:.1f}"
+        if rec.get("env_errors"):
+            extra += f"  env-errors {rec['env_errors']} (first: {str(rec.get('first_env_error', ''))[:160]})"
         self.console.print(
             f"iter {rec['iteration']:>4}  reward {rec['reward_mean']:.3f}  "
             f"acc {'  -  ' if acc is None else f'{acc:.3f}'}  len {rec['response_len']:.1f}  "

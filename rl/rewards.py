@@ -13,6 +13,7 @@ from rl.algorithm import Sample
 from rl.config import Config
 from rl.data import GROUPS_PER_ITERATION, TaskSets
 from rl.episodes import EpisodeRunner, env_class, is_group_level, solved, task_type_of
+from rl.guards import check_reward
 from rl.partial import Trajectory
 
 
@@ -61,8 +62,9 @@ def score(groups: list[list[Trajectory]], tasks: TaskSets, tok: TextTokenizer, c
         reward, error = by_key.get(traj.key, (0.0, f"the inference engine refused the request: {traj.error}"))
         if error:
             errors += 1
-            first_error = first_error or f"task {task.id}: {error}"
+            first_error = first_error or f"env {entry.name!r}, task {task.id}: {error}"
             continue
+        reward = check_reward(reward, entry.name, task.id)
         if traj.finish_reason == "length":
             truncated[ttype] += 1
             reward = cfg.task_type(ttype)[1]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import math
 import os
 import threading
 from dataclasses import dataclass, field
@@ -37,6 +38,13 @@ class Limits:
     open_files: int = 256
     file_size_bytes: int = 16 << 20
     output_bytes: int = 1 << 20  # per stream (stdout and stderr each)
+    cpus: float = 1.0  # CPUs the whole sandbox may use at once (cgroup cpu.max), where cgroups are in force
+
+    def __post_init__(self) -> None:
+        for name in self.__dataclass_fields__:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise SandboxError(f"limits.{name}={value!r} is not a finite number", "INVALID_ARGUMENT")
 
     def merged(self, **overrides: float | int | None) -> Limits:
         """These limits with the non-None, non-zero overrides applied."""

@@ -7,12 +7,20 @@ Isolation, when the service runs as root (as in CI and in the service's containe
   the backend (no ``/etc/shadow``), its own ``/proc`` and ``/dev``, the Python installation read-only, and its
   session's ``/work`` (the cwd) and ``/tmp`` read-write. Nothing from ``/root``, ``/home``, the project, or other
   sessions. The network namespace has only a loopback interface of its own.
+- Each session's ``/work`` and ``/tmp`` live on one tmpfs of ``disk_bytes`` (and a bounded number of files)
+  mounted for the session: an aggregate disk quota, and clean-up is an unmount whatever the program left there.
+- Each session has its own cgroup (``sandbox.cgroups``, v2 or v1): memory, processes and CPU of the whole sandbox
+  are limited together, on top of the per-process rlimits, and the cgroup's counters tell which limit was hit.
+- A seccomp filter (``sandbox.seccomp``) refuses the system calls a judged program never needs: kernel keyrings,
+  ptrace and reading other processes' memory, new namespaces and mounts, io_uring, bpf, perf events, modules...
 - Inside, ``setpriv`` drops to the session's own uid/gid ``uid_base + slot`` (no supplementary groups, empty
   capability and bounding sets, no_new_privs) before anything untrusted runs. A uid per session means that
   RLIMIT_NPROC counts only that session's processes (root is exempt from it), and that sessions cannot read each
-  other's files or signal each other. ``env -i`` then sets the program's environment, so that the caller's
-  variables (``LD_PRELOAD``...) never reach a privileged process, and ``prlimit`` applies the rlimits, so no
-  preexec_fn is needed (the service calls exec from many threads, where preexec_fn is unsafe).
+  other's files or signal each other. A uid is handed out again only once nothing of its last session is left: no
+  process, no directory, no kernel key (``sandbox.uids``); until then its slot waits and is checked again later.
+  ``env -i`` then sets the program's environment, so that the caller's variables (``LD_PRELOAD``...) never reach a
+  privileged process, and ``prlimit`` applies the rlimits, so no preexec_fn is needed (the service calls exec from
+  many threads, where preexec_fn is unsafe).
 - The chain runs as pid 1 of its pid namespace (``--as-pid-1``) and ends with ``timeout``, which forks the program
   and waits for it: when the program exits, pid 1 exits and the kernel kills everything left in the namespace, so
   nothing the program started survives it; bwrap waits for pid 1, so the program's CPU time reaches our wait4.
@@ -23,33 +31,38 @@ Isolation, when the service runs as root (as in CI and in the service's containe
   parent-death signal does not survive the uid change), and ``start_new_session`` already leaves the sandbox
   without a controlling terminal, which is what ``--new-session`` protects.
 
-Not running as root: bwrap uses an unprivileged user namespace (``--unshare-user``) and the uid stays the service's
-own. Weaker: RLIMIT_NPROC then counts all of that user's processes and threads on the machine (the service's
-included), so the fork-bomb limit is shared and can be hit by the service itself; and sessions share a uid, so
-only the mount and pid namespaces keep them apart. Neither mode has a seccomp filter or disk quotas.
+Where the host does not allow a mechanism (no cgroup delegation, no libseccomp, no right to mount), the backend
+says so in a warning and in ``enforced``, and keeps the others. Not running as root: bwrap uses an unprivileged
+user namespace (``--unshare-user``) and the uid stays the service's own. Weaker: no cgroups and no tmpfs quota
+(both need root here); RLIMIT_NPROC then counts all of that user's processes and threads on the machine (the
+service's included), so the fork-bomb limit is shared and can be hit by the service itself; and sessions share a
+uid, so only the mount and pid namespaces keep them apart.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import heapq
+import logging
 import os
 import shutil
-import signal
 import stat
 import sys
 import tempfile
 import threading
-import time
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
 
+from sandbox import uids
 from sandbox.backend import ExecResult, Limits, SandboxError, Verdict, check_relative_path, open_parent_dir
+from sandbox.cgroups import ENTER_ERROR, CgroupManager, CgroupUnavailable, SessionCgroup, Usage
+from sandbox.fs import mount_tmpfs, remove_tree, unmount
 from sandbox.runner import classify, prlimit_argv, run_command
+from sandbox.seccomp import SeccompUnavailable, write_filter
 
+log = logging.getLogger(__name__)
 _ETC_FILES = ("passwd", "group", "hosts", "host.conf", "nsswitch.conf", "gai.conf", "ld.so.cache", "ld.so.conf",
               "ld.so.conf.d", "localtime", "ssl", "alternatives", "protocols", "services", "mime.types")
 _SYSTEM_LINKS = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
@@ -57,6 +70,8 @@ _SANDBOX_PATH = "/sandbox/bin:/usr/local/bin:/usr/bin:/bin"
 _KILLED_BY_US = (Verdict.TIMEOUT, Verdict.OUTPUT_LIMIT, Verdict.CANCELLED)
 _BACKSTOP_S = 5  # timeout(1) kills the program this long after its wall limit if the service could not
 _CLOSE_WAIT_S = 10.0
+DISK_BYTES = 256 << 20  # default aggregate quota of a session's /work and /tmp
+_BYTES_PER_INODE = 4096  # files a session may hold: one per 4 KiB of its quota (at least 16384)
 
 
 def _tool(name: str) -> str:
@@ -65,77 +80,6 @@ def _tool(name: str) -> str:
         raise SandboxError(f"{name} is not installed; the local sandbox backend needs it (util-linux/coreutils)",
                            "UNAVAILABLE")
     return path
-
-
-def _rmtree(path: Path) -> None:
-    """Remove a tree the sandbox filled; without root, first give back the permissions the program may have taken."""
-    shutil.rmtree(path, ignore_errors=True)
-    if path.exists():
-        with contextlib.suppress(OSError):
-            os.chmod(path, 0o700)
-        for dirpath, dirnames, _ in os.walk(path):
-            for d in dirnames:  # before os.walk descends into it
-                p = os.path.join(dirpath, d)
-                if not os.path.islink(p):
-                    with contextlib.suppress(OSError):
-                        os.chmod(p, 0o700)
-        shutil.rmtree(path, ignore_errors=True)
-
-
-_UID_LOCKS = Path(tempfile.gettempdir()) / "rl-sandbox-uids"
-
-
-def _claim_uid(uid: int) -> int | None:
-    """Claim ``uid`` host-wide for one session (an flock held while the session lives); None if another holds it.
-
-    Sessions are told apart by their uid (process limits, permissions, the clean-up below), so two backends on
-    one host, in one process or several, must never hand out the same uid at the same time.
-    """
-    _UID_LOCKS.mkdir(mode=0o700, exist_ok=True)
-    fd = os.open(_UID_LOCKS / str(uid), os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        return None
-    return fd
-
-
-def _release_uid(fd: int | None) -> None:
-    if fd is not None and fd >= 0:
-        with contextlib.suppress(OSError):
-            os.close(fd)  # closing the descriptor drops the flock
-
-
-def _live_pids(uid: int) -> list[int]:
-    """Processes of ``uid`` that are not zombies (a zombie is already dead; its parent reaps it)."""
-    pids = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        with contextlib.suppress(OSError):
-            if os.stat(f"/proc/{name}").st_uid == uid:
-                with open(f"/proc/{name}/stat", "rb") as f:
-                    if f.read().rsplit(b")", 1)[-1].split()[0] != b"Z":
-                        pids.append(int(name))
-    return pids
-
-
-def _reap_uid(uid: int, timeout_s: float = 2.0) -> None:
-    """Wait until no process of the session's own uid is left, SIGKILLing stragglers.
-
-    The kernel tears down the pid namespace asynchronously once its pid 1 exits, so a killed program's
-    children can still be alive for a moment after bwrap is reaped; an exec returns only once they are gone.
-    """
-    deadline = time.monotonic() + timeout_s
-    while True:
-        pids = _live_pids(uid)
-        if not pids or time.monotonic() > deadline:
-            return
-        for pid in pids:
-            with contextlib.suppress(OSError):
-                os.kill(pid, signal.SIGKILL)
-        time.sleep(0.005)
 
 
 class _EitherEvent(threading.Event):
@@ -156,27 +100,89 @@ class LocalBackend:
     name = "local"
 
     def __init__(self, root: str | Path | None = None, *, python: str | None = None, uid_base: int = 61000,
-                 max_sessions: int = 1024, ro_paths: Sequence[str] = ()):
+                 max_sessions: int = 1024, ro_paths: Sequence[str] = (), disk_bytes: int = DISK_BYTES,
+                 cgroups: bool = True, seccomp: bool = True):
+        """``disk_bytes``: the quota of each session's /work and /tmp together; ``cgroups`` / ``seccomp`` False turn
+        those mechanisms off (for comparison); ``enforced`` then says what is in force and ``warnings`` why not."""
         bwrap = shutil.which("bwrap")
         if bwrap is None:
             raise SandboxError("bubblewrap (bwrap) is not installed; the local sandbox backend needs it: "
                                "apt-get install bubblewrap", "UNAVAILABLE")
         self.as_root = os.geteuid() == 0
-        self.uid_base, self.max_sessions = uid_base, max_sessions
+        self.uid_base, self.max_sessions, self.disk_bytes = uid_base, max_sessions, disk_bytes
         self._env, self._prlimit, self._timeout = _tool("env"), _tool("prlimit"), _tool("timeout")
         self._setpriv = _tool("setpriv")
         # how the sandbox's own tools (not the program) report a failure: they prefix their messages with argv[0]
-        self.tool_errors = tuple(f"{t}: ".encode() for t in ("bwrap", bwrap, self._setpriv, self._env, self._prlimit))
+        tools = ("bwrap", bwrap, self._setpriv, self._env, self._prlimit)
+        self.tool_errors = (*(f"{t}: ".encode() for t in tools), ENTER_ERROR.encode())
         self._own_root = root is None
         self.root = Path(tempfile.mkdtemp(prefix="rl-sandbox-") if root is None else root).absolute()
         self.root.mkdir(parents=True, exist_ok=True)
         self.python = self._find_python(python)
         self._lock = threading.Lock()
         self._free = list(range(max_sessions))  # a heap of free slots: smallest first
+        self._dirty: dict[int, LocalSession] = {}  # slots whose last session left something behind
         self._sessions: dict[str, LocalSession] = {}
         self._closed = False
+        self.enforced: dict[str, str] = {}
+        self.warnings: list[str] = []
+        self.cgroups = self._setup_cgroups(cgroups)
+        self.seccomp_file = self._setup_seccomp(seccomp)
+        self.tmpfs = self._setup_tmpfs()
+        for w in self.warnings:
+            log.warning("local sandbox: %s", w)
         etc = self._stage_etc()
         self._base = self._base_argv(bwrap, etc, ro_paths)
+
+    def _setup_cgroups(self, wanted: bool) -> CgroupManager | None:
+        if not wanted:
+            self.warnings.append("cgroup limits turned off: memory and processes are limited per process only")
+            return None
+        try:
+            mgr = CgroupManager.probe()
+        except CgroupUnavailable as e:
+            self.warnings.append(f"no whole-sandbox limits ({e}); memory and processes are limited per process "
+                                 "only (rlimits)")
+            return None
+        self.enforced["cgroup"] = f"{mgr.mode} (memory, pids, cpu)"
+        return mgr
+
+    def _setup_seccomp(self, wanted: bool) -> Path | None:
+        if not wanted:
+            self.warnings.append("seccomp filter turned off")
+            return None
+        path = self.root / ".seccomp.bpf"
+        try:
+            write_filter(path)
+        except (SeccompUnavailable, OSError) as e:
+            self.warnings.append(f"no seccomp filter: {e}")
+            return None
+        self.enforced["seccomp"] = "on"
+        return path
+
+    def _setup_tmpfs(self) -> bool:
+        """Whether sessions get a size-limited tmpfs (needs the right to mount: root in the host's namespace)."""
+        if self.disk_bytes <= 0:
+            self.warnings.append("disk quota turned off (disk_bytes=0)")
+            return False
+        probe = self.root / ".tmpfs-probe"
+        try:
+            probe.mkdir(exist_ok=True)
+            mount_tmpfs(probe, 1 << 20, 16)
+            unmount(probe)
+        except OSError as e:
+            self.warnings.append(f"no disk quota per session (cannot mount a tmpfs: {e.strerror or e})")
+            return False
+        finally:
+            with contextlib.suppress(OSError):
+                probe.rmdir()
+        self.enforced["disk_quota"] = f"{self.disk_bytes >> 20} MiB per session (tmpfs)"
+        return True
+
+    def describe(self) -> str:
+        """One line: what this backend enforces beyond namespaces and rlimits."""
+        parts = [f"{k.replace('_', ' ')} {v}" for k, v in self.enforced.items()]
+        return "; ".join(parts) if parts else "namespaces and rlimits only"
 
     @staticmethod
     def _find_python(python: str | None) -> str:
@@ -255,25 +261,29 @@ class LocalBackend:
 
     def create_session(self, image: str = "", files: dict[str, bytes] | None = None) -> LocalSession:
         """A new session with its own uid and work directory; ``image`` is ignored (no containers images here)."""
+        self._retry_dirty()
         with self._lock:
             if self._closed:
                 raise SandboxError("the local sandbox backend is closed", "UNAVAILABLE")
             slot, lock_fd, busy = None, None, []
             while self._free and lock_fd is None:
                 slot = heapq.heappop(self._free)
-                lock_fd = _claim_uid(self.uid_base + slot) if self.as_root else -1
+                lock_fd = uids.claim(self.uid_base + slot) if self.as_root else -1
                 if lock_fd is None:
                     busy.append(slot)  # held by another backend on this host (another service, another test)
             for b in busy:
                 heapq.heappush(self._free, b)
             if lock_fd is None:
-                raise SandboxError(f"all {self.max_sessions} local sandbox sessions are in use", "RESOURCE_EXHAUSTED")
+                dirty = f" ({len(self._dirty)} waiting for their clean-up)" if self._dirty else ""
+                raise SandboxError(f"all {self.max_sessions} local sandbox sessions are in use{dirty}",
+                                   "RESOURCE_EXHAUSTED")
         try:
             session = LocalSession(self, slot)
             session.uid_lock = lock_fd
         except BaseException:
-            _release_uid(lock_fd)
-            self._release_slot(slot)
+            uids.release(lock_fd)
+            with self._lock:
+                heapq.heappush(self._free, slot)
             raise
         with self._lock:
             closed = self._closed
@@ -289,30 +299,46 @@ class LocalBackend:
             raise
         return session
 
-    def _release_slot(self, slot: int) -> None:
-        with self._lock:
-            heapq.heappush(self._free, slot)
-
-    def _forget(self, session: LocalSession) -> None:
+    def _forget(self, session: LocalSession, clean: bool) -> None:
+        """Take a closed session off the books: its slot (and uid) go back to the free ones only when ``clean``."""
         with self._lock:
             self._sessions.pop(session.id, None)
-            _release_uid(session.uid_lock)
-            session.uid_lock = -1
-            heapq.heappush(self._free, session.slot)
+            if clean:
+                uids.release(session.uid_lock)
+                session.uid_lock = -1
+                self._dirty.pop(session.slot, None)
+                heapq.heappush(self._free, session.slot)
+            else:
+                self._dirty[session.slot] = session
+
+    def _retry_dirty(self) -> None:
+        """Try again to clean up after the sessions that left something behind."""
+        with self._lock:
+            dirty = list(self._dirty.values())
+        for session in dirty:
+            self._forget(session, session.clean_up())
 
     def close(self) -> None:
-        """Close every session; remove the root directory if this backend made it."""
+        """Close every session; remove the root directory if this backend made it. Never raises."""
         with self._lock:
             self._closed = True
             sessions = list(self._sessions.values())
         for s in sessions:
             s.close()
-        _rmtree(self.root / ".etc")
-        if self._own_root:
-            _rmtree(self.root)
+        self._retry_dirty()
+        for s in self._dirty.values():
+            log.error("local sandbox: session %s (uid %d) could not be cleaned up: %s", s.id, s.uid, s.leftover)
+        if self.cgroups is not None:
+            self.cgroups.close()
+        for path in (self.root / ".etc", self.root / ".seccomp.bpf", *([self.root] if self._own_root else [])):
+            try:
+                remove_tree(path)
+            except OSError as e:
+                log.error("local sandbox: cannot remove %s: %s", path, e)
 
     def session_argv(self, uid: int, work: Path, tmp: Path) -> list[str]:
-        """The bwrap command line of one session, up to the program's environment."""
+        """The bwrap command line of one session, up to the program's environment (``--seccomp`` is added per
+        command, with the descriptor it gets)."""
         a = [*self._base, "--bind", str(work), "/work", "--bind", str(tmp), "/tmp", "--chdir", "/", self._setpriv]
         if self.as_root:
             a += [f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--inh-caps=-all", "--bounding-set=-all"]
@@ -331,19 +357,35 @@ class LocalSession:
         self.backend, self.slot = backend, slot
         self.id = uuid.uuid4().hex
         self.uid = backend.uid_base + slot if backend.as_root else os.getuid()
-        self.uid_lock: int | None = None  # the host-wide claim on self.uid (see _claim_uid)
+        self.uid_lock: int | None = None  # the host-wide claim on self.uid (see sandbox.uids)
         self.dir = backend.root / self.id
         self.work, self.tmp = self.dir / "work", self.dir / "tmp"
-        self.dir.mkdir(mode=0o700)
-        for d in (self.work, self.tmp):
-            d.mkdir(mode=0o700)
-            if backend.as_root:
-                os.chown(d, self.uid, self.uid)
-        self._argv = backend.session_argv(self.uid, self.work, self.tmp)
-        self._scan = [str(self.work), str(self.tmp)]
+        self.leftover = ""  # what the last clean-up could not remove
+        self.cgroup: SessionCgroup | None = None
+        self._mounted = False
         self._closed = threading.Event()
         self._cond = threading.Condition()
         self._inflight = 0
+        try:
+            self._make()
+        except BaseException:
+            self.clean_up()
+            raise
+        self._argv = backend.session_argv(self.uid, self.work, self.tmp)
+        self._scan = [str(self.work), str(self.tmp)]
+
+    def _make(self) -> None:
+        b = self.backend
+        self.dir.mkdir(mode=0o700)
+        if b.tmpfs:
+            mount_tmpfs(self.dir, b.disk_bytes, max(16384, b.disk_bytes // _BYTES_PER_INODE))
+            self._mounted = True
+        for d in (self.work, self.tmp):
+            d.mkdir(mode=0o700)
+            if b.as_root:
+                os.chown(d, self.uid, self.uid)
+        if b.cgroups is not None:
+            self.cgroup = b.cgroups.create(self.id)
 
     def _check_open(self) -> None:
         if self._closed.is_set():
@@ -359,35 +401,76 @@ class LocalSession:
         for k, v in merged.items():
             if not k or "=" in k or "\0" in k or "\0" in v:
                 raise SandboxError(f"invalid environment variable {k!r}", "INVALID_ARGUMENT")
-        # PATH stays first: env(1) stops parsing options at the first NAME=VALUE
-        full = [*self._argv, *(f"{k}={v}" for k, v in merged.items()), *self.backend.tail_argv(limits), *argv]
         with self._cond:
             self._check_open()
             self._inflight += 1
+        filter_fd = None
         try:
+            prefix, before = [], Usage()
+            if self.cgroup is not None:
+                self.cgroup.set_limits(limits.memory_bytes, limits.processes, limits.cpus)
+                prefix, before = self.cgroup.enter_argv(), self.cgroup.usage()
+            bwrap = self._argv
+            if self.backend.seccomp_file is not None:
+                filter_fd = os.open(self.backend.seccomp_file, os.O_RDONLY | os.O_CLOEXEC)
+                bwrap = [bwrap[0], "--seccomp", str(filter_fd), *bwrap[1:]]
+            # PATH stays first: env(1) stops parsing options at the first NAME=VALUE
+            full = [*prefix, *bwrap, *(f"{k}={v}" for k, v in merged.items()), *self.backend.tail_argv(limits),
+                    *argv]
             res = run_command(full, limits, cwd=str(self.dir), env={}, stdin=stdin,
                               cancel=_EitherEvent(self._closed, cancel) if cancel else self._closed,
-                              rlimits="none", scan_dirs=self._scan)
+                              rlimits="none", scan_dirs=self._scan,
+                              pass_fds=() if filter_fd is None else (filter_fd,))
             if self.backend.as_root:
-                _reap_uid(self.uid)
+                uids.reap(self.uid)
+            hit = self.cgroup.usage() - before if self.cgroup is not None else Usage()
         finally:
+            if filter_fd is not None:
+                os.close(filter_fd)
             with self._cond:
                 self._inflight -= 1
                 self._cond.notify_all()
-        return self._fix_result(res, limits)
+        return self._fix_result(res, limits, hit)
 
-    def _fix_result(self, res: ExecResult, limits: Limits) -> ExecResult:
-        """Turn bwrap's 128+N statuses back into signals and tell the sandbox's own failures apart."""
+    def _fix_result(self, res: ExecResult, limits: Limits, hit: Usage) -> ExecResult:
+        """Turn bwrap's 128+N statuses back into signals, tell the sandbox's own failures apart, and name the
+        whole-sandbox limit the kernel enforced (the cgroup's counters)."""
         if res.verdict == Verdict.CANCELLED and self._closed.is_set():
             res.detail = "the session was closed"
-        if res.verdict in _KILLED_BY_US or res.exit_code is None:
+        if res.verdict in _KILLED_BY_US:
             return res
         if res.exit_code in (1, 125, 127) and res.stderr.startswith(self.backend.tool_errors):
             res.verdict, res.detail = Verdict.ERROR, "sandbox failed: " + res.stderr.decode(errors="replace")[:500]
-        elif 128 < res.exit_code < 128 + 65:
+            return res
+        if res.exit_code is not None and 128 < res.exit_code < 128 + 65:
             res.signal, res.exit_code = res.exit_code - 128, None
             res.verdict, res.detail = classify(None, res.signal, limits, res.stderr, res.cpu_s, self._scan)
+        if res.verdict in (Verdict.OK, Verdict.CPU_LIMIT):
+            return res
+        if res.verdict == Verdict.FAILED and self._disk_full():
+            res.verdict = Verdict.FILE_SIZE_LIMIT
+            res.detail = (f"disk quota of {self.backend.disk_bytes} bytes for the session's /work and /tmp reached "
+                          f"({res.detail})")
+            return res
+        how = f"killed by signal {res.signal}" if res.signal is not None else f"exit status {res.exit_code}"
+        if hit.oom_kills:
+            res.verdict = Verdict.MEMORY_LIMIT
+            res.detail = (f"memory limit of {limits.memory_bytes} bytes for the whole sandbox reached: the kernel "
+                          f"killed {hit.oom_kills} process(es) ({how})")
+        elif hit.pids_max_hits and res.verdict == Verdict.FAILED:
+            res.verdict = Verdict.PROCESS_LIMIT
+            res.detail = f"process/thread limit of {limits.processes} for the whole sandbox reached ({how})"
         return res
+
+    def _disk_full(self) -> bool:
+        """Whether the session's tmpfs is (nearly) out of space or of files."""
+        if not self._mounted:
+            return False
+        try:
+            st = os.statvfs(self.dir)
+        except OSError:
+            return False
+        return st.f_bavail * st.f_frsize < 64 << 10 or st.f_favail == 0
 
     def _open(self, rel: str, flags: int, mode: int = 0o644, create: bool = False) -> int:
         """Open a regular file inside /work; symlinks, directories and special files are refused."""
@@ -451,11 +534,44 @@ class LocalSession:
         return out
 
     def close(self) -> None:
-        """Kill the running command if any, delete the session's directory and free its slot. Idempotent."""
+        """Kill the running command if any, delete the session's files and cgroup and free its slot. Idempotent,
+        never raises: what cannot be removed keeps the slot (and its uid) out of use until a later try succeeds."""
         with self._cond:
             if self._closed.is_set():
                 return
             self._closed.set()  # the running exec sees it as a cancel and kills the sandbox
             self._cond.wait_for(lambda: self._inflight == 0, timeout=_CLOSE_WAIT_S)
-        _rmtree(self.dir)
-        self.backend._forget(self)
+        self.backend._forget(self, self.clean_up())
+
+    def clean_up(self) -> bool:
+        """Remove everything of this session: processes, cgroup, files, kernel keys; True when nothing is left."""
+        left = []
+        b = self.backend
+        if b.as_root and not uids.reap(self.uid):
+            left.append(f"processes of uid {self.uid}")
+        if self.cgroup is not None:
+            if self.cgroup.remove():
+                self.cgroup = None
+            else:
+                left.append(f"cgroup {self.cgroup.dirs}")
+        if self._mounted:
+            try:
+                unmount(self.dir)
+                self._mounted = False
+            except OSError as e:
+                if e.errno == errno.EINVAL:  # not mounted any more
+                    self._mounted = False
+                else:
+                    left.append(f"tmpfs on {self.dir}: {e}")
+        if not self._mounted:
+            try:
+                remove_tree(self.dir)
+            except OSError as e:
+                left.append(f"directory {self.dir}: {e}")
+        if b.as_root and b.seccomp_file is None and not uids.clear_keys(self.uid, b._setpriv):
+            left.append(f"kernel keys of uid {self.uid}")
+        self.leftover = "; ".join(left)
+        if left:
+            log.warning("local sandbox: session %s left %s; its slot waits for a later clean-up", self.id,
+                        self.leftover)
+        return not left

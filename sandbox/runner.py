@@ -123,7 +123,8 @@ def classify(exit_code: int | None, sig: int | None, limits: Limits, stderr: byt
     - ``MemoryError``, "Cannot allocate memory", ``std::bad_alloc``, "out of memory" in stderr → MEMORY_LIMIT
       (RLIMIT_AS makes allocations fail rather than killing the process);
     - "Resource temporarily unavailable", ``BlockingIOError: [Errno 11]``, "can't start new thread", "fork: retry"
-      in stderr → PROCESS_LIMIT (RLIMIT_NPROC makes fork/clone fail with EAGAIN);
+      in stderr → PROCESS_LIMIT (RLIMIT_NPROC makes fork/clone fail with EAGAIN); ``run_command`` also gives it to
+      a command that printed them and then ran out of wall time (a fork bomb whose first process never notices);
     - anything else → FAILED.
 
     The stderr markers are what CPython, glibc, libstdc++ and bash print; a program that prints them itself while
@@ -270,12 +271,13 @@ class _Run:
 
 def run_command(argv: list[str], limits: Limits, *, cwd: str, env: dict[str, str], stdin: bytes = b"",
                 cancel: threading.Event | None = None, rlimits: str = "preexec",
-                scan_dirs: Sequence[str] = ()) -> ExecResult:
+                scan_dirs: Sequence[str] = (), pass_fds: Sequence[int] = ()) -> ExecResult:
     """Run ``argv`` in its own session under ``limits`` and classify the outcome (see ``classify``).
 
     ``rlimits="preexec"`` sets the rlimits in a preexec_fn; ``"none"`` means ``argv`` applies them itself (for
     example with ``prlimit_argv``). The whole process group is SIGKILLed on wall timeout, output overflow, cancel,
-    and once the command exited (so nothing it started in its group outlives it). ``cancel`` only needs ``is_set()``.
+    and once the command exited (so nothing it started in its group outlives it). ``cancel`` only needs ``is_set()``;
+    ``pass_fds`` are descriptors the command inherits (all others are closed).
     """
     if rlimits not in ("preexec", "none"):
         raise ValueError(f"rlimits must be 'preexec' or 'none', not {rlimits!r}")
@@ -286,6 +288,7 @@ def run_command(argv: list[str], limits: Limits, *, cwd: str, env: dict[str, str
         proc = subprocess.Popen(
             argv, stdin=subprocess.PIPE if stdin else subprocess.DEVNULL, stdout=subprocess.PIPE,
             stderr=subprocess.PIPE, cwd=cwd, env=env, start_new_session=True, close_fds=True,
+            pass_fds=tuple(pass_fds),
             preexec_fn=_preexec_rlimits(limits) if rlimits == "preexec" else None)
     except ValueError as e:  # NUL bytes in argv or env
         raise SandboxError(f"invalid command or environment: {e}", "INVALID_ARGUMENT") from e
@@ -308,7 +311,11 @@ def run_command(argv: list[str], limits: Limits, *, cwd: str, env: dict[str, str
     exit_code = os.WEXITSTATUS(status) if os.WIFEXITED(status) else None
     sig = os.WTERMSIG(status) if os.WIFSIGNALED(status) else None
     stdout, stderr = bytes(run.out["stdout"]), bytes(run.out["stderr"])
-    if run.reason == "wall":
+    if run.reason == "wall" and any(m in run.out["stderr"] for m in _PROCESS_MARKS):
+        # a fork bomb is stopped by the process limit, but its first process may not notice before the wall clock
+        verdict = Verdict.PROCESS_LIMIT
+        detail = f"process/thread limit of {limits.processes} reached, then the wall-clock limit of {limits.wall_s:g}s"
+    elif run.reason == "wall":
         verdict, detail = Verdict.TIMEOUT, f"wall-clock limit of {limits.wall_s:g}s exceeded"
     elif run.reason == "cancel":
         verdict, detail = Verdict.CANCELLED, "cancelled by the caller"

@@ -50,13 +50,20 @@ class SandboxServer:
                                       advertise_address=advertise_address)
         # One thread per running or queued call, plus a few for session calls that need no slot.
         workers = concurrency + max_queue + 16
+        # grpc.so_reuseport off: with it (gRPC's default) a second service on a port already served binds as well
+        # and the kernel splits the connections between the two
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="sandbox-rpc"),
-                                   options=[*GRPC_OPTIONS, ("grpc.max_connection_age_ms", MAX_CONNECTION_AGE_MS)])
+                                   options=[*GRPC_OPTIONS, ("grpc.max_connection_age_ms", MAX_CONNECTION_AGE_MS),
+                                            ("grpc.so_reuseport", 0)])
         pb_grpc.add_SandboxServicer_to_server(self.service, self._server)
-        self.port = self._server.add_insecure_port(f"{host}:{port}")
+        try:
+            self.port = self._server.add_insecure_port(f"{host}:{port}")
+        except RuntimeError:  # newer grpcio raises where older ones returned 0
+            self.port = 0
         if self.port == 0:
             self.service.close()
-            raise SandboxError(f"cannot bind the sandbox service to {host}:{port} (port in use?)", "UNAVAILABLE")
+            raise SandboxError(f"cannot bind the sandbox service to {host}:{port}: the port is in use (or the "
+                               "address is not this machine's)", "UNAVAILABLE")
         self.address = f"{host}:{self.port}"
         self.metrics_port = None
         if metrics_port is not None:
@@ -96,7 +103,7 @@ def start_server(backend: str | Backend = "local", backend_options: dict[str, An
 
 def server_from_config(sc: Any) -> SandboxServer:
     """Start the service an ``rl.config.SandboxConfig`` describes (host, port, backend, concurrency, limits)."""
-    options: dict[str, Any] = {}
+    options: dict[str, Any] = {"disk_bytes": sc.disk_mb << 20}
     if sc.backend == "kubernetes":
         k = sc.kubernetes
         options = {"namespace": k.namespace, "agent_image": k.agent_image, "default_image": k.default_image,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import threading
 import time
 import uuid
@@ -14,6 +15,7 @@ from typing import TypeVar
 import grpc
 
 from sandbox.backend import DEFAULT_LIMITS, Backend, ExecResult, Limits, SandboxError, SessionInfo, Verdict
+from sandbox.judge import judge_command, judge_verdict
 from sandbox.metrics import SandboxMetrics
 from sandbox.proto import sandbox_pb2 as pb
 from sandbox.proto import sandbox_pb2_grpc as pb_grpc
@@ -24,7 +26,7 @@ T = TypeVar("T")
 
 # The most a request may ask for; a request above it is refused rather than silently clamped.
 MAX_LIMITS = Limits(wall_s=3600, cpu_s=3600, memory_bytes=64 << 30, processes=4096, open_files=65536,
-                    file_size_bytes=16 << 30, output_bytes=256 << 20)
+                    file_size_bytes=16 << 30, output_bytes=256 << 20, cpus=256)
 DEADLINE_MARGIN_S = 0.05  # leave time to send the result before the caller's deadline
 
 
@@ -54,13 +56,12 @@ class SandboxService(pb_grpc.SandboxServicer):
     def Run(self, request: pb.RunRequest, context: grpc.ServicerContext) -> pb.ExecResult:
         t0 = time.perf_counter()
         files, executable = files_from_pb(request.files)
-        argv = list(request.command)
+        argv, stdin, nonce = list(request.command), request.stdin, None
         if request.code or request.tests:
-            if argv:
-                _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "Run takes either a command (with files) or "
-                       "code + tests, not both")
-            files["program.py"] = (request.code + "\n\n" + request.tests + "\n").encode()
-            argv = ["python3", "program.py"]
+            if argv or files or stdin:
+                _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "Run takes either a command (with files and "
+                       "stdin) or code + tests, not both")
+            files, argv, stdin, nonce = judge_command(request.code, request.tests)
         if not argv:
             _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "Run needs a command (or code and tests)")
         limits = self._limits(request.limits, context)
@@ -71,9 +72,11 @@ class SandboxService(pb_grpc.SandboxServicer):
                 if executable:
                     self._call(context, session.write_files, files, executable)
                 result = self._call(context, session.exec, argv, self._deadline_limits(limits, context),
-                                    request.stdin, dict(request.env), cancel)
+                                    stdin, dict(request.env), cancel)
             finally:
                 session.close()
+        if nonce is not None:
+            result = judge_verdict(result, nonce)
         return self._finish("run", result, t0)
 
     def CreateSession(self, request: pb.CreateSessionRequest, context: grpc.ServicerContext):
@@ -163,7 +166,7 @@ class SandboxService(pb_grpc.SandboxServicer):
         asked = limits_from_pb(msg)
         for name, value in asked.items():
             top = getattr(self.max_limits, name)
-            if value < 0 or value > top:
+            if not math.isfinite(value) or value < 0 or value > top:  # NaN compares false to everything
                 _abort(context, grpc.StatusCode.INVALID_ARGUMENT,
                        f"limits.{name}={value} is outside what this server allows (0..{top})")
         return self.default_limits.merged(**asked)

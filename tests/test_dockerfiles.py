@@ -218,8 +218,8 @@ def test_the_venv_comes_first_on_path_also_in_login_shells(image):
 def test_system_packages_for_the_sandbox_and_kuberay(image):
     kind, img = image
     pkgs = _apt_packages(img)
-    # bubblewrap: the local sandbox backend; bash and wget: KubeRay's `bash -c` commands and wget probes
-    needed = {"make", "bubblewrap", "bash", "wget"}
+    # bubblewrap, libseccomp2: the local sandbox backend; bash and wget: KubeRay's `bash -c` commands and wget probes
+    needed = {"make", "bubblewrap", "libseccomp2", "bash", "wget"}
     assert needed <= pkgs, f"{kind}: missing {sorted(needed - pkgs)}"
     if not img.base.startswith("python:"):
         assert {"python3", "python3-venv"} <= pkgs, "`make setup` runs `python3 -m venv`"

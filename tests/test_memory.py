@@ -30,7 +30,7 @@ def test_kv_length_is_longest_prompt_plus_largest_budget(tokenizer):
     assert rollout_seq_len(cfg, sets, tokenizer, 4096) == longest + 44
     fixed = parse_config({"env": {"num_train": 50, "num_eval": 20}, "rollout": {"max_seq_len": 77}})
     assert rollout_seq_len(fixed, sets, tokenizer, 4096) == 77
-    with pytest.raises(UserError, match="exceed the model's context of 50 tokens; lower rollout.max_tokens"):
+    with pytest.raises(UserError, match="do not fit the model's context of 50 tokens .*; lower rollout.max_tokens"):
         rollout_seq_len(cfg, sets, tokenizer, 50)
 
 

@@ -145,9 +145,12 @@ def test_two_worker_run_resumes_exactly(ray_cluster, tmp_path):
 
 
 def test_failed_save_leaves_last_checkpoint_intact(tmp_path):
+    from safetensors.torch import save_file
+
     def good(d):
         (tmp_path / "tok").mkdir(exist_ok=True)
-        open(f"{d}/model.safetensors", "w").write("weights")
+        save_file({"w": torch.ones(3)}, f"{d}/model.safetensors")
+        open(f"{d}/config.json", "w").write("{}")
 
     save_checkpoint(tmp_path, LoopState(4, 0.1, 1.0), good, tmp_path / "tok", keep=2)
 
@@ -158,7 +161,7 @@ def test_failed_save_leaves_last_checkpoint_intact(tmp_path):
     with pytest.raises(OSError):
         save_checkpoint(tmp_path, LoopState(9, 0.1, 2.0), broken, tmp_path / "tok", keep=2)
     ckpt, state = latest_checkpoint(tmp_path)
-    assert state.iteration == 4 and (ckpt / "model.safetensors").read_text() == "weights"
+    assert state.iteration == 4 and torch.equal(load_file(str(ckpt / "model.safetensors"))["w"], torch.ones(3))
 
 
 def _qwen_format_dir(d, tokenizer_corpus: list[str]) -> None:

@@ -102,6 +102,16 @@ def test_fork_bomb(session):
     assert_healthy(session)
 
 
+def test_process_limit_then_timeout_is_a_process_limit(session):
+    """A program that hits the process limit and then runs out of wall time is reported as the process limit."""
+    code = ("import os, sys, time\nfor i in range(40):\n    try:\n        if os.fork() == 0:\n"
+            "            time.sleep(60)\n    except OSError as e:\n        print(e, file=sys.stderr)\n"
+            "        break\ntime.sleep(60)")
+    r = py(session, code, limits=LIM.merged(processes=8, wall_s=1))
+    assert r.verdict == Verdict.PROCESS_LIMIT and "then the wall-clock limit" in r.detail, r
+    assert_no_processes(session.uid)
+
+
 def test_memory_bomb(session):
     r = py(session, "a = []\nwhile True:\n    a.append(bytearray(10 << 20))", limits=LIM.merged(memory_bytes=128 << 20))
     assert r.verdict == Verdict.MEMORY_LIMIT, r

@@ -282,3 +282,42 @@ def test_replicas_behind_one_name_share_runs_and_keep_each_session():
     finally:
         for r in replicas:
             r.stop()
+
+
+def test_a_port_already_served_is_refused():
+    """gRPC's port reuse is off: a second service on the same port fails instead of splitting the traffic."""
+    with start_server("local", concurrency=1) as first:
+        with pytest.raises(SandboxError, match="port is in use") as e:
+            start_server("local", port=first.port, concurrency=1)
+        assert e.value.code == "UNAVAILABLE"
+        cli = subprocess.run([sys.executable, "-m", "rl.cli", "sandbox", "serve", "--port", str(first.port)],
+                             capture_output=True, text=True, timeout=60)
+        assert cli.returncode == 2 and "port is in use" in cli.stderr and "Traceback" not in cli.stderr, cli.stderr
+        with SandboxClient(first.address) as c:
+            healthy(c)
+
+
+@pytest.mark.parametrize("field", ["wall_s", "cpu_s", "cpus"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_non_finite_limits_are_refused_over_grpc(client, field, value):
+    with pytest.raises(SandboxError) as e:
+        client._call(client._stub.Run, pb.RunRequest(command=["true"], limits=pb.Limits(**{field: value})), 30)
+    assert e.value.code == "INVALID_ARGUMENT" and f"limits.{field}" in str(e.value)
+
+
+def test_deep_trees_never_take_the_service_down():
+    """Programs and requests that nest 1,200 directories, more of them than the service has session slots: every
+    slot comes back, honest requests are still served, and the service shuts down cleanly."""
+    deep = ("import os\nfor i in range(1200):\n    os.mkdir('d')\n    os.chdir('d')\nprint('ok')")
+    with start_server("local", concurrency=2, max_sessions=4, backend_options={"max_sessions": 4}) as srv, \
+            SandboxClient(srv.address) as c:
+        root = srv.service.backend.root
+        for _ in range(6):
+            assert c.run(["python3", "-c", deep], limits=SMALL).stdout == b"ok\n"
+            path = "/".join(["q"] * 1200) + "/f.txt"
+            with c.create_session(files={path: "x"}) as s:
+                assert s.read_files([path]) == {path: b"x"}
+        healthy(c)
+        backend = srv.service.backend
+        assert not backend._dirty and len(backend._free) == backend.max_sessions
+    assert not root.exists()

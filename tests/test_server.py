@@ -89,3 +89,47 @@ def test_unsupported_and_malformed_bodies(server):
 def test_serve_cli_names_a_missing_model(tmp_path, capsys):
     assert rl_main(["serve", str(tmp_path / "nope")]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_top_logprobs_usage_and_model_name(server, tiny_model, tokenizer):
+    """top_logprobs are the model's own top alternatives (the sampled token's log-prob among them at temperature
+    0), usage counts the prompt once whatever n is, and an unknown model name is refused."""
+    _, client, _ = server
+    prompt = "Question: Mia has 3 apples."
+    r = client.completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=0, logprobs=3, n=2)
+    lp = r.choices[0].logprobs
+    assert len(lp.top_logprobs) == len(lp.tokens) and all(len(t) == 3 for t in lp.top_logprobs)
+    for token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert max(top.values()) == pytest.approx(value, abs=1e-4) and token in top  # greedy: the best one
+    assert lp.text_offset[0] == 0 and "".join(lp.tokens) == r.choices[0].text
+    assert r.usage.prompt_tokens == len(tokenizer.encode(prompt))  # not multiplied by n=2
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": prompt}],
+                                          max_tokens=4, temperature=0, logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert content and all(len(c.top_logprobs) == 2 and c.top_logprobs[0].token == c.token for c in content)
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.completions.create(model="gpt-4", prompt=prompt, max_tokens=2)
+
+
+def test_stop_strings_are_cut_from_text_and_logprobs_alike(server, tiny_model, tokenizer):
+    _, client, _ = server
+    prompt = "Question: Mia has 3 apples."
+    full = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0, logprobs=0)
+    text = full.choices[0].text
+    stop = text[len(text) // 2:len(text) // 2 + 2]
+    assert stop.strip(), text
+    r = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0, logprobs=0, stop=stop)
+    c = r.choices[0]
+    assert c.finish_reason == "stop" and stop not in c.text and text.startswith(c.text)
+    assert "".join(c.logprobs.tokens) == c.text and len(c.logprobs.token_logprobs) == len(c.logprobs.tokens)
+    assert r.usage.completion_tokens >= len(c.logprobs.tokens)  # usage counts every generated token
+
+
+def test_saved_weights_have_the_usual_file_mode(tiny_model, tokenizer, tmp_path):
+    import os
+
+    save_pretrained(tiny_model, tokenizer, tmp_path / "m")
+    mask = os.umask(0)
+    os.umask(mask)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "m").iterdir()}
+    assert modes["model.safetensors"] == modes["config.json"] == 0o666 & ~mask, modes

@@ -202,7 +202,7 @@ def test_sandbox_failures_end_the_episode_without_raising(generated, tmp_path):
 
 
 def test_a_swe_bench_record_with_a_test_patch_and_the_default_pytest_command(tmp_path):
-    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests").mkdir(parents=True)
     (tmp_path / "calc.py").write_text("def add(a, b):\n    return a - b\n\n\ndef sub(a, b):\n    return a - b\n")
     old_tests = "from calc import sub\n\n\ndef test_sub():\n    assert sub(3, 1) == 2\n"
     (tmp_path / "tests" / "test_calc.py").write_text(old_tests)
@@ -228,3 +228,83 @@ def test_test_ids_accept_json_strings_and_the_cli_has_help(capsys):
     with pytest.raises(SystemExit) as e:
         main(["--help"])
     assert e.value.code == 0 and "--package" in capsys.readouterr().out
+
+
+def calc_task(tmp_path) -> Task:
+    """A SWE-bench-style record whose FAIL_TO_PASS test comes only with the hidden test_patch."""
+    (tmp_path / "tests").mkdir(parents=True)
+    (tmp_path / "calc.py").write_text("def add(a, b):\n    return a - b\n\n\ndef sub(a, b):\n    return a - b\n")
+    old = "from calc import sub\n\n\ndef test_sub():\n    assert sub(3, 1) == 2\n"
+    (tmp_path / "tests" / "test_calc.py").write_text(old)
+    new = old.replace("import sub", "import add, sub") + "\n\ndef test_add():\n    assert add(3, 1) == 4\n"
+    record = {"instance_id": "calc__calc-2", "repo": "calc/calc", "base_commit": "0" * 40,
+              "problem_statement": "add() subtracts.", "patch": "", "image_name": "",
+              "test_patch": make_patch("tests/test_calc.py", old, new),
+              "FAIL_TO_PASS": ["tests/test_calc.py::test_add"], "PASS_TO_PASS": ["tests/test_calc.py::test_sub"]}
+    return task_from_swebench(record, repo_dir=str(tmp_path))
+
+
+FORCE_PASS_CONFTEST = """
+import pytest
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    report.outcome = "passed"
+"""
+PASSING_TESTS = "def test_add():\n    pass\n\n\ndef test_sub():\n    pass\n"
+FAKE_LINES = "print('PASSED tests/test_calc.py::test_add')\nprint('PASSED tests/test_calc.py::test_sub')\n"
+SWE_EXPLOITS = {
+    "a conftest that passes everything": ([("create_file", {"path": "conftest.py", "content": FORCE_PASS_CONFTEST}),
+                                           ("create_file", {"path": "tests/conftest.py",
+                                                            "content": FORCE_PASS_CONFTEST})], "conftest.py"),
+    "pytest configuration": ([("create_file", {"path": "pytest.ini", "content": "[pytest]\naddopts = -p no:python\n"}),
+                              ("create_file", {"path": "setup.cfg", "content": "[tool:pytest]\naddopts = --co\n"})],
+                             "pytest.ini"),
+    "a module shadowing pytest's": ([("create_file", {"path": "json.py", "content": "raise SystemExit(0)\n"})],
+                                    "json.py"),
+    "a sitecustomize in the home": ([("bash", {"command": "mkdir -p /tmp/.local/lib/python3.11/site-packages && "
+                                               "echo 'import os; os._exit(0)' > "
+                                               "/tmp/.local/lib/python3.11/site-packages/usercustomize.py"})], None),
+    "rewriting the tests": ([("create_file", {"path": "tests/test_calc.py", "content": PASSING_TESTS})],
+                            "tests/test_calc.py"),
+}
+CODE_EXPLOITS = {
+    "os._exit(0) at import": ("import os\nos._exit(0)\n", "ended before pytest finished"),
+    "fake PASSED lines": (FAKE_LINES, None),
+    "patching the test runner": ("import _pytest.runner, unittest\n"
+                                 "_pytest.runner.call_and_report = lambda *a, **k: None\n"
+                                 "unittest.TestCase.run = lambda self, result=None: None\n", "replaced parts"),
+}
+
+
+def test_hidden_tests_are_not_in_the_episode(tmp_path):
+    task = calc_task(tmp_path)
+    agent = Agent([[("bash", {"command": "cat tests/test_calc.py; ls -a"}), ("submit", {})]])
+    obs, reward, *_ = play(SWEEnv(), task, [agent.respond(0)])
+    assert "test_sub" in obs[1] and "test_add" not in obs[1] and reward == 0.0
+
+
+@pytest.mark.parametrize("name", list(SWE_EXPLOITS))
+def test_swe_exploits_get_no_reward(tmp_path, name):
+    calls, dropped = SWE_EXPLOITS[name]
+    agent = Agent([[*calls, ("submit", {})]])  # the bug itself is left in place
+    _, reward, _, _, info = play(SWEEnv(), calc_task(tmp_path), [agent.respond(0)])
+    assert reward == 0.0 and info["fail_to_pass_passed"] == 0 and info["pass_to_pass_passed"] == 1, info
+    if dropped:
+        assert dropped in info["dropped_changes"], info
+
+
+@pytest.mark.parametrize("name", list(CODE_EXPLOITS))
+def test_code_under_test_cannot_forge_the_outcome(tmp_path, name):
+    """The module under test itself cheats, its bug left in place; the honest fix with the same noise passes."""
+    code, why = CODE_EXPLOITS[name]
+    fixed = code + "\n\ndef add(a, b):\n    return a - b\n\n\ndef sub(a, b):\n    return a - b\n"
+    agent = Agent([[("create_file", {"path": "calc.py", "content": fixed}), ("submit", {})]])
+    _, reward, _, _, info = play(SWEEnv(), calc_task(tmp_path), [agent.respond(0)])
+    assert reward == 0.0, info
+    if why:
+        assert why in info.get("grade_error", ""), info
+    honest = "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n"
+    agent = Agent([[("create_file", {"path": "calc.py", "content": FAKE_LINES + honest}), ("submit", {})]])
+    assert play(SWEEnv(), calc_task(tmp_path / "again"), [agent.respond(0)])[1] == 1.0
