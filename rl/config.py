@@ -251,6 +251,11 @@ class KubernetesSandboxConfig(Strict):
     warm_pool: dict[str, int] = Field(default_factory=dict, description="image -> ready pods kept waiting")
     cpu: str = Field("1", description="Kubernetes quantity per session pod, e.g. 1 or 500m")
     memory: str = Field("2Gi", description="Kubernetes quantity per session pod")
+    image_pull_secrets: list[str] = Field([], description="Secrets for a private registry of the session images")
+    labels: dict[str, str] = Field({}, description="extra labels on session pods (the chart: the run's)")
+    node_selector: dict[str, str] = Field({}, description="where session pods may run")
+    tolerations: list[dict[str, Any]] = Field([], description="taints session pods tolerate")
+    priority_class: str | None = Field(None, description="PriorityClass of session pods")
 
     @field_validator("cpu", "memory", mode="before")
     @classmethod
