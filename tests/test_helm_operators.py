@@ -36,7 +36,8 @@ def matches(selector: dict, labels: dict) -> bool:
     """A label selector (matchLabels, matchExpressions with In) against a pod's labels."""
     if not selector.get("matchLabels", {}).items() <= labels.items():
         return False
-    return all(labels.get(e["key"]) in e["values"] for e in selector.get("matchExpressions", []) if e["operator"] == "In")
+    return all(labels.get(e["key"]) in e["values"] for e in selector.get("matchExpressions", [])
+               if e["operator"] == "In")
 
 
 @pytest.mark.parametrize("values", ALL, ids=ids)
@@ -96,7 +97,7 @@ def test_4_the_chart_asks_for_the_kuberay_release_its_fields_need():
     for values in ALL:
         spec = one(rendered(values), "RayJob")["spec"]
         for field, since in KUBERAY_SINCE.items():
-            assert field not in spec or since <= required, f"{field} needs KubeRay >= {since}, the chart says {required}"
+            assert field not in spec or since <= required, f"{field} needs KubeRay {since}, the chart says {required}"
 
 
 def test_5_default_storage_works_on_readwriteonce_classes(tmp_path):
