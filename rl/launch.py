@@ -198,7 +198,7 @@ def delete(name: str, *, namespace: str | None = None, delete_data: bool = False
                            f"{int(wait_s)}s"], capture_output=True, text=True)
     if proc.returncode == 0:
         print(f"uninstalled release {name}", file=out, flush=True)
-    elif "not found" not in proc.stderr:
+    elif "release: not found" not in proc.stderr:
         raise CommandFailed(f"helm uninstall {name} failed:\n{proc.stderr.strip()}")
     if kube.rayjob(name) is not None:  # made without the chart, or the uninstall left it behind
         kube.call(f"deleting RayJob {ns}/{name}", kube.custom.delete_namespaced_custom_object, *RAYJOB[:2], ns,

@@ -22,6 +22,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 WORKER_SLOT = "rl_worker"  # custom Ray resource of the worker pods (helm/colocated-rl sets it)
+SLOTS_ENV = "RL_WORKER_SLOTS"  # set (the chart does): bundles take a slot even before any worker pod has joined
 SHIP_CHUNK_BYTES = 32 << 20
 SHIP_IN_FLIGHT = 4  # chunks on their way to one node at a time: bounds the object store's share
 CGROUP_ROOT = Path("/sys/fs/cgroup")
@@ -30,7 +31,7 @@ CGROUP_ROOT = Path("/sys/fs/cgroup")
 def worker_bundle(cpus: float, gpus: float) -> dict[str, float]:
     """The resources of one worker's bundle; it takes a worker slot when the cluster's pods offer them."""
     bundle = {"CPU": cpus} | ({"GPU": gpus} if gpus else {})
-    if ray.cluster_resources().get(WORKER_SLOT):
+    if os.environ.get(SLOTS_ENV) or ray.cluster_resources().get(WORKER_SLOT):
         bundle[WORKER_SLOT] = 1
     return bundle
 

@@ -30,7 +30,9 @@ class RayNodes:
         self.address = f"127.0.0.1:{self.port}"
         # short: it holds the nodes' sockets
         self.temp_dir = tempfile.mkdtemp(prefix="rl-ray-", dir="/tmp")
-        self.env = {**os.environ, "PATH": f"{VENV_BIN}{os.pathsep}{os.environ['PATH']}", "RAY_AUTH_MODE": "disabled"}
+        # a loaded 2-core machine starts a raylet slowly: give it more than Ray's default 10 s to register
+        self.env = {**os.environ, "PATH": f"{VENV_BIN}{os.pathsep}{os.environ['PATH']}", "RAY_AUTH_MODE": "disabled",
+                    "RAY_raylet_start_wait_time_s": "120"}
         self.procs: list[subprocess.Popen] = []
         self._start(["--head", f"--port={self.port}", f"--num-cpus={head_cpus}", f"--temp-dir={self.temp_dir}",
                      "--include-dashboard=false", f"--ray-client-server-port={free_port()}"], self.env)

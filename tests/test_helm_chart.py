@@ -1,19 +1,13 @@
 """The Helm chart in helm/colocated-rl: lint and render every example values file, validate every
 manifest (Kubernetes schemas + the KubeRay / Prometheus-operator CRD schemas in tests/data/crds),
-reject bad values naming the field, and run the rendered RayJob entrypoint against a real local Ray
-cluster, including the resume a retried job takes."""
+reject bad values naming the field. The rendered RayJob entrypoint runs on a real multi-node Ray cluster in
+tests/test_ray_multinode.py."""
 
 from __future__ import annotations
 
 import json
-import os
 import shlex
-import shutil
-import signal
 import subprocess
-import sys
-import tempfile
-import time
 from pathlib import Path
 
 import pytest
@@ -22,7 +16,6 @@ import yaml
 from rl.cli import main as rl_main
 from rl.launch import CHART, release_name
 from tests.k8s_validation import helm_binary, validate_documents
-from tests.test_run import TINY
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICKSTART = ROOT / "configs" / "quickstart.yaml"
@@ -239,64 +232,6 @@ def test_rl_launch_errors_name_the_problem(tmp_path, capsys, monkeypatch):
     assert rl_main(["launch", "--k8s", str(QUICKSTART)]) == 1
     err = capsys.readouterr().err
     assert "reading RayJob rl/quickstart" not in err and "127.0.0.1:9" in err and "cannot reach" in err
-
-
-def _free_port() -> int:
-    from checkpoint_engine.update import free_port
-
-    return free_port()
-
-
-def test_rendered_entrypoint_trains_on_a_ray_cluster_and_a_retry_resumes(tmp_path):
-    """launch.sh from the rendered ConfigMap, with the chart's mount paths pointed at temporary
-    folders, runs `rl train` against a separately started Ray cluster (as on the RayJob's head);
-    run again, as a retried job would, it resumes from the checkpoint instead of starting over."""
-    cfg = json.loads(json.dumps(TINY))
-    cfg["run"] = {"iterations": 1, "eval_every": 1, "save_every": 1, "name": "tiny"}
-    (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg))
-    etc, data = tmp_path / "etc", tmp_path / "data"
-    etc.mkdir()
-
-    def write_configmap(*sets: str) -> None:
-        docs = render(config=tmp_path / "run.yaml", sets=(f"run.configMountPath={etc}", f"storage.mountPath={data}",
-                                                          "sandbox.enabled=false", *sets))
-        for name, text in run_configmap(docs)["data"].items():
-            (etc / name).write_text(text)
-
-    port = _free_port()
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
-           "RAY_ADDRESS": f"127.0.0.1:{port}", "RAY_AUTH_MODE": "disabled"}
-    # A temp dir of its own (short: it holds sockets): `ray start` records its address under the
-    # temp dir, and a record in the default one would make every later ray.init() join this cluster.
-    ray_tmp = tempfile.mkdtemp(prefix="rl-ray-", dir="/tmp")
-    recorded = Path("/tmp/ray/ray_current_cluster")
-    recorded_before = recorded.exists()
-    head = subprocess.Popen(["ray", "start", "--head", "--block", f"--port={port}", "--num-cpus=2",
-                             f"--temp-dir={ray_tmp}", "--include-dashboard=false", "--object-store-memory=200000000",
-                             "--disable-usage-stats"],
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
-    try:
-        deadline = time.time() + 120
-        while subprocess.run(["ray", "status", f"--address=127.0.0.1:{port}"], env=env,
-                             capture_output=True).returncode != 0:
-            assert head.poll() is None and time.time() < deadline, "the Ray head did not start"
-            time.sleep(2)
-        write_configmap()
-        first = subprocess.run(["bash", str(etc / "launch.sh")], env=env, capture_output=True, text=True,
-                               timeout=600)
-        assert first.returncode == 0, first.stderr[-3000:]
-        run_dir = data / "runs" / "myrun"
-        assert [json.loads(x)["iteration"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()] == [0]
-        write_configmap("run.extraArgs={--set,run.iterations=2}")
-        second = subprocess.run(["bash", str(etc / "launch.sh")], env=env, capture_output=True, text=True,
-                                timeout=600)
-        assert second.returncode == 0, second.stderr[-3000:]
-        assert [json.loads(x)["iteration"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()] == [0, 1]
-    finally:
-        os.killpg(head.pid, signal.SIGTERM)
-        head.wait(timeout=60)
-        shutil.rmtree(ray_tmp, ignore_errors=True)
-    assert recorded.exists() == recorded_before  # later ray.init() calls still start their own cluster
 
 
 def test_rl_status_describes_the_rayjob():

@@ -1,7 +1,7 @@
-"""A run on a real multi-node Ray cluster, as on Kubernetes: the driver on a head node that holds no worker, worker
-nodes with their own HOME and RL_CACHE_DIR that cannot see the head's cache (bubblewrap hides it), each node sized
-for one worker (the ``rl_worker`` resource the chart gives worker pods). Also the parts of the placement that need
-no cluster: the cgroup CPU limit and the threads that follow from it."""
+"""The chart's entrypoint on a real multi-node Ray cluster, as on Kubernetes: the driver on a head node that holds no
+worker, worker nodes with their own HOME and RL_CACHE_DIR that cannot see the head's cache (bubblewrap hides it), each
+node sized for one worker (the ``rl_worker`` resource the chart gives worker pods). Also the parts of the placement
+that need no cluster: the cgroup CPU limit and the threads that follow from it."""
 
 from __future__ import annotations
 
@@ -15,39 +15,64 @@ import yaml
 
 from rl.placement import Site, cgroup_cpu_limit, worker_threads
 from tests.ray_nodes import RayNodes
+from tests.test_helm_chart import HELM, one, pod_templates, render, run_configmap
 from tests.test_run import TINY
 
-pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed (make setup)")
+# two CPU worker pods (cluster.workers=2), each one Ray node below
+TWO_CPU_PODS = {"workerGroups": [{"name": "cpu", "replicas": 2, "cpu": "2", "memory": "4Gi", "shmSize": "1Gi"}]}
+pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None or HELM is None,
+                                reason="bubblewrap and helm are needed (make setup installs them)")
 
 
-def test_a_run_whose_model_is_only_on_the_head_trains_with_one_worker_per_node(tmp_path):
-    """The head warm-starts the model into its own cache (no model.path, as the cpu-demo example does); the
-    workers are told that path. Before the fix they failed with ``model directory ... does not exist`` (and both
-    were packed onto one node); now each node gets a copy of the model through Ray's object store and holds
-    exactly one worker."""
-    head_cache = tmp_path / "head" / "cache"
-    head_cache.mkdir(parents=True)
+def test_the_charts_entrypoint_trains_on_a_multinode_cluster_and_a_retry_resumes(tmp_path):
+    """launch.sh from the rendered ConfigMap (its mount paths pointed at temporary folders) runs `rl train` with the
+    head pod's environment from the rendered RayJob, on the head of a Ray cluster of three nodes, as KubeRay runs it:
+    the head holds no worker; two worker nodes (cluster.workers=2: two CPU worker pods) have their own HOME and
+    RL_CACHE_DIR, offer one rl_worker each, and cannot see the head's cache (bubblewrap hides it; a run volume that
+    is not shared). The head warm-starts the model into its cache and the workers are told that path: before the
+    fix they failed with ``model directory ... does not exist`` (and were packed onto one node); now each node gets
+    a copy through Ray's object store and holds one worker. Run again, as a retried job would, it resumes."""
+    cfg = json.loads(json.dumps(TINY))
+    cfg["run"] = {"iterations": 1, "eval_every": 1, "save_every": 1, "name": "tiny"}
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg))
+    etc, data = tmp_path / "etc", tmp_path / "data"
+    etc.mkdir()
+    (tmp_path / "pods.yaml").write_text(yaml.safe_dump(TWO_CPU_PODS))
+
+    def write_configmap(*sets: str) -> dict[str, str]:
+        """The ConfigMap's files into etc/; returns the head container's environment."""
+        docs = render(tmp_path / "pods.yaml", config=tmp_path / "run.yaml",
+                      sets=(f"run.configMountPath={etc}", f"storage.mountPath={data}", "sandbox.enabled=false", *sets))
+        for name, text in run_configmap(docs)["data"].items():
+            (etc / name).write_text(text)
+        head = pod_templates(one(docs, "RayJob"))[0]["spec"]["containers"][0]
+        return {e["name"]: e["value"] for e in head["env"]}
+
+    head_env = write_configmap()
+    head_cache = Path(head_env["RL_CACHE_DIR"])
+    assert head_cache.parent == data
     with RayNodes(head_cpus=0) as nodes:
         homes = [tmp_path / "node-a", tmp_path / "node-b"]
-        for home in homes:  # 2 CPUs each: room for both workers' bundles, but one worker slot
+        for i, home in enumerate(homes):  # 2 CPUs each: room for both workers' bundles, but one worker slot
             nodes.add_node(cpus=2, home=home, resources='{"rl_worker": 1}', hide=(head_cache,))
-        nodes.wait_for_nodes(3)
-        cfg = json.loads(json.dumps(TINY))
-        cfg["run"] = {"iterations": 1, "eval_every": 1, "save_every": 1, "name": "multinode"}
-        cfg["cluster"] = {"ray_address": nodes.address, "workers": 2}
-        (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg))
-        env = {**nodes.env, "HOME": str(tmp_path / "head"), "RL_CACHE_DIR": str(head_cache)}
-        run = subprocess.run(["rl", "train", str(tmp_path / "run.yaml"), "--run-dir", str(tmp_path / "run")], env=env,
-                             capture_output=True, text=True, timeout=600)
-        assert run.returncode == 0, run.stderr[-4000:]
-    assert [json.loads(x)["iteration"] for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()] == [0]
-    assert (tmp_path / "run" / "final" / "config.json").is_file()
-    warm = [p.name for p in head_cache.iterdir() if p.name.startswith("warmstart-")]
-    assert len(warm) == 1
-    for home in homes:  # each node has its own copy: a worker ran there
-        shipped = list((home / "cache" / "shipped").iterdir())
-        assert [p.name.rsplit("-", 1)[0] for p in shipped] == warm
-        assert {p.name for p in shipped[0].iterdir()} == {p.name for p in (head_cache / warm[0]).iterdir()}
+            nodes.wait_for_nodes(2 + i)  # one at a time: less load while they start
+        env = {**nodes.env, **head_env, "HOME": str(tmp_path / "head"), "RAY_ADDRESS": nodes.address}
+        first = subprocess.run(["bash", str(etc / "launch.sh")], env=env, capture_output=True, text=True, timeout=600)
+        assert first.returncode == 0, first.stderr[-4000:]
+        run_dir = data / "runs" / "myrun"
+        assert [json.loads(x)["iteration"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()] == [0]
+        warm = [p.name for p in head_cache.iterdir() if p.name.startswith("warmstart-")]
+        assert len(warm) == 1
+        for home in homes:  # each node has its own copy: a worker ran there
+            shipped = list((home / "cache" / "shipped").iterdir())
+            assert [p.name.rsplit("-", 1)[0] for p in shipped] == warm
+            assert {p.name for p in shipped[0].iterdir()} == {p.name for p in (head_cache / warm[0]).iterdir()}
+        write_configmap("run.extraArgs={--set,run.iterations=2}")
+        second = subprocess.run(["bash", str(etc / "launch.sh")], env=env, capture_output=True, text=True,
+                                timeout=600)
+        assert second.returncode == 0, second.stderr[-4000:]
+        assert [json.loads(x)["iteration"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()] == [0, 1]
+    assert (run_dir / "final" / "config.json").is_file()
 
 
 def _cgroup(tmp_path: Path, v2: dict[str, str] | None = None, v1: tuple[str, str] | None = None,

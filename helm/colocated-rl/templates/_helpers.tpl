@@ -169,6 +169,8 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- define "rl.rayEnv" -}}
 - name: RL_CACHE_DIR
   value: {{ printf "%s/cache" .Values.storage.mountPath | quote }}
+- name: RL_WORKER_SLOTS  # place workers by the pods' rl_worker slots, also while worker pods are still joining
+  value: "1"
 {{- with .Values.run.env }}
 {{ toYaml . }}
 {{- end }}
