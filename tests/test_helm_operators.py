@@ -85,6 +85,21 @@ def test_3_a_private_registry_reaches_the_submitter_and_the_session_pods():
     assert validate_manifest(pod) == []
 
 
+def test_2_the_gpu_example_launches_its_own_run_config():
+    """gpu-cluster.yaml with configs/qwen3-8b-gpu.yaml, the pair its header names: the head's command line makes a
+    valid run config (16 workers of one GPU each, the model from the claim)."""
+    from rl.cli import main as rl_main
+
+    config = QUICKSTART.parent / "qwen3-8b-gpu.yaml"
+    docs = render(GPU, config=config)
+    fresh, _ = train_args(docs)
+    o = overrides(fresh)
+    assert o["cluster.workers"] == "16" and o["model.path"] == "/models/Qwen3-8B"
+    cfg = load_config(config, [fresh[i + 1] for i, a in enumerate(fresh) if a == "--set"])
+    assert cfg.cluster.workers == 16 and cfg.cluster.gpus_per_worker == 1 and cfg.model.chat_template
+    assert rl_main(["check-config", str(config), *fresh[4 + 2:]]) == 0
+
+
 # The KubeRay release that added each RayJob spec field the chart may set (KubeRay's release notes).
 KUBERAY_SINCE = {"submissionMode": (1, 1), "activeDeadlineSeconds": (1, 1), "submitterPodTemplate": (1, 1),
                  "backoffLimit": (1, 2), "deletionStrategy": (1, 4)}
