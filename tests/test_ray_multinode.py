@@ -118,3 +118,19 @@ def test_threads_are_the_pods_cpus_shared_by_its_workers(ray_cluster):
     # on a node this cluster does not know, the probe's own figure counts
     assert worker_threads([Site("elsewhere", 8, True)], None) == [8]
     assert worker_threads([Site("gpu-pod", 96, True)] * 8, None) == [12] * 8
+
+
+def test_workers_that_cannot_be_placed_are_named(ray_cluster, monkeypatch):
+    """More workers than the cluster can hold: a one-line error with what was asked and what there is (it was a
+    bare GetTimeoutError after two minutes)."""
+    import rl.cluster
+    from rl.errors import UserError
+    from rl.warmstart import prepare_model
+    from tests.test_run import tiny
+
+    monkeypatch.setattr(rl.cluster, "PLACEMENT_WAIT_S", 3)
+    cfg = tiny(cluster={"workers": 8})
+    with pytest.raises(UserError, match=r"^cluster.workers=8: the Ray cluster could not place 8 workers of "
+                                        r"\{'CPU': 1.0\} within 3 s; it has 2 CPU in all; no node offers the "
+                                        r"rl_worker resource"):
+        rl.cluster.Cluster(cfg, str(prepare_model(cfg)))
