@@ -1,4 +1,5 @@
-"""``rl``: the command line. User errors end with one message and a non-zero exit, no traceback."""
+"""``rl``: the command line. Errors end with one message and no traceback: exit code 2 for a usage error (bad
+arguments, config or values), 1 for a command that failed at run time (a cluster unreachable, a run missing)."""
 
 from __future__ import annotations
 
@@ -7,15 +8,10 @@ import sys
 import time
 from pathlib import Path
 
-from rl.errors import UserError
-from rl.guards import TrainingStopped
+from rl.errors import CommandFailed, UserError
 
 EXIT_USER_ERROR = 2  # bad input: config, flags, paths
-EXIT_RUN_FAILED = 1  # the run started and could not go on (a non-finite update, failing environments, a full disk)
-
-
-class RunFailure(Exception):
-    """A run that failed at run time; the message names the cause and what is left intact."""
+EXIT_FAILED = 1  # a command that failed at run time (a non-finite update, failing environments, a full disk, a cluster)
 
 
 def _cmd_train(args: argparse.Namespace) -> None:
@@ -38,7 +34,7 @@ def _cmd_train(args: argparse.Namespace) -> None:
     try:
         summary = train(cfg, run_dir, resume=bool(args.resume))
     except OSError as e:  # a full or read-only disk while the run writes: checkpoints are written atomically
-        raise RunFailure(f"cannot write to {e.filename or run_dir}: {e.strerror or e}; the last checkpoint in "
+        raise CommandFailed(f"cannot write to {e.filename or run_dir}: {e.strerror or e}; the last checkpoint in "
                          f"{run_dir}/checkpoints is intact (resume with --resume {run_dir})") from None
     print(f"run directory: {run_dir}")
     print(f"held-out accuracy {summary['initial_accuracy']:.3f} -> {summary['final_accuracy']:.3f} "
@@ -147,7 +143,7 @@ def _cmd_launch(args: argparse.Namespace) -> None:
     from rl.launch import launch
 
     out = launch(args.k8s, values=args.values, sets=args.set, name=args.name, namespace=args.namespace,
-                 dry_run=args.dry_run)
+                 dry_run=args.dry_run, replace=args.replace)
     print(out, end="")
 
 
@@ -160,12 +156,25 @@ def _cmd_status(args: argparse.Namespace) -> None:
 def _cmd_logs(args: argparse.Namespace) -> None:
     from rl.launch import logs
 
-    if logs(args.name, args.namespace, args.follow) != 0:
-        raise UserError(f"kubectl logs job/{args.name} failed (is the run launched, in this namespace?)")
+    logs(args.name, args.namespace, args.follow)
+
+
+def _cmd_delete(args: argparse.Namespace) -> None:
+    from rl.launch import delete
+
+    delete(args.name, namespace=args.namespace, delete_data=args.delete_data)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="rl", description="RL post-training with colocated engines.")
+    from importlib.metadata import PackageNotFoundError, version
+
+    p = argparse.ArgumentParser(prog="rl", description="RL post-training with colocated engines.",
+                                epilog="exit codes: 0 ok, 1 the command failed, 2 usage error")
+    try:
+        release = version("colocated-rl")
+    except PackageNotFoundError:  # run from a checkout that is not installed
+        release = "unknown (not installed)"
+    p.add_argument("--version", action="version", version=f"rl (colocated-rl) {release}")
     sub = p.add_subparsers(dest="command", required=True)
 
     t = sub.add_parser("train", help="run (or resume) an RL run from a YAML config")
@@ -238,16 +247,25 @@ def build_parser() -> argparse.ArgumentParser:
     la.add_argument("--name", help="release and RayJob name (default: the config's run.name)")
     la.add_argument("-n", "--namespace", help="Kubernetes namespace (default: kubectl's current one)")
     la.add_argument("--dry-run", action="store_true", help="print the manifests instead of installing them")
+    la.add_argument("--replace", action="store_true", help="if a run of this name exists, delete it first (its "
+                                                           "checkpoints stay: the new run resumes from them)")
     la.set_defaults(func=_cmd_launch)
-    st = sub.add_parser("status", help="the state of a run launched with rl launch (its RayJob)")
+    st = sub.add_parser("status", help="the state of a run launched with rl launch (its RayJob and pods)")
     st.add_argument("name", help="the release name rl launch printed")
-    st.add_argument("-n", "--namespace")
+    st.add_argument("-n", "--namespace", help="Kubernetes namespace (default: kubectl's current one)")
     st.set_defaults(func=_cmd_status)
     lg = sub.add_parser("logs", help="the console of a run launched with rl launch")
     lg.add_argument("name")
     lg.add_argument("-n", "--namespace")
     lg.add_argument("-f", "--follow", action="store_true", help="keep streaming until the run ends")
     lg.set_defaults(func=_cmd_logs)
+    de = sub.add_parser("delete", help="remove a run launched with rl launch: its Ray cluster, sandbox service and "
+                                       "session pods (the run storage stays unless --delete-data)")
+    de.add_argument("name")
+    de.add_argument("-n", "--namespace")
+    de.add_argument("--delete-data", action="store_true", help="also delete the run storage claim the chart made "
+                                                               "(checkpoints, metrics)")
+    de.set_defaults(func=_cmd_delete)
 
     e = sub.add_parser("envs", help="list the environments: name, built-in or plug-in, what it rewards")
     e.set_defaults(func=_cmd_envs)
@@ -266,9 +284,9 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USER_ERROR
-    except (RunFailure, TrainingStopped) as e:
+    except CommandFailed as e:
         print(f"error: {e}", file=sys.stderr)
-        return EXIT_RUN_FAILED
+        return EXIT_FAILED
     except KeyboardInterrupt:
         print("interrupted; the last checkpoint is intact (resume with --resume RUN_DIR)", file=sys.stderr)
         return 130

@@ -17,10 +17,12 @@ from rl.algorithm import PtxBatch, Sample
 from rl.config import Config
 from rl.errors import UserError
 from rl.partial import Trajectory
-from rl.workers import RolloutWorker, TrainerWorker, default_threads
+from rl.placement import probe_bundles, reachable_model_dirs, unplaceable, worker_bundle, worker_threads
+from rl.workers import RolloutWorker, TrainerWorker
 
 # Both actors of a worker share one bundle: they alternate, never compute at the same time.
 ACTOR_CPUS = 0.5
+PLACEMENT_WAIT_S = 120
 
 
 class Cluster:
@@ -48,21 +50,28 @@ class Cluster:
                 object_store_memory=None if cfg.cluster.ray_address else 256 * 2**20,
             )
         n, gpus = cfg.cluster.workers, cfg.cluster.gpus_per_worker
-        bundle = {"CPU": 2 * ACTOR_CPUS} | ({"GPU": gpus} if gpus else {})
+        bundle = worker_bundle(2 * ACTOR_CPUS, gpus)  # one worker slot each where the pods offer them
         self.pg = placement_group([bundle] * n, strategy="PACK")
-        ray.get(self.pg.ready(), timeout=120)
+        try:
+            ray.get(self.pg.ready(), timeout=PLACEMENT_WAIT_S)
+        except ray.exceptions.GetTimeoutError:
+            remove_placement_group(self.pg)
+            raise UserError(unplaceable(bundle, n, PLACEMENT_WAIT_S)) from None
         prefix = f"rl-{uuid.uuid4().hex[:8]}"
-        threads = default_threads(cfg)
+        # each worker's threads from its own pod's CPUs, and the model where its node can read it
+        sites = probe_bundles(self.pg, n, model_dir)
+        threads, dirs = worker_threads(sites, cfg.cluster.threads_per_worker), reachable_model_dirs(model_dir, sites)
 
         def placed(cls, i):
             strategy = PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i)
             # half the bundle's GPUs each: Ray then shows both actors the same device(s)
             return ray.remote(num_cpus=ACTOR_CPUS, num_gpus=gpus / 2, scheduling_strategy=strategy)(cls)
 
-        self.trainers = [placed(TrainerWorker, i).remote(cfg, threads) for i in range(n)]
-        self.rollouts = [placed(RolloutWorker, i).remote(model_dir, cfg, threads, self.max_context) for i in range(n)]
+        self.trainers = [placed(TrainerWorker, i).remote(cfg, threads[i]) for i in range(n)]
+        self.rollouts = [placed(RolloutWorker, i).remote(dirs[i], cfg, threads[i], self.max_context)
+                         for i in range(n)]
         address = ray.get(self.trainers[0].rendezvous.remote())
-        ray.get([t.setup.remote(model_dir, i, n, address, f"{prefix}-w{i}") for i, t in enumerate(self.trainers)])
+        ray.get([t.setup.remote(dirs[i], i, n, address, f"{prefix}-w{i}") for i, t in enumerate(self.trainers)])
         # one plan for all (every rank computed the same); each replica maps its own worker's IPC buffers
         plans = ray.get([t.weight_plan.remote() for t in self.trainers])
         ray.get([r.attach.remote(plans[0][0], handles) for r, (_, handles) in zip(self.rollouts, plans, strict=True)])

@@ -37,7 +37,8 @@ class RunConfig(Strict):
 class ClusterConfig(Strict):
     ray_address: str | None = Field(None, description="None starts a local Ray cluster")
     workers: int = Field(1, ge=1, description="colocated workers; the trainer is sharded over them (FSDP2)")
-    threads_per_worker: int | None = Field(None, ge=1, description="torch threads; None = cores / workers")
+    threads_per_worker: int | None = Field(None, ge=1, description="torch threads; None = the CPUs of the worker's pod "
+                                           "(its CPU limit) shared by the workers placed there")
     gpus_per_worker: float = Field(0, ge=0, description="GPUs of each colocated worker (its trainer and "
                                    "inference engine share them); 0 = CPU only")
 
@@ -263,6 +264,11 @@ class KubernetesSandboxConfig(Strict):
     warm_pool: dict[str, int] = Field(default_factory=dict, description="image -> ready pods kept waiting")
     cpu: str = Field("1", description="Kubernetes quantity per session pod, e.g. 1 or 500m")
     memory: str = Field("2Gi", description="Kubernetes quantity per session pod")
+    image_pull_secrets: list[str] = Field([], description="Secrets for a private registry of the session images")
+    labels: dict[str, str] = Field({}, description="extra labels on session pods (the chart: the run's)")
+    node_selector: dict[str, str] = Field({}, description="where session pods may run")
+    tolerations: list[dict[str, Any]] = Field([], description="taints session pods tolerate")
+    priority_class: str | None = Field(None, description="PriorityClass of session pods")
 
     @field_validator("cpu", "memory", mode="before")
     @classmethod

@@ -15,10 +15,10 @@ import uuid
 from pathlib import Path
 
 from rl.config import Config
-from rl.errors import UserError
+from rl.errors import CommandFailed, UserError
 
 
-class TrainingStopped(Exception):
+class TrainingStopped(CommandFailed):
     """The run cannot go on: the message names the cause. The last checkpoint is left as it was."""
 
 

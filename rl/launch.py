@@ -1,20 +1,30 @@
-"""Runs on Kubernetes: ``rl launch --k8s`` installs the Helm chart in helm/ for a run config;
-``rl status`` and ``rl logs`` read the RayJob it made through kubectl."""
+"""Runs on Kubernetes: ``rl launch --k8s`` installs the Helm chart in helm/ for a run config; ``rl status``,
+``rl logs`` and ``rl delete`` read and remove what it made, through the Kubernetes API (the ``kubernetes`` client,
+with kubectl's configuration)."""
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
 import subprocess
 import sys
+import time
+from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
-from rl.errors import UserError
+from rl.errors import CommandFailed, UserError
 
 CHART = Path(__file__).resolve().parents[1] / "helm" / "colocated-rl"
+RUN_LABEL = "colocated-rl/run"  # on every object of a run, and on the sandbox's session pods
+COMPONENT_LABEL = "app.kubernetes.io/component"
+RAYJOB = ("ray.io", "v1", "rayjobs")
+MAX_NAME = 40  # KubeRay appends suffixes to the RayJob's name for its cluster and Services
+_DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+TERMINAL_JOB = ("SUCCEEDED", "FAILED", "STOPPED")
+TERMINAL_DEPLOYMENT = ("Complete", "Failed")
 
 
 def find_tool(name: str) -> str:
@@ -29,17 +39,103 @@ def find_tool(name: str) -> str:
 
 
 def release_name(run_name: str) -> str:
-    """A Helm release name (a DNS label) from a run name: lower case, other characters as '-'."""
-    name = re.sub(r"[^a-z0-9-]+", "-", run_name.lower()).strip("-")[:40].rstrip("-")
+    """A release and RayJob name from a run name: lower case, other characters as '-', a letter first
+    (``run-`` is put before a leading digit), at most 40 characters."""
+    name = re.sub(r"[^a-z0-9-]+", "-", run_name.lower()).strip("-")
+    if name and not name[0].isalpha():
+        name = f"run-{name}"
+    name = name[:MAX_NAME].rstrip("-")
     if not name:
         raise UserError(f"run name {run_name!r} gives no usable release name; pass --name")
     return name
 
 
+def check_name(name: str) -> str:
+    """``name`` if KubeRay accepts it for a RayJob and its Services (a DNS-1035 label of at most 40 characters)."""
+    if len(name) > MAX_NAME or not _DNS1035.match(name):
+        raise UserError(f"--name {name!r}: must start with a lower-case letter, hold only a-z, 0-9 and '-', end with "
+                        f"a letter or digit and be at most {MAX_NAME} characters (KubeRay names the run's Services "
+                        "after it; Service names are DNS-1035 labels)")
+    return name
+
+
+# --- The Kubernetes API ----------------------------------------------------------------------------------------------
+
+
+class Kube:
+    """The API clients for one namespace, configured like kubectl (KUBECONFIG, ~/.kube/config, or in a pod)."""
+
+    def __init__(self, namespace: str | None = None, api_client: Any = None) -> None:
+        import kubernetes
+
+        if api_client is None:
+            # KUBECONFIG read now: the client's own default is fixed when it is first imported
+            files = os.environ.get("KUBECONFIG") or str(Path("~/.kube/config").expanduser())
+            try:
+                kubernetes.config.load_kube_config(config_file=files)
+                _, active = kubernetes.config.list_kube_config_contexts(config_file=files)
+                default_ns = (active or {}).get("context", {}).get("namespace") or "default"
+            except (kubernetes.config.ConfigException, OSError) as e:
+                try:
+                    kubernetes.config.load_incluster_config()
+                except kubernetes.config.ConfigException:
+                    raise CommandFailed(f"no Kubernetes configuration ({e}); set KUBECONFIG or kubectl's "
+                                        "context to the cluster") from None
+                default_ns = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace").read_text().strip()
+            api_client = kubernetes.client.ApiClient()
+        else:
+            default_ns = "default"
+        self.namespace = namespace or default_ns
+        self.host = api_client.configuration.host
+        self.core = kubernetes.client.CoreV1Api(api_client)
+        self.custom = kubernetes.client.CustomObjectsApi(api_client)
+
+    def call(self, what: str, fn: Callable[..., Any], *args: Any, missing_ok: bool = False, **kw: Any) -> Any:
+        """``fn(*args, **kw)``; API and connection errors become CommandFailed naming ``what`` (None for a
+        404 when ``missing_ok``)."""
+        import urllib3
+        from kubernetes.client.exceptions import ApiException
+
+        try:
+            return fn(*args, _request_timeout=kw.pop("_request_timeout", 30), **kw)
+        except ApiException as e:
+            if e.status == 404 and missing_ok:
+                return None
+            raise CommandFailed(f"{what}: HTTP {e.status} {e.reason} from the Kubernetes API at {self.host}"
+                                + (f": {_api_message(e)}" if _api_message(e) else "")) from None
+        except (urllib3.exceptions.HTTPError, OSError) as e:
+            raise CommandFailed(f"{what}: cannot reach the Kubernetes API at {self.host} ({type(e).__name__}: "
+                                f"{str(e)[:300]}); is kubectl's context the cluster?") from None
+
+    def rayjob(self, name: str) -> dict | None:
+        """The RayJob called ``name``, or None."""
+        return self.call(f"reading RayJob {self.namespace}/{name}", self.custom.get_namespaced_custom_object,
+                         *RAYJOB[:2], self.namespace, RAYJOB[2], name, missing_ok=True)
+
+    def run_pods(self, name: str, component: str | None = None) -> list[Any]:
+        """The pods of run ``name`` (of one component: ray-head, ray-worker, ray-submitter, sandbox), oldest first."""
+        selector = f"{RUN_LABEL}={name}" + (f",{COMPONENT_LABEL}={component}" if component else "")
+        pods = self.call(f"listing the pods of run {name}", self.core.list_namespaced_pod, self.namespace,
+                         label_selector=selector).items
+        return sorted(pods, key=lambda p: p.metadata.creation_timestamp or 0)
+
+
+def _api_message(e: Any) -> str:
+    import json
+
+    try:
+        return str(json.loads(e.body).get("message", ""))[:500]
+    except (TypeError, ValueError, AttributeError):
+        return str(e.body or "")[:300]
+
+
+# --- launch / delete --------------------------------------------------------------------------------------------------
+
+
 def helm_command(config: Path, release: str, *, namespace: str | None = None, values: list[str] = (),
                  sets: list[str] = (), dry_run: bool = False, chart: Path = CHART) -> list[str]:
-    """The helm invocation: ``template`` for a dry run, else ``upgrade --install``."""
-    verb = ["template"] if dry_run else ["upgrade", "--install"]
+    """The helm invocation: ``template`` for a dry run (or a check), else ``install``."""
+    verb = ["template"] if dry_run else ["install"]
     cmd = [find_tool("helm"), *verb, release, str(chart), "--set-file", f"runConfig={config}"]
     if namespace:
         cmd += ["--namespace", namespace]
@@ -51,30 +147,89 @@ def helm_command(config: Path, release: str, *, namespace: str | None = None, va
 
 
 def launch(config: str, *, values: list[str] = (), sets: list[str] = (), name: str | None = None,
-           namespace: str | None = None, dry_run: bool = False, chart: Path = CHART) -> str:
-    """Validate the run config, then install the chart (or render it); returns helm's output."""
+           namespace: str | None = None, dry_run: bool = False, replace: bool = False, chart: Path = CHART,
+           kube: Kube | None = None, out: TextIO | None = None) -> str:
+    """Validate the run config and the chart values, then install the chart (or print it); returns helm's output.
+
+    A name whose RayJob exists is refused (KubeRay would not run it again), unless ``replace``: then the old run
+    is deleted first (its checkpoints stay, and the new run resumes from them)."""
     from rl.config import load_config
 
+    out = out or sys.stdout
     cfg = load_config(config)  # a bad config fails here, naming the field, before anything reaches the cluster
     for v in values:
         if not Path(v).is_file():
             raise UserError(f"--values {v}: no such file")
     if not (chart / "Chart.yaml").is_file():
         raise UserError(f"no Helm chart at {chart} (rl launch runs from a source checkout or the runtime image)")
-    cmd = helm_command(Path(config), name or release_name(cfg.run.name), namespace=namespace, values=values,
-                       sets=sets, dry_run=dry_run, chart=chart)
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    release = check_name(name) if name else release_name(cfg.run.name)
+    rendered = subprocess.run(helm_command(Path(config), release, namespace=namespace, values=values, sets=sets,
+                                           dry_run=True, chart=chart), capture_output=True, text=True)
+    if rendered.returncode != 0:  # values that fail the schema or the chart's checks: the user's to fix
+        raise UserError(f"helm template failed:\n{rendered.stderr.strip()}")
+    if dry_run:
+        return rendered.stdout
+    kube = kube or Kube(namespace)
+    existing = kube.rayjob(release)
+    if existing is not None:
+        if not replace:
+            state = describe_rayjob(existing).splitlines()[0].split(": ", 1)[1]
+            raise CommandFailed(f"run {release} exists already in namespace {kube.namespace} ({state}); KubeRay "
+                                f"would not run it again. rl launch --replace deletes it and launches "
+                                f"anew (resuming from its checkpoints); rl delete {release} removes it; or pick "
+                                "another --name")
+        print(f"replacing run {release}: deleting the old one first", file=out, flush=True)
+        delete(release, kube=kube, out=out)
+    proc = subprocess.run(helm_command(Path(config), release, namespace=kube.namespace, values=values, sets=sets,
+                                       chart=chart), capture_output=True, text=True)
     if proc.returncode != 0:
-        raise UserError(f"helm {'template' if dry_run else 'upgrade --install'} failed:\n{proc.stderr.strip()}")
+        raise CommandFailed(f"helm install failed:\n{proc.stderr.strip()}")
     return proc.stdout
 
 
-def _kubectl(args: list[str], namespace: str | None) -> list[str]:
-    return [find_tool("kubectl"), *args, *(["--namespace", namespace] if namespace else [])]
+def delete(name: str, *, namespace: str | None = None, delete_data: bool = False, kube: Kube | None = None,
+           wait_s: float = 300, out: TextIO | None = None) -> None:
+    """Remove everything run ``name`` made: the release (RayJob, whose Ray cluster and submitter KubeRay deletes
+    with it; the sandbox service, its autoscaler and policies), session pods left behind, and with
+    ``delete_data`` its run storage claim. Waits until the RayJob is gone, so the name can be launched again."""
+    kube, out = kube or Kube(namespace), out or sys.stdout
+    ns = kube.namespace
+    proc = subprocess.run([find_tool("helm"), "uninstall", name, "--namespace", ns, "--wait", "--timeout",
+                           f"{int(wait_s)}s"], capture_output=True, text=True)
+    if proc.returncode == 0:
+        print(f"uninstalled release {name}", file=out, flush=True)
+    elif "release: not found" not in proc.stderr:
+        raise CommandFailed(f"helm uninstall {name} failed:\n{proc.stderr.strip()}")
+    if kube.rayjob(name) is not None:  # made without the chart, or the uninstall left it behind
+        kube.call(f"deleting RayJob {ns}/{name}", kube.custom.delete_namespaced_custom_object, *RAYJOB[:2], ns,
+                  RAYJOB[2], name, propagation_policy="Foreground", missing_ok=True)
+    left = kube.run_pods(name)
+    for pod in left:  # the sandbox's session pods (its service is gone, so nothing else deletes them now)
+        kube.call(f"deleting pod {ns}/{pod.metadata.name}", kube.core.delete_namespaced_pod, pod.metadata.name, ns,
+                  grace_period_seconds=0, missing_ok=True)
+    if left:
+        print(f"deleted {len(left)} pod(s) of run {name}", file=out, flush=True)
+    if delete_data:
+        claim = f"{name}-data"
+        pvc = kube.call(f"reading claim {ns}/{claim}", kube.core.read_namespaced_persistent_volume_claim, claim, ns,
+                        missing_ok=True)
+        if pvc is not None and (pvc.metadata.labels or {}).get(RUN_LABEL) == name:
+            kube.call(f"deleting claim {ns}/{claim}", kube.core.delete_namespaced_persistent_volume_claim, claim, ns,
+                      missing_ok=True)
+            print(f"deleted claim {claim} (checkpoints and metrics of the run)", file=out, flush=True)
+    deadline = time.monotonic() + wait_s
+    while kube.rayjob(name) is not None:  # KubeRay's finalizer runs first
+        if time.monotonic() > deadline:
+            raise CommandFailed(f"RayJob {ns}/{name} is still there after {wait_s:.0f} s (is the KubeRay operator "
+                                f"running? its finalizer must run); kubectl describe rayjob {name} -n {ns}")
+        time.sleep(2)
+
+
+# --- status / logs ----------------------------------------------------------------------------------------------------
 
 
 def describe_rayjob(job: dict[str, Any]) -> str:
-    """A few lines on a RayJob object (``kubectl get rayjob -o json``): its state, cluster and times."""
+    """A few lines on a RayJob object: its state, cluster and times."""
     st = job.get("status") or {}
     lines = [f"run {job['metadata']['name']}: job {st.get('jobStatus') or 'PENDING'}, "
              f"deployment {st.get('jobDeploymentStatus') or 'New'}"]
@@ -86,15 +241,67 @@ def describe_rayjob(job: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def status(name: str, namespace: str | None = None) -> str:
-    """The state of a launched run, from its RayJob."""
-    proc = subprocess.run(_kubectl(["get", "rayjob", name, "-o", "json"], namespace), capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise UserError(f"kubectl get rayjob {name} failed (is kubectl's context the cluster, and the run launched "
-                        f"in this namespace?): {proc.stderr.strip()}")
-    return describe_rayjob(json.loads(proc.stdout))
+def describe_pods(pods: list[Any]) -> list[str]:
+    """One line per component: how many pods in which phase (waiting containers named)."""
+    by: dict[str, Counter] = {}
+    for p in pods:
+        comp = (p.metadata.labels or {}).get(COMPONENT_LABEL) or (
+            "sandbox session" if (p.metadata.labels or {}).get("app.kubernetes.io/managed-by") == "rl-sandbox"
+            else "other")
+        phase = (p.status.phase if p.status else None) or "Pending"
+        for cs in (p.status.container_statuses or []) if p.status else []:
+            if cs.state and cs.state.waiting and cs.state.waiting.reason:
+                phase = f"{phase} ({cs.state.waiting.reason})"
+        by.setdefault(comp, Counter())[phase] += 1
+    return [f"  pods {comp}: " + ", ".join(f"{n} {ph}" for ph, n in sorted(c.items()))
+            for comp, c in sorted(by.items())]
 
 
-def logs(name: str, namespace: str | None = None, follow: bool = False) -> int:
-    """Stream the run's console: the submitter Job (named after the RayJob) follows the Ray job's logs."""
-    return subprocess.call(_kubectl(["logs", f"job/{name}", *(["--follow"] if follow else [])], namespace))
+def status(name: str, namespace: str | None = None, kube: Kube | None = None) -> str:
+    """The state of a launched run: its RayJob and its pods."""
+    kube = kube or Kube(namespace)
+    job = kube.rayjob(name)
+    if job is None:
+        raise CommandFailed(f"no run {name} in namespace {kube.namespace} (no RayJob of that name); "
+                            "rl launch prints the name, -n picks the namespace")
+    pods = kube.run_pods(name)
+    lines = [describe_rayjob(job), *describe_pods(pods)]
+    st = job.get("status") or {}
+    finished = st.get("jobDeploymentStatus") in TERMINAL_DEPLOYMENT
+    sandbox_up = any((p.metadata.labels or {}).get(COMPONENT_LABEL) == "sandbox" and p.status
+                     and p.status.phase == "Running" for p in pods)
+    if finished and sandbox_up:
+        lines.append(f"  the run has ended, its sandbox service still runs: rl delete {name} -n {kube.namespace} "
+                     "removes it (the run storage and its checkpoints stay)")
+    return "\n".join(lines)
+
+
+def logs(name: str, namespace: str | None = None, follow: bool = False, kube: Kube | None = None,
+         out: TextIO | None = None) -> None:
+    """Print the run's console: the submitter's log (it follows the Ray job's), else the head's."""
+    kube, out = kube or Kube(namespace), out or sys.stdout
+    pods = kube.run_pods(name, "ray-submitter")
+    if not pods:
+        pods = kube.run_pods(name, "ray-head")
+        if not pods:
+            if kube.rayjob(name) is None:
+                raise CommandFailed(f"no run {name} in namespace {kube.namespace} (no RayJob of that name)")
+            raise CommandFailed(f"run {name} has no submitter or head pod yet (rl status {name} -n {kube.namespace})")
+        print("# no submitter pod (submissionMode HTTPMode?): the Ray head's log; the job's own output is in the "
+              "Ray dashboard (ray job logs)", file=out, flush=True)
+    pod = pods[-1].metadata.name  # the newest: a retried job has a new one
+    if (pods[-1].status and pods[-1].status.phase) == "Pending":
+        raise CommandFailed(f"pod {pod} of run {name} is still Pending (rl status {name} -n {kube.namespace})")
+    resp = kube.call(f"reading the log of pod {kube.namespace}/{pod}", kube.core.read_namespaced_pod_log, pod,
+                     kube.namespace, follow=follow, _preload_content=False,
+                     _request_timeout=None if follow else 60)
+    import urllib3
+
+    try:
+        for chunk in resp.stream(4096):
+            out.write(chunk.decode(errors="replace"))
+            out.flush()
+    except urllib3.exceptions.HTTPError as e:
+        raise CommandFailed(f"the log of pod {kube.namespace}/{pod} broke off: {e}") from None
+    finally:
+        resp.release_conn()

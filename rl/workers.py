@@ -8,7 +8,6 @@ shards the model over it and the checkpoint engine broadcasts each rank's shard 
 
 from __future__ import annotations
 
-import os
 import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -256,8 +255,3 @@ class RolloutWorker:
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The engine's weights under the checkpoint's names."""
         return {k: v.clone() for k, v in hub_state(self.engine.model).items()}
-
-
-def default_threads(cfg: Config) -> int:
-    """Torch threads per process: the configured number, or this machine's cores shared by the workers."""
-    return cfg.cluster.threads_per_worker or max(1, (os.cpu_count() or 1) // cfg.cluster.workers)

@@ -77,8 +77,10 @@ def sandbox_pod(*, name: str, namespace: str, session_id: str, owner: str, image
                 workdir: str = "/work", workdir_volume: bool = True, resources: dict[str, Any] | None = None,
                 runtime_class: str | None = None, node_selector: dict[str, str] | None = None,
                 tolerations: list[dict[str, Any]] | None = None, run_as_user: int | None = None,
-                image_pull_policy: str = "IfNotPresent") -> dict[str, Any]:
-    """The pod of one session: an init container copies the agent into an emptyDir, the task's image runs it."""
+                image_pull_policy: str = "IfNotPresent", image_pull_secrets: list[str] = (),
+                labels: dict[str, str] | None = None, priority_class: str | None = None) -> dict[str, Any]:
+    """The pod of one session: an init container copies the agent into an emptyDir, the task's image runs it.
+    ``labels`` are added to the backend's own (which win); ``image_pull_secrets`` name Secrets of a private registry."""
     expires_at = time.time() + ttl_s if expires_at is None else expires_at
     res = container_resources(resources)
     volumes: list[dict[str, Any]] = [{"name": "agent", "emptyDir": {"sizeLimit": "64Mi"}}]
@@ -123,14 +125,18 @@ def sandbox_pod(*, name: str, namespace: str, session_id: str, owner: str, image
         spec["nodeSelector"] = dict(node_selector)
     if tolerations:
         spec["tolerations"] = [dict(t) for t in tolerations]
+    if image_pull_secrets:
+        spec["imagePullSecrets"] = [{"name": n} for n in image_pull_secrets]
+    if priority_class:
+        spec["priorityClassName"] = priority_class
     return {
         "apiVersion": "v1",
         "kind": "Pod",
         "metadata": {
             "name": name,
             "namespace": namespace,
-            "labels": {MANAGED_BY_LABEL: MANAGED_BY, SESSION_LABEL: label_value(session_id),
-                       OWNER_LABEL: label_value(owner)},
+            "labels": {**{k: label_value(v) for k, v in (labels or {}).items()}, MANAGED_BY_LABEL: MANAGED_BY,
+                       SESSION_LABEL: label_value(session_id), OWNER_LABEL: label_value(owner)},
             "annotations": {EXPIRES_ANNOTATION: rfc3339(expires_at), IMAGE_ANNOTATION: image},
         },
         "spec": spec,

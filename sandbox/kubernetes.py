@@ -134,7 +134,8 @@ class KubernetesBackend:
                  node_selector: dict[str, str] | None = None, tolerations: list[dict[str, Any]] | None = None,
                  service_labels: dict[str, str] | None = None, service_namespace: str | None = None,
                  network_policy: bool = True, reap_interval_s: float = 60, pool_max_age_s: float | None = None,
-                 pool_workers: int = 16, collect_on_start: bool = False):
+                 pool_workers: int = 16, collect_on_start: bool = False, image_pull_secrets: list[str] = (),
+                 labels: dict[str, str] | None = None, priority_class: str | None = None):
         if not agent_image:
             raise SandboxError("the kubernetes backend needs agent_image (the runtime image with the sandbox package)",
                                "INVALID_ARGUMENT")
@@ -153,7 +154,9 @@ class KubernetesBackend:
         self.owner = m.label_value(owner or f"rl-sandbox-{uuid.uuid4().hex[:10]}")
         self._pod_options = {"agent_image": agent_image, "port": agent_port, "ttl_s": self.ttl_s, "workdir": workdir,
                              "workdir_volume": workdir_volume, "resources": resources, "runtime_class": runtime_class,
-                             "node_selector": node_selector, "tolerations": tolerations}
+                             "node_selector": node_selector, "tolerations": tolerations,
+                             "image_pull_secrets": list(image_pull_secrets), "labels": labels,
+                             "priority_class": priority_class}
         self._policy = m.deny_egress_policy(namespace, port=agent_port, service_labels=service_labels,
                                             service_namespace=service_namespace) if network_policy else None
         self._policy_ready, self._policy_lock = self._policy is None, threading.Lock()

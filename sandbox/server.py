@@ -101,14 +101,23 @@ def start_server(backend: str | Backend = "local", backend_options: dict[str, An
     return SandboxServer(backend, **server_options)
 
 
-def server_from_config(sc: Any) -> SandboxServer:
-    """Start the service an ``rl.config.SandboxConfig`` describes (host, port, backend, concurrency, limits)."""
+def backend_options(sc: Any) -> dict[str, Any]:
+    """The keyword options of the backend an ``rl.config.SandboxConfig`` names."""
     options: dict[str, Any] = {"disk_bytes": sc.disk_mb << 20}
     if sc.backend == "kubernetes":
         k = sc.kubernetes
         options = {"namespace": k.namespace, "agent_image": k.agent_image, "default_image": k.default_image,
                    "runtime_class": k.runtime_class, "ttl_s": k.ttl_s, "max_creates_per_s": k.max_creates_per_s,
-                   "warm_pool": dict(k.warm_pool), "resources": {"cpu": k.cpu, "memory": k.memory}}
+                   "warm_pool": dict(k.warm_pool), "resources": {"cpu": k.cpu, "memory": k.memory},
+                   "node_selector": dict(k.node_selector) or None, "tolerations": list(k.tolerations) or None,
+                   "image_pull_secrets": list(k.image_pull_secrets), "labels": dict(k.labels),
+                   "priority_class": k.priority_class}
+    return options
+
+
+def server_from_config(sc: Any) -> SandboxServer:
+    """Start the service an ``rl.config.SandboxConfig`` describes (host, port, backend, concurrency, limits)."""
+    options = backend_options(sc)
     return start_server(sc.backend, options, host=sc.host, port=sc.port, concurrency=sc.concurrency,
                         max_queue=sc.max_queue, max_sessions=sc.max_sessions, metrics_port=sc.metrics_port,
                         default_limits=sc.limits.to_limits(), advertise_address=sc.advertise_address or "")

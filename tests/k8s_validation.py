@@ -12,7 +12,8 @@ each document's ``# Source:`` file too. ``helm_binary()`` finds the helm that ``
   head Service and autoscaler container) are then validated as their core kind, and its metadata as an ObjectMeta.
 - A kind that neither knows is an error, never a silent pass.
 - On top of the schemas, rules the API server enforces that the published schemas do not express: duplicate YAML keys;
-  object names (DNS-1123 subdomain, or the stricter rule of Services, Namespaces, CronJobs; RBAC names are paths);
+  object names (DNS-1123 subdomain, or the stricter rule of Services, Namespaces, CronJobs, and of RayJobs, which
+  KubeRay rejects unless they are DNS-1035 labels of at most 47 characters; RBAC names are paths);
   label keys and values; the values of common enumerated core fields (restartPolicy, also per workload kind,
   imagePullPolicy, protocols, tolerations, Service type, update strategies); resource quantities (syntax, not
   negative, requests within limits; extended resources such as nvidia.com/gpu whole, with limits, and requests equal
@@ -393,6 +394,8 @@ def _name_rule(api_version: str, kind: str) -> tuple[re.Pattern[str] | None, int
         return None, 253, "a path segment (no '/' or '%', not '.' or '..')"
     if (api_version, kind) == ("v1", "Service"):
         return _DNS1035_LABEL, 63, "a DNS-1035 label (lower-case letters, digits, '-'; starts with a letter)"
+    if (api_version, kind) == ("ray.io/v1", "RayJob"):  # KubeRay's own check: it names Services after the RayJob
+        return _DNS1035_LABEL, 47, "a DNS-1035 label (lower-case letters, digits, '-'; starts with a letter)"
     if (api_version, kind) == ("v1", "Namespace"):
         return _DNS1123_LABEL, 63, "a DNS-1123 label (lower-case letters, digits, '-')"
     if kind == "CronJob":  # 52: room for the suffix of the Jobs it creates

@@ -12,6 +12,10 @@ directory replaced by a per-pod temporary directory) with ``POD_IP`` = a loopbac
 process; ``activeDeadlineSeconds`` is enforced like the kubelet does. ``failures[image] = reason`` makes pods of an
 image fail instead: "Unschedulable" keeps them Pending, any other reason (e.g. "ImagePullBackOff") is reported as the
 container's waiting reason. Init containers are not run.
+
+For the run commands (``rl status``, ``rl logs``, ``rl delete``) it also keeps objects that tests put in place with
+``seed``: pods that run nothing (with the status and log given), custom objects such as RayJobs, claims and Secrets,
+which it lists (with labelSelector), reads and deletes; and pod logs (GET .../pods/NAME/log).
 """
 
 from __future__ import annotations
@@ -104,6 +108,8 @@ class KubeApiStandIn:
         self.pods: dict[tuple[str, str], dict[str, Any]] = {}
         self.policies: dict[tuple[str, str], dict[str, Any]] = {}
         self.failures: dict[str, str] = {}
+        self.objects: dict[tuple[str, str, str], dict[str, Any]] = {}  # (collection path, namespace, name)
+        self.logs: dict[tuple[str, str], str] = {}
         self.start_delay_s = 0.0
         self.runs: dict[tuple[str, str], _Run] = {}
         self._rv = 1000
@@ -149,6 +155,49 @@ class KubeApiStandIn:
             self._stop_run(key)
         self.server.shutdown()
         self.server.server_close()
+
+    def seed(self, collection: str, obj: dict[str, Any], log: str = "") -> dict[str, Any]:
+        """Put an object in place: ``collection`` is its API path without the namespace part, e.g. "api/v1/pods"
+        (a pod that runs nothing: its status as given), "apis/ray.io/v1/rayjobs", "api/v1/persistentvolumeclaims".
+        ``log``: what GET .../pods/NAME/log answers."""
+        obj = copy.deepcopy(obj)
+        meta = obj.setdefault("metadata", {})
+        meta.setdefault("namespace", "default")
+        meta.setdefault("uid", str(uuid.uuid4()))
+        meta.setdefault("creationTimestamp", _now())
+        key = (meta["namespace"], meta["name"])
+        with self._cond:
+            if collection == "api/v1/pods":
+                self.pods[key] = obj
+                self._bump("ADDED", obj)
+                self.logs[key] = log
+            else:
+                self.objects[(collection, *key)] = obj
+        return obj
+
+    def _objects(self, method: str, parts: list[str], query: dict[str, str]) -> tuple[int, dict[str, Any]] | None:
+        """GET (list or one), DELETE of seeded objects; None if the path is not such a collection."""
+        i = parts.index("namespaces") if "namespaces" in parts else len(parts)
+        if len(parts) < i + 3:
+            return None
+        ns, plural, rest = parts[i + 1], parts[i + 2], parts[i + 3:]
+        collection = "/".join([*parts[:i], plural])
+        with self._cond:
+            if not rest and method == "GET":
+                items = [copy.deepcopy(o) for (c, n, _), o in self.objects.items() if c == collection and n == ns
+                         and _selector_match(query.get("labelSelector", ""), o["metadata"].get("labels") or {})]
+                return 200, {"apiVersion": "v1", "kind": "List", "metadata": {"resourceVersion": str(self._rv)},
+                             "items": items}
+            if len(rest) != 1:
+                return None
+            key = (collection, ns, rest[0])
+            if key not in self.objects:
+                return 404, _status(404, "NotFound", f'{plural} "{rest[0]}" not found', rest[0])
+            if method == "GET":
+                return 200, copy.deepcopy(self.objects[key])
+            if method == "DELETE":
+                return 200, self.objects.pop(key)
+        return None
 
     # ---- state changes (all under self._cond) ----
 
@@ -353,6 +402,19 @@ class _Handler(BaseHTTPRequestHandler):
             return self._json(200, pod) if pod else self._json(404, _status(404, "NotFound", "not found", name))
         if url.path == f"{_POD_PATH.format(ns=ns)}/{name}" and method == "DELETE":
             return self._json(*s.delete_pod(ns, name))
+        if url.path == "/version":  # what helm asks first
+            return self._json(200, {"major": "1", "minor": "33", "gitVersion": "v1.33.0", "platform": "linux/amd64"})
+        if len(parts) == 7 and parts[-1] == "log" and parts[-3] == "pods":
+            text = s.logs.get((ns, parts[-2]))
+            if text is None:
+                return self._json(404, _status(404, "NotFound", f'pods "{parts[-2]}" not found', parts[-2]))
+            data = text.encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+            return None
         if url.path == _NP_PATH.format(ns=ns) and method == "POST":
             with s._cond:
                 key = (ns, body["metadata"]["name"])
@@ -364,6 +426,8 @@ class _Handler(BaseHTTPRequestHandler):
         if url.path == f"{_NP_PATH.format(ns=ns)}/{name}" and method == "GET":
             pol = s.policies.get((ns, name))
             return self._json(200, pol) if pol else self._json(404, _status(404, "NotFound", "not found", name))
+        if parts[-2:-1] != ["pods"] and (found := s._objects(method, parts, query)) is not None:
+            return self._json(*found)
         return self._json(404, _status(404, "NotFound", f"the stand-in does not serve {method} {url.path}"))
 
     def _watch(self, ns: str, query: dict[str, str]) -> None:

@@ -140,7 +140,7 @@ def test_a_valid_rayjob_passes():
      "spec.rayClusterSpec.autoscalerOptions.env[0].name: required field is missing"),
     (("metadata", "labels", "app.kubernetes.io/name"), 7,
      'metadata.labels["app.kubernetes.io/name"]: 7 is not of type \'string\''),
-    (("metadata", "name"), "GRPO_train", "metadata.name: 'GRPO_train' must be a DNS-1123 subdomain"),
+    (("metadata", "name"), "GRPO_train", "metadata.name: 'GRPO_train' must be a DNS-1035 label"),
 ])
 def test_a_broken_rayjob_fails_naming_the_field(path, value, expected):
     errors = validate_manifest(_set(_rayjob(), path, value))
@@ -246,6 +246,12 @@ def test_names_labels_and_quantities_beyond_the_schemas():
     service = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "9-head"},
                "spec": {"ports": [{"port": 8265}], "selector": {"ray.io/node-type": "head"}}}
     assert "must be a DNS-1035 label" in validate_manifest(service)[0]
+    # KubeRay rejects a RayJob whose name is no DNS-1035 label of at most 47 characters (it names Services after it)
+    assert validate_manifest({**_rayjob(), "metadata": {"name": "1run", "namespace": "rl"}}) == [
+        "RayJob/1run: metadata.name: '1run' must be a DNS-1035 label (lower-case letters, digits, '-'; starts with a "
+        "letter), at most 47 characters"]
+    assert validate_manifest({**_rayjob(), "metadata": {"name": "r" * 48, "namespace": "rl"}})
+    assert validate_manifest({**_rayjob(), "metadata": {"name": "r" * 47, "namespace": "rl"}}) == []
     role = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole", "metadata": {"name": "rl:reader"},
             "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get"]}]}
     assert validate_manifest(role) == []

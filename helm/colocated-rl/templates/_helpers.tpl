@@ -4,15 +4,108 @@
 {{- .Release.Name | trunc 40 | trimSuffix "-" -}}
 {{- end -}}
 
+{{/* KubeRay names the Ray cluster's Services after the RayJob: a DNS-1035 label (a letter first). */}}
+{{- define "rl.checkName" -}}
+{{- if not (regexMatch "^[a-z]([-a-z0-9]*[a-z0-9])?$" .Release.Name) -}}
+{{- fail (printf "release name %q: must start with a lower-case letter and hold only a-z, 0-9 and '-' (KubeRay names the RayJob's Services after it, and Service names are DNS-1035 labels); rl launch --name NAME picks another" .Release.Name) -}}
+{{- end -}}
+{{- if gt (len .Release.Name) 40 -}}
+{{- fail (printf "release name %q: at most 40 characters (KubeRay adds suffixes to the RayJob's name)" .Release.Name) -}}
+{{- end -}}
+{{- end -}}
+
 {{- define "rl.runName" -}}
 {{- default .Release.Name .Values.run.name -}}
 {{- end -}}
 
+{{/* On every object of the run; rl delete finds what the run made (session pods included) by colocated-rl/run. */}}
 {{- define "rl.labels" -}}
 app.kubernetes.io/instance: {{ .Release.Name }}
 app.kubernetes.io/part-of: colocated-rl
 app.kubernetes.io/managed-by: {{ .Release.Service }}
 helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
+colocated-rl/run: {{ .Release.Name }}
+{{- with .Values.scheduling.labels }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
+
+{{- define "rl.annotations" -}}
+{{- with .Values.scheduling.annotations }}{{ toYaml . }}{{ end -}}
+{{- end -}}
+
+{{/* A Kubernetes quantity ("2Gi", "500M", "1.5G", "1024") in bytes. */}}
+{{- define "rl.bytes" -}}
+{{- $q := toString . -}}
+{{- $n := regexFind "^[0-9]+(\\.[0-9]+)?" $q -}}
+{{- $units := dict "" 1 "k" 1000 "M" 1000000 "G" 1000000000 "T" 1000000000000 "Ki" 1024 "Mi" 1048576 "Gi" 1073741824 "Ti" 1099511627776 -}}
+{{- $u := trimPrefix $n $q -}}
+{{- if not (hasKey $units $u) }}{{ fail (printf "%q: not a memory quantity (e.g. 512Mi, 8Gi)" $q) }}{{ end -}}
+{{- mulf (float64 $n) (get $units $u) | floor | int64 -}}
+{{- end -}}
+
+{{/* Ray's object store takes half of /dev/shm (the rest: the checkpoint engine's IPC buffers, torch), so it
+     never falls back to disk; Ray's default (30% of the pod's memory) can exceed /dev/shm. */}}
+{{- define "rl.objectStoreBytes" -}}
+{{- div (include "rl.bytes" .) 2 -}}
+{{- end -}}
+
+{{/* Whole CPUs of a quantity ("4", "500m", "2.5"), at least 1: Ray's num-cpus. */}}
+{{- define "rl.cpus" -}}
+{{- $q := toString . -}}
+{{- $n := ternary (divf (float64 (trimSuffix "m" $q)) 1000) (float64 $q) (hasSuffix "m" $q) -}}
+{{- max 1 (floor $n | int) -}}
+{{- end -}}
+
+{{/* /dev/shm is memory-backed and counts against the pod's memory limit. */}}
+{{- define "rl.checkShm" -}}
+{{- if ge (include "rl.bytes" .shm | int64) (include "rl.bytes" .memory | int64) -}}
+{{- fail (printf "%s.shmSize %s must be less than %s.memory %s: /dev/shm is memory-backed and counts against the pod's memory limit" .where .shm .where .memory) -}}
+{{- end -}}
+{{- end -}}
+
+{{/* ReadWriteOnce storage is attached to one node: every Ray pod must be able to go to the head's. */}}
+{{- define "rl.checkStorage" -}}
+{{- if eq .Values.storage.accessMode "ReadWriteOnce" -}}
+{{- range $i, $g := .Values.workerGroups -}}
+{{- if not (deepEqual ($g.nodeSelector | default dict) ($.Values.head.nodeSelector | default dict)) -}}
+{{- fail (printf "storage.accessMode ReadWriteOnce puts every Ray pod on the head's node (the volume attaches to one node), but workerGroups[%d].nodeSelector %s differs from head.nodeSelector %s: set storage.accessMode=ReadWriteMany with a storage class or existingClaim that offers it (NFS, EFS, Filestore, Azure Files, CephFS)" $i (toJson ($g.nodeSelector | default dict)) (toJson ($.Values.head.nodeSelector | default dict))) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/* A worker group's affinity: its own, plus (ReadWriteOnce storage) the head's node. */}}
+{{- define "rl.workerAffinity" -}}
+{{- $aff := deepCopy (.group.affinity | default dict) -}}
+{{- if eq .root.Values.storage.accessMode "ReadWriteOnce" -}}
+{{- $pa := get $aff "podAffinity" | default dict -}}
+{{- $req := get $pa "requiredDuringSchedulingIgnoredDuringExecution" | default list -}}
+{{- $head := dict "app.kubernetes.io/instance" .root.Release.Name "app.kubernetes.io/component" "ray-head" -}}
+{{- $term := dict "topologyKey" "kubernetes.io/hostname" "labelSelector" (dict "matchLabels" $head) -}}
+{{- $_ := set $pa "requiredDuringSchedulingIgnoredDuringExecution" (append $req $term) -}}
+{{- $_ = set $aff "podAffinity" $pa -}}
+{{- end -}}
+{{- if $aff }}{{ toYaml $aff }}{{ end -}}
+{{- end -}}
+
+{{/* Scheduling fields every Ray pod and the submitter share. */}}
+{{- define "rl.podScheduling" -}}
+{{- with .Values.imagePullSecrets }}
+imagePullSecrets:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .Values.scheduling.serviceAccountName }}
+serviceAccountName: {{ . }}
+{{- end }}
+{{- with .Values.scheduling.priorityClassName }}
+priorityClassName: {{ . }}
+{{- end }}
+{{- end -}}
+
+{{/* The JSON of --resources in rayStartParams, quoted for the shell command KubeRay builds. */}}
+{{- define "rl.workerSlots" -}}
+{{- printf "\"{\\\"rl_worker\\\": %d}\"" (max 1 (int .gpus)) -}}
 {{- end -}}
 
 {{- define "rl.image" -}}
@@ -69,6 +162,18 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end -}}
 {{- $args = concat $args .Values.run.extraArgs -}}
 {{- range $args }} {{ . | squote }}{{ end -}}
+{{- end -}}
+
+{{/* The environment of every Ray pod: the warm-start cache on the run's volume, which every Ray pod mounts,
+     so the workers find the model the head warm-starts. */}}
+{{- define "rl.rayEnv" -}}
+- name: RL_CACHE_DIR
+  value: {{ printf "%s/cache" .Values.storage.mountPath | quote }}
+- name: RL_WORKER_SLOTS  # place workers by the pods' rl_worker slots, also while worker pods are still joining
+  value: "1"
+{{- with .Values.run.env }}
+{{ toYaml . }}
+{{- end }}
 {{- end -}}
 
 {{/* Volumes every Ray pod mounts: the run config, the run storage, /dev/shm, the model claim. */}}

@@ -1,0 +1,178 @@
+"""``rl status``, ``rl logs``, ``rl delete``, ``rl launch`` of a name that exists (``--replace``) and the exit codes,
+through the real ``kubernetes`` client (and helm, where it is called) against ``KubeApiStandIn`` -- a test double of
+the Kubernetes API server, since none can run here -- and against no server at all."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rl.cli import main as rl_main
+from rl.launch import CHART, RUN_LABEL
+from tests.k8s_validation import helm_binary
+from tests.kube_standin import KubeApiStandIn
+
+ROOT = Path(__file__).resolve().parents[1]
+QUICKSTART = ROOT / "configs" / "quickstart.yaml"
+NS = "rl"
+PODS, RAYJOBS, CLAIMS = "api/v1/pods", "apis/ray.io/v1/rayjobs", "api/v1/persistentvolumeclaims"
+pytestmark = pytest.mark.skipif(helm_binary() is None, reason="helm is not installed (make setup installs it)")
+
+
+def kubeconfig(tmp_path: Path, monkeypatch, server: str) -> None:
+    path = tmp_path / "kubeconfig"
+    path.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "c",
+        "clusters": [{"name": "c", "cluster": {"server": server}}],
+        "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u", "namespace": NS}}],
+        "users": [{"name": "u", "user": {}}]}))
+    monkeypatch.setenv("KUBECONFIG", str(path))
+
+
+@pytest.fixture
+def api(tmp_path, monkeypatch):
+    """The stand-in, with kubectl's configuration (KUBECONFIG) pointing at it, namespace rl."""
+    with KubeApiStandIn() as standin:
+        kubeconfig(tmp_path, monkeypatch, standin.url)
+        yield standin
+
+
+def rayjob(name: str, job: str = "RUNNING", deployment: str = "Running") -> dict:
+    return {"apiVersion": "ray.io/v1", "kind": "RayJob",
+            "metadata": {"name": name, "namespace": NS, "labels": {RUN_LABEL: name}},
+            "spec": {"entrypoint": "bash /etc/rl/launch.sh"},
+            "status": {"jobStatus": job, "jobDeploymentStatus": deployment, "rayClusterName": f"{name}-x7k2p",
+                       "dashboardURL": f"{name}-x7k2p-head-svc.{NS}.svc.cluster.local:8265", "failed": 0}}
+
+
+def pod(name: str, run: str, component: str | None, phase: str = "Running", waiting: str | None = None) -> dict:
+    labels = {RUN_LABEL: run, **({"app.kubernetes.io/component": component} if component else
+                                 {"app.kubernetes.io/managed-by": "rl-sandbox"})}
+    state = {"waiting": {"reason": waiting}} if waiting else {"running": {}}
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": NS, "labels": labels},
+            "spec": {"containers": [{"name": "c", "image": "i"}]},
+            "status": {"phase": phase, "containerStatuses": [{"name": "c", "image": "i", "imageID": "", "ready": True,
+                                                              "restartCount": 0, "state": state}]}}
+
+
+def seed_run(api: KubeApiStandIn, name: str = "quickstart", **job) -> None:
+    api.seed(RAYJOBS, rayjob(name, **job))
+    api.seed(PODS, pod(f"{name}-head", name, "ray-head"))
+    api.seed(PODS, pod(f"{name}-worker-0", name, "ray-worker"))
+    api.seed(PODS, pod(f"{name}-worker-1", name, "ray-worker", "Pending", "ImagePullBackOff"))
+    api.seed(PODS, pod(f"{name}-submit", name, "ray-submitter"), log="warm start: held-out accuracy 0.120\n"
+                                                                     "iter    0  reward 0.250\n")
+    api.seed(PODS, pod(f"{name}-sandbox-1", name, "sandbox"))
+    api.seed(PODS, pod("rl-sbx-0123", name, None))  # a session pod of the run's sandbox
+    api.seed(PODS, pod("other-head", "other", "ray-head"))
+
+
+def test_status_reads_the_rayjob_and_pods_through_the_api(api, capsys):
+    seed_run(api)
+    assert rl_main(["status", "quickstart"]) == 0  # the namespace from kubectl's context
+    text = capsys.readouterr().out
+    assert text.splitlines()[0] == "run quickstart: job RUNNING, deployment Running"
+    assert "ray cluster: quickstart-x7k2p" in text and "dashboard: quickstart-x7k2p-head-svc" in text
+    assert "pods ray-worker: 1 Pending (ImagePullBackOff), 1 Running" in text
+    assert "pods sandbox session: 1 Running" in text and "other" not in text
+    gets = [r for r in api.requests if r.method == "GET"]
+    assert gets[0].path == f"/apis/ray.io/v1/namespaces/{NS}/rayjobs/quickstart"
+    assert gets[1].query["labelSelector"] == f"{RUN_LABEL}=quickstart"
+
+
+def test_status_of_a_finished_run_points_at_its_sandbox(api, capsys):
+    seed_run(api, job="SUCCEEDED", deployment="Complete")
+    assert rl_main(["status", "quickstart", "-n", NS]) == 0
+    assert "the run has ended, its sandbox service still runs: rl delete quickstart" in capsys.readouterr().out
+
+
+def test_status_and_logs_of_a_missing_run_exit_1(api, capsys):
+    assert rl_main(["status", "nothere"]) == 1
+    assert capsys.readouterr().err == f"error: no run nothere in namespace {NS} (no RayJob of that name); rl " \
+                                      "launch prints the name, -n picks the namespace\n"
+    assert rl_main(["logs", "nothere"]) == 1
+    assert "no run nothere" in capsys.readouterr().err
+
+
+def test_logs_print_the_submitters_log(api, capsys):
+    seed_run(api)
+    assert rl_main(["logs", "quickstart"]) == 0
+    assert capsys.readouterr().out == "warm start: held-out accuracy 0.120\niter    0  reward 0.250\n"
+    log = [r for r in api.requests if r.path.endswith("/log")]
+    assert log[0].path == f"/api/v1/namespaces/{NS}/pods/quickstart-submit/log"
+
+
+def test_logs_without_a_submitter_fall_back_to_the_head(api, capsys):
+    api.seed(RAYJOBS, rayjob("http"))
+    api.seed(PODS, pod("http-head", "http", "ray-head"), log="ray head started\n")
+    assert rl_main(["logs", "http"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("# no submitter pod") and out.endswith("ray head started\n")
+
+
+def test_commands_without_a_reachable_cluster_exit_1_naming_it(tmp_path, monkeypatch, capsys):
+    kubeconfig(tmp_path, monkeypatch, "https://127.0.0.1:9")
+    for argv in (["status", "quickstart"], ["logs", "quickstart"], ["delete", "quickstart"]):
+        assert rl_main(argv) == 1, argv
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and err.count("\n") <= 3, err
+        assert "127.0.0.1:9" in err and "Traceback" not in err
+    monkeypatch.setenv("KUBECONFIG", str(tmp_path / "none"))
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert rl_main(["status", "quickstart"]) == 1
+    assert "no Kubernetes configuration" in capsys.readouterr().err
+
+
+def test_usage_errors_exit_2_and_version_exits_0(capsys):
+    with pytest.raises(SystemExit) as e:
+        rl_main(["status"])  # no NAME
+    assert e.value.code == 2
+    with pytest.raises(SystemExit) as e:
+        rl_main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.startswith("rl (colocated-rl) ")
+    assert rl_main(["launch", "--k8s", str(QUICKSTART), "--name", "1run", "--dry-run"]) == 2
+    assert "must start with a lower-case letter" in capsys.readouterr().err
+
+
+def test_delete_removes_the_run_and_what_its_sandbox_left(api, capsys):
+    """helm finds no release here (the stand-in keeps none): the run's RayJob and session pods are deleted through
+    the API all the same; the claim only with --delete-data, and only the one the chart made for this run."""
+    seed_run(api)
+    api.seed(CLAIMS, {"apiVersion": "v1", "kind": "PersistentVolumeClaim",
+                      "metadata": {"name": "quickstart-data", "namespace": NS, "labels": {RUN_LABEL: "quickstart"}}})
+    assert rl_main(["delete", "quickstart"]) == 0
+    assert (RAYJOBS, NS, "quickstart") not in api.objects
+    assert {n for (_, n) in api.pods} == {"other-head"}
+    assert (CLAIMS, NS, "quickstart-data") in api.objects  # checkpoints stay by default
+    assert "deleted 6 pod(s) of run quickstart" in capsys.readouterr().out
+    helm = [r for r in api.requests if "secrets" in r.path]
+    assert helm and helm[0].query["labelSelector"] == "name=quickstart,owner=helm"  # helm uninstall looked
+    api.seed(CLAIMS, {"apiVersion": "v1", "kind": "PersistentVolumeClaim",
+                      "metadata": {"name": "mine-data", "namespace": NS, "labels": {}}})
+    assert rl_main(["delete", "quickstart", "--delete-data"]) == 0
+    assert rl_main(["delete", "mine", "--delete-data"]) == 0
+    assert (CLAIMS, NS, "quickstart-data") not in api.objects
+    assert (CLAIMS, NS, "mine-data") in api.objects  # not made by the chart for run "mine": kept
+
+
+def test_launch_refuses_a_name_whose_rayjob_exists(api, capsys):
+    seed_run(api, job="SUCCEEDED", deployment="Complete")
+    assert rl_main(["launch", "--k8s", str(QUICKSTART)]) == 1
+    err = capsys.readouterr().err
+    assert "run quickstart exists already in namespace rl (job SUCCEEDED, deployment Complete)" in err
+    assert "rl launch --replace" in err and "rl delete quickstart" in err
+    assert (RAYJOBS, NS, "quickstart") in api.objects  # nothing was touched
+
+
+def test_launch_replace_deletes_the_old_run_first(api, capsys):
+    """--replace deletes the RayJob and the session pods, then installs; the install itself needs a real API
+    server (helm's discovery), so here it fails, after the old run is gone."""
+    seed_run(api)
+    assert rl_main(["launch", "--k8s", str(QUICKSTART), "--replace", "--values",
+                    str(CHART / "examples" / "cpu-demo.yaml")]) == 1
+    captured = capsys.readouterr()
+    assert "replacing run quickstart" in captured.out and "helm install failed" in captured.err
+    assert (RAYJOBS, NS, "quickstart") not in api.objects
+    assert {n for (_, n) in api.pods} == {"other-head"}
