@@ -23,7 +23,7 @@ from rl.cluster import Cluster
 from rl.config import Config, EnvConfig, dump_config
 from rl.data import GROUPS_PER_ITERATION, check_renderable, load_task_sets, rollout_seq_len, sample_mix
 from rl.episodes import env_class, task_type_of
-from rl.errors import UserError
+from rl.health import HealthMonitor
 from rl.memory import check_fits, estimate
 from rl.metrics import MetricsLog, plot_curves
 from rl.partial import PartialRolloutBuffer, Trajectory
@@ -42,53 +42,63 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, console: Console | N
     with progress:
         if resume:
             start_dir, state = latest_checkpoint(run_dir)
-            if state.workers != cfg.cluster.workers:
-                raise UserError(f"--resume: {start_dir} holds optimizer state sharded over {state.workers} workers; "
-                                f"cluster.workers is {cfg.cluster.workers} (set it to {state.workers})")
         else:
             start_dir, state = prepare_model(cfg, progress), None
             run_dir.mkdir(parents=True, exist_ok=True)
             (run_dir / "config.yaml").write_text(dump_config(cfg))
         tok = TextTokenizer.load(start_dir, cfg.model.chat_template)
         check_renderable(tasks, tok, str(start_dir))
+        for warning in cfg.warnings():
+            console.print(f"[bold yellow]warning:[/] {warning}")
         log = MetricsLog(run_dir, console, cfg.metrics.prometheus_port, resume_at=state and state.iteration + 1)
+        health = HealthMonitor()
+        health.replay(log.records)
         t0 = time.time()
         buffer = PartialRolloutBuffer(cfg.rollout.partial.max_age)
         seq_len = rollout_seq_len(cfg, tasks, tok, read_config(start_dir).max_position_embeddings)
         check_fits(cfg, estimate(cfg, read_config(start_dir), seq_len))
         with Cluster(cfg, str(start_dir), seq_len) as cluster:
             if state:
-                cluster.load_optimizer(str(start_dir))
+                cluster.load_state(str(start_dir))
                 cluster.weights_version = state.weights_version
                 buffer.load_state_dict(state.partial)
-                initial = state.initial_accuracy
+                initial, initial_sampled = state.initial_accuracy, state.initial_accuracy_sampled
             else:
-                initial = evaluate(cluster, tasks, tok, cfg, progress)["accuracy"]
-                console.print(f"warm start: held-out accuracy {initial:.3f} on {len(tasks.eval)} prompts")
+                start = evaluate(cluster, tasks, tok, cfg, progress, it=0)
+                initial, initial_sampled = start["accuracy"], start.get("accuracy_sampled")
+                sampled = "" if initial_sampled is None else \
+                    f", sampled {initial_sampled:.3f} (mean of {cfg.run.eval_samples} at the rollout temperature)"
+                console.print(f"warm start: held-out accuracy {initial:.3f} on {len(tasks.eval)} prompts{sampled}")
             cluster.offload_trainers()
             first = state.iteration + 1 if state else 0
             for it in range(first, cfg.run.iterations):
                 rec = iteration(cluster, cfg, tasks, tok, it, progress, buffer, ptx)
+                for warning in health.check(rec):
+                    console.print(f"[bold yellow]warning:[/] iter {it}: {warning}")
                 log.record(rec)
                 if (it + 1) % cfg.run.save_every == 0 or it + 1 == cfg.run.iterations:
                     loop = LoopState(it, initial, (state.wall_s if state else 0) + time.time() - t0,
-                                     cluster.weights_version, buffer.state_dict(), cfg.cluster.workers)
+                                     cluster.weights_version, buffer.state_dict(), cfg.cluster.workers,
+                                     initial_sampled)
                     save_checkpoint(run_dir, loop, cluster.save, start_dir, cfg.run.keep_checkpoints)
             final_dir = run_dir / "final"
-            cluster.save(str(final_dir))
-            (final_dir / "optimizer.pt").unlink()
+            cluster.save(str(final_dir), trainer_state=False)
             copy_tokenizer(start_dir, final_dir)
     accs = [r["accuracy"] for r in log.records if r.get("accuracy") is not None]
+    sampled = [r["accuracy_sampled"] for r in log.records if r.get("accuracy_sampled") is not None]
     summary = {
         "initial_accuracy": initial,
         "final_accuracy": accs[-1] if accs else initial,
         "best_accuracy": max([*accs, initial]),
+        **({"initial_accuracy_sampled": initial_sampled,
+            "final_accuracy_sampled": sampled[-1] if sampled else initial_sampled} if initial_sampled is not None
+           else {}),
         "iterations": len(log.records),
         "wall_s": round((state.wall_s if state else 0) + time.time() - t0, 2),
         "final_model": str(final_dir),
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    plot_curves(log.records, run_dir / "curves.png", initial)
+    plot_curves(log.records, run_dir / "curves.png", initial, initial_sampled)
     return summary
 
 
@@ -161,9 +171,9 @@ def iteration(cluster: Cluster, cfg: Config, tasks, tok: TextTokenizer, it: int,
     accuracy, per_type = None, {}
     if (it + 1) % cfg.run.eval_every == 0 or it + 1 == cfg.run.iterations:
         t = time.time()
-        per_type = evaluate(cluster, tasks, tok, cfg, progress)
+        per_type = evaluate(cluster, tasks, tok, cfg, progress, it=it)
         accuracy = per_type.pop("accuracy")
-        per_type = {k: v for k, v in per_type.items() if k.startswith("accuracy/")}
+        per_type = {k: v for k, v in per_type.items() if k.startswith("accuracy")}
         times["time_eval"] = time.time() - t
     return {
         "iteration": it,
@@ -180,11 +190,11 @@ def iteration(cluster: Cluster, cfg: Config, tasks, tok: TextTokenizer, it: int,
 
 
 def step_metrics(steps: list[dict[str, float]]) -> dict[str, float]:
-    """Losses and gradient norms averaged over the optimizer steps; max logits as their maximum."""
+    """Losses, gradient norms and diagnostics averaged over the optimizer steps; maxima as their maximum."""
     out: dict[str, float] = {"optimizer_steps": len(steps)}
     for key in sorted({k for s in steps for k in s}):
         values = [s[key] for s in steps if key in s]
-        if key.startswith("max_logit"):
+        if key.startswith("max_logit") or key.endswith("_max") or key.endswith("_absmax"):
             out[key] = max(values)
         elif key == "qk_clipped_heads":
             out[key] = sum(values)
