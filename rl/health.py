@@ -6,7 +6,7 @@ Each iteration's record is checked against the run's own history (so a resumed r
   (the policy became nearly deterministic: the K samples of a prompt stop differing, and so do rewards);
 - ``warn_reward_collapse``: the mean reward of the last ``window`` iterations fell below ``reward_ratio``
   of the best such mean so far (a too large learning rate typically does this within a few iterations);
-- ``warn_no_signal``: no prompt group had rewards that differ, so nothing was trained on.
+- ``warn_no_signal``: no prompt group had rewards that differ, so the RL loss was empty.
 Each is 1 on the iterations where it holds and 0 otherwise.
 """
 
@@ -53,7 +53,7 @@ class HealthMonitor:
         no_signal = rec.get("groups_trained") == 0 or stepless
         rec["warn_no_signal"] = int(bool(no_signal))
         if no_signal:
-            out.append("no prompt group had rewards that differ: nothing was trained on this iteration")
+            out.append("no prompt group had rewards that differ: the RL loss was empty this iteration")
         return out
 
     def replay(self, records: list[dict[str, Any]]) -> None:
