@@ -34,3 +34,16 @@ def test_sandbox_benchmark_runs_both_sides_without_failures():
     assert rec["failures"] == 0 and rec["baseline_failures"] == 0 and rec["concurrency"] == 4
     assert abs(rec["overhead"] - rec["baseline_execs_per_s"] / rec["execs_per_s"]) < 0.01 * rec["overhead"] + 0.01
     assert rec["p99_s"] > 0 and rec["baseline_p99_s"] > 0
+
+
+def test_train_step_benchmark_reports_throughput_mfu_and_memory_of_each_variant():
+    rec = _last_json("benchmarks.train_step", "--tokens", "768", "--repeats", "1", "--warmup", "0")
+    assert rec["model"] == "demo" and rec["tokens"] >= 700 and rec["matmul_peak_tflops"] > 0
+    for v in ("base", "checkpointing", "no_smax", "full_logits"):
+        r = rec[v]
+        assert abs(r["tokens_per_s"] - rec["tokens"] / r["step_s"]) < 0.01 * r["tokens_per_s"] + 0.1
+        assert abs(r["mfu"] - rec["model_tflop"] / r["step_s"] / rec["matmul_peak_tflops"]) < 0.02 * r["mfu"] + 1e-3
+        assert r["peak_mem_mib"] > 0
+    # live tensor memory is counted exactly: checkpointing keeps each layer's input only
+    assert rec["checkpointing"]["peak_mem_mib"] < rec["base"]["peak_mem_mib"]
+    assert "smax_overhead" in rec and "peak_mem_chunked_over_full" in rec
