@@ -111,8 +111,8 @@ class CausalLM(nn.Module):
         ``cache`` (sliding-window layers narrow it by position); a cache attends itself. ``select`` [B] picks
         one position per row: logits are then [B, V], and the vocabulary projection runs only there.
         ``targets`` [B, T] (token ids, -1 = none) returns instead (log-prob, entropy) [N] of each target
-        under softmax(logits · ``inv_temp``) (one number, or one per target), in the row-major order of ``targets >= 0``, scored in
-        vocabulary chunks (``engines.logprobs``) so the [N, V] logits never exist.
+        under softmax(logits · ``inv_temp``) (one number, or one per target), in the row-major order of
+        ``targets >= 0``, scored in vocabulary chunks (``engines.logprobs``) so the [N, V] logits never exist.
         """
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, x.dtype)

@@ -87,7 +87,7 @@ class TrainingEngine:
             raise RuntimeError("the training engine is offloaded: call onload() first")
 
     def _run(self, batch: PackedBatch, inv_temp: torch.Tensor | float) -> tuple[torch.Tensor, torch.Tensor]:
-        batch = batch.to(self.device)
+        """(log-prob, entropy) of every target of ``batch`` (on this engine's device)."""
         return self.model(batch.ids, batch.positions, batch.mask, targets=batch.targets, inv_temp=inv_temp)
 
     def score(self, prompts, responses, temperature: float | Sequence[float]) -> TokenScores:
@@ -96,11 +96,9 @@ class TrainingEngine:
         ``temperature`` is one for all rows or one per row (0 = greedy, scored at T = 1).
         """
         self._check_onloaded()
-        batch = pack(prompts, responses, self.pad_id, self.attention)
-        inv = inverse_temperatures(temperature, len(prompts))
-        per_target = torch.tensor(inv, dtype=torch.float32)[batch.target_seq]
-        lp, ent = self._run(batch, per_target.to(self.device))
-        batch = batch.to(self.device)
+        batch = pack(prompts, responses, self.pad_id, self.attention).to(self.device)
+        inv = torch.tensor(inverse_temperatures(temperature, len(prompts)), dtype=torch.float32, device=self.device)
+        lp, ent = self._run(batch, inv[batch.target_seq])
         return TokenScores(batch.per_sequence(lp), batch.response_mask(), batch.per_sequence(ent), batch.tokens)
 
     def response_logprobs(self, prompts, responses,
@@ -125,7 +123,7 @@ class TrainingEngine:
         if not self.sharded:
             return  # no collectives to keep in step with
         with torch.no_grad():
-            self._run(self._dummy(), 1.0)
+            self._run(self._dummy().to(self.device), 1.0)
 
     def dummy_backward(self) -> None:
         """A forward/backward on two filler tokens that adds exactly zero to every gradient and nothing to the
@@ -137,7 +135,7 @@ class TrainingEngine:
         self._check_onloaded()
         if not self.sharded:
             return
-        lp, _ = self._run(self._dummy(), 1.0)
+        lp, _ = self._run(self._dummy().to(self.device), 1.0)
         (lp.sum() * 0.0).backward()
 
     def step(self) -> float:
