@@ -20,9 +20,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-#: Rows of the flex path are padded to a multiple of this many tokens (its kernel's block size), which also
-#: bounds how many distinct shapes the compiled kernel sees.
-FLEX_ROW_MULTIPLE = 512
+#: The flex path's row is the micro-batch's tokens rounded up to a power of two of at least this many: the
+#: compiled kernel then sees a handful of shapes (a full micro-batch of a power-of-two budget wastes nothing;
+#: only each rank's last, partial one carries filler).
+FLEX_MIN_ROW = 512
 FLEX_BLOCK = 128
 
 
@@ -155,15 +156,15 @@ def pack(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], p
     """Pack prompt+response pairs into rows with document masking.
 
     ``sdpa``: rows as wide as the longest sequence (or ``width``). ``flex``: one row of all tokens,
-    padded to a multiple of ``FLEX_ROW_MULTIPLE`` (``width``: rows of that many tokens instead).
+    padded to a power of two of at least ``FLEX_MIN_ROW`` (``width``: rows of that many tokens instead).
     """
     seqs = [list(p) + list(r) for p, r in zip(prompts, responses, strict=True)]
     lengths = [len(s) for s in seqs]
-    if not seqs or min(lengths) < 2 or any(len(r) == 0 for r in responses):
-        raise ValueError("every sequence needs a prompt of at least one token and a response")
+    if not seqs or any(len(p) == 0 for p in prompts):
+        raise ValueError("every sequence needs a prompt of at least one token")
     if width is None:
         if backend == "flex":
-            width = -(-sum(lengths) // FLEX_ROW_MULTIPLE) * FLEX_ROW_MULTIPLE
+            width = max(FLEX_MIN_ROW, 1 << (sum(lengths) - 1).bit_length())
         else:
             width = max(lengths)
     rows = first_fit_rows(lengths, width)
