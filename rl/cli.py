@@ -49,7 +49,7 @@ def _cmd_check(args: argparse.Namespace) -> None:
               "(the run checks it at start)")
         return
     est = estimate_run(cfg)
-    print(f"# memory per worker ({cfg.cluster.workers} workers; activations not counted):")
+    print(f"# memory per worker ({cfg.cluster.workers} workers; activations estimated from the layer shapes):")
     print("\n".join(f"#{line}" for line in est.table().splitlines()))
     check_fits(cfg, est)
 

@@ -131,9 +131,11 @@ def test_two_worker_run_resumes_exactly_and_on_one_worker(ray_cluster, tmp_path)
     """FSDP2 over two workers: each rank writes its shards of the trainer state; a resume with the same worker
     count ends bit for bit where the uninterrupted run ends, and one on a single worker reads the same state
     (resharded) and trains on. Equal-reward groups are kept here so that the untrained model's all-zero
-    rewards still move the weights."""
+    rewards still move the weights; π_old is recomputed (the ranks exchange their shares) and layers are
+    checkpointed, both deterministic."""
     two = {"cluster": {"workers": 2}, "run": {"iterations": 3, "eval_every": 3, "save_every": 2},
-           "algorithm": {"drop_equal_reward_groups": False}}
+           "algorithm": {"drop_equal_reward_groups": False, "recompute_old_logprobs": True},
+           "trainer": {"activation_checkpointing": True}}
     train(tiny(**two), tmp_path / "full")
     cut = json.loads(json.dumps(two))
     cut["run"]["iterations"] = 2
@@ -147,6 +149,8 @@ def test_two_worker_run_resumes_exactly_and_on_one_worker(ray_cluster, tmp_path)
           tmp_path / "one", resume=True)
     records = [json.loads(x) for x in (tmp_path / "one" / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in records] == [0, 1, 2] and records[-1]["optimizer_steps"] > 0
+    # measured in the recompute pass every iteration: float32 on both sides agrees to rounding
+    assert all(0 <= r["logprob_diff_max"] < 1e-4 and r["entropy"] > 0 for r in records)
     train(load_config(tmp_path / "split" / "config.yaml", ["run.iterations=3"]), tmp_path / "split", resume=True)
     a = load_file(str(tmp_path / "full" / "final" / "model.safetensors"))
     b = load_file(str(tmp_path / "split" / "final" / "model.safetensors"))
