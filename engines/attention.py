@@ -18,6 +18,7 @@ from torch import nn
 from engines.arch import ModelConfig
 from engines.distributed import local_rows
 from engines.layers import RMSNorm
+from engines.packing import DocumentMask
 from engines.rope import apply_rope, apply_rope_interleaved
 
 
@@ -60,11 +61,14 @@ _LOGIT_BLOCK = 1 << 24
 
 
 @torch.no_grad()
-def head_max_logits(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
-    """Per query head max of scale·q·kᵀ [H] (float32) for q [B, H, T, D], k [B, KVH, S, D].
+def head_max_logits(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, scale: float,
+                    query_valid: torch.Tensor | None = None) -> torch.Tensor:
+    """Per query head max of scale·q·kᵀ [H] (float32) for q [B, H, T, D], k [B, KVH, S, D], over the pairs
+    ``mask`` allows whose query is valid.
 
     Query head h reads kv head h // (H / KVH), as SDPA's ``enable_gqa``. ``mask`` as SDPA's
     ``attn_mask`` (boolean True = attend, or additive float with -inf = masked); None allows every pair.
+    ``query_valid`` [B, T] leaves out the rows of padding or filler queries (None: every row counts).
     """
     b, h, t, _ = q.shape
     kvh, s = k.shape[1], k.shape[2]
@@ -75,14 +79,45 @@ def head_max_logits(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None,
     if mask is not None:
         allowed = mask if mask.dtype == torch.bool else mask > float("-inf")
         allowed = allowed.expand(b, h, t, s).unflatten(1, (kvh, g))
-    best = torch.full((b, kvh, g), float("-inf"), device=q.device)
+    rows = torch.empty((b, kvh, g, t), device=q.device)
     step = max(1, _LOGIT_BLOCK // max(1, b * h * s))
     for i in range(0, t, step):
         logits = torch.matmul(qg[:, :, :, i:i + step], kt) * scale
         if mask is not None:
             logits.masked_fill_(~allowed[:, :, :, i:i + step], float("-inf"))
-        best = torch.maximum(best, logits.amax(dim=(-2, -1)))
-    return best.amax(dim=0).reshape(h)
+        rows[..., i:i + step] = logits.amax(dim=-1)
+    return heads_over_valid(rows.flatten(1, 2), query_valid)
+
+
+def heads_over_valid(row_max: torch.Tensor, query_valid: torch.Tensor | None) -> torch.Tensor:
+    """Per head max [H] of per-query-row maxima [B, H, T] over the valid query rows (``query_valid`` [B, T])."""
+    if query_valid is not None:
+        row_max = row_max.masked_fill(~query_valid[:, None, :], float("-inf"))
+    return row_max.float().amax(dim=(0, 2))
+
+
+_compiled_flex = None
+
+
+def flex_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask, scale: float,
+                want_max: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """flex_attention over a ``BlockMask``: (output [B, H, T, Dv], per-query-row max logit [B, H, T] or None).
+
+    On CUDA the compiled kernel returns the row maxima alongside the output (no second Q·Kᵀ); other
+    devices run flex's unfused reference (no gradients, no maxima: the caller computes those itself).
+    """
+    from torch.nn.attention.flex_attention import AuxRequest, flex_attention
+
+    global _compiled_flex
+    if q.device.type != "cuda":
+        return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True), None
+    if _compiled_flex is None:
+        _compiled_flex = torch.compile(flex_attention, dynamic=False)
+    if not want_max:
+        return _compiled_flex(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True), None
+    out, aux = _compiled_flex(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True,
+                              return_aux=AuxRequest(max_scores=True))
+    return out, aux.max_scores
 
 
 @torch.no_grad()
@@ -108,13 +143,31 @@ class _Tracked(nn.Module):
         self.track_logits = False
         self.max_logits: torch.Tensor | None = None  # running max pre-softmax logit per query head [H]
 
+    def _fold(self, heads: torch.Tensor) -> None:
+        heads = heads.detach()
+        self.max_logits = heads if self.max_logits is None else torch.maximum(self.max_logits, heads)
+
     def _attend(self, q, k, v, mask, layer: int, cache: AttentionCache | None) -> torch.Tensor:
         if cache is not None:
             return cache.attend(layer, q, k, v, self.scale, self.window)
-        if self.track_logits:
-            heads = head_max_logits(q, k, mask, self.scale)
-            self.max_logits = heads if self.max_logits is None else torch.maximum(self.max_logits, heads)
+        if isinstance(mask, DocumentMask):
+            return self._attend_packed(q, k, v, mask.with_window(self.window))
+        if self.track_logits:  # a plain mask says nothing of padded queries: every allowed pair counts
+            self._fold(head_max_logits(q, k, mask, self.scale))
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=True)
+
+    def _attend_packed(self, q, k, v, mask: DocumentMask) -> torch.Tensor:
+        """The training path: packed rows with document masking; S_max over valid queries' allowed keys."""
+        if mask.backend == "flex":
+            out, rows = flex_attend(q, k, v, mask.block_mask(), self.scale, self.track_logits)
+            if rows is not None:
+                self._fold(heads_over_valid(rows, mask.query_valid))
+                return out
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.dense(), scale=self.scale, enable_gqa=True)
+        if self.track_logits:
+            self._fold(head_max_logits(q, k, mask.dense(), self.scale, mask.query_valid))
+        return out
 
     def clip_heads(self, gammas: dict[int, float]) -> bool:
         """Scale the weights of each head h by QK-Clip's γ_h < 1; False if this attention cannot be clipped."""

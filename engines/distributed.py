@@ -49,14 +49,28 @@ def rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
+def _reduce(values: list[float], op) -> list[float]:
+    if world_size() == 1 or not values:
+        return [float(v) for v in values]
+    dev = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=dev)
+    dist.all_reduce(t, op=op)
+    return t.tolist()
+
+
 def global_sum(value: float) -> float:
     """``value`` summed over all ranks (itself when not distributed), e.g. a minibatch's token count."""
-    if world_size() == 1:
-        return float(value)
-    dev = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    t = torch.tensor([float(value)], dtype=torch.float64, device=dev)
-    dist.all_reduce(t)
-    return float(t.item())
+    return _reduce([value], dist.ReduceOp.SUM)[0]
+
+
+def all_reduce_sum(values: list[float]) -> list[float]:
+    """Each of ``values`` summed over all ranks, in one collective (every rank passes as many)."""
+    return _reduce(values, dist.ReduceOp.SUM)
+
+
+def all_reduce_max(values: list[float]) -> list[float]:
+    """Each of ``values`` maximised over all ranks, in one collective (every rank passes as many)."""
+    return _reduce(values, dist.ReduceOp.MAX)
 
 
 def is_sharded(model: nn.Module) -> bool:

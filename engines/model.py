@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from engines.arch import ModelConfig, make_config
 from engines.attention import (
@@ -24,10 +25,12 @@ from engines.attention import (
     window_mask,
 )
 from engines.layers import MLP, RMSNorm
+from engines.logprobs import selected_logprobs
 from engines.moe import MoE, Router
+from engines.packing import DocumentMask
 from engines.rope import Rotary
 
-__all__ = ["Attention", "AttentionCache", "CausalLM", "LatentAttention", "ModelConfig", "build_model",
+__all__ = ["Attention", "AttentionCache", "CausalLM", "DocumentMask", "LatentAttention", "ModelConfig", "build_model",
            "head_max_logits", "make_config", "padded_causal_mask", "positions_from_valid", "reset_max_logits",
            "track_max_logits"]
 
@@ -62,6 +65,8 @@ class CausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, fused: bool = False) -> None:
         super().__init__()
         self.config, self.fused = cfg, fused
+        #: keep only each decoder layer's input during training forwards, recomputing the rest in the backward
+        self.activation_checkpointing = False
         self.model = Backbone(cfg, fused)
         with torch.device("cpu"):  # the frequencies are real numbers even when the weights are on meta
             self.rotary = Rotary(cfg)
@@ -92,28 +97,59 @@ class CausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        mask: torch.Tensor | None = None,
+        mask: torch.Tensor | DocumentMask | None = None,
         cache: AttentionCache | None = None,
         select: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+        *,
+        targets: torch.Tensor | None = None,
+        inv_temp: torch.Tensor | float = 1.0,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Logits [B, T, V] for tokens [B, T] at RoPE positions [B, T].
 
-        ``mask`` is a boolean [B, 1, T, T] (True = may attend) used when there is no ``cache``
-        (sliding-window layers narrow it by position); a cache attends itself. ``select`` [M] picks
-        positions of the flattened B·T token axis: logits are then [M, V], and the vocabulary
-        projection runs only there.
+        ``mask`` is a boolean [B, 1, T, T] (True = may attend), or the ``DocumentMask`` of a packed batch
+        (the training path: document masking, and S_max over real queries only), used when there is no
+        ``cache`` (sliding-window layers narrow it by position); a cache attends itself. ``select`` [M] picks
+        positions of the flattened B·T token axis: logits are then [M, V], and the vocabulary projection runs
+        only there. ``targets`` [B, T] (token ids, -1 = none) returns instead (log-prob, entropy) [N] of each
+        target under softmax(logits · ``inv_temp``) (one number, or one per target), in the row-major order of
+        ``targets >= 0``, scored in vocabulary chunks (``engines.logprobs``) so the [N, V] logits never exist.
         """
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, x.dtype)
         masks = {None: mask}
+        checkpointing = self.activation_checkpointing and cache is None and torch.is_grad_enabled()
         for i, layer in enumerate(self.model.layers):
             w = layer.self_attn.window
             if w is not None and w not in masks and mask is not None:
-                masks[w] = window_mask(mask, positions, w)
-            x = layer(x, cos, sin, masks.get(w, mask), i, cache)
+                masks[w] = mask.with_window(w) if isinstance(mask, DocumentMask) else window_mask(mask, positions, w)
+            if checkpointing:
+                x = _checkpointed(layer, x, cos, sin, masks.get(w, mask), i)
+            else:
+                x = layer(x, cos, sin, masks.get(w, mask), i, cache)
+        if targets is not None:
+            chosen = targets >= 0
+            return selected_logprobs(self.model.norm(x[chosen]), self.lm_head.weight, targets[chosen], inv_temp)
         if select is not None:
             x = x.flatten(0, 1)[select]
         return self.lm_head(self.model.norm(x))
+
+
+def _checkpointed(layer: DecoderLayer, x, cos, sin, mask, index: int) -> torch.Tensor:
+    """``layer`` under activation checkpointing: only its input is kept; the backward recomputes the rest.
+    The recompute does not fold its (identical) attention logits into the tracked maxima again."""
+    calls = [0]
+
+    def run(x, cos, sin):
+        calls[0] += 1
+        attn = layer.self_attn
+        tracking = attn.track_logits
+        attn.track_logits = tracking and calls[0] == 1
+        try:
+            return layer(x, cos, sin, mask, index, None)
+        finally:
+            attn.track_logits = tracking
+
+    return checkpoint(run, x, cos, sin, use_reentrant=False)
 
 
 def build_model(cfg: ModelConfig, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,

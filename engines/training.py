@@ -2,7 +2,9 @@
 
 It owns the trainable model (plain, or sharded with ``engines.distributed.shard_model``) and its
 optimizers; the RL algorithm (``rl.algorithm``) decides what loss to build from the
-log-probabilities it returns. Between training phases ``offload`` moves the weights and optimizer
+log-probabilities it returns. Sequences are packed end to end with document masking
+(``engines.packing``), and only the response tokens' log-probabilities are scored, in vocabulary
+chunks (``engines.logprobs``). Between training phases ``offload`` moves the weights and optimizer
 state to host memory so the colocated inference engine can use the accelerator.
 
 With a sharded model every forward and backward is collective: all ranks must run the same number
@@ -14,33 +16,39 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from engines.distributed import is_sharded, local_shards, local_tensor, world_size
-from engines.model import CausalLM, padded_causal_mask, positions_from_valid
+from engines.distributed import all_reduce_sum, is_sharded, local_shards, local_tensor, world_size
+from engines.model import CausalLM
 from engines.offload import HostOffloader
-from engines.sampling import token_logprobs
+from engines.packing import DocumentMask, PackedBatch, pack
+
+ATTENTION_BACKENDS = ("auto", "sdpa", "flex")
 
 
-def pack(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], pad_id: int):
-    """Right-pad prompt+response pairs: (ids [B, T], valid [B, T], target mask [B, T-1]).
+@dataclass
+class TokenScores:
+    """Per response token, laid out [sequences, longest response] (zero past each response)."""
 
-    ``target[b, t]`` is True where token t+1 of row b is a response token, i.e. where the
-    logits at t predict a response token.
-    """
-    lengths = [len(p) + len(r) for p, r in zip(prompts, responses, strict=True)]
-    b, width = len(lengths), max(lengths)
-    ids = torch.full((b, width), pad_id, dtype=torch.long)
-    valid = torch.zeros(b, width, dtype=torch.bool)
-    target = torch.zeros(b, width - 1, dtype=torch.bool)
-    for i, (p, r) in enumerate(zip(prompts, responses, strict=True)):
-        ids[i, : lengths[i]] = torch.tensor(list(p) + list(r))
-        valid[i, : lengths[i]] = True
-        target[i, len(p) - 1 : lengths[i] - 1] = True
-    return ids, valid, target
+    logprobs: torch.Tensor   # float32, differentiable
+    mask: torch.Tensor       # bool: a response token
+    entropy: torch.Tensor    # float32, no gradient: entropy of the distribution the token was scored under
+    tokens: int              # tokens of the packed micro-batch (prompts included)
+
+
+def inverse_temperatures(temperature: float | Sequence[float] | torch.Tensor, n: int) -> list[float]:
+    """1/T per sequence (greedy, T = 0, is scored at T = 1) from one temperature or one per sequence."""
+    if isinstance(temperature, numbers.Real) or (isinstance(temperature, torch.Tensor) and temperature.ndim == 0):
+        temps = [float(temperature)] * n
+    else:
+        temps = [float(t) for t in temperature]
+        if len(temps) != n:
+            raise ValueError(f"{len(temps)} temperatures for {n} rows")
+    return [1.0 / t if t > 0 else 1.0 for t in temps]
 
 
 class NonFiniteError(RuntimeError):
@@ -56,15 +64,26 @@ def check_finite_grad_norm(norm: float, engine: TrainingEngine) -> None:
 
 
 class TrainingEngine:
-    """Model plus optimizers, with log-probability recompute, a clipped optimizer step and offload."""
+    """Model plus optimizers, with log-probability recompute, a clipped optimizer step and offload.
+
+    ``attention``: "sdpa" (a dense document mask; the CPU path), "flex" (flex_attention block masks; the
+    GPU path) or "auto" (flex on CUDA, sdpa elsewhere). After every ``step`` ``update_rms`` holds the root
+    mean square of the weight change per optimizer ("muon", "adamw"), over all ranks.
+    """
 
     def __init__(self, model: CausalLM, optimizers: list[torch.optim.Optimizer], pad_id: int,
-                 max_grad_norm: float = 1.0) -> None:
+                 max_grad_norm: float = 1.0, attention: str = "auto") -> None:
+        if attention not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention must be one of {ATTENTION_BACKENDS}, got {attention!r}")
         self.model = model.train()
         self.optimizers = optimizers
-        self.pad_id = pad_id
+        self.pad_id = pad_id if pad_id is not None else 0
         self.max_grad_norm = max_grad_norm
         self.device = local_tensor(next(model.parameters())).device
+        if attention == "auto":
+            attention = "flex" if self.device.type == "cuda" else "sdpa"
+        self.attention = attention
+        self.update_rms: dict[str, float] = {}
         self._offloader = HostOffloader()
         self._host_shards: dict[str, tuple[torch.Tensor, int]] = {}
 
@@ -80,44 +99,48 @@ class TrainingEngine:
         if self.offloaded:
             raise RuntimeError("the training engine is offloaded: call onload() first")
 
-    def _forward(self, ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        ids, valid = ids.to(self.device), valid.to(self.device)
-        return self.model(ids, positions_from_valid(valid), padded_causal_mask(valid))
+    def _run(self, batch: PackedBatch, inv_temp: torch.Tensor | float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(log-prob, entropy) of every target of ``batch`` (on this engine's device)."""
+        return self.model(batch.ids, batch.positions, batch.mask, targets=batch.targets, inv_temp=inv_temp)
+
+    def score(self, prompts, responses, temperature: float | Sequence[float]) -> TokenScores:
+        """Log-probabilities (differentiable) and entropies of the response tokens, packed into one pass.
+
+        ``temperature`` is one for all rows or one per row (0 = greedy, scored at T = 1).
+        """
+        self._check_onloaded()
+        batch = pack(prompts, responses, self.pad_id, self.attention).to(self.device)
+        inv = torch.tensor(inverse_temperatures(temperature, len(prompts)), dtype=torch.float32, device=self.device)
+        lp, ent = self._run(batch, inv[batch.target_seq])
+        return TokenScores(batch.per_sequence(lp), batch.response_mask(), batch.per_sequence(ent), batch.tokens)
 
     def response_logprobs(self, prompts, responses,
                           temperature: float | Sequence[float]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-token log-probs of the response tokens [B, T-1] (zero elsewhere) and their mask.
+        """Per-token log-probs of the response tokens [B, longest response] (zero elsewhere) and their mask.
 
-        ``temperature`` is one for all rows or one per row (0 = greedy, scored at T = 1).
         Differentiable; the caller decides whether to wrap it in ``torch.no_grad``.
         """
-        self._check_onloaded()
-        ids, valid, target = pack(prompts, responses, self.pad_id)
-        logits = self._forward(ids, valid)[:, :-1]
-        if isinstance(temperature, numbers.Real) or (isinstance(temperature, torch.Tensor) and temperature.ndim == 0):
-            temps: float | torch.Tensor = float(temperature)
-        else:
-            temps = torch.as_tensor([float(t) for t in temperature], dtype=torch.float32, device=logits.device)
-            if temps.shape != (len(prompts),):
-                raise ValueError(f"{temps.numel()} temperatures for {len(prompts)} rows")
-        logp = token_logprobs(logits, temps)
-        target = target.to(self.device)
-        lp = logp.gather(-1, ids.to(self.device)[:, 1:, None]).squeeze(-1)
-        return lp * target, target
+        s = self.score(prompts, responses, temperature)
+        return s.logprobs, s.mask
 
-    def _dummy_ids(self) -> torch.Tensor:
-        return torch.full((1, 2), self.pad_id if self.pad_id is not None else 0)
+    def _dummy(self) -> PackedBatch:
+        """Two filler tokens: no document, so no query of the max-logit statistic; one target to backward through."""
+        ids = torch.full((1, 2), self.pad_id, dtype=torch.long)
+        mask = DocumentMask(torch.full((1, 2), -1), torch.zeros(1, 2, dtype=torch.long), self.attention)
+        targets = torch.tensor([[self.pad_id, -1]])
+        return PackedBatch(ids, mask, targets, torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long), [1])
 
     def dummy_forward(self) -> None:
-        """A no-grad forward on two tokens: pads a rank's no-grad forwards to its peers' count."""
+        """A no-grad forward on two filler tokens: pads a rank's no-grad forwards to its peers' count."""
         self._check_onloaded()
         if not self.sharded:
             return  # no collectives to keep in step with
         with torch.no_grad():
-            self._forward(self._dummy_ids(), torch.ones(1, 2, dtype=torch.bool))
+            self._run(self._dummy().to(self.device), 1.0)
 
     def dummy_backward(self) -> None:
-        """A forward/backward on two tokens that adds exactly zero to every gradient.
+        """A forward/backward on two filler tokens that adds exactly zero to every gradient and nothing to the
+        tracked max logits.
 
         Pads a rank with fewer micro-batches so every rank runs FSDP's collectives equally often.
         A plain model has no collectives, so there it does nothing (gradients that are None stay None).
@@ -125,8 +148,8 @@ class TrainingEngine:
         self._check_onloaded()
         if not self.sharded:
             return
-        logits = self._forward(self._dummy_ids(), torch.ones(1, 2, dtype=torch.bool))
-        (logits.float().sum() * 0.0).backward()
+        lp, _ = self._run(self._dummy().to(self.device), 1.0)
+        (lp.sum() * 0.0).backward()
 
     def step(self) -> float:
         """Clip gradients, step every optimizer, zero gradients; returns the global pre-clip grad norm.
@@ -139,10 +162,17 @@ class TrainingEngine:
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
         check_finite_grad_norm(float(norm), self)
+        sums: list[float] = []
         for opt in self.optimizers:
-            opt.step()
+            sums += _step_measured(opt)
             opt.zero_grad(set_to_none=True)
         self.model.zero_grad(set_to_none=True)
+        totals = all_reduce_sum(sums)
+        self.update_rms = {}
+        for i, opt in enumerate(self.optimizers):
+            sq, n = totals[2 * i], totals[2 * i + 1]
+            if n:
+                self.update_rms[_kind(opt)] = (sq / n) ** 0.5
         return float(norm)
 
     # ---- offload / onload -------------------------------------------------------------------
@@ -225,3 +255,23 @@ class TrainingEngine:
                                              f"parameter's shard {tuple(p.to_local().shape)}")
                         st[name] = DTensor.from_local(v, p.device_mesh, p.placements, run_check=False,
                                                       shape=p.shape, stride=p.stride())
+
+
+def _kind(opt: torch.optim.Optimizer) -> str:
+    return "muon" if isinstance(opt, torch.optim.Muon) else type(opt).__name__.lower()
+
+
+def _step_measured(opt: torch.optim.Optimizer) -> list[float]:
+    """Step ``opt``; returns [Σ (Δw)², elements] over this rank's shards of the parameters it moved.
+
+    An optimizer that measures its own step (``last_update_sq``, ``last_update_numel``: ShardedMuon) is
+    trusted; for others the stepped parameters' local shards are copied first.
+    """
+    if hasattr(opt, "last_update_sq"):
+        opt.step()
+        return [float(opt.last_update_sq), float(opt.last_update_numel)]
+    params = [local_tensor(p) for g in opt.param_groups for p in g["params"] if p.grad is not None]
+    before = [p.detach().clone() for p in params]
+    opt.step()
+    sq = sum(float((p.detach().float() - b.float()).square().sum()) for p, b in zip(params, before, strict=True))
+    return [sq, float(sum(p.numel() for p in params))]

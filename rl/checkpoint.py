@@ -1,7 +1,8 @@
 """Run checkpoints: weights (Hugging Face format), optimizer state, and loop state.
 
 A checkpoint is written to a temporary directory and renamed into place, so a failure while
-saving (or a failed iteration) never damages the last good checkpoint.
+saving (or a failed iteration) never damages the last good checkpoint. The trainer state (master
+weights, optimizer state) is in ``trainer/``, written by every rank (``engines.trainer_state``).
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ class LoopState:
     wall_s: float               # time spent by earlier attempts
     weights_version: int = 0    # checkpoint-engine updates so far (tags partial-rollout segments)
     partial: dict[str, Any] = field(default_factory=dict)  # the partial-rollout buffer
-    workers: int = 1            # the optimizer state is sharded over this many trainer ranks
+    workers: int = 1            # trainer ranks that wrote the trainer state (any count may resume it)
+    initial_accuracy_sampled: float | None = None
 
 
 def checkpoint_dir(run_dir: Path, iteration: int) -> Path:

@@ -47,15 +47,41 @@ def _cmd_check(args: argparse.Namespace) -> None:
 
     cfg = load_config(args.config, args.set)
     print(dump_config(cfg), end="")
+    for warning in cfg.warnings():
+        print(f"# warning: {warning}")
     if cfg.cluster.ray_address is not None and cfg.model.path and not Path(cfg.model.path).exists():
         # a run for a remote cluster (rl launch): its model directory lives there, not here
         print(f"# memory per worker: not estimated, {cfg.model.path} is not on this machine "
               "(the run checks it at start)")
         return
     est = estimate_run(cfg)
-    print(f"# memory per worker ({cfg.cluster.workers} workers; activations not counted):")
+    print(f"# memory per worker ({cfg.cluster.workers} workers; activations estimated from the layer shapes):")
     print("\n".join(f"#{line}" for line in est.table().splitlines()))
     check_fits(cfg, est)
+
+
+def _cmd_memory_plan(args: argparse.Namespace) -> None:
+    from engines.hf_io import ModelDirError, read_config
+    from rl.memory_plan import PRESETS, colocation_plan, preset
+
+    if args.model in PRESETS:
+        arch = preset(args.model)
+    else:
+        try:
+            arch = read_config(args.model)
+        except ModelDirError as e:
+            raise UserError(f"rl memory-plan: {args.model} is neither a preset ({', '.join(PRESETS)}) nor a model "
+                            f"directory: {e}") from None
+    try:
+        plan = colocation_plan(arch, gpus=args.gpus, gpu_bytes=int(args.gpu_gib * 2**30),
+                               inference_gpus=args.inference_gpus, name=args.model, master_dtype=args.master_dtype,
+                               compute_dtype=args.compute_dtype, rollout_dtype=args.rollout_dtype,
+                               micro_batch_tokens=args.micro_batch_tokens,
+                               activation_checkpointing=not args.no_activation_checkpointing,
+                               sleep_level=args.sleep_level, expert_parallel=args.expert_parallel)
+    except ValueError as e:
+        raise UserError(f"rl memory-plan: {e}") from None
+    print(plan.table())
 
 
 def _cmd_envs(args: argparse.Namespace) -> None:
@@ -190,6 +216,24 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("config")
     c.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     c.set_defaults(func=_cmd_check)
+
+    mp = sub.add_parser("memory-plan", help="per-GPU memory of training + inference colocation for a model (a "
+                                            "preset such as llama-7b or kimi-k2, or a model directory), on paper")
+    mp.add_argument("model", help="llama-7b, qwen2.5-7b, kimi-k2, or a Hugging Face model directory")
+    mp.add_argument("--gpus", type=int, default=8, help="GPUs of the run (one trainer rank each)")
+    mp.add_argument("--gpu-gib", type=float, default=80, help="memory of one GPU in GiB")
+    mp.add_argument("--inference-gpus", type=int, default=1,
+                    help="GPUs per inference replica (1: a full replica per GPU, what the engine does today)")
+    mp.add_argument("--expert-parallel", type=int, default=1,
+                    help="GPUs sharing a layer's routed experts in training (a plan: the trainer does not do it yet)")
+    mp.add_argument("--micro-batch-tokens", type=int, default=16384)
+    mp.add_argument("--no-activation-checkpointing", action="store_true")
+    mp.add_argument("--master-dtype", default="float32", choices=["float32", "bfloat16"])
+    mp.add_argument("--compute-dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    mp.add_argument("--rollout-dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    mp.add_argument("--sleep-level", type=int, default=2, choices=[0, 1, 2],
+                    help="what the inference engine frees while the trainer runs (2: KV cache and weights)")
+    mp.set_defaults(func=_cmd_memory_plan)
 
     s = sub.add_parser("serve", help="serve a model directory over an OpenAI-compatible HTTP API")
     s.add_argument("model_dir", help="Hugging Face-format model directory (config.json, safetensors, tokenizer.json)")

@@ -173,11 +173,13 @@ class Cluster:
         self.weights_version += 1
         ray.get([t.update_weights.remote(self.weights_version) for t in self.trainers])
 
-    def save(self, directory: str) -> None:
-        ray.get([t.save.remote(directory) for t in self.trainers])
+    def save(self, directory: str, trainer_state: bool = True) -> None:
+        """Weights in Hugging Face format, and (``trainer_state``) every rank's shards of the trainer state."""
+        ray.get([t.save.remote(directory, trainer_state) for t in self.trainers])
 
-    def load_optimizer(self, directory: str) -> None:
-        ray.get([t.load_optimizer.remote(directory) for t in self.trainers])
+    def load_state(self, directory: str) -> None:
+        """Master weights and optimizer state of a checkpoint (saved by any number of workers)."""
+        ray.get([t.load_state.remote(directory) for t in self.trainers])
 
     def close(self) -> None:
         try:

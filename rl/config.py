@@ -25,6 +25,8 @@ class RunConfig(Strict):
     seed: int = 0
     iterations: int = Field(50, ge=1)
     eval_every: int = Field(5, ge=1, description="held-out greedy accuracy every N iterations")
+    eval_samples: int = Field(4, ge=0, description="held-out accuracy also sampled at the rollout temperature, "
+                                                   "averaged over this many samples per prompt (0: greedy only)")
     save_every: int = Field(10, ge=1, description="checkpoint every N iterations (and at the end)")
     keep_checkpoints: int = Field(2, ge=1)
     max_minutes: float | None = Field(None, gt=0, description="wall-clock budget of the RL loop (resumes included): "
@@ -192,7 +194,15 @@ class CriticTrainingConfig(Strict):
 class AlgorithmConfig(Strict):
     tau: float = Field(1.0, gt=0, description="τ of the K1.5 objective")
     minibatches: int = Field(2, ge=1, description="optimizer steps per rollout batch")
-    micro_batch: int = Field(256, ge=1, description="sequences per forward/backward on each worker")
+    micro_batch_tokens: int = Field(16384, ge=16, description="tokens (prompts + responses) packed into one "
+                                    "forward/backward on each worker; a longer sequence gets a pass of its own")
+    micro_batch: int | None = Field(None, ge=1, description="most sequences per forward/backward (None: only the "
+                                                            "token budget bounds a micro-batch)")
+    drop_equal_reward_groups: bool = Field(True, description="leave prompt groups whose K rewards are all equal out "
+                                           "of the loss; an iteration with none left takes no optimizer step")
+    recompute_old_logprobs: bool | Literal["auto"] = Field(
+        "auto", description="the trainer recomputes log π_old before the update instead of taking the sampler's; "
+                            "auto: when the trainer or the inference engines compute in bfloat16")
     ptx: PtxConfig = PtxConfig()
     critic_training: CriticTrainingConfig = CriticTrainingConfig()
 
@@ -214,10 +224,24 @@ class OptimizerConfig(Strict):
 
 
 class TrainerConfig(Strict):
-    param_dtype: Literal["float32", "bfloat16"] = Field("float32", description="compute dtype (master weights "
-                                                                                  "and gradient reduction: float32)")
+    param_dtype: Literal["float32", "bfloat16"] | None = Field(
+        None, description="compute dtype of forward/backward; None = model.dtype (gradients are reduced in float32)")
+    master_dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="master weights and optimizer state; bfloat16 loses most small updates (warned)")
     offload: bool = Field(True, description="move parameters, gradients and optimizer state to host memory "
                                             "while the inference engine runs")
+    activation_checkpointing: bool = Field(False, description="keep only each decoder layer's input during the "
+                                                              "forward and recompute the rest in the backward")
+    attention: Literal["auto", "sdpa", "flex"] = Field(
+        "auto", description="training attention over packed sequences: flex_attention block masks (GPU), a dense "
+                            "document mask with SDPA (CPU); auto picks by device")
+
+    @model_validator(mode="after")
+    def _check(self) -> TrainerConfig:
+        if self.master_dtype == "bfloat16" and self.param_dtype == "float32":
+            raise ValueError("master_dtype bfloat16 with param_dtype float32: compute cannot be wider than the "
+                             "master weights (use master_dtype float32)")
+        return self
 
 
 class CheckpointEngineConfig(Strict):
@@ -324,6 +348,29 @@ class Config(Strict):
     def rollout_dtype(self) -> str:
         """The inference engines' weight dtype."""
         return self.rollout.dtype or self.model.dtype
+
+    @property
+    def compute_dtype(self) -> str:
+        """The trainer's forward/backward dtype."""
+        return self.trainer.param_dtype or self.model.dtype
+
+    @property
+    def recompute_old_logprobs(self) -> bool:
+        """Whether the trainer recomputes π_old: on request, or (auto) when either engine computes in bfloat16,
+        where the sampler's log-probs differ from the trainer's by more than float32 rounding."""
+        r = self.algorithm.recompute_old_logprobs
+        return r if isinstance(r, bool) else "bfloat16" in (self.compute_dtype, self.rollout_dtype)
+
+    def warnings(self) -> list[str]:
+        """Settings that run but deserve a loud word at start (``rl train``, ``rl check-config``)."""
+        out = []
+        if self.trainer.master_dtype == "bfloat16":
+            out.append("trainer.master_dtype is bfloat16: an update smaller than 1/256 of a weight rounds away, so "
+                       "at RL learning rates most weights never change; use float32 master weights")
+        if self.algorithm.recompute_old_logprobs is False and "bfloat16" in (self.compute_dtype, self.rollout_dtype):
+            out.append("algorithm.recompute_old_logprobs is false with bfloat16 compute: log π_old is the sampler's, "
+                       "which differs from the trainer's by about 1e-2 per token; the error enters τ·log(π_θ/π_old)")
+        return out
 
     @property
     def env_entries(self) -> list[EnvConfig]:

@@ -32,6 +32,7 @@ from rl.guards import (
     check_sample_rewards,
     check_writable,
 )
+from rl.health import HealthMonitor
 from rl.memory import check_fits, estimate
 from rl.metrics import MetricsLog, plot_curves
 from rl.multiturn import play_episodes
@@ -54,62 +55,71 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, console: Console | N
     with progress:
         if resume:
             start_dir, state = latest_checkpoint(run_dir, report=console.print)
-            if state.workers != cfg.cluster.workers:
-                raise UserError(f"--resume: {start_dir} holds optimizer state sharded over {state.workers} workers; "
-                                f"cluster.workers is {cfg.cluster.workers} (set it to {state.workers})")
         else:
             start_dir, state = prepare_model(cfg, progress), None
             run_dir.mkdir(parents=True, exist_ok=True)
             (run_dir / "config.yaml").write_text(dump_config(cfg))
         tok = load_tokenizer(start_dir, cfg)
         check_renderable(tasks, tok, str(start_dir))
+        for warning in cfg.warnings():
+            console.print(f"[bold yellow]warning:[/] {warning}")
         log = MetricsLog(run_dir, console, cfg.metrics.prometheus_port, resume_at=state and state.iteration + 1)
         budget, stopped = Budget(cfg.run.max_minutes, state.wall_s if state else 0.0), None
+        health = HealthMonitor()
+        health.replay(log.records)
         buffer = PartialRolloutBuffer(cfg.rollout.partial.max_age)
         seq_len = rollout_seq_len(cfg, tasks, tok, read_config(start_dir).max_position_embeddings)
         check_fits(cfg, estimate(cfg, read_config(start_dir), seq_len))
         with Cluster(cfg, str(start_dir), seq_len) as cluster:
             if state:
-                cluster.load_optimizer(str(start_dir))
+                cluster.load_state(str(start_dir))
                 cluster.weights_version = state.weights_version
                 buffer.load_state_dict(state.partial)
-                initial = state.initial_accuracy
+                initial, initial_sampled = state.initial_accuracy, state.initial_accuracy_sampled
             else:
-                initial = evaluate(cluster, tasks, tok, cfg, progress)["accuracy"]
-                console.print(f"warm start: held-out accuracy {initial:.3f} on {len(tasks.eval)} prompts")
+                start = evaluate(cluster, tasks, tok, cfg, progress, it=0)
+                initial, initial_sampled = start["accuracy"], start.get("accuracy_sampled")
+                sampled = "" if initial_sampled is None else \
+                    f", sampled {initial_sampled:.3f} (mean of {cfg.run.eval_samples} at the rollout temperature)"
+                console.print(f"warm start: held-out accuracy {initial:.3f} on {len(tasks.eval)} prompts{sampled}")
             cluster.offload_trainers()
             first = state.iteration + 1 if state else 0
             for it in range(first, cfg.run.iterations):
                 rec = iteration(cluster, cfg, tasks, tok, it, progress, buffer, ptx)
+                for warning in health.check(rec):
+                    console.print(f"[bold yellow]warning:[/] iter {it}: {warning}")
                 if budget.reached() and it + 1 < cfg.run.iterations:
                     stopped = "max_minutes"
                     if rec["accuracy"] is None:  # end on a measured model, as a run that ran out of iterations
-                        rec.update(eval_metrics(cluster, tasks, tok, cfg, progress))
+                        rec.update(eval_metrics(cluster, tasks, tok, cfg, progress, it))
                 log.record(rec)
                 if (it + 1) % cfg.run.save_every == 0 or it + 1 == cfg.run.iterations or stopped:
                     loop = LoopState(it, initial, budget.elapsed(), cluster.weights_version, buffer.state_dict(),
-                                     cfg.cluster.workers)
+                                     cfg.cluster.workers, initial_sampled)
                     save_checkpoint(run_dir, loop, cluster.save, start_dir, cfg.run.keep_checkpoints)
                 if stopped:
                     console.print(f"run.max_minutes={cfg.run.max_minutes:g} reached after iteration {it} "
                                   f"({budget.elapsed() / 60:.1f} min): checkpoint, final model and summary saved")
                     break
             final_dir = run_dir / "final"
-            cluster.save(str(final_dir))
-            (final_dir / "optimizer.pt").unlink()
+            cluster.save(str(final_dir), trainer_state=False)
             copy_tokenizer(start_dir, final_dir)
     accs = [r["accuracy"] for r in log.records if r.get("accuracy") is not None]
+    sampled = [r["accuracy_sampled"] for r in log.records if r.get("accuracy_sampled") is not None]
     summary = {
         "initial_accuracy": initial,
         "final_accuracy": accs[-1] if accs else initial,
         "best_accuracy": max([*accs, initial]),
+        **({"initial_accuracy_sampled": initial_sampled,
+            "final_accuracy_sampled": sampled[-1] if sampled else initial_sampled} if initial_sampled is not None
+           else {}),
         "iterations": len(log.records),
         "wall_s": round(budget.elapsed(), 2),
         "final_model": str(final_dir),
         **({"stopped_by": stopped} if stopped else {}),
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    plot_curves(log.records, run_dir / "curves.png", initial)
+    plot_curves(log.records, run_dir / "curves.png", initial, initial_sampled)
     return summary
 
 
@@ -191,7 +201,7 @@ def iteration(cluster: Cluster, cfg: Config, tasks, tok: TextTokenizer, it: int,
 
     held_out = {"accuracy": None}
     if (it + 1) % cfg.run.eval_every == 0 or it + 1 == cfg.run.iterations:
-        held_out = eval_metrics(cluster, tasks, tok, cfg, progress)
+        held_out = eval_metrics(cluster, tasks, tok, cfg, progress, it)
         times["time_eval"] = held_out.pop("time_eval")
     return {
         "iteration": it,
@@ -208,11 +218,11 @@ def iteration(cluster: Cluster, cfg: Config, tasks, tok: TextTokenizer, it: int,
     }
 
 
-def eval_metrics(cluster: Cluster, tasks, tok: TextTokenizer, cfg: Config, progress: Progress) -> dict:
-    """Held-out greedy accuracy (overall and per task type) and the time it took, for an iteration's record."""
+def eval_metrics(cluster: Cluster, tasks, tok: TextTokenizer, cfg: Config, progress: Progress, it: int) -> dict:
+    """Held-out accuracy (greedy, per task type, sampled at iteration ``it``'s temperature) and the time it took."""
     t = time.time()
-    out = evaluate(cluster, tasks, tok, cfg, progress)
-    return {"accuracy": out["accuracy"], **{k: v for k, v in out.items() if k.startswith("accuracy/")},
+    out = evaluate(cluster, tasks, tok, cfg, progress, it=it)
+    return {"accuracy": out["accuracy"], **{k: v for k, v in out.items() if k.startswith("accuracy")},
             "time_eval": round(time.time() - t, 3)}
 
 
@@ -225,11 +235,11 @@ def load_tokenizer(model_dir: Path, cfg: Config) -> TextTokenizer:
 
 
 def step_metrics(steps: list[dict[str, float]]) -> dict[str, float]:
-    """Losses and gradient norms averaged over the optimizer steps; max logits as their maximum."""
+    """Losses, gradient norms and diagnostics averaged over the optimizer steps; maxima as their maximum."""
     out: dict[str, float] = {"optimizer_steps": len(steps)}
     for key in sorted({k for s in steps for k in s}):
         values = [s[key] for s in steps if key in s]
-        if key.startswith("max_logit"):
+        if key.startswith("max_logit") or key.endswith("_max") or key.endswith("_absmax"):
             out[key] = max(values)
         elif key == "qk_clipped_heads":
             out[key] = sum(values)

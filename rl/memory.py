@@ -1,12 +1,16 @@
-"""Memory per worker of a run, estimated before anything is allocated (``rl check-config``, ``rl train``).
+"""Memory per worker of a run, estimated before anything is allocated (``rl check-config``, ``rl train``), and
+the per-GPU memory plan of training + inference colocation for large models (``rl memory-plan``).
 
-Counts what the colocated worker holds: the trainer's shard (weights, gradients and optimizer state,
-1/workers of each under FSDP2), the inference engine's full replica in the rollout dtype, and its
-paged KV cache (``rollout.kv_cache_mb``, all of it, in blocks; how many sequences it holds depends
-on their lengths, at worst ``max_seq_len`` tokens each).
-Activations are not counted: they depend on ``algorithm.micro_batch`` and sequence lengths and are
-freed between micro-batches. On a GPU the phases take turns (``trainer.offload`` moves the trainer to
-host memory while the engine generates, ``rollout.sleep_level`` frees the cache, and at 2 the
+Counts what the colocated worker holds: the trainer's shard (master weights, gradients and optimizer
+state, 1/workers of each under FSDP2), the decoder layer FSDP gathers in the compute dtype, the
+activations of one micro-batch (``algorithm.micro_batch_tokens`` packed tokens: with
+``trainer.activation_checkpointing`` each layer's input and one layer's working set, otherwise every
+layer's working set) and the chunked log-probability blocks; the inference engine's full replica in the
+rollout dtype and its paged KV cache (``rollout.kv_cache_mb``, all of it, in blocks; how many sequences
+it holds depends on their lengths, at worst ``max_seq_len`` tokens each). Activations are an estimate
+from the layer shapes (the tensors each layer keeps for its backward), not a measurement. On a GPU the
+phases take turns (``trainer.offload`` moves the trainer to host memory while the engine generates,
+``rollout.sleep_level`` frees the cache, and at 2 the
 replica, while the trainer steps), so the peak is the larger phase; on CPU everything shares RAM.
 """
 
@@ -26,6 +30,74 @@ GiB = 2**30
 
 
 @dataclass
+class ModelShape:
+    """What the memory arithmetic needs of a model, counted on the meta device (free for any size)."""
+
+    params: int
+    muon_params: int
+    largest_layer: int          # parameters of the largest decoder layer (what FSDP gathers at once)
+    largest_layer_experts: int  # of which routed experts (what expert parallelism would leave sharded)
+    root_params: int            # embeddings, output head, final norm (the root FSDP unit)
+    layers: int
+    hidden: int
+    vocab: int
+    layer_activations: int      # elements one layer keeps per token for its backward (largest layer)
+
+    @classmethod
+    def of(cls, arch: ModelConfig) -> ModelShape:
+        from engines.model import build_model
+        from rl.optim import muon_params
+
+        model = build_model(arch, device="meta")  # shapes only: a 1 T-parameter config costs nothing here
+        params = list(model.parameters())
+        muon = muon_params(model)
+        per_layer = [(sum(p.numel() for p in layer.parameters()),
+                      sum(p.numel() for n, p in layer.named_parameters() if n.startswith("mlp.experts.")))
+                     for layer in model.model.layers]
+        largest = max(per_layer)
+        return cls(sum(p.numel() for p in params), sum(p.numel() for p in params if id(p) in muon), largest[0],
+                   largest[1], sum(p.numel() for p in params) - sum(n for n, _ in per_layer), arch.num_hidden_layers,
+                   arch.hidden_size,
+                   arch.vocab_size, max(layer_activations(arch, i) for i in range(arch.num_hidden_layers)))
+
+
+def layer_activations(arch: ModelConfig, layer: int) -> int:
+    """Elements decoder layer ``layer`` keeps per token for its backward: the normalised inputs of its two
+    blocks, q/k/v and the attention output (and MLA's latents), the SwiGLU's gate, up and product (once per
+    routed expert a token visits, plus the shared experts), the residual stream, the router's scores."""
+    d = arch.hidden_size
+    if arch.is_mla:
+        h = arch.num_attention_heads
+        qk = arch.qk_nope_head_dim + arch.qk_rope_head_dim
+        latents = arch.kv_lora_rank + arch.qk_rope_head_dim + (arch.q_lora_rank or 0)
+        attn = h * qk * 2 + h * arch.v_head_dim * 2 + latents
+    else:
+        hd = arch.head_dim
+        attn = arch.num_attention_heads * hd * 2 + arch.num_key_value_heads * hd * 2
+    if arch.is_moe_layer(layer):
+        inter = arch.moe_intermediate_size or arch.intermediate_size
+        mlp = 3 * inter * (arch.num_experts_per_tok + arch.n_shared_experts) + arch.num_experts
+    else:
+        mlp = 3 * arch.intermediate_size
+    return 3 * d + attn + mlp
+
+
+def activation_bytes(shape: ModelShape, tokens: int, compute_bytes: int, checkpointing: bool) -> int:
+    """Activations of one micro-batch of ``tokens`` packed tokens through the model, forward to backward."""
+    one_layer = tokens * shape.layer_activations * compute_bytes
+    if checkpointing:  # each layer's input, and one layer recomputed at a time (twice: its gradients too)
+        return shape.layers * tokens * shape.hidden * compute_bytes + 2 * one_layer
+    return shape.layers * one_layer
+
+
+def logprob_bytes(tokens: int, vocab: int) -> int:
+    """The chunked log-probabilities' float32 blocks (the backward holds two of [tokens, chunk] at once)."""
+    from engines.logprobs import vocab_chunk
+
+    return 2 * tokens * vocab_chunk(tokens, vocab) * 4
+
+
+@dataclass
 class MemoryEstimate:
     params: int
     trainer_weights: int
@@ -38,12 +110,14 @@ class MemoryEstimate:
     max_seq_len: int
     device_peak: int   # GPU: the larger of the rollout and the training phase
     host_total: int    # CPU: everything at once
+    activations: int = 0   # one micro-batch's activations, the gathered layer and the log-prob blocks
 
     def table(self) -> str:
         rows = [("parameters", f"{self.params / 1e6:,.1f} M"),
                 ("trainer weights (shard)", _gib(self.trainer_weights)),
                 ("trainer gradients (shard)", _gib(self.trainer_grads)),
                 ("optimizer state (shard)", _gib(self.optimizer)),
+                ("activations (one micro-batch, est.)", _gib(self.activations)),
                 ("inference replica", _gib(self.replica)),
                 (f"KV cache ({self.kv_sequences} seqs x {self.max_seq_len} tokens)", _gib(self.kv_cache)),
                 ("peak per worker, GPU phases", _gib(self.device_peak)),
@@ -56,23 +130,40 @@ def _gib(n: int) -> str:
     return f"{n / GiB:.3f} GiB"
 
 
+def _itemsize(dtype: str) -> int:
+    return getattr(torch, dtype).itemsize
+
+
+def trainer_bytes(shape: ModelShape, ranks: int, master_dtype: str, optimizer: str) -> tuple[int, int, int]:
+    """(master weights, gradients, optimizer state) per rank of an FSDP2 trainer over ``ranks``."""
+    master = _itemsize(master_dtype)
+    # Muon keeps one momentum per element, AdamW two moments, both in the master dtype
+    n, n_muon = shape.params, shape.muon_params
+    states = n_muon * 1 + (n - n_muon) * 2 if optimizer == "muon" else n * 2
+    shard = lambda b: -(-b // ranks)  # noqa: E731
+    return shard(n * master), shard(n * master), shard(states * master)
+
+
+def training_working_set(shape: ModelShape, tokens: int, compute_dtype: str, checkpointing: bool,
+                         sharded: bool, expert_parallel: int = 1) -> int:
+    """Activations, the log-prob blocks, and (sharded) what FSDP gathers in the compute dtype: the root and two
+    decoder layers (one computing, the next prefetched); with ``expert_parallel`` e > 1 (not built: a plan)
+    each GPU would gather only 1/e of a layer's routed experts."""
+    cb = _itemsize(compute_dtype)
+    layer = shape.largest_layer - shape.largest_layer_experts + -(-shape.largest_layer_experts // expert_parallel)
+    gathered = (2 * layer + shape.root_params) * cb if sharded else 0
+    return activation_bytes(shape, tokens, cb, checkpointing) + logprob_bytes(tokens, shape.vocab) + gathered
+
+
 def estimate(cfg: Config, arch: ModelConfig, max_seq_len: int) -> MemoryEstimate:
     """Bytes per worker of a run of ``cfg`` on a model of ``arch`` with KV caches of ``max_seq_len`` tokens."""
-    from engines.model import build_model
-    from rl.optim import muon_params
-
-    model = build_model(arch, device="meta")  # shapes only: a 1 T-parameter config costs nothing here
-    params = list(model.parameters())
-    n = sum(p.numel() for p in params)
-    muon = muon_params(model)
-    n_muon = sum(p.numel() for p in params if id(p) in muon)
+    shape = ModelShape.of(arch)
     workers = cfg.cluster.workers
-    master = getattr(torch, cfg.model.dtype).itemsize
-    # Muon keeps one momentum per element, AdamW two moments, both in the master dtype
-    states = n_muon * 1 + (n - n_muon) * 2 if cfg.optimizer.kind == "muon" else n * 2
-    shard = lambda b: -(-b // workers)  # noqa: E731
-    weights, grads, opt = shard(n * master), shard(n * master), shard(states * master)
-    replica = n * getattr(torch, cfg.rollout_dtype).itemsize
+    weights, grads, opt = trainer_bytes(shape, workers, cfg.trainer.master_dtype, cfg.optimizer.kind)
+    sharded = workers > 1 or cfg.compute_dtype != cfg.trainer.master_dtype
+    work = training_working_set(shape, cfg.algorithm.micro_batch_tokens, cfg.compute_dtype,
+                                cfg.trainer.activation_checkpointing, sharded)
+    replica = shape.params * _itemsize(cfg.rollout_dtype)
     rollout_dtype = getattr(torch, cfg.rollout_dtype)
     per_seq = bytes_per_slot(arch, max_seq_len, rollout_dtype)
     per_block = bytes_per_token(arch, rollout_dtype) * BLOCK_SIZE
@@ -81,9 +172,9 @@ def estimate(cfg: Config, arch: ModelConfig, max_seq_len: int) -> MemoryEstimate
     trainer = weights + grads + opt
     level = cfg.rollout.sleep_level
     rollout_phase = replica + kv + (0 if cfg.trainer.offload else trainer)
-    train_phase = trainer + (replica if level < 2 else 0) + (kv if level == 0 else 0)
-    return MemoryEstimate(n, weights, grads, opt, replica, kv, seqs, per_seq, max_seq_len,
-                          max(rollout_phase, train_phase), trainer + replica + kv)
+    train_phase = trainer + work + (replica if level < 2 else 0) + (kv if level == 0 else 0)
+    return MemoryEstimate(shape.params, weights, grads, opt, replica, kv, seqs, per_seq, max_seq_len,
+                          max(rollout_phase, train_phase), trainer + work + replica + kv, work)
 
 
 def estimate_run(cfg: Config) -> MemoryEstimate:

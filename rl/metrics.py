@@ -8,7 +8,7 @@ from typing import Any
 
 from rich.console import Console
 
-CURVES = [("reward_mean", "mean reward"), ("accuracy", "held-out accuracy (greedy)"),
+CURVES = [("reward_mean", "mean reward"), ("accuracy", "held-out accuracy (greedy; dashed: sampled)"),
           ("response_len", "mean response length (tokens)")]
 
 
@@ -48,6 +48,10 @@ class MetricsLog:
         if self.prometheus:
             self._export(rec)
         acc = rec.get("accuracy")
+        if acc is not None and rec.get("accuracy_sampled") is not None:
+            extra_acc = f"/{rec['accuracy_sampled']:.3f}"
+        else:
+            extra_acc = ""
         times = " ".join(f"{k.removeprefix('time_')}={rec[k]:.1f}s" for k in rec
                          if k.startswith("time_") and k not in ("time_onload", "time_offload"))
         extra = ""
@@ -57,16 +61,20 @@ class MetricsLog:
             extra += f"  max-logit {rec['max_logit']:.1f}"
         if rec.get("env_errors"):
             extra += f"  env-errors {rec['env_errors']} (first: {str(rec.get('first_env_error', ''))[:160]})"
+        if rec.get("entropy") is not None:
+            extra += f"  H {rec['entropy']:.2f}  dlogp {rec['logprob_diff_mean']:.1e}"
         self.console.print(
             f"iter {rec['iteration']:>4}  reward {rec['reward_mean']:.3f}  "
-            f"acc {'  -  ' if acc is None else f'{acc:.3f}'}  len {rec['response_len']:.1f}  "
+            f"acc {'  -  ' if acc is None else f'{acc:.3f}'}{extra_acc}  len {rec['response_len']:.1f}  "
             f"trunc {rec['truncation_rate']:.2f}  T {rec['temperature']:.2f}{extra}  {times}",
             soft_wrap=True,
         )
 
 
-def plot_curves(records: list[dict[str, Any]], path: Path, initial_accuracy: float | None = None) -> None:
-    """Reward, held-out accuracy and response length against iteration, as one PNG."""
+def plot_curves(records: list[dict[str, Any]], path: Path, initial_accuracy: float | None = None,
+                initial_sampled: float | None = None) -> None:
+    """Reward, held-out accuracy (greedy, and sampled where measured) and response length against iteration,
+    as one PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -80,6 +88,12 @@ def plot_curves(records: list[dict[str, Any]], path: Path, initial_accuracy: flo
         if pts:
             xs, ys = zip(*pts, strict=True)
             ax.plot(xs, ys, marker="o" if key == "accuracy" else None, markersize=3)
+        sampled = [(r["iteration"], r["accuracy_sampled"]) for r in records if r.get("accuracy_sampled") is not None]
+        if key == "accuracy" and sampled:
+            if initial_sampled is not None:
+                sampled = [(-1, initial_sampled), *sampled]
+            xs, ys = zip(*sampled, strict=True)
+            ax.plot(xs, ys, linestyle="--", marker="o", markersize=3)
         ax.set_title(title)
         ax.set_xlabel("iteration")
         ax.grid(alpha=0.3)

@@ -140,6 +140,8 @@ class ShardedMuon(torch.optim.Muon):
         # kept out of the param groups so the state dict stays interchangeable with torch.optim.Muon's;
         # None picks a size per device type (MAX_BATCH_BYTES)
         self.max_batch_bytes = max_batch_bytes
+        # Σ (Δw)² and the element count over this rank's shards of the last step (update RMS, a health metric)
+        self.last_update_sq, self.last_update_numel = 0.0, 0
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -148,6 +150,8 @@ class ShardedMuon(torch.optim.Muon):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._update_sq: list[Tensor] = []
+        self.last_update_numel = 0
         for group in self.param_groups:
             params: list[Tensor] = []
             grads: list[Tensor] = []
@@ -155,6 +159,7 @@ class ShardedMuon(torch.optim.Muon):
             self._init_group(group, params, grads, bufs)
             if params:
                 self._step_group(group, params, grads, bufs)
+        self.last_update_sq = float(torch.stack(self._update_sq).sum()) if self._update_sq else 0.0
         return loss
 
     def _step_group(self, group: dict, params: list[Tensor], grads: list[Tensor], bufs: list[Tensor]) -> None:
@@ -197,8 +202,12 @@ class ShardedMuon(torch.optim.Muon):
 
         def apply(job: tuple[int, int | None], ortho: Tensor) -> None:
             target = pick(p_loc[job[0]], job)
+            step = _adjust_lr(lr, group["adjust_lr_fn"], params[job[0]].shape[-2:])
+            # the change this applies, Δ = (decay − 1)·w − step·O, measured before applying it
+            self._update_sq.append((target.float() * (decay - 1) - step * ortho.float()).square().sum())
+            self.last_update_numel += target.numel()
             target.mul_(decay)
-            target.add_(ortho, alpha=-_adjust_lr(lr, group["adjust_lr_fn"], params[job[0]].shape[-2:]))
+            target.add_(ortho, alpha=-step)
 
         if whole:
             orthogonalize([tuple(pick(p_loc[i], (i, j)).shape) for i, j in whole],

@@ -88,9 +88,11 @@ def score(groups: list[list[Trajectory]], tasks: TaskSets, tok: TextTokenizer, c
     return samples, stats
 
 
-def evaluate(cluster, tasks: TaskSets, tok: TextTokenizer, cfg: Config, progress: Progress | None = None) -> dict:
+def evaluate(cluster, tasks: TaskSets, tok: TextTokenizer, cfg: Config, progress: Progress | None = None,
+             it: int = 0) -> dict:
     """Greedy accuracy on the held-out tasks: the fraction with reward 1 (errors count as wrong), overall and,
-    with several task types, per type."""
+    with several task types, per type; with ``run.eval_samples`` k > 0 also ``accuracy_sampled``: the mean
+    over k samples per prompt at each task type's rollout temperature of iteration ``it``."""
     # Group-level rewards (a critic comparing responses) have no right answer to count; multi-turn episodes are
     # not single greedy responses.
     keep = [i for i in range(len(tasks.eval))
@@ -98,22 +100,33 @@ def evaluate(cluster, tasks: TaskSets, tok: TextTokenizer, cfg: Config, progress
     held_out = [tasks.eval[i] for i in keep]
     if not held_out:
         return {"accuracy": float("nan"), "response_len": 0.0}
-    bar = progress.add_task("held-out eval (greedy)", total=len(held_out)) if progress else None
+    k = cfg.run.eval_samples
     types = [task_type_of(tasks.eval[i], tasks.eval_entry(i)) for i in keep]
+    prompts = [tok.prompt_ids(t) for t in held_out]
     params = [SamplingParams(0.0, cfg.task_type(tt)[0]) for tt in types]
-    outs = cluster.generate([tok.prompt_ids(t) for t in held_out], params, seed=0,
+    # sampled: k per prompt at the rollout temperature, each with its own seed (reproducible, independent of
+    # the training rollouts' seeds)
+    params += [SamplingParams(cfg.temperature(tt, it), cfg.task_type(tt)[0], seed=(1 << 62) + n * k + j)
+               for n, tt in enumerate(types) for j in range(k)]
+    bar = progress.add_task(f"held-out eval (greedy{f' + {k} sampled' if k else ''})", total=len(params)) \
+        if progress else None
+    outs = cluster.generate(prompts + [p for p in prompts for _ in range(k)], params, seed=0,
                             on_chunk=(lambda n: progress.advance(bar, n)) if progress else None)
     if progress:
         progress.remove_task(bar)
+    index = keep + [i for i in keep for _ in range(k)]
     runner = EpisodeRunner(cfg)
     try:
         results = runner.map([(tasks.eval_entry(i), tasks.eval[i], tok.decode(c.token_ids))
-                              for i, c in zip(keep, outs, strict=True)])
+                              for i, c in zip(index, outs, strict=True)])
     finally:
         runner.close()
-    right = [solved(r, c) for r, c in zip(results, outs, strict=True)]
+    solved_all = [solved(r, c) for r, c in zip(results, outs, strict=True)]
+    right, outs = solved_all[:len(keep)], outs[:len(keep)]
     out = {"accuracy": sum(right) / len(held_out),
            "response_len": sum(len(c.token_ids) for c in outs) / len(outs)}
+    if k:
+        out["accuracy_sampled"] = sum(solved_all[len(keep):]) / (k * len(keep))
     if len(set(types)) > 1:
         for tt in sorted(set(types)):
             hits = [r for r, t in zip(right, types, strict=True) if t == tt]

@@ -27,6 +27,7 @@ from engines.inference import Completion, InferenceEngine, SamplingParams
 from engines.layout import hub_state
 from engines.model import build_model, track_max_logits
 from engines.tokenizer import TextTokenizer
+from engines.trainer_state import has_trainer_state, load_trainer_state, save_trainer_state
 from engines.training import TrainingEngine
 from rl.algorithm import PtxBatch, Sample, rl_update
 from rl.config import Config
@@ -34,7 +35,7 @@ from rl.optim import build_optimizers
 from rl.partial import Trajectory, advance
 from rl.qk_clip import qk_clip
 
-OPTIMIZER_FILE = "optimizer.pt"
+OPTIMIZER_FILE = "optimizer.pt"  # the earlier checkpoint format, still read
 
 
 def _set_threads(threads: int) -> None:
@@ -69,17 +70,20 @@ class TrainerWorker:
         device = "cuda" if torch.cuda.is_available() else "cpu"
         distributed.init_distributed(rank, world, init_method, device=device)
         arch = read_config(model_dir)
-        shard = world > 1 or cfg.trainer.param_dtype != cfg.model.dtype
-        # the trainer keeps its master weights in model.dtype; replicas get rollout.dtype (cast per bucket)
-        model = build_model(arch, device="meta" if shard else device, dtype=getattr(torch, cfg.model.dtype))
+        master, compute = cfg.trainer.master_dtype, cfg.compute_dtype
+        shard = world > 1 or compute != master
+        # master weights (and optimizer state) in trainer.master_dtype, compute in bf16 through FSDP's mixed
+        # precision; replicas get rollout.dtype (cast per bucket)
+        model = build_model(arch, device="meta" if shard else device, dtype=getattr(torch, master))
         if shard:
-            model = distributed.shard_model(model, param_dtype=cfg.trainer.param_dtype, device=device)
+            model = distributed.shard_model(model, param_dtype=compute, device=device)
         load_weights(model, model_dir)
         track_max_logits(model, True)
+        model.activation_checkpointing = cfg.trainer.activation_checkpointing
         opts = build_optimizers(model, o.kind, o.lr, o.weight_decay, o.momentum)
-        # any id will do for padding: padded positions are masked out of attention and of the loss
+        # any id will do for filler: filler positions are masked out of attention and of the loss
         pad = arch.pad_token_id if arch.pad_token_id is not None else 0
-        self.engine = TrainingEngine(model, opts, pad, o.max_grad_norm)
+        self.engine = TrainingEngine(model, opts, pad, o.max_grad_norm, attention=cfg.trainer.attention)
         replica = build_model(arch, device="meta", dtype=getattr(torch, cfg.rollout_dtype), fused=True)
         self.plan = plan_model_update(model, local_parts(distributed.local_shards(model)),
                                       cfg.checkpoint_engine.bucket_bytes, replica)
@@ -107,9 +111,11 @@ class TrainerWorker:
         a, model = self.cfg.algorithm, self.engine.model
         peak_memory.reset(self.engine.device)
         tau_qk = self.cfg.optimizer.qk_clip_tau
-        for m in rl_update(self.engine, samples, tau=a.tau, minibatches=a.minibatches, micro_batch=a.micro_batch,
-                           seed=seed, ptx=ptx, ptx_coef=a.ptx.coef, rank=self.rank, world=self.world,
-                           after_step=lambda: qk_clip(model, tau_qk)):
+        for m in rl_update(self.engine, samples, tau=a.tau, minibatches=a.minibatches,
+                           token_budget=a.micro_batch_tokens, max_items=a.micro_batch, seed=seed, ptx=ptx,
+                           ptx_coef=a.ptx.coef, rank=self.rank, world=self.world,
+                           drop_equal_groups=a.drop_equal_reward_groups,
+                           recompute_old=self.cfg.recompute_old_logprobs, after_step=lambda: qk_clip(model, tau_qk)):
             for k in ("loss", "ptx_loss"):  # each rank's share of the minibatch
                 if k in m:
                     m[k] = distributed.global_sum(m[k])
@@ -138,34 +144,33 @@ class TrainerWorker:
             if was:
                 self.engine.offload()
 
-    def save(self, directory: str) -> None:
-        """Weights in Hugging Face format plus the optimizer state of every rank (collective)."""
+    def save(self, directory: str, trainer_state: bool = True) -> None:
+        """Weights in Hugging Face format (rank 0 writes the gathered tensors) and, with ``trainer_state``, every
+        rank's shards of the master weights and optimizer state (``engines.trainer_state``); collective."""
         with self._onloaded():
-            self._save(directory)
+            state = distributed.full_state_dict(self.engine.model)
+            if self.rank == 0:
+                save_pretrained(self.engine.model, None, directory, state=state)
+            del state
+            if trainer_state:
+                save_trainer_state(self.engine.model, self.engine.optimizers, directory)
+            if self.world > 1:
+                dist.barrier()
 
-    def _save(self, directory: str) -> None:
-        state = distributed.full_state_dict(self.engine.model)
-        opt = self.engine.state_dict()
-        states: list | None = [None] * self.world if self.rank == 0 else None
-        if self.world > 1:
-            dist.gather_object(opt, states, dst=0)  # only rank 0 writes the file
-        else:
-            states = [opt]
-        if self.rank == 0:
-            save_pretrained(self.engine.model, None, directory, state=state)
-            torch.save({"world": self.world, "ranks": states}, Path(directory) / OPTIMIZER_FILE)
-        if self.world > 1:
-            dist.barrier()
-
-    def load_optimizer(self, directory: str) -> None:
-        saved = torch.load(Path(directory) / OPTIMIZER_FILE, weights_only=False)
-        if saved.get("world") != self.world:
-            raise ValueError(f"{directory}: optimizer state was saved by {saved.get('world')} workers; this run has "
-                             f"{self.world} (set cluster.workers to {saved.get('world')} to resume)")
-        # torch.load's storages are not resizable, which offloading needs: give the state its own memory
-        state = tree_map_only(torch.Tensor, torch.clone, saved["ranks"][self.rank])
+    def load_state(self, directory: str) -> None:
+        """Master weights and optimizer state from a checkpoint, whatever the worker count that saved it;
+        collective. A checkpoint of the earlier format (one ``optimizer.pt`` of per-rank states) needs the
+        same worker count and restores the optimizer only (its weights are the directory's)."""
         with self._onloaded():
-            self.engine.load_state_dict(state)
+            if has_trainer_state(directory):
+                load_trainer_state(self.engine.model, self.engine.optimizers, directory)
+                return
+            saved = torch.load(Path(directory) / OPTIMIZER_FILE, weights_only=False)
+            if saved.get("world") != self.world:
+                raise ValueError(f"{directory}: optimizer state was saved by {saved.get('world')} workers; this "
+                                 f"run has {self.world} (set cluster.workers to {saved.get('world')} to resume)")
+            # torch.load's storages are not resizable, which offloading needs: give the state its own memory
+            self.engine.load_state_dict(tree_map_only(torch.Tensor, torch.clone, saved["ranks"][self.rank]))
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Full weights under the checkpoint's names (collective when sharded)."""

@@ -10,7 +10,17 @@ import torch.nn.functional as F
 from engines.inference import InferenceEngine, SamplingParams
 from engines.model import padded_causal_mask, positions_from_valid
 from engines.training import TrainingEngine
-from rl.algorithm import PtxBatch, Sample, group_advantages, k15_backward, micro_batches, ptx_backward, rl_update
+from rl.algorithm import (
+    PtxBatch,
+    Sample,
+    group_advantages,
+    informative_groups,
+    k15_backward,
+    plan_micro_batches,
+    ptx_backward,
+    recompute_old_logprobs,
+    rl_update,
+)
 from rl.optim import build_optimizers
 
 
@@ -70,7 +80,7 @@ def test_k15_loss_and_gradient_match_reference(tiny_model, tokenizer, masked):
     adv = group_advantages(samples)
     sizes = {g: sum(s.group == g for s in samples) for g in {s.group for s in samples}}
     weights = [1.0 / (sizes[s.group] * len(sizes)) for s in samples]
-    loss = k15_backward(engine, samples, adv, weights, tau=tau, micro_batch=3)
+    loss = k15_backward(engine, samples, adv, weights, tau=tau, token_budget=24)
 
     assert abs(loss - ref.item()) < 1e-5 * max(1.0, abs(ref.item()))
     for n, p in tiny_model.named_parameters():
@@ -90,25 +100,57 @@ def test_k15_update_on_cuda_matches_cpu(tiny_model, tokenizer):
         engine = TrainingEngine(model, [], tokenizer.pad_id)
         adv = group_advantages(samples)
         weights = [1.0 / len(samples)] * len(samples)
-        losses[device] = k15_backward(engine, samples, adv, weights, tau=0.3, micro_batch=4)
+        losses[device] = k15_backward(engine, samples, adv, weights, tau=0.3, token_budget=32)
         assert all(p.grad is not None and p.grad.device.type == device for p in model.parameters())
     assert losses["cuda"] == pytest.approx(losses["cpu"], rel=1e-3)
 
 
-def test_gradient_does_not_depend_on_micro_batch_or_rank_split(tiny_model, tokenizer):
-    """Each rank's share, summed over ranks (what FSDP's reduce-scatter does), equals one process."""
+def test_gradient_does_not_depend_on_packing_or_rank_split(tiny_model, tokenizer):
+    """Each rank's share, summed over ranks (what FSDP's reduce-scatter does), equals one process, whatever the
+    token budget packs together: one sequence per pass, a few per row, everything in one pass; also with the
+    flex_attention layout (one wide row of documents) where it can run here (no gradients on CPU: its
+    log-probabilities must equal the dense path's)."""
     samples = _random_samples(random.Random(1), tokenizer.vocab_size)
     adv, weights = group_advantages(samples), [1 / len(samples)] * len(samples)
     engine = TrainingEngine(tiny_model, [], tokenizer.pad_id)
-    grads = []
-    for mb, world in ((1, 1), (5, 1), (len(samples), 1), (2, 2), (3, 3)):
+    longest = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
+    grads, losses = [], []
+    for budget, world, cap in ((1, 1, None), (longest, 1, None), (2 * longest, 1, 3), (10_000, 1, None),
+                               (longest, 2, None), (2 * longest, 3, None)):
         tiny_model.zero_grad()
-        for rank in range(world):
-            k15_backward(engine, samples, adv, weights, tau=1.0, micro_batch=mb, rank=rank, world=world)
+        loss = sum(k15_backward(engine, samples, adv, weights, tau=1.0, token_budget=budget, rank=rank, world=world,
+                                max_items=cap) for rank in range(world))
+        losses.append(loss)
         grads.append([p.grad.clone() for p in tiny_model.parameters()])
-    for other in grads[1:]:
+    for loss, other in zip(losses[1:], grads[1:], strict=True):
+        assert loss == pytest.approx(losses[0], rel=1e-5)
         for a, b in zip(grads[0], other, strict=True):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+    with torch.no_grad():
+        dense = engine.score([s.prompt_ids for s in samples], [s.response_ids for s in samples], 1.0)
+        engine.attention = "flex"
+        flex = engine.score([s.prompt_ids for s in samples], [s.response_ids for s in samples], 1.0)
+    torch.testing.assert_close(flex.logprobs, dense.logprobs, atol=1e-5, rtol=1e-5)
+    assert torch.equal(flex.mask, dense.mask)
+
+
+def test_micro_batches_are_formed_by_tokens_and_every_rank_runs_as_many_passes():
+    rng = random.Random(5)
+    for n, budget, world, cap in ((10, 40, 2, None), (7, 25, 3, None), (1, 10, 2, None), (0, 10, 2, None),
+                                  (30, 64, 4, 3), (9, 5, 1, None)):
+        lengths = [rng.randint(2, 30) for _ in range(n)]
+        plans = plan_micro_batches(lengths, budget, world, cap)
+        assert len(plans) == world
+        assert sorted(i for plan in plans for part in plan for i in part) == list(range(n))
+        for plan in plans:
+            for part in plan:
+                # within the budget, unless a single sequence is longer than it
+                assert sum(lengths[i] for i in part) <= budget or len(part) == 1
+                assert cap is None or len(part) <= cap
+        if n >= world:  # tokens balanced: no rank holds more than its share plus one sequence
+            loads = [sum(lengths[i] for part in plan for i in part) for plan in plans]
+            assert max(loads) - min(loads) <= max(lengths)
+    assert plan_micro_batches([5, 5, 5, 5], 10, 1) == [[[0, 1], [2, 3]]]
 
 
 def test_advantage_is_reward_minus_group_mean():
@@ -139,16 +181,8 @@ def test_rl_update_raises_reward_on_a_toy_task(tiny_model, tokenizer):
                    for j, o in enumerate(outs)]
         rates.append(sum(s.reward for s in samples) / len(samples))
         tiny_model.train().requires_grad_(True)
-        list(rl_update(engine, samples, tau=1.0, minibatches=2, micro_batch=64, seed=it))
+        list(rl_update(engine, samples, tau=1.0, minibatches=2, token_budget=4096, seed=it))
     assert sum(rates[-3:]) / 3 > sum(rates[:3]) / 3 + 0.25, rates
-
-
-def test_micro_batches_pad_every_rank_to_the_same_pass_count():
-    for n, mb, world in ((10, 3, 2), (7, 2, 3), (1, 4, 2), (0, 2, 2), (9, 9, 4)):
-        shares = [micro_batches(n, mb, r, world) for r in range(world)]
-        assert len({p for _, p in shares}) == 1  # the same number of passes on every rank
-        assert sorted(i for parts, _ in shares for part in parts for i in part) == list(range(n))
-        assert all(len(parts) <= passes for parts, passes in shares)
 
 
 def test_ptx_loss_is_token_mean_nll_whatever_the_split(tiny_model, tokenizer):
@@ -167,10 +201,104 @@ def test_ptx_loss_is_token_mean_nll_whatever_the_split(tiny_model, tokenizer):
     ref.backward()
     ref_grads = [p.grad.clone() for p in tiny_model.parameters()]
     engine = TrainingEngine(tiny_model, [], tokenizer.pad_id)
-    for mb, world in ((7, 1), (2, 2), (1, 3)):
+    for budget, world in ((1000, 1), (20, 2), (1, 3)):
         tiny_model.zero_grad()
-        loss = sum(ptx_backward(engine, PtxBatch(prompts, responses), 0.5, micro_batch=mb, rank=r, world=world)
+        loss = sum(ptx_backward(engine, PtxBatch(prompts, responses), 0.5, token_budget=budget, rank=r, world=world)
                    for r in range(world))
         assert abs(loss - ref.item()) < 1e-5
         for a, b in zip(ref_grads, [p.grad for p in tiny_model.parameters()], strict=True):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+def _snapshot(model):
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def test_groups_of_equal_rewards_are_left_out_and_nothing_left_takes_no_step(tiny_model, tokenizer):
+    """Equal rewards everywhere: no optimizer step at all (Muon would turn the zero-advantage terms' noise into a
+    full-size step). One informative group: the update equals training on that group alone."""
+    rng = random.Random(7)
+    samples = _random_samples(rng, tokenizer.vocab_size, n_groups=4)
+    flat = [replace(s, reward=1.0) for s in samples]
+    engine = TrainingEngine(tiny_model, build_optimizers(tiny_model, "muon", 1e-2, 0.0), tokenizer.pad_id)
+    before = _snapshot(tiny_model)
+    assert list(rl_update(engine, flat, tau=1.0, minibatches=2, token_budget=4096, seed=0)) == []
+    assert all(torch.equal(p, before[n]) for n, p in tiny_model.named_parameters())
+    assert informative_groups(flat) == []
+
+    mixed = [s if s.group == 2 else replace(s, reward=0.0) for s in samples]
+    assert len({s.reward for s in mixed if s.group == 2}) > 1  # group 2 keeps its differing rewards
+    assert informative_groups(mixed) == [2]
+    steps = list(rl_update(engine, mixed, tau=1.0, minibatches=2, token_budget=4096, seed=0))
+    assert len(steps) == 1 and steps[0]["groups_trained"] == 1 and steps[0]["groups_equal_reward"] == 3
+    after_mixed = _snapshot(tiny_model)
+    for n, p in tiny_model.named_parameters():  # back to the start, then train on group 2 alone
+        p.data.copy_(before[n])
+    engine = TrainingEngine(tiny_model, build_optimizers(tiny_model, "muon", 1e-2, 0.0), tokenizer.pad_id)
+    alone = [s for s in mixed if s.group == 2]
+    list(rl_update(engine, alone, tau=1.0, minibatches=2, token_budget=4096, seed=0))
+    for n, p in tiny_model.named_parameters():
+        assert not torch.equal(after_mixed[n], before[n]) or "norm" in n or "embed" in n, n
+        torch.testing.assert_close(p.detach(), after_mixed[n], atol=1e-6, rtol=1e-5, msg=n)
+    # kept on request: all four groups train (their zero-advantage terms included)
+    for n, p in tiny_model.named_parameters():
+        p.data.copy_(before[n])
+    steps = list(rl_update(engine, mixed, tau=1.0, minibatches=2, token_budget=4096, seed=0, drop_equal_groups=False))
+    assert len(steps) == 2
+
+
+def test_update_reports_health_diagnostics_against_independent_sums(tiny_model, tokenizer):
+    """logprob_diff_mean/max against the sampler's numbers, entropy of the policy, K1.5 residual statistics and the
+    update RMS per optimizer, each recomputed here from first principles."""
+    rng = random.Random(11)
+    samples = _random_samples(rng, tokenizer.vocab_size, n_groups=3)
+    model = tiny_model
+    diffs, entropies, residuals = [], [], []
+    adv = group_advantages(samples)
+    with torch.no_grad():
+        for s, a in zip(samples, adv, strict=True):
+            ids = torch.tensor([s.prompt_ids + s.response_ids])
+            valid = torch.ones_like(ids, dtype=torch.bool)
+            logp = F.log_softmax(model(ids, positions_from_valid(valid), padded_causal_mask(valid))[0].float()
+                                 / s.temperature, -1)
+            rows = [logp[len(s.prompt_ids) - 1 + t] for t in range(len(s.response_ids))]
+            new = [float(r[tok]) for r, tok in zip(rows, s.response_ids, strict=True)]
+            diffs += [abs(n - o) for n, o in zip(new, s.old_logprobs, strict=True)]
+            entropies += [float(-(r.exp() * r).sum()) for r in rows]
+            residuals.append(a - (sum(new) - sum(s.old_logprobs)))
+    before = _snapshot(model)
+    engine = TrainingEngine(model, build_optimizers(model, "muon", 1e-2, 0.0), tokenizer.pad_id)
+    (step,) = rl_update(engine, samples, tau=1.0, minibatches=1, token_budget=4096, seed=0)
+    assert step["logprob_diff_mean"] == pytest.approx(sum(diffs) / len(diffs), rel=1e-5)
+    assert step["logprob_diff_max"] == pytest.approx(max(diffs), rel=1e-5)
+    assert step["entropy"] == pytest.approx(sum(entropies) / len(entropies), rel=1e-5)
+    mean = sum(residuals) / len(residuals)
+    assert step["k15_residual_mean"] == pytest.approx(mean, rel=1e-4, abs=1e-6)
+    assert step["k15_residual_std"] == pytest.approx((sum((r - mean) ** 2 for r in residuals) / len(residuals)) ** 0.5,
+                                                     rel=1e-4)
+    assert step["k15_residual_absmax"] == pytest.approx(max(map(abs, residuals)), rel=1e-5)
+    muon = {id(p) for g in engine.optimizers[0].param_groups for p in g["params"]}
+    for kind, chosen in (("muon", True), ("adamw", False)):
+        deltas = [(p.detach() - before[n]).flatten() for n, p in model.named_parameters() if (id(p) in muon) == chosen]
+        want = float(torch.cat(deltas).square().mean().sqrt())
+        assert step[f"update_rms/{kind}"] == pytest.approx(want, rel=1e-4), kind
+
+
+def test_recomputed_old_logprobs_are_the_trainers_and_zero_the_first_log_ratio(tiny_model, tokenizer):
+    """With recompute, π_old is the trainer's own: the first step's residuals are the advantages exactly."""
+    samples = _random_samples(random.Random(2), tokenizer.vocab_size, n_groups=3)
+    engine = TrainingEngine(tiny_model, [], tokenizer.pad_id)
+    fresh = recompute_old_logprobs(engine, samples, token_budget=30)
+    with torch.no_grad():
+        lp, mask = engine.response_logprobs([s.prompt_ids for s in samples], [s.response_ids for s in samples],
+                                            [s.temperature for s in samples])
+    for i, s in enumerate(fresh):
+        torch.testing.assert_close(torch.tensor(s.old_logprobs, dtype=torch.float32), lp[i][mask[i]],
+                                   atol=1e-6, rtol=1e-6)
+        assert (s.prompt_ids, s.response_ids, s.reward) == (samples[i].prompt_ids, samples[i].response_ids,
+                                                            samples[i].reward)
+    engine.optimizers = build_optimizers(tiny_model, "muon", 1e-2, 0.0)
+    adv = group_advantages(samples)
+    (step,) = rl_update(engine, samples, tau=1.0, minibatches=1, token_budget=4096, seed=0, recompute_old=True)
+    assert step["k15_residual_absmax"] == pytest.approx(max(abs(a) for a in adv), rel=1e-5)
+    assert step["logprob_diff_max"] > 0.1  # the sampler's numbers here are random: far from the trainer's

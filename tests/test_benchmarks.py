@@ -44,3 +44,16 @@ def test_rl_iteration_benchmark_runs_the_k2_layout_at_toy_size():
     assert rec["rollout_tokens"] == 4 * 6  # a random model never says EOS: every response runs to its budget
     assert all(rec[k] > 0 for k in ("time_rollout", "time_train", "time_weight_update"))
     assert rec["mem_rollout_peak_gib"] > 0 and rec["mem_train_peak_gib"] > 0
+
+
+def test_train_step_benchmark_reports_throughput_mfu_and_memory_of_each_variant():
+    rec = _last_json("benchmarks.train_step", "--tokens", "768", "--repeats", "1", "--warmup", "0")
+    assert rec["model"] == "demo" and rec["tokens"] >= 700 and rec["matmul_peak_tflops"] > 0
+    for v in ("base", "checkpointing", "no_smax", "full_logits"):
+        r = rec[v]
+        assert abs(r["tokens_per_s"] - rec["tokens"] / r["step_s"]) < 0.01 * r["tokens_per_s"] + 0.1
+        assert abs(r["mfu"] - rec["model_tflop"] / r["step_s"] / rec["matmul_peak_tflops"]) < 0.02 * r["mfu"] + 1e-3
+        assert r["peak_mem_mib"] > 0
+    # live tensor memory is counted exactly: checkpointing keeps each layer's input only
+    assert rec["checkpointing"]["peak_mem_mib"] < rec["base"]["peak_mem_mib"]
+    assert "smax_overhead" in rec and "peak_mem_chunked_over_full" in rec

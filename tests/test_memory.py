@@ -47,7 +47,38 @@ def test_estimate_counts_parameters_and_cache_like_an_independent_count():
     assert est.kv_per_sequence == per_seq and est.kv_sequences == 3000 * 2**20 // per_seq == 5
     per_block = per_seq // 4096 * 16  # the paged cache takes the whole budget, in blocks of 16 tokens
     assert est.kv_cache == 3000 * 2**20 // per_block * per_block
-    assert est.replica == est.params * 2 and est.trainer_weights == est.params  # bf16, half on each of 2 workers
+    assert est.replica == est.params * 2  # the bf16 replica
+    assert est.trainer_weights == est.params * 4 // 2  # float32 master weights, half on each of 2 workers
+    bf16_master = estimate(parse_config({"model": {"dtype": "bfloat16"}, "cluster": {"workers": 2},
+                                         "trainer": {"master_dtype": "bfloat16"}}), arch, 4096)
+    assert bf16_master.trainer_weights == est.params
+
+
+def test_activations_follow_tokens_and_checkpointing():
+    """Activations of one micro-batch: linear in its tokens; with activation checkpointing each layer keeps only
+    its input (hidden size per token) plus one layer's working set; independent of workers."""
+    arch = make_config("llama", **LLAMA8B)
+
+    def act(tokens, ckpt, workers=1):
+        cfg = parse_config({"model": {"dtype": "bfloat16"}, "cluster": {"workers": workers},
+                            "algorithm": {"micro_batch_tokens": tokens}, "trainer": {"activation_checkpointing": ckpt},
+                            "rollout": {"max_seq_len": 64}})
+        return estimate(cfg, arch, 64).activations
+
+    # per token and layer without checkpointing, by hand: 3 hidden-size vectors, q and attention output (4096
+    # each), k and v (1024 each), gate, up and their product (14336 each), in bfloat16; plus the log-prob blocks
+    per_token = 32 * (3 * 4096 + 2 * 4096 + 2 * 1024 + 3 * 14336) * 2
+    logprob_blocks = 2 * 4096 * 16384 * 4  # two float32 [tokens, chunk] blocks, chunk = 64 Mi / tokens
+    # bf16 compute over float32 master weights goes through FSDP, which gathers two decoder layers (one computing,
+    # one prefetched) and the root (embeddings, head, final norm) in bf16
+    layer = 2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336 + 2 * 4096
+    gathered = (2 * layer + 2 * 128256 * 4096 + 4096) * 2
+    assert act(4096, False) == 4096 * per_token + logprob_blocks + gathered
+    assert act(8192, False) - act(4096, False) == 4096 * per_token  # same log-prob blocks (2 x 64 Mi elements)
+    with_ckpt = act(4096, True)
+    assert with_ckpt == 32 * 4096 * 4096 * 2 + 2 * 4096 * per_token // 32 + logprob_blocks + gathered
+    assert with_ckpt < act(4096, False) / 3
+    assert act(4096, True, 2) == with_ckpt  # per worker: the micro-batch is the same whatever the worker count
 
 
 def test_a_cache_that_holds_no_sequence_is_refused_naming_the_knob():
@@ -98,3 +129,55 @@ def test_check_config_of_a_remote_run_needs_no_local_model_directory(tmp_path, c
     assert "not estimated, /models/not-here is not on this machine" in capsys.readouterr().out
     assert main(["check-config", str(tmp_path / "run.yaml")]) == 2  # a local run: the directory must exist
     assert "model.path: model directory /models/not-here does not exist" in capsys.readouterr().err
+
+
+def test_check_config_warns_loudly_about_bfloat16_master_weights(tmp_path, capsys):
+    (tmp_path / "run.yaml").write_text(json.dumps({"trainer": {"master_dtype": "bfloat16"},
+                                                   "cluster": {"ray_address": "auto"}, "model": {"path": "/x"}}))
+    assert main(["check-config", str(tmp_path / "run.yaml")]) == 0
+    assert "# warning: trainer.master_dtype is bfloat16" in capsys.readouterr().out
+    (tmp_path / "bad.yaml").write_text(json.dumps({"trainer": {"master_dtype": "bfloat16", "param_dtype": "float32"}}))
+    assert main(["check-config", str(tmp_path / "bad.yaml")]) == 2
+    assert "compute cannot be wider than the master weights" in capsys.readouterr().err
+
+
+def _k2_params_by_hand(c: dict) -> int:
+    """Kimi K2's parameter count from its config, written out layer by layer."""
+    d, h, v = c["hidden_size"], c["num_attention_heads"], c["vocab_size"]
+    qk = c["qk_nope_head_dim"] + c["qk_rope_head_dim"]
+    attn = (d * c["q_lora_rank"] + c["q_lora_rank"] + c["q_lora_rank"] * h * qk
+            + d * (c["kv_lora_rank"] + c["qk_rope_head_dim"]) + c["kv_lora_rank"]
+            + c["kv_lora_rank"] * h * (c["qk_nope_head_dim"] + c["v_head_dim"]) + h * c["v_head_dim"] * d)
+    dense = 3 * d * c["intermediate_size"]
+    experts = c["n_routed_experts"] + c["n_shared_experts"]
+    moe = c["n_routed_experts"] * d + experts * 3 * d * c["moe_intermediate_size"]
+    layers = c["num_hidden_layers"]
+    first = c["first_k_dense_replace"]
+    return 2 * v * d + d + layers * (attn + 2 * d) + first * dense + (layers - first) * moe
+
+
+def test_memory_plan_of_a_7b_dense_model_and_of_kimi_k2(capsys):
+    from rl.memory_plan import PRESETS, colocation_plan, preset
+
+    gib80 = 80 * 2**30
+    llama = colocation_plan(preset("llama-7b"), gpus=8, gpu_bytes=gib80, name="llama-7b")
+    with torch.device("meta"):
+        n = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**PRESETS["llama-7b"][1])) \
+            .num_parameters()
+    assert llama.params == n == 6_738_415_616
+    assert llama.parts["master weights (shard)"] == n * 4 // 8 == llama.parts["gradients (shard)"]
+    assert llama.parts["inference replica (share)"] == n * 2  # a full bf16 replica on every GPU
+    assert llama.fits and llama.kv_tokens > 100_000
+    assert llama.phases["rollout"] <= 0.9 * gib80
+
+    k2 = colocation_plan(preset("kimi-k2"), gpus=256, gpu_bytes=gib80, name="kimi-k2", inference_gpus=32,
+                         expert_parallel=32, micro_batch_tokens=4096)
+    assert k2.params == _k2_params_by_hand(PRESETS["kimi-k2"][1]) and 1.0e12 < k2.params < 1.05e12
+    assert k2.fits
+    # as the trainer is today (FSDP2 gathers a whole layer of 384 experts) and with a replica per GPU, it does not
+    today = colocation_plan(preset("kimi-k2"), gpus=256, gpu_bytes=gib80, name="kimi-k2", micro_batch_tokens=4096)
+    assert not today.fits and today.parts["inference replica (share)"] == k2.params * 2
+    assert main(["memory-plan", "llama-7b", "--gpus", "8"]) == 0
+    assert "fits" in capsys.readouterr().out
+    assert main(["memory-plan", "no-such-model"]) == 2
+    assert "neither a preset" in capsys.readouterr().err

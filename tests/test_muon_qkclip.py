@@ -18,7 +18,7 @@ from torch import nn
 
 from engines.distributed import chunk_rows
 from engines.inference import InferenceEngine, SamplingParams
-from engines.model import Attention, CausalLM, padded_causal_mask, positions_from_valid, track_max_logits
+from engines.model import Attention, CausalLM, DocumentMask, positions_from_valid, track_max_logits
 from rl.muon import ShardedMuon, assign_owners
 from rl.optim import build_optimizers
 from rl.qk_clip import qk_clip
@@ -65,8 +65,9 @@ def clip_batch() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def forward(model: CausalLM, ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """The trainer's forward of a right-padded batch: each row one document, padding as filler."""
     with torch.no_grad():
-        return model(ids, positions_from_valid(valid), padded_causal_mask(valid))
+        return model(ids, positions_from_valid(valid), DocumentMask.from_padded(valid))
 
 
 def attentions(model: nn.Module) -> list[Attention]:
@@ -76,40 +77,37 @@ def attentions(model: nn.Module) -> list[Attention]:
 @torch.no_grad()
 def reference_max_logits(model: CausalLM, ids: torch.Tensor, valid: torch.Tensor,
                          all_pairs: bool = False) -> list[torch.Tensor]:
-    """Per layer, per head max of q·kᵀ/√d written out from the weights: own RoPE, own mask, a loop over heads.
-
-    The pairs are those ``padded_causal_mask`` allows (causal, valid keys, plus each row's diagonal),
-    or every pair with ``all_pairs``.
-    """
+    """Per layer, per head max of q·kᵀ/√d written out from the weights in float64: own RoPE, and the pairs
+    enumerated by loops — in each row, every real token i and every real token j ≤ i (``all_pairs``: every
+    real j, later ones included); padding is never a query nor a key."""
     inputs = []  # each attention layer's input, the one thing taken from the model's own forward
     hooks = [a.register_forward_hook(lambda m, args, out: inputs.append(args[0])) for a in attentions(model)]
     forward(model, ids, valid)
     [h.remove() for h in hooks]
     cfg = model.config
     d, nh, nkv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
-    pos = (valid.long().cumsum(-1) - 1).clamp(min=0).double()
     inv = 1.0 / cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
-    ang = pos[..., None] * inv  # [B, T, d/2]
 
-    def rope(x):  # x [B, T, d], rotate pairs (i, i + d/2)
-        x1, x2 = x[..., : d // 2], x[..., d // 2:]
-        return torch.cat([x1 * ang.cos() - x2 * ang.sin(), x2 * ang.cos() + x1 * ang.sin()], -1)
+    def rope(x, pos):  # x [d] at position pos, rotate pairs (i, i + d/2)
+        ang = pos * inv
+        x1, x2 = x[: d // 2], x[d // 2:]
+        return torch.cat([x1 * ang.cos() - x2 * ang.sin(), x2 * ang.cos() + x1 * ang.sin()])
 
-    t = ids.shape[1]
-    causal = torch.arange(t)[None, :] <= torch.arange(t)[:, None]
-    allowed = (causal[None] & valid[:, None, :]) | torch.eye(t, dtype=torch.bool)[None]
-    if all_pairs:
-        allowed = torch.ones_like(allowed)
     out = []
     for x, attn in zip(inputs, attentions(model), strict=True):
         x = x.double()
         q, k = x @ attn.q_proj.weight.double().T, x @ attn.k_proj.weight.double().T
-        heads = []
-        for h in range(nh):
-            kv = h // (nh // nkv)
-            s = rope(q[..., h * d:(h + 1) * d]) @ rope(k[..., kv * d:(kv + 1) * d]).transpose(1, 2) / math.sqrt(d)
-            heads.append(s.masked_fill(~allowed, -math.inf).amax())
-        out.append(torch.stack(heads).float())
+        best = torch.full((nh,), -math.inf, dtype=torch.float64)
+        for b in range(ids.shape[0]):
+            n = int(valid[b].sum())  # right-padded: the real tokens are the first n
+            for h in range(nh):
+                kv = h // (nh // nkv)
+                for i in range(n):
+                    qi = rope(q[b, i, h * d:(h + 1) * d], i)
+                    for j in range(n if all_pairs else i + 1):
+                        s = float(qi @ rope(k[b, j, kv * d:(kv + 1) * d], j)) / math.sqrt(d)
+                        best[h] = max(best[h], s)
+        out.append(best.float())
     return out
 
 

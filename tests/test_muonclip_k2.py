@@ -19,7 +19,7 @@ from torch import nn
 
 from engines.arch import make_config
 from engines.attention import LatentAttention
-from engines.model import CausalLM, padded_causal_mask, positions_from_valid, track_max_logits
+from engines.model import CausalLM, DocumentMask, positions_from_valid, track_max_logits
 from engines.moe import Router
 from rl.muon import ShardedMuon
 from rl.optim import build_optimizers
@@ -61,8 +61,9 @@ def batch() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def run(model: CausalLM, ids, valid) -> torch.Tensor:
+    """The trainer's forward of a right-padded batch: each row one document, padding as filler."""
     with torch.no_grad():
-        return model(ids, positions_from_valid(valid), padded_causal_mask(valid))
+        return model(ids, positions_from_valid(valid), DocumentMask.from_padded(valid))
 
 
 def mla_layers(model) -> list[LatentAttention]:
@@ -80,8 +81,8 @@ def layer_inputs(model: CausalLM, ids, valid) -> list[torch.Tensor]:
 
 @torch.no_grad()
 def reference_max_logits(model: CausalLM, ids, valid, inputs: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
-    """Per layer and head, max over allowed pairs of scale·(q_C·k_C + rope(q_R)·rope(k_R)) in float64,
-    from the weights: own RMSNorm, own RoPE (pairs i, i + d/2), own mask."""
+    """Per layer and head, max over valid pairs of scale·(q_C·k_C + rope(q_R)·rope(k_R)) in float64,
+    from the weights: own RMSNorm, own RoPE (pairs i, i + d/2), the pairs enumerated by loops."""
     inputs = inputs or layer_inputs(model, ids, valid)
     cfg = model.config
     h, nope, rope_d, vd = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
@@ -95,9 +96,12 @@ def reference_max_logits(model: CausalLM, ids, valid, inputs: list[torch.Tensor]
     def rms(x, w):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps) * w.double()
 
-    t = ids.shape[1]
-    causal = torch.arange(t)[None, :] <= torch.arange(t)[:, None]
-    allowed = (causal[None] & valid[:, None, :]) | torch.eye(t, dtype=torch.bool)[None]
+    # the pairs, by loops: in each row every real query i and real key j ≤ i (padding is neither)
+    allowed = torch.zeros(ids.shape[0], ids.shape[1], ids.shape[1], dtype=torch.bool)
+    for b in range(ids.shape[0]):
+        for i in range(int(valid[b].sum())):
+            for j in range(i + 1):
+                allowed[b, i, j] = True
     scale = (nope + rope_d) ** -0.5
     out = []
     for x, a in zip(inputs, mla_layers(model), strict=True):

@@ -30,7 +30,7 @@ from engines.distributed import (
     shard_model,
     world_size,
 )
-from engines.model import CausalLM, padded_causal_mask, positions_from_valid
+from engines.model import CausalLM, attention_layers, padded_causal_mask, positions_from_valid, track_max_logits
 from engines.training import TrainingEngine
 from tests.conftest import tiny_config
 
@@ -168,7 +168,14 @@ def _two_rank_checks(me: int, world: int) -> dict:
             res[(si, clip)] = {"loss": loss, "grads": grads, "norm": norm,
                                      "weights": full_state_dict(engine.model)}
 
+    model = shard_model(_model())
+    model.activation_checkpointing = True  # FSDP2 gathers each layer again for its recompute
+    engine = _engine(model)
+    _accumulate(engine, prompts, responses, *SPLITS[0][me], _passes(SPLITS[0]), n_tokens)
+    res["checkpointed"] = {n: p.grad.full_tensor() for n, p in engine.model.named_parameters()}
+
     engine = _engine(shard_model(_model()))
+    track_max_logits(engine.model)
     with torch.no_grad():  # no-grad forwards are collective too: rank 1 pads with dummy_forward
         if me == 0:
             engine.response_logprobs(prompts[:2], responses[:2], 1.0)
@@ -176,6 +183,9 @@ def _two_rank_checks(me: int, world: int) -> dict:
             engine.dummy_forward()
     engine.dummy_backward()  # from no gradient at all: zeros
     res["dummy_from_none"] = {n: p.grad.to_local().clone() for n, p in engine.model.named_parameters()}
+    # padding passes are no queries of QK-Clip's max logit: rank 1 saw nothing
+    res["dummy_tracked"] = [a.max_logits for a in attention_layers(engine.model)]
+    track_max_logits(engine.model, False)
     _accumulate(engine, prompts, responses, *SPLITS[0][me], _passes(SPLITS[0]), n_tokens)
     before = {n: p.grad.to_local().clone() for n, p in engine.model.named_parameters()}
     engine.dummy_backward()
@@ -292,6 +302,19 @@ def test_sharded_global_grad_norm_and_clipping(ranks):
         torch.testing.assert_close(r0["weights"][n], w, atol=1e-6, rtol=1e-5, msg=n)
     for n in weights:
         assert not torch.allclose(r0["weights"][n], unclipped[n], atol=1e-4), n
+
+
+def test_activation_checkpointing_under_fsdp_gives_the_same_gradients(ranks):
+    _, grads, _, _ = _reference("adamw", 1e9)
+    for r in ranks:
+        for n, g in grads.items():
+            torch.testing.assert_close(r["checkpointed"][n], g, atol=1e-6, rtol=1e-5, msg=n)
+
+
+def test_padding_passes_do_not_count_in_the_max_logit(ranks):
+    """Rank 1 only ran dummy passes (two filler tokens each); they once counted as attention logits."""
+    assert all(m is not None and torch.isfinite(m).all() for m in ranks[0]["dummy_tracked"])
+    assert all(m is None or (m == float("-inf")).all() for m in ranks[1]["dummy_tracked"])
 
 
 def test_dummy_backward_adds_exactly_zero(ranks):

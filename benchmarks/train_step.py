@@ -1,0 +1,232 @@
+"""Training-step benchmark: tokens/s, model FLOPs utilisation and peak memory of one packed micro-batch.
+
+    python -m benchmarks.train_step --json                      # the demo model on CPU
+    python -m benchmarks.train_step --model 100m --json         # the ~88M-parameter model
+    python -m benchmarks.train_step --model 1b --device cuda --dtype bfloat16 --json   # Qwen3-shaped ~1 B (GPU)
+
+One step is the trainer's: a micro-batch of variable-length sequences packed by tokens with document
+masking (``--tokens`` in all, lengths drawn between ``--min-len`` and ``--max-len``), response
+log-probabilities scored in vocabulary chunks, max-logit tracking on, backward, Muon + AdamW step.
+Variants, timed in alternation after warm-up so that load from other processes hits them alike:
+``base``; ``checkpointing`` (activation checkpointing per decoder layer); ``no_smax`` (max-logit
+tracking off: its cost is the ratio to ``base``); ``full_logits`` (today's loss layout: the [tokens, V]
+logits materialised, for the memory comparison). MFU is (6·N·tokens + attention FLOPs on the document
+mask's pairs) / step time / the matmul peak measured in the same run (a square GEMM in the compute dtype);
+N counts every parameter but the input embedding, and recomputation is not counted (model FLOPs).
+Peak memory is the peak growth of live tensor memory during one step (on CPU from the profiler's
+allocation records, on CUDA ``max_memory_allocated``), measured in a separate step of each variant. The
+last line printed is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+
+import torch
+
+from benchmarks.rollout import MODELS
+from engines.arch import make_config
+from engines.model import CausalLM, track_max_logits
+from engines.offload import synchronize
+from engines.packing import pack
+from engines.sampling import token_logprobs
+from engines.training import TrainingEngine
+from rl.memory import ModelShape, activation_bytes, logprob_bytes
+from rl.optim import build_optimizers
+
+#: a Qwen3-shaped model of about 1 B parameters (Qwen3-1.7B's width, fewer layers), for the GPU case
+QWEN3_1B = make_config("qwen3", vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=16,
+                       num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=8192,
+                       tie_word_embeddings=True, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+CONFIGS = {**MODELS, "1b": QWEN3_1B}
+#: (tokens per micro-batch, shortest and longest sequence) per model
+WORKLOADS = {"demo": (8192, 40, 120), "100m": (2048, 128, 512), "1b": (16384, 512, 4096)}
+VARIANTS = ("base", "checkpointing", "no_smax", "full_logits")
+
+
+def matmul_peak(device: torch.device, dtype: torch.dtype, n: int | None = None, tries: int = 3) -> float:
+    """This device's FLOP/s on an n×n GEMM in ``dtype`` (best of ``tries``)."""
+    n = n or (8192 if device.type == "cuda" else 1024)
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    a @ b
+    best = float("inf")
+    for _ in range(tries):
+        synchronize(device)
+        t0 = time.perf_counter()
+        a @ b
+        synchronize(device)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n ** 3 / best
+
+
+def make_batch(tokens: int, min_len: int, max_len: int, vocab: int, seed: int = 0):
+    """Prompts and responses (half each, at least one token) of lengths in [min_len, max_len], ``tokens`` in all."""
+    rng = random.Random(seed)
+    prompts, responses, total = [], [], 0
+    while total < tokens:
+        n = min(rng.randint(min_len, max_len), tokens - total)
+        if n < 2:
+            break
+        p = max(1, n // 2)
+        prompts.append([rng.randrange(2, vocab) for _ in range(p)])
+        responses.append([rng.randrange(2, vocab) for _ in range(n - p)])
+        total += n
+    return prompts, responses
+
+
+def model_flops(model: CausalLM, prompts, responses) -> float:
+    """6·N·tokens (N without the input embedding) + attention's 6·2·pairs·head_dim·heads per layer."""
+    cfg = model.config
+    n = sum(p.numel() for p in model.parameters()) - model.model.embed_tokens.weight.numel()
+    if cfg.tie_word_embeddings:
+        n += model.lm_head.weight.numel()  # the head's matmul runs even though its weight is the embedding's
+    lengths = [len(p) + len(r) for p, r in zip(prompts, responses, strict=True)]
+    pairs = sum(n_ * (n_ + 1) // 2 if cfg.sliding_window is None else
+                sum(min(i + 1, cfg.sliding_window) for i in range(n_)) for n_ in lengths)
+    qk_dim = cfg.qk_head_dim if cfg.is_mla else cfg.head_dim
+    v_dim = cfg.v_head_dim if cfg.is_mla else cfg.head_dim
+    attention = 3 * 2 * pairs * (qk_dim + v_dim) * cfg.num_attention_heads * cfg.num_hidden_layers
+    return 6 * n * sum(lengths) + attention
+
+
+def _step(engine: TrainingEngine, prompts, responses, variant: str) -> None:
+    model = engine.model
+    model.activation_checkpointing = variant == "checkpointing"
+    track_max_logits(model, variant != "no_smax")
+    n = sum(map(len, responses))
+    if variant == "full_logits":
+        batch = pack(prompts, responses, engine.pad_id, engine.attention).to(engine.device)
+        logits = model(batch.ids, batch.positions, batch.mask)
+        lp = token_logprobs(logits, 1.0).gather(-1, batch.targets.clamp(min=0)[..., None]).squeeze(-1)
+        loss = -(lp * (batch.targets >= 0)).sum() / n
+    else:
+        loss = -engine.score(prompts, responses, 1.0).logprobs.sum() / n
+    loss.backward()
+    engine.step()
+
+
+def peak_tensor_bytes(fn, *args) -> int:
+    """Peak growth of live tensor memory while ``fn(*args)`` runs on CPU: every allocation and free the profiler
+    records, summed in time order (the allocator's caching and the process's RSS do not enter)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn(*args)
+    live = peak = 0
+    for e in sorted(prof.events(), key=lambda e: e.time_range.start):
+        live += e.self_cpu_memory_usage
+        peak = max(peak, live)
+    return peak
+
+
+def _timed(engine: TrainingEngine, prompts, responses, variant: str) -> float:
+    synchronize(engine.device)
+    t0 = time.perf_counter()
+    _step(engine, prompts, responses, variant)
+    synchronize(engine.device)
+    return time.perf_counter() - t0
+
+
+def _peak_memory(engine: TrainingEngine, prompts, responses, variant: str) -> int:
+    dev = engine.device
+    if dev.type == "cuda":
+        synchronize(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        base = torch.cuda.memory_allocated(dev)
+        _step(engine, prompts, responses, variant)
+        synchronize(dev)
+        return torch.cuda.max_memory_allocated(dev) - base
+    return peak_tensor_bytes(_step, engine, prompts, responses, variant)
+
+
+def measure(model_name: str, repeats: int = 3, warmup: int = 1, device: str = "cpu", dtype: str = "float32",
+            tokens: int | None = None, seed: int = 0, variants: tuple[str, ...] = VARIANTS) -> dict:
+    """Build the model, time every variant ``repeats`` times in alternation; returns the JSON record."""
+    dev = torch.device(device)
+    cfg = CONFIGS[model_name]
+    torch.manual_seed(seed)
+    model = CausalLM(cfg).to(dev)
+    compute = getattr(torch, dtype)
+    if compute != torch.float32:  # float32 master weights, bf16 compute: FSDP's mixed precision, as the trainer
+        from checkpoint_engine.update import free_port
+        from engines.distributed import init_distributed, shard_model
+
+        init_distributed(0, 1, f"tcp://127.0.0.1:{free_port()}", device=device)
+        model = shard_model(model, param_dtype=dtype)
+    n_tok, lo, hi = WORKLOADS[model_name]
+    n_tok = tokens or n_tok
+    prompts, responses = make_batch(n_tok, lo, hi, cfg.vocab_size, seed)
+    engine = TrainingEngine(model, build_optimizers(model, "muon", 1e-4, 0.0), pad_id=0)
+    times: dict[str, list[float]] = {v: [] for v in variants}
+    for i in range(warmup + repeats):
+        for v in variants:
+            t = _timed(engine, prompts, responses, v)
+            if i >= warmup:
+                times[v].append(t)
+    peaks = {v: _peak_memory(engine, prompts, responses, v) for v in variants}  # apart: the profiler slows steps
+    peak_flops = matmul_peak(dev, compute)
+    flops = model_flops(model, prompts, responses)
+    total = sum(len(p) + len(r) for p, r in zip(prompts, responses, strict=True))
+    shape = ModelShape.of(cfg)
+    out = {"model": model_name, "device": device, "dtype": dtype, "threads": torch.get_num_threads(),
+           "params": sum(p.numel() for p in model.parameters()), "tokens": total, "sequences": len(prompts),
+           "attention": engine.attention, "model_tflop": round(flops / 1e12, 4),
+           "matmul_peak_tflops": round(peak_flops / 1e12, 4), "repeats": repeats}
+    for v in variants:
+        step = statistics.median(times[v])
+        out[v] = {"step_s": round(step, 4), "tokens_per_s": round(total / step, 1),
+                  "mfu": round(flops / step / peak_flops, 4), "peak_mem_mib": round(peaks[v] / 2**20, 1),
+                  "all_s": [round(t, 4) for t in times[v]]}
+    if "no_smax" in variants:
+        out["smax_overhead"] = round(out["base"]["step_s"] / out["no_smax"]["step_s"] - 1, 4)
+    if "full_logits" in variants and peaks["full_logits"]:
+        out["peak_mem_chunked_over_full"] = round(peaks["base"] / peaks["full_logits"], 3)
+    if "checkpointing" in variants and peaks["base"]:
+        out["peak_mem_checkpointing_over_base"] = round(peaks["checkpointing"] / peaks["base"], 3)
+    cb = compute.itemsize
+    out["predicted_activations_mib"] = {
+        "base": round((activation_bytes(shape, total, cb, False) + logprob_bytes(total, cfg.vocab_size)) / 2**20, 1),
+        "checkpointing": round((activation_bytes(shape, total, cb, True) + logprob_bytes(total, cfg.vocab_size))
+                               / 2**20, 1)}
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Command-line entry point; prints a summary and, with --json, the record as the last line."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", choices=sorted(CONFIGS), default="demo")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="compute dtype")
+    ap.add_argument("--tokens", type=int, help=f"tokens per micro-batch (default per model: {WORKLOADS})")
+    ap.add_argument("--repeats", type=int, default=3, help="timed steps per variant, median reported")
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
+    ap.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
+    ap.add_argument("--json", action="store_true", help="print the JSON record as the last line")
+    args = ap.parse_args(argv)
+    if args.repeats < 1 or args.warmup < 0:
+        ap.error("--repeats must be >= 1 and --warmup >= 0")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        ap.error("--device cuda: no CUDA device here")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    rec = measure(args.model, args.repeats, args.warmup, args.device, args.dtype, args.tokens,
+                  variants=tuple(args.variants))
+    print(f"model {rec['model']}: {rec['params'] / 1e6:.1f}M params, {rec['tokens']} tokens in {rec['sequences']} "
+          f"sequences ({rec['attention']}), matmul peak {rec['matmul_peak_tflops'] * 1e3:.1f} GFLOP/s")
+    for v in args.variants:
+        r = rec[v]
+        print(f"  {v:<14} {r['step_s']:8.3f} s/step  {r['tokens_per_s']:10.1f} tok/s  MFU {r['mfu']:.3f}  "
+              f"peak {r['peak_mem_mib']:.0f} MiB")
+    if args.json:
+        print(json.dumps(rec))
+    return rec
+
+
+if __name__ == "__main__":
+    main()

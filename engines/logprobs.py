@@ -1,0 +1,87 @@
+"""Log-probabilities of chosen tokens without the full logits: the vocabulary is scored in chunks.
+
+``selected_logprobs(hidden, weight, targets, inv_temp)`` returns log softmax(hidden·Wᵀ·inv_temp)[target]
+for every row, and the entropy of each row's distribution, holding at most one [N, chunk] block of
+logits at a time in the forward and again in the backward (which recomputes the chunks instead of
+keeping them). Peak memory grows with N·chunk, not with N·vocabulary. Each chunk's logits are the
+matmul in the weights' dtype, then float32, exactly as the inference engine scores a token (its
+``lm_head`` output, ``.float()``, divided by the temperature), so the two agree to float32 rounding.
+"""
+
+from __future__ import annotations
+
+import torch
+
+#: Elements of one [N, chunk] block of float32 logits (64 Mi elements = 256 MiB).
+CHUNK_ELEMENTS = 1 << 26
+MIN_CHUNK = 256
+
+
+def vocab_chunk(rows: int, vocab: int, budget: int | None = None) -> int:
+    """Vocabulary entries per chunk: as many as fit ``budget`` (default ``CHUNK_ELEMENTS``) elements for ``rows``
+    rows, at least MIN_CHUNK."""
+    budget = CHUNK_ELEMENTS if budget is None else budget
+    return max(min(vocab, MIN_CHUNK), min(vocab, budget // max(1, rows)))
+
+
+class _SelectedLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, inv_temp, chunk):
+        n, vocab = hidden.shape[0], weight.shape[0]
+        dev = hidden.device
+        best = torch.full((n,), float("-inf"), device=dev)
+        total = torch.zeros(n, device=dev)        # Σ exp(z - best)
+        weighted = torch.zeros(n, device=dev)     # Σ exp(z - best)·z, for the entropy
+        chosen = torch.zeros(n, device=dev)
+        scale = inv_temp[:, None]
+        for lo in range(0, vocab, chunk):
+            z = (hidden @ weight[lo:lo + chunk].T).float() * scale
+            inside = (targets >= lo) & (targets < lo + z.shape[1])
+            rows = inside.nonzero().squeeze(-1)
+            chosen[rows] = z[rows, targets[rows] - lo]
+            new_best = torch.maximum(best, z.amax(dim=-1))
+            keep = torch.exp(best - new_best)
+            e = torch.exp(z - new_best[:, None])
+            total = total * keep + e.sum(dim=-1)
+            weighted = weighted * keep + (e * z).sum(dim=-1)
+            best = new_best
+        lse = best + total.log()
+        ctx.save_for_backward(hidden, weight, targets, inv_temp, lse)
+        ctx.chunk = chunk
+        entropy = lse - weighted / total
+        ctx.mark_non_differentiable(entropy)
+        return chosen - lse, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logp, _grad_entropy):
+        hidden, weight, targets, inv_temp, lse = ctx.saved_tensors
+        chunk, vocab = ctx.chunk, weight.shape[0]
+        # d log p(y) / d z_v = 1[v = y] − p_v, and z = inv_temp · h·wᵀ
+        g = (grad_logp.float() * inv_temp)[:, None]
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_h = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) if need_h else None
+        grad_w = torch.empty_like(weight) if need_w else None
+        for lo in range(0, vocab, chunk):
+            w = weight[lo:lo + chunk]
+            z = (hidden @ w.T).float() * inv_temp[:, None]
+            coef = torch.exp(z - lse[:, None]).mul_(-g)
+            inside = (targets >= lo) & (targets < lo + w.shape[0])
+            rows = inside.nonzero().squeeze(-1)
+            coef[rows, targets[rows] - lo] += g[rows, 0]
+            coef = coef.to(hidden.dtype)
+            if need_h:
+                grad_h += (coef @ w).float()
+            if need_w:
+                grad_w[lo:lo + chunk] = coef.T @ hidden
+        return (grad_h.to(hidden.dtype) if need_h else None), grad_w, None, None, None
+
+
+def selected_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                      inv_temp: torch.Tensor | float = 1.0,
+                      chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-prob of ``targets`` [N] float32, entropy [N] float32 without gradient) under
+    softmax(hidden·weightᵀ·inv_temp) for hidden [N, D], weight [V, D]; ``inv_temp`` one number or [N]."""
+    n = hidden.shape[0]
+    inv = torch.as_tensor(inv_temp, dtype=torch.float32, device=hidden.device).expand(n).contiguous()
+    chunk = chunk or vocab_chunk(n, weight.shape[0])
+    return _SelectedLogprobs.apply(hidden, weight, targets, inv, chunk)

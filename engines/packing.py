@@ -1,0 +1,192 @@
+"""Packed variable-length batches for training: sequences laid end to end in rows, with document masking.
+
+A micro-batch of sequences becomes a few rows of concatenated tokens (first-fit decreasing, so a row
+wastes only its tail); each token knows its document and its position inside it, so RoPE restarts
+per sequence and attention never crosses from one sequence into the next. Tokens past the last
+document of a row are filler: they attend to themselves only (the dense path) or to nothing (flex),
+and they are never queries of the max-logit statistic nor targets of the loss.
+
+Two ways to run the masked attention, the same pairs either way:
+- ``sdpa``: a dense boolean mask [R, 1, W, W] with ``scaled_dot_product_attention``; rows are as wide
+  as the longest sequence, so the mask stays small. The CPU path.
+- ``flex``: ``torch.nn.attention.flex_attention`` with a ``BlockMask`` built from the document ids, so
+  whole blocks outside every document are skipped; one wide row per micro-batch. The GPU path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+#: The flex path's row is the micro-batch's tokens rounded up to a power of two of at least this many: the
+#: compiled kernel then sees a handful of shapes (a full micro-batch of a power-of-two budget wastes nothing;
+#: only each rank's last, partial one carries filler).
+FLEX_MIN_ROW = 512
+FLEX_BLOCK = 128
+
+
+def first_fit_rows(lengths: Sequence[int], width: int) -> list[list[int]]:
+    """Indices of ``lengths`` grouped into rows of at most ``width`` tokens, longest first (first fit)."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for i in order:
+        if lengths[i] > width:
+            raise ValueError(f"a sequence of {lengths[i]} tokens does not fit a row of {width}")
+        for r, free in enumerate(room):
+            if lengths[i] <= free:
+                rows[r].append(i)
+                room[r] -= lengths[i]
+                break
+        else:
+            rows.append([i])
+            room.append(width - lengths[i])
+    return rows
+
+
+@dataclass
+class DocumentMask:
+    """Which (query, key) pairs of packed rows may attend: same document, key not after the query and,
+    with ``window``, less than ``window`` positions behind it. ``doc`` is -1 on filler tokens."""
+
+    doc: torch.Tensor        # [R, W] long
+    positions: torch.Tensor  # [R, W] long, position inside its document
+    backend: str = "sdpa"
+    window: int | None = None
+    _cache: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def query_valid(self) -> torch.Tensor:
+        """[R, W] bool: the tokens that belong to a document (filler excluded)."""
+        return self.doc >= 0
+
+    def with_window(self, window: int | None) -> DocumentMask:
+        """The same packing limited to a sliding window (shares the cached masks of this packing)."""
+        if window == self.window:
+            return self
+        return DocumentMask(self.doc, self.positions, self.backend, window, self._cache)
+
+    def dense(self) -> torch.Tensor:
+        """Boolean [R, 1, W, W] (True = may attend); filler rows keep their own diagonal so softmax
+        never sees an empty row."""
+        key = ("dense", self.window)
+        if key not in self._cache:
+            w = self.doc.shape[1]
+            idx = torch.arange(w, device=self.doc.device)
+            allowed = (self.doc[:, :, None] == self.doc[:, None, :]) & (idx[None, :, None] >= idx[None, None, :])
+            allowed &= self.query_valid[:, :, None]
+            if self.window is not None:
+                allowed &= (idx[:, None] - idx[None, :] < self.window)[None]
+            allowed |= torch.eye(w, dtype=torch.bool, device=self.doc.device)[None]
+            self._cache[key] = allowed[:, None]
+        return self._cache[key]
+
+    def block_mask(self):
+        """The flex_attention ``BlockMask`` of these pairs (filler attends to nothing)."""
+        key = ("block", self.window)
+        if key not in self._cache:
+            from torch.nn.attention.flex_attention import create_block_mask
+
+            doc, window = self.doc, self.window
+
+            def mask_mod(b, h, q, k):
+                same = (doc[b, q] == doc[b, k]) & (doc[b, q] >= 0) & (q >= k)
+                return same if window is None else same & (q - k < window)
+
+            r, w = doc.shape
+            # compiled on GPU so the [R, W, W] mask is never materialised; eager elsewhere (tests on CPU)
+            self._cache[key] = create_block_mask(mask_mod, r, None, w, w, device=doc.device, BLOCK_SIZE=FLEX_BLOCK,
+                                                 _compile=doc.device.type == "cuda")
+        return self._cache[key]
+
+    @classmethod
+    def from_padded(cls, valid: torch.Tensor, backend: str = "sdpa") -> DocumentMask:
+        """One document per row of a right-padded batch (``valid`` [B, T]); padding is filler."""
+        doc = torch.where(valid, torch.arange(valid.shape[0], device=valid.device)[:, None], -1)
+        return cls(doc, (valid.long().cumsum(-1) - 1).clamp(min=0), backend)
+
+
+@dataclass
+class PackedBatch:
+    """Prompt+response sequences packed into rows, with what the loss needs to find each response token.
+
+    ``targets`` [R, W] holds, at each position whose next token is a response token, that token's id
+    (-1 elsewhere); ``target_seq`` / ``target_index`` name the sequence and the response-token index of
+    each target, in the row-major order ``targets >= 0`` selects them.
+    """
+
+    ids: torch.Tensor
+    mask: DocumentMask
+    targets: torch.Tensor
+    target_seq: torch.Tensor
+    target_index: torch.Tensor
+    response_lengths: list[int]
+
+    @property
+    def positions(self) -> torch.Tensor:
+        return self.mask.positions
+
+    @property
+    def tokens(self) -> int:
+        """Tokens of the sequences (filler excluded)."""
+        return int(self.mask.query_valid.sum())
+
+    def to(self, device: torch.device | str) -> PackedBatch:
+        m = self.mask
+        return PackedBatch(self.ids.to(device), DocumentMask(m.doc.to(device), m.positions.to(device), m.backend),
+                           self.targets.to(device), self.target_seq.to(device), self.target_index.to(device),
+                           self.response_lengths)
+
+    def per_sequence(self, values: torch.Tensor) -> torch.Tensor:
+        """Per-target ``values`` [N] laid out as [sequences, longest response] (0 past each response)."""
+        out = values.new_zeros(len(self.response_lengths), max(self.response_lengths, default=0))
+        return out.index_put((self.target_seq, self.target_index), values)
+
+    def response_mask(self) -> torch.Tensor:
+        """[sequences, longest response] bool: True on each sequence's response tokens."""
+        width = max(self.response_lengths, default=0)
+        lengths = torch.tensor(self.response_lengths, device=self.ids.device)
+        return torch.arange(width, device=self.ids.device)[None] < lengths[:, None]
+
+
+def pack(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], pad_id: int,
+         backend: str = "sdpa", width: int | None = None) -> PackedBatch:
+    """Pack prompt+response pairs into rows with document masking.
+
+    ``sdpa``: rows as wide as the longest sequence (or ``width``). ``flex``: one row of all tokens,
+    padded to a power of two of at least ``FLEX_MIN_ROW`` (``width``: rows of that many tokens instead).
+    """
+    seqs = [list(p) + list(r) for p, r in zip(prompts, responses, strict=True)]
+    lengths = [len(s) for s in seqs]
+    if not seqs or any(len(p) == 0 for p in prompts):
+        raise ValueError("every sequence needs a prompt of at least one token")
+    if width is None:
+        if backend == "flex":
+            width = max(FLEX_MIN_ROW, 1 << (sum(lengths) - 1).bit_length())
+        else:
+            width = max(lengths)
+    rows = first_fit_rows(lengths, width)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    doc = torch.full((len(rows), width), -1, dtype=torch.long)
+    pos = torch.zeros((len(rows), width), dtype=torch.long)
+    targets = torch.full((len(rows), width), -1, dtype=torch.long)
+    # the row-major order of targets decides the order of the flat outputs; record it per position
+    seq_at = torch.full((len(rows), width), -1, dtype=torch.long)
+    index_at = torch.zeros((len(rows), width), dtype=torch.long)
+    for r, members in enumerate(rows):
+        start = 0
+        for i in members:
+            n, p = lengths[i], len(prompts[i])
+            ids[r, start:start + n] = torch.tensor(seqs[i])
+            doc[r, start:start + n] = i
+            pos[r, start:start + n] = torch.arange(n)
+            # the logits at position p-1+j predict response token j
+            targets[r, start + p - 1:start + n - 1] = torch.tensor(seqs[i][p:])
+            seq_at[r, start + p - 1:start + n - 1] = i
+            index_at[r, start + p - 1:start + n - 1] = torch.arange(n - p)
+            start += n
+    chosen = targets >= 0
+    return PackedBatch(ids, DocumentMask(doc, pos, backend), targets, seq_at[chosen], index_at[chosen],
+                       [len(r) for r in responses])

@@ -1,0 +1,62 @@
+"""Learning health: warnings, in the log and as metrics, when the policy's entropy or its reward collapses.
+
+Each iteration's record is checked against the run's own history (so a resumed run replays its
+``metrics.jsonl`` first):
+- ``warn_entropy_collapse``: the policy entropy fell below ``entropy_ratio`` of its first measured value
+  (the policy became nearly deterministic: the K samples of a prompt stop differing, and so do rewards);
+- ``warn_reward_collapse``: the mean reward of the last ``window`` iterations fell below ``reward_ratio``
+  of the best such mean so far (a too large learning rate typically does this within a few iterations);
+- ``warn_no_signal``: no prompt group had rewards that differ, so the RL loss was empty.
+Each is 1 on the iterations where it holds and 0 otherwise.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+
+class HealthMonitor:
+    def __init__(self, entropy_ratio: float = 0.25, reward_ratio: float = 0.5, window: int = 5,
+                 min_reward: float = 0.05) -> None:
+        self.entropy_ratio, self.reward_ratio, self.window, self.min_reward = (entropy_ratio, reward_ratio, window,
+                                                                               min_reward)
+        self.first_entropy: float | None = None
+        self.rewards: deque[float] = deque(maxlen=window)
+        self.best_reward_mean = float("-inf")
+
+    def check(self, rec: dict[str, Any]) -> list[str]:
+        """Add the ``warn_*`` flags to ``rec``; returns the warnings to print."""
+        out = []
+        entropy = rec.get("entropy")
+        flag = False
+        if entropy is not None:
+            if self.first_entropy is None:
+                self.first_entropy = entropy
+            elif entropy < self.entropy_ratio * self.first_entropy:
+                flag = True
+                out.append(f"policy entropy collapsed: {entropy:.3f} nats per token, {self.entropy_ratio:.0%} of the "
+                           f"first iteration's {self.first_entropy:.3f} is the floor (lower optimizer.lr?)")
+        rec["warn_entropy_collapse"] = int(flag)
+        flag = False
+        if "reward_mean" in rec:
+            self.rewards.append(rec["reward_mean"])
+            if len(self.rewards) == self.window:
+                mean = sum(self.rewards) / self.window
+                if self.best_reward_mean > self.min_reward and mean < self.reward_ratio * self.best_reward_mean:
+                    flag = True
+                    out.append(f"reward collapsed: {mean:.3f} over the last {self.window} iterations against a best "
+                               f"of {self.best_reward_mean:.3f} (lower optimizer.lr?)")
+                self.best_reward_mean = max(self.best_reward_mean, mean)
+        rec["warn_reward_collapse"] = int(flag)
+        stepless = bool(rec.get("trained_samples", 1)) and rec.get("optimizer_steps") == 0
+        no_signal = rec.get("groups_trained") == 0 or stepless
+        rec["warn_no_signal"] = int(bool(no_signal))
+        if no_signal:
+            out.append("no prompt group had rewards that differ: the RL loss was empty this iteration")
+        return out
+
+    def replay(self, records: list[dict[str, Any]]) -> None:
+        """Catch up with the iterations of an earlier attempt (``--resume``)."""
+        for rec in records:
+            self.check(dict(rec))

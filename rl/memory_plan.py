@@ -1,0 +1,108 @@
+"""Per-GPU memory of training + inference colocation for a large model, on paper (``rl memory-plan``).
+
+The trainer is this project's: FSDP2 over ``gpus`` ranks (master weights, gradients and optimizer state
+sharded), one decoder layer gathered at a time in the compute dtype (with ``expert_parallel`` > 1, as a
+plan only, each GPU would gather 1/e of a layer's routed experts), activations of one packed
+micro-batch (``rl.memory``). The inference side holds one replica per ``inference_gpus`` GPUs (1: a full
+replica on every GPU, what this project's engine does today; more: weights and KV cache split over a
+tensor- or expert-parallel group, which the engine does not do yet). Three phases take turns on each GPU:
+rollout (replica + KV cache, the trainer offloaded), training (trainer state + working set, the KV cache
+freed and, at ``sleep_level`` 2, the replica too) and the weight update (replica + KV cache + the
+checkpoint engine's three bucket buffers). The KV cache gets what the rollout phase leaves of the usable
+memory, reported as tokens per replica.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from engines.arch import ModelConfig, make_config
+from engines.kv_cache import bytes_per_token
+from rl.memory import GiB, ModelShape, trainer_bytes, training_working_set
+
+#: Model shapes by name, as their Hugging Face configs give them (random weights are never built).
+PRESETS = {
+    # Llama 2 7B
+    "llama-7b": ("llama", dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                               num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096)),
+    # Qwen2.5 7B
+    "qwen2.5-7b": ("qwen2", dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                                 num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=32768)),
+    # Kimi K2 (DeepSeek-V3 architecture: 61 layers, 384 experts of which 8 per token plus one shared, MLA)
+    "kimi-k2": ("deepseek_v3", dict(vocab_size=163840, hidden_size=7168, intermediate_size=18432,
+                                    moe_intermediate_size=2048, num_hidden_layers=61, num_attention_heads=64,
+                                    num_key_value_heads=64, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
+                                    qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=384, n_shared_experts=1,
+                                    num_experts_per_tok=8, n_group=1, topk_group=1, first_k_dense_replace=1,
+                                    routed_scaling_factor=2.827, max_position_embeddings=131072)),
+}
+#: usable share of a GPU's memory (the allocator's fragmentation, the CUDA context, NCCL buffers)
+USABLE = 0.9
+
+
+def preset(name: str) -> ModelConfig:
+    """The architecture of a preset (``PRESETS``)."""
+    family, kw = PRESETS[name]
+    return make_config(family, bos_token_id=None, eos_token_id=None, pad_token_id=None, **kw)
+
+
+@dataclass
+class ColocationPlan:
+    model: str
+    params: int
+    gpus: int
+    gpu_bytes: int
+    inference_gpus: int
+    parts: dict[str, int] = field(default_factory=dict)     # per GPU
+    phases: dict[str, int] = field(default_factory=dict)    # per GPU, the sum of what each phase holds
+    kv_tokens: int = 0                                      # KV-cache tokens per replica that fit
+
+    @property
+    def fits(self) -> bool:
+        return max(self.phases.values()) <= USABLE * self.gpu_bytes and self.kv_tokens > 0
+
+    def table(self) -> str:
+        lines = [f"{self.model}: {self.params / 1e9:,.1f} B parameters on {self.gpus} GPUs of "
+                 f"{self.gpu_bytes / GiB:.0f} GiB, one inference replica per {self.inference_gpus} GPU(s)",
+                 "per GPU:"]
+        width = max(map(len, [*self.parts, *self.phases])) + 2
+        lines += [f"  {k:<{width}}{v / GiB:>10.2f} GiB" for k, v in self.parts.items()]
+        lines.append("phases (each holds its parts at once):")
+        lines += [f"  {k:<{width}}{v / GiB:>10.2f} GiB" for k, v in self.phases.items()]
+        lines.append(f"usable ({USABLE:.0%} of the GPU): {USABLE * self.gpu_bytes / GiB:.1f} GiB; KV cache for "
+                     f"{self.kv_tokens:,} tokens per replica; {'fits' if self.fits else 'does NOT fit'}")
+        return "\n".join(lines)
+
+
+def colocation_plan(arch: ModelConfig, *, gpus: int, gpu_bytes: int, inference_gpus: int = 1, name: str = "model",
+                    master_dtype: str = "float32", compute_dtype: str = "bfloat16", rollout_dtype: str = "bfloat16",
+                    optimizer: str = "muon", micro_batch_tokens: int = 16384, activation_checkpointing: bool = True,
+                    offload: bool = True, sleep_level: int = 2, bucket_bytes: int = 512 << 20,
+                    expert_parallel: int = 1, shape: ModelShape | None = None) -> ColocationPlan:
+    """The per-GPU memory of each phase of a colocated run of ``arch`` (see the module's docstring)."""
+    if gpus % inference_gpus or gpus % expert_parallel:
+        raise ValueError(f"{gpus} GPUs do not split into groups of {inference_gpus} (inference) and "
+                         f"{expert_parallel} (expert parallel)")
+    shape = shape or ModelShape.of(arch)
+    weights, grads, opt = trainer_bytes(shape, gpus, master_dtype, optimizer)
+    work = training_working_set(shape, micro_batch_tokens, compute_dtype, activation_checkpointing, gpus > 1,
+                                expert_parallel)
+    replica = -(-shape.params * getattr(torch, rollout_dtype).itemsize // inference_gpus)
+    trainer = weights + grads + opt
+    buffers = 3 * bucket_bytes
+    usable = int(USABLE * gpu_bytes)
+    kv_room = max(0, usable - replica - buffers - (0 if offload else trainer))
+    per_token = -(-bytes_per_token(arch, getattr(torch, rollout_dtype)) // inference_gpus)
+    kv_tokens = kv_room // per_token
+    kv = kv_tokens * per_token
+    plan = ColocationPlan(name, shape.params, gpus, gpu_bytes, inference_gpus, kv_tokens=kv_tokens)
+    plan.parts = {"master weights (shard)": weights, "gradients (shard)": grads, "optimizer state (shard)": opt,
+                  f"training working set ({micro_batch_tokens} tokens)": work,
+                  "inference replica (share)": replica, "KV cache (what is left)": kv,
+                  "checkpoint-engine buffers": buffers}
+    plan.phases = {"rollout": replica + kv + (0 if offload else trainer),
+                   "training": trainer + work + (replica if sleep_level < 2 else 0) + (kv if sleep_level == 0 else 0),
+                   "weight update": replica + kv + buffers + (0 if offload else trainer)}
+    return plan
