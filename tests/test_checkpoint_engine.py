@@ -19,10 +19,12 @@ from checkpoint_engine.engine import write_trailer
 from checkpoint_engine.local import (
     Sharding,
     Step,
+    digest,
     expected_digests,
     make_tensor,
     run_scenario,
     save_checkpoint,
+    shard_digests,
     synthetic_params,
 )
 from checkpoint_engine.shm import SharedBuffer
@@ -155,14 +157,86 @@ def test_missing_or_damaged_checkpoint_is_named(tmp_path):
         read_index(checkpoint_files(tmp_path))
 
 
-def test_restarted_replica_catches_up_without_the_others_loading():
-    steps = [Step("update", 1), Step("restart", rank=1), Step("catch_up", 1, rank=1)]
-    run = run_scenario(MIXED, 2, BUCKET, steps)
+@pytest.mark.parametrize(("nodes", "peer"), [(1, 0), (2, 0)])
+def test_restarted_replica_catches_up_from_one_peer_while_the_others_take_no_part(nodes, peer):
+    """Replica 2 restarts empty and copies replica 0's weights point to point: through the node's
+    shared buffers when they share a node, over gloo when not (2 nodes: workers 0, 1 | 2). The third
+    worker makes no call at all during the catch-up; had the engine needed it, the step would hang."""
+    steps = [Step("update", 1), Step("update", 2), Step("restart", rank=2), Step("catch_up", rank=2, peer=peer)]
+    run = run_scenario(MIXED, 3, BUCKET, steps, nodes=nodes)
     n = run.results[0]["buckets"]
-    assert run.results[0]["loads"] == n      # replica 0 loaded the first update only
-    assert run.results[1]["loads"] == n      # the restarted replica loaded the catch-up only
+    assert all(res["errors"] == {} for res in run.results.values())
+    assert run.results[2]["loads"] == n      # the restarted replica loaded the catch-up only
+    for r in (0, 1):
+        assert run.results[r]["loads"] == 2 * n  # the two updates: packing loads nothing
     for res in run.results.values():
-        assert res["digests"] == expected_digests(MIXED, Sharding(), 1) and res["version"] == 1
+        assert res["digests"] == expected_digests(MIXED, Sharding(), 2) and res["version"] == 2
+    assert len(run.update_s) == 3 and run.update_s[-1] > 0  # the restarted worker timed its catch-up
+
+
+def test_catch_up_from_a_replica_without_weights_is_refused():
+    steps = [Step("update", 1), Step("restart", rank=0), Step("restart", rank=1), Step("catch_up", rank=1, peer=0)]
+    run = run_scenario(MIXED, 2, BUCKET, steps)
+    assert "holds no complete update" in run.results[0]["errors"][3]
+    assert "could not send bucket 0" in run.results[1]["errors"][3]
+    assert run.results[1]["version"] is None and run.results[1]["consistent"]
+
+
+# FP8: matrices whose shapes are not multiples of the block, and a block of 32 rows so that FSDP-like
+# row shards over 3 workers (67 rows each) cut blocks in two
+FP8_SPECS = [TensorSpec("w.a", (200, 136), "bfloat16", 200 * 136 * 2),
+             TensorSpec("w.norm", (136,), "float32", 136 * 4),
+             TensorSpec("w.b", (64, 300), "float32", 64 * 300 * 4)]
+
+
+@pytest.mark.parametrize(("split_rows", "nodes", "shard"), [(False, 1, False), (True, 2, False), (True, 1, True)])
+def test_fp8_update_equals_the_reference_quantisation(split_rows, nodes, shard):
+    """Owners quantise their rows bucket by bucket (an FSDP-like split cuts blocks between workers, whose
+    maxima are combined): every replica holds exactly ``engines.fp8.quantize`` of the trainer's weights,
+    and the wire carries about a byte per element instead of two (or four)."""
+    from checkpoint_engine.synthetic import SyntheticModel
+
+    model = SyntheticModel(tuple(FP8_SPECS), 3, split_rows, fp8=True, block=32)
+    plan = model.plan(4096)
+    assert plan.fp8 == {"w.a": "w.a_scale_inv", "w.b": "w.b_scale_inv"}
+    wire = sum(t.nbytes for t in plan.tensors.values())
+    assert wire < 0.51 * (200 * 136 * 2 + 64 * 300 * 2) + 136 * 4 + 4 * (7 * 5 + 2 * 10)
+    run = run_scenario(FP8_SPECS, 3, 4096, [Step("update", 1), Step("update", 2)], split_rows=split_rows, nodes=nodes,
+                       fp8=True, block=32, shard_inference=shard)
+    ref = model.reference(2)
+    for r, res in run.results.items():
+        assert res["errors"] == {} and res["version"] == 2
+        assert res["digests"] == shard_digests(ref, Sharding(r, 3) if shard else Sharding())
+
+
+def test_fp8_checkpoint_starts_replicas_as_stored_and_trainers_dequantised(tmp_path):
+    """A block-FP8 checkpoint (F8_E4M3 matrices, float32 ``_scale_inv``) is read once: FP8 replicas get
+    its bytes, each worker's trainer rows (starting inside a block) get them dequantised."""
+    from checkpoint_engine.synthetic import SyntheticModel
+    from engines.fp8 import dequantize
+
+    save_checkpoint(FP8_SPECS, 5, tmp_path, files=2, fp8=True, block=32)
+    run = run_scenario(FP8_SPECS, 3, 4096, [Step("startup", 5, path=str(tmp_path), trainer=True)], split_rows=True,
+                       fp8=True, block=32)
+    model = SyntheticModel(tuple(FP8_SPECS), 3, split_rows=True, fp8=True, block=32)
+    ref = model.reference(5)
+    for r, res in run.results.items():
+        assert res["errors"] == {} and res["digests"] == shard_digests(ref, Sharding())
+        rows = {n: t for n, t in model.sources(r, 5)[0].items()}  # which rows worker r holds, by shape
+        want = {}
+        for s in FP8_SPECS:
+            if s.name not in rows:
+                continue
+            full = dequantize(ref[s.name], ref[s.name + "_scale_inv"], 32) if s.name in model.plan(4096).fp8 \
+                else ref[s.name].float()
+            first = model.sources(r, 5)[1].get(s.name, 0)
+            want[s.name] = digest(full.reshape(-1)[first:first + rows[s.name].numel()].float())
+        assert res["trainer"] == want
+
+
+def test_fp8_plan_needs_matrices_and_their_scales():
+    with pytest.raises(ValueError, match="FP8 weight needs"):
+        plan_buckets(MIXED, BUCKET, fp8={"attn.bf16": "attn.bf16_scale_inv"})
 
 
 def _one_bucket(tmp_name: str, version: int):
