@@ -45,6 +45,22 @@ def split_bands(plan: BucketPlan) -> list[tuple[str, int]]:
     return sorted(set(out))
 
 
+def scale_owners(weight_rows: list[tuple[int, int, int]], rows: int, cols: int, block: int
+                 ) -> list[tuple[int, int, int]]:
+    """Byte ranges of a scale grid per worker: each block row is sent by the worker holding its first
+    row. ``weight_rows``: (worker, first row, end row) of the weight, in row order."""
+    width = -(-cols // block) * 4
+    out: list[tuple[int, int, int]] = []
+    for band in range(-(-rows // block)):
+        first = band * block
+        w = next(w for w, lo, hi in weight_rows if lo <= first < hi)
+        if out and out[-1][0] == w:
+            out[-1] = (w, out[-1][1], (band + 1) * width)
+        else:
+            out.append((w, band * width, (band + 1) * width))
+    return out
+
+
 class OwnerQuantizer:
     """Scales and FP8 bytes of the FP8 pieces this worker stages, from ``tensors`` (its flat parts of
     each weight, ``offsets``: the element index of each part's first element)."""

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from checkpoint_engine.buckets import BucketPlan, Ownership, Piece, TensorSpec, as_bytes, plan_buckets
+from checkpoint_engine.quantize import scale_owners
 from engines.fp8 import FP8, SCALE_SUFFIX, grid, quantize
 
 
@@ -62,22 +63,6 @@ def fp8_specs(specs: list[TensorSpec], block: int) -> tuple[list[TensorSpec], di
         out.append(TensorSpec(s.name + SCALE_SUFFIX, g, "float32", g[0] * g[1] * 4))
         pairs[s.name] = s.name + SCALE_SUFFIX
     return out, pairs
-
-
-def scale_owners(weight_rows: list[tuple[int, int, int]], rows: int, cols: int, block: int
-                 ) -> list[tuple[int, int, int]]:
-    """Byte ranges of a scale grid per worker: each block row is sent by the worker holding its first
-    row. ``weight_rows``: (worker, first row, end row) of the weight, in row order."""
-    width = -(-cols // block) * 4
-    out: list[tuple[int, int, int]] = []
-    for band in range(-(-rows // block)):
-        first = band * block
-        w = next(w for w, lo, hi in weight_rows if lo <= first < hi)
-        if out and out[-1][0] == w:
-            out[-1] = (w, out[-1][1], (band + 1) * width)
-        else:
-            out.append((w, band * width, (band + 1) * width))
-    return out
 
 
 def row_split(rows: int, world: int) -> list[tuple[int, int, int]]:

@@ -69,6 +69,21 @@ class Cluster:
         ray.get([t.connect.remote([r]) for t, r in zip(self.trainers, self.rollouts, strict=True)])
         self.num_buckets = len(plans[0][0].buckets)
         self.weights_version = 0
+        self._startup(model_dir)
+
+    def _startup(self, model_dir: str) -> None:
+        """Read the model once, collectively: each trainer reads some of its files and the checkpoint
+        engine fills every trainer shard and, when they hold the checkpoint's dtypes, every inference
+        engine; otherwise the first update from the trainers fills them."""
+        plan, replicas = ray.get(self.trainers[0].startup_plan.remote(model_dir))
+        if replicas:
+            ray.get([r.use_plan.remote(plan) for r in self.rollouts])
+        #: per trainer: the tensors it read from each file (each file is read by one trainer)
+        self.startup_reads = [r["reads"] for r in ray.get([t.startup.remote(model_dir) for t in self.trainers])]
+        if replicas:
+            ray.get([r.use_plan.remote() for r in self.rollouts])
+        else:  # as update 0, which the next update_weights follows
+            ray.get([t.update_weights.remote(0) for t in self.trainers])
 
     def generate(self, prompts: list[list[int]], params: list[SamplingParams], seed: int,
                  on_chunk: Callable[[int], None] | None = None) -> list[Completion]:
