@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from checkpoint_engine.buckets import BucketPlan, Piece
-from engines.fp8 import FP8, block_amax, expand, scales_from_amax
+from engines.fp8 import FP8, block_amax, quantize_with, scales_from_amax
 
 
 def holders(plan: BucketPlan, name: str) -> list[tuple[int, int, int]]:
@@ -113,10 +113,8 @@ class OwnerQuantizer:
             raise KeyError(f"{name}: rows {r0}..{r1} are not all held by this worker")
         rows = rows.to(dst.device, non_blocking=True)
         b0 = r0 // block
-        scales = torch.stack([self._band(name, b) for b in range(b0, -(-r1 // block))])
-        # rows r0.. start inside block row b0: expand from b0's first row, then drop the rows before r0
-        full = expand(scales.to(dst.device), (r1 - b0 * block), cols, block)[r0 - b0 * block:]
-        q = (rows.float() / full).to(FP8).reshape(-1)
+        scales = torch.stack([self._band(name, b) for b in range(b0, -(-r1 // block))]).to(dst.device)
+        q = quantize_with(rows, scales, block, top=r0 - b0 * block).reshape(-1)
         skip = piece.start - r0 * cols
         dst.copy_(q[skip:skip + piece.length].view(torch.uint8))
 

@@ -22,7 +22,7 @@ import torch
 from safetensors import safe_open
 
 from checkpoint_engine.buckets import BucketPlan, TensorSpec, plan_buckets
-from engines.fp8 import BLOCK, FP8, SCALE_SUFFIX, expand, grid
+from engines.fp8 import BLOCK, FP8, SCALE_SUFFIX, dequantize, grid
 
 _ST_DTYPES = {"F32": ("float32", 4), "BF16": ("bfloat16", 2), "F16": ("float16", 2), "F64": ("float64", 8),
               "I64": ("int64", 8), "I32": ("int32", 4), "I16": ("int16", 2), "I8": ("int8", 1),
@@ -196,8 +196,7 @@ class ShardSink:
             first_row = self.offsets.get(name, 0) // cols
             n = raw.numel() // cols
             b0 = first_row // plan.block
-            scales = expand(scale_grid[b0:-(-(first_row + n) // plan.block)], first_row + n - b0 * plan.block, cols,
-                            plan.block)[first_row - b0 * plan.block:]
             mine = self.tensors[name]
-            mine.copy_((raw.view(n, cols).float() * scales).reshape(-1).to(mine.dtype))
+            mine.copy_(dequantize(raw.view(n, cols), scale_grid[b0:-(-(first_row + n) // plan.block)], plan.block,
+                                  mine.dtype, top=first_row - b0 * plan.block).reshape(-1))
         self._raw.clear()

@@ -41,33 +41,46 @@ def expand(scales: torch.Tensor, rows: int, cols: int, block: int = BLOCK) -> to
     return scales.repeat_interleave(block, 0)[:rows].repeat_interleave(block, 1)[:, :cols]
 
 
+def _blocks(w: torch.Tensor, block: int, top: int = 0) -> torch.Tensor:
+    """``w`` [rows, cols] in float32 as [block rows, block, block cols, block], zero-padded at the end
+    (and by ``top`` rows at the start: rows that begin inside a block)."""
+    rows, cols = w.shape
+    gr, gc = grid(top + rows, cols, block)
+    x = w.float()
+    if top or (top + rows) % block or cols % block:
+        x = F.pad(x, (0, gc * block - cols, top, gr * block - rows - top))
+    return x.view(gr, block, gc, block)
+
+
 def block_amax(w: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
     """Largest |element| of each block of a [rows, cols] matrix, in float32."""
-    rows, cols = w.shape
-    gr, gc = grid(rows, cols, block)
-    padded = F.pad(w.float().abs(), (0, gc * block - cols, 0, gr * block - rows))
-    return padded.view(gr, block, gc, block).amax(dim=(1, 3))
+    return _blocks(w, block).abs().amax(dim=3).amax(dim=1)
 
 
 def scales_from_amax(amax: torch.Tensor) -> torch.Tensor:
     return torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
 
 
-def quantize_with(w: torch.Tensor, scales: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
-    """Q of the rows ``w`` [n, cols] given their block scales [ceil(n/B), ...] (rows start at a block)."""
-    return (w.float() / expand(scales, w.shape[0], w.shape[1], block)).to(FP8)
+def quantize_with(w: torch.Tensor, scales: torch.Tensor, block: int = BLOCK, top: int = 0) -> torch.Tensor:
+    """Q of the rows ``w`` [n, cols] given the scales of the block rows they fall in; the first row is
+    row ``top`` of its block."""
+    rows, cols = w.shape
+    q = (_blocks(w, block, top) / scales[:, None, :, None]).to(FP8)
+    return q.view(q.shape[0] * block, -1)[top:top + rows, :cols]
 
 
 def quantize(w: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
     """The reference block quantisation of a matrix: (Q float8_e4m3fn, S float32)."""
     s = scales_from_amax(block_amax(w, block))
-    return quantize_with(w, s, block), s
+    return quantize_with(w, s, block).contiguous(), s
 
 
-def dequantize(q: torch.Tensor, s: torch.Tensor, block: int = BLOCK, dtype: torch.dtype = torch.float32
-               ) -> torch.Tensor:
-    """W = Q * S blockwise, in ``dtype``."""
-    return (q.float() * expand(s, q.shape[0], q.shape[1], block)).to(dtype)
+def dequantize(q: torch.Tensor, s: torch.Tensor, block: int = BLOCK, dtype: torch.dtype = torch.float32,
+               top: int = 0) -> torch.Tensor:
+    """W = Q * S blockwise, in ``dtype`` (``top``: the first row's place in its block, as ``quantize_with``)."""
+    rows, cols = q.shape
+    w = _blocks(q, block, top) * s[:, None, :, None]
+    return w.view(w.shape[0] * block, -1)[top:top + rows, :cols].to(dtype)
 
 
 def checkpoint_block(config) -> int | None:

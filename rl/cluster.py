@@ -59,12 +59,15 @@ class Cluster:
             # half the bundle's GPUs each: Ray then shows both actors the same device(s)
             return ray.remote(num_cpus=ACTOR_CPUS, num_gpus=gpus / 2, scheduling_strategy=strategy)(cls)
 
+        self._placed = placed
+        self._rollout_args = (model_dir, cfg, threads, self.max_context)
         self.trainers = [placed(TrainerWorker, i).remote(cfg, threads) for i in range(n)]
-        self.rollouts = [placed(RolloutWorker, i).remote(model_dir, cfg, threads, self.max_context) for i in range(n)]
+        self.rollouts = [placed(RolloutWorker, i).remote(*self._rollout_args) for i in range(n)]
         address = ray.get(self.trainers[0].rendezvous.remote())
         ray.get([t.setup.remote(model_dir, i, n, address, f"{prefix}-w{i}") for i, t in enumerate(self.trainers)])
         # one plan for all (every rank computed the same); each replica maps its own worker's IPC buffers
         plans = ray.get([t.weight_plan.remote() for t in self.trainers])
+        self._plans = plans
         ray.get([r.attach.remote(plans[0][0], handles) for r, (_, handles) in zip(self.rollouts, plans, strict=True)])
         ray.get([t.connect.remote([r]) for t, r in zip(self.trainers, self.rollouts, strict=True)])
         self.num_buckets = len(plans[0][0].buckets)
@@ -162,6 +165,21 @@ class Cluster:
         """Checkpoint-engine update of every inference engine from the trainers."""
         self.weights_version += 1
         ray.get([t.update_weights.remote(self.weights_version) for t in self.trainers])
+
+    def restart_rollout(self, i: int, source: int) -> float:
+        """Replace inference engine ``i`` by a fresh one that copies engine ``source``'s weights point to
+        point (the other engines keep serving); returns the seconds the copy took."""
+        import time
+
+        if i == source or not (0 <= i < len(self.rollouts) and 0 <= source < len(self.rollouts)):
+            raise ValueError(f"restart_rollout: need two different engines of {len(self.rollouts)}, got {i}, {source}")
+        ray.kill(self.rollouts[i])
+        self.rollouts[i] = self._placed(RolloutWorker, i).remote(*self._rollout_args)
+        ray.get(self.rollouts[i].attach.remote(self._plans[0][0], self._plans[i][1]))
+        ray.get(self.trainers[i].connect.remote([self.rollouts[i]]))
+        t0 = time.perf_counter()
+        ray.get([self.trainers[source].serve_catch_up.remote(i), self.trainers[i].catch_up.remote(source)])
+        return time.perf_counter() - t0
 
     def save(self, directory: str) -> None:
         ray.get([t.save.remote(directory) for t in self.trainers])

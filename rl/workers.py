@@ -21,7 +21,7 @@ from torch.utils._pytree import tree_map_only
 from checkpoint_engine.engine import CheckpointEngine
 from checkpoint_engine.model_plan import ModelSender, receiver_placements
 from checkpoint_engine.transfer import WeightReceiver
-from checkpoint_engine.update import RayReloader, free_port
+from checkpoint_engine.update import RayPacker, RayReloader, free_port
 from engines import distributed
 from engines.fp8 import BLOCK, checkpoint_block, to_fp8
 from engines.hf_io import read_config, save_pretrained
@@ -102,7 +102,16 @@ class TrainerWorker:
 
     def connect(self, rollouts: list) -> None:
         """The local inference engines that this worker's checkpoint engine updates."""
-        self.reloader = RayReloader(rollouts)
+        self.rollouts, self.reloader = rollouts, RayReloader(rollouts)
+
+    def serve_catch_up(self, peer: int) -> int:
+        """Send this worker's inference engine's weights to worker ``peer``'s restarted one, point to point."""
+        return self.ckpt.serve_catch_up(self.sender.plan, peer, RayPacker(self.rollouts[0]))
+
+    def catch_up(self, peer: int) -> int:
+        """Fill this worker's restarted inference engine from worker ``peer``'s; returns the version."""
+        assert self.reloader is not None
+        return self.ckpt.catch_up(self.sender.plan, peer, self.reloader)
 
     def update_weights(self, version: int) -> None:
         """Push this rank's shard of the weights to every inference engine (checkpoint engine).

@@ -241,7 +241,8 @@ def test_fp8_checkpoint_is_read_once_and_fp8_updates_are_exact(ray_cluster, tmp_
     """Kimi K2's path on two workers: the FP8 checkpoint is read once (each file by one trainer) into the
     FP8 replicas as stored and into the trainers' shards dequantised; an update then quantises the
     trainers' FSDP2 shards bucket by bucket (blocks of 32 rows cut in two by the 16-row shards) and every
-    replica holds exactly the reference quantisation of the trainer's weights, and generates."""
+    replica holds exactly the reference quantisation of the trainer's weights, and generates. A restarted
+    engine then copies another's weights point to point."""
     from checkpoint_engine.quantize import split_bands
     from engines.fp8 import dequantize, quantize
 
@@ -265,6 +266,11 @@ def test_fp8_checkpoint_is_read_once_and_fp8_updates_are_exact(ray_cluster, tmp_
         assert split_bands(plan)  # some blocks' rows are on both trainers: their scales are combined
         cluster.update_weights()
         after = [ray.get(r.state_dict.remote()) for r in cluster.rollouts]
+        assert len(cluster.generate([[5, 6, 7]] * 2, [SamplingParams(1.0, 4)] * 2, seed=0)) == 2
+        # engine 1 restarts empty and copies engine 0's weights, point to point
+        assert cluster.restart_rollout(1, 0) > 0
+        caught_up = ray.get(cluster.rollouts[1].state_dict.remote())
+        assert all(torch.equal(caught_up[k], after[0][k]) for k in after[0])
         assert len(cluster.generate([[5, 6, 7]] * 2, [SamplingParams(1.0, 4)] * 2, seed=0)) == 2
     quantised = [k for k in trainer if k + "_scale_inv" in stored]
     assert any(".experts." in k for k in quantised)
