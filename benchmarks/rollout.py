@@ -1,14 +1,16 @@
 """Rollout benchmark: the native inference engine against Hugging Face ``generate`` on one workload.
 
-    python -m benchmarks.rollout --json                  # the demo model
+    python -m benchmarks.rollout --workload rl --json    # RL-shaped: varied prompts, K samples, long tail
+    python -m benchmarks.rollout --json                  # fixed lengths, the demo model
     python -m benchmarks.rollout --model 100m --json     # a ~100M-parameter model
 
-Both generate the same workload in one run: ``--prompts`` prompts x ``--samples`` samples, fixed
-prompt and output lengths (EOS ignored), the same sampling parameters, the same weights and dtype
-(the model is saved in Hugging Face format and loaded by ``transformers``). Throughput counts
-generated tokens per second of wall time, prefill included. Memory is the peak RSS growth during
-generation divided by the tokens in flight at the peak (prompt + output of every sequence), in
-MiB per 1k tokens. The last line printed is one JSON object.
+Both generate the same workload in one run, with the same weights and dtype (the model is saved in
+Hugging Face format and loaded by ``transformers``). The fixed workload: ``--prompts`` prompts x
+``--samples`` samples, fixed prompt and output lengths (EOS ignored), the same sampling parameters.
+The RL workload is described in ``benchmarks.rollout_rl``. Throughput counts generated tokens per
+second of wall time, prefill included. Memory (fixed workload) is the peak RSS growth during
+generation divided by the tokens in flight at the peak (prompt + output of every sequence), in MiB
+per 1k tokens. The last line printed is one JSON object.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from typing import Any
 
 import torch
 
+from benchmarks.rollout_rl import measure_rl
+from engines import peak_memory
 from engines.hf_io import load_pretrained, save_pretrained
 from engines.inference import InferenceEngine, SamplingParams
 from engines.kv_cache import bytes_per_slot
@@ -38,28 +42,21 @@ MODELS = {
     # about 100M parameters, Llama-style proportions
     "100m": ModelConfig(vocab_size=8192, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
                         num_attention_heads=12, num_key_value_heads=4, max_position_embeddings=1024),
+    # Qwen3-0.6B's shape (a GPU workload)
+    "qwen3-0.6b": ModelConfig(model_type="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072,
+                              num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                              tie_word_embeddings=True, rope_theta=1_000_000.0, max_position_embeddings=40960),
 }
-DEFAULT_LENGTHS = {"demo": (32, 64), "100m": (128, 128)}
-
-
-def _read_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field):
-                return int(line.split()[1])
-    return 0
+DEFAULT_LENGTHS = {"demo": (32, 64), "100m": (128, 128), "qwen3-0.6b": (512, 512)}
 
 
 def peak_rss_growth(fn: Callable[..., Any], *args: Any) -> tuple[Any, int]:
     """Run ``fn(*args)``; returns (its result, peak RSS above the RSS before the call, in bytes)."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # reset the peak (VmHWM) to the current RSS
-    except OSError:
-        pass
-    before = _read_kib("VmRSS:")
+    cpu = torch.device("cpu")
+    peak_memory.reset(cpu)
+    before = peak_memory.peak_bytes(cpu)  # right after a reset: the current RSS
     result = fn(*args)
-    return result, max(0, _read_kib("VmHWM:") - before) * 1024
+    return result, max(0, peak_memory.peak_bytes(cpu) - before)
 
 
 def workload(n_prompts: int, prompt_len: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -159,9 +156,23 @@ def measure(model_name: str, prompts_n: int, samples: int, prompt_len: int, outp
     return rec
 
 
+def rl_record(model_name: str, prompts_n: int, samples: int, *, dtype: str = "float32", threads: int | None = None,
+              skip_hf: bool = False, device: str = "cpu") -> dict:
+    """The RL-workload record (``benchmarks.rollout_rl``) of a random-weight model of ``model_name``."""
+    torch.set_num_threads(threads or os.cpu_count() or 1)
+    torch.manual_seed(0)
+    tdtype = getattr(torch, dtype)
+    with tempfile.TemporaryDirectory() as d:
+        save_pretrained(CausalLM(MODELS[model_name]), None, d)
+        model = load_pretrained(d, tdtype).to(device)
+        return measure_rl(model, d, model_name, prompts_n, samples, dtype=tdtype, device=device, skip_hf=skip_hf)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap.add_argument("--workload", choices=["fixed", "rl"], default="fixed",
+                    help="fixed lengths (default) or the RL shape: varied prompts, K samples, long-tailed outputs")
     ap.add_argument("--model", choices=sorted(MODELS), default="demo")
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--samples", type=int, default=8, help="responses per prompt")
@@ -174,6 +185,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--device", default="cpu", help="cpu or cuda (on cuda the engine also runs without CUDA graphs)")
     ap.add_argument("--json", action="store_true", help="print only the JSON record")
     a = ap.parse_args(argv)
+    if a.workload == "rl":
+        rec = rl_record(a.model, a.prompts, a.samples, dtype=a.dtype, threads=a.threads, skip_hf=a.skip_hf,
+                        device=a.device)
+        if not a.json:
+            print(f"RL workload, {a.model} model ({rec['params']:,} parameters): engine {rec['engine_tok_s']} tok/s, "
+                  f"HF generate {rec['hf_generate_tok_s']} tok/s, speedup {rec['speedup']}; KV capacity "
+                  f"{rec['kv_capacity_ratio']}x a slot cache; {rec['roofline_fraction']:.0%} of the decode roofline")
+        print(json.dumps(rec))
+        return
     plen, olen = DEFAULT_LENGTHS[a.model]
     rec = measure(a.model, a.prompts, a.samples, a.prompt_len or plen, a.output_len or olen, dtype=a.dtype,
                   temperature=a.temperature, threads=a.threads, skip_hf=a.skip_hf, device=a.device)

@@ -24,10 +24,11 @@ from engines.rope import apply_rope, apply_rope_interleaved
 class AttentionCache(Protocol):
     """Where an inference engine keeps keys/values: it stores this call's k/v and attends."""
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, scale: float,
                window: int | None) -> torch.Tensor:
         """Attention output [B, H, T, Dv] for queries q [B, H, T, D] and the new k [B, KVH, T, D],
-        v [B, KVH, T, Dv]; ``window``: keys older than that many positions are hidden."""
+        v [B, KVH, T, Dv] (None: the values are the keys' first Dv dimensions, MLA's latent);
+        ``window``: keys older than that many positions are hidden."""
         ...
 
 
@@ -233,14 +234,30 @@ class LatentAttention(_Tracked):
         q = self.q_proj(x) if self.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         q_nope, q_rot = q.view(b, t, h, -1).transpose(1, 2).split([self.nope, self.rope], dim=-1)
         latent, k_rot = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope], dim=-1)
-        kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(b, t, h, -1).transpose(1, 2)
-        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
+        latent = self.kv_a_layernorm(latent)
         q_rot = self.rotate(q_rot, cos, sin)
         k_rot = self.rotate(k_rot.view(b, 1, t, self.rope), cos, sin)
-        q = torch.cat((q_nope, q_rot), dim=-1)
-        k = torch.cat((k_nope, k_rot.expand(b, h, t, self.rope)), dim=-1)
-        out = self._attend(q, k, v, mask, layer, cache)
+        if cache is not None:
+            out = self._attend_latent(q_nope, q_rot, latent, k_rot, layer, cache)
+        else:
+            kv = self.kv_b_proj(latent).view(b, t, h, -1).transpose(1, 2)
+            k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
+            q = torch.cat((q_nope, q_rot), dim=-1)
+            k = torch.cat((k_nope, k_rot.expand(b, h, t, self.rope)), dim=-1)
+            out = self._attend(q, k, v, mask, layer, cache)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+    def _attend_latent(self, q_nope, q_rot, latent, k_rot, layer: int, cache: AttentionCache) -> torch.Tensor:
+        """Attention against the cached latent only (the absorbed form): W_UK folds into the query,
+        q_C·k_C = (q_C W_UK)·c, and W_UV is applied after attending to c, so per token the cache holds
+        kv_lora_rank + rope numbers instead of heads × (key + value dims)."""
+        w = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.kv_lora_rank)
+        w_uk, w_uv = w.split([self.nope, self.v_dim], dim=1)
+        q_abs = torch.einsum("bhtd,hdc->bhtc", q_nope, w_uk)
+        q = torch.cat((q_abs, q_rot), dim=-1)
+        kv = torch.cat((latent[:, None], k_rot), dim=-1)  # [B, 1, T, kv_lora_rank + rope]: keys; values = c
+        out = cache.attend(layer, q, kv, None, self.scale, None)  # [B, H, T, kv_lora_rank]
+        return torch.einsum("bhtc,hvc->bhtv", out, w_uv)
 
     def clip_heads(self, gammas: dict[int, float]) -> bool:
         """Per head: q_C and k_C rows by √γ_h, q_R rows by γ_h; the shared rotary key k_R is never

@@ -2,10 +2,11 @@
 
 A decode step of a small batch is a few hundred tiny kernels: on a GPU their launches, not the
 arithmetic, set the pace. One graph per (batch bucket, attention width bucket) replays the whole
-step with one launch. A graph reads the engine's persistent state (last tokens, positions, the KV
-cache, the weights) in place; rows past the running batch are padding that only writes into free
-slots. Graphs are captured on first use and dropped whenever the memory they point at moves
-(sleep and wake-up, a new KV cache, rebound weights).
+step with one launch. A graph reads the engine's persistent state (last tokens, positions, block
+tables, the KV pool, the weights) in place; rows past the running batch are padding whose block
+tables point at block 0, so their writes land in rows nobody reads unmasked. Only decode-only steps
+replay a graph (a step with prefill chunks runs eagerly). Graphs are captured on first use and
+dropped whenever the memory they point at moves (sleep and wake-up, a new KV pool, rebound weights).
 """
 
 from __future__ import annotations
@@ -43,15 +44,16 @@ class DecodeGraphs:
         self.graphs.clear()
         self.pool = None
 
-    def logits(self, n: int) -> torch.Tensor:
-        """Next-token logits [n, V] of running slots 0..n-1, as the eager decode step computes them."""
+    def logits(self, n: int, width: int) -> torch.Tensor:
+        """Next-token logits [n, V] of decoding rows 0..n-1 whose longest sequence has ``width`` tokens,
+        as the eager decode step computes them."""
         e = self.engine
         where = self._addresses()
         if where != self._where:
             self.clear()
             self._where = where
-        width = bucket(int(e.pos[:n].max()) + 1, e.max_seq_len, MIN_WIDTH)
-        key = (bucket(n, e.slots), width)
+        width = bucket(width, e.max_blocks * e.block_size, MIN_WIDTH)
+        key = (bucket(n, e.max_num_seqs), width)
         if key not in self.graphs:
             self.graphs[key] = self._capture(*key)
         graph, out = self.graphs[key]
@@ -61,8 +63,8 @@ class DecodeGraphs:
     def _addresses(self) -> tuple[int, ...]:
         e = self.engine
         kv = e._cache()
-        return (e.last.data_ptr(), e.pos.data_ptr(), kv.k.data_ptr(), kv.v.data_ptr(),
-                *(t.data_ptr() for t in e.model.parameters()))
+        return (e.last.data_ptr(), e.pos.data_ptr(), e.block_table.data_ptr(), kv.k.data_ptr(),
+                kv.v.data_ptr() if kv.v is not None else 0, *(t.data_ptr() for t in e.model.parameters()))
 
     def _capture(self, rows: int, width: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         # warm-up on a side stream, as capture requires; its cache writes are the ones the replay makes

@@ -1,83 +1,68 @@
-"""The native inference engine: continuous batching over a slot KV cache, for rollouts and serving.
+"""The native inference engine: continuous batching over a paged KV cache, for rollouts and serving.
 
-Requests join the running batch as soon as a slot is free and leave it the step they finish.
-Requests with the same prompt share one prefill (the K samples of a K1.5 group). Each step
-samples one token for every running request in one batched call; per-request Python runs only
-when a request joins or finishes. Returned logprobs are log softmax(logits / T) of the sampled
-tokens: the π_old of the K1.5 objective. ``pause``/``resume`` carry unfinished requests across a
-weight update (partial rollout); ``sleep``/``wake_up`` free the KV cache and weights while the
-trainer runs on the same device. Weights are replaced in place by the checkpoint engine.
+Each step runs one forward over a flat batch of tokens: one per decoding request plus prompt chunks
+(``engines.scheduler`` picks them under a token budget, so a long prompt never stalls decoding). Keys
+and values live in fixed-size blocks (``engines.kv_cache``): a sequence takes blocks as it grows, the K
+samples of a prompt share the prompt's blocks, and any later request with a cached prefix reuses it.
+Every decoding row samples its next token in one batched call; the host reads the step's tokens once.
+Returned logprobs are log softmax(logits / T) of the sampled tokens: the π_old of the K1.5 objective.
+``pause``/``resume`` carry unfinished requests across a weight update (partial rollout); while the
+weights are unchanged a resumed request finds its full blocks still cached. ``sleep``/``wake_up``
+free the KV cache and weights while the trainer runs on the same device; an update of the weights must
+be declared (``weights_loaded``) so cached prefixes computed with the old weights are dropped.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field, replace
-from typing import Any
+from dataclasses import replace
 
 import torch
 
+from engines.blocks import BlockAllocator
 from engines.cuda_graphs import DecodeGraphs
-from engines.kv_cache import DecodePass, PrefillPass, SlotKVCache, bytes_per_slot
+from engines.kv_cache import BLOCK_SIZE, PagedKVCache, PagedPass, Ragged, bytes_per_token, rows_of
 from engines.layout import hub_state, model_tensors
-from engines.model import CausalLM, padded_causal_mask, positions_from_valid
+from engines.model import CausalLM
+from engines.requests import Completion, Request
 from engines.sampling import (
     InvalidRequestError,
     RowParams,
     SamplingParams,
     advance_matchers,
+    filter_kind,
     mask_logits,
     new_matcher,
     sample,
     token_logprobs,
 )
+from engines.scheduler import Scheduler, StepPlan
 
 __all__ = ["Completion", "InferenceEngine", "InvalidRequestError", "SamplingParams", "token_logprobs"]
 
 #: Most stop token ids one request may name (besides EOS).
 MAX_STOP_IDS = 16
-
-
-@dataclass
-class Completion:
-    """One response. ``finish_reason``: "stop" (EOS, stop token or stop string, named in
-    ``stop_reason``), "length" (token budget), "error" (``error`` says why) or None (paused)."""
-
-    token_ids: list[int]
-    logprobs: list[float]
-    finish_reason: str | None
-    prompt_ids: list[int] = field(default_factory=list)
-    stop_reason: int | str | None = None
-    error: str | None = None
-    request_id: int = -1
-    params: SamplingParams | None = None
-
-
-@dataclass
-class _Request:
-    id: int
-    prompt: list[int]
-    params: SamplingParams
-    seed: int
-    prior: list[int] = field(default_factory=list)  # tokens generated before a pause
-    prior_logprobs: list[float] = field(default_factory=list)
-    matcher: Any = None  # per-sequence grammar state when params.grammar is set (engines.constrained)
+#: Tokens per KV block with flex attention (its block masks work in tiles of this size).
+FLEX_BLOCK_SIZE = 128
 
 
 class InferenceEngine:
-    """Continuous-batching generation with a preallocated slot KV cache.
+    """Continuous-batching generation over a paged KV cache.
 
-    ``kv_cache_bytes`` is the memory budget of the cache; it holds ``min(max_num_seqs, budget //
-    bytes per sequence)`` sequences of up to ``max_seq_len`` tokens (prompt + response).
-    ``detokenize`` turns token ids into text; it is needed only for stop strings.
+    ``kv_cache_bytes`` is the cache's memory budget, cut into blocks of ``block_size`` tokens; it must
+    hold at least one sequence of ``max_seq_len`` tokens (prompt + response, default the model's
+    context). At most ``max_num_seqs`` sequences decode at once; a step computes at most
+    ``max_batch_tokens`` tokens (decode rows first, then prompt chunks). ``detokenize`` turns token
+    ids into text; it is needed only for stop strings. ``attention``: "torch" (gathering, the default) or
+    "flex" (flex_attention through block masks, compiled on a GPU); see ``engines.kv_cache``.
     """
 
     def __init__(self, model: CausalLM, eos_id: int | Sequence[int] | None, pad_id: int | None = None, *,
                  max_seq_len: int | None = None, kv_cache_bytes: int = 512 * 2**20, max_num_seqs: int = 512,
-                 max_prefill_tokens: int = 8192, seed: int = 0,
-                 detokenize: Callable[[list[int]], str] | None = None, cuda_graphs: bool = True) -> None:
+                 max_batch_tokens: int = 8192, block_size: int | None = None, seed: int = 0,
+                 detokenize: Callable[[list[int]], str] | None = None, cuda_graphs: bool = True,
+                 attention: str | None = None) -> None:
         self.model = model.eval().requires_grad_(False)
         cfg = model.config
         # a model may end a turn with any of several tokens (Llama 3: <|eot_id|> and <|end_of_text|>)
@@ -89,27 +74,50 @@ class InferenceEngine:
                              f"{cfg.max_position_embeddings}")
         p = next(model.parameters())
         self.dtype, self.device = p.dtype, p.device
-        per_slot = bytes_per_slot(cfg, self.max_seq_len, self.dtype)
-        self.slots = min(max_num_seqs, kv_cache_bytes // per_slot)
-        if self.slots < 1:
+        self.attention = attention or "torch"
+        # flex_attention reads the pool through block masks whose blocks should match its tiles
+        self.block_size = block_size or (FLEX_BLOCK_SIZE if self.attention == "flex" else BLOCK_SIZE)
+        per_block = bytes_per_token(cfg, self.dtype) * self.block_size
+        self.num_blocks = kv_cache_bytes // per_block
+        self.max_blocks = -(-self.max_seq_len // self.block_size)  # block-table width
+        if self.num_blocks < self.max_blocks:
             raise ValueError(f"a KV cache budget of {kv_cache_bytes} bytes holds no sequence of {self.max_seq_len} "
-                             f"tokens ({per_slot} bytes each); raise kv_cache_bytes or lower max_seq_len")
-        self.kv_cache_bytes = self.slots * per_slot
-        self.max_prefill_tokens = max_prefill_tokens
+                             f"tokens ({per_block * self.max_blocks} bytes each); raise kv_cache_bytes or lower "
+                             "max_seq_len")
+        self.kv_cache_bytes = self.num_blocks * per_block
+        self.max_num_seqs = max_num_seqs
+        self.max_batch_tokens = max(max_batch_tokens, max_num_seqs + 1)  # room for every decode row and a chunk
         self.detokenize = detokenize
         self._seed = seed
         self._ids = itertools.count()
-        self.waiting: deque[_Request] = deque()
-        self.running: list[_Request] = []  # running[i] sits in slot i
-        self.kv: SlotKVCache | None = None
+        self.kv: PagedKVCache | None = None
+        self.sched = self._new_scheduler()
         self._sleep_level = 0
         self._weights_loaded = True
-        self._offloaded: dict[str, tuple] = {}
-        self._n_constrained = 0  # running requests with a grammar; 0 keeps the batched path free of Python loops
-        self.graphs = DecodeGraphs(self) if cuda_graphs and self.device.type == "cuda" else None
+        self._host_weights: dict[str, torch.Tensor] = {}  # pinned once, reused by every sleep
+        self._offloaded: dict[str, tuple[torch.Size, int]] = {}  # emptied by sleep: shape, level
+        self.generated = 0  # tokens sampled over the engine's life
+        self.steps = 0  # forwards run over the engine's life
+        self.peak_blocks = 0  # most KV blocks held at once (callers may reset it)
+        # mixture-of-experts layers size each expert's batch on the host, which a captured graph cannot do
+        use_graphs = cuda_graphs and self.device.type == "cuda" and not cfg.is_moe
+        self.graphs = DecodeGraphs(self) if use_graphs else None
         self._alloc_state()
 
+    def _new_scheduler(self) -> Scheduler:
+        return Scheduler(BlockAllocator(self.num_blocks, self.block_size), self.max_num_seqs, self.max_batch_tokens)
+
     # --- requests -------------------------------------------------------------------------
+
+    @property
+    def running(self) -> list[Request]:
+        """Requests decoding now, in row order."""
+        return self.sched.running
+
+    @property
+    def waiting(self) -> list[Request]:
+        """Requests not decoding yet: prefills under way (with the samples sharing them), then the queue."""
+        return [x for p in self.sched.prefilling for x in (p, *p.followers)] + list(self.sched.waiting)
 
     def add_request(self, prompt_ids: Sequence[int], params: SamplingParams, *, prior: Sequence[int] = (),
                     prior_logprobs: Sequence[float] = (), request_id: int | None = None) -> int:
@@ -143,11 +151,13 @@ class InferenceEngine:
         matcher = new_matcher(params, prior)
         rid = next(self._ids) if request_id is None else request_id
         seed = params.seed if params.seed is not None else (self._seed * 1_000_003 + rid) % 2**63
-        self.waiting.append(_Request(rid, prompt, params, seed, list(prior), list(prior_logprobs), matcher))
+        self.sched.waiting.append(Request(rid, prompt, params, seed, [int(t) for t in prior],
+                                          [float(x) for x in prior_logprobs], matcher,
+                                          filter_kind=filter_kind(params.top_k, params.top_p, vocab)))
         return rid
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return self.sched.has_unfinished()
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams],
                  seed: int | None = None, on_finish: Callable[[Completion], None] | None = None) -> list[Completion]:
@@ -177,24 +187,37 @@ class InferenceEngine:
         return [out[r] for r in order]
 
     def step(self) -> list[Completion]:
-        """Decode one token for every running request, admit waiting ones; returns finished ones."""
+        """One forward: a token for every decoding request, the next chunk of prefills; returns the
+        requests that finished."""
         self._check_awake()
-        finished: list[int] = []
-        if self.running:
-            finished += self._decode()
-        if self.waiting and len(self.running) < self.slots:
-            finished += self._admit()
-        return self._release(finished)
+        cache = self._cache()
+        plan = self.sched.schedule()
+        self.peak_blocks = max(self.peak_blocks, self.sched.alloc.used())
+        for src, dst in plan.moves:
+            self._move(src, dst)
+        cache.copy_blocks(plan.copies)
+        n = plan.decode
+        if n == 0 and not plan.chunks:
+            return []
+        self._sync_tables(n, plan.dirty)
+        logits = self._forward(n, plan)
+        self.steps += 1
+        # prefills that reached their last token start decoding: rows for them and the samples sharing them
+        src = list(range(n))
+        for j, (r, _, end) in enumerate(plan.chunks):
+            self._written(r, end)
+            if end == r.context_len:
+                for row in self.sched.place(r):
+                    self._set_row(row, self.running[row])
+                    src.append(n + j)
+        if len(src) > n:
+            logits = logits[torch.tensor(src, device=self.device)]
+        return self._release(self._commit(len(src), logits[: len(src)], n))
 
     def pause(self) -> list[Completion]:
-        """Stop every unfinished request; returns them (finish_reason None) with tokens so far."""
-        out = [self._completion(r, i, None) for i, r in enumerate(self.running)]
-        out += [Completion(list(r.prior), list(r.prior_logprobs), None, r.prompt, request_id=r.id, params=r.params)
-                for r in self.waiting]
-        self.running.clear()
-        self.waiting.clear()
-        self._n_constrained = 0
-        return out
+        """Stop every unfinished request; returns them (finish_reason None) with tokens so far. Their full
+        blocks stay cached, so resuming before the weights change recomputes little."""
+        return [r.completion(None) for r in self.sched.clear()]
 
     def resume(self, partials: Iterable[Completion]) -> list[int]:
         """Continue paused requests from their tokens (after a weight update their prefix is
@@ -206,6 +229,15 @@ class InferenceEngine:
             ids.append(self.add_request(c.prompt_ids, c.params, prior=c.token_ids, prior_logprobs=c.logprobs,
                                         request_id=c.request_id))
         return ids
+
+    def stats(self) -> dict[str, float]:
+        """Counters: prompt tokens found in the prefix cache and computed, blocks, preemptions, tokens, steps."""
+        a = self.sched.alloc
+        looked = a.hits + a.misses
+        return {"prefix_hit_tokens": a.hits, "prefix_miss_tokens": a.misses,
+                "prefix_hit_rate": a.hits / looked if looked else 0.0, "kv_blocks": a.num_blocks,
+                "kv_blocks_used": a.used(), "kv_blocks_peak": self.peak_blocks, "preemptions": self.sched.preemptions,
+                "generated_tokens": self.generated, "steps": self.steps}
 
     # --- colocation -----------------------------------------------------------------------
 
@@ -222,16 +254,20 @@ class InferenceEngine:
             raise RuntimeError(f"{len(self.running) + len(self.waiting)} requests unfinished; pause() them "
                                "before sleep()")
         self.kv = None
+        self.sched = self._new_scheduler()  # a fresh pool: nothing cached survives
         if self.graphs is not None:  # their memory pool goes too
             self.graphs.clear()
         self._alloc_state(free=True)
         for name, t in self.named_tensors().items():
-            if level == 2:
-                self._offloaded[name] = (t.shape, t.dtype, None)
-                t.data = torch.empty(0, dtype=t.dtype, device=t.device)
-            elif t.device.type != "cpu":
-                self._offloaded[name] = (t.shape, t.dtype, t.data.to("cpu").pin_memory())
-                t.data = torch.empty(0, dtype=t.dtype, device=t.device)
+            if level == 1 and t.device.type == "cpu":
+                continue  # already where it would go
+            if level == 1:
+                host = self._host_weights.get(name)
+                if host is None or host.shape != t.shape or host.dtype != t.dtype:
+                    host = self._host_weights[name] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                host.copy_(t.data)
+            self._offloaded[name] = (t.shape, level)
+            t.data = torch.empty(0, dtype=t.dtype, device=t.device)
         self._sleep_level = level
         if level == 2:
             self._weights_loaded = False
@@ -240,9 +276,9 @@ class InferenceEngine:
         """Reallocate what ``sleep`` freed (level-2 weights come back uninitialised)."""
         for name, t in self.named_tensors().items():
             if name in self._offloaded:
-                shape, dtype, host = self._offloaded.pop(name)
-                fresh = torch.empty(shape, dtype=dtype, device=self.device) if host is None else host.to(self.device)
-                t.data = fresh
+                shape, level = self._offloaded.pop(name)
+                t.data = self._host_weights[name].to(self.device, non_blocking=True) if level == 1 else \
+                    torch.empty(shape, dtype=t.dtype, device=self.device)
         self._alloc_state()
         self._sleep_level = 0
 
@@ -252,8 +288,10 @@ class InferenceEngine:
         return self._sleep_level
 
     def weights_loaded(self) -> None:
-        """Declare the weights valid again after a level-2 sleep (a complete update arrived)."""
+        """Declare the weights changed and valid (a complete update arrived, in place or not): cached
+        prefixes are dropped, since their keys came from the old weights."""
         self._weights_loaded = True
+        self.sched.alloc.invalidate()
 
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy tensors into the engine's weights by their checkpoint names (e.g. from a safetensors
@@ -263,7 +301,7 @@ class InferenceEngine:
             if name not in mine or mine[name].shape != t.shape:
                 raise ValueError(f"no weight {name} of shape {tuple(t.shape)} in the inference engine")
             mine[name].copy_(t)
-        self._weights_loaded = True
+        self.weights_loaded()
 
     # --- internals ------------------------------------------------------------------------
 
@@ -274,164 +312,164 @@ class InferenceEngine:
             raise RuntimeError("weights were discarded by sleep(level=2); load weights before generating")
 
     def _alloc_state(self, free: bool = False) -> None:
-        s, w, dev = (0, 0, self.device) if free else (self.slots, self.max_seq_len, self.device)
+        s, dev = (0, self.device) if free else (self.max_num_seqs, self.device)
         z = dict(dtype=torch.long, device=dev)
         self.pos, self.last, self.gen, self.max_gen = (torch.zeros(s, **z) for _ in range(4))
         self.stop_ids = torch.full((s, MAX_STOP_IDS), -1, **z)
         self.eos_stop = torch.zeros(s, dtype=torch.bool, device=dev)
         self._eos = torch.tensor(self.eos_ids, **z)
-        self.has_stop_str = torch.zeros(s, dtype=torch.bool, device=dev)
         self.rows = RowParams(torch.zeros(s, device=dev), torch.zeros(s, **z), torch.ones(s, device=dev),
                               torch.zeros(s, **z))
-        self.out_tokens = torch.zeros(s, w, **z)
-        self.out_logprobs = torch.zeros(s, w, device=dev)
+        self.block_table = torch.zeros(s, self.max_blocks, **z)
+        pin = dev.type == "cuda"
+        self._tables_host = torch.zeros(s, self.max_blocks, dtype=torch.long, pin_memory=pin)
 
-    def _cache(self) -> SlotKVCache:
+    def _cache(self) -> PagedKVCache:
         if self.kv is None:
-            self.kv = SlotKVCache(self.model.config, self.slots, self.max_seq_len, self.dtype, self.device)
+            self.kv = PagedKVCache(self.model.config, self.num_blocks, self.block_size, self.dtype, self.device)
         return self.kv
 
-    def _decode(self) -> list[int]:
-        n = len(self.running)
-        logits = self.graphs.logits(n) if self.graphs is not None else self.decode_logits(n)
-        self.pos[:n] += 1
-        return self._commit(torch.arange(n, device=self.device), logits)
+    def _sync_tables(self, n: int, dirty: set[int]) -> None:
+        """Bring the device block table of rows 0..n-1 up to date with the host's."""
+        for row in sorted(d for d in dirty if d < n):
+            blocks = self.running[row].seq.blocks
+            self._tables_host[row, : len(blocks)] = torch.tensor(blocks)
+        if n:
+            self.block_table[:n].copy_(self._tables_host[:n], non_blocking=True)
 
     def decode_logits(self, rows: int, width: int | None = None) -> torch.Tensor:
-        """Next-token logits [rows, V] of slots 0..rows-1 from their last token, writing its key/value
-        into the cache; ``width`` fixes the attention span (the CUDA graphs' static shapes)."""
+        """Next-token logits [rows, V] of rows 0..rows-1 from their last token, writing its key/value
+        into the cache; ``width`` (≥ every position + 1) fixes the attention span, as CUDA graphs need."""
         pos = self.pos[:rows]
-        return self.model(self.last[:rows, None], pos[:, None], cache=DecodePass(self._cache(), pos, width))[:, -1]
+        width = width if width is not None else self._width(rows)
+        table = self.block_table[:rows]
+        write = rows_of(table, pos[:, None], self.block_size)[:, 0]
+        step = PagedPass(self._cache(), write, [Ragged.decode(table, pos, width)], self.attention)
+        return self.model(self.last[None, :rows], pos[None], cache=step)[0]
 
-    def _admit(self) -> list[int]:
-        """Prefill waiting requests into free slots (one prefill per distinct sequence) and sample
-        their first token."""
-        cache, admitted = self._cache(), []
-        while self.waiting and len(self.running) < self.slots:
-            r = self.waiting.popleft()
-            slot = len(self.running)
-            self.running.append(r)
-            self._set_slot(slot, r)
-            admitted.append(slot)
-        groups: dict[tuple[int, ...], list[int]] = {}
-        for slot in admitted:
-            r = self.running[slot]
-            groups.setdefault(tuple(r.prompt + r.prior), []).append(slot)
-        seqs = list(groups)
-        finished, start = [], 0
-        while start < len(seqs):
-            # chunk by padded tokens so one prefill never allocates more than max_prefill_tokens rows
-            end, width = start, 0
-            while end < len(seqs) and (end == start or max(width, len(seqs[end])) * (end + 1 - start)
-                                       <= self.max_prefill_tokens):
-                width = max(width, len(seqs[end]))
-                end += 1
-            chunk = seqs[start:end]
-            ids = torch.full((len(chunk), width), self.pad_id, dtype=torch.long)
-            valid = torch.zeros(len(chunk), width, dtype=torch.bool)
-            for i, s in enumerate(chunk):
-                ids[i, : len(s)] = torch.tensor(s)
-                valid[i, : len(s)] = True
-            ids, valid = ids.to(self.device), valid.to(self.device)
-            mask = padded_causal_mask(valid)
-            positions = positions_from_valid(valid)
-            capture = PrefillPass(mask, positions)
-            lengths = valid.sum(-1)
-            logits = self.model(ids, positions, mask, cache=capture, select=lengths - 1)
-            src = [i for i, s in enumerate(chunk) for _ in groups[s]]
-            dst = torch.tensor([slot for s in chunk for slot in groups[s]], device=self.device)
-            src_t = torch.tensor(src, device=self.device)
-            for layer, (k, v) in enumerate(zip(capture.k, capture.v, strict=True)):
-                cache.store_prefill(layer, dst, k[src_t], v[src_t])
-            self.pos[dst] = lengths[src_t]
-            finished += self._commit(dst, logits[src_t])
-            start = end
-        return finished
+    def _width(self, rows: int) -> int:
+        return max(r.context_len for r in self.running[:rows])
 
-    def _set_slot(self, slot: int, r: _Request) -> None:
-        p, g = r.params, len(r.prior)
-        self.gen[slot], self.max_gen[slot] = g, p.max_tokens
-        if g:
-            self.out_tokens[slot, :g] = torch.tensor(r.prior)
-            self.out_logprobs[slot, :g] = torch.tensor(r.prior_logprobs)
-        self.eos_stop[slot] = not p.ignore_eos
-        self.stop_ids[slot] = -1
+    def _written(self, r: Request, computed: int) -> None:
+        """Positions up to ``computed`` of ``r`` now have their keys/values; full blocks get registered."""
+        seq = r.seq
+        seq.computed = computed
+        if computed // self.block_size > len(seq.hashes):
+            self.sched.alloc.commit(seq, r.context, computed)
+
+    def _forward(self, n: int, plan: StepPlan) -> torch.Tensor:
+        """Logits of the decode rows, then of the last token of each prefill chunk."""
+        if not plan.chunks:
+            if self.graphs is not None:
+                return self.graphs.logits(n, self._width(n))
+            return self.decode_logits(n)
+        bs, dev = self.block_size, self.device
+        ids, positions, write, last, q_index, q_pos, tables = [], [], [], [], [], [], []
+        offset = n
+        for r, start, end in plan.chunks:
+            ctx, blocks = r.context, r.seq.blocks
+            ids += ctx[start:end]
+            positions += range(start, end)
+            write += [blocks[p // bs] * bs + p % bs for p in range(start, end)]
+            q_index.append(list(range(offset, offset + end - start)))
+            q_pos.append(list(range(start, end)))
+            tables.append(blocks)
+            offset += end - start
+            last.append(offset - 1)
+        pad = lambda rows: [x + [x[-1]] * (max(map(len, rows)) - len(x)) for x in rows]  # noqa: E731
+        width_q = max(map(len, q_index))
+        pre = Ragged(torch.tensor(pad(q_index), device=dev), torch.tensor(pad(q_pos), device=dev),
+                     torch.tensor(pad(tables), device=dev), max(end for _, _, end in plan.chunks),
+                     torch.tensor([[j < len(x) for j in range(width_q)] for x in q_index], device=dev))
+        flat_ids, flat_pos = torch.tensor(ids, device=dev), torch.tensor(positions, device=dev)
+        flat_write, groups = torch.tensor(write, device=dev), [pre]
+        if n:
+            table, pos = self.block_table[:n], self.pos[:n]
+            groups.insert(0, Ragged.decode(table, pos, self._width(n)))
+            flat_ids = torch.cat((self.last[:n], flat_ids))
+            flat_pos = torch.cat((pos, flat_pos))
+            flat_write = torch.cat((rows_of(table, pos[:, None], bs)[:, 0], flat_write))
+        select = torch.cat((torch.arange(n, device=dev), torch.tensor(last, device=dev)))
+        step = PagedPass(self._cache(), flat_write, groups, self.attention)
+        return self.model(flat_ids[None], flat_pos[None], cache=step, select=select)
+
+    def _set_row(self, row: int, r: Request) -> None:
+        p, g = r.params, len(r.tokens)
+        self.pos[row] = len(r.context)
+        self.gen[row], self.max_gen[row] = g, p.max_tokens
+        self.eos_stop[row] = not p.ignore_eos
+        self.stop_ids[row] = -1
         if p.stop_token_ids:
-            self.stop_ids[slot, : len(p.stop_token_ids)] = torch.tensor(p.stop_token_ids)
-        self.has_stop_str[slot] = bool(p.stop)
-        self.rows.temperature[slot], self.rows.top_k[slot] = p.temperature, p.top_k
-        self.rows.top_p[slot], self.rows.seed[slot] = p.top_p, r.seed
-        self._n_constrained += r.matcher is not None
+            self.stop_ids[row, : len(p.stop_token_ids)] = torch.tensor(p.stop_token_ids)
+        self.rows.temperature[row], self.rows.top_k[row] = p.temperature, p.top_k
+        self.rows.top_p[row], self.rows.seed[row] = p.top_p, r.seed
+        blocks = r.seq.blocks
+        self._tables_host[row, : len(blocks)] = torch.tensor(blocks)
+        self.block_table[row].copy_(self._tables_host[row], non_blocking=True)
 
-    def _commit(self, slots: torch.Tensor, logits: torch.Tensor) -> list[int]:
-        """Sample the next token of ``slots`` from ``logits``, record it; returns the slots that finished."""
-        gen = self.gen[slots]
-        if self._n_constrained:
+    def _commit(self, rows: int, logits: torch.Tensor, decoded: int) -> list[int]:
+        """Sample the next token of rows 0..rows-1 from ``logits``; rows below ``decoded`` wrote their last
+        token's key/value this step. Returns the rows that finished."""
+        sl, reqs = slice(0, rows), self.running[:rows]
+        gen = self.gen[sl].clone()  # a copy: the counters advance below
+        if any(r.matcher is not None for r in reqs):
             # logprobs are then those of the masked distribution, the one the tokens are drawn from
-            logits = mask_logits(logits, self._matchers(slots))
-        tok, lp = sample(logits, self.rows[slots], gen)
-        self.out_tokens[slots, gen] = tok
-        self.out_logprobs[slots, gen] = lp.float()
-        self.last[slots] = tok
-        self.gen[slots] = gen + 1
-        done = (torch.isin(tok, self._eos) & self.eos_stop[slots]) | (self.stop_ids[slots] == tok[:, None]).any(1)
-        done |= gen + 1 >= self.max_gen[slots]
-        if self._n_constrained:
-            done |= advance_matchers(self._matchers(slots), tok)
-        check = self.has_stop_str[slots] & ~done
-        finished = slots[done].tolist()
-        if bool(check.any()):
-            finished += [s for s in slots[check].tolist() if self._stop_string(s) is not None]
+            logits = mask_logits(logits, [r.matcher for r in reqs])
+        tok, lp = sample(logits, self.rows[sl], gen, [r.filter_kind for r in reqs])
+        self.last[sl] = tok
+        self.gen[sl] = gen + 1
+        self.pos[:decoded] += 1
+        done = (torch.isin(tok, self._eos) & self.eos_stop[sl]) | (self.stop_ids[sl] == tok[:, None]).any(1)
+        done |= gen + 1 >= self.max_gen[sl]
+        # the one host transfer of the step: tokens, logprobs and finished flags together
+        host = torch.stack((tok.double(), lp.double(), done.double())).tolist()
+        self.generated += rows
+        finished = []
+        for i, r in enumerate(reqs):
+            t = int(host[0][i])
+            if i < decoded:
+                self._written(r, r.context_len)  # the previous token's key/value went in this step
+            r.tokens.append(t)
+            r.logprobs.append(host[1][i])
+            if host[2][i] or (r.matcher is not None and _grammar_done(r.matcher, t)) or \
+                    (r.params.stop and self._stop_string(r) is not None):
+                finished.append(i)
         return finished
 
-    def _stop_string(self, slot: int) -> str | None:
-        r, g = self.running[slot], int(self.gen[slot])
+    def _stop_string(self, r: Request) -> str | None:
         longest = max(map(len, r.params.stop))
         # a token is at least one byte, so the last `longest` tokens (+1 for a split character) hold any new match
-        tail = self.detokenize(self.out_tokens[slot, max(0, g - longest - 1) : g].tolist())
+        tail = self.detokenize(r.tokens[-longest - 1:])
         return next((s for s in r.params.stop if s in tail), None)
 
-    def _completion(self, r: _Request, slot: int, reason: str | None,
-                    stop_reason: int | str | None = None) -> Completion:
-        g = int(self.gen[slot])
-        return Completion(self.out_tokens[slot, :g].tolist(), self.out_logprobs[slot, :g].tolist(), reason,
-                          r.prompt, stop_reason=stop_reason, request_id=r.id, params=r.params)
-
-    def _stop_reason(self, r: _Request, slot: int) -> int | str | None:
+    def _stop_reason(self, r: Request) -> int | str | None:
         """What stopped a finished request: a stop token id (EOS included), a stop string, or None."""
-        tok = int(self.out_tokens[slot, int(self.gen[slot]) - 1])
+        tok = r.tokens[-1]
         if tok in r.params.stop_token_ids or (tok in self.eos_ids and not r.params.ignore_eos):
             return tok
         if r.matcher is not None and r.matcher.is_terminated():
             return tok  # the grammar's stop token ended it (even with ignore_eos)
-        return self._stop_string(slot) if r.params.stop else None
+        return self._stop_string(r) if r.params.stop else None
 
     def _release(self, finished: list[int]) -> list[Completion]:
         out = []
-        for slot in sorted(set(finished), reverse=True):
-            r = self.running[slot]
-            why = self._stop_reason(r, slot)
-            out.append(self._completion(r, slot, "length" if why is None else "stop", why))
-            self._n_constrained -= r.matcher is not None
-            self._move(len(self.running) - 1, slot)
-            self.running.pop()
+        for row in sorted(set(finished), reverse=True):
+            r = self.running[row]
+            why = self._stop_reason(r)
+            out.append(r.completion("length" if why is None else "stop", why))
+            move = self.sched.release(row)
+            if move is not None:
+                self._move(*move)
         return out[::-1]
 
     def _move(self, src: int, dst: int) -> None:
-        """Fill slot ``dst`` with the request in slot ``src`` (keeps the running slots contiguous)."""
-        if src == dst:
-            return
-        self.running[dst] = self.running[src]
-        g, p = int(self.gen[src]), int(self.pos[src])
-        if self.kv is not None:
-            self.kv.move(src, dst, p)
-        for t in (self.pos, self.last, self.gen, self.max_gen, self.stop_ids, self.eos_stop, self.has_stop_str,
+        """Copy row ``src``'s per-row state to row ``dst`` (the scheduler already moved the request)."""
+        for t in (self.pos, self.last, self.gen, self.max_gen, self.stop_ids, self.eos_stop, self.block_table,
                   self.rows.temperature, self.rows.top_k, self.rows.top_p, self.rows.seed):
             t[dst] = t[src]
-        self.out_tokens[dst, :g] = self.out_tokens[src, :g]
-        self.out_logprobs[dst, :g] = self.out_logprobs[src, :g]
+        self._tables_host[dst] = self._tables_host[src]
 
-    # --- constrained decoding (SamplingParams.grammar) -------------------------------------
 
-    def _matchers(self, slots: torch.Tensor) -> list[Any]:
-        return [self.running[s].matcher for s in slots.tolist()]
+def _grammar_done(matcher, token: int) -> bool:
+    """Feed the sampled token to the request's grammar; True when the grammar ended (or rejects it)."""
+    return bool(advance_matchers([matcher], torch.tensor([token]))[0])

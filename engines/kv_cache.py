@@ -1,109 +1,240 @@
-"""The inference engine's KV cache: preallocated slots, one per running sequence.
+"""The inference engine's paged KV cache and the attention that reads it.
 
-The running batch always occupies slots 0..n-1 (a finished sequence's slot is refilled by moving
-the last one into it), so a decode step attends over a view of the cache, never a gathered copy.
+Keys and values of every layer live in one pool of fixed-size blocks (``engines.blocks`` decides who
+holds which block); row ``block * block_size + offset`` of a layer's pool is one token. A step of the
+engine runs one forward over a flat batch of tokens: one query per decoding sequence, plus chunks of
+prompts being prefilled. ``PagedPass`` is the ``AttentionCache`` of that forward: it writes the new
+tokens' keys/values into their rows, then lets each query attend to its own sequence's rows, found
+through its block table, up to its own position (and within a sliding window where the layer has one).
+Multi-head latent attention (DeepSeek-V3, Kimi K2) caches only its compressed latent and rotary key per
+token, one "head" whose first ``kv_lora_rank`` dimensions double as the values.
+
+Two ways to attend, same results: ``torch`` gathers each sequence's rows and runs two matmuls (every
+device; the reference), ``flex`` runs PyTorch's flex_attention over the whole pool with a block mask
+built from the block tables, so a query reads only its own blocks and nothing is gathered (the GPU
+path, compiled there; eager elsewhere, which the tests use to check it against ``torch``).
 """
 
 from __future__ import annotations
 
+import warnings
+from dataclasses import dataclass
+
 import torch
-import torch.nn.functional as F
 
 from engines.arch import ModelConfig
-from engines.attention import window_mask
+
+#: Tokens per block.
+BLOCK_SIZE = 16
 
 
-def cache_dims(cfg: ModelConfig) -> tuple[int, int, int]:
-    """(heads, key dim, value dim) cached per token and layer. MLA caches its keys and values
-    expanded per head (qk = nope + rope dims; the compressed-latent cache is not built yet)."""
+def cache_dims(cfg: ModelConfig) -> tuple[int, int, int | None]:
+    """(heads, key dim, value dim) cached per token and layer; value dim None when the values are the
+    first dimensions of the keys (MLA's latent: kv_lora_rank + rope dims, values = the latent part)."""
     if cfg.is_mla:
-        return cfg.num_attention_heads, cfg.qk_head_dim, cfg.v_head_dim
+        return 1, cfg.kv_lora_rank + cfg.qk_rope_head_dim, None
     return cfg.num_key_value_heads, cfg.head_dim, cfg.head_dim
 
 
 def bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
     """KV-cache bytes of one token (all layers)."""
     heads, dk, dv = cache_dims(cfg)
-    return cfg.num_hidden_layers * heads * (dk + dv) * dtype.itemsize
+    return cfg.num_hidden_layers * heads * (dk + (dv or 0)) * dtype.itemsize
 
 
 def bytes_per_slot(cfg: ModelConfig, max_seq_len: int, dtype: torch.dtype) -> int:
-    """KV-cache bytes of one sequence of ``max_seq_len`` tokens."""
+    """KV-cache bytes of one sequence of ``max_seq_len`` tokens (what a slot cache reserves per sequence)."""
     return bytes_per_token(cfg, dtype) * max_seq_len
 
 
-class SlotKVCache:
-    """Keys [layers, slots, heads, max_seq_len, key dim] and values [..., value dim]."""
+class PagedKVCache:
+    """The block pool: keys [layers, heads, blocks·block_size, key dim], values likewise (or none)."""
 
-    def __init__(self, cfg: ModelConfig, slots: int, max_seq_len: int, dtype: torch.dtype,
+    def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device | str | None = None) -> None:
         heads, dk, dv = cache_dims(cfg)
-        shape = (cfg.num_hidden_layers, slots, heads, max_seq_len)
-        # zeros, not empty: masked positions get probability 0, and 0 * NaN garbage would be NaN
-        self.k = torch.zeros((*shape, dk), dtype=dtype, device=device)
-        self.v = torch.zeros((*shape, dv), dtype=dtype, device=device)
+        rows = num_blocks * block_size
+        self.block_size, self.num_blocks = block_size, num_blocks
+        # zeros, not empty: a masked key gets probability 0, and 0 * NaN garbage would be NaN
+        self.k = torch.zeros((cfg.num_hidden_layers, heads, rows, dk), dtype=dtype, device=device)
+        self.v = None if dv is None else torch.zeros((cfg.num_hidden_layers, heads, rows, dv), dtype=dtype,
+                                                     device=device)
+        self.value_dim = dv if dv is not None else cfg.kv_lora_rank
 
-    def store_prefill(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Copy prefill keys/values k, v [len(slots), kv_heads, T, head_dim] into ``slots``."""
-        t = k.shape[2]
-        self.k[layer, slots, :, :t] = k
-        self.v[layer, slots, :, :t] = v
-
-    def move(self, src: int, dst: int, length: int) -> None:
-        """Copy the first ``length`` positions of slot ``src`` to slot ``dst`` (all layers)."""
-        self.k[:, dst, :, :length] = self.k[:, src, :, :length]
-        self.v[:, dst, :, :length] = self.v[:, src, :, :length]
-
-
-class PrefillPass:
-    """Attention for a right-padded prefill batch; keeps each layer's keys/values for the slots."""
-
-    def __init__(self, mask: torch.Tensor, positions: torch.Tensor) -> None:
-        self.masks, self.positions = {None: mask}, positions
-        self.k: list[torch.Tensor] = []
-        self.v: list[torch.Tensor] = []
-
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-               window: int | None) -> torch.Tensor:
-        self.k.append(k)
-        self.v.append(v)
-        if window not in self.masks:
-            self.masks[window] = window_mask(self.masks[None], self.positions, window)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=self.masks[window], scale=scale, enable_gqa=True)
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy block ``src`` to block ``dst`` in every layer (copy-on-write of a shared block)."""
+        if not pairs:
+            return
+        bs = self.block_size
+        src = torch.tensor([s * bs + i for s, _ in pairs for i in range(bs)], device=self.k.device)
+        dst = torch.tensor([d * bs + i for _, d in pairs for i in range(bs)], device=self.k.device)
+        for t in (self.k, self.v):
+            if t is not None:
+                t[:, :, dst] = t[:, :, src]
 
 
-class DecodePass:
-    """One decode step for slots 0..n-1: writes each new key at its row's position, then attends
-    to that row's positions [0, pos].
+def rows_of(block_table: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Pool rows of ``positions`` [..., P] of sequences whose block tables are ``block_table`` [..., B]."""
+    return block_table.gather(-1, positions // block_size) * block_size + positions % block_size
 
-    Attention is two batched matmuls over a view of the cache with grouped-query heads folded
-    into the query axis; for one query per row this beats the fused CPU kernel, which is built for
-    long query blocks.
-    """
 
-    def __init__(self, cache: SlotKVCache, positions: torch.Tensor, width: int | None = None) -> None:
+@dataclass
+class Ragged:
+    """Queries of several sequences, padded to one batch, each attending to its own cached keys.
+
+    ``q_index`` [S, Q]: the queries' places in the flat token axis; ``q_pos`` [S, Q]: their positions in
+    their sequence (padding repeats a real one); ``table`` [S, B]: each sequence's block table (unused
+    entries any valid block); ``width``: keys 0..width-1 cover every query's sequence; ``valid`` [S, Q]:
+    which queries are real."""
+
+    q_index: torch.Tensor
+    q_pos: torch.Tensor
+    table: torch.Tensor
+    width: int
+    valid: torch.Tensor
+
+    @classmethod
+    def decode(cls, block_table: torch.Tensor, positions: torch.Tensor, width: int) -> Ragged:
+        """One query per sequence at ``positions`` [n] (device ops only: a CUDA graph can capture it)."""
         n = positions.shape[0]
-        self.cache, self.n = cache, n
-        # a given width (≥ every position + 1) keeps shapes static for a captured CUDA graph
-        self.width = int(positions.max()) + 1 if width is None else width
-        self.positions, self.cols = positions, torch.arange(self.width, device=positions.device)
-        self.hidden = {None: (self.cols[None] > positions[:, None])[:, None, None, :]}  # [n, 1, 1, W]
-        kv_heads, max_len = cache.k.shape[2], cache.k.shape[3]
-        rows = torch.arange(n * kv_heads, device=positions.device)
-        # (slot, head, pos) in [S*KVH*L]; expand, not repeat_interleave, which may sync with the host
-        self.flat = rows * max_len + positions[:, None].expand(n, kv_heads).reshape(-1)
+        q_index = torch.arange(n, device=positions.device)[:, None]
+        return cls(q_index, positions[:, None], block_table, width,
+                   torch.ones(n, 1, dtype=torch.bool, device=positions.device))
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+
+class PagedPass:
+    """``AttentionCache`` of one engine step: ``write_rows`` [N] are the pool rows of the step's N new
+    tokens; ``groups`` are the queries (decode rows, prefill chunks) and the keys each may see;
+    ``backend`` is "torch" or "flex" (see the module's docstring)."""
+
+    def __init__(self, cache: PagedKVCache, write_rows: torch.Tensor, groups: list[Ragged],
+                 backend: str = "torch") -> None:
+        if backend not in ("torch", "flex"):
+            raise ValueError(f"attention backend must be 'torch' or 'flex', got {backend!r}")
+        self.cache, self.write_rows, self.groups, self.backend = cache, write_rows, groups, backend
+        self._memo: dict[tuple, object] = {}  # per group: masks or block masks, shared by every layer
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, scale: float,
                window: int | None) -> torch.Tensor:
-        n, w = self.n, self.width
-        heads, kv_heads, dk, dv = q.shape[1], k.shape[1], k.shape[3], v.shape[3]
-        self.cache.k[layer].view(-1, dk).index_copy_(0, self.flat, k.reshape(-1, dk))
-        self.cache.v[layer].view(-1, dv).index_copy_(0, self.flat, v.reshape(-1, dv))
-        kc, vc = self.cache.k[layer, :n], self.cache.v[layer, :n]
-        qg = q.reshape(n, kv_heads, heads // kv_heads, dk) * scale  # query heads sharing a key head
-        scores = torch.matmul(qg, kc[:, :, :w].transpose(-1, -2))
-        if window not in self.hidden:  # also hide keys that slid out of the window
-            old = self.cols[None] <= self.positions[:, None] - window
-            self.hidden[window] = self.hidden[None] | old[:, None, None, :]
-        probs = torch.softmax(scores.masked_fill(self.hidden[window], float("-inf")), dim=-1)
-        return torch.matmul(probs, vc[:, :, :w]).reshape(n, heads, 1, dv)
+        """Store k, v [1, heads, N, d] of the new tokens, then attention [1, H, N, Dv] of q [1, H, N, D].
+        ``v`` None: the values are the first dimensions of the keys (MLA's latent)."""
+        c = self.cache
+        kc = c.k[layer]
+        kc.index_copy_(1, self.write_rows, k[0].to(kc.dtype))
+        if v is not None:
+            c.v[layer].index_copy_(1, self.write_rows, v[0].to(kc.dtype))
+        qf = q[0].transpose(0, 1)  # [N, H, D]
+        out = qf.new_empty(qf.shape[0], qf.shape[1], c.value_dim)
+        for i, g in enumerate(self.groups):
+            attend = self._flex if self.backend == "flex" else self._torch
+            res = attend(i, g, layer, qf[g.q_index], scale, window)  # [S, Q, H, Dv]
+            out.index_copy_(0, g.q_index[g.valid], res[g.valid])
+        return out.transpose(0, 1)[None]
+
+    def _values(self, layer: int) -> torch.Tensor:
+        c = self.cache
+        return c.k[layer][..., : c.value_dim] if c.v is None else c.v[layer]
+
+    def _torch(self, i: int, g: Ragged, layer: int, q: torch.Tensor, scale: float,
+               window: int | None) -> torch.Tensor:
+        """Gather each sequence's keys/values by its block table, then two matmuls."""
+        c = self.cache
+        nq, heads, kv_heads = q.shape[1], q.shape[2], c.k.shape[1]
+        group = heads // kv_heads
+        blocks = g.table[:, : -(-g.width // c.block_size)]  # [S, B]: the blocks holding keys 0..width-1
+        s, width = blocks.shape[0], blocks.shape[1] * c.block_size
+        flat = blocks.reshape(-1)
+        # whole blocks gathered as [KVH, S, B·block, D]: contiguous runs to copy, and contiguous for the
+        # matmuls below; keys past each query's position are masked
+        keys = _gather_blocks(c.k[layer], flat, c.block_size).view(kv_heads, s, width, -1)
+        values = keys[..., : c.value_dim] if c.v is None else \
+            _gather_blocks(c.v[layer], flat, c.block_size).view(kv_heads, s, width, -1)
+        # query heads sharing a key head side by side: [KVH, S, Q·G, D]
+        qg = q.unflatten(2, (kv_heads, group)).permute(2, 0, 1, 3, 4).flatten(2, 3)
+        scores = torch.matmul(qg * scale, keys.transpose(-1, -2))
+        scores = scores.masked_fill(self._hidden(i, g, window, group), float("-inf"))
+        probs = torch.softmax(scores.float(), dim=-1).to(values.dtype)
+        out = torch.matmul(probs, values)  # [KVH, S, Q·G, Dv]
+        return out.unflatten(2, (nq, group)).permute(1, 2, 0, 3, 4).flatten(2, 3)
+
+    def _hidden(self, i: int, g: Ragged, window: int | None, group: int) -> torch.Tensor:
+        """[S, Q·G, K] True where a key lies beyond its query's position (or out of its window); K is the
+        width rounded up to whole blocks."""
+        key = ("hidden", i, window, group)
+        if key not in self._memo:
+            bs = self.cache.block_size
+            kpos = torch.arange(-(-g.width // bs) * bs, device=g.q_pos.device)
+            hide = kpos[None, None] > g.q_pos[..., None]  # [S, Q, K]
+            if window is not None:
+                hide |= kpos[None, None] <= g.q_pos[..., None] - window
+            self._memo[key] = hide.repeat_interleave(group, dim=1)
+        return self._memo[key]
+
+    def _flex(self, i: int, g: Ragged, layer: int, q: torch.Tensor, scale: float,
+              window: int | None) -> torch.Tensor:
+        """flex_attention of the group's queries over the whole pool, through a block mask of their blocks."""
+        c = self.cache
+        s = q.shape[0]
+        key = ("block_mask", i, window)
+        if key not in self._memo:
+            self._memo[key] = _paged_block_mask(g, c.num_blocks, c.block_size, window)
+        keys = c.k[layer][None].expand(s, -1, -1, -1)
+        values = self._values(layer)[None].expand(s, -1, -1, -1)
+        out = _flex_attention(q.transpose(1, 2), keys, values, block_mask=self._memo[key], scale=scale,
+                              enable_gqa=True)
+        return out.transpose(1, 2)  # [S, Q, H, Dv]
+
+
+def _gather_blocks(pool: torch.Tensor, blocks: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Rows of ``blocks`` (whole blocks, in order) of one layer's pool [heads, rows, D]: [heads, n·block, D]."""
+    h, rows, d = pool.shape
+    return pool.view(h, rows // block_size, block_size * d).index_select(1, blocks).view(h, -1, d)
+
+
+def _paged_block_mask(g: Ragged, num_blocks: int, block_size: int, window: int | None):
+    """A flex_attention block mask over the pool's rows: query (s, q) may read physical row r when r's block
+    is block j of sequence s's table and j·block_size + offset ≤ its position (and within its window)."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    s, nq = g.q_pos.shape
+    used = -(-g.width // block_size)
+    table = g.table[:, :used]
+    cols = torch.arange(used, device=table.device)
+    last = g.q_pos.max(dim=1).values // block_size  # the last block each sequence reads
+    logical = torch.where(cols[None] <= last[:, None], cols[None], -1).expand(s, used)
+    # physical block -> its index in the sequence's table (-1: not the sequence's)
+    to_logical = torch.full((s, num_blocks), -1, dtype=torch.long, device=table.device)
+    to_logical.scatter_reduce_(1, table, logical, reduce="amax")
+    q_pos = g.q_pos
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        j = to_logical[b, kv_idx // block_size]
+        pos = j * block_size + kv_idx % block_size
+        ok = (j >= 0) & (pos <= q_pos[b, q_idx])
+        if window is not None:
+            ok &= pos > q_pos[b, q_idx] - window
+        return ok
+
+    q_blocks = -(-nq // 128)
+    kv_num = (last + 1).to(torch.int32)[:, None, None].expand(s, 1, q_blocks).contiguous()
+    # as wide as the pool: the indices are physical blocks, and flex sizes its dense view by this width
+    kv_indices = torch.zeros(s, 1, q_blocks, num_blocks, dtype=torch.int32, device=table.device)
+    kv_indices[..., :used] = table.to(torch.int32)[:, None, None, :]
+    return BlockMask.from_kv_blocks(kv_num, kv_indices, BLOCK_SIZE=(128, block_size), mask_mod=mask_mod,
+                                    seq_lengths=(nq, num_blocks * block_size))
+
+
+_COMPILED = {}
+
+
+def _flex_attention(q, k, v, **kw):
+    """flex_attention, compiled on an accelerator; eager (the reference implementation) on CPU."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if q.device.type == "cpu":
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # eager flex warns that it is not fused: known, used to test the path
+            return flex_attention(q, k, v, **kw)
+    if "fn" not in _COMPILED:
+        _COMPILED["fn"] = torch.compile(flex_attention, dynamic=True)
+    return _COMPILED["fn"](q, k, v, **kw)

@@ -99,8 +99,9 @@ class CausalLM(nn.Module):
         """Logits [B, T, V] for tokens [B, T] at RoPE positions [B, T].
 
         ``mask`` is a boolean [B, 1, T, T] (True = may attend) used when there is no ``cache``
-        (sliding-window layers narrow it by position); a cache attends itself. ``select`` [B] picks
-        one position per row: logits are then [B, V], and the vocabulary projection runs only there.
+        (sliding-window layers narrow it by position); a cache attends itself. ``select`` [M] picks
+        positions of the flattened B·T token axis: logits are then [M, V], and the vocabulary
+        projection runs only there.
         """
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, x.dtype)
@@ -111,7 +112,7 @@ class CausalLM(nn.Module):
                 masks[w] = window_mask(mask, positions, w)
             x = layer(x, cos, sin, masks.get(w, mask), i, cache)
         if select is not None:
-            x = x[torch.arange(x.shape[0], device=x.device), select]
+            x = x.flatten(0, 1)[select]
         return self.lm_head(self.model.norm(x))
 
 

@@ -119,37 +119,64 @@ class RowParams:
         return RowParams(self.temperature[rows], self.top_k[rows], self.top_p[rows], self.seed[rows])
 
 
-def sample(logits: torch.Tensor, rows: RowParams, counters: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+#: Rows whose top-k is at most this draw from ``topk`` of this many candidates instead of a full sort.
+TOPK_CANDIDATES = 1024
+
+
+def filter_kind(top_k: int, top_p: float, vocab: int) -> int:
+    """How a row with these parameters is drawn: 0 from the whole distribution, 1 from the top
+    ``TOPK_CANDIDATES`` (its top-k fits in them), 2 from a full sort (top-p alone, or a larger top-k).
+    A row's kind depends on its own parameters only, so it draws the same token in any batch."""
+    if top_k <= 0 and top_p >= 1:
+        return 0
+    return 1 if 0 < top_k <= min(vocab, TOPK_CANDIDATES) else 2
+
+
+def sample(logits: torch.Tensor, rows: RowParams, counters: torch.Tensor,
+           kinds: Sequence[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row of ``logits`` [n, V]; returns (tokens [n], logprobs [n]).
 
     The logprob is the token's log-probability under softmax(logits / T) over the whole vocabulary
     (T = 1 for greedy rows), which is what the trainer recomputes; top-k/top-p only restrict which
-    tokens may be drawn.
+    tokens may be drawn. ``kinds`` gives each row's ``filter_kind`` (the caller knows the parameters;
+    None: worked out here). Nothing waits for the device: each row draws by inverse CDF from its own
+    counter-based uniform, and greedy rows take the argmax through a ``where``.
     """
     logits = logits.float()
+    v = logits.shape[1]
     greedy = rows.temperature <= 0
     temp = torch.where(greedy, torch.ones_like(rows.temperature), rows.temperature)
     logp = torch.log_softmax(logits / temp[:, None], dim=-1)
     u = counter_uniform(rows.seed, counters)
-    filtered = bool(((rows.top_k > 0) | (rows.top_p < 1)).any())
-    if filtered:
-        probs, order = logp.exp().sort(dim=-1, descending=True)
-        rank = torch.arange(probs.shape[1], device=probs.device)
-        k = torch.where(rows.top_k > 0, rows.top_k, probs.shape[1])
-        before = probs.cumsum(-1) - probs  # mass of the tokens ranked above this one
-        keep = (rank[None] < k[:, None]) & (before < rows.top_p[:, None])
-        probs = probs * keep
-    else:
-        probs, order = logp.exp(), None
+    probs = logp.exp()
+    if kinds is None:
+        kinds = [filter_kind(k, p, v) for k, p in zip(rows.top_k.tolist(), rows.top_p.tolist(), strict=True)]
+    tokens = _draw(probs, u)
+    for kind in (1, 2):
+        idx = [i for i, k in enumerate(kinds) if k == kind]
+        if idx:
+            sel = torch.tensor(idx, device=logits.device)
+            sub = rows[sel]
+            if kind == 1:
+                top, order = probs[sel].topk(min(v, TOPK_CANDIDATES), dim=-1)
+            else:
+                top, order = probs[sel].sort(dim=-1, descending=True)
+            k = torch.where(sub.top_k > 0, sub.top_k, v)
+            rank = torch.arange(top.shape[1], device=logits.device)
+            before = top.cumsum(-1) - top  # mass of the tokens ranked above this one
+            keep = (rank[None] < k[:, None]) & (before < sub.top_p[:, None])
+            tokens[sel] = order.gather(1, _draw(top * keep, u[sel])[:, None]).squeeze(1)
+    tokens = torch.where(greedy, logits.argmax(-1), tokens)
+    return tokens, logp.gather(1, tokens[:, None]).squeeze(1)
+
+
+def _draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF draw of a column per row of (unnormalised) ``probs`` at the uniforms ``u``."""
     cdf = probs.cumsum(-1)
     total = cdf[:, -1:]
-    # strictly below the total, so the draw never lands past the last token with mass
+    # strictly below the total, so the draw never lands past the last column with mass
     target = torch.minimum((u[:, None] * total.double()).float(), torch.nextafter(total, torch.zeros_like(total)))
-    idx = torch.searchsorted(cdf, target, right=True).clamp_(max=probs.shape[1] - 1).squeeze(1)
-    tokens = order.gather(1, idx[:, None]).squeeze(1) if order is not None else idx
-    if bool(greedy.any()):
-        tokens = torch.where(greedy, logits.argmax(-1), tokens)
-    return tokens, logp.gather(1, tokens[:, None]).squeeze(1)
+    return torch.searchsorted(cdf, target, right=True).clamp_(max=probs.shape[1] - 1).squeeze(1)
 
 
 # --- constrained decoding (SamplingParams.grammar; the matchers come from engines.constrained) ------

@@ -16,7 +16,7 @@ from engines.inference import Completion, SamplingParams
 from rl.algorithm import PtxBatch, Sample
 from rl.config import Config
 from rl.errors import UserError
-from rl.partial import Trajectory, to_completion
+from rl.partial import Trajectory
 from rl.workers import RolloutWorker, TrainerWorker, default_threads
 
 # Both actors of a worker share one bundle: they alternate, never compute at the same time.
@@ -107,31 +107,35 @@ class Cluster:
         return [c for r in results for c in r]  # type: ignore[union-attr]
 
     def rollout(self, trajectories: list[Trajectory], token_budget: int | None,
-                on_worker: Callable[[int], None] | None = None) -> list[Completion]:
+                on_worker: Callable[[int], None] | None = None) -> tuple[list[Trajectory], dict[str, float]]:
         """Run the iteration's trajectories (new and paused) on the inference engines, whole prompt
-        groups per engine (they share a prefill); each engine gets an equal share of the token budget."""
+        groups per engine (they share a prefill); each engine gets an equal share of the token budget.
+        Returns them updated (``rl.partial.advance``), tagged with the current weights version, and the
+        engines' metrics: prefix-cache hit rate, preemptions, peak fraction of KV blocks held."""
         n = len(self.rollouts)
         groups = sorted({t.group for t in trajectories})
         worker_of = {g: i % n for i, g in enumerate(groups)}
-        shares: list[tuple[list, list]] = [([], []) for _ in range(n)]
+        shares: list[list[Trajectory]] = [[] for _ in range(n)]
         for t in trajectories:
-            new, partials = shares[worker_of[t.group]]
-            if t.token_ids:
-                partials.append(to_completion(t))
-            else:
-                new.append((t.prompt_ids, t.params, t.key))
+            shares[worker_of[t.group]].append(t)
         budget = None if token_budget is None else max(1, token_budget // n)
-        refs = [r.rollout.remote(new, partials, budget)
-                for r, (new, partials) in zip(self.rollouts, shares, strict=True)]
-        out: list[Completion] = []
+        refs = [r.rollout.remote(share, budget, self.weights_version)
+                for r, share in zip(self.rollouts, shares, strict=True)]
+        out: list[Trajectory] = []
+        counts: list[dict[str, int]] = []
         pending = list(refs)
         while pending:
             done, pending = ray.wait(pending, num_returns=1)
-            finished, paused = ray.get(done[0])
-            out += finished + paused
+            got, stats = ray.get(done[0])
+            out += got
+            counts.append(stats)
             if on_worker:
-                on_worker(len(finished) + len(paused))
-        return out
+                on_worker(len(got))
+        hits, misses = (sum(c[k] for c in counts) for k in ("prefix_hit_tokens", "prefix_miss_tokens"))
+        return out, {"prefix_hit_rate": round(hits / (hits + misses), 4) if hits + misses else 0.0,
+                     "preemptions": sum(c["preemptions"] for c in counts),
+                     "kv_usage_peak": round(max(c["kv_blocks_peak"] / c["kv_blocks"] for c in counts), 4),
+                     "mem_rollout_peak_gib": round(max(c["peak_bytes"] for c in counts) / 2**30, 3)}
 
     def train(self, samples: list[Sample], ptx: list[PtxBatch], seed: int,
               on_step: Callable[[dict], None] | None = None) -> list[dict[str, float]]:
@@ -146,6 +150,10 @@ class Cluster:
         for g in gens[1:]:
             ray.get(list(g))
         return steps
+
+    def train_peak_gib(self) -> float:
+        """The largest trainer process's peak memory over its last training phase (GiB)."""
+        return round(max(ray.get([t.peak_memory.remote() for t in self.trainers])) / 2**30, 3)
 
     def offload_trainers(self) -> dict:
         """Trainer state to host memory (rank 0's figures)."""

@@ -143,8 +143,14 @@ class RolloutConfig(Strict):
     env_workers: int = Field(16, ge=1, description="episodes stepped concurrently (sandboxes, critics)")
     max_turns: int = Field(8, ge=1, description="most model turns of a multi-turn episode (the env may end it "
                                                 "sooner); its task type's max_tokens is per turn")
-    max_batch: int = Field(512, ge=1, description="most sequences decoded together (KV-cache slots)")
-    kv_cache_mb: int = Field(512, ge=1, description="KV-cache memory budget of each inference engine")
+    max_batch: int = Field(512, ge=1, description="most sequences decoded together")
+    kv_cache_mb: int = Field(512, ge=1, description="KV-cache memory budget of each inference engine (paged: "
+                                                    "sequences take blocks as they grow)")
+    max_batch_tokens: int = Field(8192, ge=2, description="tokens one engine step computes: a token per decoding "
+                                                         "sequence, the rest in prompt chunks")
+    attention: Literal["torch", "flex"] = Field(
+        "torch", description="paged attention of the inference engines: torch gathers each sequence's blocks; "
+                             "flex runs flex_attention through block masks (compiled on a GPU)")
     max_seq_len: int | None = Field(
         None, ge=2, description="tokens per sequence (prompt + response) the KV cache is sized for; None = the "
                                 "run's longest prompt + largest max_tokens (the model's context when prompts are "

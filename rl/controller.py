@@ -26,9 +26,10 @@ from rl.episodes import env_class, task_type_of
 from rl.errors import UserError
 from rl.memory import check_fits, estimate
 from rl.metrics import MetricsLog, plot_curves
+from rl.multiturn import play_episodes
 from rl.partial import PartialRolloutBuffer, Trajectory
 from rl.ptx import load_ptx, ptx_batches
-from rl.rewards import collect_samples, evaluate
+from rl.rewards import collect_samples, episode_runner, episode_seed, evaluate
 from rl.warmstart import prepare_model
 
 
@@ -121,20 +122,27 @@ def iteration(cluster: Cluster, cfg: Config, tasks, tok: TextTokenizer, it: int,
     """One RL iteration; returns its metrics record."""
     times: dict[str, float] = {}
 
-    t = time.time()
-    temps, multi = new_groups(cfg, tasks, tok, it, buffer)
-    pending, _ = buffer.pending(it)  # trajectories past rollout.partial.max_age are dropped here
-    bar = progress.add_task(f"iter {it} rollout", total=len(pending))
-    results = cluster.rollout(pending, cfg.rollout.partial.token_budget, on_worker=lambda n: progress.advance(bar, n))
-    progress.remove_task(bar)
-    prior = {t.key: len(t.token_ids) for t in pending}
-    generated = sum(len(c.token_ids) - prior[c.request_id] for c in results)
-    buffer.record(results, it, cluster.weights_version)
-    times["time_rollout"] = time.time() - t
+    runner = episode_runner(cluster, cfg, tasks, tok, it)
+    try:
+        t = time.time()
+        temps, multi = new_groups(cfg, tasks, tok, it, buffer)
+        pending, _ = buffer.pending(it)  # trajectories past rollout.partial.max_age are dropped here
+        bar = progress.add_task(f"iter {it} rollout", total=len(pending))
+        results, engine_stats = cluster.rollout(pending, cfg.rollout.partial.token_budget,
+                                                on_worker=lambda n: progress.advance(bar, n))
+        progress.remove_task(bar)
+        prior = {t.key: len(t.token_ids) for t in pending}
+        generated = sum(len(r.token_ids) - prior[r.key] for r in results)
+        buffer.record(results, it)
+        episodes = play_episodes(cluster, cfg, tok, runner, multi, temps, episode_seed(cfg, it), cluster.max_context)
+        generated += sum(sum(e.loss_mask) for e in episodes)
+        times["time_rollout"] = time.time() - t
 
-    t = time.time()
-    # The inference engines sleep only after rewards: critics and multi-turn episodes run the policy on them.
-    samples, stats = collect_samples(cluster, cfg, tasks, tok, it, buffer.pop_complete(), multi, temps)
+        t = time.time()
+        # The inference engines sleep only after rewards: a critic may run the policy on them.
+        samples, stats = collect_samples(cluster, cfg, tasks, tok, it, buffer.pop_complete(), episodes, runner)
+    finally:
+        runner.close()
     partial_stats = buffer.stats()  # after pop_complete: waiting_groups are the groups carried over
     cluster.sleep_rollouts()
     times["time_reward"] = time.time() - t
@@ -147,6 +155,7 @@ def iteration(cluster: Cluster, cfg: Config, tasks, tok: TextTokenizer, it: int,
     steps = cluster.train(samples, ptx_steps, seed=cfg.run.seed * 100_003 + it,
                           on_step=lambda _: progress.advance(bar)) if samples else []
     progress.remove_task(bar)
+    train_peak = cluster.train_peak_gib() if steps else None
     times["time_offload"] = cluster.offload_trainers().get("seconds", 0.0)
     times["time_train"] = time.time() - t
 
@@ -173,6 +182,8 @@ def iteration(cluster: Cluster, cfg: Config, tasks, tok: TextTokenizer, it: int,
         "temperature": cfg.temperature(cfg.env_entries[0].task_type or env_class(cfg.env_entries[0]).task_type, it),
         **({f"temperature/{k}": v for k, v in temps.items()} if len(temps) > 1 else {}),
         "rollout_tokens": generated,
+        **engine_stats,
+        "mem_train_peak_gib": train_peak,
         **{f"partial_{k}": v for k, v in partial_stats.items()},
         **step_metrics(steps),
         **{k: round(v, 3) for k, v in times.items()},

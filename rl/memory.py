@@ -2,7 +2,8 @@
 
 Counts what the colocated worker holds: the trainer's shard (weights, gradients and optimizer state,
 1/workers of each under FSDP2), the inference engine's full replica in the rollout dtype, and its
-KV cache (``rollout.kv_cache_mb``, rounded down to whole sequences of ``max_seq_len`` tokens).
+paged KV cache (``rollout.kv_cache_mb``, all of it, in blocks; how many sequences it holds depends
+on their lengths, at worst ``max_seq_len`` tokens each).
 Activations are not counted: they depend on ``algorithm.micro_batch`` and sequence lengths and are
 freed between micro-batches. On a GPU the phases take turns (``trainer.offload`` moves the trainer to
 host memory while the engine generates, ``rollout.sleep_level`` frees the cache, and at 2 the
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from engines.arch import ModelConfig
-from engines.kv_cache import bytes_per_slot
+from engines.kv_cache import BLOCK_SIZE, bytes_per_slot, bytes_per_token
 from rl.config import Config
 from rl.errors import UserError
 
@@ -72,9 +73,11 @@ def estimate(cfg: Config, arch: ModelConfig, max_seq_len: int) -> MemoryEstimate
     shard = lambda b: -(-b // workers)  # noqa: E731
     weights, grads, opt = shard(n * master), shard(n * master), shard(states * master)
     replica = n * getattr(torch, cfg.rollout_dtype).itemsize
-    per_seq = bytes_per_slot(arch, max_seq_len, getattr(torch, cfg.rollout_dtype))
-    seqs = min(cfg.rollout.max_batch, (cfg.rollout.kv_cache_mb << 20) // per_seq)
-    kv = seqs * per_seq
+    rollout_dtype = getattr(torch, cfg.rollout_dtype)
+    per_seq = bytes_per_slot(arch, max_seq_len, rollout_dtype)
+    per_block = bytes_per_token(arch, rollout_dtype) * BLOCK_SIZE
+    kv = (cfg.rollout.kv_cache_mb << 20) // per_block * per_block  # the engine takes the whole budget
+    seqs = min(cfg.rollout.max_batch, kv // per_seq)  # sequences of the full max_seq_len it holds at least
     trainer = weights + grads + opt
     level = cfg.rollout.sleep_level
     rollout_phase = replica + kv + (0 if cfg.trainer.offload else trainer)

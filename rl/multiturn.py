@@ -1,6 +1,8 @@
 """Multi-turn episodes in the RL loop: generate a turn, step the environment, append its observation, repeat.
 
-All active episodes of the iteration generate their next turn in one batch on the inference engines;
+The rollout phase plays the episodes (``play_episodes``); the reward phase turns them into training
+samples (``episode_samples``). All active episodes of the iteration generate their next turn in one
+batch on the inference engines;
 the environments then step concurrently (a sandbox command, a tool call) within their entry's
 ``timeout_s``. The trained sequence is the whole conversation after the first prompt: the model's
 tokens (loss mask 1, with the sampler's log-probs) and the environment's observations (loss mask 0,
@@ -48,10 +50,11 @@ def _reset(env: Env, task: Task) -> str:
     return obs
 
 
-def run_multi_turn(cluster, cfg: Config, tok: TextTokenizer, runner: EpisodeRunner,
-                   groups: list[tuple[int, EnvConfig, Task]], temperatures: dict[str, float], seed: int,
-                   max_context: int) -> tuple[list[Sample], dict[str, Any]]:
-    """Play K episodes for each ``(group id, entry, task)``; returns the samples of finished episodes and stats."""
+def play_episodes(cluster, cfg: Config, tok: TextTokenizer, runner: EpisodeRunner,
+                  groups: list[tuple[int, EnvConfig, Task]], temperatures: dict[str, float], seed: int,
+                  max_context: int) -> list[Episode]:
+    """Play K episodes for each ``(group id, entry, task)`` to their end; each keeps its environment's final
+    reward (or its error)."""
     k = cfg.rollout.samples_per_prompt
     episodes: list[Episode] = []
     for group, entry, task in groups:
@@ -101,10 +104,11 @@ def run_multi_turn(cluster, cfg: Config, tok: TextTokenizer, runner: EpisodeRunn
         if not e.done:
             e.done, e.truncated = True, True  # out of turns
     runner.run_calls([(e.env.close, 10.0) for e in episodes])
-    return _samples(episodes, cfg)
+    return episodes
 
 
-def _samples(episodes: list[Episode], cfg: Config) -> tuple[list[Sample], dict[str, Any]]:
+def episode_samples(episodes: list[Episode], cfg: Config) -> tuple[list[Sample], dict[str, Any]]:
+    """Training samples of finished episodes (truncated ones take their task type's penalty) and stats."""
     samples, errors, first_error = [], 0, None
     reward_sum: Counter[str] = Counter()
     n_type: Counter[str] = Counter()

@@ -10,11 +10,11 @@ a prompt group is handed to the trainer once every remaining sample of it has fi
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from engines.inference import Completion, InferenceEngine, InvalidRequestError, SamplingParams
 
-__all__ = ["PartialRolloutBuffer", "Trajectory", "generate_with_budget", "to_completion", "to_request"]
+__all__ = ["PartialRolloutBuffer", "Trajectory", "advance", "generate_with_budget"]
 
 
 def generate_with_budget(engine: InferenceEngine, requests: Sequence[tuple[list[int], SamplingParams, int]],
@@ -61,12 +61,9 @@ def generate_with_budget(engine: InferenceEngine, requests: Sequence[tuple[list[
                 engine.add_request(prompt, params, request_id=rid)
             except InvalidRequestError as e:
                 done(Completion([], [], "error", list(prompt), error=str(e), request_id=rid, params=params))
-        generated = 0
-        while engine.has_unfinished() and (token_budget is None or generated < token_budget):
-            running, waiting = len(engine.running), len(engine.waiting)
+        start = engine.generated
+        while engine.has_unfinished() and (token_budget is None or engine.generated - start < token_budget):
             out = engine.step()
-            # a step decodes one token per running request and samples the first token of each admitted one
-            generated += running + waiting - len(engine.waiting)
             for c in out:
                 done(c)
     except BaseException:
@@ -91,6 +88,18 @@ class Trajectory:
     finish_reason: str | None = None  # None while unfinished; "error" when the engine refused it
     error: str | None = None
 
+    def extended(self, c: Completion, version: int) -> Trajectory:
+        """A copy carrying the engine's result ``c`` for it (its tokens so far, a resumed request's earlier ones
+        first): the new tokens become a segment of weights ``version``; finish state from ``c``."""
+        n = len(self.token_ids)
+        if c.finish_reason != "error" and (len(c.token_ids) < n or c.token_ids[:n] != self.token_ids):
+            raise ValueError(f"result {c.request_id} does not continue trajectory {self.key}'s tokens")
+        t = replace(self, segments=list(self.segments), finish_reason=c.finish_reason, error=c.error)
+        if c.finish_reason != "error" and len(c.token_ids) > n:
+            t.token_ids, t.logprobs = list(c.token_ids), list(c.logprobs)
+            t.segments.append((n, version))
+        return t
+
     def to_dict(self) -> dict:
         """JSON-serialisable form (SamplingParams as a dict)."""
         return asdict(self)
@@ -104,16 +113,17 @@ class Trajectory:
         return cls(**d)
 
 
-def to_completion(traj: Trajectory) -> Completion:
-    """The engine Completion of ``traj``; resumable with ``engine.resume`` while unfinished (a new
-    trajectory resumes from no tokens, so every pending trajectory can go in as a partial)."""
-    return Completion(list(traj.token_ids), list(traj.logprobs), traj.finish_reason, list(traj.prompt_ids),
-                      error=traj.error, request_id=traj.key, params=traj.params)
-
-
-def to_request(traj: Trajectory) -> tuple[list[int], SamplingParams, int]:
-    """(prompt_ids, params, key): the new-request form of ``traj`` for ``generate_with_budget``."""
-    return list(traj.prompt_ids), traj.params, traj.key
+def advance(engine: InferenceEngine, trajectories: Sequence[Trajectory], token_budget: int | None,
+            version: int) -> list[Trajectory]:
+    """Generate for ``trajectories`` (paused ones first: they are older) until each finishes or ``token_budget``
+    tokens were generated; returns them, updated: the tokens generated here are one more segment, of weights
+    ``version``, and ``finish_reason`` is None for those paused again. The inputs are not modified."""
+    partials = [Completion(list(t.token_ids), list(t.logprobs), None, list(t.prompt_ids), request_id=t.key,
+                           params=t.params) for t in trajectories if t.token_ids]
+    requests = [(list(t.prompt_ids), t.params, t.key) for t in trajectories if not t.token_ids]
+    finished, paused = generate_with_budget(engine, requests, partials, token_budget)
+    held = {t.key: t for t in trajectories}
+    return [held[c.request_id].extended(c, version) for c in finished + paused]
 
 
 _STAT_KEYS = ("paused", "resumed", "dropped")
@@ -177,30 +187,26 @@ class PartialRolloutBuffer:
         run.sort(key=lambda t: (t.started, t.key))
         return run, dropped
 
-    def record(self, results: Sequence[Completion], iteration: int, version: int) -> None:
-        """Merge engine results (matched by request_id == key): the tokens beyond those already held become
-        a new segment of weights ``version``; sets finish_reason/error. ``iteration`` is for the counters."""
-        for c in results:
-            t = self._by_key.get(c.request_id)
+    def record(self, results: Sequence[Trajectory], iteration: int) -> None:
+        """Take generated trajectories back (matched by key; see ``advance``): each must continue the held
+        one's tokens. ``iteration`` is for the counters."""
+        for r in results:
+            t = self._by_key.get(r.key)
             if t is None:
-                raise KeyError(f"no trajectory with key {c.request_id} in the buffer")
+                raise KeyError(f"no trajectory with key {r.key} in the buffer")
             if t.finish_reason is not None:
                 raise ValueError(f"trajectory {t.key} already finished ({t.finish_reason})")
-            if len(c.logprobs) != len(c.token_ids):
-                raise ValueError(f"result {c.request_id} has {len(c.token_ids)} tokens, {len(c.logprobs)} logprobs")
+            if len(r.logprobs) != len(r.token_ids):
+                raise ValueError(f"result {r.key} has {len(r.token_ids)} tokens, {len(r.logprobs)} logprobs")
             n = len(t.token_ids)
-            # a resumed request comes back with its prior tokens and logprobs in front of the new ones
-            extends = c.token_ids[:n] == t.token_ids and len(c.token_ids) >= n
-            if not extends and c.finish_reason != "error":
-                raise ValueError(f"result {c.request_id} does not continue trajectory {t.key}'s tokens")
-            if extends and len(c.token_ids) > n:
-                t.segments.append((n, version))
-                t.token_ids.extend(c.token_ids[n:])
-                t.logprobs.extend(c.logprobs[n:])
-            t.finish_reason, t.error = c.finish_reason, c.error
+            if r.finish_reason != "error" and (r.token_ids[:n] != t.token_ids or r.segments[:len(t.segments)]
+                                               != t.segments):
+                raise ValueError(f"result {r.key} does not continue trajectory {t.key}'s tokens")
+            t.token_ids, t.logprobs, t.segments = list(r.token_ids), list(r.logprobs), list(r.segments)
+            t.finish_reason, t.error = r.finish_reason, r.error
             if t.started < iteration:
                 self._counts["resumed"] += 1
-            if c.finish_reason is None:
+            if r.finish_reason is None:
                 self._counts["paused"] += 1
 
     def pop_complete(self) -> list[list[Trajectory]]:

@@ -135,29 +135,35 @@ def policy_critic(cluster, tok: TextTokenizer, cfg: Config, seed: int):
 
 
 def collect_samples(cluster, cfg: Config, tasks: TaskSets, tok: TextTokenizer, it: int,
-                    completed: list[list[Trajectory]], multi: list, temps: dict[str, float]):
+                    completed: list[list[Trajectory]], episodes: list, runner: EpisodeRunner):
     """The iteration's training samples and reward metrics: the completed single-turn groups scored by their
-    environments (the policy as critic where one judges), the multi-turn groups played out, and the critic's
-    own judgments when closed-loop critic training is on."""
+    environments (the policy as critic where one judges), the multi-turn episodes the rollout played, and the
+    critic's own judgments when closed-loop critic training is on."""
     from rl.critic_loop import critic_training_batch
-    from rl.multiturn import run_multi_turn
+    from rl.multiturn import episode_samples
 
-    seed = cfg.run.seed * 7_919 + it
-    critic = policy_critic(cluster, tok, cfg, seed) if any(is_group_level(e) for e in tasks.entries) else None
-    runner = EpisodeRunner(cfg, critic=critic)
-    try:
-        samples, stats = score(completed, tasks, tok, cfg, runner)
-        if multi:
-            more, multi_stats = run_multi_turn(cluster, cfg, tok, runner, multi, temps, seed, cluster.max_context)
-            samples += more
-            stats.update({k: v for k, v in multi_stats.items() if k not in stats})
-            stats["env_errors"] += multi_stats["multi_turn_errors"]
-            stats["reward_mean"] = sum(s.reward for s in samples) / max(1, len(samples))
-        if cfg.algorithm.critic_training.enabled:
-            judged, critic_stats = critic_training_batch(cluster, tok, cfg, samples, it, GROUPS_PER_ITERATION)
-            samples += judged
-            stats.update(critic_stats)
-    finally:
-        runner.close()
+    samples, stats = score(completed, tasks, tok, cfg, runner)
+    if episodes:
+        more, multi_stats = episode_samples(episodes, cfg)
+        samples += more
+        stats.update({k: v for k, v in multi_stats.items() if k not in stats})
+        stats["env_errors"] += multi_stats["multi_turn_errors"]
+        stats["reward_mean"] = sum(s.reward for s in samples) / max(1, len(samples))
+    if cfg.algorithm.critic_training.enabled:
+        judged, critic_stats = critic_training_batch(cluster, tok, cfg, samples, it, GROUPS_PER_ITERATION)
+        samples += judged
+        stats.update(critic_stats)
     stats["trained_samples"] = len(samples)
     return samples, stats
+
+
+def episode_runner(cluster, cfg: Config, tasks: TaskSets, tok: TextTokenizer, it: int) -> EpisodeRunner:
+    """The iteration's environment runner, with the policy attached as critic where an environment judges."""
+    critic = policy_critic(cluster, tok, cfg, episode_seed(cfg, it)) \
+        if any(is_group_level(e) for e in tasks.entries) else None
+    return EpisodeRunner(cfg, critic=critic)
+
+
+def episode_seed(cfg: Config, it: int) -> int:
+    """Seed of the iteration's episodes (multi-turn sampling, the policy as critic)."""
+    return cfg.run.seed * 7_919 + it

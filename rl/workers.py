@@ -22,7 +22,7 @@ from checkpoint_engine.engine import CheckpointEngine
 from checkpoint_engine.model_plan import ModelSender, receiver_placements
 from checkpoint_engine.transfer import WeightReceiver
 from checkpoint_engine.update import RayPacker, RayReloader, free_port
-from engines import distributed
+from engines import distributed, peak_memory
 from engines.fp8 import BLOCK, checkpoint_block, to_fp8
 from engines.hf_io import read_config, save_pretrained
 from engines.inference import Completion, InferenceEngine, SamplingParams
@@ -33,7 +33,7 @@ from engines.training import TrainingEngine
 from rl.algorithm import PtxBatch, Sample, rl_update
 from rl.config import Config
 from rl.optim import build_optimizers
-from rl.partial import generate_with_budget
+from rl.partial import Trajectory, advance
 from rl.qk_clip import qk_clip
 
 OPTIMIZER_FILE = "optimizer.pt"
@@ -124,6 +124,7 @@ class TrainerWorker:
     def train(self, samples: list[Sample], ptx: list[PtxBatch], seed: int) -> Iterator[dict[str, float]]:
         """Run the K1.5 (+ PTX) update on a rollout batch; yields metrics after each optimizer step."""
         a, model = self.cfg.algorithm, self.engine.model
+        peak_memory.reset(self.engine.device)
         tau_qk = self.cfg.optimizer.qk_clip_tau
         for m in rl_update(self.engine, samples, tau=a.tau, minibatches=a.minibatches, micro_batch=a.micro_batch,
                            seed=seed, ptx=ptx, ptx_coef=a.ptx.coef, rank=self.rank, world=self.world,
@@ -132,6 +133,10 @@ class TrainerWorker:
                 if k in m:
                     m[k] = distributed.global_sum(m[k])
             yield m
+
+    def peak_memory(self) -> int:
+        """Peak bytes of this process since its last ``train`` began (device memory on a GPU, RSS on CPU)."""
+        return peak_memory.peak_bytes(self.engine.device)
 
     def offload(self) -> dict:
         """Parameters, gradients and optimizer state to host memory while the inference engine runs."""
@@ -202,7 +207,8 @@ class RolloutWorker:
         model = replica_model(read_config(model_dir), cfg, device=device)
         r, tok = cfg.rollout, TextTokenizer.load(model_dir)  # the same stop ids as the controller's
         self.engine = InferenceEngine(model, tok.eos_ids, tok.pad_id, max_num_seqs=r.max_batch,
-                                      max_seq_len=max_seq_len, kv_cache_bytes=r.kv_cache_mb << 20)
+                                      max_seq_len=max_seq_len, kv_cache_bytes=r.kv_cache_mb << 20,
+                                      max_batch_tokens=r.max_batch_tokens, attention=r.attention)
         self.receiver: WeightReceiver | None = None
         self._ipc: tuple | None = None
 
@@ -263,11 +269,19 @@ class RolloutWorker:
         self._check_consistent()
         return self.engine.generate(prompts, params, seed=seed)
 
-    def rollout(self, requests: list[tuple[list[int], SamplingParams, int]], partials: list[Completion],
-                token_budget: int | None) -> tuple[list[Completion], list[Completion]]:
-        """New requests and paused ones, until done or ``token_budget`` tokens: (finished, paused)."""
+    def rollout(self, trajectories: list[Trajectory], token_budget: int | None,
+                version: int) -> tuple[list[Trajectory], dict[str, int]]:
+        """New and paused trajectories, until done or ``token_budget`` tokens (``rl.partial.advance``), and the
+        engine's counters over this call (prefix-cache tokens found and computed, preemptions, peak KV blocks)."""
         self._check_consistent()
-        return generate_with_budget(self.engine, requests, partials, token_budget)
+        before = self.engine.stats()
+        self.engine.peak_blocks = 0
+        peak_memory.reset(self.engine.device)
+        out = advance(self.engine, trajectories, token_budget, version)
+        after = self.engine.stats()
+        counts = {k: after[k] - before[k] for k in ("prefix_hit_tokens", "prefix_miss_tokens", "preemptions")}
+        return out, {**counts, "kv_blocks_peak": after["kv_blocks_peak"], "kv_blocks": after["kv_blocks"],
+                     "peak_bytes": peak_memory.peak_bytes(self.engine.device)}
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The engine's weights under the checkpoint's names; FP8 ones as their bytes (uint8), which is

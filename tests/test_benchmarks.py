@@ -34,3 +34,13 @@ def test_sandbox_benchmark_runs_both_sides_without_failures():
     assert rec["failures"] == 0 and rec["baseline_failures"] == 0 and rec["concurrency"] == 4
     assert abs(rec["overhead"] - rec["baseline_execs_per_s"] / rec["execs_per_s"]) < 0.01 * rec["overhead"] + 0.01
     assert rec["p99_s"] > 0 and rec["baseline_p99_s"] > 0
+
+
+def test_rl_iteration_benchmark_runs_the_k2_layout_at_toy_size():
+    """The GPU benchmark of one RL iteration on real shapes, here on the toy K2 layout on CPU."""
+    rec = _last_json("benchmarks.rl_iteration", "--model", "tiny-k2", "--prompts", "2", "--samples", "2",
+                     "--max-tokens", "6", "--iterations", "1")
+    assert rec["model"] == "tiny-k2" and rec["sequences"] == 4
+    assert rec["rollout_tokens"] == 4 * 6  # a random model never says EOS: every response runs to its budget
+    assert all(rec[k] > 0 for k in ("time_rollout", "time_train", "time_weight_update"))
+    assert rec["mem_rollout_peak_gib"] > 0 and rec["mem_train_peak_gib"] > 0

@@ -7,8 +7,10 @@ import math
 import pytest
 import torch
 
+from engines.arch import make_config
 from engines.inference import InferenceEngine, InvalidRequestError, SamplingParams
-from engines.model import padded_causal_mask, positions_from_valid
+from engines.kv_cache import bytes_per_token
+from engines.model import build_model, padded_causal_mask, positions_from_valid
 from engines.sampling import RowParams, sample
 from engines.training import TrainingEngine
 
@@ -72,19 +74,40 @@ def test_continuous_batching_never_exceeds_slots_and_refills(tiny_model, tokeniz
 
 
 def test_samples_of_one_prompt_share_one_prefill(tiny_model, tokenizer):
-    widths = []
+    computed = []
     forward = tiny_model.forward
 
     def spy(ids, *a, **kw):
-        if ids.shape[1] > 1:
-            widths.append(ids.shape[0])
+        computed.append(ids.shape[1])  # tokens of one step's flat batch
         return forward(ids, *a, **kw)
 
     tiny_model.forward = spy
     prompts = [tokenizer.encode(t) for t in TEXTS[:3] for _ in range(5)]
-    outs = engine(tiny_model, tokenizer).generate(prompts, SamplingParams(1.0, 8))
-    assert widths == [3]  # one prefill row per distinct prompt
+    eng = engine(tiny_model, tokenizer)
+    outs = eng.generate(prompts, SamplingParams(1.0, 8))
+    distinct = sum(map(len, {tuple(p) for p in prompts}))
+    # each distinct prompt is computed once; then one token per sample per step (its previous token)
+    assert sum(computed) == distinct + sum(len(c.token_ids) - 1 for c in outs)
+    stats = eng.stats()
+    assert stats["prefix_miss_tokens"] == distinct and stats["prefix_hit_tokens"] == 4 * distinct
     assert len({tuple(c.token_ids) for c in outs}) > 3  # the samples still differ
+
+
+def test_samples_share_the_prompt_blocks_and_copy_the_block_they_write(tiny_model, tokenizer):
+    prompt = tokenizer.encode(TEXTS[2])
+    assert len(prompt) % 4 != 0  # the prompt ends inside a block
+    eng = engine(tiny_model, tokenizer, block_size=4)
+    for i in range(3):
+        eng.add_request(prompt, SamplingParams(1.0, 6, ignore_eos=True, seed=i))
+    eng.step()  # one prefill, three rows sharing its blocks
+    tables = [r.seq.blocks for r in eng.running]
+    assert len(eng.running) == 3 and tables[0] == tables[1] == tables[2]
+    full = len(prompt) // 4
+    eng.step()  # each writes its first token into the shared partial block: two copies, one in place
+    tables = [r.seq.blocks for r in eng.running]
+    assert all(t[:full] == tables[0][:full] for t in tables)
+    assert len({t[full] for t in tables}) == 3
+    assert eng.stats()["kv_blocks_used"] == full + 3
 
 
 def test_sampler_matches_the_distribution_and_filters():
@@ -122,6 +145,56 @@ def test_top_k_one_is_greedy_and_seeds_reproduce(tiny_model, tokenizer):
     c = engine(tiny_model, tokenizer, seed=1).generate(prompt * 4, SamplingParams(1.0, 10))
     assert [x.token_ids for x in b] == [x.token_ids for x in c]
     assert len({tuple(x.token_ids) for x in b}) > 1  # unseeded requests differ from each other
+
+
+def test_a_request_draws_the_same_tokens_whatever_filters_its_batch_mates_use(tiny_model, tokenizer):
+    prompt = tokenizer.encode(TEXTS[0])
+    params = [SamplingParams(1.0, 12, seed=1), SamplingParams(1.0, 12, top_k=5, seed=2),
+              SamplingParams(1.0, 12, top_p=0.8, seed=3), SamplingParams(0.0, 12)]
+    eng = engine(tiny_model, tokenizer)
+    alone = [eng.generate([prompt], [p])[0].token_ids for p in params]
+    together = [c.token_ids for c in eng.generate([prompt] * 4, params)]
+    assert together == alone
+
+
+def test_latent_attention_caches_only_the_latent_and_rotary_key():
+    cfg = make_config("deepseek_v3", vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16,
+                      qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=4,
+                      num_experts_per_tok=2, n_group=1, topk_group=1, max_position_embeddings=64)
+    # per token and layer: kv_lora_rank + rope dims, not heads x (nope + rope + v) = 4 x 40
+    assert bytes_per_token(cfg, torch.bfloat16) == 2 * (16 + 8) * 2
+    torch.manual_seed(0)
+    eng = InferenceEngine(build_model(cfg, init=True, fused=True), eos_id=None, max_seq_len=64,
+                          kv_cache_bytes=1 << 16)
+    assert eng.kv_cache_bytes // bytes_per_token(cfg, torch.float32) == eng.num_blocks * eng.block_size
+    out = eng.generate([[1, 2, 3, 4, 5]], SamplingParams(1.0, 8, seed=0))[0]
+    assert eng.kv.v is None and eng.kv.k.shape[-1] == 24 and len(out.token_ids) == 8
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "deepseek_v3"])
+def test_flex_attention_path_gives_the_torch_paths_results(family):
+    """flex_attention over the pool through block masks (the GPU path, eager here) against the gathering
+    path, with prefill chunks, decode rows, shared prompt blocks, a sliding window and MLA's latent cache."""
+    kw = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=64)
+    if family == "mistral":
+        kw["sliding_window"] = 5
+    if family == "deepseek_v3":
+        kw.update(num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=4,
+                  v_head_dim=8, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1)
+    torch.manual_seed(0)
+    model = build_model(make_config(family, **kw), init=True, fused=True)
+    prompts = [[3, 4, 5, 6, 7, 8, 9, 10, 11], [3, 4, 5, 6, 7, 8, 9, 10, 11], [12, 13], [20, 21, 22, 23, 24, 25]]
+    params = [SamplingParams(1.0, 14, ignore_eos=True, seed=i) for i in range(4)]
+    outs = {}
+    for backend in ("torch", "flex"):
+        eng = InferenceEngine(model, eos_id=None, max_seq_len=32, kv_cache_bytes=1 << 16, block_size=4,
+                              max_batch_tokens=8, attention=backend)
+        outs[backend] = eng.generate(prompts, params)
+    for a, b in zip(outs["torch"], outs["flex"], strict=True):
+        assert a.token_ids == b.token_ids
+        torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
 
 
 def test_stop_reasons(tiny_model, tokenizer):
@@ -171,15 +244,16 @@ def test_pause_resume_continues_the_same_sample(tiny_model, tokenizer):
 
 def test_resume_after_weight_update_recomputes_with_new_weights(tiny_model, tokenizer):
     prompt = tokenizer.encode(TEXTS[0])
-    eng = engine(tiny_model, tokenizer)
+    eng = engine(tiny_model, tokenizer, block_size=4)  # small blocks: the paused prefix is cached
     eng.add_request(prompt, SamplingParams(1.0, 12, ignore_eos=True, seed=2))
     for _ in range(5):
         eng.step()
     (paused,) = eng.pause()
     old_lp = trainer_logprobs(tiny_model, [prompt], [paused.token_ids], 1.0)[0]
-    with torch.no_grad():  # an update lands in place, as the checkpoint engine does
+    with torch.no_grad():  # an update lands in place, as the checkpoint engine does, and is declared
         for t in eng.named_tensors().values():
             t.mul_(1.05)
+    eng.weights_loaded()
     eng.resume([paused])
     (done,) = [c for _ in range(20) for c in eng.step()]
     n = len(paused.token_ids)
@@ -187,6 +261,91 @@ def test_resume_after_weight_update_recomputes_with_new_weights(tiny_model, toke
     torch.testing.assert_close(torch.tensor(done.logprobs[:n]), old_lp, atol=1e-5, rtol=0)
     new_lp = trainer_logprobs(tiny_model, [prompt], [done.token_ids], 1.0)[0]
     torch.testing.assert_close(torch.tensor(done.logprobs[n:]), new_lp[n:], atol=1e-5, rtol=0)
+
+
+def test_resume_with_unchanged_weights_reuses_the_cached_prefix(tiny_model, tokenizer):
+    prompts = [tokenizer.encode(t) for t in TEXTS]
+    params = SamplingParams(1.0, 20, ignore_eos=True)
+    ref = engine(tiny_model, tokenizer, seed=5).generate(prompts, params)
+    eng = engine(tiny_model, tokenizer, seed=5, block_size=4)
+    for p in prompts:
+        eng.add_request(p, params)
+    for _ in range(9):
+        eng.step()
+    paused = eng.pause()
+    held = sum(len(c.prompt_ids) + len(c.token_ids) for c in paused)
+    before = eng.stats()
+    eng.resume(paused)
+    done = {c.request_id: c for c in eng.step()}  # the whole resumed batch is admitted at once
+    after = eng.stats()
+    missed = after["prefix_miss_tokens"] - before["prefix_miss_tokens"]
+    # only what is past each request's last full block is computed again (under one block each)
+    assert after["prefix_hit_tokens"] - before["prefix_hit_tokens"] + missed == held
+    assert missed < 4 * len(paused)
+    while eng.has_unfinished():
+        done.update({c.request_id: c for c in eng.step()})
+    for i, r in enumerate(ref):
+        assert done[i].token_ids == r.token_ids
+        torch.testing.assert_close(done[i].logprobs, r.logprobs, atol=1e-5, rtol=0)
+    # declared new weights drop every cached prefix
+    eng.weights_loaded()
+    hits = eng.stats()["prefix_hit_tokens"]
+    eng.generate(prompts[:1], params)
+    assert eng.stats()["prefix_hit_tokens"] == hits
+
+
+def test_out_of_blocks_preempts_and_recomputes_the_same_tokens(tiny_model, tokenizer):
+    prompts = [tokenizer.encode(t) for t in TEXTS] * 2
+    params = [SamplingParams(1.0, 40, ignore_eos=True, seed=i) for i in range(len(prompts))]
+    ref = engine(tiny_model, tokenizer).generate(prompts, params)
+    per_token = tiny_model.config.num_hidden_layers * 2 * 2 * 8 * 4  # layers x (k, v) x kv heads x dim x float32
+    eng = engine(tiny_model, tokenizer, block_size=4, max_seq_len=64, kv_cache_bytes=24 * 4 * per_token)
+    outs = eng.generate(prompts, params)
+    assert eng.stats()["preemptions"] > 0 and eng.stats()["kv_blocks"] == 24
+    for a, b in zip(outs, ref, strict=True):
+        assert a.token_ids == b.token_ids
+        torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
+
+
+def test_long_prompts_in_a_tight_cache_all_finish_with_the_same_tokens(tiny_model, tokenizer):
+    """Admitted prefills always have their blocks, even when several wait for chunks of a small budget."""
+    prompts = [tokenizer.encode(" ".join(TEXTS[i:] + TEXTS[:i])) for i in range(4)] * 2
+    params = [SamplingParams(1.0, 24, ignore_eos=True, seed=i) for i in range(len(prompts))]
+    ref = engine(tiny_model, tokenizer).generate(prompts, params)
+    per_token = tiny_model.config.num_hidden_layers * 2 * 2 * 8 * 4
+    eng = engine(tiny_model, tokenizer, block_size=4, max_seq_len=80, kv_cache_bytes=40 * 4 * per_token,
+                 max_batch_tokens=12, max_num_seqs=6)
+    outs = eng.generate(prompts, params)
+    for a, b in zip(outs, ref, strict=True):
+        assert a.token_ids == b.token_ids
+        torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_while_others_decode(tiny_model, tokenizer):
+    long_prompt = tokenizer.encode(" ".join(TEXTS * 2))
+    short = [tokenizer.encode(t) for t in TEXTS[:3]]
+    params = SamplingParams(1.0, 30, ignore_eos=True, seed=1)
+    ref = engine(tiny_model, tokenizer).generate([long_prompt, *short], params)
+    eng = engine(tiny_model, tokenizer, max_num_seqs=4, max_batch_tokens=8)
+    for p in short:
+        eng.add_request(p, params)
+    while len(eng.running) < 3:
+        eng.step()
+    eng.add_request(long_prompt, params)
+    steps = 0
+    while len(eng.running) < 4:
+        lengths = [len(r.tokens) for r in eng.running]
+        eng.step()
+        steps += 1
+        assert [len(r.tokens) for r in eng.running[:3]] == [n + 1 for n in lengths]  # nobody stalls
+    assert steps >= len(long_prompt) // 5  # at most 8 - 3 prompt tokens per step
+    outs = {}
+    while eng.has_unfinished():
+        outs.update({c.request_id: c for c in eng.step()})
+    got = [outs[3], outs[0], outs[1], outs[2]]
+    for a, b in zip(got, ref, strict=True):
+        assert a.token_ids == b.token_ids
+        torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
 
 
 def test_sleep_frees_and_wake_restores(tiny_model, tokenizer):
@@ -240,6 +399,21 @@ def test_rollout_benchmark_runs_both_generators():
     assert rec["engine_tok_s"] > 0 and rec["hf_generate_tok_s"] > 0
     assert rec["speedup"] == pytest.approx(rec["engine_tok_s"] / rec["hf_generate_tok_s"], rel=1e-2)
     assert rec["kv_cache_mib"] > 0 and rec["engine_peak_rss_mib_per_1k_tokens"] >= 0
+
+
+def test_rl_workload_benchmark_generates_the_same_tokens_as_generate():
+    from benchmarks.rollout import rl_record
+    from benchmarks.rollout_rl import draw_workload
+
+    prompts, lengths = draw_workload(40, 8, (16, 48), 64, 512)
+    flat = sorted(n for ns in lengths for n in ns)
+    assert {len(p) for p in prompts} != {16} and flat[len(flat) // 2] < 16 and flat[-1] > 40  # a long tail
+    rec = rl_record("demo", 3, 4)
+    assert rec["same_tokens"] == 1.0 and rec["sequences"] == 12
+    assert rec["speedup"] == pytest.approx(rec["engine_tok_s"] / rec["hf_generate_tok_s"], rel=1e-2)
+    # the K samples share each prompt's prefill: 3 of every 4 samples' prompt tokens are hits
+    assert rec["prefix_hit_rate"] >= 0.74 and rec["kv_capacity_ratio"] > 1
+    assert 0 < rec["roofline_fraction"] and rec["engine_steps"] > 0
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

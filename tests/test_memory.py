@@ -45,6 +45,8 @@ def test_estimate_counts_parameters_and_cache_like_an_independent_count():
     assert est.params == hf.num_parameters() == 8_030_261_248
     per_seq = 32 * 8 * 128 * 2 * 2 * 4096  # layers · kv heads · head dim · (k, v) · bf16 bytes · tokens
     assert est.kv_per_sequence == per_seq and est.kv_sequences == 3000 * 2**20 // per_seq == 5
+    per_block = per_seq // 4096 * 16  # the paged cache takes the whole budget, in blocks of 16 tokens
+    assert est.kv_cache == 3000 * 2**20 // per_block * per_block
     assert est.replica == est.params * 2 and est.trainer_weights == est.params  # bf16, half on each of 2 workers
 
 

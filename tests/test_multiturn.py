@@ -9,7 +9,7 @@ from envs import Env, Task, register
 from rl.config import parse_config
 from rl.controller import train
 from rl.episodes import EpisodeRunner
-from rl.multiturn import run_multi_turn
+from rl.multiturn import episode_samples, play_episodes
 from rl.warmstart import prepare_model
 from tests.test_run import TINY
 
@@ -38,7 +38,7 @@ register("guess-test", GuessDigit)
 
 
 class EngineOnly:
-    """The one call run_multi_turn makes of the cluster, on a real in-process inference engine."""
+    """The one call play_episodes makes of the cluster, on a real in-process inference engine."""
 
     def __init__(self, engine):
         self.engine, self.calls = engine, []
@@ -55,9 +55,9 @@ def test_turns_append_observations_as_masked_context(tiny_model, tokenizer):
     tasks = GuessDigit.generate_tasks(2, seed=0)
     runner = EpisodeRunner(cfg)
     try:
-        samples, stats = run_multi_turn(cluster, cfg, tokenizer, runner, [(7, cfg.env, tasks[0]),
-                                                                          (8, cfg.env, tasks[1])],
-                                        {"guess": 1.0}, seed=3, max_context=128)
+        episodes = play_episodes(cluster, cfg, tokenizer, runner, [(7, cfg.env, tasks[0]), (8, cfg.env, tasks[1])],
+                                 {"guess": 1.0}, seed=3, max_context=128)
+        samples, stats = episode_samples(episodes, cfg)
     finally:
         runner.close()
     assert stats["multi_turn_episodes"] == 6 and stats["multi_turn_errors"] == 0 and len(samples) == 6

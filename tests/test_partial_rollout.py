@@ -9,7 +9,7 @@ import torch
 
 from engines.inference import Completion, InferenceEngine, SamplingParams
 from engines.training import TrainingEngine
-from rl.partial import PartialRolloutBuffer, Trajectory, generate_with_budget, to_completion
+from rl.partial import PartialRolloutBuffer, Trajectory, advance, generate_with_budget
 
 TEXTS = ["Question: Mia has 3 apples.", "Q", "Answer: 1+2=3, 3*2=6. The", "Question: Leo has 5 pens."]
 
@@ -104,19 +104,22 @@ def test_resumed_segment_uses_the_new_weights(tiny_model, tokenizer):
     # two slots and a budget of 4: two requests get 2 tokens, the third is never admitted
     eng = engine(tiny_model, tokenizer, max_num_seqs=2)
     run, _ = buf.pending(0)
-    fin, paused = generate_with_budget(eng, [], [to_completion(t) for t in run], 4)
-    buf.record(fin + paused, iteration=0, version=0)
+    results = advance(eng, run, 4, version=0)
+    assert all(t.token_ids == [] for t in run)  # advance returns updated copies
+    buf.record(results, iteration=0)
     prior = {t.key: len(t.token_ids) for t in trajs}
-    assert fin == [] and sorted(prior.values()) == [0, 2, 2]
+    assert all(r.finish_reason is None for r in results) and sorted(prior.values()) == [0, 2, 2]
     assert buf.stats() == {"paused": 3, "resumed": 0, "dropped": 0, "waiting_groups": 1}
     old_model = copy.deepcopy(tiny_model)
     with torch.no_grad():  # the update lands in place, as the checkpoint engine writes it
         eng.named_tensors()["model.layers.0.mlp.down_proj.weight"].add_(0.3)
         eng.named_tensors()["lm_head.weight"].mul_(1.2)
+    eng.weights_loaded()
     run, _ = buf.pending(1)
-    fin, paused = generate_with_budget(eng, [], [to_completion(t) for t in run], None)
-    buf.record(fin + paused, iteration=1, version=1)
-    assert paused == [] and buf.stats() == {"paused": 0, "resumed": 3, "dropped": 0, "waiting_groups": 1}
+    results = advance(eng, run, None, version=1)
+    buf.record(results, iteration=1)
+    assert all(r.finish_reason == "length" for r in results)
+    assert buf.stats() == {"paused": 0, "resumed": 3, "dropped": 0, "waiting_groups": 1}
     (group,) = buf.pop_complete()
     assert group == trajs and buf.in_flight_groups() == 0
     for t in trajs:
@@ -153,8 +156,9 @@ def test_invalid_request_fails_alone(tiny_model, tokenizer):
         generate_with_budget(eng, [], [bad], None)
 
 
-def done(key, tokens, logprobs, reason=None, error=None):
-    return Completion(tokens, logprobs, reason, request_id=key, error=error)
+def done(held, tokens, logprobs, reason=None, error=None, version=0):
+    """The trajectory ``held`` as the engine would hand it back with these tokens so far."""
+    return held.extended(Completion(tokens, logprobs, reason, request_id=held.key, error=error), version)
 
 
 def test_buffer_groups_age_stats_and_state_round_trip():
@@ -168,8 +172,9 @@ def test_buffer_groups_age_stats_and_state_round_trip():
 
     run, dropped = buf.pending(0)
     assert [t.key for t in run] == [0, 1, 2, 3, 4] and dropped == []
-    buf.record([done(0, [5, 6], [-0.5, -0.25], "stop"), done(1, [7], [-1.5]), done(2, [8], [-0.1], "length"),
-                done(3, [], [], "error", "too long"), done(4, [], [])], iteration=0, version=0)
+    t = trajs
+    buf.record([done(t[0], [5, 6], [-0.5, -0.25], "stop"), done(t[1], [7], [-1.5]), done(t[2], [8], [-0.1], "length"),
+                done(t[3], [], [], "error", "too long"), done(t[4], [], [])], iteration=0)
     assert [g[0].group for g in buf.pop_complete()] == [1]  # group 0 waits for key 1, group 2 for key 4
     assert buf.stats() == {"paused": 2, "resumed": 0, "dropped": 0, "waiting_groups": 2}
     assert trajs[3].error == "too long" and trajs[1].segments == [(0, 0)] and trajs[4].segments == []
@@ -177,15 +182,18 @@ def test_buffer_groups_age_stats_and_state_round_trip():
     run, dropped = buf.pending(1)
     assert [t.key for t in run] == [1, 4] and dropped == []
     # a resumed request returns its prior tokens in front of the new ones
-    buf.record([done(1, [7, 3], [-1.5, -0.75]), done(4, [2], [-2.0])], iteration=1, version=4)
+    buf.record([done(t[1], [7, 3], [-1.5, -0.75], version=4), done(t[4], [2], [-2.0], version=4)], iteration=1)
     assert (trajs[1].token_ids, trajs[1].logprobs, trajs[1].segments) == ([7, 3], [-1.5, -0.75], [(0, 0), (1, 4)])
     assert trajs[4].segments == [(0, 4)]
     assert buf.pop_complete() == [] and buf.in_flight_groups() == 2
     assert buf.stats() == {"paused": 2, "resumed": 2, "dropped": 0, "waiting_groups": 2}
     with pytest.raises(ValueError, match="does not continue"):
-        buf.record([done(1, [6, 3, 1], [0.0] * 3)], iteration=1, version=4)
+        done(t[1], [6, 3, 1], [0.0] * 3)
+    stale = Trajectory(**{**t[1].to_dict(), "params": t[1].params, "token_ids": [6, 3, 1], "logprobs": [0.0] * 3})
+    with pytest.raises(ValueError, match="does not continue"):
+        buf.record([stale], iteration=1)
     with pytest.raises(KeyError):
-        buf.record([done(3, [1], [0.0])], iteration=1, version=4)
+        buf.record([done(t[3], [1], [0.0])], iteration=1)
 
     state = json.loads(json.dumps(buf.state_dict()))
     copy_ = PartialRolloutBuffer(max_age=9)

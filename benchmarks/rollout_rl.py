@@ -1,0 +1,193 @@
+"""The RL-shaped rollout workload: varied prompts, K samples each, long-tailed output lengths.
+
+    python -m benchmarks.rollout --workload rl --json                 # the quick-start model
+    python -m benchmarks.rollout --workload rl --model 100m --json    # ~88 M parameters
+    python -m benchmarks.rollout --workload rl --model qwen3-0.6b --device cuda --dtype bfloat16 --json
+
+Prompt lengths are uniform in a range, every prompt gets K samples, and each sample's output length
+is drawn in advance from a log-normal tail (median an eighth of the longest, clipped to it), as RL
+rollouts look: most responses short, a few very long. Both generators produce exactly the same
+tokens: decoding is greedy and each sequence stops after its drawn length (the engine: ``max_tokens``
+per request; ``generate``: a per-row stopping criterion), EOS not treated specially by either. The
+record says how many sequences came out identical (near-ties of the logits can flip a greedy token
+between two implementations). ``generate`` runs the whole batch at once, left-padded, as an RL loop
+built on it does; rows that have stopped are carried until the longest ends.
+
+Besides throughput and the speedup, the record gives the KV capacity of the paged cache against a
+slot cache (a full-length row per sequence) at equal bytes for this workload's lengths, the prefix
+hit rate, and the decode memory-bandwidth roofline: the bytes a decode step must read (every weight
+once, plus each sequence's cached keys/values) over the measured copy bandwidth of this device,
+summed over the run, and the fraction of it the engine reached.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+
+from engines.inference import InferenceEngine, SamplingParams
+from engines.kv_cache import BLOCK_SIZE, bytes_per_slot, bytes_per_token
+from engines.model import CausalLM
+from engines.offload import synchronize
+
+#: (shortest prompt, longest prompt, longest output) per model.
+RL_LENGTHS = {"demo": (16, 48, 64), "100m": (64, 192, 256), "qwen3-0.6b": (128, 512, 2048)}
+
+
+def draw_workload(n_prompts: int, samples: int, prompt_range: tuple[int, int], max_output: int, vocab: int,
+                  seed: int = 0) -> tuple[list[list[int]], list[list[int]]]:
+    """(prompts, output lengths per prompt's samples): uniform prompt lengths, log-normal output lengths
+    with median ``max_output / 8`` clipped to [1, max_output]."""
+    g = torch.Generator().manual_seed(seed)
+    lo, hi = prompt_range
+    plens = torch.randint(lo, hi + 1, (n_prompts,), generator=g).tolist()
+    prompts = [torch.randint(2, vocab, (n,), generator=g).tolist() for n in plens]
+    z = torch.randn(n_prompts, samples, generator=g, dtype=torch.float64)
+    out = (max_output / 8 * torch.exp(z)).round().clamp(1, max_output).long().tolist()
+    return prompts, out
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = 256 * 2**20, reps: int = 5) -> float:
+    """Bytes per second of a large device-to-device copy (the best of ``reps``)."""
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).fill_(1.0)
+    dst = torch.empty_like(src)
+    best = math.inf
+    for _ in range(reps):
+        synchronize(device)
+        t = time.perf_counter()
+        dst.copy_(src)
+        synchronize(device)
+        best = min(best, time.perf_counter() - t)
+    return nbytes / best
+
+
+def run_engine_rl(model: CausalLM, prompts, lengths, kv_bytes: int, max_seq_len: int,
+                  cuda_graphs: bool = True) -> tuple[float, list[list[int]], InferenceEngine]:
+    """Engine wall time and outputs (in prompt-major order) of the workload."""
+    engine = InferenceEngine(model, eos_id=1, pad_id=0, max_seq_len=max_seq_len, kv_cache_bytes=kv_bytes,
+                             max_num_seqs=sum(map(len, lengths)), cuda_graphs=cuda_graphs)
+    reqs = [(p, SamplingParams(0.0, n, ignore_eos=True)) for p, ns in zip(prompts, lengths, strict=True) for n in ns]
+    engine.generate([p for p, _ in reqs[:4]], [SamplingParams(0.0, 2, ignore_eos=True)] * 4)  # warm-up
+    engine.weights_loaded()  # forget the warm-up's cached prefixes
+    dev = next(model.parameters()).device
+    start = engine.stats()
+    synchronize(dev)
+    t0 = time.perf_counter()
+    outs = engine.generate([p for p, _ in reqs], [s for _, s in reqs])
+    synchronize(dev)
+    elapsed = time.perf_counter() - t0
+    engine.run_stats = {k: v - start.get(k, 0) for k, v in engine.stats().items()
+                        if isinstance(v, (int, float)) and k != "prefix_hit_rate"}
+    return elapsed, [o.token_ids for o in outs], engine
+
+
+def run_hf_rl(model_dir: str, dtype: torch.dtype, prompts, lengths, device: str) -> tuple[float, list[list[int]]]:
+    """``generate`` on the whole batch (left-padded), each row stopping after its own length."""
+    from transformers import AutoModelForCausalLM, StoppingCriteria, StoppingCriteriaList
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval().to(device)
+    rows = [(p, n) for p, ns in zip(prompts, lengths, strict=True) for n in ns]
+    width = max(len(p) for p, _ in rows)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for i, (p, _) in enumerate(rows):
+        ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+    want = torch.tensor([n for _, n in rows], device=device)
+
+    class PerRowLength(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            return input_ids.shape[1] - width >= want
+
+    kw = dict(do_sample=False, max_new_tokens=int(want.max()), pad_token_id=0, eos_token_id=None,
+              stopping_criteria=StoppingCriteriaList([PerRowLength()]))
+    ids, mask = ids.to(device), mask.to(device)
+    with torch.no_grad():
+        model.generate(ids[:2], attention_mask=mask[:2], **{**kw, "max_new_tokens": 2,
+                                                             "stopping_criteria": None})
+        synchronize(ids.device)
+        t0 = time.perf_counter()
+        out = model.generate(ids, attention_mask=mask, **kw)
+        synchronize(ids.device)
+        elapsed = time.perf_counter() - t0
+    return elapsed, [out[i, width:width + n].tolist() for i, (_, n) in enumerate(rows)]
+
+
+def kv_capacity(cfg, dtype: torch.dtype, prompts, lengths, kv_bytes: int) -> tuple[float, int]:
+    """Sequences of this workload a paged cache of ``kv_bytes`` holds (prompt blocks shared by the K samples,
+    each sample's own blocks after them) against a slot cache that reserves the longest sequence per row."""
+    per_block = bytes_per_token(cfg, dtype) * BLOCK_SIZE
+    blocks = kv_bytes // per_block
+    used = 0.0
+    for p, ns in zip(prompts, lengths, strict=True):
+        shared = len(p) // BLOCK_SIZE
+        used += shared + sum(-(-(len(p) + n) // BLOCK_SIZE) - shared for n in ns)
+    per_seq = used / sum(map(len, lengths))
+    longest = max(len(p) + n for p, ns in zip(prompts, lengths, strict=True) for n in ns)
+    return blocks / per_seq, kv_bytes // bytes_per_slot(cfg, longest, dtype)
+
+
+def decode_bytes(model: CausalLM, prompts, lengths, steps: int) -> int:
+    """Bytes the decode steps must read: every weight once per step, and per generated token the keys and
+    values of everything before it."""
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    per_token = bytes_per_token(model.config, next(model.parameters()).dtype)
+    kv = sum(sum(len(p) + t for t in range(n)) for p, ns in zip(prompts, lengths, strict=True) for n in ns)
+    return steps * weights + kv * per_token
+
+
+def measure_rl(model: CausalLM, model_dir: str, name: str, prompts_n: int, samples: int, *, dtype: torch.dtype,
+               device: str, skip_hf: bool = False, seed: int = 0) -> dict:
+    """The RL-workload record for ``model`` (already on ``device``), saved in ``model_dir`` for ``generate``."""
+    lo, hi, longest = RL_LENGTHS[name]
+    cfg = model.config
+    prompts, lengths = draw_workload(prompts_n, samples, (lo, hi), longest, cfg.vocab_size, seed)
+    tokens = sum(map(sum, lengths))
+    max_seq = hi + longest
+    # a budget that holds every sequence of the workload at once at its full length, as a slot cache would need
+    kv_bytes = bytes_per_slot(cfg, max_seq, dtype) * prompts_n * samples
+    engine_s, engine_out, engine = run_engine_rl(model, prompts, lengths, kv_bytes, max_seq)
+    stats = engine.run_stats
+    paged, slots = kv_capacity(cfg, dtype, prompts, lengths, kv_bytes)
+    bw = copy_bandwidth(torch.device(device))
+    roofline_s = decode_bytes(model, prompts, lengths, stats["steps"]) / bw
+    eager_s = run_engine_rl(model, prompts, lengths, kv_bytes, max_seq, cuda_graphs=False)[0] \
+        if device == "cuda" else None
+    hf_s, same = None, None
+    if not skip_hf:
+        hf_s, hf_out = run_hf_rl(model_dir, dtype, prompts, lengths, device)
+        same = sum(a == b for a, b in zip(engine_out, hf_out, strict=True)) / len(hf_out)
+    looked = stats["prefix_hit_tokens"] + stats["prefix_miss_tokens"]
+    return {
+        "workload": "rl",
+        "model": name,
+        "params": sum(p.numel() for p in model.parameters()),
+        "engine_tok_s": round(tokens / engine_s, 1),
+        "hf_generate_tok_s": None if hf_s is None else round(tokens / hf_s, 1),
+        "speedup": None if hf_s is None else round(hf_s / engine_s, 3),
+        "same_tokens": same,
+        "engine_s": round(engine_s, 3),
+        "hf_generate_s": None if hf_s is None else round(hf_s, 3),
+        "tokens": tokens,
+        "sequences": prompts_n * samples,
+        "prompt_len_range": [lo, hi],
+        "output_len_max": longest,
+        "output_len_mean": round(tokens / (prompts_n * samples), 1),
+        "kv_cache_mib": round(engine.kv_cache_bytes / 2**20, 1),
+        "kv_capacity_paged_seqs": round(paged, 1),
+        "kv_capacity_slot_seqs": slots,
+        "kv_capacity_ratio": round(paged / max(slots, 1), 2),
+        "prefix_hit_rate": round(stats["prefix_hit_tokens"] / looked, 3) if looked else 0.0,
+        "preemptions": stats["preemptions"],
+        "engine_steps": stats["steps"],
+        "copy_gb_s": round(bw / 1e9, 2),
+        "roofline_s": round(roofline_s, 3),
+        "roofline_fraction": round(roofline_s / engine_s, 3),
+        "dtype": str(dtype).removeprefix("torch."),
+        "device": device,
+        "threads": torch.get_num_threads(),
+        **({"engine_eager_tok_s": round(tokens / eager_s, 1), "cuda_graph_speedup": round(eager_s / engine_s, 3)}
+           if eager_s else {}),
+    }
