@@ -234,25 +234,24 @@ def run_config(overrides: dict | None = None):
 
 
 @cache
-def _trainer_shard(gpus: int, overrides_json: str) -> float:
-    """Trainer bytes per GPU (weights, gradients, optimizer state) from ``rl.memory.estimate``, K2 over
-    ``gpus`` workers."""
+def _trainer_and_kv(gpus: int, overrides_json: str) -> tuple[float, float]:
+    """(trainer shard, KV cache) bytes per GPU from ``rl.memory.estimate``: K2 over ``gpus`` workers, the
+    trainer's weights, gradients and optimizer state; the paged cache's whole budget."""
     from rl.memory import estimate
 
     cfg = run_config(json.loads(overrides_json))
     cfg = cfg.model_copy(update={"cluster": cfg.cluster.model_copy(update={"workers": gpus})})
-    est = estimate(cfg, k2_arch(), 1024)
-    return float(est.trainer_weights + est.trainer_grads + est.optimizer)
+    est = estimate(cfg, k2_arch(), 4096)
+    return float(est.trainer_weights + est.trainer_grads + est.optimizer), float(est.kv_cache)
 
 
 def memory(layout: Layout, cluster: Cluster, bucket_bytes: float, model: dict[str, float] = K2_BYTES,
            overrides: dict | None = None) -> Memory:
     """Memory per GPU of K2 in ``layout``: the larger of the rollout phase (replica shard, KV cache and
-    the engine's buffers, during which updates happen) and the training phase. The KV cache is the
-    configured budget per GPU (``rl.memory.estimate`` sizes it for one whole replica per worker)."""
+    the engine's buffers, during which updates happen) and the training phase. The replica's shard
+    and the engine's buffers are this planner's; the rest is ``rl.memory.estimate``'s."""
     cfg = run_config(overrides)
-    trainer = _trainer_shard(cluster.gpus, json.dumps(overrides or {}, sort_keys=True))
-    kv = cfg.rollout.kv_cache_mb * 2**20
+    trainer, kv = _trainer_and_kv(cluster.gpus, json.dumps(overrides or {}, sort_keys=True))
     replica = model[layout.dtype] / layout.tp
     buffers = 3 * bucket_bytes  # H2D + two IPC buffers
     rollout = {"replica shard": replica, "KV cache": kv, "engine buffers (H2D + 2 IPC)": buffers}
