@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -37,12 +37,18 @@ class Piece:
 
 @dataclass(frozen=True)
 class BucketPlan:
-    """Buckets in transfer order; bucket k holds pieces of ``owners[k]``'s tensors only."""
+    """Buckets in transfer order; bucket k holds pieces of ``owners[k]``'s tensors only.
+
+    ``fp8`` maps each block-FP8 tensor of the plan to its scale grid's tensor (``engines.fp8``, blocks
+    of ``block`` x ``block``): an owner holding the weight in another dtype quantises it while staging.
+    """
 
     bucket_bytes: int
     tensors: dict[str, TensorSpec]
     buckets: list[list[Piece]]
     owners: list[int]
+    fp8: dict[str, str] = field(default_factory=dict)
+    block: int = 128
 
     def used_bytes(self, k: int) -> int:
         """Bytes of bucket k that carry data, rounded up to ``ALIGN``."""
@@ -74,13 +80,14 @@ def _pack(segments: list[tuple[str, int, int]], bucket_bytes: int) -> list[list[
     return [b for b in buckets if b]
 
 
-def plan_buckets(specs: list[TensorSpec], bucket_bytes: int, owners: Mapping[str, Ownership] | None = None
-                 ) -> BucketPlan:
+def plan_buckets(specs: list[TensorSpec], bucket_bytes: int, owners: Mapping[str, Ownership] | None = None,
+                 fp8: Mapping[str, str] | None = None, block: int = 128) -> BucketPlan:
     """Assign every byte of every tensor to a bucket, each piece aligned to ``ALIGN``.
 
     ``owners`` maps a tensor to the worker that holds it, or to the byte ranges each worker holds
     (its trainer shard); each owner's bytes are packed separately and the owners' buckets
-    interleaved, so broadcast sources rotate. Unlisted tensors belong to worker 0.
+    interleaved, so broadcast sources rotate. Unlisted tensors belong to worker 0. ``fp8``: FP8
+    weights and their scale grids (see ``BucketPlan``).
     """
     if bucket_bytes < ALIGN or bucket_bytes % ALIGN:
         raise ValueError(f"bucket size must be a positive multiple of {ALIGN} bytes, got {bucket_bytes}")
@@ -102,7 +109,13 @@ def plan_buckets(specs: list[TensorSpec], bucket_bytes: int, owners: Mapping[str
             if i < len(bs):
                 buckets.append(bs[i])
                 order.append(o)
-    return BucketPlan(bucket_bytes, {s.name: s for s in specs}, buckets, order)
+    fp8 = dict(fp8 or {})
+    tensors = {s.name: s for s in specs}
+    for w, sc in fp8.items():
+        if tensors.get(w) is None or tensors[w].dtype != "float8_e4m3fn" or len(tensors[w].shape) != 2 or \
+                sc not in tensors or tensors[sc].dtype != "float32":
+            raise ValueError(f"{w}: an FP8 weight needs a 2-D float8_e4m3fn tensor and a float32 scale grid {sc}")
+    return BucketPlan(bucket_bytes, tensors, buckets, order, fp8, block)
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:

@@ -1,13 +1,21 @@
-"""The per-worker checkpoint engine: one H2D buffer, two IPC buffers, a two-stage pipeline.
+"""The per-worker checkpoint engine: an H2D buffer, two IPC buffers, a two-stage pipeline.
 
 For bucket k, owned by worker o (whose trainer shard holds those parameters):
-  1. worker o copies the bucket's bytes from its parameters into its H2D buffer (synchronous);
-  2. worker o broadcasts the H2D buffer into IPC buffer k mod 2 of every worker (torch.distributed:
-     gloo on CPU, NCCL on GPU) while each local inference engine reloads bucket k−1 from the
-     other IPC buffer.
-On CPU there is no device: the H2D buffer is not allocated and stage 1 writes into the IPC buffer.
-Each bucket carries a trailer (update version, bucket index, checksum) so the inference side can
-refuse a corrupted or mismatched bucket. Extra memory is three buckets, whatever the model size.
+  1. worker o copies the bucket's bytes from its parameters into its H2D buffer (synchronous),
+     casting them to the replicas' dtype or quantising them to block FP8 on the way;
+  2. the bucket reaches IPC buffer k mod 2 of every worker while each local inference engine
+     reloads bucket k-1 from the other IPC buffer.
+On GPU stage 2 is an NCCL broadcast over all workers. On CPU the workers of a node share their two
+IPC buffers (``checkpoint_engine.topology``): the owner stages straight into the shared buffer, the
+node's inference engines read it where it is, and only between nodes does a bucket travel, over
+gloo, to one worker of each other node. Each bucket carries a trailer (update version, bucket
+index, checksum) so the inference side can refuse a corrupted or mismatched bucket. Extra memory is
+three buckets (on CPU: two per node), whatever the model size.
+
+A restarted replica catches up from one live replica, point to point (``serve_catch_up`` on the
+live replica's worker, ``catch_up`` on the restarted one's): the live replica packs its weights
+into its worker's IPC buffers bucket by bucket and they travel to the other worker alone, so the
+other workers and replicas take no part and keep serving.
 """
 
 from __future__ import annotations
@@ -20,7 +28,8 @@ import torch
 import torch.distributed as dist
 
 from checkpoint_engine.buckets import ALIGN, BucketPlan, as_bytes
-from checkpoint_engine.shm import SharedBuffer
+from checkpoint_engine.quantize import OwnerQuantizer
+from checkpoint_engine.topology import NodeBuffers
 
 TRAILER = ALIGN  # bytes after a bucket's data: int64 version, bucket index, checksum
 ABORT = -1       # bucket index in a trailer whose owner failed to stage it
@@ -55,47 +64,66 @@ class Reloader(Protocol):
         """The update failed: restore the previous weights (or mark the engine unusable)."""
 
 
+class Packer(Protocol):
+    """How a live inference engine writes bucket ``bucket`` of its weights into IPC buffer ``buffer``
+    (trailer included); returns the version of the weights it holds."""
+
+    def pack(self, bucket: int, buffer: int) -> int: ...
+
+
+class Sink(Protocol):
+    """Something of this worker's own that takes each bucket as it arrives (the trainer at start-up)."""
+
+    def take(self, bucket: int, data: torch.Tensor) -> None: ...
+
+
 class CheckpointEngine:
-    """One per worker; all workers of all nodes form one torch.distributed group."""
+    """One per worker; all workers of all nodes form one torch.distributed group.
+
+    ``node`` names this worker's node (default: its host name); workers of one node share their IPC
+    buffers on CPU.
+    """
 
     def __init__(self, rank: int, world: int, init_method: str, bucket_bytes: int, name: str,
-                 device: str = "cpu", timeout_s: float = 120) -> None:
+                 device: str = "cpu", timeout_s: float = 120, node: str | None = None) -> None:
         self.rank, self.world, self.device = rank, world, torch.device(device)
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         if not dist.is_initialized():
             dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
                                     timeout=timedelta(seconds=timeout_s))
         size = bucket_bytes + TRAILER
-        # On CPU there is no device to copy to: the stage copy writes straight into the IPC buffer.
-        self.h2d = torch.empty(size, dtype=torch.uint8, device=self.device) if self.device.type == "cuda" else None
-        if self.device.type == "cpu":
-            self._shm = [SharedBuffer.create(f"{name}-r{rank}-ipc{i}", size) for i in range(2)]
-            self.ipc = [b.tensor for b in self._shm]
+        self.nodes: NodeBuffers | None = None
+        if self.device.type == "cpu":  # no device to copy to: the owner stages into the shared IPC buffer
+            self.h2d = None
+            self.nodes = NodeBuffers(rank, world, name, size, node)
+            self.ipc = [b.tensor for b in self.nodes.buffers]
         else:  # device memory, shared with the inference process through CUDA IPC handles
-            self._shm = []
+            self.h2d = torch.empty(size, dtype=torch.uint8, device=self.device)
             self.ipc = [torch.empty(size, dtype=torch.uint8, device=self.device) for _ in range(2)]
 
     def ipc_handles(self):
         """What the local inference engine needs to map the IPC buffers without a copy."""
-        if self.device.type == "cpu":
-            return [("shm", b.name, b.nbytes) for b in self._shm]
-        from torch.multiprocessing.reductions import reduce_tensor
+        if self.nodes is not None:
+            return [("shm", b.name, b.nbytes) for b in self.nodes.buffers]
+        from checkpoint_engine.transfer import cuda_handle
 
-        return [("cuda", reduce_tensor(t)) for t in self.ipc]
+        return [cuda_handle(t) for t in self.ipc]
 
     def update(self, plan: BucketPlan, tensors: Mapping[str, torch.Tensor], version: int,
-               reloader: Reloader | None = None, offsets: Mapping[str, int] | None = None) -> None:
-        """Broadcast every bucket of ``plan`` to all workers; ``tensors`` are this worker's own.
+               reloader: Reloader | None = None, offsets: Mapping[str, int] | None = None,
+               sink: Sink | None = None) -> None:
+        """Deliver every bucket of ``plan`` to all workers; ``tensors`` are this worker's own.
 
         ``offsets`` gives, for a tensor this worker holds only a part of, the element offset of that
         part inside the full tensor (the plan's pieces address full tensors). A tensor whose dtype
-        differs from the plan's is cast while it is staged (fp32 master weights to a bf16 replica).
+        differs from the plan's is cast while it is staged (fp32 master weights to a bf16 replica) or,
+        for the plan's FP8 tensors, block-quantised (``checkpoint_engine.quantize``).
 
-        ``reloader`` is the local inference engine to load the buckets into; None when this
-        worker's replica needs nothing (another worker's restarted replica is catching up).
+        ``reloader`` is the local inference engine to load the buckets into; None when this worker's
+        replica takes no part. ``sink`` also receives every bucket (the trainer's shards at start-up).
         """
         try:
-            self._pipeline(plan, tensors, version, reloader, offsets or {})
+            self._pipeline(plan, tensors, version, reloader, offsets or {}, sink)
         except Exception:
             if reloader is not None:
                 try:
@@ -105,33 +133,45 @@ class CheckpointEngine:
             raise
 
     def _pipeline(self, plan: BucketPlan, tensors: Mapping[str, torch.Tensor], version: int,
-                  reloader: Reloader | None, offsets: Mapping[str, int]) -> None:
+                  reloader: Reloader | None, offsets: Mapping[str, int], sink: Sink | None) -> None:
         n_buckets = len(plan.buckets)
+        quant = OwnerQuantizer(plan, tensors, offsets, self.device) if plan.fp8 else None
         load_failure: tuple[int, Exception] | None = None
+        shared = self.nodes is not None
+        if quant is not None:
+            quant.prepare()  # collective: block scales of blocks whose rows two workers hold
         for k, pieces in enumerate(plan.buckets):
             owner, used, buf = plan.owners[k], plan.used_bytes(k), k % 2
-            if reloader is not None and k >= 2:
-                try:
-                    reloader.wait(k - 2)  # the inference engine is done with this IPC buffer
-                except Exception as e:
-                    load_failure, reloader = (k - 2, e), None
+            # the buffer this bucket goes to must be free: on CPU the node barrier of bucket k-1
+            # followed every replica's bucket k-2; on GPU only this worker's replica reads it
+            wait_for = k - 1 if shared else k - 2
             dst = self.ipc[buf][: used + TRAILER]
             names = sorted({p.name for p in pieces})
             where = f"bucket {k}/{n_buckets} from worker {owner} (parameters {', '.join(names[:4])})"
             stage_failure: Exception | None = None
             try:
+                if reloader is not None and not shared and wait_for >= 0:
+                    load_failure, reloader = self._wait(reloader, wait_for, load_failure)
                 if owner == self.rank:
                     src = dst if self.h2d is None else self.h2d[: used + TRAILER]
                     try:
-                        self._stage(plan, pieces, tensors, offsets, src, used, version, k)
+                        self._stage(plan, pieces, tensors, offsets, quant, src, used, version, k)
                     except Exception as e:
                         stage_failure = e
                         write_trailer(src, used, version, ABORT)
-                    dist.broadcast(src, src=owner)
                     if src is not dst:
+                        dist.broadcast(src, src=owner)
                         dst.copy_(src)
-                else:
+                    elif self.nodes is not None and self.nodes.multi_node:
+                        dist.broadcast(dst, src=owner, group=self.nodes.rail_group(owner))
+                elif not shared:
                     dist.broadcast(dst, src=owner)
+                elif self.nodes.multi_node and self.rank in self.nodes.topology.rail(owner):
+                    dist.broadcast(dst, src=owner, group=self.nodes.rail_group(owner))
+                if shared:
+                    if reloader is not None and wait_for >= 0:
+                        load_failure, reloader = self._wait(reloader, wait_for, load_failure)
+                    self.nodes.barrier()  # bucket k is in the node's buffer; k-1's loads are done
             except Exception as e:
                 raise UpdateError(f"worker {self.rank}: {where} failed: {e}") from e
             if stage_failure is not None:
@@ -139,41 +179,150 @@ class CheckpointEngine:
                                   f"{type(stage_failure).__name__}: {stage_failure}") from stage_failure
             if read_trailer(dst, used)[1] == ABORT:  # every worker stops here, so the group stays usable
                 raise UpdateError(f"worker {self.rank}: worker {owner} aborted {where}")
+            if sink is not None:
+                sink.take(k, dst)
             if reloader is not None:
                 if dst.is_cuda:  # the inference process reads the buffer on its own stream
                     torch.cuda.current_stream(dst.device).synchronize()
                 reloader.start(k, buf, version)
         if reloader is not None:
             for k in range(max(0, n_buckets - 2), n_buckets):
-                try:
-                    reloader.wait(k)
-                except Exception as e:
-                    load_failure = (k, e)
+                load_failure, reloader = self._wait(reloader, k, load_failure)
+                if reloader is None:
                     break
+        if shared and n_buckets:
+            self.nodes.barrier()  # nobody reuses the buffers until every replica of the node is done
         if load_failure is not None:
             k, e = load_failure
             raise UpdateError(f"worker {self.rank}: its inference engine failed to load bucket {k}: {e}") from e
 
-    def _stage(self, plan: BucketPlan, pieces, tensors, offsets, into: torch.Tensor, used: int, version: int,
-               bucket: int) -> None:
+    @staticmethod
+    def _wait(reloader: Reloader, k: int, failure):
+        """Wait for the replica's load of bucket k; on its failure, remember it and stop using it."""
+        try:
+            reloader.wait(k)
+        except Exception as e:
+            return failure or (k, e), None
+        return failure, reloader
+
+    def _stage(self, plan: BucketPlan, pieces, tensors, offsets, quant: OwnerQuantizer | None, into: torch.Tensor,
+               used: int, version: int, bucket: int) -> None:
         """Stage 1: the synchronous copy of this worker's bucket into its H2D (on CPU: IPC) buffer.
 
         On GPU the source is the offloaded (pinned host) parameter, so each piece is one H2D copy.
         """
         for p in pieces:
+            dst = into[p.offset : p.offset + p.length]
+            if quant is not None and quant.handles(p.name):
+                quant.stage(p, dst)
+                continue
             if p.name not in tensors:
                 raise KeyError(f"worker {self.rank} holds no tensor {p.name}")
             src, wire = tensors[p.name], getattr(torch, plan.tensors[p.name].dtype)  # spec_of's names
             first = (p.start // wire.itemsize) - offsets.get(p.name, 0)
-            dst = into[p.offset : p.offset + p.length]
             if src.dtype == wire:
                 dst.copy_(as_bytes(src)[first * wire.itemsize : first * wire.itemsize + p.length])
             else:  # one cast per piece, as the tensor itself would be cast (round to nearest even)
                 dst.view(wire).copy_(src.reshape(-1)[first : first + p.length // wire.itemsize])
         write_trailer(into, used, version, bucket)
 
+    # ---- peer-to-peer catch-up -----------------------------------------------------------------
+
+    def serve_catch_up(self, plan: BucketPlan, peer: int, packer: Packer) -> int:
+        """Send this worker's live replica's weights to worker ``peer``'s restarted replica, bucket by
+        bucket (``peer`` calls ``catch_up``); no other worker takes part. Returns the version sent."""
+        shared = self.nodes is not None and self.nodes.topology.shares_buffers(peer)
+        n, sends, acked = len(plan.buckets), {}, 0
+        for k in range(n):
+            buf, used = k % 2, plan.used_bytes(k)
+            if k >= 2:  # the buffer is free once the peer has it (and, if shared, has loaded it)
+                if shared:
+                    acked = self._ack(peer, acked, k - 2)
+                else:
+                    sends.pop(k - 2).wait()
+            dst = self.ipc[buf][: used + TRAILER]
+            try:
+                version = packer.pack(k, buf)
+            except Exception as e:
+                version = -1
+                write_trailer(dst, used, version, ABORT)
+                failure = e
+            else:
+                failure = None
+            if k == 0:
+                dist.send(torch.tensor([version], dtype=torch.int64), dst=peer)
+            if shared:
+                dist.send(torch.tensor([k], dtype=torch.int64), dst=peer)
+            else:
+                sends[k] = dist.isend(dst, dst=peer)
+            if failure is not None:
+                for s in sends.values():
+                    s.wait()
+                raise UpdateError(f"worker {self.rank}: its replica could not pack bucket {k}: {failure}") \
+                    from failure
+        for s in sends.values():
+            s.wait()
+        while shared and acked < n:
+            acked = self._ack(peer, acked, n - 1)
+        return version if n else -1
+
+    @staticmethod
+    def _ack(peer: int, acked: int, upto: int) -> int:
+        """Receive the peer's acknowledgements (one per loaded bucket) up to bucket ``upto``."""
+        got = torch.zeros(1, dtype=torch.int64)
+        while acked <= upto:
+            dist.recv(got, src=peer)
+            acked += 1
+        return acked
+
+    def catch_up(self, plan: BucketPlan, peer: int, reloader: Reloader) -> int:
+        """Fill this worker's restarted replica from worker ``peer``'s live one (``serve_catch_up``);
+        returns the version it now holds."""
+        shared = self.nodes is not None and self.nodes.topology.shares_buffers(peer)
+        n = len(plan.buckets)
+        head = torch.zeros(1, dtype=torch.int64)
+        try:
+            for k in range(n):
+                buf, used = k % 2, plan.used_bytes(k)
+                if k == 0:
+                    dist.recv(head, src=peer)
+                version = int(head[0])
+                if shared:
+                    dist.recv(torch.zeros(1, dtype=torch.int64), src=peer)
+                else:
+                    if k >= 2:
+                        reloader.wait(k - 2)
+                    dist.recv(self.ipc[buf][: used + TRAILER], src=peer)
+                if read_trailer(self.ipc[buf], used)[1] == ABORT:
+                    raise UpdateError(f"worker {self.rank}: worker {peer}'s replica could not send bucket {k}")
+                if self.ipc[buf].is_cuda:
+                    torch.cuda.current_stream(self.ipc[buf].device).synchronize()
+                reloader.start(k, buf, version)
+                if shared:  # the peer packs k+1 into the other buffer meanwhile; it needs this one back
+                    if k >= 1:
+                        reloader.wait(k - 1)
+                        dist.send(torch.tensor([k - 1], dtype=torch.int64), dst=peer)
+            for k in range(max(0, n - 2), n):
+                reloader.wait(k)
+            if shared and n:
+                dist.send(torch.tensor([n - 1], dtype=torch.int64), dst=peer)
+        except Exception as e:
+            try:
+                reloader.abort(int(head[0]))
+            except Exception:
+                pass
+            if isinstance(e, UpdateError):
+                raise
+            raise UpdateError(f"worker {self.rank}: catch-up from worker {peer} failed: {e}") from e
+        return int(head[0])
+
     def close(self) -> None:
-        for b in self._shm:
-            b.close()
+        """Free the buffers (collective: the node's leader removes them once every worker is done)."""
+        if self.nodes is not None:
+            try:
+                self.nodes.barrier()
+            except Exception:  # a worker died: nobody is left to wait for
+                pass
+            self.nodes.close()
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -2,17 +2,24 @@
 
 The plan names tensors as a Hugging Face checkpoint does (``engines.layout``), which both sides can
 resolve: the trainer holds stacked experts as FSDP2 row shards, an inference replica may fuse q/k/v
-and gate/up and keep bf16 weights. Each plan tensor is sent in the replica's dtype (the trainer
-casts while staging); the trainer rank that holds a run of its elements stages those bytes.
+and gate/up and keep bf16 or block-FP8 weights. Each plan tensor is sent in the replica's dtype
+(the trainer casts, or quantises to FP8, while staging); the trainer rank that holds a run of its
+elements stages those bytes. ``ModelSender`` is what a trainer keeps: the plan, computed once, and
+the sources of each update; ``startup`` fills the trainer (and replicas that hold the checkpoint's
+dtypes) from one collective read of the checkpoint.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from checkpoint_engine.buckets import BucketPlan, TensorSpec, plan_buckets
+from checkpoint_engine.quantize import scale_owners
+from engines.fp8 import BLOCK, FP8, SCALE_SUFFIX, Fp8Experts, Fp8Linear
 from engines.layout import model_tensors, placements
 
 #: per model tensor name: this rank's part as a flat tensor and the index of its first element
@@ -35,7 +42,7 @@ def plan_model_update(model: nn.Module, parts: LocalParts, bucket_bytes: int, re
         everyone = [None] * world
         dist.all_gather_object(everyone, mine)
     theirs, their_tensors = placements(replica), model_tensors(replica)
-    specs, owners = [], {}
+    specs, owners, fp8 = [], {}, {}
     for name, p in placements(model).items():
         if name not in theirs:
             raise ValueError(f"the inference model has no tensor {name}")
@@ -51,7 +58,21 @@ def plan_model_update(model: nn.Module, parts: LocalParts, bucket_bytes: int, re
                 ranges.append((rank, (a - p.offset) * el, (b - p.offset) * el))
                 covered = b
         owners[name] = ranges
-    return plan_buckets(specs, bucket_bytes, owners)
+        if dtype == FP8:  # its block scales: each block row sent by the rank holding the row's first row
+            scale = theirs[name + SCALE_SUFFIX]
+            rows, cols = p.shape
+            if any(lo % cols or hi % cols for _, lo, hi in ranges):
+                raise ValueError(f"{name}: FP8 needs whole rows on each trainer rank")
+            specs.append(TensorSpec(name + SCALE_SUFFIX, scale.shape, "float32", scale.numel * 4))
+            owners[name + SCALE_SUFFIX] = scale_owners([(r, lo // cols, hi // cols) for r, lo, hi in ranges], rows,
+                                                       cols, fp8_block(replica))
+            fp8[name] = name + SCALE_SUFFIX
+    return plan_buckets(specs, bucket_bytes, owners, fp8, fp8_block(replica) if fp8 else BLOCK)
+
+
+def fp8_block(replica: nn.Module) -> int:
+    """The FP8 block size of a replica (``engines.fp8.to_fp8``); the default when it has none."""
+    return next((m.block for m in replica.modules() if isinstance(m, (Fp8Linear, Fp8Experts))), BLOCK)
 
 
 def plan_sources(model: nn.Module, parts: LocalParts) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
@@ -71,3 +92,56 @@ def receiver_placements(model: nn.Module) -> dict[str, tuple[str, int]]:
     """Where an inference model keeps each plan tensor: (its own tensor, byte offset)."""
     sizes = {n: t.element_size() for n, t in model_tensors(model).items()}
     return {name: (p.target, p.offset * sizes[p.target]) for name, p in placements(model).items()}
+
+
+class ModelSender:
+    """A trainer rank's side of its model's weight updates: the plan to ``replica``'s layout (computed
+    once, collectively) and, per update, this rank's sources."""
+
+    def __init__(self, model: nn.Module, replica: nn.Module, bucket_bytes: int) -> None:
+        from engines import distributed
+
+        self.model, self.replica, self.bucket_bytes = model, replica, bucket_bytes
+        self.plan = plan_model_update(model, local_parts(distributed.local_shards(model)), bucket_bytes, replica)
+
+    def sources(self, shards: dict[str, tuple[torch.Tensor, int]]) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
+        """(tensors, offsets) of ``CheckpointEngine.update`` from this rank's shards (live or offloaded)."""
+        return plan_sources(self.model, local_parts(shards))
+
+    def startup_plan(self, model_dir: str | Path, world: int) -> tuple[BucketPlan, bool]:
+        """The start-up plan of the checkpoint in ``model_dir`` (its own tensors, dtypes and files), and
+        whether the replicas can load it as it is (same tensors and dtypes); if not, they wait for the
+        first update from the trainers, whose weights the start-up fills in any case."""
+        from checkpoint_engine.startup import plan_startup
+        from engines.fp8 import checkpoint_block
+        from engines.hf_io import read_config
+
+        block = checkpoint_block(read_config(model_dir)) or BLOCK
+        plan, _, _ = plan_startup(model_dir, world, self.bucket_bytes, set(placements(self.model)), block)
+        return plan, _same_layout(plan, self.plan)
+
+    def startup(self, engine, model_dir: str | Path, reloader, version: int = 0) -> dict:
+        """Fill this rank's trainer shard, and the replicas when they hold the checkpoint's dtypes, from
+        one collective read of ``model_dir`` (each file read by one rank). Collective; returns whether the
+        replicas were filled ("replicas") and the tensors this rank read, per file ("reads")."""
+        from checkpoint_engine.startup import SafetensorsShare, ShardSink, plan_startup
+        from engines import distributed
+        from engines.fp8 import checkpoint_block
+        from engines.hf_io import read_config
+
+        world, rank = distributed.world_size(), distributed.rank()
+        block = checkpoint_block(read_config(model_dir)) or BLOCK
+        plan, owner, index = plan_startup(model_dir, world, self.bucket_bytes, set(placements(self.model)), block)
+        replicas = _same_layout(plan, self.plan)
+        sink = ShardSink(*plan_sources(self.model, local_parts(distributed.local_shards(self.model)))).bind(plan)
+        share = SafetensorsShare(index, [f for f, w in owner.items() if w == rank])
+        with torch.no_grad():
+            engine.update(plan, share, version, reloader if replicas else None, sink=sink)
+            sink.finish()
+        return {"replicas": replicas, "reads": dict(share.reads)}
+
+
+def _same_layout(startup: BucketPlan, update: BucketPlan) -> bool:
+    """Whether a replica made for ``update`` can load ``startup``'s buckets (same tensors, same dtypes)."""
+    return {n: (s.shape, s.dtype) for n, s in startup.tensors.items()} == \
+        {n: (s.shape, s.dtype) for n, s in update.tensors.items()}

@@ -1,168 +1,366 @@
-"""Predict a weight update's time on a cluster from the two-stage pipeline's cost model.
+"""Predict a weight update's time and memory on a GPU cluster, calibrated on published measurements.
 
-    python -m checkpoint_engine.plan                       # Kimi K2 on H800 (report figures)
-    python -m checkpoint_engine.plan --nodes 64 --bucket-gib 1 --calibration bench.jsonl
+    python -m checkpoint_engine.plan                          # Kimi K2, FP8, 256 H800: time and memory
+    python -m checkpoint_engine.plan --table                  # FP8/bf16 x replica layouts vs the 30 s target
+    python -m checkpoint_engine.plan --validate               # the published runs, measured vs predicted
+    python -m checkpoint_engine.plan --dtype bf16 --tp 32 --nodes 64 --bucket-gib 4
 
-The model, per GPU (one checkpoint-engine worker each), for B parameter bytes on W = nodes x G:
-  h2d        B / W over PCIe, synchronous (stage 1: every worker stages its own share)
-  broadcast  every GPU receives all of B: over NVLink inside a node, and each node's missing
-             (nodes-1)/nodes of B over its G NICs; the slower of the two
-  reload     each inference GPU copies its shard of every bucket from the IPC buffer (HBM)
-  steps      one synchronisation per pipeline step of W buckets
-Stage 2 overlaps broadcast and reload, so
-  total = (h2d + max(broadcast, reload)) / efficiency + steps x step latency.
-``efficiency`` (how close the pipeline gets to its bandwidth bounds) and the step latency are
-calibrated from the weight-update benchmark's JSON records when given; otherwise the printed
-defaults are assumptions and say so.
+The cost model of the two-stage pipeline, for B bytes on W = nodes x G GPUs, TP GPUs per replica:
+  h2d       B / W / PCIe                     stage 1: each GPU stages its share, synchronously
+  deliver   max(B / r, B / NVLink, B (nodes-1)/nodes / (G NIC))
+                                             stage 2: every GPU receives all of B; r is the per-GPU rate
+                                             a broadcast + reload pipeline achieves (calibrated)
+  reload    B / TP / HBM                     overlapped with deliver
+  latency   ceil(B / bucket) x (W - 1) x hop one broadcast per bucket; its pipeline fills through
+                                             W - 1 hops (calibrated)
+  total = h2d + max(deliver, reload) + latency
+``r`` and ``hop`` are fitted to MoonshotAI checkpoint-engine's two published Kimi K2 runs (FP8 on
+16 and 256 H20, TP16); its four other published runs check the fit (``--validate``). Our engine
+has the same structure (per-bucket NCCL broadcast into IPC buffers, then a reload), so its GPU
+path is predicted with the same r and hop: an assumption until it is measured on a cluster.
+
+Memory per GPU: the colocated trainer's shard and the KV cache from ``rl.memory.estimate``, the
+replica's shard (bf16, or block-FP8 with its scales) and the engine's three buckets (H2D + two IPC)
+from here. A layout that does not fit is refused, naming its largest part.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import asdict, dataclass
-from pathlib import Path
+import math
+from dataclasses import asdict, dataclass, replace
+from functools import cache
 
-GB = 1e9
+import numpy as np
+
+GB, GiB = 1e9, 2**30
+
+
+@dataclass(frozen=True)
+class Gpu:
+    """Per-GPU figures in GB/s (1e9 bytes/s, one direction) and usable memory in GiB."""
+
+    name: str
+    memory_gib: float
+    nvlink_gbps: float
+    pcie_gbps: float = 54.6    # pinned host-to-device, measured on an H100 (PCIe Gen5 x16, as H800 and H20)
+    hbm_gbps: float = 1500.0   # bytes copied device-to-device per second, measured on an H100
+
+
+GPUS = {
+    # datasheets: NVLink 400 GB/s (H800) and 900 GB/s (H20) both directions; 80 and 96 GB of HBM, of
+    # which CUDA shows about 99 % (79.2 GiB of an H100 80GB)
+    "H800": Gpu("H800", 79.2, 200.0),
+    "H20": Gpu("H20", 88.9, 450.0),
+}
 
 
 @dataclass(frozen=True)
 class Cluster:
-    """Per-GPU bandwidths in GB/s (1e9 bytes per second), one direction."""
-
+    gpu: Gpu
     nodes: int = 32
     gpus_per_node: int = 8
-    pcie_gbps: float = 54.6     # pinned host-to-device, measured on an H100 (PCIe Gen5 x16, 64 GB/s raw)
-    nvlink_gbps: float = 200.0  # H800: 400 GB/s NVLink, bidirectional
-    nic_gbps: float = 50.0      # 8 x 400 Gbps RoCE per node = 400 Gbps per GPU
-    hbm_gbps: float = 1500.0    # bytes copied device-to-device per second, measured on an H100
+    nic_gbps: float = 50.0  # per GPU: 8 x 400 Gbps RoCE per node (the K2 report's H800 cluster)
+
+    @property
+    def gpus(self) -> int:
+        return self.nodes * self.gpus_per_node
 
 
 @dataclass(frozen=True)
 class Calibration:
-    efficiency: float = 0.8     # achieved / bound
-    step_latency_s: float = 1e-3
-    source: str = "assumed (no benchmark figures given)"
+    rate_gbps: float   # r: per-GPU delivery rate of broadcast + reload
+    hop_s: float       # per rank and broadcast
+    source: str
 
 
 @dataclass(frozen=True)
 class Prediction:
     bytes: float
-    workers: int
-    buckets_per_worker: int
+    gpus: int
+    buckets: int
     h2d_s: float
-    broadcast_s: float
+    deliver_s: float
     reload_s: float
-    steps_s: float
+    latency_s: float
     total_s: float
     bound: str
-    why: str
 
 
-def predict(params: float, bytes_per_param: float, cluster: Cluster, bucket_bytes: float, inference_gpus: int,
-            cal: Calibration) -> Prediction:
+def predict(nbytes: float, cluster: Cluster, tp: int, bucket_bytes: float, cal: Calibration) -> Prediction:
     """The pipeline's cost model (see the module docstring)."""
-    b = params * bytes_per_param
-    w = cluster.nodes * cluster.gpus_per_node
-    h2d = b / w / (cluster.pcie_gbps * GB)
-    intra = b / (cluster.nvlink_gbps * GB)
-    inter = b * (cluster.nodes - 1) / cluster.nodes / (cluster.gpus_per_node * cluster.nic_gbps * GB)
-    broadcast = max(intra, inter)
-    reload = b / inference_gpus / (cluster.hbm_gbps * GB)
-    steps = -(-b // (w * bucket_bytes))
-    stage2 = max(broadcast, reload)
-    total = (h2d + stage2) / cal.efficiency + steps * cal.step_latency_s
-    parts = {"h2d": h2d, "broadcast": broadcast, "reload": reload, "step latency": steps * cal.step_latency_s}
-    bound = max(parts, key=lambda k: parts[k])
-    if bound == "broadcast":
-        link = "NVLink" if intra >= inter else "the inter-node NICs"
-        why = (f"every GPU must receive all {b / 1e12:.2f} TB; {link} carries it at "
-               f"{(cluster.nvlink_gbps if intra >= inter else cluster.gpus_per_node * cluster.nic_gbps):.0f} GB/s")
-    elif bound == "h2d":
-        why = f"each GPU stages {b / w / GB:.1f} GB over PCIe at {cluster.pcie_gbps:.0f} GB/s, not overlapped"
-    elif bound == "reload":
-        why = f"each inference GPU copies {b / inference_gpus / GB:.1f} GB inside HBM"
-    else:
-        why = f"{steps} pipeline steps of {cal.step_latency_s * 1e3:.2f} ms each; use larger buckets"
-    return Prediction(b, w, int(steps), h2d, broadcast, reload, steps * cal.step_latency_s, total, bound, why)
+    w, g = cluster.gpus, cluster.gpu
+    h2d = nbytes / w / (g.pcie_gbps * GB)
+    links = {"delivery rate": nbytes / (cal.rate_gbps * GB), "NVLink": nbytes / (g.nvlink_gbps * GB),
+             "the NICs": nbytes * (cluster.nodes - 1) / cluster.nodes / (cluster.gpus_per_node * cluster.nic_gbps * GB)}
+    deliver = max(links.values())
+    reload = nbytes / tp / (g.hbm_gbps * GB)
+    buckets = math.ceil(nbytes / bucket_bytes)
+    latency = buckets * (w - 1) * cal.hop_s
+    parts = {"h2d": h2d, max(links, key=links.__getitem__): deliver, "reload": reload, "broadcast latency": latency}
+    return Prediction(nbytes, w, buckets, h2d, deliver, reload, latency, h2d + max(deliver, reload) + latency,
+                      max(parts, key=parts.__getitem__))
 
 
-def calibrate(records: list[dict]) -> Calibration:
-    """Fit efficiency and per-step latency from benchmark records (one JSON object per line).
+# ---- published runs and the calibration ---------------------------------------------------------
 
-    Only the records with the most workers are used. On the benchmark's machine the bound is its
-    copy floor, so efficiency = floor_s / update_s, taken from the largest bucket (least latency);
-    the step latency is the least-squares slope of the time beyond that floor against the number
-    of buckets (zero if smaller buckets were no slower).
-    """
-    if not records:
-        raise ValueError("no benchmark records to calibrate from")
-    # the engine's own rollback modes (swap on CPU, journal on GPU), not the "none" comparison runs
-    records = [r for r in records if r.get("rollback", "swap") != "none"] or records
-    most = max(r.get("workers", 1) for r in records)  # the most cluster-like: broadcast carries the most
-    records = [r for r in records if r.get("workers", 1) == most]
-    best = max(records, key=lambda r: r["bucket_mb"])
-    eff = min(1.0, best["floor_s"] / best["update_s"])
-    xs = [r["buckets"] for r in records]
-    ys = [r["update_s"] - r["floor_s"] / eff for r in records]
-    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-    var = sum((x - mx) ** 2 for x in xs)
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var if var else 0.0
-    src = f"fitted to {len(records)} benchmark records with {most} workers"
-    return Calibration(efficiency=eff, step_latency_s=max(slope, 0.0), source=src)
+@dataclass(frozen=True)
+class Run:
+    """A published update: MoonshotAI checkpoint-engine's README (vLLM, broadcast mode)."""
+
+    model: str
+    nbytes: float
+    gpus: int
+    tp: int
+    gpu: str
+    bucket_gib: float
+    seconds: float
+
+    def predicted(self, cal: Calibration) -> Prediction:
+        return predict(self.nbytes, Cluster(GPUS[self.gpu], self.gpus // 8), self.tp, self.bucket_gib * GiB, cal)
 
 
-def load_records(path: str | Path) -> list[dict]:
-    """JSON objects, one per line, as ``benchmarks.weight_update --json`` prints them."""
-    out = []
-    for i, line in enumerate(Path(path).read_text().splitlines(), 1):
-        line = line.strip()
-        if line.startswith("{"):
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{i}: not a JSON record ({e})") from e
+#: Bytes: Kimi K2 from its config (``model_bytes``; FP8 matrices, their scales, bf16 embeddings);
+#: DeepSeek-V3.1 FP8 is the size of its checkpoint files (688.6 GB with the MTP layer); GLM-4.5-Air
+#: (106 B parameters) and Qwen3-235B-A22B at 2 bytes a parameter.
+PUBLISHED = (
+    Run("Kimi-K2 FP8", 1.029173e12, 16, 16, "H20", 5.89, 14.36),
+    Run("Kimi-K2 FP8", 1.029173e12, 256, 16, "H20", 8.00, 16.04),
+    Run("DeepSeek-V3.1 FP8", 688.6e9, 16, 16, "H20", 5.39, 10.19),
+    Run("DeepSeek-V3.1 FP8", 688.6e9, 256, 16, "H20", 8.00, 11.33),
+    Run("GLM-4.5-Air BF16", 212e9, 8, 8, "H800", 3.02, 3.47),
+    Run("Qwen3-235B-A22B BF16", 470e9, 8, 8, "H800", 2.67, 6.22),
+)
+
+
+def calibrate(runs: tuple[Run, ...] | list[Run]) -> Calibration:
+    """Least-squares r and hop from measured runs (two or more): time - h2d = B / r + buckets (W-1) hop."""
+    if len(runs) < 2:
+        raise ValueError("calibration needs at least two measured runs")
+    rows, ys = [], []
+    for run in runs:
+        h2d = run.nbytes / run.gpus / (GPUS[run.gpu].pcie_gbps * GB)
+        rows.append([run.nbytes, math.ceil(run.nbytes / (run.bucket_gib * GiB)) * (run.gpus - 1)])
+        ys.append(run.seconds - h2d)
+    (inv_rate, hop), *_ = np.linalg.lstsq(np.array(rows), np.array(ys), rcond=None)
+    if inv_rate <= 0 or hop < 0:
+        raise ValueError("the runs do not fit the model (a rate or latency came out negative)")
+    names = ", ".join(f"{r.model} {r.gpus}x{r.gpu}" for r in runs)
+    return Calibration(float(1 / inv_rate / GB), float(hop), f"fitted to {names}")
+
+
+@cache
+def k2_calibration() -> Calibration:
+    """The default: fitted to the two published Kimi K2 runs."""
+    return calibrate(PUBLISHED[:2])
+
+
+# ---- model bytes and memory per GPU --------------------------------------------------------------
+
+#: Kimi K2's architecture (its config.json); ``model_bytes`` of it gives the figures below
+K2_CONFIG = dict(vocab_size=163840, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
+                 num_hidden_layers=61, num_attention_heads=64, num_key_value_heads=64, q_lora_rank=1536,
+                 kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=384,
+                 n_shared_experts=1, num_experts_per_tok=8, n_group=1, topk_group=1, first_k_dense_replace=1,
+                 routed_scaling_factor=2.827, max_position_embeddings=131072, bos_token_id=None, eos_token_id=None,
+                 pad_token_id=None)
+K2_BYTES = {"params": 1.026408209408e12, "bf16": 2.052817e12, "fp8": 1.029173e12}
+
+
+def k2_arch():
+    from engines.arch import make_config
+
+    return make_config("kimi_k2", **K2_CONFIG)
+
+
+def model_bytes(arch) -> dict[str, float]:
+    """Parameters, and the bytes of a bf16 replica and of a block-FP8 one (``engines.fp8``), from shapes."""
+    import torch
+
+    from engines.fp8 import to_fp8
+    from engines.layout import model_tensors
+    from engines.model import build_model
+
+    model = build_model(arch, device="meta", dtype=torch.bfloat16)
+    size = lambda m: float(sum(t.numel() * t.element_size() for t in model_tensors(m).values()))  # noqa: E731
+    out = {"params": float(sum(p.numel() for p in model.parameters())), "bf16": size(model)}
+    out["fp8"] = size(to_fp8(model))
     return out
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A replica layout: weights in ``dtype`` ("fp8" or "bf16"), ``tp`` GPUs per replica."""
+
+    dtype: str
+    tp: int
+    nodes: int = 32
+    bucket_gib: float | None = None  # None: the largest that fits (see ``plan``)
+
+
+@dataclass(frozen=True)
+class Memory:
+    """GiB per GPU in the phase that needs most, by part."""
+
+    parts: dict[str, float]
+    limit: float
+
+    @property
+    def total(self) -> float:
+        return sum(self.parts.values())
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= self.limit
+
+    def why(self) -> str:
+        big = max(self.parts, key=self.parts.__getitem__)
+        return (f"needs {self.total:.1f} GiB per GPU of {self.limit:.1f}; the largest part is {big} "
+                f"({self.parts[big]:.1f} GiB)")
+
+
+def run_config(overrides: dict | None = None):
+    """The run whose memory is planned: K2 as the report trains it, colocated: bf16 master weights,
+    Muon, the trainer offloaded while the engines generate, the replica's weights and KV cache freed
+    while it trains (sleep level 2: the next update refills them), 8 GiB of KV cache per GPU."""
+    from rl.config import parse_config
+
+    raw = {"model": {"dtype": "bfloat16"}, "trainer": {"param_dtype": "bfloat16", "offload": True},
+           "optimizer": {"kind": "muon"}, "rollout": {"kv_cache_mb": 8192, "sleep_level": 2}}
+    for k, v in (overrides or {}).items():
+        raw.setdefault(k, {}).update(v)
+    return parse_config(raw)
+
+
+@cache
+def _trainer_and_kv(gpus: int, overrides_json: str) -> tuple[float, float]:
+    """(trainer shard, KV cache) bytes per GPU from ``rl.memory.estimate``: K2 over ``gpus`` workers, the
+    trainer's weights, gradients and optimizer state; the paged cache's whole budget."""
+    from rl.memory import estimate
+
+    cfg = run_config(json.loads(overrides_json))
+    cfg = cfg.model_copy(update={"cluster": cfg.cluster.model_copy(update={"workers": gpus})})
+    est = estimate(cfg, k2_arch(), 4096)
+    return float(est.trainer_weights + est.trainer_grads + est.optimizer), float(est.kv_cache)
+
+
+def memory(layout: Layout, cluster: Cluster, bucket_bytes: float, model: dict[str, float] = K2_BYTES,
+           overrides: dict | None = None) -> Memory:
+    """Memory per GPU of K2 in ``layout``: the larger of the rollout phase (replica shard, KV cache and
+    the engine's buffers, during which updates happen) and the training phase. The replica's shard
+    and the engine's buffers are this planner's; the rest is ``rl.memory.estimate``'s."""
+    cfg = run_config(overrides)
+    trainer, kv = _trainer_and_kv(cluster.gpus, json.dumps(overrides or {}, sort_keys=True))
+    replica = model[layout.dtype] / layout.tp
+    buffers = 3 * bucket_bytes  # H2D + two IPC buffers
+    rollout = {"replica shard": replica, "KV cache": kv, "engine buffers (H2D + 2 IPC)": buffers}
+    if not cfg.trainer.offload:
+        rollout["trainer shard"] = trainer
+    train = {"trainer shard": trainer, "engine buffers (H2D + 2 IPC)": buffers}
+    if cfg.rollout.sleep_level < 2:
+        train["replica shard"] = replica
+    if cfg.rollout.sleep_level == 0:
+        train["KV cache"] = kv
+    peak = max((rollout, train), key=lambda p: sum(p.values()))
+    return Memory({k: v / GiB for k, v in peak.items()}, cluster.gpu.memory_gib)
+
+
+def plan(layout: Layout, gpu: str = "H800", cal: Calibration | None = None, overrides: dict | None = None
+         ) -> tuple[Prediction | None, Memory, float]:
+    """(prediction or None if it cannot fit, memory, bucket bytes) of K2 in ``layout`` on ``gpu`` nodes.
+    Without a bucket size the largest that fits is taken (at most 8 GiB, in steps of 1/4 GiB): fewer
+    broadcasts, less latency."""
+    cluster = Cluster(GPUS[gpu], layout.nodes)
+    cal = cal or k2_calibration()
+    if layout.bucket_gib:
+        bucket = layout.bucket_gib * GiB
+    else:
+        without = memory(layout, cluster, 0, overrides=overrides)
+        spare = (without.limit - without.total) * GiB / 3  # the three buffers share what is left
+        bucket = min(8 * GiB, max(0.25 * GiB, spare // (GiB / 4) * (GiB / 4)))
+    mem = memory(layout, cluster, bucket, overrides=overrides)
+    if not mem.fits:
+        return None, mem, bucket
+    return predict(K2_BYTES[layout.dtype], cluster, layout.tp, bucket, cal), mem, bucket
+
+
+TABLE_LAYOUTS = [Layout(d, tp, nodes) for d in ("fp8", "bf16") for nodes in (32, 64) for tp in (8, 16, 32, 64)]
+
+
+def table(target_s: float = 30.0, gpu: str = "H800") -> str:
+    """Markdown table of ``TABLE_LAYOUTS`` for K2: time, bound, memory, and the margin to ``target_s``."""
+    cal = k2_calibration()
+    lines = ["| weights | GPUs | TP | bucket GiB | GiB/GPU | predicted s | bound | 30 s target |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for lay in TABLE_LAYOUTS:
+        p, mem, bucket = plan(lay, gpu, cal)
+        gpus = lay.nodes * 8
+        if p is None:
+            lines.append(f"| {lay.dtype} | {gpus} | {lay.tp} | - | {mem.total:.1f} | - | memory | refused: "
+                         f"{mem.why()} |")
+            continue
+        verdict = f"meets, margin {target_s - p.total_s:.1f} s" if p.total_s <= target_s else \
+            f"misses by {p.total_s - target_s:.1f} s"
+        lines.append(f"| {lay.dtype} | {gpus} | {lay.tp} | {bucket / GiB:g} | {mem.total:.1f} | {p.total_s:.1f} | "
+                     f"{p.bound} | {verdict} |")
+    return "\n".join(lines)
+
+
+def validation() -> str:
+    """The published runs, measured against predicted with the K2 calibration."""
+    cal = k2_calibration()
+    lines = [f"r = {cal.rate_gbps:.1f} GB/s per GPU, hop = {cal.hop_s * 1e6:.1f} us ({cal.source})",
+             "| run | GPUs | bucket GiB | measured s | predicted s | error |", "| --- | --- | --- | --- | --- | --- |"]
+    for run in PUBLISHED:
+        p = run.predicted(cal)
+        lines.append(f"| {run.model} | {run.gpus}x{run.gpu} TP{run.tp} | {run.bucket_gib:g} | {run.seconds:.2f} | "
+                     f"{p.total_s:.2f} | {100 * (p.total_s - run.seconds) / run.seconds:+.1f}% |")
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m checkpoint_engine.plan",
-                                 description="Predict the checkpoint engine's update time on a cluster.")
-    c = Cluster()
-    ap.add_argument("--params", type=float, default=1.04e12, help="parameters (default: Kimi K2, 1.04e12)")
-    ap.add_argument("--bytes-per-param", type=float, default=2.0, help="2 for bf16 (default)")
-    ap.add_argument("--nodes", type=int, default=c.nodes)
-    ap.add_argument("--gpus-per-node", type=int, default=c.gpus_per_node)
-    ap.add_argument("--pcie-gbps", type=float, default=c.pcie_gbps, help="host-to-device GB/s per GPU")
-    ap.add_argument("--nvlink-gbps", type=float, default=c.nvlink_gbps, help="NVLink GB/s per GPU, one way")
-    ap.add_argument("--nic-gbps", type=float, default=c.nic_gbps, help="inter-node GB/s per GPU (400 Gbps = 50)")
-    ap.add_argument("--hbm-gbps", type=float, default=c.hbm_gbps)
-    ap.add_argument("--bucket-gib", type=float, default=2.0, help="bucket size per worker")
-    ap.add_argument("--inference-gpus", type=int, default=16, help="GPUs one inference replica spans")
-    ap.add_argument("--calibration", help="benchmark JSON lines to fit efficiency and step latency from")
+                                 description="Predict Kimi K2's weight-update time and memory on a GPU cluster.")
+    ap.add_argument("--dtype", choices=["fp8", "bf16"], default="fp8", help="replica weights (default fp8)")
+    ap.add_argument("--tp", type=int, default=16, help="GPUs per inference replica (default 16)")
+    ap.add_argument("--nodes", type=int, default=32, help="nodes of 8 GPUs (default 32: 256 GPUs)")
+    ap.add_argument("--gpu", choices=sorted(GPUS), default="H800")
+    ap.add_argument("--bucket-gib", type=float, default=None, help="bucket per GPU (default: largest that fits)")
     ap.add_argument("--target-s", type=float, default=30.0)
+    ap.add_argument("--table", action="store_true", help="print the table of FP8/bf16 replica layouts")
+    ap.add_argument("--validate", action="store_true", help="published runs: measured against predicted")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
-    sizes = (a.params, a.bytes_per_param, a.nodes, a.gpus_per_node, a.pcie_gbps, a.nvlink_gbps, a.nic_gbps,
-             a.hbm_gbps, a.bucket_gib, a.inference_gpus)
-    if min(sizes) <= 0:
-        ap.error("sizes, counts and bandwidths must be positive")
-    cluster = Cluster(a.nodes, a.gpus_per_node, a.pcie_gbps, a.nvlink_gbps, a.nic_gbps, a.hbm_gbps)
-    cal = calibrate(load_records(a.calibration)) if a.calibration else Calibration()
-    p = predict(a.params, a.bytes_per_param, cluster, a.bucket_gib * (1 << 30), a.inference_gpus, cal)
-    holds = p.total_s <= a.target_s
-    if a.json:
-        print(json.dumps({**asdict(p), "target_s": a.target_s, "holds": holds, "cluster": asdict(cluster),
-                          "calibration": asdict(cal)}))
+    if a.tp < 1 or a.nodes < 1 or (a.bucket_gib is not None and a.bucket_gib <= 0) or a.target_s <= 0:
+        ap.error("--tp, --nodes, --bucket-gib and --target-s must be positive")
+    if a.table:
+        print(table(a.target_s, a.gpu))
         return
-    print(f"{a.params:.3g} parameters x {a.bytes_per_param:g} B = {p.bytes / 1e12:.2f} TB on {p.workers} GPUs "
-          f"({a.nodes} nodes x {a.gpus_per_node}); bucket {a.bucket_gib:g} GiB, {p.buckets_per_worker} steps")
-    print(f"  stage 1  h2d        {p.h2d_s:8.2f} s")
-    print(f"  stage 2  broadcast  {p.broadcast_s:8.2f} s   (overlapped with reload)")
-    print(f"           reload     {p.reload_s:8.2f} s")
-    print(f"  steps    latency    {p.steps_s:8.2f} s")
-    print(f"  efficiency {cal.efficiency:.2f}, step latency {cal.step_latency_s * 1e3:.2f} ms: {cal.source}")
-    print(f"predicted update: {p.total_s:.1f} s; bound by {p.bound}: {p.why}")
+    if a.validate:
+        print(validation())
+        return
+    layout = Layout(a.dtype, a.tp, a.nodes, a.bucket_gib)
+    p, mem, bucket = plan(layout, a.gpu)
+    if p is None:
+        raise SystemExit(f"error: Kimi K2 ({a.dtype}, TP{a.tp}, {a.nodes * 8} {a.gpu}) does not fit: {mem.why()}")
+    holds = bool(p.total_s <= a.target_s)
+    if a.json:
+        cal = k2_calibration()
+        print(json.dumps({**asdict(p), "target_s": a.target_s, "holds": holds, "layout": asdict(replace(
+            layout, bucket_gib=bucket / GiB)), "memory_gib": mem.parts, "calibration": asdict(cal)}))
+        return
+    print(f"Kimi K2, {a.dtype}: {p.bytes / 1e12:.3f} TB on {p.gpus} {a.gpu} ({a.nodes} nodes x 8), TP{a.tp}; "
+          f"bucket {bucket / GiB:g} GiB, {p.buckets} broadcasts")
+    print(f"  stage 1  h2d        {p.h2d_s:7.2f} s")
+    print(f"  stage 2  deliver    {p.deliver_s:7.2f} s   (overlapped with reload)")
+    print(f"           reload     {p.reload_s:7.2f} s")
+    print(f"  broadcast latency   {p.latency_s:7.2f} s")
+    print("  memory per GPU: " + ", ".join(f"{k} {v:.1f}" for k, v in mem.parts.items()) +
+          f" = {mem.total:.1f} of {mem.limit:.1f} GiB")
+    cal = k2_calibration()
+    print(f"  r {cal.rate_gbps:.1f} GB/s per GPU, hop {cal.hop_s * 1e6:.1f} us: {cal.source}")
+    print(f"predicted update: {p.total_s:.1f} s; bound by {p.bound}")
     print(f"{a.target_s:g} s target {'holds' if holds else 'does NOT hold'} "
           f"({'margin' if holds else 'over by'} {abs(a.target_s - p.total_s):.1f} s)")
 

@@ -7,17 +7,23 @@ engine's per-parameter load hook says it goes, so a sharded engine takes only it
 
 Before a byte of the engine's weights is overwritten, its old value is saved in a host-memory
 journal; if the update fails midway the journal is written back, so the engine keeps serving
-the previous weights instead of a half-updated model.
+the previous weights instead of a half-updated model. On GPU the journal copies run on a side
+stream, one bucket ahead: bucket k+1's old bytes go to host memory while bucket k+1 is still
+travelling, and loading it only waits for that copy.
+
+A live receiver also packs its weights into a bucket (``pack``): that is how a restarted replica
+catches up from it, point to point.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from contextlib import nullcontext
 
 import torch
 
 from checkpoint_engine.buckets import BucketPlan, Piece, as_bytes, spec_of
-from checkpoint_engine.engine import ABORT, checksum, read_trailer
+from checkpoint_engine.engine import ABORT, checksum, read_trailer, write_trailer
 from checkpoint_engine.shm import SharedBuffer
 
 
@@ -43,13 +49,44 @@ Placements = Mapping[str, tuple[str, int]]
 ROLLBACK_MODES = ("swap", "journal", "none")
 
 
+#: position of the device index in ``torch.multiprocessing.reductions.rebuild_cuda_tensor``'s arguments
+_DEVICE_ARG = 6
+
+
+def device_uuid(index: int) -> str:
+    """The UUID of CUDA device ``index`` (as this process numbers its visible devices)."""
+    return str(torch.cuda.get_device_properties(index).uuid)
+
+
+def cuda_handle(t: torch.Tensor) -> tuple:
+    """A CUDA IPC handle of ``t`` that names its device by UUID, not by this process's index."""
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    return "cuda", reduce_tensor(t), device_uuid(t.device.index)
+
+
+def local_device(uuid: str, visible: list[str]) -> int:
+    """This process's index of the device with ``uuid``, among its ``visible`` devices' UUIDs (in order):
+    the two processes may see the GPUs in different orders (``CUDA_VISIBLE_DEVICES``)."""
+    if uuid not in visible:
+        raise RuntimeError(f"the checkpoint engine's buffer is on GPU {uuid}, which this process does not see "
+                           f"(it sees {', '.join(visible) or 'no GPU'}); give both processes that GPU")
+    return visible.index(uuid)
+
+
+def remap_device(args: tuple, index: int) -> tuple:
+    """``rebuild_cuda_tensor``'s arguments with the device index replaced by ``index``."""
+    return (*args[:_DEVICE_ARG], index, *args[_DEVICE_ARG + 1:])
+
+
 def map_ipc(handle) -> tuple[torch.Tensor, object]:
     """Map one IPC buffer from ``CheckpointEngine.ipc_handles()``; returns (tensor, keep-alive)."""
     if handle[0] == "shm":
         buf = SharedBuffer.attach(handle[1], handle[2])
         return buf.tensor, buf
-    rebuild, args = handle[1]
-    t = rebuild(*args)
+    (rebuild, args), uuid = handle[1], handle[2]
+    visible = [device_uuid(i) for i in range(torch.cuda.device_count())]
+    t = rebuild(*remap_device(args, local_device(uuid, visible)))
     return t, t
 
 
@@ -105,15 +142,15 @@ class WeightReceiver:
                  on_commit: Callable[[dict[str, torch.Tensor]], None] | None = None,
                  placements: Placements | None = None) -> None:
         self.placements = dict(placements or {})
-        if load_hook is None:
-            check_plan(tensors, plan, self.placements)
+        self.load_hook = load_hook or _full_tensor
         if rollback is None:
             rollback = "journal" if any(t.is_cuda for t in tensors.values()) else "swap"
         if rollback not in ROLLBACK_MODES:
             raise ValueError(f"rollback must be one of {ROLLBACK_MODES}, got {rollback!r}")
-        self.plan, self.rollback_mode, self.on_commit = plan, rollback, on_commit
-        self.load_hook = load_hook or _full_tensor
+        self.rollback_mode, self.on_commit = rollback, on_commit
         self.tensors = tensors            # what the engine serves with
+        self._hooked = load_hook is not None
+        self.set_plan(plan)
         self._shadow: dict[str, torch.Tensor] | None = None
         mapped = [map_ipc(h) for h in handles]
         self.buffers = [m[0] for m in mapped]
@@ -122,10 +159,21 @@ class WeightReceiver:
         self.loads = 0                    # buckets applied, over the receiver's life
         self._loading: tuple[int, set[int]] | None = None
         self._written: dict[str, int] = {}
-        self._journal: list[tuple[torch.Tensor, int, int]] = []  # (destination, journal offset, bytes)
-        self._journal_buf: torch.Tensor | None = None
-        self._journal_used = 0
         self._dest: dict[str, torch.Tensor] = {}
+        self._journal_buf: torch.Tensor | None = None
+        self._journal: dict[int, list[tuple[torch.Tensor, int, int]]] = {}  # bucket -> (destination, at, bytes)
+        self._journal_used = 0
+        cuda = any(t.is_cuda for t in tensors.values())
+        self._side = torch.cuda.Stream() if cuda and rollback == "journal" else None
+        self._ready: dict[int, object] = {}  # bucket -> event: its journal copy is done (side stream)
+
+    def set_plan(self, plan: BucketPlan) -> None:
+        """Load the buckets of another plan from now on (start-up reads the checkpoint's own layout)."""
+        if getattr(self, "_loading", None) is not None:
+            raise RuntimeError("cannot change the plan in the middle of an update")
+        if not self._hooked:
+            check_plan(self.tensors, plan, self.placements)
+        self.plan = plan
 
     @property
     def consistent(self) -> bool:
@@ -136,6 +184,14 @@ class WeightReceiver:
     def ready(self) -> bool:
         """Holds a complete set of weights that came through the engine."""
         return self.consistent and self.version is not None
+
+    def _targets(self, bucket: int, dest: dict[str, torch.Tensor]):
+        """(bytes of the engine's tensor, bytes of the bucket) for every run of bucket ``bucket``."""
+        for p in self.plan.buckets[bucket]:
+            target, base = self.placements.get(p.name, (p.name, 0))
+            raw = dest[target]
+            for at, lo, hi in self.load_hook(p):
+                yield target, raw[base + at : base + at + hi - lo], p.offset + lo, p.offset + hi
 
     def load(self, bucket: int, buffer: int, version: int) -> None:
         """Verify bucket ``bucket`` of update ``version`` in IPC buffer ``buffer`` and apply it."""
@@ -155,17 +211,15 @@ class WeightReceiver:
         if self._loading is None or self._loading[0] != version:
             self._begin(version)
         assert self._loading is not None
-        dest = self._dest
-        for p in self.plan.buckets[bucket]:
-            piece = src[p.offset : p.offset + p.length]
-            target, base = self.placements.get(p.name, (p.name, 0))
-            raw = dest[target]
-            for at, lo, hi in self.load_hook(p):
-                dst = raw[base + at : base + at + hi - lo]
-                if self.rollback_mode == "journal":
-                    self._save(dst)
-                dst.copy_(piece[lo:hi])
-                self._written[target] = self._written.get(target, 0) + hi - lo
+        if self.rollback_mode == "journal":
+            self._journal_ahead(bucket)
+            if self._side is not None:
+                torch.cuda.current_stream(src.device).wait_event(self._ready.pop(bucket))
+        for target, dst, lo, hi in self._targets(bucket, self._dest):
+            dst.copy_(src[lo:hi])
+            self._written[target] = self._written.get(target, 0) + hi - lo
+        if self.rollback_mode == "journal":
+            self._journal_ahead(bucket + 1)  # on GPU: overlaps with the next bucket's way here
         if src.is_cuda:  # the sender overwrites this buffer once we return: our copies must be done
             torch.cuda.current_stream(src.device).synchronize()
         self.loads += 1
@@ -173,15 +227,37 @@ class WeightReceiver:
         if len(self._loading[1]) == len(self.plan.buckets):
             self._commit(version)
 
+    def pack(self, bucket: int, buffer: int) -> int:
+        """Write bucket ``bucket`` of the weights this engine serves into IPC buffer ``buffer`` (as the
+        checkpoint engine would have delivered it); returns their version."""
+        if not self.ready:
+            raise RuntimeError("this replica holds no complete update to send")
+        assert self.version is not None
+        buf = self.buffers[buffer]
+        serving = {n: as_bytes(t) for n, t in self.tensors.items()}
+        for _, src, lo, hi in self._targets(bucket, serving):
+            buf[lo:hi].copy_(src)
+        write_trailer(buf, self.plan.used_bytes(bucket), self.version, bucket)
+        if buf.is_cuda:
+            torch.cuda.current_stream(buf.device).synchronize()
+        return self.version
+
     def rollback(self) -> bool:
         """Undo a partly applied update; True if the previous weights are back in place."""
         if self._loading is None:
             return True
         if self.rollback_mode == "none":
             return False
-        for dst, at, n in reversed(self._journal):
-            dst.copy_(self._journal_buf[at : at + n])
-        self._loading, self._journal, self._journal_used = None, [], 0
+        if self._side is not None:
+            self._side.synchronize()
+        assert self._journal_buf is not None or not self._journal
+        for k in sorted(self._journal, reverse=True):
+            for dst, at, n in reversed(self._journal[k]):
+                dst.copy_(self._journal_buf[at : at + n])
+        if self._side is not None:
+            torch.cuda.synchronize()
+        self._loading = None
+        self._reset_journal()
         return True
 
     def _begin(self, version: int) -> None:
@@ -192,6 +268,8 @@ class WeightReceiver:
             self._shadow = {n: torch.empty_like(t) for n, t in self.tensors.items()}
         into = self._shadow if self.rollback_mode == "swap" else self.tensors
         self._dest = {n: as_bytes(t) for n, t in into.items()}
+        if self._side is not None:  # the journal must read the weights as the last update left them
+            self._side.wait_stream(torch.cuda.current_stream())
 
     def _commit(self, version: int) -> None:
         if self.rollback_mode == "swap":
@@ -202,19 +280,46 @@ class WeightReceiver:
                 raise CorruptUpdateError(f"update {version} did not cover every byte of {short[:4]}")
             self.tensors, self._shadow = self._shadow, self.tensors
         self.version, self._loading = version, None
-        self._journal, self._journal_used = [], 0
+        self._reset_journal()
         if self.on_commit is not None:
             self.on_commit(self.tensors)
 
-    def _save(self, dst: torch.Tensor) -> None:
-        """Journal the bytes about to be overwritten, in one host buffer grown geometrically."""
-        n = dst.numel()
-        if self._journal_buf is None or self._journal_used + n > self._journal_buf.numel():
-            grown = torch.empty(max(2 * (self._journal_used + n), 1 << 20), dtype=torch.uint8,
-                                pin_memory=dst.is_cuda)
-            if self._journal_buf is not None:
-                grown[: self._journal_used].copy_(self._journal_buf[: self._journal_used])
-            self._journal_buf = grown
-        self._journal_buf[self._journal_used : self._journal_used + n].copy_(dst)
-        self._journal.append((dst, self._journal_used, n))
-        self._journal_used += n
+    def _reset_journal(self) -> None:
+        if self._side is not None:
+            self._side.synchronize()
+        self._journal, self._journal_used, self._ready = {}, 0, {}
+
+    def _journal_ahead(self, bucket: int) -> None:
+        """Save the bytes bucket ``bucket`` will overwrite (once; on GPU asynchronously, on the side stream)."""
+        if bucket >= len(self.plan.buckets) or bucket in self._journal:
+            return
+        runs = [dst for _, dst, _, _ in self._targets(bucket, self._dest)]
+        need = self._journal_used + sum(d.numel() for d in runs)
+        if self._journal_buf is None or need > self._journal_buf.numel():
+            self._grow_journal(need)
+        assert self._journal_buf is not None
+        entries = []
+        with torch.cuda.stream(self._side) if self._side is not None else nullcontext():
+            for dst in runs:
+                n = dst.numel()
+                self._journal_buf[self._journal_used : self._journal_used + n].copy_(dst, non_blocking=True)
+                entries.append((dst, self._journal_used, n))
+                self._journal_used += n
+            if self._side is not None:
+                event = torch.cuda.Event()
+                event.record(self._side)
+                self._ready[bucket] = event
+        self._journal[bucket] = entries
+
+    def _grow_journal(self, need: int) -> None:
+        """One host buffer for a whole update's journal: sized for every bucket of the plan at once, so
+        copies in flight never move."""
+        total = sum(dst.numel() for k in range(len(self.plan.buckets)) for _, dst, _, _ in self._targets(k, self._dest))
+        cuda = self._side is not None
+        grown = torch.empty(max(total, need, 1 << 20), dtype=torch.uint8, pin_memory=cuda)
+        if self._journal_buf is not None and self._journal_used:
+            if cuda:
+                self._side.synchronize()
+            grown[: self._journal_used].copy_(self._journal_buf[: self._journal_used])
+        self._journal_buf = grown
+

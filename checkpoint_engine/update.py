@@ -34,3 +34,15 @@ class RayReloader:
 
         self.pending.clear()
         ray.get([a.abort_update.remote(version) for a in self.actors])
+
+
+class RayPacker:
+    """A live inference engine, a Ray actor with ``pack_bucket(bucket, buffer)``: the source of a catch-up."""
+
+    def __init__(self, actor) -> None:
+        self.actor = actor
+
+    def pack(self, bucket: int, buffer: int) -> int:
+        import ray
+
+        return ray.get(self.actor.pack_bucket.remote(bucket, buffer))

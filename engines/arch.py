@@ -217,9 +217,10 @@ class ModelConfig:
         model_type = "deepseek_v3" if self.model_type == "kimi_k2" else self.model_type
         d.update(model_type=model_type, architectures=[FAMILIES[self.model_type]], hidden_act="silu")
         d.pop("auto_map", None)  # Kimi K2's remote code: transformers' own class loads the saved directory
-        if dtype is not None:
+        if dtype is not None:  # the weights written with it are in ``dtype``, not the source's FP8
             d["dtype"] = str(dtype).removeprefix("torch.")
             d.pop("torch_dtype", None)
+            d.pop("quantization_config", None)
         return d
 
     def _family_fields(self) -> dict[str, Any]:
@@ -252,10 +253,14 @@ class ModelConfig:
         model_type = d.get("model_type")
         if model_type not in FAMILIES:
             raise UnsupportedModelError(f"model_type {model_type!r} is not supported; supported: {', '.join(FAMILIES)}")
-        if d.get("quantization_config"):
-            method = d["quantization_config"].get("quant_method", "?")
-            raise UnsupportedModelError(f"quantised checkpoints ({method}) are not supported; use a bf16 or fp32 "
-                                        "checkpoint")
+        qc = d.get("quantization_config")
+        if qc:  # block-FP8 (DeepSeek-V3, Kimi K2) is read and dequantised (``engines.fp8``); nothing else
+            block = qc.get("weight_block_size") or []
+            if qc.get("quant_method") != "fp8" or qc.get("fmt", "e4m3") != "e4m3" or len(block) != 2 or \
+                    block[0] != block[1]:
+                raise UnsupportedModelError(f"quantised checkpoints ({qc.get('quant_method', '?')}) are not supported "
+                                            "other than block-FP8 e4m3 with square blocks; use a bf16 or fp32 "
+                                            "checkpoint")
         hf = hf_config_class(model_type).from_dict({k: v for k, v in d.items() if k != "model_type"})
         act = getattr(hf, "hidden_act", "silu")
         if act != "silu":

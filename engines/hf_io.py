@@ -21,12 +21,15 @@ from safetensors.torch import save_file
 
 from engines.arch import ModelConfig, UnsupportedModelError
 from engines.distributed import local_rows
+from engines.fp8 import BLOCK, SCALE_SUFFIX, checkpoint_block, dequantize, to_fp8
 from engines.layout import Placement, hub_state, model_tensors, placements
 from engines.model import CausalLM, build_model
 
 INDEX_FILE = "model.safetensors.index.json"
-#: safetensors dtype names the loader reads (FP8 block-quantised checkpoints are refused by read_config)
-DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
+#: safetensors dtype names the loader reads; F8_E4M3 with ``*_scale_inv`` block scales is dequantised
+#: for a model that holds the matrix in another dtype (``engines.fp8``)
+DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64,
+          "F8_E4M3": torch.float8_e4m3fn}
 DEFAULT_SHARD_BYTES = 5 * 2**30
 
 
@@ -91,8 +94,10 @@ def checkpoint_index(directory: str | Path) -> dict[str, tuple[Path, tuple[int, 
 
 def _ignorable(name: str, cfg: ModelConfig) -> bool:
     """Checkpoint tensors the model does not use: precomputed RoPE tables, a tied output head,
-    DeepSeek's multi-token-prediction layers (beyond num_hidden_layers)."""
-    if name.endswith("rotary_emb.inv_freq") or (cfg.tie_word_embeddings and name == "lm_head.weight"):
+    DeepSeek's multi-token-prediction layers (beyond num_hidden_layers), FP8 block scales (read with
+    their matrix)."""
+    if name.endswith("rotary_emb.inv_freq") or (cfg.tie_word_embeddings and name == "lm_head.weight") or \
+            name.endswith(SCALE_SUFFIX):
         return True
     m = re.match(r"model\.layers\.(\d+)\.", name)
     return bool(m and cfg.is_mla and int(m.group(1)) >= cfg.num_hidden_layers)
@@ -111,25 +116,38 @@ def load_weights(model: CausalLM, directory: str | Path) -> None:
     if unexpected:
         raise ModelDirError(f"{directory}: unexpected tensors {unexpected[:5]} ({len(unexpected)} in all) that "
                             f"the config.json does not imply")
+    targets = model_tensors(model)
+    block = checkpoint_block(model.config) or BLOCK
     for name, p in place.items():
         f, shape, dtype = index[name]
         if shape != p.shape:
             raise ModelDirError(f"{f}: tensor {name} has shape {shape}, the config implies {p.shape}")
         if dtype not in DTYPES:
             raise ModelDirError(f"{f}: tensor {name} has dtype {dtype}; readable: {', '.join(DTYPES)}")
+        if dtype == "F8_E4M3" and targets[p.target].dtype != torch.float8_e4m3fn and name + SCALE_SUFFIX not in index:
+            raise ModelDirError(f"{f}: FP8 tensor {name} has no {name + SCALE_SUFFIX} to dequantise it with")
     by_file: dict[Path, list[str]] = defaultdict(list)
     for name in place:
         by_file[index[name][0]].append(name)
-    targets = model_tensors(model)
     with torch.no_grad():
         for f, names in by_file.items():
             with safe_open(str(f), framework="pt") as fh:
                 for name in names:
-                    _read_into(fh, name, place[name], targets[place[name].target])
+                    fp8 = index[name][2] == "F8_E4M3" and targets[place[name].target].dtype != torch.float8_e4m3fn
+                    scales = _scales(index, name, block) if fp8 else None
+                    _read_into(fh, name, place[name], targets[place[name].target], scales)
 
 
-def _read_into(fh, name: str, p: Placement, target: torch.Tensor) -> None:
-    """Copy the part of checkpoint tensor ``name`` that this rank's piece of ``target`` holds."""
+def _scales(index: dict, name: str, block: int):
+    """(scale grid, block) of FP8 checkpoint tensor ``name``, read from whichever file holds it."""
+    f = index[name + SCALE_SUFFIX][0]
+    with safe_open(str(f), framework="pt") as fh:
+        return fh.get_tensor(name + SCALE_SUFFIX).float(), block
+
+
+def _read_into(fh, name: str, p: Placement, target: torch.Tensor, scales=None) -> None:
+    """Copy the part of checkpoint tensor ``name`` that this rank's piece of ``target`` holds
+    (``scales``: the FP8 tensor's block scales and block size, to dequantise it by)."""
     local, first_row = local_rows(target)
     row = target.numel() // target.shape[0] if target.ndim else 1
     lo, hi = first_row * row, first_row * row + local.numel()
@@ -138,7 +156,13 @@ def _read_into(fh, name: str, p: Placement, target: torch.Tensor) -> None:
         return
     hub_row = p.numel // p.shape[0] if p.shape else p.numel
     s, e = a - p.offset, b - p.offset
-    if s % hub_row == 0 and e % hub_row == 0 and p.shape:
+    if scales is not None:  # whole rows of blocks are dequantised, then the rows this rank holds are kept
+        grid, block = scales
+        last_row = -(-e // hub_row)
+        r0, r1 = s // hub_row // block * block, min(p.shape[0], -(-last_row // block) * block)
+        rows = dequantize(fh.get_slice(name)[r0:r1], grid[r0 // block:-(-r1 // block)], block)
+        data = rows.reshape(-1)[s - r0 * hub_row:e - r0 * hub_row]
+    elif s % hub_row == 0 and e % hub_row == 0 and p.shape:
         data = fh.get_slice(name)[s // hub_row:e // hub_row].reshape(-1)  # only these rows are read
     else:
         data = fh.get_tensor(name).reshape(-1)[s:e]
@@ -146,10 +170,17 @@ def _read_into(fh, name: str, p: Placement, target: torch.Tensor) -> None:
 
 
 def load_pretrained(directory: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                    fused: bool = False) -> CausalLM:
-    """Build a ``CausalLM`` from a Hugging Face directory on ``device``; names and shapes must match."""
-    model = build_model(read_config(directory), device=device, dtype=dtype, fused=fused)
+                    fused: bool = False, fp8: bool = False) -> CausalLM:
+    """Build a ``CausalLM`` from a Hugging Face directory on ``device``; names and shapes must match.
+    ``fp8``: an FP8 replica (``engines.fp8.to_fp8``), taking an FP8 checkpoint's bytes as they are."""
+    cfg = read_config(directory)
+    model = build_model(cfg, device=device, dtype=dtype, fused=fused)
+    block = checkpoint_block(cfg)
+    if fp8 and block:
+        to_fp8(model, block)
     load_weights(model, directory)
+    if fp8 and not block:
+        to_fp8(model)
     return model
 
 

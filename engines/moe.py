@@ -81,6 +81,10 @@ class Experts(nn.Module):
             self.up_proj = nn.Parameter(torch.empty(num_experts, intermediate, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
 
+    def matrix(self, name: str, e: int, dtype: torch.dtype) -> torch.Tensor:
+        """Expert ``e``'s matrix of projection ``name`` (an FP8 replica dequantises it here: ``engines.fp8``)."""
+        return getattr(self, name)[e]
+
     def forward(self, x: torch.Tensor, weights: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         """Σ_k weights[n, k] · expert_{index[n, k]}(x[n]) for tokens x [N, hidden]; each expert runs
         once on all the tokens routed to it, experts in ascending order (so sums add up in a fixed order)."""
@@ -97,10 +101,11 @@ class Experts(nn.Module):
             rows = token[start:start + n]
             h = x[rows]
             if self.fused:
-                gate, up = F.linear(h, self.gate_up_proj[e]).chunk(2, dim=-1)
+                gate, up = F.linear(h, self.matrix("gate_up_proj", e, h.dtype)).chunk(2, dim=-1)
             else:
-                gate, up = F.linear(h, self.gate_proj[e]), F.linear(h, self.up_proj[e])
-            y = F.linear(F.silu(gate) * up, self.down_proj[e])
+                gate = F.linear(h, self.matrix("gate_proj", e, h.dtype))
+                up = F.linear(h, self.matrix("up_proj", e, h.dtype))
+            y = F.linear(F.silu(gate) * up, self.matrix("down_proj", e, h.dtype))
             out.index_add_(0, rows, (y * w[start:start + n, None]).to(out.dtype))
             start += n
         return out

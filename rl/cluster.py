@@ -67,17 +67,35 @@ class Cluster:
             # half the bundle's GPUs each: Ray then shows both actors the same device(s)
             return ray.remote(num_cpus=ACTOR_CPUS, num_gpus=gpus / 2, scheduling_strategy=strategy)(cls)
 
+        self._placed = placed
+        self._rollout_args = [(dirs[i], cfg, threads[i], self.max_context) for i in range(n)]
         self.trainers = [placed(TrainerWorker, i).remote(cfg, threads[i]) for i in range(n)]
-        self.rollouts = [placed(RolloutWorker, i).remote(dirs[i], cfg, threads[i], self.max_context)
-                         for i in range(n)]
+        self.rollouts = [placed(RolloutWorker, i).remote(*self._rollout_args[i]) for i in range(n)]
         address = ray.get(self.trainers[0].rendezvous.remote())
         ray.get([t.setup.remote(dirs[i], i, n, address, f"{prefix}-w{i}") for i, t in enumerate(self.trainers)])
         # one plan for all (every rank computed the same); each replica maps its own worker's IPC buffers
         plans = ray.get([t.weight_plan.remote() for t in self.trainers])
+        self._plans = plans
         ray.get([r.attach.remote(plans[0][0], handles) for r, (_, handles) in zip(self.rollouts, plans, strict=True)])
         ray.get([t.connect.remote([r]) for t, r in zip(self.trainers, self.rollouts, strict=True)])
         self.num_buckets = len(plans[0][0].buckets)
         self.weights_version = 0
+        self._startup(dirs)
+
+    def _startup(self, dirs: list[str]) -> None:
+        """Read the model once, collectively: each trainer reads some of its files and the checkpoint
+        engine fills every trainer shard and, when they hold the checkpoint's dtypes, every inference
+        engine; otherwise the first update from the trainers fills them."""
+        plan, replicas = ray.get(self.trainers[0].startup_plan.remote(dirs[0]))
+        if replicas:
+            ray.get([r.use_plan.remote(plan) for r in self.rollouts])
+        #: per trainer: the tensors it read from each file (each file is read by one trainer)
+        reads = ray.get([t.startup.remote(d) for t, d in zip(self.trainers, dirs, strict=True)])
+        self.startup_reads = [r["reads"] for r in reads]
+        if replicas:
+            ray.get([r.use_plan.remote() for r in self.rollouts])
+        else:  # as update 0, which the next update_weights follows
+            ray.get([t.update_weights.remote(0) for t in self.trainers])
 
     def generate(self, prompts: list[list[int]], params: list[SamplingParams], seed: int,
                  on_chunk: Callable[[int], None] | None = None) -> list[Completion]:
@@ -172,6 +190,21 @@ class Cluster:
         """Checkpoint-engine update of every inference engine from the trainers."""
         self.weights_version += 1
         ray.get([t.update_weights.remote(self.weights_version) for t in self.trainers])
+
+    def restart_rollout(self, i: int, source: int) -> float:
+        """Replace inference engine ``i`` by a fresh one that copies engine ``source``'s weights point to
+        point (the other engines keep serving); returns the seconds the copy took."""
+        import time
+
+        if i == source or not (0 <= i < len(self.rollouts) and 0 <= source < len(self.rollouts)):
+            raise ValueError(f"restart_rollout: need two different engines of {len(self.rollouts)}, got {i}, {source}")
+        ray.kill(self.rollouts[i])
+        self.rollouts[i] = self._placed(RolloutWorker, i).remote(*self._rollout_args[i])
+        ray.get(self.rollouts[i].attach.remote(self._plans[0][0], self._plans[i][1]))
+        ray.get(self.trainers[i].connect.remote([self.rollouts[i]]))
+        t0 = time.perf_counter()
+        ray.get([self.trainers[source].serve_catch_up.remote(i), self.trainers[i].catch_up.remote(source)])
+        return time.perf_counter() - t0
 
     def save(self, directory: str, trainer_state: bool = True) -> None:
         """Weights in Hugging Face format, and (``trainer_state``) every rank's shards of the trainer state."""

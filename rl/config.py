@@ -167,6 +167,9 @@ class RolloutConfig(Strict):
     dtype: Literal["float32", "bfloat16"] | None = Field(
         None, description="weights of the inference engines; None = model.dtype (the trainer's master weights "
                           "are cast per bucket when they differ)")
+    fp8: bool = Field(False, description="inference engines hold block-FP8 matrices (128x128 blocks with float32 "
+                                         "scales, as DeepSeek-V3 and Kimi K2 ship); the trainers quantise each "
+                                         "bucket, half the bytes of bf16 cross the wire")
     sleep_level: Literal[0, 1, 2] = Field(
         1, description="while training: 1 frees the KV cache, 2 also the inference weights, 0 keeps both")
 

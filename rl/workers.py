@@ -18,11 +18,12 @@ import torch.distributed as dist
 from torch.utils._pytree import tree_map_only
 
 from checkpoint_engine.engine import CheckpointEngine
-from checkpoint_engine.model_plan import local_parts, plan_model_update, plan_sources, receiver_placements
+from checkpoint_engine.model_plan import ModelSender, receiver_placements
 from checkpoint_engine.transfer import WeightReceiver
-from checkpoint_engine.update import RayReloader, free_port
+from checkpoint_engine.update import RayPacker, RayReloader, free_port
 from engines import distributed, peak_memory
-from engines.hf_io import load_pretrained, load_weights, read_config, save_pretrained
+from engines.fp8 import BLOCK, checkpoint_block, to_fp8
+from engines.hf_io import read_config, save_pretrained
 from engines.inference import Completion, InferenceEngine, SamplingParams
 from engines.layout import hub_state
 from engines.model import build_model, track_max_logits
@@ -63,8 +64,8 @@ class TrainerWorker:
         return f"tcp://{ip}:{free_port()}"
 
     def setup(self, model_dir: str, rank: int, world: int, init_method: str, shm_prefix: str) -> None:
-        """Join the group, build the model on the meta device, shard it and read this rank's rows of the
-        checkpoint, build the optimizers and the checkpoint engine."""
+        """Join the group, build the model on the meta device and shard it (``startup`` fills it), build
+        the optimizers and the checkpoint engine."""
         cfg, o = self.cfg, self.cfg.optimizer
         self.rank, self.world = rank, world
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -77,34 +78,51 @@ class TrainerWorker:
         model = build_model(arch, device="meta" if shard else device, dtype=getattr(torch, master))
         if shard:
             model = distributed.shard_model(model, param_dtype=compute, device=device)
-        load_weights(model, model_dir)
         track_max_logits(model, True)
         model.activation_checkpointing = cfg.trainer.activation_checkpointing
         opts = build_optimizers(model, o.kind, o.lr, o.weight_decay, o.momentum)
         # any id will do for filler: filler positions are masked out of attention and of the loss
         pad = arch.pad_token_id if arch.pad_token_id is not None else 0
         self.engine = TrainingEngine(model, opts, pad, o.max_grad_norm, attention=cfg.trainer.attention)
-        replica = build_model(arch, device="meta", dtype=getattr(torch, cfg.rollout_dtype), fused=True)
-        self.plan = plan_model_update(model, local_parts(distributed.local_shards(model)),
-                                      cfg.checkpoint_engine.bucket_bytes, replica)
+        replica = replica_model(arch, cfg, device="meta")
+        self.sender = ModelSender(model, replica, cfg.checkpoint_engine.bucket_bytes)
         self.ckpt = CheckpointEngine(rank, world, init_method, cfg.checkpoint_engine.bucket_bytes, shm_prefix,
                                      device=device)
 
     def weight_plan(self):
         """The bucket plan and the IPC buffer handles the inference engines map."""
-        return self.plan, self.ckpt.ipc_handles()
+        return self.sender.plan, self.ckpt.ipc_handles()
+
+    def startup_plan(self, model_dir: str):
+        """The plan of reading ``model_dir`` at start-up, and whether the inference engines load it too."""
+        return self.sender.startup_plan(model_dir, self.world)
+
+    def startup(self, model_dir: str) -> dict:
+        """Read the checkpoint once across all trainers (each file by one of them): it fills every
+        trainer's shard, and the inference engines when they hold its dtypes (collective). Returns
+        whether they did ("replicas") and the tensors this trainer read per file ("reads")."""
+        return self.sender.startup(self.ckpt, model_dir, self.reloader)
 
     def connect(self, rollouts: list) -> None:
         """The local inference engines that this worker's checkpoint engine updates."""
-        self.reloader = RayReloader(rollouts)
+        self.rollouts, self.reloader = rollouts, RayReloader(rollouts)
+
+    def serve_catch_up(self, peer: int) -> int:
+        """Send this worker's inference engine's weights to worker ``peer``'s restarted one, point to point."""
+        return self.ckpt.serve_catch_up(self.sender.plan, peer, RayPacker(self.rollouts[0]))
+
+    def catch_up(self, peer: int) -> int:
+        """Fill this worker's restarted inference engine from worker ``peer``'s; returns the version."""
+        assert self.reloader is not None
+        return self.ckpt.catch_up(self.sender.plan, peer, self.reloader)
 
     def update_weights(self, version: int) -> None:
         """Push this rank's shard of the weights to every inference engine (checkpoint engine).
 
         While offloaded the shards are read from host memory: stage 1 is then the H2D copy."""
         shards = self.engine.host_shards() if self.engine.offloaded else distributed.local_shards(self.engine.model)
-        tensors, offsets = plan_sources(self.engine.model, local_parts(shards))
-        self.ckpt.update(self.plan, tensors, version, self.reloader, offsets=offsets)
+        tensors, offsets = self.sender.sources(shards)
+        self.ckpt.update(self.sender.plan, tensors, version, self.reloader, offsets=offsets)
 
     def train(self, samples: list[Sample], ptx: list[PtxBatch], seed: int) -> Iterator[dict[str, float]]:
         """Run the K1.5 (+ PTX) update on a rollout batch; yields metrics after each optimizer step."""
@@ -187,9 +205,10 @@ class RolloutWorker:
 
     def __init__(self, model_dir: str, cfg: Config, threads: int, max_seq_len: int | None = None) -> None:
         _set_threads(threads)
-        # on the GPU Ray gave this worker's bundle (shared with its trainer), in the fused inference layout
+        # on the GPU Ray gave this worker's bundle (shared with its trainer), in the fused inference layout;
+        # empty: the trainers' start-up read fills it (or their first update does)
         device = "cuda" if torch.cuda.is_available() else "cpu"
-        model = load_pretrained(model_dir, getattr(torch, cfg.rollout_dtype), device=device, fused=True)
+        model = replica_model(read_config(model_dir), cfg, device=device)
         r, tok = cfg.rollout, TextTokenizer.load(model_dir)  # the same stop ids as the controller's
         self.engine = InferenceEngine(model, tok.eos_ids, tok.pad_id, max_num_seqs=r.max_batch,
                                       max_seq_len=max_seq_len, kv_cache_bytes=r.kv_cache_mb << 20,
@@ -202,6 +221,17 @@ class RolloutWorker:
         self._ipc = (plan, handles)
         self.receiver = WeightReceiver(plan, handles, self.engine.named_tensors(), on_commit=self._rebind,
                                        placements=receiver_placements(self.engine.model))
+
+    def use_plan(self, plan=None) -> None:
+        """Load the buckets of ``plan`` from now on (the start-up's), or again those of the updates (None)."""
+        assert self.receiver is not None and self._ipc is not None, "attach() first"
+        self.receiver.set_plan(plan if plan is not None else self._ipc[0])
+
+    def pack_bucket(self, bucket: int, buffer: int) -> int:
+        """Write bucket ``bucket`` of the weights this engine serves into IPC buffer ``buffer`` (a restarted
+        replica catches up from it); returns their version."""
+        assert self.receiver is not None, "attach() before pack_bucket()"
+        return self.receiver.pack(bucket, buffer)
 
     def sleep(self, level: int) -> None:
         """Free the KV cache (1) and the weights (2) while the trainer uses the device."""
@@ -258,5 +288,15 @@ class RolloutWorker:
                      "peak_bytes": peak_memory.peak_bytes(self.engine.device)}
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """The engine's weights under the checkpoint's names."""
-        return {k: v.clone() for k, v in hub_state(self.engine.model).items()}
+        """The engine's weights under the checkpoint's names; FP8 ones as their bytes (uint8), which is
+        how Ray can carry them."""
+        return {k: (v.view(torch.uint8) if v.dtype == torch.float8_e4m3fn else v).clone()
+                for k, v in hub_state(self.engine.model).items()}
+
+
+def replica_model(arch, cfg: Config, device: str = "cpu"):
+    """An empty inference model in the fused layout and rollout dtype, block-FP8 with ``rollout.fp8``
+    (blocks as the checkpoint's when it is FP8, else 128)."""
+    model = build_model(arch, device=device, dtype=getattr(torch, cfg.rollout_dtype), fused=True)
+    return to_fp8(model, checkpoint_block(arch) or BLOCK) if cfg.rollout.fp8 else model
+

@@ -226,3 +226,78 @@ def test_a_qwen3_format_directory_trains_with_model_path(ray_cluster, tmp_path):
     assert any(not torch.equal(model.state_dict()[k], v) for k, v in start.items())
     tok = transformers.AutoTokenizer.from_pretrained(final)
     assert tok.chat_template and json.loads((final / "generation_config.json").read_text())["eos_token_id"] == [2, 0]
+
+
+def _fp8_copy(model_dir, tmp_path, block: int):
+    """The model directory as Kimi K2 ships its weights: block-FP8 matrices with float32 scale grids, in
+    two files, and a config.json that says so."""
+    import copy
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from engines.fp8 import to_fp8
+    from engines.hf_io import load_pretrained
+    from engines.layout import hub_state
+
+    d = tmp_path / "fp8"
+    shutil.copytree(model_dir, d)
+    for f in d.glob("*.safetensors"):
+        f.unlink()
+    (d / "model.safetensors.index.json").unlink(missing_ok=True)
+    model = load_pretrained(model_dir, torch.bfloat16)
+    tensors = {k: v.contiguous() for k, v in hub_state(to_fp8(copy.deepcopy(model), block)).items()}
+    names = sorted(tensors)
+    for i, part in enumerate((names[::2], names[1::2])):
+        save_file({n: tensors[n] for n in part}, str(d / f"model-{i + 1:05d}-of-00002.safetensors"))
+    raw = json.loads((d / "config.json").read_text())
+    raw["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [block, block]}
+    (d / "config.json").write_text(json.dumps(raw))
+    return d, tensors
+
+
+def test_fp8_checkpoint_is_read_once_and_fp8_updates_are_exact(ray_cluster, tmp_path):
+    """Kimi K2's path on two workers: the FP8 checkpoint is read once (each file by one trainer) into the
+    FP8 replicas as stored and into the trainers' shards dequantised; an update then quantises the
+    trainers' FSDP2 shards bucket by bucket (blocks of 32 rows cut in two by the 16-row shards) and every
+    replica holds exactly the reference quantisation of the trainer's weights, and generates. A restarted
+    engine then copies another's weights point to point."""
+    from checkpoint_engine.quantize import split_bands
+    from engines.fp8 import dequantize, quantize
+
+    ws = json.loads(json.dumps(TINY["warmstart"]))
+    ws["architecture"].update(K2_TINY)
+    cfg = tiny(rollout={"fp8": True, "dtype": "bfloat16"}, cluster={"workers": 2}, warmstart=ws)
+    fp8_dir, stored = _fp8_copy(prepare_model(cfg), tmp_path, 32)
+    with Cluster(cfg, str(fp8_dir)) as cluster:
+        reads = cluster.startup_reads
+        assert set(reads[0]).isdisjoint(reads[1]) and set(reads[0]) | set(reads[1]) == {
+            f.name for f in fp8_dir.glob("*.safetensors")}
+        replica = ray.get(cluster.rollouts[1].state_dict.remote())
+        assert set(replica) == set(stored)
+        for k, v in stored.items():  # FP8 tensors come as their bytes
+            assert torch.equal(replica[k], v.view(torch.uint8) if v.dtype == torch.float8_e4m3fn else v), k
+        trainer = ray.get([t.state_dict.remote() for t in cluster.trainers])[0]  # collective
+        for k, t in trainer.items():
+            want = dequantize(stored[k], stored[k + "_scale_inv"], 32) if k + "_scale_inv" in stored else stored[k]
+            assert torch.equal(t, want.to(t.dtype)), k
+        plan = ray.get(cluster.trainers[0].weight_plan.remote())[0]
+        assert split_bands(plan)  # some blocks' rows are on both trainers: their scales are combined
+        cluster.update_weights()
+        after = [ray.get(r.state_dict.remote()) for r in cluster.rollouts]
+        assert len(cluster.generate([[5, 6, 7]] * 2, [SamplingParams(1.0, 4)] * 2, seed=0)) == 2
+        # engine 1 restarts empty and copies engine 0's weights, point to point
+        assert cluster.restart_rollout(1, 0) > 0
+        caught_up = ray.get(cluster.rollouts[1].state_dict.remote())
+        assert all(torch.equal(caught_up[k], after[0][k]) for k in after[0])
+        assert len(cluster.generate([[5, 6, 7]] * 2, [SamplingParams(1.0, 4)] * 2, seed=0)) == 2
+    quantised = [k for k in trainer if k + "_scale_inv" in stored]
+    assert any(".experts." in k for k in quantised)
+    for replica in after:
+        for k, t in trainer.items():
+            if k in quantised:
+                q, s = quantize(t, 32)
+                assert torch.equal(replica[k], q.view(torch.uint8)), k
+                assert torch.equal(replica[k + "_scale_inv"], s), k
+            elif not k.endswith("e_score_correction_bias"):
+                assert torch.equal(replica[k], t.to(torch.bfloat16)), k
