@@ -88,7 +88,8 @@ def run(shape: str, *, device: str = "cpu", dtype: str = "bfloat16", iterations:
             "rollout": {"prompts_per_iteration": prompts, "samples_per_prompt": samples, "max_tokens": max_tokens,
                         "dtype": dtype, "kv_cache_mb": 16384 if device == "cuda" else 512},
             "trainer": {"param_dtype": dtype},
-            "algorithm": {"minibatches": 1, "micro_batch": 64},
+            # a random model's rewards are all equal: keep those groups, or nothing would be trained
+            "algorithm": {"minibatches": 1, "micro_batch": 64, "drop_equal_reward_groups": False},
         }
         (tmp / "run.yaml").write_text(yaml.safe_dump(config))
         cmd = [sys.executable, "-m", "rl.cli", "train", str(tmp / "run.yaml"), "--run-dir", str(tmp / "run")]

@@ -96,9 +96,9 @@ def measure(gib: float, workers: int, bucket_mb: int, *, dtype: str = "bfloat16"
     floor_s = statistics.median(floors)
     updates = run.update_s[1:final]
     update_s = statistics.median(updates)
-    rec = {"update_s": round(update_s, 4), "floor_s": round(floor_s, 4), "ratio": round(update_s / floor_s, 3),
-           "floor_spread": round((floors[-1] - floors[0]) / floor_s, 3), "floor_min_s": round(floors[0], 4),
-           "floor_max_s": round(floors[-1], 4), "floor_repeats": len(floors),
+    rec = {"update_s": round(update_s, 6), "floor_s": round(floor_s, 6), "ratio": round(update_s / floor_s, 3),
+           "floor_spread": round((floors[-1] - floors[0]) / floor_s, 3), "floor_min_s": round(floors[0], 6),
+           "floor_max_s": round(floors[-1], 6), "floor_repeats": len(floors),
            "bytes": nbytes, "wire_bytes": wire, "gb_per_s": round(nbytes / update_s / 1e9, 3), "bitwise_equal": equal,
            "first_update_s": round(run.update_s[0], 4),
            "update_spread": round((max(updates) - min(updates)) / update_s, 3),

@@ -304,7 +304,10 @@ class LatentAttention(_Tracked):
         """Attention against the cached latent only (the absorbed form): W_UK folds into the query,
         q_C·k_C = (q_C W_UK)·c, and W_UV is applied after attending to c, so per token the cache holds
         kv_lora_rank + rope numbers instead of heads × (key + value dims)."""
-        w = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.kv_lora_rank)
+        proj = self.kv_b_proj
+        # an FP8 replica's projection is block-quantised: fold its dequantised matrix (the one it multiplies by)
+        weight = proj.dequantized(q_nope.dtype) if hasattr(proj, "dequantized") else proj.weight
+        w = weight.view(self.num_heads, self.nope + self.v_dim, self.kv_lora_rank)
         w_uk, w_uv = w.split([self.nope, self.v_dim], dim=1)
         q_abs = torch.einsum("bhtd,hdc->bhtc", q_nope, w_uk)
         q = torch.cat((q_abs, q_rot), dim=-1)

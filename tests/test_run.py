@@ -213,8 +213,10 @@ def test_a_qwen3_format_directory_trains_with_model_path(ray_cluster, tmp_path):
     for name, part in (("train", tasks[:50]), ("eval", tasks[50:])):
         (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(
             {"messages": [{"role": "user", "content": t.prompt}], "answer": t.answer}) + "\n" for t in part))
+    # this untrained model's rewards are all 0: equal-reward groups are kept so that it trains all the same
     cfg = tiny(model={"path": str(tmp_path / "qwen")}, run={"iterations": 2, "eval_every": 1, "save_every": 2},
-               env={"train_tasks": str(tmp_path / "train.jsonl"), "eval_tasks": str(tmp_path / "eval.jsonl")})
+               env={"train_tasks": str(tmp_path / "train.jsonl"), "eval_tasks": str(tmp_path / "eval.jsonl")},
+               algorithm={"drop_equal_reward_groups": False})
     summary = train(cfg, tmp_path / "run")
     assert summary["iterations"] == 2
     records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
