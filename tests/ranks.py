@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import multiprocessing
 import socket
-from collections.abc import Callable
+import traceback
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 
 def run_ranks(target: Callable, out_dir: Path, *args, world: int = 2, timeout_s: float = 300) -> list:
@@ -27,3 +30,17 @@ def run_ranks(target: Callable, out_dir: Path, *args, world: int = 2, timeout_s:
     errors = "\n".join(e.read_text() for e in sorted(Path(out_dir).glob("*.err")))
     assert all(p.exitcode == 0 for p in procs), errors or [p.exitcode for p in procs]
     return [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=False) for r in range(world)]
+
+
+@contextmanager
+def rank_body(rank: int, out_dir: str | Path) -> Iterator[None]:
+    """The body of one spawned rank: a failure leaves its traceback in ``rank{r}.err`` for ``run_ranks`` to
+    show, and the process group is destroyed however the body ends."""
+    try:
+        yield
+    except BaseException:
+        Path(out_dir, f"rank{rank}.err").write_text(traceback.format_exc())
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import traceback
-from pathlib import Path
 
 import pytest
 import torch
@@ -24,7 +22,7 @@ from engines.inference import InferenceEngine, SamplingParams
 from engines.model import padded_causal_mask, positions_from_valid
 from engines.moe import Router
 from engines.training import TrainingEngine
-from tests.ranks import run_ranks
+from tests.ranks import rank_body, run_ranks
 
 VOCAB = 128
 BASE = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
@@ -252,7 +250,7 @@ def _load_worker(rank: int, world: int, port: int, out_dir: str, model_dir: str)
     from engines.model import build_model
 
     torch.set_num_threads(1)
-    try:
+    with rank_body(rank, out_dir):
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
         read = {"elements": 0}
         real_open = safetensors.safe_open
@@ -296,10 +294,6 @@ def _load_worker(rank: int, world: int, port: int, out_dir: str, model_dir: str)
         full = hub_state(model, distributed.full_state_dict(model))
         torch.save({"read": read["elements"], "state": {k: v.clone() for k, v in full.items()}},
                    os.path.join(out_dir, f"rank{rank}.pt"))
-        dist.destroy_process_group()
-    except BaseException:
-        Path(out_dir, f"rank{rank}.err").write_text(traceback.format_exc())
-        raise
 
 
 @pytest.mark.parametrize("name", ["qwen3", "deepseek_v3"])

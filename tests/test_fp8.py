@@ -6,7 +6,6 @@ from __future__ import annotations
 import copy
 import json
 import os
-import traceback
 from pathlib import Path
 
 import pytest
@@ -18,7 +17,7 @@ from engines.fp8 import FP8, dequantize, quantize, quantize_with, to_fp8
 from engines.hf_io import ModelDirError, load_pretrained, read_config, save_pretrained
 from engines.layout import hub_state
 from engines.model import build_model
-from tests.ranks import run_ranks
+from tests.ranks import rank_body, run_ranks
 
 K2_TINY = dict(vocab_size=64, hidden_size=40, intermediate_size=72, moe_intermediate_size=24, num_hidden_layers=2,
                num_attention_heads=4, num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=8, qk_nope_head_dim=8,
@@ -113,8 +112,7 @@ def test_other_quantisations_are_refused(tmp_path):
 
 
 def _sharded_fp8_load(rank, world, port, out_dir, model_dir):
-    try:
-        import torch.distributed as dist
+    with rank_body(rank, out_dir):
 
         from engines import distributed, hf_io
 
@@ -124,10 +122,6 @@ def _sharded_fp8_load(rank, world, port, out_dir, model_dir):
         hf_io.load_weights(model, model_dir)
         full = hub_state(model, distributed.full_state_dict(model))
         torch.save({k: v.clone() for k, v in full.items()}, os.path.join(out_dir, f"rank{rank}.pt"))
-        dist.destroy_process_group()
-    except BaseException:
-        Path(out_dir, f"rank{rank}.err").write_text(traceback.format_exc())
-        raise
 
 
 def test_row_sharded_trainer_dequantises_its_rows(tmp_path):

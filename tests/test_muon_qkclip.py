@@ -9,8 +9,6 @@ from __future__ import annotations
 import copy
 import math
 import os
-import traceback
-from pathlib import Path
 
 import pytest
 import torch
@@ -23,7 +21,7 @@ from rl.muon import ShardedMuon, assign_owners
 from rl.optim import build_optimizers
 from rl.qk_clip import qk_clip
 from tests.conftest import tiny_config
-from tests.ranks import run_ranks
+from tests.ranks import rank_body, run_ranks
 
 MUON_SHAPES = [(37, 16), (24, 37), (1, 24), (37, 16), (16, 16)]  # odd rows, a 1-row matrix, a repeated shape
 MUON_STEPS = 4
@@ -343,15 +341,11 @@ def _dist_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     torch.set_num_threads(1)
-    try:
+    with rank_body(rank, out_dir):
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
         mesh = init_device_mesh("cpu", (world,))
         res = {"muon": _muon_dist(mesh), **{kind: _clip_dist(mesh, rank, kind) for kind in CLIP_CONFIGS}}
         torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
-        dist.destroy_process_group()
-    except BaseException:
-        Path(out_dir, f"rank{rank}.err").write_text(traceback.format_exc())
-        raise
 
 
 @pytest.fixture(scope="module")

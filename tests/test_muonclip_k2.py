@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import math
 import os
-import traceback
-from pathlib import Path
 
 import pytest
 import torch
@@ -24,7 +22,7 @@ from engines.moe import Router
 from rl.muon import ShardedMuon
 from rl.optim import build_optimizers
 from rl.qk_clip import qk_clip
-from tests.ranks import run_ranks
+from tests.ranks import rank_body, run_ranks
 
 TAU = 11.5  # between the heads' maxima (about 7 to 15.5): some heads clipped, some not
 EXPERTS, ROWS, COLS = 5, 12, 8  # an odd expert count: the two FSDP ranks hold 3 and 2 experts
@@ -233,7 +231,7 @@ def _dist_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     from torch.distributed.tensor import Shard, distribute_tensor
 
     torch.set_num_threads(1)
-    try:
+    with rank_body(rank, out_dir):
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
         mesh = init_device_mesh("cpu", (world,))
         torch.manual_seed(0)
@@ -246,10 +244,6 @@ def _dist_worker(rank: int, world: int, port: int, out_dir: str) -> None:
             opt.step()
         torch.save({"local": holder.experts.to_local().shape[0], "full": holder.experts.detach().full_tensor()},
                    os.path.join(out_dir, f"rank{rank}.pt"))
-        dist.destroy_process_group()
-    except BaseException:
-        Path(out_dir, f"rank{rank}.err").write_text(traceback.format_exc())
-        raise
 
 
 def test_fsdp2_sharded_expert_stack_equals_per_expert_muon(tmp_path):

@@ -9,7 +9,6 @@ full tensors the saver held, then takes the same next step.
 from __future__ import annotations
 
 import random
-import traceback
 from pathlib import Path
 
 import torch
@@ -21,7 +20,7 @@ from engines.trainer_state import load_trainer_state, save_trainer_state
 from engines.training import TrainingEngine
 from rl.optim import build_optimizers
 from tests.conftest import tiny_config
-from tests.ranks import run_ranks
+from tests.ranks import rank_body, run_ranks
 
 VOCAB = 37  # odd: embedding rows split unevenly over 2 and 3 ranks
 
@@ -57,7 +56,7 @@ def _full(engine: TrainingEngine) -> dict[str, torch.Tensor]:
 
 def _ranks_main(rank: int, world: int, port: int, out: str, source: str) -> None:
     torch.set_num_threads(1)
-    try:
+    with rank_body(rank, out):
         init_distributed(rank, world, f"tcp://127.0.0.1:{port}", timeout_s=120)
         res = {}
         engine = _engine(sharded=True)
@@ -72,12 +71,6 @@ def _ranks_main(rank: int, world: int, port: int, out: str, source: str) -> None
             save_trainer_state(engine.model, engine.optimizers, Path(out) / "two")
             res["saved"] = _full(engine)
         torch.save(res, Path(out) / f"rank{rank}.pt")
-    except BaseException:
-        (Path(out) / f"rank{rank}.err").write_text(traceback.format_exc())
-        raise
-    finally:
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
 
 
 def _assert_equal(got: dict, want: dict) -> None:

@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import io
 import math
-import multiprocessing as mp
 import random
 import socket
-import traceback
 from functools import cache
 from pathlib import Path
 
@@ -33,6 +31,7 @@ from engines.distributed import (
 from engines.model import CausalLM, attention_layers, padded_causal_mask, positions_from_valid, track_max_logits
 from engines.training import TrainingEngine
 from tests.conftest import tiny_config
+from tests.ranks import rank_body, run_ranks
 
 VOCAB = 37  # odd: the embedding and the head split unevenly over 2 ranks (19 + 18 rows)
 PAD, LR, WD = 0, 1e-2, 0.1
@@ -232,34 +231,16 @@ def _two_rank_checks(me: int, world: int) -> dict:
 
 def _rank_main(me: int, world: int, port: int, out: str) -> None:
     torch.set_num_threads(1)
-    try:
+    with rank_body(me, out):
         init_distributed(me, world, f"tcp://127.0.0.1:{port}", timeout_s=90)
         res = _two_rank_checks(me, world)
         res["world_rank"] = (world_size(), rank())
         torch.save(res, Path(out) / f"rank{me}.pt")
-    except BaseException:
-        (Path(out) / f"rank{me}.err").write_text(traceback.format_exc())
-        raise
-    finally:
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    out = tmp_path_factory.mktemp("fsdp")
-    ctx, port = mp.get_context("spawn"), _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, 2, port, str(out))) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=300)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    errors = [f.read_text() for f in sorted(out.glob("*.err"))]
-    assert not errors and all(p.exitcode == 0 for p in procs), "\n".join(errors) or "a rank died or hung"
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    return run_ranks(_rank_main, tmp_path_factory.mktemp("fsdp"))
 
 
 @cache
