@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 import uuid
 from collections.abc import Callable
 
@@ -194,8 +195,6 @@ class Cluster:
     def restart_rollout(self, i: int, source: int) -> float:
         """Replace inference engine ``i`` by a fresh one that copies engine ``source``'s weights point to
         point (the other engines keep serving); returns the seconds the copy took."""
-        import time
-
         if i == source or not (0 <= i < len(self.rollouts) and 0 <= source < len(self.rollouts)):
             raise ValueError(f"restart_rollout: need two different engines of {len(self.rollouts)}, got {i}, {source}")
         ray.kill(self.rollouts[i])

@@ -68,8 +68,9 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, console: Console | N
         health = HealthMonitor()
         health.replay(log.records)
         buffer = PartialRolloutBuffer(cfg.rollout.partial.max_age)
-        seq_len = rollout_seq_len(cfg, tasks, tok, read_config(start_dir).max_position_embeddings)
-        check_fits(cfg, estimate(cfg, read_config(start_dir), seq_len))
+        arch = read_config(start_dir)
+        seq_len = rollout_seq_len(cfg, tasks, tok, arch.max_position_embeddings)
+        check_fits(cfg, estimate(cfg, arch, seq_len))
         with Cluster(cfg, str(start_dir), seq_len) as cluster:
             if state:
                 cluster.load_state(str(start_dir))
