@@ -24,6 +24,7 @@ import time
 import torch
 
 from benchmarks.rollout import MODELS
+from benchmarks.timing import best_seconds
 from engines.model import Attention, CausalLM
 from engines.offload import synchronize
 from rl.optim import build_optimizers
@@ -64,14 +65,7 @@ def bf16_gemm_flops_per_s(shape: tuple[int, int], batch: int = 4, tries: int = 3
     x = torch.randn(batch, n, m, device=device).bfloat16()
     out = torch.empty(batch, n, n, dtype=torch.bfloat16, device=device)
     torch.bmm(x, x.mT, out=out)
-    best = float("inf")
-    for _ in range(tries):
-        synchronize(device)
-        t0 = time.perf_counter()
-        torch.bmm(x, x.mT, out=out)
-        synchronize(device)
-        best = min(best, time.perf_counter() - t0)
-    return 2 * batch * n * n * m / best
+    return 2 * batch * n * n * m / best_seconds(lambda: torch.bmm(x, x.mT, out=out), device, tries)
 
 
 def _step(opts: list[torch.optim.Optimizer], device: torch.device) -> float:

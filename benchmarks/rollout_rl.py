@@ -22,11 +22,11 @@ summed over the run, and the fraction of it the engine reached.
 
 from __future__ import annotations
 
-import math
 import time
 
 import torch
 
+from benchmarks.timing import best_seconds
 from engines.inference import InferenceEngine, SamplingParams
 from engines.kv_cache import BLOCK_SIZE, bytes_per_slot, bytes_per_token
 from engines.model import CausalLM
@@ -53,14 +53,7 @@ def copy_bandwidth(device: torch.device, nbytes: int = 256 * 2**20, reps: int = 
     """Bytes per second of a large device-to-device copy (the best of ``reps``)."""
     src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).fill_(1.0)
     dst = torch.empty_like(src)
-    best = math.inf
-    for _ in range(reps):
-        synchronize(device)
-        t = time.perf_counter()
-        dst.copy_(src)
-        synchronize(device)
-        best = min(best, time.perf_counter() - t)
-    return nbytes / best
+    return nbytes / best_seconds(lambda: dst.copy_(src), device, reps)
 
 
 def run_engine_rl(model: CausalLM, prompts, lengths, kv_bytes: int, max_seq_len: int,

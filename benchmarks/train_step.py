@@ -29,6 +29,7 @@ import time
 import torch
 
 from benchmarks.rollout import MODELS
+from benchmarks.timing import best_seconds
 from engines.arch import make_config
 from engines.model import CausalLM, track_max_logits
 from engines.offload import synchronize
@@ -54,14 +55,7 @@ def matmul_peak(device: torch.device, dtype: torch.dtype, n: int | None = None, 
     a = torch.randn(n, n, device=device).to(dtype)
     b = torch.randn(n, n, device=device).to(dtype)
     a @ b
-    best = float("inf")
-    for _ in range(tries):
-        synchronize(device)
-        t0 = time.perf_counter()
-        a @ b
-        synchronize(device)
-        best = min(best, time.perf_counter() - t0)
-    return 2 * n ** 3 / best
+    return 2 * n ** 3 / best_seconds(lambda: a @ b, device, tries)
 
 
 def make_batch(tokens: int, min_len: int, max_len: int, vocab: int, seed: int = 0):

@@ -1,0 +1,22 @@
+"""Timing shared by the benchmarks: the best of a few synchronised runs of one operation."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+from engines.offload import synchronize
+
+
+def best_seconds(fn: Callable[[], object], device: torch.device, tries: int) -> float:
+    """The shortest wall time of ``tries`` calls of ``fn``, each between two device synchronisations."""
+    best = float("inf")
+    for _ in range(tries):
+        synchronize(device)
+        t0 = time.perf_counter()
+        fn()
+        synchronize(device)
+        best = min(best, time.perf_counter() - t0)
+    return best
