@@ -28,7 +28,7 @@ import torch
 
 from benchmarks.timing import best_seconds
 from engines.inference import InferenceEngine, SamplingParams
-from engines.kv_cache import BLOCK_SIZE, bytes_per_slot, bytes_per_token
+from engines.kv_cache import BLOCK_SIZE, bytes_per_slot, bytes_per_token, paged_pool
 from engines.model import CausalLM
 from engines.offload import synchronize
 
@@ -111,8 +111,7 @@ def run_hf_rl(model_dir: str, dtype: torch.dtype, prompts, lengths, device: str)
 def kv_capacity(cfg, dtype: torch.dtype, prompts, lengths, kv_bytes: int) -> tuple[float, int]:
     """Sequences of this workload a paged cache of ``kv_bytes`` holds (prompt blocks shared by the K samples,
     each sample's own blocks after them) against a slot cache that reserves the longest sequence per row."""
-    per_block = bytes_per_token(cfg, dtype) * BLOCK_SIZE
-    blocks = kv_bytes // per_block
+    blocks, _ = paged_pool(cfg, kv_bytes, dtype)
     used = 0.0
     for p, ns in zip(prompts, lengths, strict=True):
         shared = len(p) // BLOCK_SIZE

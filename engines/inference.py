@@ -22,7 +22,7 @@ import torch
 
 from engines.blocks import BlockAllocator
 from engines.cuda_graphs import DecodeGraphs
-from engines.kv_cache import BLOCK_SIZE, PagedKVCache, PagedPass, Ragged, bytes_per_token, rows_of
+from engines.kv_cache import BLOCK_SIZE, PagedKVCache, PagedPass, Ragged, bytes_per_token, paged_pool, rows_of
 from engines.layout import hub_state, model_tensors
 from engines.model import CausalLM
 from engines.requests import Completion, Request
@@ -77,14 +77,14 @@ class InferenceEngine:
         self.attention = attention or "torch"
         # flex_attention reads the pool through block masks whose blocks should match its tiles
         self.block_size = block_size or (FLEX_BLOCK_SIZE if self.attention == "flex" else BLOCK_SIZE)
-        per_block = bytes_per_token(cfg, self.dtype) * self.block_size
-        self.num_blocks = kv_cache_bytes // per_block
+        budget = kv_cache_bytes
+        self.num_blocks, self.kv_cache_bytes = paged_pool(cfg, budget, self.dtype, self.block_size)
         self.max_blocks = -(-self.max_seq_len // self.block_size)  # block-table width
         if self.num_blocks < self.max_blocks:
-            raise ValueError(f"a KV cache budget of {kv_cache_bytes} bytes holds no sequence of {self.max_seq_len} "
+            per_block = bytes_per_token(cfg, self.dtype) * self.block_size
+            raise ValueError(f"a KV cache budget of {budget} bytes holds no sequence of {self.max_seq_len} "
                              f"tokens ({per_block * self.max_blocks} bytes each); raise kv_cache_bytes or lower "
                              "max_seq_len")
-        self.kv_cache_bytes = self.num_blocks * per_block
         self.max_num_seqs = max_num_seqs
         self.max_batch_tokens = max(max_batch_tokens, max_num_seqs + 1)  # room for every decode row and a chunk
         self.detokenize = detokenize

@@ -47,6 +47,14 @@ def bytes_per_slot(cfg: ModelConfig, max_seq_len: int, dtype: torch.dtype) -> in
     return bytes_per_token(cfg, dtype) * max_seq_len
 
 
+def paged_pool(cfg: ModelConfig, budget_bytes: int, dtype: torch.dtype, block_size: int = BLOCK_SIZE
+               ) -> tuple[int, int]:
+    """(blocks, bytes) of the paged pool a budget of ``budget_bytes`` buys: as many whole blocks as fit."""
+    per_block = bytes_per_token(cfg, dtype) * block_size
+    blocks = budget_bytes // per_block
+    return blocks, blocks * per_block
+
+
 class PagedKVCache:
     """The block pool: keys [layers, heads, blocks·block_size, key dim], values likewise (or none)."""
 

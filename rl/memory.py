@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from engines.arch import ModelConfig
-from engines.kv_cache import BLOCK_SIZE, bytes_per_slot, bytes_per_token
+from engines.kv_cache import bytes_per_slot, paged_pool
 from rl.config import Config
 from rl.errors import UserError
 
@@ -166,8 +166,7 @@ def estimate(cfg: Config, arch: ModelConfig, max_seq_len: int) -> MemoryEstimate
     replica = shape.params * _itemsize(cfg.rollout_dtype)
     rollout_dtype = getattr(torch, cfg.rollout_dtype)
     per_seq = bytes_per_slot(arch, max_seq_len, rollout_dtype)
-    per_block = bytes_per_token(arch, rollout_dtype) * BLOCK_SIZE
-    kv = (cfg.rollout.kv_cache_mb << 20) // per_block * per_block  # the engine takes the whole budget
+    _, kv = paged_pool(arch, cfg.rollout.kv_cache_mb << 20, rollout_dtype)  # the engine takes the whole budget
     seqs = min(cfg.rollout.max_batch, kv // per_seq)  # sequences of the full max_seq_len it holds at least
     trainer = weights + grads + opt
     level = cfg.rollout.sleep_level
