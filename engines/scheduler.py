@@ -146,13 +146,16 @@ class Scheduler:
     def release(self, row: int) -> tuple[int, int] | None:
         """Free row ``row``'s request and its blocks; returns the (source, destination) row move that keeps
         the rows contiguous, or None."""
-        r = self.running[row]
-        self.alloc.free(r.seq)
-        r.seq = None
+        self._free(self.running[row])
         last = len(self.running) - 1
         self.running[row] = self.running[last]
         self.running.pop()
         return (last, row) if last != row else None
+
+    def _free(self, r: Request) -> None:
+        """Give ``r``'s blocks back (its full blocks stay in the prefix cache)."""
+        self.alloc.free(r.seq)
+        r.seq = None
 
     def _preempt_newest(self, plan: StepPlan) -> None:
         """Put the most recently admitted request back at the front of the queue, freeing its blocks."""
@@ -162,8 +165,7 @@ class Scheduler:
         victim = max(candidates, key=lambda r: r.order)
         if victim in self.prefilling:
             self.prefilling.remove(victim)
-            self.alloc.free(victim.seq)
-            victim.seq = None
+            self._free(victim)
             followers, victim.followers = victim.followers, []
             self.waiting.extendleft(reversed(followers))
         else:
@@ -179,12 +181,10 @@ class Scheduler:
         """Take every request out (running, prefilling with followers, waiting), releasing their blocks."""
         out = []
         for r in self.running:
-            self.alloc.free(r.seq)
-            r.seq = None
+            self._free(r)
             out.append(r)
         for p in self.prefilling:
-            self.alloc.free(p.seq)
-            p.seq = None
+            self._free(p)
             out += [p, *p.followers]
             p.followers = []
         out += self.waiting
