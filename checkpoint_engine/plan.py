@@ -226,7 +226,8 @@ def run_config(overrides: dict | None = None):
     while it trains (sleep level 2: the next update refills them), 8 GiB of KV cache per GPU."""
     from rl.config import parse_config
 
-    raw = {"model": {"dtype": "bfloat16"}, "trainer": {"param_dtype": "bfloat16", "offload": True},
+    raw = {"model": {"dtype": "bfloat16"},
+           "trainer": {"param_dtype": "bfloat16", "master_dtype": "bfloat16", "offload": True},
            "optimizer": {"kind": "muon"}, "rollout": {"kv_cache_mb": 8192, "sleep_level": 2}}
     for k, v in (overrides or {}).items():
         raw.setdefault(k, {}).update(v)

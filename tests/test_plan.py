@@ -19,6 +19,7 @@ from checkpoint_engine.plan import (
     model_bytes,
     plan,
     predict,
+    run_config,
 )
 
 
@@ -76,6 +77,17 @@ def test_k2_fp8_on_256_h800_meets_the_targets():
     for tp in (32, 64):
         bf16, _, _ = plan(Layout("bf16", tp))
         assert bf16 is not None and bf16.total_s > 30
+
+
+def test_the_planned_trainer_keeps_bf16_master_weights_as_the_report_does():
+    """The K2 run the planner sizes holds bf16 master weights (two bytes per parameter per shard), not the
+    float32 that a run's default config would give."""
+    from rl.memory import estimate
+
+    cfg = run_config()
+    cfg = cfg.model_copy(update={"cluster": cfg.cluster.model_copy(update={"workers": 256})})
+    est = estimate(cfg, k2_arch(), 4096)
+    assert est.trainer_weights == -(-est.params * 2 // 256)
 
 
 def test_cli_table_and_verdicts(capsys):
