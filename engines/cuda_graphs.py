@@ -3,10 +3,12 @@
 A decode step of a small batch is a few hundred tiny kernels: on a GPU their launches, not the
 arithmetic, set the pace. One graph per (batch bucket, attention width bucket) replays the whole
 step with one launch. A graph reads the engine's persistent state (last tokens, positions, block
-tables, the KV pool, the weights) in place; rows past the running batch are padding whose block
-tables point at block 0, so their writes land in rows nobody reads unmasked. Only decode-only steps
-replay a graph (a step with prefill chunks runs eagerly). Graphs are captured on first use and
-dropped whenever the memory they point at moves (sleep and wake-up, a new KV pool, rebound weights).
+tables, the KV pool, the weights) in place; rows past the running batch are padding, pointed before
+each replay at position 0 of the engine's scratch block (which no sequence is given), so their key and
+value writes never land in a live sequence's blocks. Only decode-only steps replay a graph (a step with
+prefill chunks runs eagerly). Graphs are captured on first use and kept while the memory they point at
+stays: the engine's weights and pool live in arenas whose addresses survive sleep; they are dropped
+when an address moves (weights rebound to other tensors, no arena on this device).
 """
 
 from __future__ import annotations
@@ -54,6 +56,9 @@ class DecodeGraphs:
             self._where = where
         width = bucket(width, e.max_blocks * e.block_size, MIN_WIDTH)
         key = (bucket(n, e.max_num_seqs), width)
+        if key[0] > n:  # padding rows hold whatever rows finished there last: send them to the scratch block
+            e.block_table[n: key[0]].fill_(e.scratch_block)
+            e.pos[n: key[0]].zero_()
         if key not in self.graphs:
             self.graphs[key] = self._capture(*key)
         graph, out = self.graphs[key]

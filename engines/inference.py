@@ -8,8 +8,10 @@ Every decoding row samples its next token in one batched call; the host reads th
 Returned logprobs are log softmax(logits / T) of the sampled tokens: the π_old of the K1.5 objective.
 ``pause``/``resume`` carry unfinished requests across a weight update (partial rollout); while the
 weights are unchanged a resumed request finds its full blocks still cached. ``sleep``/``wake_up``
-free the KV cache and weights while the trainer runs on the same device; an update of the weights must
-be declared (``weights_loaded``) so cached prefixes computed with the old weights are dropped.
+free the KV cache and weights while the trainer runs on the same device; both live in arenas
+(``engines.arena``) whose addresses survive the sleep, so captured CUDA graphs are kept. An update of
+the weights must be declared (``weights_loaded``) so cached prefixes computed with the old weights are
+dropped.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from dataclasses import replace
 
 import torch
 
+from engines.arena import adopt, new_arena
 from engines.blocks import BlockAllocator
 from engines.cuda_graphs import DecodeGraphs
 from engines.kv_cache import BLOCK_SIZE, PagedKVCache, PagedPass, Ragged, bytes_per_token, paged_pool, rows_of
@@ -80,7 +83,11 @@ class InferenceEngine:
         budget = kv_cache_bytes
         self.num_blocks, self.kv_cache_bytes = paged_pool(cfg, budget, self.dtype, self.block_size)
         self.max_blocks = -(-self.max_seq_len // self.block_size)  # block-table width
-        if self.num_blocks < self.max_blocks:
+        # mixture-of-experts layers size each expert's batch on the host, which a captured graph cannot do
+        use_graphs = cuda_graphs and self.device.type == "cuda" and not cfg.is_moe
+        # a graph's padding rows write their keys somewhere: into the last block, which no sequence gets
+        self.scratch_block = self.num_blocks - 1 if use_graphs else None
+        if self.num_blocks - use_graphs < self.max_blocks:
             per_block = bytes_per_token(cfg, self.dtype) * self.block_size
             raise ValueError(f"a KV cache budget of {budget} bytes holds no sequence of {self.max_seq_len} "
                              f"tokens ({per_block * self.max_blocks} bytes each); raise kv_cache_bytes or lower "
@@ -94,18 +101,23 @@ class InferenceEngine:
         self.sched = self._new_scheduler()
         self._sleep_level = 0
         self._weights_loaded = True
+        # weights and KV pool at addresses that survive sleep (None where no arena can be had: freed instead)
+        self._weight_arena = adopt(self.named_tensors(), self.device)
+        self._kv_arena = new_arena(self.kv_cache_bytes, self.device, mapped=False)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # the weights' first copies, now in the arena
+        self._arena_sleep = False  # whether the last sleep unmapped the weight arena
         self._host_weights: dict[str, torch.Tensor] = {}  # pinned once, reused by every sleep
         self._offloaded: dict[str, tuple[torch.Size, int]] = {}  # emptied by sleep: shape, level
         self.generated = 0  # tokens sampled over the engine's life
         self.steps = 0  # forwards run over the engine's life
         self.peak_blocks = 0  # most KV blocks held at once (callers may reset it)
-        # mixture-of-experts layers size each expert's batch on the host, which a captured graph cannot do
-        use_graphs = cuda_graphs and self.device.type == "cuda" and not cfg.is_moe
         self.graphs = DecodeGraphs(self) if use_graphs else None
         self._alloc_state()
 
     def _new_scheduler(self) -> Scheduler:
-        return Scheduler(BlockAllocator(self.num_blocks, self.block_size), self.max_num_seqs, self.max_batch_tokens)
+        blocks = self.num_blocks - (self.scratch_block is not None)
+        return Scheduler(BlockAllocator(blocks, self.block_size), self.max_num_seqs, self.max_batch_tokens)
 
     # --- requests -------------------------------------------------------------------------
 
@@ -247,7 +259,8 @@ class InferenceEngine:
 
     def sleep(self, level: int = 1) -> None:
         """Free the KV cache (level 1; on an accelerator the weights also move to host memory)
-        or the KV cache and the weights (level 2: weights must be loaded again after ``wake_up``)."""
+        or the KV cache and the weights (level 2: weights must be loaded again after ``wake_up``).
+        Where the weights and the pool live in arenas their addresses stay, and so do captured graphs."""
         if level not in (1, 2):
             raise ValueError(f"sleep level must be 1 or 2, got {level}")
         if self.has_unfinished():
@@ -255,10 +268,24 @@ class InferenceEngine:
                                "before sleep()")
         self.kv = None
         self.sched = self._new_scheduler()  # a fresh pool: nothing cached survives
-        if self.graphs is not None:  # their memory pool goes too
-            self.graphs.clear()
-        self._alloc_state(free=True)
-        for name, t in self.named_tensors().items():
+        if self._kv_arena is not None:
+            self._kv_arena.unmap()
+        tensors = {k: t for k, t in self.named_tensors().items() if t.numel()}
+        w = self._weight_arena
+        # an update that swapped in other tensors (rollback "swap") leaves the arena to the receiver's spare
+        self._arena_sleep = w is not None and all(w.holds(t) for t in tensors.values())
+        if self.graphs is not None and not (self._arena_sleep and self._kv_arena is not None):
+            self.graphs.clear()  # their memory pool goes too: the addresses they read will move
+        if self._arena_sleep:
+            tensors = {}
+            if level == 1 and self.device.type != "cpu":
+                host = self._host_weights.get("")
+                if host is None:
+                    host = self._host_weights[""] = torch.empty(w.nbytes, dtype=torch.uint8, pin_memory=True)
+                host.copy_(w.bytes)
+            if level == 2 or self.device.type != "cpu":
+                w.unmap()
+        for name, t in tensors.items():
             if level == 1 and t.device.type == "cpu":
                 continue  # already where it would go
             if level == 1:
@@ -273,13 +300,18 @@ class InferenceEngine:
             self._weights_loaded = False
 
     def wake_up(self) -> None:
-        """Reallocate what ``sleep`` freed (level-2 weights come back uninitialised)."""
+        """Reallocate what ``sleep`` freed (level-2 weights come back as zeros, or uninitialised where they
+        could not live in an arena)."""
+        if self._arena_sleep and not self._weight_arena.mapped:
+            self._weight_arena.map()
+            if self._sleep_level == 1:
+                self._weight_arena.bytes.copy_(self._host_weights[""], non_blocking=True)
+        self._arena_sleep = False
         for name, t in self.named_tensors().items():
             if name in self._offloaded:
                 shape, level = self._offloaded.pop(name)
                 t.data = self._host_weights[name].to(self.device, non_blocking=True) if level == 1 else \
                     torch.empty(shape, dtype=t.dtype, device=self.device)
-        self._alloc_state()
         self._sleep_level = 0
 
     @property
@@ -311,8 +343,9 @@ class InferenceEngine:
         if not self._weights_loaded:
             raise RuntimeError("weights were discarded by sleep(level=2); load weights before generating")
 
-    def _alloc_state(self, free: bool = False) -> None:
-        s, dev = (0, self.device) if free else (self.max_num_seqs, self.device)
+    def _alloc_state(self) -> None:
+        # allocated once and kept through sleep: graphs read these addresses, and the host table stays pinned
+        s, dev = self.max_num_seqs, self.device
         z = dict(dtype=torch.long, device=dev)
         self.pos, self.last, self.gen, self.max_gen = (torch.zeros(s, **z) for _ in range(4))
         self.stop_ids = torch.full((s, MAX_STOP_IDS), -1, **z)
@@ -326,7 +359,12 @@ class InferenceEngine:
 
     def _cache(self) -> PagedKVCache:
         if self.kv is None:
-            self.kv = PagedKVCache(self.model.config, self.num_blocks, self.block_size, self.dtype, self.device)
+            storage = None
+            if self._kv_arena is not None:
+                self._kv_arena.map()
+                storage = self._kv_arena.bytes
+            self.kv = PagedKVCache(self.model.config, self.num_blocks, self.block_size, self.dtype, self.device,
+                                   storage)
         return self.kv
 
     def _sync_tables(self, n: int, dirty: set[int]) -> None:

@@ -17,6 +17,7 @@ path, compiled there; eager elsewhere, which the tests use to check it against `
 
 from __future__ import annotations
 
+import math
 import warnings
 from dataclasses import dataclass
 
@@ -59,14 +60,23 @@ class PagedKVCache:
     """The block pool: keys [layers, heads, blocks·block_size, key dim], values likewise (or none)."""
 
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device | str | None = None) -> None:
+                 device: torch.device | str | None = None, storage: torch.Tensor | None = None) -> None:
+        """``storage``: zeroed bytes (at least the pool's, as ``paged_pool`` counts them) to lay the pool in,
+        e.g. an arena's, whose addresses survive the engine's sleep; by default the pool is allocated."""
         heads, dk, dv = cache_dims(cfg)
         rows = num_blocks * block_size
         self.block_size, self.num_blocks = block_size, num_blocks
-        # zeros, not empty: a masked key gets probability 0, and 0 * NaN garbage would be NaN
-        self.k = torch.zeros((cfg.num_hidden_layers, heads, rows, dk), dtype=dtype, device=device)
-        self.v = None if dv is None else torch.zeros((cfg.num_hidden_layers, heads, rows, dv), dtype=dtype,
-                                                     device=device)
+        shapes = [(cfg.num_hidden_layers, heads, rows, d) for d in (dk, dv) if d is not None]
+        if storage is None:
+            # zeros, not empty: a masked key gets probability 0, and 0 * NaN garbage would be NaN
+            pools = [torch.zeros(shape, dtype=dtype, device=device) for shape in shapes]
+        else:
+            sizes = [math.prod(shape) * dtype.itemsize for shape in shapes]
+            if sum(sizes) > storage.numel():
+                raise ValueError(f"KV storage of {storage.numel()} bytes is smaller than the pool ({sum(sizes)})")
+            pools = [b.view(dtype).view(shape) for b, shape in zip(storage[: sum(sizes)].split(sizes), shapes,
+                                                                   strict=True)]
+        self.k, self.v = pools[0], (pools[1] if dv is not None else None)
         self.value_dim = dv if dv is not None else cfg.kv_lora_rank
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:

@@ -3,6 +3,8 @@ sampling controls, stop conditions, pause/resume, sleep/wake and per-request err
 
 import copy
 import math
+import mmap
+import struct
 
 import pytest
 import torch
@@ -348,28 +350,68 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_others_decode(tiny_model, to
         torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
 
 
-def test_sleep_frees_and_wake_restores(tiny_model, tokenizer):
+def resident_bytes(address: int, nbytes: int) -> int:
+    """Bytes of host memory in ``[address, address + nbytes)`` held now (pages marked present in pagemap)."""
+    page = mmap.PAGESIZE
+    with open("/proc/self/pagemap", "rb") as f:
+        f.seek(address // page * 8)
+        entries = f.read(-(-nbytes // page) * 8)
+    return sum(page for (e,) in struct.iter_unpack("<Q", entries) if e >> 63)
+
+
+def test_sleep_gives_memory_back_and_keeps_addresses(tiny_model, tokenizer):
+    """Sleep returns the KV pool's memory (level 1) and the weights' (level 2) to the system while every
+    address stays, so a CUDA graph captured before the sleep still points at the right tensors."""
     prompts = [tokenizer.encode(t) for t in TEXTS]
     params = SamplingParams(1.0, 10, seed=1)
-    eng = engine(tiny_model, tokenizer)
+    eng = engine(copy.deepcopy(tiny_model), tokenizer, kv_cache_bytes=32 << 20)
     ref = eng.generate(prompts, params)
     weights = {k: v.detach().clone() for k, v in eng.named_tensors().items()}
+    where = {k: v.data_ptr() for k, v in eng.named_tensors().items()}
+    pool = eng.kv.k.data_ptr()
+    kv_at = (eng._kv_arena.base, eng._kv_arena.nbytes)
+    w_at = (eng._weight_arena.base, eng._weight_arena.nbytes)
+    eng.kv.k.fill_(1.0)  # every page of the keys in memory
+    assert resident_bytes(*kv_at) >= eng.kv.k.nbytes and resident_bytes(*w_at) >= w_at[1] - mmap.PAGESIZE
+    held = resident_bytes(*w_at)
     eng.sleep(1)
     assert eng.kv is None and eng.sleeping == 1
+    assert resident_bytes(*kv_at) == 0 and resident_bytes(*w_at) == held  # a host engine's weights stay put
     with pytest.raises(RuntimeError, match="asleep"):
         eng.generate(prompts, params)
     eng.wake_up()
     assert [c.token_ids for c in eng.generate(prompts, params)] == [c.token_ids for c in ref]
+    assert eng.kv.k.data_ptr() == pool and {k: v.data_ptr() for k, v in eng.named_tensors().items()} == where
     eng.sleep(2)
-    assert all(t.numel() == 0 for t in eng.named_tensors().values())
+    assert resident_bytes(*w_at) == 0 and resident_bytes(*kv_at) == 0
     eng.wake_up()
+    assert all(not t.any() for t in eng.named_tensors().values())  # discarded: zeros until loaded
     with pytest.raises(RuntimeError, match="load weights"):
         eng.generate(prompts, params)
     eng.load_weights(weights.items())
     assert [c.token_ids for c in eng.generate(prompts, params)] == [c.token_ids for c in ref]
+    assert {k: v.data_ptr() for k, v in eng.named_tensors().items()} == where
     eng.add_request(prompts[0], params)
     with pytest.raises(RuntimeError, match="pause"):
         eng.sleep(1)
+
+
+def test_sleep_after_weights_moved_out_of_the_arena_frees_them_as_before(tiny_model, tokenizer):
+    """An update that swaps in other tensors (rollback "swap") leaves the arena to the receiver's spare:
+    sleep then frees the tensors served with, one by one, and leaves the arena alone."""
+    prompts = [tokenizer.encode(t) for t in TEXTS]
+    params = SamplingParams(1.0, 10, seed=1)
+    eng = engine(copy.deepcopy(tiny_model), tokenizer)
+    ref = eng.generate(prompts, params)
+    weights = {k: v.detach().clone() for k, v in eng.named_tensors().items()}
+    for t in eng.named_tensors().values():
+        t.data = t.data.clone()  # what WeightReceiver's swap commit does
+    eng.sleep(2)
+    assert all(t.numel() == 0 for t in eng.named_tensors().values())
+    assert eng._weight_arena.mapped  # the spare in the arena is the receiver's, not freed
+    eng.wake_up()
+    eng.load_weights(weights.items())
+    assert [c.token_ids for c in eng.generate(prompts, params)] == [c.token_ids for c in ref]
 
 
 def test_bad_requests_fail_alone(tiny_model, tokenizer):
@@ -426,31 +468,54 @@ def test_cuda_engine_matches_trainer_and_sleeps(tiny_model, tokenizer):
     ref = trainer_logprobs(cpu_model, prompts, [c.token_ids for c in outs], 1.0)
     for c, r in zip(outs, ref, strict=True):  # TF32 and kernel choice differ from CPU: looser tolerance
         torch.testing.assert_close(torch.tensor(c.logprobs), r, atol=1e-3, rtol=0)
-    eng.sleep(1)
-    assert all(t.numel() == 0 for t in eng.named_tensors().values())  # weights moved to host
+    torch.cuda.synchronize()
+    free = torch.cuda.mem_get_info()[0]
+    eng.sleep(1)  # weights to host memory, pool and weights given back to the device
+    assert torch.cuda.mem_get_info()[0] - free >= eng._weight_arena.nbytes + eng._kv_arena.nbytes
     eng.wake_up()
     assert [c.token_ids for c in eng.generate(prompts, SamplingParams(1.0, 16, seed=1))] == [c.token_ids for c in outs]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_graph_decode_matches_eager_decode(tiny_model, tokenizer):
-    """Graph replays give the eager step's tokens while the batch shrinks through several buckets,
-    and are captured again after a sleep/wake moves the cache and the weights."""
-    model = tiny_model.cuda()
+    """Graph replays give the eager step's tokens while the batch shrinks through several buckets, and
+    are kept through sleep/wake (the pool and weights come back at the same addresses)."""
+    model = copy.deepcopy(tiny_model).cuda()
     prompts = [tokenizer.encode(t) for t in TEXTS] * 3  # 12 sequences
     params = [SamplingParams(1.0, 4 + 3 * i, seed=i, ignore_eos=True) for i in range(len(prompts))]
     eager = engine(model, tokenizer, cuda_graphs=False)
     assert eager.graphs is None
     want = eager.generate(prompts, params)
-    graphed = engine(model, tokenizer)
+    graphed = engine(copy.deepcopy(model), tokenizer)
     got = graphed.generate(prompts, params)
     assert [c.token_ids for c in got] == [c.token_ids for c in want]
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(torch.tensor(g.logprobs), torch.tensor(w.logprobs), atol=1e-4, rtol=0)
     first = graphed.graphs.captures
     assert first >= 4  # 12 rows shrinking one by one: buckets 16, 8, 4, 2, 1
-    graphed.sleep(1)
-    assert not graphed.graphs.graphs
-    graphed.wake_up()
-    assert [c.token_ids for c in graphed.generate(prompts, params)] == [c.token_ids for c in want]
-    assert graphed.graphs.captures > first
+    graphs = dict(graphed.graphs.graphs)
+    for level in (1, 2):
+        weights = {k: v.clone() for k, v in graphed.named_tensors().items()}
+        graphed.sleep(level)
+        graphed.wake_up()
+        if level == 2:
+            graphed.load_weights(weights.items())
+        assert [c.token_ids for c in graphed.generate(prompts, params)] == [c.token_ids for c in want]
+        assert graphed.graphs.captures == first
+        assert all(graphed.graphs.graphs[k][0] is g for k, (g, _) in graphs.items())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_graph_padding_rows_never_write_into_live_blocks(tiny_model, tokenizer):
+    """Rows past the batch in a graph's bucket hold finished requests' block tables; with a small pool those
+    blocks go to new requests, which must still get the eager engine's tokens."""
+    model = copy.deepcopy(tiny_model).cuda()
+    prompts = [tokenizer.encode(t) for t in TEXTS] * 6
+    params = [SamplingParams(1.0, 3 + (7 * i) % 23, seed=i, ignore_eos=True) for i in range(len(prompts))]
+    small = dict(max_num_seqs=7, kv_cache_bytes=48 * 16 * bytes_per_token(model.config, torch.float32),
+                 max_seq_len=64)
+    want = engine(model, tokenizer, cuda_graphs=False, **small).generate(prompts, params)
+    graphed = engine(copy.deepcopy(model), tokenizer, **small)
+    got = graphed.generate(prompts, params)
+    assert graphed.graphs.captures > 0
+    assert [c.token_ids for c in got] == [c.token_ids for c in want]
