@@ -314,6 +314,13 @@ class InferenceEngine:
                     torch.empty(shape, dtype=t.dtype, device=self.device)
         self._sleep_level = 0
 
+    def arena_bytes(self) -> int:
+        """Device bytes mapped in the engine's arenas now: the weights and pool, which a CUDA caching
+        allocator's counters do not see (on the host they are in the resident set already)."""
+        if self.device.type == "cpu":
+            return 0
+        return sum(a.nbytes for a in (self._weight_arena, self._kv_arena) if a is not None and a.mapped)
+
     @property
     def sleeping(self) -> int:
         """0 when awake, else the level of the last ``sleep``."""

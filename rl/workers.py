@@ -285,7 +285,7 @@ class RolloutWorker:
         after = self.engine.stats()
         counts = {k: after[k] - before[k] for k in ("prefix_hit_tokens", "prefix_miss_tokens", "preemptions")}
         return out, {**counts, "kv_blocks_peak": after["kv_blocks_peak"], "kv_blocks": after["kv_blocks"],
-                     "peak_bytes": peak_memory.peak_bytes(self.engine.device)}
+                     "peak_bytes": peak_memory.peak_bytes(self.engine.device) + self.engine.arena_bytes()}
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The engine's weights under the checkpoint's names; FP8 ones as their bytes (uint8), which is
