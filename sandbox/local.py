@@ -443,7 +443,7 @@ class LocalSession:
         # still runs as root, get only _DEFAULT_ENV; ``env -i`` sets the caller's, after the switch to the session's
         # uid. Without any, the program keeps _DEFAULT_ENV and the chain is one program shorter.
         # PATH stays first: env(1) stops parsing options at the first NAME=VALUE
-        set_env = []
+        set_env: list[str] = []
         if env:  # PWD: what bwrap sets after its --chdir
             merged = {**_DEFAULT_ENV, "PWD": "/work", **env}
             set_env = [self.backend.env_tool, "-i", *(f"{k}={v}" for k, v in merged.items())]
@@ -487,7 +487,7 @@ class LocalSession:
         """Put the just started bwrap into the session's cgroup and under the rlimits, then hand it its options.
 
         bwrap reads its options (``--args``) before it makes the sandbox, so everything the sandbox will run
-        starts inside the cgroup and inherits the rlimits: one program fewer than a shell that moves itself and
+        starts inside the cgroup and inherits the rlimits: two programs fewer than a shell that moves itself and
         ``prlimit``, and no preexec_fn (the service starts commands from many threads). ``pid`` is our own child,
         not yet reaped, so it cannot name another process. bwrap runs as root, which RLIMIT_NPROC exempts: it
         counts the session uid's processes once ``setpriv`` switched to it. The rlimits that cannot be set on bwrap
