@@ -122,6 +122,21 @@ def test_callers_environment_never_reaches_a_root_process(session):
     assert b"setpriv" not in r.stderr and b"bwrap" not in r.stderr
 
 
+def test_the_program_has_no_privileges(session):
+    """No capability in any set (bwrap's, DAC_READ_SEARCH included, are gone with the switch to the session's
+    uid), no_new_privs, the session's uid and gid with no supplementary groups, and the seccomp filter on."""
+    r = session.exec(["cat", "/proc/self/status"], LIM)
+    assert r.verdict == Verdict.OK, r
+    status = dict(line.split(":\t", 1) for line in r.stdout.decode().splitlines() if ":\t" in line)
+    for cap in ("CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb"):
+        assert int(status[cap], 16) == 0, (cap, status[cap])
+    assert status["NoNewPrivs"] == "1"
+    assert status["Uid"].split() == [str(session.uid)] * 4 and status["Gid"].split() == [str(session.uid)] * 4
+    assert status["Groups"].strip() == ""
+    if session.backend.seccomp_file is not None:
+        assert status["Seccomp"] == "2"
+
+
 def test_rlimits_are_those_asked(session):
     """The program runs under the rlimits of its request, also those too small for bwrap (set inside)."""
     code = ("import resource as r\nprint([r.getrlimit(x) for x in (r.RLIMIT_CPU, r.RLIMIT_AS, r.RLIMIT_NPROC, "
