@@ -4,6 +4,7 @@ arguments, config or values), 1 for a command that failed at run time (a cluster
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import time
 from pathlib import Path
@@ -128,6 +129,9 @@ def _cmd_sandbox_serve(args: argparse.Namespace) -> None:
         print(f"enforced: {backend.describe()}", flush=True)
         for warning in backend.warnings:
             print(f"warning: {warning}", file=sys.stderr, flush=True)
+    # SIGTERM (how Kubernetes, systemd and scripts stop a service) stops it as Ctrl-C does: the finally below closes
+    # the sessions and removes the backend's directories, mounts and cgroups
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
         server.wait()
     finally:

@@ -7,6 +7,7 @@ import enum
 import math
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 from typing import Protocol
@@ -53,6 +54,38 @@ class Limits:
 
 
 DEFAULT_LIMITS = Limits()
+
+
+class CancelEvent(threading.Event):
+    """A ``threading.Event`` that also calls back whoever asked (``on_set``) when it is set, so that a command's I/O
+    loop wakes up at once rather than polling it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._callbacks: list[Callable[[], None]] = []
+        self._callbacks_lock = threading.Lock()
+
+    def set(self) -> None:
+        """Set the event and call the callbacks (in the calling thread)."""
+        super().set()
+        with self._callbacks_lock:
+            callbacks = list(self._callbacks)
+        for callback in callbacks:
+            callback()
+
+    def on_set(self, callback: Callable[[], None]) -> Callable[[], None]:
+        """Call ``callback`` when the event is set (at once if it is already); returns the function that stops it.
+        A callback may be called twice."""
+        with self._callbacks_lock:
+            self._callbacks.append(callback)
+        if self.is_set():
+            callback()
+
+        def remove() -> None:
+            with self._callbacks_lock, contextlib.suppress(ValueError):
+                self._callbacks.remove(callback)
+
+        return remove
 
 
 @dataclass

@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-import shlex
 import time
 import uuid
 from dataclasses import dataclass
@@ -28,9 +27,10 @@ from pathlib import Path
 
 CONTROLLERS = ("memory", "pids", "cpu")
 CPU_PERIOD_US = 100_000
-#: tasks of the sandbox's own chain (sh → bwrap, its pid 1, timeout) counted by pids.max on top of the program's
+#: tasks of the sandbox's own chain (bwrap's monitor and its pid 1, ``timeout``) counted by pids.max on top of the
+#: program's, with room to spare
 CHAIN_TASKS = 4
-#: what the argv prefix prints when it cannot move into the cgroup (the sandbox's failure, not the program's)
+#: the start of the detail when a command cannot be moved into the cgroup (the sandbox's failure, not the program's)
 ENTER_ERROR = "rl-sandbox: cannot enter the session cgroup"
 
 
@@ -94,7 +94,7 @@ def _own_paths() -> dict[str, str]:
 
 
 class SessionCgroup:
-    """The cgroup(s) of one session: limits, the argv prefix that puts a command in them, counters, removal."""
+    """The cgroup(s) of one session: limits, moving a command in, its processes, counters, removal."""
 
     def __init__(self, manager: CgroupManager, dirs: dict[str, Path]):
         self.manager, self.dirs = manager, dirs
@@ -107,15 +107,37 @@ class SessionCgroup:
             self.manager.apply(self.dirs, memory_bytes, processes, cpus)
             self._set = key
 
-    def enter_argv(self) -> list[str]:
-        """A ``sh`` prefix that moves itself into the session's cgroup(s), then executes the rest of the argv.
+    def enter(self, pid: int) -> None:
+        """Move the process ``pid`` (and so all it starts from now on) into the session's cgroup(s); raises OSError.
 
-        A shell rather than a preexec_fn: the service starts commands from many threads, where preexec_fn is unsafe;
-        and moving the command after it started would leave out what it forked meanwhile.
+        The service moves the sandbox's first process itself, before that process starts anything: cheaper than a
+        shell that moves itself, and a preexec_fn is no option (the service starts commands from many threads).
         """
-        moves = " && ".join(f"echo $$ > {shlex.quote(str(d / 'cgroup.procs'))}" for d in self.dirs.values())
-        fail = f"echo '{ENTER_ERROR}' >&2; exit 125"
-        return ["/bin/sh", "-c", f"{{ {moves}; }} 2>/dev/null || {{ {fail}; }}; exec \"$@\"", "sh"]
+        for d in self.dirs.values():
+            _write(d / "cgroup.procs", str(pid))
+
+    def pids(self) -> list[int]:
+        """The processes in the session's cgroup (its pids hierarchy under v1)."""
+        d = self.dirs.get("pids") or self.dirs[""]
+        try:
+            return [int(p) for p in (d / "cgroup.procs").read_text().split()]
+        except FileNotFoundError:
+            return []
+
+    def wait_empty(self, timeout_s: float = 2.0) -> bool:
+        """Wait until no process is left in the session's cgroup, SIGKILLing stragglers; False if some survived.
+
+        The kernel tears down a pid namespace asynchronously once its pid 1 is killed, so a killed program's
+        children can still be alive for a moment after bwrap is reaped.
+        """
+        deadline = time.monotonic() + timeout_s
+        d = self.dirs.get("pids") or self.dirs[""]
+        while self.pids():
+            if time.monotonic() > deadline:
+                return False
+            self.manager.kill(d)
+            time.sleep(0.005)
+        return True
 
     def usage(self) -> Usage:
         """The enforcement counters so far (compare two readings to see what one command hit)."""

@@ -11,16 +11,21 @@ Isolation, when the service runs as root (as in CI and in the service's containe
   mounted for the session: an aggregate disk quota, and clean-up is an unmount whatever the program left there.
 - Each session has its own cgroup (``sandbox.cgroups``, v2 or v1): memory, processes and CPU of the whole sandbox
   are limited together, on top of the per-process rlimits, and the cgroup's counters tell which limit was hit.
+  The service starts bwrap, moves it into the cgroup and sets the rlimits on it (prlimit(2)), and only then hands
+  it its options (``--args``): so everything the sandbox runs starts inside the cgroup and under the rlimits, with
+  no shell and no preexec_fn (the service calls exec from many threads, where preexec_fn is unsafe).
 - A seccomp filter (``sandbox.seccomp``) refuses the system calls a judged program never needs: kernel keyrings,
   ptrace and reading other processes' memory, new namespaces and mounts, io_uring, bpf, perf events, modules...
 - Inside, ``setpriv`` drops to the session's own uid/gid ``uid_base + slot`` (no supplementary groups, empty
-  capability and bounding sets, no_new_privs) before anything untrusted runs. A uid per session means that
-  RLIMIT_NPROC counts only that session's processes (root is exempt from it), and that sessions cannot read each
-  other's files or signal each other. A uid is handed out again only once nothing of its last session is left: no
-  process, no directory, no kernel key (``sandbox.uids``); until then its slot waits and is checked again later.
-  ``env -i`` then sets the program's environment, so that the caller's variables (``LD_PRELOAD``...) never reach a
-  privileged process, and ``prlimit`` applies the rlimits, so no preexec_fn is needed (the service calls exec from
-  many threads, where preexec_fn is unsafe).
+  capability and bounding sets, no_new_privs) before anything untrusted runs; until then bwrap keeps only the
+  capabilities that needs, and DAC_READ_SEARCH, with which it enters ``/work`` (the session uid's own 0700
+  directory) as the cwd. A uid per session means that RLIMIT_NPROC counts only that session's processes (root is
+  exempt from it), and that sessions cannot read each other's files or signal each other. A uid is handed out again
+  only once nothing of its last session is left: no process (the session's cgroup is empty, or without cgroups none
+  of the uid's in /proc), no directory, no kernel key (``sandbox.uids``); until then its slot waits and is checked
+  again later. bwrap and setpriv, which run as root, get a fixed environment; the caller's variables
+  (``LD_PRELOAD``...), if any, are set by ``env -i`` after the switch to the session's uid, so they never reach a
+  privileged process.
 - The chain runs as pid 1 of its pid namespace (``--as-pid-1``) and ends with ``timeout``, which forks the program
   and waits for it: when the program exits, pid 1 exits and the kernel kills everything left in the namespace, so
   nothing the program started survives it; bwrap waits for pid 1, so the program's CPU time reaches our wait4.
@@ -46,20 +51,21 @@ import errno
 import heapq
 import logging
 import os
+import resource
 import shutil
 import stat
 import sys
 import tempfile
 import threading
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from sandbox import uids
-from sandbox.backend import ExecResult, Limits, SandboxError, Verdict, check_relative_path, open_parent_dir
+from sandbox.backend import CancelEvent, ExecResult, Limits, SandboxError, Verdict, check_relative_path, open_parent_dir
 from sandbox.cgroups import ENTER_ERROR, CgroupManager, CgroupUnavailable, SessionCgroup, Usage
 from sandbox.fs import mount_tmpfs, remove_tree, unmount
-from sandbox.runner import classify, prlimit_argv, run_command
+from sandbox.runner import classify, prlimit_argv, run_command, set_rlimits
 from sandbox.seccomp import SeccompUnavailable, write_filter
 
 log = logging.getLogger(__name__)
@@ -67,8 +73,12 @@ _ETC_FILES = ("passwd", "group", "hosts", "host.conf", "nsswitch.conf", "gai.con
               "ld.so.conf.d", "localtime", "ssl", "alternatives", "protocols", "services", "mime.types")
 _SYSTEM_LINKS = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 _SANDBOX_PATH = "/sandbox/bin:/usr/local/bin:/usr/bin:/bin"
+#: the environment of every command, to which the caller's variables are added
+_DEFAULT_ENV = {"PATH": _SANDBOX_PATH, "HOME": "/tmp", "TMPDIR": "/tmp", "LANG": "C.UTF-8",
+                "PYTHONDONTWRITEBYTECODE": "1"}
 _KILLED_BY_US = (Verdict.TIMEOUT, Verdict.OUTPUT_LIMIT, Verdict.CANCELLED)
 _BACKSTOP_S = 5  # timeout(1) kills the program this long after its wall limit if the service could not
+_BWRAP_FILES, _BWRAP_MEMORY = 16, 16 << 20  # rlimits below these are set inside: bwrap itself needs that much
 _CLOSE_WAIT_S = 10.0
 DISK_BYTES = 256 << 20  # default aggregate quota of a session's /work and /tmp
 _BYTES_PER_INODE = 4096  # files a session may hold: one per 4 KiB of its quota (at least 16384)
@@ -82,8 +92,12 @@ def _tool(name: str) -> str:
     return path
 
 
+class _StartFailed(Exception):
+    """The sandbox could not be put under its limits before it started (the service's failure, not the program's)."""
+
+
 class _EitherEvent(threading.Event):
-    """Set when the caller's cancel event or the session's close event is (run_command only calls is_set)."""
+    """Set when the caller's cancel event or the session's close event is (run_command calls is_set and on_set)."""
 
     def __init__(self, *events: threading.Event):
         super().__init__()
@@ -92,6 +106,13 @@ class _EitherEvent(threading.Event):
     def is_set(self) -> bool:
         """Whether any of the events is set."""
         return any(e.is_set() for e in self._events)
+
+    def on_set(self, callback: Callable[[], None]) -> Callable[[], None] | None:
+        """Call ``callback`` when any of the events is set; None if one of them cannot tell (it is then polled)."""
+        if not all(isinstance(e, CancelEvent) for e in self._events):
+            return None
+        removers = [e.on_set(callback) for e in self._events]
+        return lambda: [remove() for remove in removers]
 
 
 class LocalBackend:
@@ -110,11 +131,11 @@ class LocalBackend:
                                "apt-get install bubblewrap", "UNAVAILABLE")
         self.as_root = os.geteuid() == 0
         self.uid_base, self.max_sessions, self.disk_bytes = uid_base, max_sessions, disk_bytes
-        self._env, self._prlimit, self._timeout = _tool("env"), _tool("prlimit"), _tool("timeout")
+        self.env_tool, self._prlimit, self._timeout = _tool("env"), _tool("prlimit"), _tool("timeout")
         self._setpriv = _tool("setpriv")
         # how the sandbox's own tools (not the program) report a failure: they prefix their messages with argv[0]
-        tools = ("bwrap", bwrap, self._setpriv, self._env, self._prlimit)
-        self.tool_errors = (*(f"{t}: ".encode() for t in tools), ENTER_ERROR.encode())
+        tools = ("bwrap", bwrap, self._setpriv, self.env_tool, self._prlimit)
+        self.tool_errors = tuple(f"{t}: ".encode() for t in tools)
         self._own_root = root is None
         self.root = Path(tempfile.mkdtemp(prefix="rl-sandbox-") if root is None else root).absolute()
         self.root.mkdir(parents=True, exist_ok=True)
@@ -229,8 +250,13 @@ class LocalBackend:
         """The constant part of every bwrap command line, built once."""
         a = [bwrap, "--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try",
              "--hostname", "sandbox", "--die-with-parent", "--as-pid-1", "--clearenv", "--cap-drop", "ALL"]
+        for k, v in _DEFAULT_ENV.items():  # only these reach the root part of the chain (see LocalSession.exec)
+            a += ["--setenv", k, v]
         if self.as_root:
-            a += ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID", "--cap-add", "CAP_SETPCAP"]
+            # DAC_READ_SEARCH lets bwrap's --chdir enter /work, the session uid's own 0700 directory; setpriv drops
+            # it with the others when it switches to that uid
+            a += ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID", "--cap-add", "CAP_SETPCAP",
+                  "--cap-add", "CAP_DAC_READ_SEARCH"]
         else:
             a += ["--unshare-user"]
         a += ["--ro-bind", "/usr", "/usr"]
@@ -336,18 +362,32 @@ class LocalBackend:
             except OSError as e:
                 log.error("local sandbox: cannot remove %s: %s", path, e)
 
-    def session_argv(self, uid: int, work: Path, tmp: Path) -> list[str]:
-        """The bwrap command line of one session, up to the program's environment (``--seccomp`` is added per
-        command, with the descriptor it gets)."""
-        a = [*self._base, "--bind", str(work), "/work", "--bind", str(tmp), "/tmp", "--chdir", "/", self._setpriv]
+    def session_argv(self, uid: int, work: Path, tmp: Path) -> tuple[list[str], list[str]]:
+        """The bwrap command line of one session: bwrap and its options (``--seccomp`` is added per command, with
+        the descriptor it gets), and the command up to the caller's environment, if any."""
+        options = [*self._base, "--bind", str(work), "/work", "--bind", str(tmp), "/tmp", "--chdir", "/work"]
+        command = [self._setpriv]
         if self.as_root:
-            a += [f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--inh-caps=-all", "--bounding-set=-all"]
-        return [*a, "--no-new-privs", "--", self._env, "-i", "-C", "/work"]
+            command += [f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--inh-caps=-all", "--bounding-set=-all"]
+        return options, [*command, "--no-new-privs", "--"]
+
+    def inner_rlimits(self, limits: Limits) -> tuple[int, ...]:
+        """The rlimits that ``prlimit`` sets inside the sandbox, rather than the service on bwrap (see
+        ``LocalSession._start``): without root the process limit (root is exempt from it, the service's own uid is
+        not: bwrap could not even fork), and limits too small for bwrap itself to start."""
+        inner = [] if self.as_root else [resource.RLIMIT_NPROC]
+        if 0 < limits.open_files < _BWRAP_FILES:
+            inner.append(resource.RLIMIT_NOFILE)
+        if 0 < limits.memory_bytes < _BWRAP_MEMORY:
+            inner.append(resource.RLIMIT_AS)
+        return tuple(inner)
 
     def tail_argv(self, limits: Limits) -> list[str]:
-        """The per-command rlimits and the waiting ``timeout`` that precede the program's argv."""
+        """The waiting ``timeout`` that precedes the program's argv, after ``prlimit`` for the inner rlimits."""
         backstop = int(limits.wall_s) + _BACKSTOP_S if limits.wall_s > 0 else 0
-        return [*prlimit_argv(limits, self._prlimit), self._timeout, "--foreground", "--signal=KILL", str(backstop)]
+        inner = self.inner_rlimits(limits)
+        return [*(prlimit_argv(limits, self._prlimit, inner) if inner else []), self._timeout, "--foreground",
+                "--signal=KILL", str(backstop)]
 
 
 class LocalSession:
@@ -363,7 +403,7 @@ class LocalSession:
         self.leftover = ""  # what the last clean-up could not remove
         self.cgroup: SessionCgroup | None = None
         self._mounted = False
-        self._closed = threading.Event()
+        self._closed = CancelEvent()
         self._cond = threading.Condition()
         self._inflight = 0
         try:
@@ -371,7 +411,7 @@ class LocalSession:
         except BaseException:
             self.clean_up()
             raise
-        self._argv = backend.session_argv(self.uid, self.work, self.tmp)
+        self._argv, self._command = backend.session_argv(self.uid, self.work, self.tmp)
         self._scan = [str(self.work), str(self.tmp)]
 
     def _make(self) -> None:
@@ -396,41 +436,80 @@ class LocalSession:
         """Run ``argv`` in /work under ``limits``; ``cancel`` set (or the session closed) → killed, CANCELLED."""
         if not argv:
             raise SandboxError("empty command", "INVALID_ARGUMENT")
-        merged = {"PATH": _SANDBOX_PATH, "HOME": "/tmp", "TMPDIR": "/tmp", "LANG": "C.UTF-8",
-                  "PYTHONDONTWRITEBYTECODE": "1", **(env or {})}
-        for k, v in merged.items():
+        for k, v in (env or {}).items():
             if not k or "=" in k or "\0" in k or "\0" in v:
                 raise SandboxError(f"invalid environment variable {k!r}", "INVALID_ARGUMENT")
+        # The caller's variables (LD_PRELOAD...) must never reach a privileged process: bwrap and setpriv, which
+        # still runs as root, get only _DEFAULT_ENV; ``env -i`` sets the caller's, after the switch to the session's
+        # uid. Without any, the program keeps _DEFAULT_ENV and the chain is one program shorter.
+        # PATH stays first: env(1) stops parsing options at the first NAME=VALUE
+        set_env: list[str] = []
+        if env:  # PWD: what bwrap sets after its --chdir
+            merged = {**_DEFAULT_ENV, "PWD": "/work", **env}
+            set_env = [self.backend.env_tool, "-i", *(f"{k}={v}" for k, v in merged.items())]
         with self._cond:
             self._check_open()
             self._inflight += 1
-        filter_fd = None
+        fds: list[int] = []
         try:
-            prefix, before = [], Usage()
+            before = Usage()
             if self.cgroup is not None:
                 self.cgroup.set_limits(limits.memory_bytes, limits.processes, limits.cpus)
-                prefix, before = self.cgroup.enter_argv(), self.cgroup.usage()
-            bwrap = self._argv
+                before = self.cgroup.usage()
+            options = self._argv[1:]
             if self.backend.seccomp_file is not None:
-                filter_fd = os.open(self.backend.seccomp_file, os.O_RDONLY | os.O_CLOEXEC)
-                bwrap = [bwrap[0], "--seccomp", str(filter_fd), *bwrap[1:]]
-            # PATH stays first: env(1) stops parsing options at the first NAME=VALUE
-            full = [*prefix, *bwrap, *(f"{k}={v}" for k, v in merged.items()), *self.backend.tail_argv(limits),
-                    *argv]
-            res = run_command(full, limits, cwd=str(self.dir), env={}, stdin=stdin,
-                              cancel=_EitherEvent(self._closed, cancel) if cancel else self._closed,
-                              rlimits="none", scan_dirs=self._scan,
-                              pass_fds=() if filter_fd is None else (filter_fd,))
-            if self.backend.as_root:
+                fds.append(os.open(self.backend.seccomp_file, os.O_RDONLY | os.O_CLOEXEC))
+                options = ["--seccomp", str(fds[-1]), *options]
+            fds += os.pipe2(os.O_CLOEXEC)  # bwrap's options: read end, write end (last, see _start)
+            command = [*self._command, *set_env, *self.backend.tail_argv(limits), *argv]
+            try:
+                res = run_command([self._argv[0], "--args", str(fds[-2]), *command], limits, cwd=str(self.dir), env={},
+                                  stdin=stdin, cancel=_EitherEvent(self._closed, cancel) if cancel else self._closed,
+                                  rlimits="none", scan_dirs=self._scan, pass_fds=fds[:-1],
+                                  on_start=lambda pid: self._start(pid, limits, options, fds))
+            except _StartFailed as e:
+                res = ExecResult(Verdict.ERROR, None, detail=f"sandbox failed: {e}")
+            if self.cgroup is not None:
+                self.cgroup.wait_empty()
+            elif self.backend.as_root:
                 uids.reap(self.uid)
             hit = self.cgroup.usage() - before if self.cgroup is not None else Usage()
         finally:
-            if filter_fd is not None:
-                os.close(filter_fd)
+            for fd in fds:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
             with self._cond:
                 self._inflight -= 1
                 self._cond.notify_all()
         return self._fix_result(res, limits, hit)
+
+    def _start(self, pid: int, limits: Limits, options: list[str], fds: list[int]) -> None:
+        """Put the just started bwrap into the session's cgroup and under the rlimits, then hand it its options.
+
+        bwrap reads its options (``--args``) before it makes the sandbox, so everything the sandbox will run
+        starts inside the cgroup and inherits the rlimits: two programs fewer than a shell that moves itself and
+        ``prlimit``, and no preexec_fn (the service starts commands from many threads). ``pid`` is our own child,
+        not yet reaped, so it cannot name another process. bwrap runs as root, which RLIMIT_NPROC exempts: it
+        counts the session uid's processes once ``setpriv`` switched to it. The rlimits that cannot be set on bwrap
+        are set inside (``LocalBackend.inner_rlimits``).
+        """
+        try:
+            if self.cgroup is not None:
+                self.cgroup.enter(pid)
+            set_rlimits(pid, limits, skip=self.backend.inner_rlimits(limits))
+        except OSError as e:
+            raise _StartFailed(f"{ENTER_ERROR} or set its rlimits: {e}") from e
+        data = memoryview(b"".join(os.fsencode(a) + b"\0" for a in options))
+        # closed here, and only here: bwrap reads until the end, and a write fails once bwrap is gone
+        args_w, args_r = fds.pop(), fds.pop()
+        os.close(args_r)
+        try:
+            while data:  # bwrap reads all of it before it starts
+                data = data[os.write(args_w, data):]
+        except BrokenPipeError:
+            pass  # bwrap is gone already; its exit status tells why
+        finally:
+            os.close(args_w)
 
     def _fix_result(self, res: ExecResult, limits: Limits, hit: Usage) -> ExecResult:
         """Turn bwrap's 128+N statuses back into signals, tell the sandbox's own failures apart, and name the
@@ -547,7 +626,9 @@ class LocalSession:
         """Remove everything of this session: processes, cgroup, files, kernel keys; True when nothing is left."""
         left = []
         b = self.backend
-        if b.as_root and not uids.reap(self.uid):
+        # with a cgroup, its removal proves that no process of the session is left: every process of the session's
+        # uid was started inside it and cannot leave it (no cgroup file system in the sandbox, no capabilities)
+        if b.as_root and self.cgroup is None and not uids.reap(self.uid):
             left.append(f"processes of uid {self.uid}")
         if self.cgroup is not None:
             if self.cgroup.remove():

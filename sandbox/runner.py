@@ -6,6 +6,7 @@ import only the standard library and ``sandbox.backend``).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import math
 import os
@@ -55,19 +56,21 @@ def rlimit_pairs(limits: Limits) -> list[tuple[int, int, int]]:
     ]
 
 
-def prlimit_argv(limits: Limits, prlimit: str = "prlimit") -> list[str]:
-    """The ``prlimit ... --`` argv prefix that applies ``limits`` to the command that follows it."""
+def prlimit_argv(limits: Limits, prlimit: str = "prlimit", only: Sequence[int] | None = None) -> list[str]:
+    """The ``prlimit ... --`` argv prefix that applies ``limits`` (those in ``only``, if given) to the command that
+    follows it."""
     names = {resource.RLIMIT_CPU: "cpu", resource.RLIMIT_AS: "as", resource.RLIMIT_NPROC: "nproc",
              resource.RLIMIT_NOFILE: "nofile", resource.RLIMIT_FSIZE: "fsize", resource.RLIMIT_CORE: "core"}
 
     def fmt(v: int) -> str:
         return "unlimited" if v == resource.RLIM_INFINITY else str(v)
 
-    return [prlimit, *(f"--{names[r]}={fmt(s)}:{fmt(h)}" for r, s, h in rlimit_pairs(limits)), "--"]
+    pairs = [(r, s, h) for r, s, h in rlimit_pairs(limits) if only is None or r in only]
+    return [prlimit, *(f"--{names[r]}={fmt(s)}:{fmt(h)}" for r, s, h in pairs), "--"]
 
 
-def _preexec_rlimits(limits: Limits) -> Callable[[], None]:
-    """A preexec_fn applying ``limits``; values are clamped to our own hard limits, which we may not raise."""
+def _clamped_rlimits(limits: Limits) -> list[tuple[int, int, int]]:
+    """``rlimit_pairs`` clamped to our own hard limits (which only root may raise)."""
     pairs = []
     for res, soft, hard in rlimit_pairs(limits):
         _, cur_hard = resource.getrlimit(res)
@@ -75,6 +78,21 @@ def _preexec_rlimits(limits: Limits) -> Callable[[], None]:
             hard = cur_hard if hard == resource.RLIM_INFINITY else min(hard, cur_hard)
             soft = hard if soft == resource.RLIM_INFINITY else min(soft, hard)
         pairs.append((res, soft, hard))
+    return pairs
+
+
+def set_rlimits(pid: int, limits: Limits, skip: Sequence[int] = ()) -> None:
+    """Apply ``limits`` to the running process ``pid`` (prlimit(2)); what it starts afterwards inherits them.
+    ``skip``: resources left as they are. Raises OSError (ESRCH once the process is gone)."""
+    pairs = rlimit_pairs(limits) if os.geteuid() == 0 else _clamped_rlimits(limits)
+    for res, soft, hard in pairs:
+        if res not in skip:
+            resource.prlimit(pid, res, (soft, hard))
+
+
+def _preexec_rlimits(limits: Limits) -> Callable[[], None]:
+    """A preexec_fn applying ``limits``; values are clamped to our own hard limits, which we may not raise."""
+    pairs = _clamped_rlimits(limits)
 
     def apply() -> None:
         for res, soft, hard in pairs:
@@ -160,6 +178,40 @@ class _Run:
         self.exited = False
         self.sel = selectors.DefaultSelector()
         self.pidfd: int | None = None
+        self._wake: tuple[int, int] | None = None  # a pipe the cancel event writes to when it is set
+        self._wake_lock = threading.Lock()
+        self._unwatch: Callable[[], None] | None = None
+
+    def _watch_cancel(self) -> bool:
+        """Have the cancel event wake the loop through a pipe when it is set; False if it cannot call back (then the
+        loop polls it)."""
+        on_set = getattr(self.cancel, "on_set", None)
+        if on_set is None:
+            return False
+        self._wake = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+        self.sel.register(self._wake[0], selectors.EVENT_READ, "cancel")
+        self._unwatch = on_set(self._wake_up)
+        if self._unwatch is None:
+            self._close_wake()
+            return False
+        return True
+
+    def _wake_up(self) -> None:
+        with self._wake_lock:  # the callback may come from another thread after the loop ended
+            if self._wake is not None:
+                with contextlib.suppress(BlockingIOError):
+                    os.write(self._wake[1], b"x")
+
+    def _close_wake(self) -> None:
+        if self._unwatch is not None:
+            self._unwatch()
+        with self._wake_lock:
+            if self._wake is not None:
+                with contextlib.suppress(KeyError):
+                    self.sel.unregister(self._wake[0])
+                os.close(self._wake[0])
+                os.close(self._wake[1])
+                self._wake = None
 
     def kill(self) -> None:
         """SIGKILL the command's whole process group (safe while the leader is not yet reaped)."""
@@ -199,6 +251,7 @@ class _Run:
             self.sel.register(self.pidfd, selectors.EVENT_READ, "exit")
         except (AttributeError, OSError):
             self.pidfd = None  # old kernel or Python: poll with waitid instead
+        poll_cancel = self.cancel is not None and not self._watch_cancel()
         streams = 2
         grace_end = math.inf
         while True:
@@ -219,12 +272,14 @@ class _Run:
                 self.kill()
                 return
             timeout = (grace_end if self.exited else deadline) - now
-            if self.cancel is not None or self.pidfd is None:
+            if poll_cancel or self.pidfd is None:
                 timeout = min(timeout, _CANCEL_POLL_S)
-            for key, _ in self.sel.select(max(timeout, 0.0)):
+            for key, _ in self.sel.select(None if math.isinf(timeout) else max(timeout, 0.0)):
                 if key.data == "exit":
                     self.sel.unregister(key.fileobj)
                     self._on_exit()
+                elif key.data == "cancel":
+                    self.sel.unregister(key.fileobj)  # seen: the next round reads the event itself
                 elif key.data == "stdin":
                     self._feed(key.fileobj)
                 else:
@@ -260,10 +315,11 @@ class _Run:
         return False
 
     def close(self) -> None:
-        """Close our ends of the pipes and the pidfd."""
-        for key in list(self.sel.get_map().values()):
-            if key.data in ("stdin", "stdout", "stderr"):
-                key.fileobj.close()
+        """Close our ends of the pipes, the wake-up pipe and the pidfd."""
+        self._close_wake()
+        for pipe in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
+            if pipe is not None:
+                pipe.close()
         self.sel.close()
         if self.pidfd is not None:
             os.close(self.pidfd)
@@ -271,13 +327,16 @@ class _Run:
 
 def run_command(argv: list[str], limits: Limits, *, cwd: str, env: dict[str, str], stdin: bytes = b"",
                 cancel: threading.Event | None = None, rlimits: str = "preexec",
-                scan_dirs: Sequence[str] = (), pass_fds: Sequence[int] = ()) -> ExecResult:
+                scan_dirs: Sequence[str] = (), pass_fds: Sequence[int] = (),
+                on_start: Callable[[int], None] | None = None) -> ExecResult:
     """Run ``argv`` in its own session under ``limits`` and classify the outcome (see ``classify``).
 
-    ``rlimits="preexec"`` sets the rlimits in a preexec_fn; ``"none"`` means ``argv`` applies them itself (for
-    example with ``prlimit_argv``). The whole process group is SIGKILLed on wall timeout, output overflow, cancel,
-    and once the command exited (so nothing it started in its group outlives it). ``cancel`` only needs ``is_set()``;
-    ``pass_fds`` are descriptors the command inherits (all others are closed).
+    ``rlimits="preexec"`` sets the rlimits in a preexec_fn; ``"none"`` means the caller applies them (for example
+    with ``set_rlimits`` from ``on_start``, which is called with the pid once the command started; if it raises, the
+    command is killed and reaped and the exception propagates). The whole process group is SIGKILLed on wall
+    timeout, output overflow, cancel, and once the command exited (so nothing it started in its group outlives it).
+    ``cancel`` only needs ``is_set()``; one with ``on_set`` (``sandbox.backend.CancelEvent``) is waited for rather
+    than polled. ``pass_fds`` are descriptors the command inherits (all others are closed).
     """
     if rlimits not in ("preexec", "none"):
         raise ValueError(f"rlimits must be 'preexec' or 'none', not {rlimits!r}")
@@ -299,6 +358,8 @@ def run_command(argv: list[str], limits: Limits, *, cwd: str, env: dict[str, str
         return ExecResult(Verdict.FAILED, code, stderr=str(e).encode(), detail=f"could not start {argv[0]!r}: {e}")
     run = _Run(proc, limits, stdin, cancel)
     try:
+        if on_start is not None:
+            on_start(proc.pid)
         run.loop(t0 + limits.wall_s if limits.wall_s > 0 else math.inf)
     finally:
         if run.reason is None and not run.exited:  # an exception in the loop: never leave the command running

@@ -14,7 +14,7 @@ from typing import TypeVar
 
 import grpc
 
-from sandbox.backend import DEFAULT_LIMITS, Backend, ExecResult, Limits, SandboxError, SessionInfo, Verdict
+from sandbox.backend import DEFAULT_LIMITS, Backend, CancelEvent, ExecResult, Limits, SandboxError, SessionInfo, Verdict
 from sandbox.judge import judge_command, judge_verdict
 from sandbox.metrics import SandboxMetrics
 from sandbox.proto import sandbox_pb2 as pb
@@ -276,7 +276,7 @@ def _abort(context: grpc.ServicerContext, code: grpc.StatusCode, message: str):
 
 def _cancel_event(context: grpc.ServicerContext):
     """An event set when the RPC ends early (client cancel or deadline), so the backend kills the command."""
-    ev = threading.Event()
+    ev = CancelEvent()
     context.add_callback(ev.set)
     return ev
 

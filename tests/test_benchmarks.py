@@ -34,6 +34,8 @@ def test_sandbox_benchmark_runs_both_sides_without_failures():
     assert rec["failures"] == 0 and rec["baseline_failures"] == 0 and rec["concurrency"] == 4
     assert abs(rec["overhead"] - rec["baseline_execs_per_s"] / rec["execs_per_s"]) < 0.01 * rec["overhead"] + 0.01
     assert rec["p99_s"] > 0 and rec["baseline_p99_s"] > 0
+    assert rec["cpu_ms"] > 0 and rec["baseline_cpu_ms"] > 0
+    assert abs(rec["cpu_overhead"] - rec["cpu_ms"] / rec["baseline_cpu_ms"]) < 0.02 * rec["cpu_overhead"] + 0.01
 
 
 def test_rl_iteration_benchmark_runs_the_k2_layout_at_toy_size():

@@ -3,6 +3,7 @@ and the same session runs a normal program correctly right after."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
@@ -13,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from sandbox.backend import ExecResult, Limits, SandboxError, Verdict
+from sandbox import runner
+from sandbox.backend import CancelEvent, ExecResult, Limits, SandboxError, Verdict
 from sandbox.local import LocalBackend, LocalSession
 
 LIM = Limits(wall_s=10, cpu_s=5, memory_bytes=256 << 20, processes=32, open_files=64, file_size_bytes=1 << 20,
@@ -93,6 +95,84 @@ def test_stdin_and_env(session):
     with pytest.raises(SandboxError) as e:
         py(session, "pass", env={"A=B": "x"})
     assert e.value.code == "INVALID_ARGUMENT"
+
+
+ENV_AND_CWD = "import json, os; print(json.dumps([dict(os.environ), os.getcwd()]))"
+DEFAULT_ENV = {"PATH": "/sandbox/bin:/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "TMPDIR": "/tmp",
+               "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1", "PWD": "/work"}
+
+
+def test_environment_is_the_defaults_and_the_callers_only(session, monkeypatch):
+    """Nothing of the service's environment reaches the program, with or without variables of the caller."""
+    monkeypatch.setenv("RL_SERVICE_SECRET", "s3cret")
+    r = py(session, ENV_AND_CWD)
+    assert r.verdict == Verdict.OK, r
+    assert json.loads(r.stdout) == [DEFAULT_ENV, "/work"]
+    r = py(session, ENV_AND_CWD, env={"GREETING": "hi", "HOME": "/work"})
+    assert r.verdict == Verdict.OK, r
+    assert json.loads(r.stdout) == [{**DEFAULT_ENV, "GREETING": "hi", "HOME": "/work"}, "/work"]
+
+
+def test_callers_environment_never_reaches_a_root_process(session):
+    """LD_DEBUG makes the dynamic loader of every process that sees it report the libraries it loads: the program
+    sees the caller's variable, setpriv (root until it switches to the session's uid) and bwrap never do."""
+    r = py(session, "pass", env={"LD_DEBUG": "files"})
+    assert r.verdict == Verdict.OK, r
+    assert b"needed by" in r.stderr and b"python" in r.stderr
+    assert b"setpriv" not in r.stderr and b"bwrap" not in r.stderr
+
+
+def test_the_program_has_no_privileges(session):
+    """No capability in any set (bwrap's, DAC_READ_SEARCH included, are gone with the switch to the session's
+    uid), no_new_privs, the session's uid and gid with no supplementary groups, and the seccomp filter on."""
+    r = session.exec(["cat", "/proc/self/status"], LIM)
+    assert r.verdict == Verdict.OK, r
+    status = dict(line.split(":\t", 1) for line in r.stdout.decode().splitlines() if ":\t" in line)
+    for cap in ("CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb"):
+        assert int(status[cap], 16) == 0, (cap, status[cap])
+    assert status["NoNewPrivs"] == "1"
+    assert status["Uid"].split() == [str(session.uid)] * 4 and status["Gid"].split() == [str(session.uid)] * 4
+    assert status["Groups"].strip() == ""
+    if session.backend.seccomp_file is not None:
+        assert status["Seccomp"] == "2"
+
+
+def test_rlimits_are_those_asked(session):
+    """The program runs under the rlimits of its request, also those too small for bwrap (set inside)."""
+    code = ("import resource as r\nprint([r.getrlimit(x) for x in (r.RLIMIT_CPU, r.RLIMIT_AS, r.RLIMIT_NPROC, "
+            "r.RLIMIT_NOFILE, r.RLIMIT_FSIZE, r.RLIMIT_CORE)])")
+    r = py(session, code)
+    assert r.verdict == Verdict.OK, r
+    assert eval(r.stdout) == [(5, 6), (256 << 20, 256 << 20), (32, 32), (64, 64), (1 << 20, 1 << 20), (0, 0)]
+    r = session.exec(["sh", "-c", "ulimit -n"], LIM.merged(open_files=5))
+    assert (r.verdict, r.stdout) == (Verdict.OK, b"5\n"), r
+
+
+def test_no_descriptor_of_the_service_reaches_the_program(session):
+    code = ("import os\nopen_fds = []\nfor fd in range(3, 1024):\n    try:\n        os.fstat(fd)\n"
+            "        open_fds.append(fd)\n    except OSError:\n        pass\nprint(open_fds)")
+    r = py(session, code)
+    assert (r.verdict, r.stdout) == (Verdict.OK, b"[]\n"), r
+
+
+def test_cancel_and_close_need_no_polling(backend, monkeypatch):
+    """The service's cancel event and the session's close wake the running command's loop at once (it does not
+    poll them: with polling made useless here, both still end the command within a second or two)."""
+    monkeypatch.setattr(runner, "_CANCEL_POLL_S", 60.0)
+    s = backend.create_session()
+    try:
+        cancel = CancelEvent()
+        threading.Timer(0.3, cancel.set).start()
+        t = time.monotonic()
+        r = s.exec(["sleep", "30"], LIM, cancel=cancel)
+        assert r.verdict == Verdict.CANCELLED and time.monotonic() - t < 2, r
+        threading.Timer(0.3, s.close).start()
+        t = time.monotonic()
+        r = s.exec(["sleep", "30"], LIM)
+        assert r.verdict == Verdict.CANCELLED and "closed" in r.detail and time.monotonic() - t < 3, r
+    finally:
+        s.close()
+    assert_no_processes(s.uid)
 
 
 def test_fork_bomb(session):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -12,6 +13,7 @@ import threading
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import grpc
 import pytest
@@ -253,6 +255,36 @@ def test_cli_serve_and_run():
     bad = subprocess.run([sys.executable, "-m", "rl.cli", "sandbox", "serve", "--backend", "docker"],
                          capture_output=True, text=True)
     assert bad.returncode != 0 and "invalid choice: 'docker'" in bad.stderr
+
+
+def test_sigterm_stops_the_cli_service_and_leaves_nothing():
+    """``rl sandbox serve`` stopped with SIGTERM (how Kubernetes, systemd and the benchmark stop it) closes its open
+    sessions and removes its directories, mounts and cgroups, as a stop with Ctrl-C does."""
+    if os.geteuid() != 0:
+        pytest.skip("the session mounts and cgroups this checks need root")
+    from sandbox.cgroups import _mounts, _own_paths
+
+    proc = subprocess.Popen([sys.executable, "-m", "rl.cli", "sandbox", "serve", "--port", "0", "--concurrency", "2"],
+                            stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        address = re.search(r"listening on (\S+)", proc.stdout.readline()).group(1)
+        with SandboxClient(address) as c:
+            c.create_session(files={"a.txt": "x"})  # left open
+            with open(f"/proc/{proc.pid}/mountinfo") as f:
+                session_dirs = [Path(line.split()[4]) for line in f if "/rl-sandbox-" in line.split()[4]]
+            assert len(session_dirs) == 1, session_dirs
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    root = session_dirs[0].parent
+    assert not root.exists(), sorted(p.name for p in root.iterdir())
+    own = _own_paths()
+    left = [p for mount, fs, _ in _mounts() if fs == "cgroup" for c in (own.keys() & {"memory", "pids", "cpu"})
+            for p in (Path(mount) / own[c].lstrip("/")).glob(f"rl-sandbox-{proc.pid}-*")]
+    assert left == []
 
 
 def test_replicas_behind_one_name_share_runs_and_keep_each_session():
