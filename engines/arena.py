@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import math
 import mmap
 from collections.abc import Iterable
 
@@ -66,7 +67,7 @@ class Arena:
     def view(self, offset: int, shape: Iterable[int], dtype: torch.dtype) -> torch.Tensor:
         """A tensor of ``shape`` and ``dtype`` at byte ``offset`` (a multiple of the dtype's size)."""
         shape = tuple(shape)
-        n = dtype.itemsize * _numel(shape)
+        n = dtype.itemsize * math.prod(shape)
         return self.bytes[offset: offset + n].view(dtype).view(shape)
 
     def holds(self, t: torch.Tensor) -> bool:
@@ -78,13 +79,6 @@ class Arena:
             self.close()
         except Exception:  # interpreter shutdown: the driver or the module may be gone already
             pass
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 class HostArena(Arena):
@@ -201,8 +195,11 @@ class CudaArena(Arena):
         self.device = torch.device("cuda", index)
         torch.empty(1, device=self.device)  # the runtime's primary context, current on this thread
         self.drv = d = _get_driver()
-        dev = ctypes.c_int()
+        dev, vmm = ctypes.c_int(), ctypes.c_int()
         d("cuDeviceGet", ctypes.byref(dev), index)
+        d("cuDeviceGetAttribute", ctypes.byref(vmm), _ATTRIBUTE_VMM_SUPPORTED, dev.value)
+        if not vmm.value:
+            raise CudaError(f"device {self.device} has no virtual memory management")
         self.prop = _AllocationProp(type=_ALLOCATION_PINNED, location=_Location(_LOCATION_DEVICE, dev.value))
         self.access = _AccessDesc(location=_Location(_LOCATION_DEVICE, dev.value), flags=_ACCESS_READWRITE)
         gran = ctypes.c_size_t()
@@ -273,16 +270,6 @@ def new_arena(nbytes: int, device: torch.device | str, mapped: bool = True) -> A
     if device.type != "cuda" or torch.version.cuda is None:
         return None
     try:
-        d = _get_driver()
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        torch.empty(1, device=torch.device("cuda", index))
-        dev, ok = ctypes.c_int(), ctypes.c_int()
-        d("cuDeviceGet", ctypes.byref(dev), index)
-        d("cuDeviceGetAttribute", ctypes.byref(ok), _ATTRIBUTE_VMM_SUPPORTED, dev.value)
-        if not ok.value:
-            log.warning("device %s has no virtual memory management: CUDA graphs are captured again after sleep",
-                        device)
-            return None
         return CudaArena(nbytes, device, mapped)
     except (OSError, AttributeError, CudaError) as e:
         log.warning("no CUDA virtual memory arena (%s): CUDA graphs are captured again after sleep", e)

@@ -106,7 +106,7 @@ class InferenceEngine:
         self._kv_arena = new_arena(self.kv_cache_bytes, self.device, mapped=False)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # the weights' first copies, now in the arena
-        self._arena_sleep = False  # whether the last sleep unmapped the weight arena
+        self._host_arena: torch.Tensor | None = None  # the weight arena's host copy, pinned once
         self._host_weights: dict[str, torch.Tensor] = {}  # pinned once, reused by every sleep
         self._offloaded: dict[str, tuple[torch.Size, int]] = {}  # emptied by sleep: shape, level
         self.generated = 0  # tokens sampled over the engine's life
@@ -273,16 +273,15 @@ class InferenceEngine:
         tensors = {k: t for k, t in self.named_tensors().items() if t.numel()}
         w = self._weight_arena
         # an update that swapped in other tensors (rollback "swap") leaves the arena to the receiver's spare
-        self._arena_sleep = w is not None and all(w.holds(t) for t in tensors.values())
-        if self.graphs is not None and not (self._arena_sleep and self._kv_arena is not None):
+        in_arena = w is not None and all(w.holds(t) for t in tensors.values())
+        if self.graphs is not None and not (in_arena and self._kv_arena is not None):
             self.graphs.clear()  # their memory pool goes too: the addresses they read will move
-        if self._arena_sleep:
+        if in_arena:
             tensors = {}
             if level == 1 and self.device.type != "cpu":
-                host = self._host_weights.get("")
-                if host is None:
-                    host = self._host_weights[""] = torch.empty(w.nbytes, dtype=torch.uint8, pin_memory=True)
-                host.copy_(w.bytes)
+                if self._host_arena is None:
+                    self._host_arena = torch.empty(w.nbytes, dtype=torch.uint8, pin_memory=True)
+                self._host_arena.copy_(w.bytes)
             if level == 2 or self.device.type != "cpu":
                 w.unmap()
         for name, t in tensors.items():
@@ -302,11 +301,11 @@ class InferenceEngine:
     def wake_up(self) -> None:
         """Reallocate what ``sleep`` freed (level-2 weights come back as zeros, or uninitialised where they
         could not live in an arena)."""
-        if self._arena_sleep and not self._weight_arena.mapped:
-            self._weight_arena.map()
+        w = self._weight_arena
+        if w is not None and not w.mapped:  # only sleep unmaps it
+            w.map()
             if self._sleep_level == 1:
-                self._weight_arena.bytes.copy_(self._host_weights[""], non_blocking=True)
-        self._arena_sleep = False
+                w.bytes.copy_(self._host_arena, non_blocking=True)
         for name, t in self.named_tensors().items():
             if name in self._offloaded:
                 shape, level = self._offloaded.pop(name)
