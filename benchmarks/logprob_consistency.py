@@ -18,12 +18,13 @@ import json
 import torch
 
 from benchmarks.rollout import MODELS
-from checkpoint_engine.update import free_port
-from engines.distributed import init_distributed, shard_model
-from engines.hf_io import load_pretrained
-from engines.inference import InferenceEngine, SamplingParams
-from engines.model import CausalLM
-from engines.training import TrainingEngine
+from checkpoint_engine.topology import free_port
+from engines.inference.native import InferenceEngine
+from engines.inference.sampling import SamplingParams
+from engines.model.causal_lm import CausalLM
+from engines.model.hf_io import load_pretrained
+from engines.training.distributed import init_distributed, shard_model
+from engines.training.engine import TrainingEngine
 
 
 def _model(model_dir: str | None, dtype: torch.dtype) -> CausalLM:

@@ -24,9 +24,9 @@ import time
 import torch
 
 from benchmarks.rollout import MODELS
-from engines.model import CausalLM
-from engines.offload import malloc_trim, synchronize
-from engines.training import TrainingEngine
+from engines.device import malloc_trim, synchronize
+from engines.model.causal_lm import CausalLM
+from engines.training.engine import TrainingEngine
 from rl.optim import build_optimizers
 
 

@@ -25,8 +25,9 @@ import torch
 
 from benchmarks.rollout import MODELS
 from benchmarks.timing import best_seconds
-from engines.model import Attention, CausalLM
-from engines.offload import synchronize
+from engines.device import synchronize
+from engines.model.attention import Attention
+from engines.model.causal_lm import CausalLM
 from rl.optim import build_optimizers
 from rl.qk_clip import qk_clip
 

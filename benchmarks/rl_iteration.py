@@ -26,10 +26,10 @@ from pathlib import Path
 import torch
 import yaml
 
-from engines.arch import make_config
-from engines.hf_io import save_pretrained
-from engines.model import build_model
-from engines.tokenizer import train_tokenizer
+from engines.model.arch import make_config
+from engines.model.causal_lm import build_model
+from engines.model.hf_io import save_pretrained
+from engines.model.tokenizer import train_tokenizer
 from envs.arithmetic import ArithmeticEnv
 
 #: family and transformers config arguments of each shape

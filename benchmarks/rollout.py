@@ -27,12 +27,13 @@ from typing import Any
 import torch
 
 from benchmarks.rollout_rl import measure_rl
-from engines import peak_memory
-from engines.hf_io import load_pretrained, save_pretrained
-from engines.inference import InferenceEngine, SamplingParams
-from engines.kv_cache import bytes_per_slot
-from engines.model import CausalLM, ModelConfig
-from engines.offload import synchronize
+from engines.device import peak_memory_bytes, reset_peak_memory, synchronize
+from engines.inference.kv_cache import bytes_per_slot
+from engines.inference.native import InferenceEngine
+from engines.inference.sampling import SamplingParams
+from engines.model.arch import ModelConfig
+from engines.model.causal_lm import CausalLM
+from engines.model.hf_io import load_pretrained, save_pretrained
 
 #: Architectures the benchmark builds (random weights: throughput does not depend on them).
 MODELS = {
@@ -53,10 +54,10 @@ DEFAULT_LENGTHS = {"demo": (32, 64), "100m": (128, 128), "qwen3-0.6b": (512, 512
 def peak_rss_growth(fn: Callable[..., Any], *args: Any) -> tuple[Any, int]:
     """Run ``fn(*args)``; returns (its result, peak RSS above the RSS before the call, in bytes)."""
     cpu = torch.device("cpu")
-    peak_memory.reset(cpu)
-    before = peak_memory.peak_bytes(cpu)  # right after a reset: the current RSS
+    reset_peak_memory(cpu)
+    before = peak_memory_bytes(cpu)  # right after a reset: the current RSS
     result = fn(*args)
-    return result, max(0, peak_memory.peak_bytes(cpu) - before)
+    return result, max(0, peak_memory_bytes(cpu) - before)
 
 
 def workload(n_prompts: int, prompt_len: int, vocab: int, seed: int = 0) -> list[list[int]]:

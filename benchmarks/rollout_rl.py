@@ -27,10 +27,11 @@ import time
 import torch
 
 from benchmarks.timing import best_seconds
-from engines.inference import InferenceEngine, SamplingParams
-from engines.kv_cache import BLOCK_SIZE, bytes_per_slot, bytes_per_token, paged_pool
-from engines.model import CausalLM
-from engines.offload import synchronize
+from engines.device import synchronize
+from engines.inference.kv_cache import BLOCK_SIZE, bytes_per_slot, bytes_per_token, paged_pool
+from engines.inference.native import InferenceEngine
+from engines.inference.sampling import SamplingParams
+from engines.model.causal_lm import CausalLM
 
 #: (shortest prompt, longest prompt, longest output) per model.
 RL_LENGTHS = {"demo": (16, 48, 64), "100m": (64, 192, 256), "qwen3-0.6b": (128, 512, 2048)}

@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import torch
 
-from engines.offload import synchronize
+from engines.device import synchronize
 
 
 def best_seconds(fn: Callable[[], object], device: torch.device, tries: int) -> float:

@@ -30,12 +30,12 @@ import torch
 
 from benchmarks.rollout import MODELS
 from benchmarks.timing import best_seconds
-from engines.arch import make_config
-from engines.model import CausalLM, track_max_logits
-from engines.offload import synchronize
-from engines.packing import pack
-from engines.sampling import token_logprobs
-from engines.training import TrainingEngine
+from engines.device import synchronize
+from engines.inference.sampling import token_logprobs
+from engines.model.arch import make_config
+from engines.model.causal_lm import CausalLM, track_max_logits
+from engines.training.engine import TrainingEngine
+from engines.training.packing import pack
 from rl.memory import ModelShape, activation_bytes, logprob_bytes
 from rl.optim import build_optimizers
 
@@ -147,8 +147,8 @@ def measure(model_name: str, repeats: int = 3, warmup: int = 1, device: str = "c
     model = CausalLM(cfg).to(dev)
     compute = getattr(torch, dtype)
     if compute != torch.float32:  # float32 master weights, bf16 compute: FSDP's mixed precision, as the trainer
-        from checkpoint_engine.update import free_port
-        from engines.distributed import init_distributed, shard_model
+        from checkpoint_engine.topology import free_port
+        from engines.training.distributed import init_distributed, shard_model
 
         init_distributed(0, 1, f"tcp://127.0.0.1:{free_port()}", device=device)
         model = shard_model(model, param_dtype=dtype)

@@ -35,7 +35,7 @@ import torch
 
 from checkpoint_engine.local import Sharding, Step, run_scenario, shard_digests, synthetic_params
 from checkpoint_engine.synthetic import SyntheticModel
-from engines.fp8 import quantize
+from engines.model.fp8 import quantize
 
 
 def copy_seconds(threads: int, nbytes: int, repeats: int) -> list[float]:

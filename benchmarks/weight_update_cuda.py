@@ -33,8 +33,8 @@ from checkpoint_engine.engine import CheckpointEngine
 from checkpoint_engine.local import PipeReloader, answer_load, digest, synthetic_params
 from checkpoint_engine.synthetic import SyntheticModel
 from checkpoint_engine.transfer import WeightReceiver
-from checkpoint_engine.update import free_port
-from engines.fp8 import quantize
+from checkpoint_engine.topology import free_port
+from engines.model.fp8 import quantize
 
 
 def _bandwidth(src: torch.Tensor, dst: torch.Tensor, tries: int = 5) -> float:

@@ -33,7 +33,7 @@ from checkpoint_engine.synthetic import (  # noqa: F401  (the harness's public n
     synthetic_params,
 )
 from checkpoint_engine.transfer import WeightReceiver
-from checkpoint_engine.update import free_port
+from checkpoint_engine.topology import free_port
 
 
 class PipeReloader:

@@ -1,6 +1,6 @@
 """The bucket plan of a model's weight update, from the trainer's shards to replicas of another layout.
 
-The plan names tensors as a Hugging Face checkpoint does (``engines.layout``), which both sides can
+The plan names tensors as a Hugging Face checkpoint does (``engines.model.layout``), which both sides can
 resolve: the trainer holds stacked experts as FSDP2 row shards, an inference replica may fuse q/k/v
 and gate/up and keep bf16 or block-FP8 weights. Each plan tensor is sent in the replica's dtype
 (the trainer casts, or quantises to FP8, while staging); the trainer rank that holds a run of its
@@ -19,15 +19,15 @@ from torch import nn
 
 from checkpoint_engine.buckets import BucketPlan, TensorSpec, plan_buckets
 from checkpoint_engine.quantize import scale_owners
-from engines.fp8 import BLOCK, FP8, SCALE_SUFFIX, Fp8Experts, Fp8Linear
-from engines.layout import model_tensors, placements
+from engines.model.fp8 import BLOCK, FP8, SCALE_SUFFIX, Fp8Experts, Fp8Linear
+from engines.model.layout import model_tensors, placements
 
 #: per model tensor name: this rank's part as a flat tensor and the index of its first element
 LocalParts = dict[str, tuple[torch.Tensor, int]]
 
 
 def local_parts(shards: dict[str, tuple[torch.Tensor, int]]) -> LocalParts:
-    """``engines.distributed.local_shards`` (or a trainer's host shards) as flat parts and first elements."""
+    """``engines.model.sharded.local_shards`` (or a trainer's host shards) as flat parts and first elements."""
     return {n: (t.reshape(-1), off // t.element_size()) for n, (t, off) in shards.items()}
 
 
@@ -71,7 +71,7 @@ def plan_model_update(model: nn.Module, parts: LocalParts, bucket_bytes: int, re
 
 
 def fp8_block(replica: nn.Module) -> int:
-    """The FP8 block size of a replica (``engines.fp8.to_fp8``); the default when it has none."""
+    """The FP8 block size of a replica (``engines.model.fp8.to_fp8``); the default when it has none."""
     return next((m.block for m in replica.modules() if isinstance(m, (Fp8Linear, Fp8Experts))), BLOCK)
 
 
@@ -99,10 +99,10 @@ class ModelSender:
     once, collectively) and, per update, this rank's sources."""
 
     def __init__(self, model: nn.Module, replica: nn.Module, bucket_bytes: int) -> None:
-        from engines import distributed
+        from engines.model import sharded
 
         self.model, self.replica, self.bucket_bytes = model, replica, bucket_bytes
-        self.plan = plan_model_update(model, local_parts(distributed.local_shards(model)), bucket_bytes, replica)
+        self.plan = plan_model_update(model, local_parts(sharded.local_shards(model)), bucket_bytes, replica)
 
     def sources(self, shards: dict[str, tuple[torch.Tensor, int]]) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
         """(tensors, offsets) of ``CheckpointEngine.update`` from this rank's shards (live or offloaded)."""
@@ -113,8 +113,8 @@ class ModelSender:
         whether the replicas can load it as it is (same tensors and dtypes); if not, they wait for the
         first update from the trainers, whose weights the start-up fills in any case."""
         from checkpoint_engine.startup import plan_startup
-        from engines.fp8 import checkpoint_block
-        from engines.hf_io import read_config
+        from engines.model.fp8 import checkpoint_block
+        from engines.model.hf_io import read_config
 
         block = checkpoint_block(read_config(model_dir)) or BLOCK
         plan, _, _ = plan_startup(model_dir, world, self.bucket_bytes, set(placements(self.model)), block)
@@ -125,15 +125,16 @@ class ModelSender:
         one collective read of ``model_dir`` (each file read by one rank). Collective; returns whether the
         replicas were filled ("replicas") and the tensors this rank read, per file ("reads")."""
         from checkpoint_engine.startup import SafetensorsShare, ShardSink, plan_startup
-        from engines import distributed
-        from engines.fp8 import checkpoint_block
-        from engines.hf_io import read_config
+        from engines.model import sharded
+        from engines.model.fp8 import checkpoint_block
+        from engines.model.hf_io import read_config
+        from engines.training import distributed
 
         world, rank = distributed.world_size(), distributed.rank()
         block = checkpoint_block(read_config(model_dir)) or BLOCK
         plan, owner, index = plan_startup(model_dir, world, self.bucket_bytes, set(placements(self.model)), block)
         replicas = _same_layout(plan, self.plan)
-        sink = ShardSink(*plan_sources(self.model, local_parts(distributed.local_shards(self.model)))).bind(plan)
+        sink = ShardSink(*plan_sources(self.model, local_parts(sharded.local_shards(self.model)))).bind(plan)
         share = SafetensorsShare(index, [f for f, w in owner.items() if w == rank])
         with torch.no_grad():
             engine.update(plan, share, version, reloader if replicas else None, sink=sink)

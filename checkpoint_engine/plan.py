@@ -1,9 +1,12 @@
 """Predict a weight update's time and memory on a GPU cluster, calibrated on published measurements.
 
-    python -m checkpoint_engine.plan                          # Kimi K2, FP8, 256 H800: time and memory
-    python -m checkpoint_engine.plan --table                  # FP8/bf16 x replica layouts vs the 30 s target
-    python -m checkpoint_engine.plan --validate               # the published runs, measured vs predicted
-    python -m checkpoint_engine.plan --dtype bf16 --tp 32 --nodes 64 --bucket-gib 4
+    rl plan-update                          # Kimi K2, FP8, 256 H800: time and memory
+    rl plan-update --table                  # FP8/bf16 x replica layouts vs the 30 s target
+    rl plan-update --validate               # the published runs, measured vs predicted
+    rl plan-update --dtype bf16 --tp 32 --nodes 64 --bucket-gib 4
+
+(the CLI lives in ``rl.update_plan``: the run's own memory, the trainer's shard and the KV cache, is
+the controller's model, ``rl.memory``; it reaches this planner as a ``Footprint`` of plain numbers).
 
 The cost model of the two-stage pipeline, for B bytes on W = nodes x G GPUs, TP GPUs per replica:
   h2d       B / W / PCIe                     stage 1: each GPU stages its share, synchronously
@@ -19,17 +22,16 @@ The cost model of the two-stage pipeline, for B bytes on W = nodes x G GPUs, TP 
 has the same structure (per-bucket NCCL broadcast into IPC buffers, then a reload), so its GPU
 path is predicted with the same r and hop: an assumption until it is measured on a cluster.
 
-Memory per GPU: the colocated trainer's shard and the KV cache from ``rl.memory.estimate``, the
+Memory per GPU: the colocated trainer's shard and the KV cache (a ``Footprint``, given), the
 replica's shard (bf16, or block-FP8 with its scales) and the engine's three buckets (H2D + two IPC)
 from here. A layout that does not fit is refused, naming its largest part.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
-from dataclasses import asdict, dataclass, replace
+from collections.abc import Callable
+from dataclasses import dataclass
 from functools import cache
 
 import numpy as np
@@ -169,18 +171,18 @@ K2_BYTES = {"params": 1.026408209408e12, "bf16": 2.052817e12, "fp8": 1.029173e12
 
 
 def k2_arch():
-    from engines.arch import make_config
+    from engines.model.arch import make_config
 
     return make_config("kimi_k2", **K2_CONFIG)
 
 
 def model_bytes(arch) -> dict[str, float]:
-    """Parameters, and the bytes of a bf16 replica and of a block-FP8 one (``engines.fp8``), from shapes."""
+    """Parameters, and the bytes of a bf16 replica and of a block-FP8 one (``engines.model.fp8``), from shapes."""
     import torch
 
-    from engines.fp8 import to_fp8
-    from engines.layout import model_tensors
-    from engines.model import build_model
+    from engines.model.causal_lm import build_model
+    from engines.model.fp8 import to_fp8
+    from engines.model.layout import model_tensors
 
     model = build_model(arch, device="meta", dtype=torch.bfloat16)
     size = lambda m: float(sum(t.numel() * t.element_size() for t in model_tensors(m).values()))  # noqa: E731
@@ -220,67 +222,58 @@ class Memory:
                 f"({self.parts[big]:.1f} GiB)")
 
 
-def run_config(overrides: dict | None = None):
-    """The run whose memory is planned: K2 as the report trains it, colocated: bf16 master weights,
-    Muon, the trainer offloaded while the engines generate, the replica's weights and KV cache freed
-    while it trains (sleep level 2: the next update refills them), 8 GiB of KV cache per GPU."""
-    from rl.config import parse_config
+@dataclass(frozen=True)
+class Footprint:
+    """The run around the update, per GPU: its trainer's shard (weights, gradients, optimizer state) and
+    KV cache in bytes; whether the trainer is offloaded while the engines generate, and how deep the
+    replicas sleep while it trains (1: KV cache freed; 2: weights too)."""
 
-    raw = {"model": {"dtype": "bfloat16"},
-           "trainer": {"param_dtype": "bfloat16", "master_dtype": "bfloat16", "offload": True},
-           "optimizer": {"kind": "muon"}, "rollout": {"kv_cache_mb": 8192, "sleep_level": 2}}
-    for k, v in (overrides or {}).items():
-        raw.setdefault(k, {}).update(v)
-    return parse_config(raw)
+    trainer_bytes: float
+    kv_cache_bytes: float
+    offload: bool = True
+    sleep_level: int = 2
 
 
-@cache
-def _trainer_and_kv(gpus: int, overrides_json: str) -> tuple[float, float]:
-    """(trainer shard, KV cache) bytes per GPU from ``rl.memory.estimate``: K2 over ``gpus`` workers, the
-    trainer's weights, gradients and optimizer state; the paged cache's whole budget."""
-    from rl.memory import estimate
-
-    cfg = run_config(json.loads(overrides_json))
-    cfg = cfg.model_copy(update={"cluster": cfg.cluster.model_copy(update={"workers": gpus})})
-    est = estimate(cfg, k2_arch(), 4096)
-    return float(est.trainer_weights + est.trainer_grads + est.optimizer), float(est.kv_cache)
+#: A run's footprint for a number of GPUs (the trainer's shard shrinks as they grow).
+FootprintOf = Callable[[int], Footprint]
 
 
-def memory(layout: Layout, cluster: Cluster, bucket_bytes: float, model: dict[str, float] = K2_BYTES,
-           overrides: dict | None = None) -> Memory:
-    """Memory per GPU of K2 in ``layout``: the larger of the rollout phase (replica shard, KV cache and
-    the engine's buffers, during which updates happen) and the training phase. The replica's shard
-    and the engine's buffers are this planner's; the rest is ``rl.memory.estimate``'s."""
-    cfg = run_config(overrides)
-    trainer, kv = _trainer_and_kv(cluster.gpus, json.dumps(overrides or {}, sort_keys=True))
+def memory(layout: Layout, cluster: Cluster, bucket_bytes: float, run: Footprint,
+           model: dict[str, float] = K2_BYTES) -> Memory:
+    """Memory per GPU of ``model`` in ``layout``: the larger of the rollout phase (replica shard, KV cache
+    and the engine's buffers, during which updates happen) and the training phase. The replica's shard
+    and the engine's buffers are this planner's; the trainer's shard and the KV cache are ``run``'s."""
+    trainer, kv = run.trainer_bytes, run.kv_cache_bytes
     replica = model[layout.dtype] / layout.tp
     buffers = 3 * bucket_bytes  # H2D + two IPC buffers
     rollout = {"replica shard": replica, "KV cache": kv, "engine buffers (H2D + 2 IPC)": buffers}
-    if not cfg.trainer.offload:
+    if not run.offload:
         rollout["trainer shard"] = trainer
     train = {"trainer shard": trainer, "engine buffers (H2D + 2 IPC)": buffers}
-    if cfg.rollout.sleep_level < 2:
+    if run.sleep_level < 2:
         train["replica shard"] = replica
-    if cfg.rollout.sleep_level == 0:
+    if run.sleep_level == 0:
         train["KV cache"] = kv
     peak = max((rollout, train), key=lambda p: sum(p.values()))
     return Memory({k: v / GiB for k, v in peak.items()}, cluster.gpu.memory_gib)
 
 
-def plan(layout: Layout, gpu: str = "H800", cal: Calibration | None = None, overrides: dict | None = None
+def plan(layout: Layout, footprint: FootprintOf, gpu: str = "H800", cal: Calibration | None = None
          ) -> tuple[Prediction | None, Memory, float]:
-    """(prediction or None if it cannot fit, memory, bucket bytes) of K2 in ``layout`` on ``gpu`` nodes.
+    """(prediction or None if it cannot fit, memory, bucket bytes) of K2 in ``layout`` on ``gpu`` nodes, in
+    a run of ``footprint(gpus)``.
     Without a bucket size the largest that fits is taken (at most 8 GiB, in steps of 1/4 GiB): fewer
     broadcasts, less latency."""
     cluster = Cluster(GPUS[gpu], layout.nodes)
     cal = cal or k2_calibration()
+    run = footprint(cluster.gpus)
     if layout.bucket_gib:
         bucket = layout.bucket_gib * GiB
     else:
-        without = memory(layout, cluster, 0, overrides=overrides)
+        without = memory(layout, cluster, 0, run)
         spare = (without.limit - without.total) * GiB / 3  # the three buffers share what is left
         bucket = min(8 * GiB, max(0.25 * GiB, spare // (GiB / 4) * (GiB / 4)))
-    mem = memory(layout, cluster, bucket, overrides=overrides)
+    mem = memory(layout, cluster, bucket, run)
     if not mem.fits:
         return None, mem, bucket
     return predict(K2_BYTES[layout.dtype], cluster, layout.tp, bucket, cal), mem, bucket
@@ -289,13 +282,13 @@ def plan(layout: Layout, gpu: str = "H800", cal: Calibration | None = None, over
 TABLE_LAYOUTS = [Layout(d, tp, nodes) for d in ("fp8", "bf16") for nodes in (32, 64) for tp in (8, 16, 32, 64)]
 
 
-def table(target_s: float = 30.0, gpu: str = "H800") -> str:
+def table(footprint: FootprintOf, target_s: float = 30.0, gpu: str = "H800") -> str:
     """Markdown table of ``TABLE_LAYOUTS`` for K2: time, bound, memory, and the margin to ``target_s``."""
     cal = k2_calibration()
     lines = ["| weights | GPUs | TP | bucket GiB | GiB/GPU | predicted s | bound | 30 s target |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for lay in TABLE_LAYOUTS:
-        p, mem, bucket = plan(lay, gpu, cal)
+        p, mem, bucket = plan(lay, footprint, gpu, cal)
         gpus = lay.nodes * 8
         if p is None:
             lines.append(f"| {lay.dtype} | {gpus} | {lay.tp} | - | {mem.total:.1f} | - | memory | refused: "
@@ -320,51 +313,5 @@ def validation() -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m checkpoint_engine.plan",
-                                 description="Predict Kimi K2's weight-update time and memory on a GPU cluster.")
-    ap.add_argument("--dtype", choices=["fp8", "bf16"], default="fp8", help="replica weights (default fp8)")
-    ap.add_argument("--tp", type=int, default=16, help="GPUs per inference replica (default 16)")
-    ap.add_argument("--nodes", type=int, default=32, help="nodes of 8 GPUs (default 32: 256 GPUs)")
-    ap.add_argument("--gpu", choices=sorted(GPUS), default="H800")
-    ap.add_argument("--bucket-gib", type=float, default=None, help="bucket per GPU (default: largest that fits)")
-    ap.add_argument("--target-s", type=float, default=30.0)
-    ap.add_argument("--table", action="store_true", help="print the table of FP8/bf16 replica layouts")
-    ap.add_argument("--validate", action="store_true", help="published runs: measured against predicted")
-    ap.add_argument("--json", action="store_true")
-    a = ap.parse_args(argv)
-    if a.tp < 1 or a.nodes < 1 or (a.bucket_gib is not None and a.bucket_gib <= 0) or a.target_s <= 0:
-        ap.error("--tp, --nodes, --bucket-gib and --target-s must be positive")
-    if a.table:
-        print(table(a.target_s, a.gpu))
-        return
-    if a.validate:
-        print(validation())
-        return
-    layout = Layout(a.dtype, a.tp, a.nodes, a.bucket_gib)
-    p, mem, bucket = plan(layout, a.gpu)
-    if p is None:
-        raise SystemExit(f"error: Kimi K2 ({a.dtype}, TP{a.tp}, {a.nodes * 8} {a.gpu}) does not fit: {mem.why()}")
-    holds = bool(p.total_s <= a.target_s)
-    if a.json:
-        cal = k2_calibration()
-        print(json.dumps({**asdict(p), "target_s": a.target_s, "holds": holds, "layout": asdict(replace(
-            layout, bucket_gib=bucket / GiB)), "memory_gib": mem.parts, "calibration": asdict(cal)}))
-        return
-    print(f"Kimi K2, {a.dtype}: {p.bytes / 1e12:.3f} TB on {p.gpus} {a.gpu} ({a.nodes} nodes x 8), TP{a.tp}; "
-          f"bucket {bucket / GiB:g} GiB, {p.buckets} broadcasts")
-    print(f"  stage 1  h2d        {p.h2d_s:7.2f} s")
-    print(f"  stage 2  deliver    {p.deliver_s:7.2f} s   (overlapped with reload)")
-    print(f"           reload     {p.reload_s:7.2f} s")
-    print(f"  broadcast latency   {p.latency_s:7.2f} s")
-    print("  memory per GPU: " + ", ".join(f"{k} {v:.1f}" for k, v in mem.parts.items()) +
-          f" = {mem.total:.1f} of {mem.limit:.1f} GiB")
-    cal = k2_calibration()
-    print(f"  r {cal.rate_gbps:.1f} GB/s per GPU, hop {cal.hop_s * 1e6:.1f} us: {cal.source}")
-    print(f"predicted update: {p.total_s:.1f} s; bound by {p.bound}")
-    print(f"{a.target_s:g} s target {'holds' if holds else 'does NOT hold'} "
-          f"({'margin' if holds else 'over by'} {abs(a.target_s - p.total_s):.1f} s)")
-
-
 if __name__ == "__main__":
-    main()
+    raise SystemExit("error: the planner's command is now `rl plan-update` (same flags)")

@@ -116,3 +116,10 @@ class NodeBuffers:
     def close(self) -> None:
         for b in self.buffers:
             b.close()
+
+
+def free_port() -> int:
+    """A free TCP port on loopback, for a torch.distributed rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -20,7 +20,7 @@ Three pieces of text make up a tool-using dialog:
       RESULT<|im_end|>
 
 The markers are special tokens in K2; our tokenizers have no special tokens for them, so they are
-plain strings here (module constants, so that the grammar in ``engines.constrained`` uses the same).
+plain strings here (module constants, so that the grammar in ``engines.inference.constrained`` uses the same).
 """
 
 from __future__ import annotations

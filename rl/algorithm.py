@@ -18,8 +18,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from engines.distributed import all_reduce_max, all_reduce_sum
-from engines.training import TokenScores, TrainingEngine
+from engines.training.distributed import all_reduce_max, all_reduce_sum
+from engines.training.engine import TokenScores, TrainingEngine
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
 A checkpoint is written to a temporary directory and renamed into place, so a failure while
 saving (or a failed iteration) never damages the last good checkpoint. The trainer state (master
-weights, optimizer state) is in ``trainer/``, written by every rank (``engines.trainer_state``).
+weights, optimizer state) is in ``trainer/``, written by every rank (``engines.training.trainer_state``).
 """
 
 from __future__ import annotations

@@ -13,7 +13,8 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from engines.inference import Completion, SamplingParams
+from engines.inference.requests import Completion
+from engines.inference.sampling import SamplingParams
 from rl.algorithm import PtxBatch, Sample
 from rl.config import Config
 from rl.errors import UserError
@@ -32,7 +33,7 @@ class Cluster:
     def __init__(self, cfg: Config, model_dir: str, max_seq_len: int | None = None) -> None:
         """``max_seq_len``: tokens per sequence of the inference KV caches (default: ``rollout.max_seq_len``,
         else the model's context)."""
-        from engines.hf_io import read_config
+        from engines.model.hf_io import read_config
 
         context = read_config(model_dir).max_position_embeddings
         self.max_context = max_seq_len or cfg.rollout.max_seq_len or context
@@ -150,7 +151,7 @@ class Cluster:
     def train(self, samples: list[Sample], ptx: list[PtxBatch], seed: int,
               on_step: Callable[[dict], None] | None = None) -> list[dict[str, float]]:
         """One K1.5 update on every trainer rank; returns the metrics of each optimizer step."""
-        from engines.training import NonFiniteError
+        from engines.training.engine import NonFiniteError
         from rl.guards import TrainingStopped
 
         samples_ref, ptx_ref = ray.put(samples), ray.put(ptx)

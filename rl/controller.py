@@ -14,9 +14,9 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from engines.hf_io import read_config
-from engines.sampling import SamplingParams
-from engines.tokenizer import TextTokenizer
+from engines.inference.sampling import SamplingParams
+from engines.model.hf_io import read_config
+from engines.model.tokenizer import TextTokenizer
 from envs import Task
 from rl.checkpoint import LoopState, copy_tokenizer, latest_checkpoint, save_checkpoint
 from rl.cluster import Cluster

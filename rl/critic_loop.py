@@ -14,8 +14,8 @@ from __future__ import annotations
 import random
 from collections import defaultdict
 
-from engines.sampling import SamplingParams
-from engines.tokenizer import TextTokenizer
+from engines.inference.sampling import SamplingParams
+from engines.model.tokenizer import TextTokenizer
 from envs.rubric import build_pair_prompt, load_rubrics, parse_verdict
 from rl.algorithm import Sample
 from rl.config import Config

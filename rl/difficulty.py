@@ -13,10 +13,10 @@ from pathlib import Path
 
 import torch
 
-from engines.hf_io import load_pretrained
-from engines.inference import InferenceEngine
-from engines.sampling import SamplingParams
-from engines.tokenizer import TextTokenizer
+from engines.inference.native import InferenceEngine
+from engines.inference.sampling import SamplingParams
+from engines.model.hf_io import load_pretrained
+from engines.model.tokenizer import TextTokenizer
 from envs import Task
 from envs.tasks import save_tasks
 from rl.config import Config

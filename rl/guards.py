@@ -3,7 +3,7 @@
 Before the run: the machine can hold the workers, the run directory can be written. During the run: a non-finite
 reward stops the update and names the environment and task; an iteration whose episodes mostly failed stops the run
 with the first error; ``run.max_minutes`` ends it after the iteration that reaches it. (Non-finite losses and
-gradients are caught in the trainer's optimizer step: ``engines.training.NonFiniteError``.)
+gradients are caught in the trainer's optimizer step: ``engines.training.engine.NonFiniteError``.)
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ def check_max_tokens(cfg: Config) -> None:
     """Refuse a response budget that leaves no room for a prompt in the model's context, before any warm start (the
     prompts themselves are checked once the tokenizer exists: ``rl.data.rollout_seq_len``)."""
     if cfg.model.path is not None:
-        from engines.hf_io import ModelDirError, read_config
+        from engines.model.hf_io import ModelDirError, read_config
 
         try:
             context = read_config(cfg.model.path).max_position_embeddings

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engines.arch import ModelConfig
-from engines.kv_cache import bytes_per_slot, paged_pool
+from engines.inference.kv_cache import bytes_per_slot, paged_pool
+from engines.model.arch import ModelConfig
 from rl.config import Config
 from rl.errors import UserError
 
@@ -45,7 +45,7 @@ class ModelShape:
 
     @classmethod
     def of(cls, arch: ModelConfig) -> ModelShape:
-        from engines.model import build_model
+        from engines.model.causal_lm import build_model
         from rl.optim import muon_params
 
         model = build_model(arch, device="meta")  # shapes only: a 1 T-parameter config costs nothing here
@@ -92,7 +92,7 @@ def activation_bytes(shape: ModelShape, tokens: int, compute_bytes: int, checkpo
 
 def logprob_bytes(tokens: int, vocab: int) -> int:
     """The chunked log-probabilities' float32 blocks (the backward holds two of [tokens, chunk] at once)."""
-    from engines.logprobs import vocab_chunk
+    from engines.model.logprobs import vocab_chunk
 
     return 2 * tokens * vocab_chunk(tokens, vocab) * 4
 
@@ -181,9 +181,9 @@ def estimate_run(cfg: Config) -> MemoryEstimate:
     start's architecture) and the KV length the run's prompts need (see ``rollout.max_seq_len``)."""
     from pathlib import Path
 
-    from engines.arch import make_config
-    from engines.hf_io import ModelDirError, read_config
-    from engines.tokenizer import TextTokenizer
+    from engines.model.arch import make_config
+    from engines.model.hf_io import ModelDirError, read_config
+    from engines.model.tokenizer import TextTokenizer
     from rl.data import load_task_sets, rollout_seq_len
     from rl.warmstart import cache_root, warmstart_key
 

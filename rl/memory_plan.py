@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engines.arch import ModelConfig, make_config
-from engines.kv_cache import bytes_per_token
+from engines.inference.kv_cache import bytes_per_token
+from engines.model.arch import ModelConfig, make_config
 from rl.memory import GiB, ModelShape, trainer_bytes, training_working_set
 
 #: Model shapes by name, as their Hugging Face configs give them (random weights are never built).

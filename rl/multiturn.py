@@ -18,8 +18,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from engines.sampling import SamplingParams
-from engines.tokenizer import TextTokenizer
+from engines.inference.sampling import SamplingParams
+from engines.model.tokenizer import TextTokenizer
 from envs import Env, Task
 from rl.algorithm import Sample
 from rl.config import Config, EnvConfig

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from engines.distributed import chunk_rows, is_row_sharded, local_tensor
+from engines.model.sharded import chunk_rows, is_row_sharded, local_tensor
 
 try:
     from torch.optim._muon import _adjust_lr

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engines.moe import Router
+from engines.model.moe import Router
 from rl.muon import ShardedMuon
 
 

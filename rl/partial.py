@@ -12,7 +12,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 
-from engines.inference import Completion, InferenceEngine, InvalidRequestError, SamplingParams
+from engines.inference.native import InferenceEngine
+from engines.inference.requests import Completion
+from engines.inference.sampling import InvalidRequestError, SamplingParams
 
 __all__ = ["PartialRolloutBuffer", "Trajectory", "advance", "generate_with_budget"]
 

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from engines.model import attention_layers
+from engines.model.causal_lm import attention_layers
 
 log = logging.getLogger(__name__)
 

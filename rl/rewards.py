@@ -7,8 +7,8 @@ from collections import Counter
 
 from rich.progress import Progress
 
-from engines.inference import SamplingParams
-from engines.tokenizer import TextTokenizer
+from engines.inference.sampling import SamplingParams
+from engines.model.tokenizer import TextTokenizer
 from rl.algorithm import Sample
 from rl.config import Config
 from rl.data import GROUPS_PER_ITERATION, TaskSets

@@ -16,11 +16,11 @@ from pathlib import Path
 import torch
 from rich.progress import Progress
 
-from engines.arch import make_config
-from engines.hf_io import ModelDirError, read_config, save_pretrained
-from engines.model import CausalLM, track_max_logits
-from engines.tokenizer import train_tokenizer
-from engines.training import TrainingEngine
+from engines.model.arch import make_config
+from engines.model.causal_lm import CausalLM, track_max_logits
+from engines.model.hf_io import ModelDirError, read_config, save_pretrained
+from engines.model.tokenizer import train_tokenizer
+from engines.training.engine import TrainingEngine
 from rl.algorithm import sft_update
 from rl.config import Config
 from rl.data import SFT_SEED

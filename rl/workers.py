@@ -20,21 +20,26 @@ from torch.utils._pytree import tree_map_only
 from checkpoint_engine.engine import CheckpointEngine
 from checkpoint_engine.model_plan import ModelSender, receiver_placements
 from checkpoint_engine.transfer import WeightReceiver
-from checkpoint_engine.update import RayPacker, RayReloader, free_port
-from engines import distributed, peak_memory
-from engines.fp8 import BLOCK, checkpoint_block, to_fp8
-from engines.hf_io import read_config, save_pretrained
-from engines.inference import Completion, InferenceEngine, SamplingParams
-from engines.layout import hub_state
-from engines.model import build_model, track_max_logits
-from engines.tokenizer import TextTokenizer
-from engines.trainer_state import has_trainer_state, load_trainer_state, save_trainer_state
-from engines.training import TrainingEngine
+from checkpoint_engine.topology import free_port
+from engines.device import peak_memory_bytes, reset_peak_memory
+from engines.inference.native import InferenceEngine
+from engines.inference.requests import Completion
+from engines.inference.sampling import SamplingParams
+from engines.model import sharded
+from engines.model.causal_lm import build_model, track_max_logits
+from engines.model.fp8 import BLOCK, checkpoint_block, to_fp8
+from engines.model.hf_io import read_config, save_pretrained
+from engines.model.layout import hub_state
+from engines.model.tokenizer import TextTokenizer
+from engines.training import distributed
+from engines.training.engine import TrainingEngine
+from engines.training.trainer_state import has_trainer_state, load_trainer_state, save_trainer_state
 from rl.algorithm import PtxBatch, Sample, rl_update
 from rl.config import Config
 from rl.optim import build_optimizers
 from rl.partial import Trajectory, advance
 from rl.qk_clip import qk_clip
+from rl.weight_sync import RayPacker, RayReloader
 
 OPTIMIZER_FILE = "optimizer.pt"  # the earlier checkpoint format, still read
 
@@ -120,14 +125,14 @@ class TrainerWorker:
         """Push this rank's shard of the weights to every inference engine (checkpoint engine).
 
         While offloaded the shards are read from host memory: stage 1 is then the H2D copy."""
-        shards = self.engine.host_shards() if self.engine.offloaded else distributed.local_shards(self.engine.model)
+        shards = self.engine.host_shards() if self.engine.offloaded else sharded.local_shards(self.engine.model)
         tensors, offsets = self.sender.sources(shards)
         self.ckpt.update(self.sender.plan, tensors, version, self.reloader, offsets=offsets)
 
     def train(self, samples: list[Sample], ptx: list[PtxBatch], seed: int) -> Iterator[dict[str, float]]:
         """Run the K1.5 (+ PTX) update on a rollout batch; yields metrics after each optimizer step."""
         a, model = self.cfg.algorithm, self.engine.model
-        peak_memory.reset(self.engine.device)
+        reset_peak_memory(self.engine.device)
         tau_qk = self.cfg.optimizer.qk_clip_tau
         for m in rl_update(self.engine, samples, tau=a.tau, minibatches=a.minibatches,
                            token_budget=a.micro_batch_tokens, max_items=a.micro_batch, seed=seed, ptx=ptx,
@@ -141,7 +146,7 @@ class TrainerWorker:
 
     def peak_memory(self) -> int:
         """Peak bytes of this process since its last ``train`` began (device memory on a GPU, RSS on CPU)."""
-        return peak_memory.peak_bytes(self.engine.device)
+        return peak_memory_bytes(self.engine.device)
 
     def offload(self) -> dict:
         """Parameters, gradients and optimizer state to host memory while the inference engine runs."""
@@ -164,9 +169,9 @@ class TrainerWorker:
 
     def save(self, directory: str, trainer_state: bool = True) -> None:
         """Weights in Hugging Face format (rank 0 writes the gathered tensors) and, with ``trainer_state``, every
-        rank's shards of the master weights and optimizer state (``engines.trainer_state``); collective."""
+        rank's shards of the master weights and optimizer state (``engines.training.trainer_state``); collective."""
         with self._onloaded():
-            state = distributed.full_state_dict(self.engine.model)
+            state = sharded.full_state_dict(self.engine.model)
             if self.rank == 0:
                 save_pretrained(self.engine.model, None, directory, state=state)
             del state
@@ -193,7 +198,7 @@ class TrainerWorker:
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Full weights under the checkpoint's names (collective when sharded)."""
         with self._onloaded():
-            full = distributed.full_state_dict(self.engine.model)
+            full = sharded.full_state_dict(self.engine.model)
             return {k: v.clone() for k, v in hub_state(self.engine.model, full).items()}
 
     def close(self) -> None:
@@ -280,12 +285,12 @@ class RolloutWorker:
         self._check_consistent()
         before = self.engine.stats()
         self.engine.peak_blocks = 0
-        peak_memory.reset(self.engine.device)
+        reset_peak_memory(self.engine.device)
         out = advance(self.engine, trajectories, token_budget, version)
         after = self.engine.stats()
         counts = {k: after[k] - before[k] for k in ("prefix_hit_tokens", "prefix_miss_tokens", "preemptions")}
         return out, {**counts, "kv_blocks_peak": after["kv_blocks_peak"], "kv_blocks": after["kv_blocks"],
-                     "peak_bytes": peak_memory.peak_bytes(self.engine.device) + self.engine.arena_bytes()}
+                     "peak_bytes": peak_memory_bytes(self.engine.device) + self.engine.arena_bytes()}
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The engine's weights under the checkpoint's names; FP8 ones as their bytes (uint8), which is

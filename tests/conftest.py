@@ -8,8 +8,9 @@ import os
 import pytest
 import torch
 
-from engines.model import CausalLM, ModelConfig
-from engines.tokenizer import train_tokenizer
+from engines.model.arch import ModelConfig
+from engines.model.causal_lm import CausalLM
+from engines.model.tokenizer import train_tokenizer
 from envs.arithmetic import ArithmeticEnv
 
 

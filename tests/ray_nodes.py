@@ -17,7 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from checkpoint_engine.update import free_port
+from checkpoint_engine.topology import free_port
 
 VENV_BIN = Path(sys.executable).parent
 

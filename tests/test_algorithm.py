@@ -7,9 +7,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engines.inference import InferenceEngine, SamplingParams
-from engines.model import padded_causal_mask, positions_from_valid
-from engines.training import TrainingEngine
+from engines.inference.native import InferenceEngine
+from engines.inference.sampling import SamplingParams
+from engines.model.attention import padded_causal_mask, positions_from_valid
+from engines.training.engine import TrainingEngine
 from rl.algorithm import (
     PtxBatch,
     Sample,

@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from engines import arena as ar
-from engines.layout import model_tensors
+from engines.inference import arena as ar
+from engines.model.layout import model_tensors
 
 
 def resident(a: ar.Arena) -> int:

@@ -29,7 +29,7 @@ from checkpoint_engine.local import (
 )
 from checkpoint_engine.shm import SharedBuffer
 from checkpoint_engine.transfer import CorruptUpdateError, PlanMismatchError, WeightReceiver
-from engines.distributed import chunk_rows
+from engines.model.sharded import chunk_rows
 
 # every dtype users train in, a tensor 3x larger than a bucket, and tensors that share a bucket
 MIXED = [TensorSpec("embed.fp32", (96, 64), "float32", 96 * 64 * 4),
@@ -192,7 +192,7 @@ FP8_SPECS = [TensorSpec("w.a", (200, 136), "bfloat16", 200 * 136 * 2),
 @pytest.mark.parametrize(("split_rows", "nodes", "shard"), [(False, 1, False), (True, 2, False), (True, 1, True)])
 def test_fp8_update_equals_the_reference_quantisation(split_rows, nodes, shard):
     """Owners quantise their rows bucket by bucket (an FSDP-like split cuts blocks between workers, whose
-    maxima are combined): every replica holds exactly ``engines.fp8.quantize`` of the trainer's weights,
+    maxima are combined): every replica holds exactly ``engines.model.fp8.quantize`` of the trainer's weights,
     and the wire carries about a byte per element instead of two (or four)."""
     from checkpoint_engine.synthetic import SyntheticModel
 
@@ -213,7 +213,7 @@ def test_fp8_checkpoint_starts_replicas_as_stored_and_trainers_dequantised(tmp_p
     """A block-FP8 checkpoint (F8_E4M3 matrices, float32 ``_scale_inv``) is read once: FP8 replicas get
     its bytes, each worker's trainer rows (starting inside a block) get them dequantised."""
     from checkpoint_engine.synthetic import SyntheticModel
-    from engines.fp8 import dequantize
+    from engines.model.fp8 import dequantize
 
     save_checkpoint(FP8_SPECS, 5, tmp_path, files=2, fp8=True, block=32)
     run = run_scenario(FP8_SPECS, 3, 4096, [Step("startup", 5, path=str(tmp_path), trainer=True)], split_rows=True,
@@ -368,7 +368,7 @@ def _cuda_update(plan, sources: dict, device: int = 0, child_devices: str | None
     import os
 
     from checkpoint_engine.engine import CheckpointEngine
-    from checkpoint_engine.update import free_port
+    from checkpoint_engine.topology import free_port
 
     torch.cuda.set_device(device)
     engine = CheckpointEngine(0, 1, f"tcp://127.0.0.1:{free_port()}", plan.bucket_bytes, "test-cuda",

@@ -4,7 +4,7 @@ import json
 import random
 import re
 
-from engines.inference import Completion
+from engines.inference.requests import Completion
 from rl.algorithm import Sample
 from rl.config import parse_config
 from rl.controller import train

@@ -17,11 +17,12 @@ import pytest
 import torch
 import transformers
 
-from engines.hf_io import ModelDirError, checkpoint_index, load_pretrained, read_config, save_pretrained
-from engines.inference import InferenceEngine, SamplingParams
-from engines.model import padded_causal_mask, positions_from_valid
-from engines.moe import Router
-from engines.training import TrainingEngine
+from engines.inference.native import InferenceEngine
+from engines.inference.sampling import SamplingParams
+from engines.model.attention import padded_causal_mask, positions_from_valid
+from engines.model.hf_io import ModelDirError, checkpoint_index, load_pretrained, read_config, save_pretrained
+from engines.model.moe import Router
+from engines.training.engine import TrainingEngine
 from tests.ranks import rank_body, run_ranks
 
 VOCAB = 128
@@ -245,9 +246,10 @@ def _load_worker(rank: int, world: int, port: int, out_dir: str, model_dir: str)
     import safetensors
     import torch.distributed as dist
 
-    from engines import distributed, hf_io
-    from engines.layout import hub_state
-    from engines.model import build_model
+    from engines.model import hf_io, sharded
+    from engines.model.causal_lm import build_model
+    from engines.model.layout import hub_state
+    from engines.training import distributed
 
     torch.set_num_threads(1)
     with rank_body(rank, out_dir):
@@ -291,7 +293,7 @@ def _load_worker(rank: int, world: int, port: int, out_dir: str, model_dir: str)
         model = build_model(read_config(model_dir), device="meta")
         model = distributed.shard_model(model, device="cpu")
         hf_io.load_weights(model, model_dir)
-        full = hub_state(model, distributed.full_state_dict(model))
+        full = hub_state(model, sharded.full_state_dict(model))
         torch.save({"read": read["elements"], "state": {k: v.clone() for k, v in full.items()}},
                    os.path.join(out_dir, f"rank{rank}.pt"))
 

@@ -12,11 +12,11 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from engines.arch import make_config
-from engines.fp8 import FP8, dequantize, quantize, quantize_with, to_fp8
-from engines.hf_io import ModelDirError, load_pretrained, read_config, save_pretrained
-from engines.layout import hub_state
-from engines.model import build_model
+from engines.model.arch import make_config
+from engines.model.causal_lm import build_model
+from engines.model.fp8 import FP8, dequantize, quantize, quantize_with, to_fp8
+from engines.model.hf_io import ModelDirError, load_pretrained, read_config, save_pretrained
+from engines.model.layout import hub_state
 from tests.ranks import rank_body, run_ranks
 
 K2_TINY = dict(vocab_size=64, hidden_size=40, intermediate_size=72, moe_intermediate_size=24, num_hidden_layers=2,
@@ -114,13 +114,14 @@ def test_other_quantisations_are_refused(tmp_path):
 def _sharded_fp8_load(rank, world, port, out_dir, model_dir):
     with rank_body(rank, out_dir):
 
-        from engines import distributed, hf_io
+        from engines.model import hf_io, sharded
+        from engines.training import distributed
 
         distributed.init_distributed(rank, world, f"tcp://127.0.0.1:{port}")
         model = build_model(read_config(model_dir), device="meta")
         model = distributed.shard_model(model, device="cpu")
         hf_io.load_weights(model, model_dir)
-        full = hub_state(model, distributed.full_state_dict(model))
+        full = hub_state(model, sharded.full_state_dict(model))
         torch.save({k: v.clone() for k, v in full.items()}, os.path.join(out_dir, f"rank{rank}.pt"))
 
 

@@ -9,12 +9,13 @@ import struct
 import pytest
 import torch
 
-from engines.arch import make_config
-from engines.inference import InferenceEngine, InvalidRequestError, SamplingParams
-from engines.kv_cache import bytes_per_token
-from engines.model import build_model, padded_causal_mask, positions_from_valid
-from engines.sampling import RowParams, sample
-from engines.training import TrainingEngine
+from engines.inference.kv_cache import bytes_per_token
+from engines.inference.native import InferenceEngine
+from engines.inference.sampling import InvalidRequestError, RowParams, SamplingParams, sample
+from engines.model.arch import make_config
+from engines.model.attention import padded_causal_mask, positions_from_valid
+from engines.model.causal_lm import build_model
+from engines.training.engine import TrainingEngine
 
 TEXTS = ["Question: Mia has 3 apples.", "Q", "Answer: 1+2=3, 3*2=6. The", "Question: Leo has 5 pens."]
 

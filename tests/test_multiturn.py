@@ -4,7 +4,7 @@
 import json
 import re
 
-from engines.inference import InferenceEngine
+from engines.inference.native import InferenceEngine
 from envs import Env, Task, register
 from rl.config import parse_config
 from rl.controller import train

@@ -14,9 +14,12 @@ import pytest
 import torch
 from torch import nn
 
-from engines.distributed import chunk_rows
-from engines.inference import InferenceEngine, SamplingParams
-from engines.model import Attention, CausalLM, DocumentMask, positions_from_valid, track_max_logits
+from engines.inference.native import InferenceEngine
+from engines.inference.sampling import SamplingParams
+from engines.model.attention import Attention, positions_from_valid
+from engines.model.causal_lm import CausalLM, track_max_logits
+from engines.model.document_mask import DocumentMask
+from engines.model.sharded import chunk_rows
 from rl.muon import ShardedMuon, assign_owners
 from rl.optim import build_optimizers
 from rl.qk_clip import qk_clip

@@ -15,10 +15,11 @@ import pytest
 import torch
 from torch import nn
 
-from engines.arch import make_config
-from engines.attention import LatentAttention
-from engines.model import CausalLM, DocumentMask, positions_from_valid, track_max_logits
-from engines.moe import Router
+from engines.model.arch import make_config
+from engines.model.attention import LatentAttention, positions_from_valid
+from engines.model.causal_lm import CausalLM, track_max_logits
+from engines.model.document_mask import DocumentMask
+from engines.model.moe import Router
 from rl.muon import ShardedMuon
 from rl.optim import build_optimizers
 from rl.qk_clip import qk_clip

@@ -16,11 +16,13 @@ import torch.nn.functional as F
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import TorchDispatchMode
 
-import engines.logprobs
-from engines.logprobs import selected_logprobs
-from engines.model import Attention, CausalLM, padded_causal_mask, positions_from_valid, track_max_logits
-from engines.packing import DocumentMask, first_fit_rows, pack
-from engines.training import TrainingEngine
+import engines.model.logprobs
+from engines.model.attention import Attention, padded_causal_mask, positions_from_valid
+from engines.model.causal_lm import CausalLM, track_max_logits
+from engines.model.document_mask import DocumentMask
+from engines.model.logprobs import selected_logprobs
+from engines.training.engine import TrainingEngine
+from engines.training.packing import first_fit_rows, pack
 from tests.conftest import tiny_config
 
 VOCAB = 61
@@ -153,7 +155,7 @@ class _LargestTensor(TorchDispatchMode):
 def test_training_pass_never_holds_tokens_times_vocabulary(monkeypatch):
     """A micro-batch of 1.6k response tokens and a 4k vocabulary: no tensor of the chunked forward/backward comes
     near tokens × vocabulary elements, while the full-logits computation of the same numbers makes one."""
-    monkeypatch.setattr(engines.logprobs, "CHUNK_ELEMENTS", 1 << 18)
+    monkeypatch.setattr(engines.model.logprobs, "CHUNK_ELEMENTS", 1 << 18)
     vocab = 4096
     torch.manual_seed(0)
     model = CausalLM(tiny_config(vocab, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
@@ -171,7 +173,7 @@ def test_training_pass_never_holds_tokens_times_vocabulary(monkeypatch):
         F.log_softmax(logits.float(), -1).amax(-1).sum().backward()
     assert full.largest >= n_targets * vocab  # the detector sees the logits when they exist
     # the largest is one [tokens, chunk] block of logits; weight gradients [vocab, hidden] are smaller here
-    assert chunked.largest == n_targets * engines.logprobs.vocab_chunk(n_targets, vocab) < n_targets * vocab / 8
+    assert chunked.largest == n_targets * engines.model.logprobs.vocab_chunk(n_targets, vocab) < n_targets * vocab / 8
 
 
 # ------------------------------------------------------------------------------ activation checkpointing

@@ -7,8 +7,10 @@ import json
 import pytest
 import torch
 
-from engines.inference import Completion, InferenceEngine, SamplingParams
-from engines.training import TrainingEngine
+from engines.inference.native import InferenceEngine
+from engines.inference.requests import Completion
+from engines.inference.sampling import SamplingParams
+from engines.training.engine import TrainingEngine
 from rl.partial import PartialRolloutBuffer, Trajectory, advance, generate_with_budget
 
 TEXTS = ["Question: Mia has 3 apples.", "Q", "Answer: 1+2=3, 3*2=6. The", "Question: Leo has 5 pens."]

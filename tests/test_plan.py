@@ -1,6 +1,8 @@
 """The 1T-parameter planner: calibrated on published runs, memory per GPU, its table and CLI."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -13,14 +15,20 @@ from checkpoint_engine.plan import (
     Layout,
     Run,
     calibrate,
+    Footprint,
     k2_arch,
     k2_calibration,
-    main,
+    memory,
     model_bytes,
-    plan,
     predict,
-    run_config,
 )
+from checkpoint_engine.plan import plan as plan_with
+from rl.update_plan import k2_footprint, main, run_config
+
+
+def plan(layout: Layout):
+    """The planner on the run K2 trains (``rl.update_plan``'s footprint)."""
+    return plan_with(layout, k2_footprint)
 
 
 def test_k2_calibration_predicts_every_published_run_within_20_percent():
@@ -77,6 +85,21 @@ def test_k2_fp8_on_256_h800_meets_the_targets():
     for tp in (32, 64):
         bf16, _, _ = plan(Layout("bf16", tp))
         assert bf16 is not None and bf16.total_s > 30
+
+
+def test_the_footprint_decides_what_shares_each_phase():
+    """The trainer's shard joins the rollout phase only when it is not offloaded; the replica's shard and
+    the KV cache join the training phase by sleep level: the planner takes these as plain numbers."""
+    lay, cluster = Layout("fp8", 32), Cluster(GPUS["H800"])
+    base = dict(trainer_bytes=40 * 2**30, kv_cache_bytes=8 * 2**30)
+    parts = lambda **kw: memory(lay, cluster, 2**30, Footprint(**base, **kw)).parts  # noqa: E731
+    assert parts(offload=True, sleep_level=2)["trainer shard"] == 40 and "replica shard" not in parts()
+    assert set(parts(offload=False, sleep_level=2)) == {"replica shard", "KV cache", "engine buffers (H2D + 2 IPC)",
+                                                        "trainer shard"}
+    assert set(parts(offload=True, sleep_level=0)) == {"trainer shard", "engine buffers (H2D + 2 IPC)",
+                                                       "replica shard", "KV cache"}
+    old = subprocess.run([sys.executable, "-m", "checkpoint_engine.plan"], capture_output=True, text=True)
+    assert old.returncode == 1 and old.stderr.strip() == "error: the planner's command is now `rl plan-update` (same flags)"
 
 
 def test_the_planned_trainer_keeps_bf16_master_weights_as_the_report_does():

@@ -3,7 +3,7 @@ or hanging environments cost only their own trajectory."""
 
 import threading
 
-from engines.sampling import SamplingParams
+from engines.inference.sampling import SamplingParams
 from envs import Env, Task, register
 from envs.arithmetic import ArithmeticEnv
 from rl.config import parse_config

@@ -9,10 +9,11 @@ import openai
 import pytest
 import uvicorn
 
-from checkpoint_engine.update import free_port
-from engines.hf_io import save_pretrained
-from engines.inference import InferenceEngine, SamplingParams
-from engines.server import ServedModel, build_app
+from checkpoint_engine.topology import free_port
+from engines.inference.native import InferenceEngine
+from engines.inference.sampling import SamplingParams
+from engines.inference.server import ServedModel, build_app
+from engines.model.hf_io import save_pretrained
 from rl.cli import main as rl_main
 
 

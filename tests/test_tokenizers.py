@@ -10,7 +10,7 @@ import pytest
 import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from engines.tokenizer import ChatTemplateError, TextTokenizer
+from engines.model.tokenizer import ChatTemplateError, TextTokenizer
 from envs import Task
 from envs.tasks import TaskFileError, load_tasks, save_tasks
 from rl.ptx import PtxSample, sample_ids

@@ -1,4 +1,4 @@
-"""Tool calling in the K2 format (envs.tools) and constrained decoding of tool calls (engines.constrained)."""
+"""Tool calling in the K2 format (envs.tools) and constrained decoding of tool calls (engines.inference.constrained)."""
 
 from __future__ import annotations
 
@@ -7,10 +7,11 @@ import json
 import pytest
 import torch
 
-from engines.constrained import ConstraintCompiler, tool_call_format
-from engines.inference import InferenceEngine, SamplingParams
-from engines.model import CausalLM
-from engines.tokenizer import train_tokenizer
+from engines.inference.constrained import ConstraintCompiler, tool_call_format
+from engines.inference.native import InferenceEngine
+from engines.inference.sampling import SamplingParams
+from engines.model.causal_lm import CausalLM
+from engines.model.tokenizer import train_tokenizer
 from envs.tools import (
     ARGUMENTS_BEGIN,
     CALL_BEGIN,

@@ -14,10 +14,11 @@ from pathlib import Path
 import torch
 from torch.distributed.tensor import DTensor
 
-from engines.distributed import full_state_dict, init_distributed, shard_model
-from engines.model import CausalLM
-from engines.trainer_state import load_trainer_state, save_trainer_state
-from engines.training import TrainingEngine
+from engines.model.causal_lm import CausalLM
+from engines.model.sharded import full_state_dict
+from engines.training.distributed import init_distributed, shard_model
+from engines.training.engine import TrainingEngine
+from engines.training.trainer_state import load_trainer_state, save_trainer_state
 from rl.optim import build_optimizers
 from tests.conftest import tiny_config
 from tests.ranks import rank_body, run_ranks

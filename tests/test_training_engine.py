@@ -19,17 +19,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engines.distributed import (
-    full_state_dict,
-    init_distributed,
-    local_shards,
-    local_tensor,
-    rank,
-    shard_model,
-    world_size,
-)
-from engines.model import CausalLM, attention_layers, padded_causal_mask, positions_from_valid, track_max_logits
-from engines.training import TrainingEngine
+from engines.model.attention import padded_causal_mask, positions_from_valid
+from engines.model.causal_lm import CausalLM, attention_layers, track_max_logits
+from engines.model.sharded import full_state_dict, local_shards, local_tensor
+from engines.training.distributed import init_distributed, rank, shard_model, world_size
+from engines.training.engine import TrainingEngine
 from tests.conftest import tiny_config
 from tests.ranks import rank_body, run_ranks
 

@@ -15,11 +15,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engines.arch import ModelConfig
-from engines.distributed import local_rows
-from engines.layers import RMSNorm
-from engines.packing import DocumentMask
-from engines.rope import apply_rope, apply_rope_interleaved
+from engines.model.arch import ModelConfig
+from engines.model.document_mask import DocumentMask
+from engines.model.layers import RMSNorm
+from engines.model.rope import apply_rope, apply_rope_interleaved
+from engines.model.sharded import local_rows
 
 
 class AttentionCache(Protocol):

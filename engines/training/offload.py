@@ -11,13 +11,13 @@ tensor's own allocation while the bytes wait in the buffer.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
-import functools
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
+
+from engines.device import malloc_trim, synchronize
 
 ALIGN = 64  # bytes; every slot starts aligned, so typed views of the buffer are valid
 
@@ -43,30 +43,6 @@ def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
         ctypes.memmove(dst.data_ptr(), src.data_ptr(), src.numel())
     else:
         dst.copy_(src, non_blocking=True)
-
-
-def synchronize(device: torch.device) -> None:
-    """Wait for the device's queued work (a no-op on CPU)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-@functools.cache
-def _libc() -> ctypes.CDLL | None:
-    for name in ("libc.so.6", ctypes.util.find_library("c")):  # find_library runs ldconfig: only as a fallback
-        try:
-            return ctypes.CDLL(name) if name else None
-        except OSError:
-            continue
-    return None
-
-
-def malloc_trim() -> bool:
-    """Ask glibc to return freed heap memory to the OS; False where there is no glibc."""
-    libc = _libc()
-    if libc is None or not hasattr(libc, "malloc_trim"):
-        return False
-    return bool(libc.malloc_trim(0))
 
 
 class HostOffloader:

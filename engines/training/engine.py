@@ -1,10 +1,10 @@
 """The training engine: recomputes log-probabilities with gradients and steps the optimizers.
 
-It owns the trainable model (plain, or sharded with ``engines.distributed.shard_model``) and its
+It owns the trainable model (plain, or sharded with ``engines.training.distributed.shard_model``) and its
 optimizers; the RL algorithm (``rl.algorithm``) decides what loss to build from the
 log-probabilities it returns. Sequences are packed end to end with document masking
-(``engines.packing``), and only the response tokens' log-probabilities are scored, in vocabulary
-chunks (``engines.logprobs``). Between training phases ``offload`` moves the weights and optimizer
+(``engines.training.packing``), and only the response tokens' log-probabilities are scored, in vocabulary
+chunks (``engines.model.logprobs``). Between training phases ``offload`` moves the weights and optimizer
 state to host memory so the colocated inference engine can use the accelerator.
 
 With a sharded model every forward and backward is collective: all ranks must run the same number
@@ -22,10 +22,12 @@ import torch
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from engines.distributed import all_reduce_sum, is_sharded, local_shards, local_tensor, world_size
-from engines.model import CausalLM
-from engines.offload import HostOffloader
-from engines.packing import DocumentMask, PackedBatch, pack
+from engines.model.causal_lm import CausalLM
+from engines.model.document_mask import DocumentMask
+from engines.model.sharded import local_shards, local_tensor
+from engines.training.distributed import all_reduce_sum, is_sharded, world_size
+from engines.training.offload import HostOffloader
+from engines.training.packing import PackedBatch, pack
 
 ATTENTION_BACKENDS = ("auto", "sdpa", "flex")
 
@@ -216,7 +218,7 @@ class TrainingEngine:
 
     def host_shards(self) -> dict[str, tuple[torch.Tensor, int]]:
         """While offloaded: per state_dict name, this rank's shard as a view of the host buffer and
-        its byte offset in the full tensor (as ``engines.distributed.local_shards``)."""
+        its byte offset in the full tensor (as ``engines.model.sharded.local_shards``)."""
         if not self.offloaded:
             raise RuntimeError("host_shards() is only valid while offloaded; use local_shards(model) otherwise")
         return dict(self._host_shards)

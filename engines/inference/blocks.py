@@ -10,7 +10,7 @@ A registered block that nobody holds stays cached until its memory is needed (le
 first). Registrations are dropped when the weights change: the cached keys were computed with the
 old ones.
 
-Everything here is host-side integers; ``engines.kv_cache`` holds the tensors these indices address.
+Everything here is host-side integers; ``engines.inference.kv_cache`` holds the tensors these indices address.
 """
 
 from __future__ import annotations

@@ -1,17 +1,12 @@
-"""Reloaders: how a checkpoint engine asks its local inference engine(s) to load a bucket.
+"""The controller's side of a weight update: the checkpoint engine asks Ray actors to load or pack a bucket.
 
-Ray is imported only where Ray actors are used: the checkpoint engine itself runs without it."""
+``checkpoint_engine`` knows inference engines only through its ``Reloader`` and ``Packer`` interfaces;
+here those are the rollout workers of the run's Ray cluster.
+"""
 
 from __future__ import annotations
 
-import socket
-
-
-def free_port() -> int:
-    """A free TCP port on loopback, for a torch.distributed rendezvous."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+import ray
 
 
 class RayReloader:
@@ -25,13 +20,9 @@ class RayReloader:
         self.pending[bucket] = [a.load_bucket.remote(bucket, buffer, version) for a in self.actors]
 
     def wait(self, bucket: int) -> None:
-        import ray
-
         ray.get(self.pending.pop(bucket, []))
 
     def abort(self, version: int) -> None:
-        import ray
-
         self.pending.clear()
         ray.get([a.abort_update.remote(version) for a in self.actors])
 
@@ -43,6 +34,4 @@ class RayPacker:
         self.actor = actor
 
     def pack(self, bucket: int, buffer: int) -> int:
-        import ray
-
         return ray.get(self.actor.pack_bucket.remote(bucket, buffer))

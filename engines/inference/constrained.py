@@ -35,7 +35,7 @@ from xgrammar.structural_tag import (
     TriggeredTagsFormat,
 )
 
-from engines.tokenizer import TextTokenizer
+from engines.model.tokenizer import TextTokenizer
 from envs.tools import (
     ARGUMENTS_BEGIN,
     CALL_BEGIN,

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from engines.constrained import Constraint, Matcher
+    from engines.inference.constrained import Constraint, Matcher
 
 
 class InvalidRequestError(ValueError):
@@ -31,7 +31,7 @@ class SamplingParams:
     ``max_tokens`` is the response budget; generation also stops at EOS (unless ``ignore_eos``),
     at any of ``stop_token_ids`` and after any of the ``stop`` strings; ``seed`` makes the request
     reproducible on its own (None: derived from the engine's seed and the request's arrival order).
-    ``grammar`` constrains decoding (e.g. ``engines.constrained.ConstraintCompiler.tool_calls``):
+    ``grammar`` constrains decoding (e.g. ``engines.inference.constrained.ConstraintCompiler.tool_calls``):
     disallowed tokens are masked before sampling, and the request stops when the grammar terminates.
     """
 
@@ -179,7 +179,7 @@ def _draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(cdf, target, right=True).clamp_(max=probs.shape[1] - 1).squeeze(1)
 
 
-# --- constrained decoding (SamplingParams.grammar; the matchers come from engines.constrained) ------
+# --- constrained decoding (SamplingParams.grammar; the matchers come from engines.inference.constrained) ------
 
 
 def new_matcher(params: SamplingParams, prior: Sequence[int] = ()) -> Matcher | None:

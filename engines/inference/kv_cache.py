@@ -1,6 +1,6 @@
 """The inference engine's paged KV cache and the attention that reads it.
 
-Keys and values of every layer live in one pool of fixed-size blocks (``engines.blocks`` decides who
+Keys and values of every layer live in one pool of fixed-size blocks (``engines.inference.blocks`` decides who
 holds which block); row ``block * block_size + offset`` of a layer's pool is one token. A step of the
 engine runs one forward over a flat batch of tokens: one query per decoding sequence, plus chunks of
 prompts being prefilled. ``PagedPass`` is the ``AttentionCache`` of that forward: it writes the new
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engines.arch import ModelConfig
+from engines.model.arch import ModelConfig
 
 #: Tokens per block.
 BLOCK_SIZE = 16

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from engines.blocks import SeqBlocks
-from engines.sampling import SamplingParams
+from engines.inference.blocks import SeqBlocks
+from engines.inference.sampling import SamplingParams
 
 
 @dataclass
@@ -35,7 +35,7 @@ class Request:
     seed: int
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
-    matcher: Any = None  # per-sequence grammar state when params.grammar is set (engines.constrained)
+    matcher: Any = None  # per-sequence grammar state when params.grammar is set (engines.inference.constrained)
     seq: SeqBlocks | None = None
     #: requests with the very same tokens that take this one's prefill (the K samples of a prompt)
     followers: list[Request] = field(default_factory=list)
@@ -50,7 +50,7 @@ class Request:
     def context_len(self) -> int:
         return len(self.prompt) + len(self.tokens)
 
-    filter_kind: int = 0  # how its tokens are drawn (``engines.sampling.filter_kind``)
+    filter_kind: int = 0  # how its tokens are drawn (``engines.inference.sampling.filter_kind``)
 
     def completion(self, reason: str | None, stop_reason: int | str | None = None) -> Completion:
         return Completion(list(self.tokens), list(self.logprobs), reason, self.prompt, stop_reason=stop_reason,

@@ -16,15 +16,16 @@ Two ways to run the masked attention, the same pairs either way:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
+
+from engines.model.document_mask import DocumentMask
 
 #: The flex path's row is the micro-batch's tokens rounded up to a power of two of at least this many: the
 #: compiled kernel then sees a handful of shapes (a full micro-batch of a power-of-two budget wastes nothing;
 #: only each rank's last, partial one carries filler).
 FLEX_MIN_ROW = 512
-FLEX_BLOCK = 128
 
 
 def first_fit_rows(lengths: Sequence[int], width: int) -> list[list[int]]:
@@ -44,68 +45,6 @@ def first_fit_rows(lengths: Sequence[int], width: int) -> list[list[int]]:
             rows.append([i])
             room.append(width - lengths[i])
     return rows
-
-
-@dataclass
-class DocumentMask:
-    """Which (query, key) pairs of packed rows may attend: same document, key not after the query and,
-    with ``window``, less than ``window`` positions behind it. ``doc`` is -1 on filler tokens."""
-
-    doc: torch.Tensor        # [R, W] long
-    positions: torch.Tensor  # [R, W] long, position inside its document
-    backend: str = "sdpa"
-    window: int | None = None
-    _cache: dict = field(default_factory=dict, repr=False)
-
-    @property
-    def query_valid(self) -> torch.Tensor:
-        """[R, W] bool: the tokens that belong to a document (filler excluded)."""
-        return self.doc >= 0
-
-    def with_window(self, window: int | None) -> DocumentMask:
-        """The same packing limited to a sliding window (shares the cached masks of this packing)."""
-        if window == self.window:
-            return self
-        return DocumentMask(self.doc, self.positions, self.backend, window, self._cache)
-
-    def dense(self) -> torch.Tensor:
-        """Boolean [R, 1, W, W] (True = may attend); filler rows keep their own diagonal so softmax
-        never sees an empty row."""
-        key = ("dense", self.window)
-        if key not in self._cache:
-            w = self.doc.shape[1]
-            idx = torch.arange(w, device=self.doc.device)
-            allowed = (self.doc[:, :, None] == self.doc[:, None, :]) & (idx[None, :, None] >= idx[None, None, :])
-            allowed &= self.query_valid[:, :, None]
-            if self.window is not None:
-                allowed &= (idx[:, None] - idx[None, :] < self.window)[None]
-            allowed |= torch.eye(w, dtype=torch.bool, device=self.doc.device)[None]
-            self._cache[key] = allowed[:, None]
-        return self._cache[key]
-
-    def block_mask(self):
-        """The flex_attention ``BlockMask`` of these pairs (filler attends to nothing)."""
-        key = ("block", self.window)
-        if key not in self._cache:
-            from torch.nn.attention.flex_attention import create_block_mask
-
-            doc, window = self.doc, self.window
-
-            def mask_mod(b, h, q, k):
-                same = (doc[b, q] == doc[b, k]) & (doc[b, q] >= 0) & (q >= k)
-                return same if window is None else same & (q - k < window)
-
-            r, w = doc.shape
-            # compiled on GPU so the [R, W, W] mask is never materialised; eager elsewhere (tests on CPU)
-            self._cache[key] = create_block_mask(mask_mod, r, None, w, w, device=doc.device, BLOCK_SIZE=FLEX_BLOCK,
-                                                 _compile=doc.device.type == "cuda")
-        return self._cache[key]
-
-    @classmethod
-    def from_padded(cls, valid: torch.Tensor, backend: str = "sdpa") -> DocumentMask:
-        """One document per row of a right-padded batch (``valid`` [B, T]); padding is filler."""
-        doc = torch.where(valid, torch.arange(valid.shape[0], device=valid.device)[:, None], -1)
-        return cls(doc, (valid.long().cumsum(-1) - 1).clamp(min=0), backend)
 
 
 @dataclass

@@ -5,7 +5,7 @@ left goes to prompt chunks: first the prefills already under way, then new reque
 waiting queue, oldest first. A long prompt is cut into chunks over several steps, so it never stalls
 the sequences that are decoding. Requests with the very same tokens (the K samples of a prompt) are
 admitted together: one prefill, whose blocks the others then share. A new request first takes every
-cached block of its prefix (``engines.blocks``), so only the rest is computed.
+cached block of its prefix (``engines.inference.blocks``), so only the rest is computed.
 
 Decoding requests sit in rows 0..n-1 of the engine's per-row state; a row freed by a finished or
 preempted request is refilled by moving the last row into it (``moves`` tell the engine). When a
@@ -20,8 +20,8 @@ import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
-from engines.blocks import BlockAllocator, OutOfBlocks
-from engines.requests import Request
+from engines.inference.blocks import BlockAllocator, OutOfBlocks
+from engines.inference.requests import Request
 
 
 @dataclass

@@ -16,10 +16,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor, Replicate, Shard
 
-if TYPE_CHECKING:  # engines.model imports this module
-    from engines.model import CausalLM
+if TYPE_CHECKING:
+    from engines.model.causal_lm import CausalLM
 
 PARAM_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -110,67 +109,3 @@ def shard_model(model: CausalLM, param_dtype: str = "float32", device: torch.dev
     if on_meta:
         model.to_empty(device=dev)
     return model
-
-
-class UnsupportedShardingError(ValueError, NotImplementedError):
-    """A DTensor layout other than rows split over a 1-D mesh (``Shard(0)``) or replication."""
-
-
-def chunk_rows(rows: int, world: int) -> list[int]:
-    """Rows each rank holds under FSDP2's ``torch.chunk``-style ``Shard(0)`` split (later ranks may hold 0)."""
-    c = -(-rows // world)
-    return [max(0, min(c, rows - r * c)) for r in range(world)]
-
-
-def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """The locally held part of ``t``: a DTensor's local shard, or ``t`` itself."""
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-def is_row_sharded(t: torch.Tensor) -> bool:
-    """Whether ``t``'s rows are split over several ranks (False: each rank holds it whole); any layout
-    other than ``Shard(0)`` on a 1-D mesh or replication raises UnsupportedShardingError."""
-    if not isinstance(t, DTensor) or t.device_mesh.size() == 1 or all(isinstance(p, Replicate) for p in t.placements):
-        return False
-    if t.device_mesh.ndim != 1 or not (isinstance(t.placements[0], Shard) and t.placements[0].dim == 0):
-        raise UnsupportedShardingError(f"only rows sharded as Shard(0) on a 1-D mesh (or Replicate) are supported, "
-                                       f"got placements {t.placements} on a {t.device_mesh.ndim}-D mesh")
-    return True
-
-
-def local_rows(t: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """This rank's local tensor of ``t`` and the global index of its first row (dim-0 sharding)."""
-    local = local_tensor(t)
-    if not is_row_sharded(t):
-        return local, 0
-    counts, r = chunk_rows(t.shape[0], t.device_mesh.size()), t.device_mesh.get_local_rank()
-    if local.shape[0] != counts[r]:  # a different chunking rule than torch.chunk's would land here
-        raise RuntimeError(f"rank {r} holds {local.shape[0]} rows of {t.shape[0]}, expected {counts[r]}")
-    return local, sum(counts[:r])
-
-
-def shard_offset(t: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """This rank's local tensor of ``t`` and its byte offset inside the full tensor's row-major bytes."""
-    local, first = local_rows(t)
-    return local, (first * (t.numel() // t.shape[0]) * t.element_size() if first else 0)
-
-
-def local_shards(model: nn.Module) -> dict[str, tuple[torch.Tensor, int]]:
-    """Per state_dict entry (HF names): this rank's contiguous local tensor and its byte offset.
-
-    The tensors are views of the live storage: valid only while the engine is not offloaded
-    (``TrainingEngine.host_shards`` gives the same views inside the host buffer meanwhile).
-    """
-    out = {}
-    for name, t in model.state_dict().items():
-        local, offset = shard_offset(t)
-        if not local.is_contiguous():
-            raise RuntimeError(f"{name}: the local shard is not contiguous")
-        out[name] = (local, offset)
-    return out
-
-
-def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Every entry of the state_dict as a full tensor; collective, every rank must call it."""
-    return {name: t.full_tensor() if isinstance(t, DTensor) else t.detach()
-            for name, t in model.state_dict().items()}

@@ -1,10 +1,10 @@
 """The decoder-only transformer both engines run, for every supported family.
 
 Both engines run this one definition, so that for the same weights and tokens they compute the
-same log-probabilities. Which blocks a layer has follows its config (``engines.arch``): grouped-query
+same log-probabilities. Which blocks a layer has follows its config (``engines.model.arch``): grouped-query
 or latent attention, a dense SwiGLU block or a mixture of experts. Parameter names follow
 transformers' in-memory layout (``model.layers.N.self_attn.q_proj.weight``, stacked
-``mlp.experts.gate_proj``); ``engines.layout`` maps them to a checkpoint's tensor names.
+``mlp.experts.gate_proj``); ``engines.model.layout`` maps them to a checkpoint's tensor names.
 ``fused=True`` builds the inference layout: q/k/v and gate/up as one matrix each.
 """
 
@@ -14,8 +14,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from engines.arch import ModelConfig, make_config
-from engines.attention import (
+from engines.model.arch import ModelConfig, make_config
+from engines.model.attention import (
     Attention,
     AttentionCache,
     LatentAttention,
@@ -24,11 +24,11 @@ from engines.attention import (
     positions_from_valid,
     window_mask,
 )
-from engines.layers import MLP, RMSNorm
-from engines.logprobs import selected_logprobs
-from engines.moe import MoE, Router
-from engines.packing import DocumentMask
-from engines.rope import Rotary
+from engines.model.document_mask import DocumentMask
+from engines.model.layers import MLP, RMSNorm
+from engines.model.logprobs import selected_logprobs
+from engines.model.moe import MoE, Router
+from engines.model.rope import Rotary
 
 __all__ = ["Attention", "AttentionCache", "CausalLM", "DocumentMask", "LatentAttention", "ModelConfig", "build_model",
            "head_max_logits", "make_config", "padded_causal_mask", "positions_from_valid", "reset_max_logits",
@@ -112,7 +112,7 @@ class CausalLM(nn.Module):
         positions of the flattened B·T token axis: logits are then [M, V], and the vocabulary projection runs
         only there. ``targets`` [B, T] (token ids, -1 = none) returns instead (log-prob, entropy) [N] of each
         target under softmax(logits · ``inv_temp``) (one number, or one per target), in the row-major order of
-        ``targets >= 0``, scored in vocabulary chunks (``engines.logprobs``) so the [N, V] logits never exist.
+        ``targets >= 0``, scored in vocabulary chunks (``engines.model.logprobs``) so the [N, V] logits never exist.
         """
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, x.dtype)

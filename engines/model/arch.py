@@ -195,7 +195,7 @@ class ModelConfig:
 
     def num_parameters(self) -> int:
         """Parameter count (tied embeddings counted once), from shapes alone."""
-        from engines.model import build_model
+        from engines.model.causal_lm import build_model
 
         model = build_model(self, device="meta")
         return sum(p.numel() for p in model.parameters())
@@ -254,7 +254,7 @@ class ModelConfig:
         if model_type not in FAMILIES:
             raise UnsupportedModelError(f"model_type {model_type!r} is not supported; supported: {', '.join(FAMILIES)}")
         qc = d.get("quantization_config")
-        if qc:  # block-FP8 (DeepSeek-V3, Kimi K2) is read and dequantised (``engines.fp8``); nothing else
+        if qc:  # block-FP8 (DeepSeek-V3, Kimi K2) is read and dequantised (``engines.model.fp8``); nothing else
             block = qc.get("weight_block_size") or []
             if qc.get("quant_method") != "fp8" or qc.get("fmt", "e4m3") != "e4m3" or len(block) != 2 or \
                     block[0] != block[1]:

@@ -56,7 +56,7 @@ def placements(model: nn.Module) -> dict[str, Placement]:
         for hub, own, offset, shape in getattr(module, "hub_placements", lambda: [])():
             placed[_rename(f"{prefix}.{hub}", aliases)] = Placement(f"{prefix}.{own}", offset, tuple(shape))
             covered.add(f"{prefix}.{own}")
-    from engines.fp8 import scale_placements, scale_tensors  # FP8 replicas keep block scales beside matrices
+    from engines.model.fp8 import scale_placements, scale_tensors  # FP8 replicas keep block scales beside matrices
 
     covered |= scale_tensors(model)
     for name, t in model_tensors(model).items():

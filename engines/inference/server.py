@@ -25,10 +25,12 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from engines.attention import padded_causal_mask, positions_from_valid
-from engines.hf_io import load_pretrained, read_config
-from engines.inference import Completion, InferenceEngine, InvalidRequestError, SamplingParams
-from engines.tokenizer import TextTokenizer
+from engines.inference.native import InferenceEngine
+from engines.inference.requests import Completion
+from engines.inference.sampling import InvalidRequestError, SamplingParams
+from engines.model.attention import padded_causal_mask, positions_from_valid
+from engines.model.hf_io import load_pretrained, read_config
+from engines.model.tokenizer import TextTokenizer
 
 MAX_TOP_LOGPROBS = 20
 

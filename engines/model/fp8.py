@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engines.moe import Experts
+from engines.model.moe import Experts
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -167,7 +167,7 @@ def _keep_dtypes(module: nn.Module, apply, fn, recurse):
 
 def fp8_targets(model: nn.Module) -> dict[str, list[tuple[int, tuple[int, ...]]]]:
     """Model tensors an FP8 replica quantises -> their checkpoint parts (element offset, shape), in order."""
-    from engines.layout import placements
+    from engines.model.layout import placements
 
     wanted = set()
     for prefix, m in model.model.layers.named_modules(prefix="model.layers"):
@@ -226,8 +226,8 @@ def _quantize_into(module: nn.Module, name: str, w: torch.Tensor, parts, block: 
 
 
 def scale_placements(model: nn.Module, placed: dict) -> dict:
-    """Checkpoint name of each FP8 matrix's scale grid -> its placement in the replica (``engines.layout``)."""
-    from engines.layout import Placement
+    """Checkpoint name of each FP8 matrix's scale grid -> its placement in the replica (``engines.model.layout``)."""
+    from engines.model.layout import Placement
 
     by_target: dict[str, list[tuple[int, str, tuple[int, ...]]]] = defaultdict(list)
     for name, p in placed.items():

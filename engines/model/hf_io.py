@@ -19,15 +19,15 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from engines.arch import ModelConfig, UnsupportedModelError
-from engines.distributed import local_rows
-from engines.fp8 import BLOCK, SCALE_SUFFIX, checkpoint_block, dequantize, to_fp8
-from engines.layout import Placement, hub_state, model_tensors, placements
-from engines.model import CausalLM, build_model
+from engines.model.arch import ModelConfig, UnsupportedModelError
+from engines.model.causal_lm import CausalLM, build_model
+from engines.model.fp8 import BLOCK, SCALE_SUFFIX, checkpoint_block, dequantize, to_fp8
+from engines.model.layout import Placement, hub_state, model_tensors, placements
+from engines.model.sharded import local_rows
 
 INDEX_FILE = "model.safetensors.index.json"
 #: safetensors dtype names the loader reads; F8_E4M3 with ``*_scale_inv`` block scales is dequantised
-#: for a model that holds the matrix in another dtype (``engines.fp8``)
+#: for a model that holds the matrix in another dtype (``engines.model.fp8``)
 DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64,
           "F8_E4M3": torch.float8_e4m3fn}
 DEFAULT_SHARD_BYTES = 5 * 2**30
@@ -172,7 +172,7 @@ def _read_into(fh, name: str, p: Placement, target: torch.Tensor, scales=None) -
 def load_pretrained(directory: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
                     fused: bool = False, fp8: bool = False) -> CausalLM:
     """Build a ``CausalLM`` from a Hugging Face directory on ``device``; names and shapes must match.
-    ``fp8``: an FP8 replica (``engines.fp8.to_fp8``), taking an FP8 checkpoint's bytes as they are."""
+    ``fp8``: an FP8 replica (``engines.model.fp8.to_fp8``), taking an FP8 checkpoint's bytes as they are."""
     cfg = read_config(directory)
     model = build_model(cfg, device=device, dtype=dtype, fused=fused)
     block = checkpoint_block(cfg)

@@ -1,15 +1,15 @@
 """The native inference engine: continuous batching over a paged KV cache, for rollouts and serving.
 
 Each step runs one forward over a flat batch of tokens: one per decoding request plus prompt chunks
-(``engines.scheduler`` picks them under a token budget, so a long prompt never stalls decoding). Keys
-and values live in fixed-size blocks (``engines.kv_cache``): a sequence takes blocks as it grows, the K
+(``engines.inference.scheduler`` picks them under a token budget, so a long prompt never stalls decoding). Keys
+and values live in fixed-size blocks (``engines.inference.kv_cache``): a sequence takes blocks as it grows, the K
 samples of a prompt share the prompt's blocks, and any later request with a cached prefix reuses it.
 Every decoding row samples its next token in one batched call; the host reads the step's tokens once.
 Returned logprobs are log softmax(logits / T) of the sampled tokens: the π_old of the K1.5 objective.
 ``pause``/``resume`` carry unfinished requests across a weight update (partial rollout); while the
 weights are unchanged a resumed request finds its full blocks still cached. ``sleep``/``wake_up``
 free the KV cache and weights while the trainer runs on the same device; both live in arenas
-(``engines.arena``) whose addresses survive the sleep, so captured CUDA graphs are kept. An update of
+(``engines.inference.arena``) whose addresses survive the sleep, so captured CUDA graphs are kept. An update of
 the weights must be declared (``weights_loaded``) so cached prefixes computed with the old weights are
 dropped.
 """
@@ -22,14 +22,20 @@ from dataclasses import replace
 
 import torch
 
-from engines.arena import adopt, new_arena
-from engines.blocks import BlockAllocator
-from engines.cuda_graphs import DecodeGraphs
-from engines.kv_cache import BLOCK_SIZE, PagedKVCache, PagedPass, Ragged, bytes_per_token, paged_pool, rows_of
-from engines.layout import hub_state, model_tensors
-from engines.model import CausalLM
-from engines.requests import Completion, Request
-from engines.sampling import (
+from engines.inference.arena import adopt, new_arena
+from engines.inference.blocks import BlockAllocator
+from engines.inference.cuda_graphs import DecodeGraphs
+from engines.inference.kv_cache import (
+    BLOCK_SIZE,
+    PagedKVCache,
+    PagedPass,
+    Ragged,
+    bytes_per_token,
+    paged_pool,
+    rows_of,
+)
+from engines.inference.requests import Completion, Request
+from engines.inference.sampling import (
     InvalidRequestError,
     RowParams,
     SamplingParams,
@@ -40,7 +46,9 @@ from engines.sampling import (
     sample,
     token_logprobs,
 )
-from engines.scheduler import Scheduler, StepPlan
+from engines.inference.scheduler import Scheduler, StepPlan
+from engines.model.causal_lm import CausalLM
+from engines.model.layout import hub_state, model_tensors
 
 __all__ = ["Completion", "InferenceEngine", "InvalidRequestError", "SamplingParams", "token_logprobs"]
 
@@ -58,7 +66,7 @@ class InferenceEngine:
     context). At most ``max_num_seqs`` sequences decode at once; a step computes at most
     ``max_batch_tokens`` tokens (decode rows first, then prompt chunks). ``detokenize`` turns token
     ids into text; it is needed only for stop strings. ``attention``: "torch" (gathering, the default) or
-    "flex" (flex_attention through block masks, compiled on a GPU); see ``engines.kv_cache``.
+    "flex" (flex_attention through block masks, compiled on a GPU); see ``engines.inference.kv_cache``.
     """
 
     def __init__(self, model: CausalLM, eos_id: int | Sequence[int] | None, pad_id: int | None = None, *,

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from engines.inference import InferenceEngine
+    from engines.inference.native import InferenceEngine
 
 MIN_WIDTH = 64  # the smallest attention-width bucket (tokens)
 

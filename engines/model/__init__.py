@@ -1,0 +1,1 @@
+"""What a model is, for both engines: architectures, weights in Hugging Face layout, tokenizer and chat formats."""

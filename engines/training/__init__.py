@@ -1,0 +1,1 @@
+"""The training engine: FSDP2 sharding, packed batches, host offload and trainer state."""

@@ -1,0 +1,94 @@
+"""`rl plan-update`: Kimi K2's weight-update time and memory on a GPU cluster, for the run K2 trains.
+
+The cost model and its calibration are ``checkpoint_engine.plan``'s; what the run around the update
+holds per GPU (the trainer's shard, the KV cache) is this package's memory model, ``rl.memory``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict, replace
+from functools import cache
+
+from checkpoint_engine.plan import GPUS, Footprint, GiB, Layout, k2_arch, k2_calibration, plan, table, validation
+from rl.config import Config, parse_config
+
+
+def run_config(overrides: dict | None = None) -> Config:
+    """The run whose memory is planned: K2 as the report trains it, colocated: bf16 master weights,
+    Muon, the trainer offloaded while the engines generate, the replica's weights and KV cache freed
+    while it trains (sleep level 2: the next update refills them), 8 GiB of KV cache per GPU."""
+    raw = {"model": {"dtype": "bfloat16"},
+           "trainer": {"param_dtype": "bfloat16", "master_dtype": "bfloat16", "offload": True},
+           "optimizer": {"kind": "muon"}, "rollout": {"kv_cache_mb": 8192, "sleep_level": 2}}
+    for k, v in (overrides or {}).items():
+        raw.setdefault(k, {}).update(v)
+    return parse_config(raw)
+
+
+@cache
+def _footprint(gpus: int, overrides_json: str) -> Footprint:
+    from rl.memory import estimate
+
+    cfg = run_config(json.loads(overrides_json))
+    cfg = cfg.model_copy(update={"cluster": cfg.cluster.model_copy(update={"workers": gpus})})
+    est = estimate(cfg, k2_arch(), 4096)
+    return Footprint(float(est.trainer_weights + est.trainer_grads + est.optimizer), float(est.kv_cache),
+                     cfg.trainer.offload, cfg.rollout.sleep_level)
+
+
+def k2_footprint(gpus: int, overrides: dict | None = None) -> Footprint:
+    """Per GPU, K2's trainer shard (weights, gradients, optimizer state) over ``gpus`` workers and the paged
+    cache's whole budget (``rl.memory.estimate`` of ``run_config(overrides)``)."""
+    return _footprint(gpus, json.dumps(overrides or {}, sort_keys=True))
+
+
+def main(argv: list[str] | None = None) -> None:
+    """The planner's command line (``rl plan-update``)."""
+    ap = argparse.ArgumentParser(prog="rl plan-update",
+                                 description="Predict Kimi K2's weight-update time and memory on a GPU cluster.")
+    ap.add_argument("--dtype", choices=["fp8", "bf16"], default="fp8", help="replica weights (default fp8)")
+    ap.add_argument("--tp", type=int, default=16, help="GPUs per inference replica (default 16)")
+    ap.add_argument("--nodes", type=int, default=32, help="nodes of 8 GPUs (default 32: 256 GPUs)")
+    ap.add_argument("--gpu", choices=sorted(GPUS), default="H800")
+    ap.add_argument("--bucket-gib", type=float, default=None, help="bucket per GPU (default: largest that fits)")
+    ap.add_argument("--target-s", type=float, default=30.0)
+    ap.add_argument("--table", action="store_true", help="print the table of FP8/bf16 replica layouts")
+    ap.add_argument("--validate", action="store_true", help="published runs: measured against predicted")
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args(argv)
+    if a.tp < 1 or a.nodes < 1 or (a.bucket_gib is not None and a.bucket_gib <= 0) or a.target_s <= 0:
+        ap.error("--tp, --nodes, --bucket-gib and --target-s must be positive")
+    if a.table:
+        print(table(k2_footprint, a.target_s, a.gpu))
+        return
+    if a.validate:
+        print(validation())
+        return
+    layout = Layout(a.dtype, a.tp, a.nodes, a.bucket_gib)
+    p, mem, bucket = plan(layout, k2_footprint, a.gpu)
+    if p is None:
+        raise SystemExit(f"error: Kimi K2 ({a.dtype}, TP{a.tp}, {a.nodes * 8} {a.gpu}) does not fit: {mem.why()}")
+    holds = bool(p.total_s <= a.target_s)
+    cal = k2_calibration()
+    if a.json:
+        print(json.dumps({**asdict(p), "target_s": a.target_s, "holds": holds, "layout": asdict(replace(
+            layout, bucket_gib=bucket / GiB)), "memory_gib": mem.parts, "calibration": asdict(cal)}))
+        return
+    print(f"Kimi K2, {a.dtype}: {p.bytes / 1e12:.3f} TB on {p.gpus} {a.gpu} ({a.nodes} nodes x 8), TP{a.tp}; "
+          f"bucket {bucket / GiB:g} GiB, {p.buckets} broadcasts")
+    print(f"  stage 1  h2d        {p.h2d_s:7.2f} s")
+    print(f"  stage 2  deliver    {p.deliver_s:7.2f} s   (overlapped with reload)")
+    print(f"           reload     {p.reload_s:7.2f} s")
+    print(f"  broadcast latency   {p.latency_s:7.2f} s")
+    print("  memory per GPU: " + ", ".join(f"{k} {v:.1f}" for k, v in mem.parts.items()) +
+          f" = {mem.total:.1f} of {mem.limit:.1f} GiB")
+    print(f"  r {cal.rate_gbps:.1f} GB/s per GPU, hop {cal.hop_s * 1e6:.1f} us: {cal.source}")
+    print(f"predicted update: {p.total_s:.1f} s; bound by {p.bound}")
+    print(f"{a.target_s:g} s target {'holds' if holds else 'does NOT hold'} "
+          f"({'margin' if holds else 'over by'} {abs(a.target_s - p.total_s):.1f} s)")
+
+
+if __name__ == "__main__":
+    main()
