@@ -32,8 +32,8 @@ from checkpoint_engine.buckets import as_bytes
 from checkpoint_engine.engine import CheckpointEngine
 from checkpoint_engine.local import PipeReloader, answer_load, digest, synthetic_params
 from checkpoint_engine.synthetic import SyntheticModel
-from checkpoint_engine.transfer import WeightReceiver
 from checkpoint_engine.topology import free_port
+from checkpoint_engine.transfer import WeightReceiver
 from engines.model.fp8 import quantize
 
 

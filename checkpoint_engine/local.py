@@ -32,8 +32,8 @@ from checkpoint_engine.synthetic import (  # noqa: F401  (the harness's public n
     shard_digests,
     synthetic_params,
 )
-from checkpoint_engine.transfer import WeightReceiver
 from checkpoint_engine.topology import free_port
+from checkpoint_engine.transfer import WeightReceiver
 
 
 class PipeReloader:

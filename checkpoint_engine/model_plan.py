@@ -88,12 +88,6 @@ def plan_sources(model: nn.Module, parts: LocalParts) -> tuple[dict[str, torch.T
     return tensors, offsets
 
 
-def receiver_placements(model: nn.Module) -> dict[str, tuple[str, int]]:
-    """Where an inference model keeps each plan tensor: (its own tensor, byte offset)."""
-    sizes = {n: t.element_size() for n, t in model_tensors(model).items()}
-    return {name: (p.target, p.offset * sizes[p.target]) for name, p in placements(model).items()}
-
-
 class ModelSender:
     """A trainer rank's side of its model's weight updates: the plan to ``replica``'s layout (computed
     once, collectively) and, per update, this rank's sources."""

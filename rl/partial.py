@@ -12,14 +12,14 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 
-from engines.inference.native import InferenceEngine
+from engines.inference.base import RolloutEngine
 from engines.inference.requests import Completion
 from engines.inference.sampling import InvalidRequestError, SamplingParams
 
 __all__ = ["PartialRolloutBuffer", "Trajectory", "advance", "generate_with_budget"]
 
 
-def generate_with_budget(engine: InferenceEngine, requests: Sequence[tuple[list[int], SamplingParams, int]],
+def generate_with_budget(engine: RolloutEngine, requests: Sequence[tuple[list[int], SamplingParams, int]],
                          partials: Sequence[Completion], token_budget: int | None,
                          on_finish: Callable[[Completion], None] | None = None,
                          ) -> tuple[list[Completion], list[Completion]]:
@@ -115,7 +115,7 @@ class Trajectory:
         return cls(**d)
 
 
-def advance(engine: InferenceEngine, trajectories: Sequence[Trajectory], token_budget: int | None,
+def advance(engine: RolloutEngine, trajectories: Sequence[Trajectory], token_budget: int | None,
             version: int) -> list[Trajectory]:
     """Generate for ``trajectories`` (paused ones first: they are older) until each finishes or ``token_budget``
     tokens were generated; returns them, updated: the tokens generated here are one more segment, of weights

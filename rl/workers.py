@@ -18,10 +18,11 @@ import torch.distributed as dist
 from torch.utils._pytree import tree_map_only
 
 from checkpoint_engine.engine import CheckpointEngine
-from checkpoint_engine.model_plan import ModelSender, receiver_placements
-from checkpoint_engine.transfer import WeightReceiver
+from checkpoint_engine.model_plan import ModelSender
 from checkpoint_engine.topology import free_port
+from checkpoint_engine.transfer import WeightReceiver
 from engines.device import peak_memory_bytes, reset_peak_memory
+from engines.inference.base import RolloutEngine
 from engines.inference.native import InferenceEngine
 from engines.inference.requests import Completion
 from engines.inference.sampling import SamplingParams
@@ -215,7 +216,7 @@ class RolloutWorker:
         device = "cuda" if torch.cuda.is_available() else "cpu"
         model = replica_model(read_config(model_dir), cfg, device=device)
         r, tok = cfg.rollout, TextTokenizer.load(model_dir)  # the same stop ids as the controller's
-        self.engine = InferenceEngine(model, tok.eos_ids, tok.pad_id, max_num_seqs=r.max_batch,
+        self.engine: RolloutEngine = InferenceEngine(model, tok.eos_ids, tok.pad_id, max_num_seqs=r.max_batch,
                                       max_seq_len=max_seq_len, kv_cache_bytes=r.kv_cache_mb << 20,
                                       max_batch_tokens=r.max_batch_tokens, attention=r.attention)
         self.receiver: WeightReceiver | None = None
@@ -224,8 +225,8 @@ class RolloutWorker:
     def attach(self, plan, handles: list) -> None:
         """Map the checkpoint engine's IPC buffers; checks the plan against this engine's tensors."""
         self._ipc = (plan, handles)
-        self.receiver = WeightReceiver(plan, handles, self.engine.named_tensors(), on_commit=self._rebind,
-                                       placements=receiver_placements(self.engine.model))
+        self.receiver = WeightReceiver(plan, handles, self.engine.named_tensors(), on_commit=self.engine.swap_weights,
+                                       placements=self.engine.weight_placements())
 
     def use_plan(self, plan=None) -> None:
         """Load the buckets of ``plan`` from now on (the start-up's), or again those of the updates (None)."""
@@ -260,14 +261,6 @@ class RolloutWorker:
         """The update failed on the trainer side: go back to the previous weights."""
         return self.receiver is None or self.receiver.rollback()
 
-    def _rebind(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Serve with the tensors of the update just committed (the receiver loaded them aside)."""
-        model = self.engine.model
-        for name, t in tensors.items():
-            owner, _, attr = name.rpartition(".")
-            getattr(model.get_submodule(owner), attr).data = t
-        self.engine.weights_loaded()
-
     def _check_consistent(self) -> None:
         if self.receiver is not None and not self.receiver.consistent:
             raise RuntimeError("weights are partly updated (an update failed midway and could not be rolled "
@@ -284,19 +277,19 @@ class RolloutWorker:
         engine's counters over this call (prefix-cache tokens found and computed, preemptions, peak KV blocks)."""
         self._check_consistent()
         before = self.engine.stats()
-        self.engine.peak_blocks = 0
+        self.engine.reset_peaks()
         reset_peak_memory(self.engine.device)
         out = advance(self.engine, trajectories, token_budget, version)
         after = self.engine.stats()
         counts = {k: after[k] - before[k] for k in ("prefix_hit_tokens", "prefix_miss_tokens", "preemptions")}
         return out, {**counts, "kv_blocks_peak": after["kv_blocks_peak"], "kv_blocks": after["kv_blocks"],
-                     "peak_bytes": peak_memory_bytes(self.engine.device) + self.engine.arena_bytes()}
+                     "peak_bytes": peak_memory_bytes(self.engine.device) + self.engine.mapped_bytes()}
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The engine's weights under the checkpoint's names; FP8 ones as their bytes (uint8), which is
         how Ray can carry them."""
         return {k: (v.view(torch.uint8) if v.dtype == torch.float8_e4m3fn else v).clone()
-                for k, v in hub_state(self.engine.model).items()}
+                for k, v in self.engine.served_weights().items()}
 
 
 def replica_model(arch, cfg: Config, device: str = "cpu"):

@@ -12,10 +12,10 @@ from checkpoint_engine.plan import (
     PUBLISHED,
     Calibration,
     Cluster,
+    Footprint,
     Layout,
     Run,
     calibrate,
-    Footprint,
     k2_arch,
     k2_calibration,
     memory,
@@ -99,7 +99,8 @@ def test_the_footprint_decides_what_shares_each_phase():
     assert set(parts(offload=True, sleep_level=0)) == {"trainer shard", "engine buffers (H2D + 2 IPC)",
                                                        "replica shard", "KV cache"}
     old = subprocess.run([sys.executable, "-m", "checkpoint_engine.plan"], capture_output=True, text=True)
-    assert old.returncode == 1 and old.stderr.strip() == "error: the planner's command is now `rl plan-update` (same flags)"
+    assert old.returncode == 1
+    assert old.stderr.strip() == "error: the planner's command is now `rl plan-update` (same flags)"
 
 
 def test_the_planned_trainer_keeps_bf16_master_weights_as_the_report_does():

@@ -17,12 +17,13 @@ dropped.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
 
 import torch
 
 from engines.inference.arena import adopt, new_arena
+from engines.inference.base import RolloutEngine
 from engines.inference.blocks import BlockAllocator
 from engines.inference.cuda_graphs import DecodeGraphs
 from engines.inference.kv_cache import (
@@ -48,7 +49,7 @@ from engines.inference.sampling import (
 )
 from engines.inference.scheduler import Scheduler, StepPlan
 from engines.model.causal_lm import CausalLM
-from engines.model.layout import hub_state, model_tensors
+from engines.model.layout import byte_placements, hub_state, model_tensors
 
 __all__ = ["Completion", "InferenceEngine", "InvalidRequestError", "SamplingParams", "token_logprobs"]
 
@@ -58,7 +59,7 @@ MAX_STOP_IDS = 16
 FLEX_BLOCK_SIZE = 128
 
 
-class InferenceEngine:
+class InferenceEngine(RolloutEngine):
     """Continuous-batching generation over a paged KV cache.
 
     ``kv_cache_bytes`` is the cache's memory budget, cut into blocks of ``block_size`` tokens; it must
@@ -321,7 +322,7 @@ class InferenceEngine:
                     torch.empty(shape, dtype=t.dtype, device=self.device)
         self._sleep_level = 0
 
-    def arena_bytes(self) -> int:
+    def mapped_bytes(self) -> int:
         """Device bytes mapped in the engine's arenas now: the weights and pool, which a CUDA caching
         allocator's counters do not see (on the host they are in the resident set already)."""
         if self.device.type == "cpu":
@@ -338,6 +339,26 @@ class InferenceEngine:
         prefixes are dropped, since their keys came from the old weights."""
         self._weights_loaded = True
         self.sched.alloc.invalidate()
+
+    def weight_placements(self) -> dict[str, tuple[str, int]]:
+        """Checkpoint tensor name -> (the engine's own tensor holding it, byte offset): q/k/v and gate/up
+        are fused here, FP8 replicas keep block scales beside their matrices."""
+        return byte_placements(self.model)
+
+    def swap_weights(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Serve with ``tensors`` (own names), an update the checkpoint engine loaded aside."""
+        for name, t in tensors.items():
+            owner, _, attr = name.rpartition(".")
+            getattr(self.model.get_submodule(owner), attr).data = t
+        self.weights_loaded()
+
+    def served_weights(self) -> dict[str, torch.Tensor]:
+        """The weights being served under the checkpoint's names (views of the engine's tensors)."""
+        return hub_state(self.model)
+
+    def reset_peaks(self) -> None:
+        """Start a new phase for ``stats()["kv_blocks_peak"]``."""
+        self.peak_blocks = 0
 
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy tensors into the engine's weights by their checkpoint names (e.g. from a safetensors

@@ -66,6 +66,12 @@ def placements(model: nn.Module) -> dict[str, Placement]:
     return placed
 
 
+def byte_placements(model: nn.Module) -> dict[str, tuple[str, int]]:
+    """Checkpoint tensor name -> (``model``'s own tensor holding it, byte offset inside that tensor)."""
+    sizes = {n: t.element_size() for n, t in model_tensors(model).items()}
+    return {name: (p.target, p.offset * sizes[p.target]) for name, p in placements(model).items()}
+
+
 def _rename(name: str, aliases: dict[str, str]) -> str:
     for prefix, alias in aliases.items():
         if name.startswith(prefix + "."):

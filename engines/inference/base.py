@@ -1,0 +1,124 @@
+"""The rollout engine interface: what the controller and the checkpoint engine ask of an inference engine.
+
+The controller drives requests (``add_request``/``step``/``pause``/``resume``, or ``generate``), puts the
+engine to sleep while the trainer holds the device, and the checkpoint engine writes each update into
+the tensors the engine names (``named_tensors``, ``weight_placements``) or hands it a set loaded aside
+(``swap_weights``). A catch-up packs the weights a live engine serves (``served_weights``). The native
+engine (``engines.inference.native``) implements it; a second engine is a second implementation, not a
+branch in the controller.
+
+Contract every implementation keeps:
+- log-probs in completions are log softmax(logits / T) of the sampled tokens at the request's
+  temperature: the π_old of the K1.5 objective;
+- ``pause`` returns every unfinished request with its tokens and log-probs so far (finish_reason None),
+  and ``resume`` continues them from those tokens, under whatever weights are loaded by then;
+- ``sleep`` refuses while requests are unfinished; after ``sleep(2)`` the weights must be loaded
+  again before generating;
+- after weights change (in place or swapped), ``weights_loaded`` drops what was computed with the
+  old ones (cached prefixes).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable, Mapping, Sequence
+
+import torch
+
+from engines.inference.requests import Completion
+from engines.inference.sampling import SamplingParams
+
+
+class RolloutEngine(ABC):
+    """An inference engine the controller and the checkpoint engine can drive (see the module docstring)."""
+
+    #: where the engine computes
+    device: torch.device
+    #: tokens sampled over the engine's life: the partial-rollout budget is counted in them
+    generated: int
+
+    # --- requests -------------------------------------------------------------------------
+
+    @abstractmethod
+    def add_request(self, prompt_ids: Sequence[int], params: SamplingParams, *, prior: Sequence[int] = (),
+                    prior_logprobs: Sequence[float] = (), request_id: int | None = None) -> int:
+        """Queue a request (``prior``: tokens already generated for it); raises InvalidRequestError and
+        queues nothing when it cannot be served."""
+
+    @abstractmethod
+    def has_unfinished(self) -> bool:
+        """Whether any request is queued or decoding."""
+
+    @abstractmethod
+    def step(self) -> list[Completion]:
+        """Advance every unfinished request by one engine step; returns those that finished."""
+
+    @abstractmethod
+    def pause(self) -> list[Completion]:
+        """Stop every unfinished request and return it with its tokens so far (finish_reason None)."""
+
+    @abstractmethod
+    def resume(self, partials: Iterable[Completion]) -> list[int]:
+        """Continue paused requests from their tokens; returns their ids."""
+
+    @abstractmethod
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams],
+                 seed: int | None = None, on_finish: Callable[[Completion], None] | None = None
+                 ) -> list[Completion]:
+        """Run prompts to completion, results in the prompts' order; a request that cannot be served
+        gets finish_reason "error" and the others still run."""
+
+    # --- colocation -----------------------------------------------------------------------
+
+    @abstractmethod
+    def sleep(self, level: int = 1) -> None:
+        """Free the KV cache (1), or the KV cache and the weights (2), while the trainer uses the device."""
+
+    @abstractmethod
+    def wake_up(self) -> None:
+        """Take back what ``sleep`` freed (after level 2 the weights must be loaded again)."""
+
+    @property
+    @abstractmethod
+    def sleeping(self) -> int:
+        """0 when awake, else the level of the last ``sleep``."""
+
+    # --- weights --------------------------------------------------------------------------
+
+    @abstractmethod
+    def named_tensors(self) -> dict[str, torch.Tensor]:
+        """The tensors an update writes into, by the engine's own names (each storage once)."""
+
+    @abstractmethod
+    def weight_placements(self) -> dict[str, tuple[str, int]]:
+        """Checkpoint tensor name -> (the engine's own tensor holding it, byte offset inside that tensor)."""
+
+    @abstractmethod
+    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy tensors into the served weights by their checkpoint names, whatever the engine's layout."""
+
+    @abstractmethod
+    def swap_weights(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Serve with ``tensors`` (by the engine's own names), a complete update loaded aside."""
+
+    @abstractmethod
+    def weights_loaded(self) -> None:
+        """Declare the weights changed and valid: drop what was computed with the old ones."""
+
+    @abstractmethod
+    def served_weights(self) -> dict[str, torch.Tensor]:
+        """The weights being served, under the checkpoint's names (what a restarted replica catches up to)."""
+
+    # --- counters -------------------------------------------------------------------------
+
+    @abstractmethod
+    def stats(self) -> dict[str, float]:
+        """Life-time counters: prefix-cache tokens found and computed, KV blocks, preemptions, tokens."""
+
+    @abstractmethod
+    def reset_peaks(self) -> None:
+        """Start a new phase for the peak counters (``stats()["kv_blocks_peak"]``)."""
+
+    @abstractmethod
+    def mapped_bytes(self) -> int:
+        """Device bytes held outside torch's caching allocator, which its peak counters do not see."""
