@@ -62,7 +62,7 @@ def _cmd_check(args: argparse.Namespace) -> None:
 
 
 def _cmd_memory_plan(args: argparse.Namespace) -> None:
-    from engines.hf_io import ModelDirError, read_config
+    from engines.model.hf_io import ModelDirError, read_config
     from rl.memory_plan import PRESETS, colocation_plan, preset
 
     if args.model in PRESETS:
@@ -95,8 +95,8 @@ def _cmd_envs(args: argparse.Namespace) -> None:
 
 
 def _cmd_serve(args: argparse.Namespace) -> None:
-    from engines.hf_io import ModelDirError
-    from engines.server import serve
+    from engines.inference.server import serve
+    from engines.model.hf_io import ModelDirError
 
     try:
         serve(args.model_dir, host=args.host, port=args.port, name=args.served_model_name, dtype=args.dtype,
@@ -106,17 +106,20 @@ def _cmd_serve(args: argparse.Namespace) -> None:
 
 
 def _cmd_sandbox_serve(args: argparse.Namespace) -> None:
-    from rl.config import Config, load_config
+    from pydantic import ValidationError
+
+    from rl.config import format_errors, load_config, parse_config
     from sandbox.backend import SandboxError
     from sandbox.server import server_from_config
 
-    cfg = load_config(args.config, args.set) if args.config else Config()
-    flags = {k: v for k, v in (("host", args.host), ("port", args.port), ("backend", args.backend),
-                                ("concurrency", args.concurrency), ("max_queue", args.max_queue),
-                                ("max_sessions", args.max_sessions), ("metrics_port", args.metrics_port),
-                                ("advertise_address", args.advertise_address))
-             if v is not None}
-    sc = cfg.sandbox.model_copy(update=flags)
+    cfg = load_config(args.config, args.set) if args.config else parse_config({}, "(defaults)", args.set)
+    # each flag is the section's key of that name (--max-queue: max_queue); the ones given replace the config's
+    keys = ("host", "port", "backend", "concurrency", "max_queue", "max_sessions", "metrics_port", "advertise_address")
+    flags = {k: getattr(args, k) for k in keys if getattr(args, k) is not None}
+    try:
+        sc = cfg.sandbox.override(**flags)
+    except ValidationError as e:
+        raise UserError(format_errors(e, "(rl sandbox serve flags)", prefix="sandbox")) from None
     try:
         server = server_from_config(sc)
     except SandboxError as e:
@@ -261,6 +264,9 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config value")
     f.set_defaults(func=_cmd_filter)
 
+    sub.add_parser("plan-update", add_help=False, help="predict Kimi K2's weight-update time and memory on a GPU "
+                                                       "cluster (see rl plan-update --help)")
+
     g = sub.add_parser("swe-generate", help="make SWE tasks by injecting bugs into a pure-Python package (see "
                                             "python -m envs.swe_smith --help)", add_help=False)
     g.add_argument("args", nargs=argparse.REMAINDER)
@@ -326,6 +332,11 @@ def main(argv: list[str] | None = None) -> int:
         from envs.swe_smith import main as generate
 
         return generate(argv[1:])
+    if argv[:1] == ["plan-update"]:  # its own parser, options included
+        from rl.update_plan import main as plan_update
+
+        plan_update(argv[1:])
+        return 0
     args = build_parser().parse_args(argv)
     try:
         args.func(args)

@@ -9,10 +9,14 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from rl.errors import UserError
 from rl.schedules import temperature_at
+from sandbox.options import KubernetesOptions, LimitsOptions, SandboxOptions
+
+# the sandbox section is sandbox.options' schema, embedded as is; these are the names rl.config has exported
+SandboxConfig, SandboxLimitsConfig, KubernetesSandboxConfig = SandboxOptions, LimitsOptions, KubernetesOptions
 
 
 class Strict(BaseModel):
@@ -259,69 +263,6 @@ class MetricsConfig(Strict):
     prometheus_port: int | None = Field(None, ge=0, le=65535, description="serve /metrics on this port")
 
 
-class SandboxLimitsConfig(Strict):
-    """Default limits of one sandboxed command (a request may ask for others, up to the server's maximum)."""
-
-    wall_s: float = Field(10.0, gt=0)
-    cpu_s: float = Field(10.0, gt=0)
-    memory_mb: int = Field(512, ge=16)
-    processes: int = Field(64, ge=1)
-    open_files: int = Field(256, ge=16)
-    file_size_mb: int = Field(16, ge=1)
-    output_kb: int = Field(1024, ge=1, description="per stream (stdout and stderr each)")
-    cpus: float = Field(1.0, gt=0, description="CPUs the whole sandbox may use at once (cgroup cpu.max)")
-
-    def to_limits(self):
-        from sandbox.backend import Limits
-
-        return Limits(wall_s=self.wall_s, cpu_s=self.cpu_s, memory_bytes=self.memory_mb << 20,
-                      processes=self.processes, open_files=self.open_files,
-                      file_size_bytes=self.file_size_mb << 20, output_bytes=self.output_kb << 10, cpus=self.cpus)
-
-
-class KubernetesSandboxConfig(Strict):
-    """The pod backend: one pod per session, from the task's image (see docs/sandbox-kubernetes.md)."""
-
-    namespace: str = "default"
-    agent_image: str = Field("colocated-rl:cpu", description="runtime image whose init container copies the agent")
-    default_image: str = Field("python:3.11-slim", description="image of sessions that name none")
-    runtime_class: str | None = Field(None, description="e.g. gvisor, for a kernel boundary between sandboxes")
-    ttl_s: float = Field(3600, gt=0, description="pods are deleted after this long, even if the service dies")
-    max_creates_per_s: float = Field(20, gt=0, description="client-side pod-creation rate limit")
-    warm_pool: dict[str, int] = Field(default_factory=dict, description="image -> ready pods kept waiting")
-    cpu: str = Field("1", description="Kubernetes quantity per session pod, e.g. 1 or 500m")
-    memory: str = Field("2Gi", description="Kubernetes quantity per session pod")
-    image_pull_secrets: list[str] = Field([], description="Secrets for a private registry of the session images")
-    labels: dict[str, str] = Field({}, description="extra labels on session pods (the chart: the run's)")
-    node_selector: dict[str, str] = Field({}, description="where session pods may run")
-    tolerations: list[dict[str, Any]] = Field([], description="taints session pods tolerate")
-    priority_class: str | None = Field(None, description="PriorityClass of session pods")
-
-    @field_validator("cpu", "memory", mode="before")
-    @classmethod
-    def _quantity(cls, v: Any) -> Any:
-        # `--set sandbox.kubernetes.cpu=2` reads as a number; Kubernetes takes quantities as strings
-        return str(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v
-
-
-class SandboxConfig(Strict):
-    address: str | None = Field(None, description="host:port of a running `rl sandbox serve`; None starts a local "
-                                                  "service inside the run when an environment needs one")
-    backend: Literal["local", "kubernetes"] = "local"
-    host: str = "127.0.0.1"
-    port: int = Field(50051, ge=0, le=65535)
-    concurrency: int = Field(8, ge=1, description="commands running at once")
-    max_queue: int = Field(256, ge=0, description="commands waiting for a slot before requests are refused")
-    max_sessions: int = Field(256, ge=1)
-    metrics_port: int | None = Field(None, ge=0, le=65535, description="Prometheus /metrics of the service")
-    advertise_address: str | None = Field(None, description="host:port clients reach this replica at (its pod "
-                                          "IP on Kubernetes): sessions created here are used through it")
-    limits: SandboxLimitsConfig = SandboxLimitsConfig()
-    disk_mb: int = Field(256, ge=0, description="local backend: disk quota of each session's /work and /tmp "
-                                                "together (a tmpfs); 0 = none")
-    kubernetes: KubernetesSandboxConfig = KubernetesSandboxConfig()
-
-
 class Config(Strict):
     run: RunConfig = RunConfig()
     cluster: ClusterConfig = ClusterConfig()
@@ -336,7 +277,7 @@ class Config(Strict):
     trainer: TrainerConfig = TrainerConfig()
     checkpoint_engine: CheckpointEngineConfig = CheckpointEngineConfig()
     metrics: MetricsConfig = MetricsConfig()
-    sandbox: SandboxConfig = SandboxConfig()
+    sandbox: SandboxOptions = Field(default_factory=SandboxOptions)
 
     @model_validator(mode="after")
     def _check(self) -> Config:
@@ -394,10 +335,11 @@ class Config(Strict):
                 t.temperature or r.temperature)
 
 
-def _format(e: ValidationError, source: str) -> str:
+def format_errors(e: ValidationError, source: str, prefix: str = "") -> str:
+    """A validation error as the CLI shows it: one line per dotted key (under ``prefix``, e.g. "sandbox")."""
     lines = [f"invalid config {source}:"]
     for err in e.errors():
-        key = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        key = ".".join(str(p) for p in ([prefix] if prefix else []) + list(err["loc"])) or "(top level)"
         if err["type"] == "extra_forbidden":
             lines.append(f"  {key}: unknown key")
         else:
@@ -428,7 +370,7 @@ def parse_config(raw: Any, source: str = "<config>", overrides: list[str] = ()) 
     try:
         return Config.model_validate(raw)
     except ValidationError as e:
-        raise UserError(_format(e, source)) from None
+        raise UserError(format_errors(e, source)) from None
 
 
 def load_config(path: str | Path, overrides: list[str] = ()) -> Config:

@@ -24,6 +24,7 @@ from kubernetes.client.rest import ApiException
 from sandbox import k8s_manifests as m
 from sandbox.agent import AgentClient
 from sandbox.backend import ExecResult, Limits, SandboxError, check_relative_path
+from sandbox.options import KubernetesOptions
 
 log = logging.getLogger(__name__)
 
@@ -125,18 +126,17 @@ class KubernetesBackend:
     # owner: label value naming this service instance; give a restarted instance the same one and collect_on_start
     # so that it deletes its predecessor's pods first. workdir_volume=False: the image provides ``workdir`` (e.g. the
     # repository at /testbed). service_labels/service_namespace: who may reach the agents (the NetworkPolicy).
-    def __init__(self, *, namespace: str = "default", agent_image: str = "colocated-rl:cpu",
+    def __init__(self, *, options: KubernetesOptions | None = None,
                  api_client: kubernetes.client.ApiClient | None = None, agent_port: int = 8000,
-                 runtime_class: str | None = None, resources: dict[str, Any] | None = None, ttl_s: float = 3600,
-                 ready_timeout_s: float = 300, max_creates_per_s: float = 20, create_burst: float | None = None,
-                 warm_pool: dict[str, int] | None = None, default_image: str = "python:3.11-slim",
-                 workdir: str = "/work", workdir_volume: bool = True, owner: str | None = None,
-                 node_selector: dict[str, str] | None = None, tolerations: list[dict[str, Any]] | None = None,
-                 service_labels: dict[str, str] | None = None, service_namespace: str | None = None,
-                 network_policy: bool = True, reap_interval_s: float = 60, pool_max_age_s: float | None = None,
-                 pool_workers: int = 16, collect_on_start: bool = False, image_pull_secrets: list[str] = (),
-                 labels: dict[str, str] | None = None, priority_class: str | None = None):
-        if not agent_image:
+                 resources: dict[str, Any] | None = None, ready_timeout_s: float = 300,
+                 create_burst: float | None = None, workdir: str = "/work", workdir_volume: bool = True,
+                 owner: str | None = None, service_labels: dict[str, str] | None = None,
+                 service_namespace: str | None = None, network_policy: bool = True, reap_interval_s: float = 60,
+                 pool_max_age_s: float | None = None, pool_workers: int = 16, collect_on_start: bool = False):
+        """``options``: a run config's keys for this backend (namespace, images, pod settings, rates, warm pool);
+        ``resources``: requests and limits of session pods where they differ (None: ``options.cpu``/``memory``)."""
+        self.options = o = options if options is not None else KubernetesOptions()
+        if not o.agent_image:
             raise SandboxError("the kubernetes backend needs agent_image (the runtime image with the sandbox package)",
                                "INVALID_ARGUMENT")
         self._owns_client = api_client is None
@@ -149,23 +149,24 @@ class KubernetesBackend:
         self.api_client = api_client
         self.core = kubernetes.client.CoreV1Api(api_client)
         self.net = kubernetes.client.NetworkingV1Api(api_client)
-        self.namespace, self.agent_image, self.agent_port = namespace, agent_image, agent_port
-        self.default_image, self.ttl_s, self.ready_timeout_s = default_image, float(ttl_s), float(ready_timeout_s)
+        self.namespace, self.agent_image, self.agent_port = o.namespace, o.agent_image, agent_port
+        self.default_image, self.ttl_s, self.ready_timeout_s = o.default_image, float(o.ttl_s), float(ready_timeout_s)
         self.owner = m.label_value(owner or f"rl-sandbox-{uuid.uuid4().hex[:10]}")
-        self._pod_options = {"agent_image": agent_image, "port": agent_port, "ttl_s": self.ttl_s, "workdir": workdir,
-                             "workdir_volume": workdir_volume, "resources": resources, "runtime_class": runtime_class,
-                             "node_selector": node_selector, "tolerations": tolerations,
-                             "image_pull_secrets": list(image_pull_secrets), "labels": labels,
-                             "priority_class": priority_class}
-        self._policy = m.deny_egress_policy(namespace, port=agent_port, service_labels=service_labels,
+        self._pod_options = {"agent_image": o.agent_image, "port": agent_port, "ttl_s": self.ttl_s,
+                             "workdir": workdir, "workdir_volume": workdir_volume,
+                             "resources": {"cpu": o.cpu, "memory": o.memory} if resources is None else resources,
+                             "runtime_class": o.runtime_class, "node_selector": o.node_selector,
+                             "tolerations": o.tolerations, "image_pull_secrets": list(o.image_pull_secrets),
+                             "labels": o.labels, "priority_class": o.priority_class}
+        self._policy = m.deny_egress_policy(o.namespace, port=agent_port, service_labels=service_labels,
                                             service_namespace=service_namespace) if network_policy else None
         self._policy_ready, self._policy_lock = self._policy is None, threading.Lock()
-        self.bucket = TokenBucket(max_creates_per_s, create_burst)
+        self.bucket = TokenBucket(o.max_creates_per_s, create_burst)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._sessions: dict[str, KubernetesSession] = {}
         # Warm pool: per image, ready pods (oldest first), fills in flight, and a backoff after failed fills.
-        self._warm_target = {img: int(n) for img, n in (warm_pool or {}).items() if n > 0}
+        self._warm_target = {img: int(n) for img, n in o.warm_pool.items() if n > 0}
         self._pool: dict[str, list[_Pod]] = {img: [] for img in self._warm_target}
         self._filling = dict.fromkeys(self._warm_target, 0)
         self._fill_failures = dict.fromkeys(self._warm_target, 0)

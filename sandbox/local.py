@@ -7,7 +7,7 @@ Isolation, when the service runs as root (as in CI and in the service's containe
   the backend (no ``/etc/shadow``), its own ``/proc`` and ``/dev``, the Python installation read-only, and its
   session's ``/work`` (the cwd) and ``/tmp`` read-write. Nothing from ``/root``, ``/home``, the project, or other
   sessions. The network namespace has only a loopback interface of its own.
-- Each session's ``/work`` and ``/tmp`` live on one tmpfs of ``disk_bytes`` (and a bounded number of files)
+- Each session's ``/work`` and ``/tmp`` live on one tmpfs of ``disk_mb`` (and a bounded number of files)
   mounted for the session: an aggregate disk quota, and clean-up is an unmount whatever the program left there.
 - Each session has its own cgroup (``sandbox.cgroups``, v2 or v1): memory, processes and CPU of the whole sandbox
   are limited together, on top of the per-process rlimits, and the cgroup's counters tell which limit was hit.
@@ -63,24 +63,18 @@ from pathlib import Path
 
 from sandbox import uids
 from sandbox.backend import CancelEvent, ExecResult, Limits, SandboxError, Verdict, check_relative_path, open_parent_dir
+from sandbox.bwrap import DEFAULT_ENV, base_argv, stage_etc
 from sandbox.cgroups import ENTER_ERROR, CgroupManager, CgroupUnavailable, SessionCgroup, Usage
 from sandbox.fs import mount_tmpfs, remove_tree, unmount
+from sandbox.options import LocalOptions
 from sandbox.runner import classify, prlimit_argv, run_command, set_rlimits
 from sandbox.seccomp import SeccompUnavailable, write_filter
 
 log = logging.getLogger(__name__)
-_ETC_FILES = ("passwd", "group", "hosts", "host.conf", "nsswitch.conf", "gai.conf", "ld.so.cache", "ld.so.conf",
-              "ld.so.conf.d", "localtime", "ssl", "alternatives", "protocols", "services", "mime.types")
-_SYSTEM_LINKS = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
-_SANDBOX_PATH = "/sandbox/bin:/usr/local/bin:/usr/bin:/bin"
-#: the environment of every command, to which the caller's variables are added
-_DEFAULT_ENV = {"PATH": _SANDBOX_PATH, "HOME": "/tmp", "TMPDIR": "/tmp", "LANG": "C.UTF-8",
-                "PYTHONDONTWRITEBYTECODE": "1"}
 _KILLED_BY_US = (Verdict.TIMEOUT, Verdict.OUTPUT_LIMIT, Verdict.CANCELLED)
 _BACKSTOP_S = 5  # timeout(1) kills the program this long after its wall limit if the service could not
 _BWRAP_FILES, _BWRAP_MEMORY = 16, 16 << 20  # rlimits below these are set inside: bwrap itself needs that much
 _CLOSE_WAIT_S = 10.0
-DISK_BYTES = 256 << 20  # default aggregate quota of a session's /work and /tmp
 _BYTES_PER_INODE = 4096  # files a session may hold: one per 4 KiB of its quota (at least 16384)
 
 
@@ -120,17 +114,19 @@ class LocalBackend:
 
     name = "local"
 
-    def __init__(self, root: str | Path | None = None, *, python: str | None = None, uid_base: int = 61000,
-                 max_sessions: int = 1024, ro_paths: Sequence[str] = (), disk_bytes: int = DISK_BYTES,
-                 cgroups: bool = True, seccomp: bool = True):
-        """``disk_bytes``: the quota of each session's /work and /tmp together; ``cgroups`` / ``seccomp`` False turn
-        those mechanisms off (for comparison); ``enforced`` then says what is in force and ``warnings`` why not."""
+    def __init__(self, root: str | Path | None = None, *, options: LocalOptions | None = None,
+                 python: str | None = None, uid_base: int = 61000, max_sessions: int = 1024,
+                 ro_paths: Sequence[str] = (), cgroups: bool = True, seccomp: bool = True):
+        """``options``: a run config's keys for this backend (the disk quota of each session's /work and /tmp);
+        ``cgroups`` / ``seccomp`` False turn those mechanisms off (for comparison); ``enforced`` then says what is in
+        force and ``warnings`` why not."""
         bwrap = shutil.which("bwrap")
         if bwrap is None:
             raise SandboxError("bubblewrap (bwrap) is not installed; the local sandbox backend needs it: "
                                "apt-get install bubblewrap", "UNAVAILABLE")
         self.as_root = os.geteuid() == 0
-        self.uid_base, self.max_sessions, self.disk_bytes = uid_base, max_sessions, disk_bytes
+        self.options = options if options is not None else LocalOptions()
+        self.uid_base, self.max_sessions, self.disk_bytes = uid_base, max_sessions, self.options.disk_bytes
         self.env_tool, self._prlimit, self._timeout = _tool("env"), _tool("prlimit"), _tool("timeout")
         self._setpriv = _tool("setpriv")
         # how the sandbox's own tools (not the program) report a failure: they prefix their messages with argv[0]
@@ -152,8 +148,8 @@ class LocalBackend:
         self.tmpfs = self._setup_tmpfs()
         for w in self.warnings:
             log.warning("local sandbox: %s", w)
-        etc = self._stage_etc()
-        self._base = self._base_argv(bwrap, etc, ro_paths)
+        etc = stage_etc(self.root, range(uid_base, uid_base + max_sessions) if self.as_root else None)
+        self._base = base_argv(bwrap, etc, self.python, as_root=self.as_root, ro_paths=ro_paths)
 
     def _setup_cgroups(self, wanted: bool) -> CgroupManager | None:
         if not wanted:
@@ -184,7 +180,7 @@ class LocalBackend:
     def _setup_tmpfs(self) -> bool:
         """Whether sessions get a size-limited tmpfs (needs the right to mount: root in the host's namespace)."""
         if self.disk_bytes <= 0:
-            self.warnings.append("disk quota turned off (disk_bytes=0)")
+            self.warnings.append("disk quota turned off (disk_mb=0)")
             return False
         probe = self.root / ".tmpfs-probe"
         try:
@@ -217,73 +213,6 @@ class LocalBackend:
         if not os.path.isfile(real) or not os.access(real, os.X_OK):
             raise SandboxError(f"python interpreter {python!r} not found", "UNAVAILABLE")
         return real
-
-    def _stage_etc(self) -> Path:
-        """A minimal /etc for the sandboxes: copies of the harmless host files, plus users for the sandbox uids."""
-        etc = self.root / ".etc"
-        shutil.rmtree(etc, ignore_errors=True)
-        etc.mkdir(mode=0o755)
-        for name in _ETC_FILES:
-            src = Path("/etc") / name
-            if src.is_symlink():
-                os.symlink(os.readlink(src), etc / name)
-            elif src.is_dir():
-                shutil.copytree(src, etc / name, symlinks=True, ignore=shutil.ignore_patterns("private"))
-            elif src.is_file():
-                shutil.copyfile(src, etc / name)
-        if self.as_root:  # so that getpass.getuser(), ~ and friends work for the sandbox uids
-            ids = range(self.uid_base, self.uid_base + self.max_sessions)
-            with open(etc / "passwd", "a") as f:
-                f.writelines(f"sandbox{u - self.uid_base}:x:{u}:{u}:sandbox:/tmp:/usr/sbin/nologin\n" for u in ids)
-            with open(etc / "group", "a") as f:
-                f.writelines(f"sandbox{u - self.uid_base}:x:{u}:\n" for u in ids)
-        for dirpath, dirnames, filenames in os.walk(etc):
-            for d in dirnames:
-                os.chmod(os.path.join(dirpath, d), 0o755, follow_symlinks=False)
-            for fn in filenames:
-                p = os.path.join(dirpath, fn)
-                if not os.path.islink(p):
-                    os.chmod(p, 0o644)
-        return etc
-
-    def _base_argv(self, bwrap: str, etc: Path, ro_paths: Sequence[str]) -> list[str]:
-        """The constant part of every bwrap command line, built once."""
-        a = [bwrap, "--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try",
-             "--hostname", "sandbox", "--die-with-parent", "--as-pid-1", "--clearenv", "--cap-drop", "ALL"]
-        for k, v in _DEFAULT_ENV.items():  # only these reach the root part of the chain (see LocalSession.exec)
-            a += ["--setenv", k, v]
-        if self.as_root:
-            # DAC_READ_SEARCH lets bwrap's --chdir enter /work, the session uid's own 0700 directory; setpriv drops
-            # it with the others when it switches to that uid
-            a += ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID", "--cap-add", "CAP_SETPCAP",
-                  "--cap-add", "CAP_DAC_READ_SEARCH"]
-        else:
-            a += ["--unshare-user"]
-        a += ["--ro-bind", "/usr", "/usr"]
-        for link in _SYSTEM_LINKS:
-            if os.path.islink(link):
-                a += ["--symlink", os.readlink(link), link]
-            elif os.path.isdir(link):
-                a += ["--ro-bind", link, link]
-        a += ["--ro-bind", str(etc), "/etc", "--proc", "/proc", "--dev", "/dev",
-              "--perms", "1777", "--size", str(64 << 20), "--tmpfs", "/dev/shm"]
-        made: set[str] = set()
-        prefix = Path(self.python).parent.parent
-        for path in [str(prefix), *ro_paths]:
-            path = os.path.abspath(path)
-            if not os.path.exists(path):
-                raise SandboxError(f"read-only path {path!r} does not exist", "INVALID_ARGUMENT")
-            if path == "/" or any(path == p or path.startswith(p + "/") for p in ("/usr", "/etc", "/proc", "/dev")):
-                continue  # already visible (or must not be replaced)
-            for parent in reversed(Path(path).parents[:-1]):  # bwrap would create missing parents 0700
-                if str(parent) not in made:
-                    made.add(str(parent))
-                    a += ["--perms", "0755", "--dir", str(parent)]
-            a += ["--ro-bind", path, path]
-        a += ["--perms", "0755", "--dir", "/sandbox", "--perms", "0755", "--dir", "/sandbox/bin"]
-        for name in ("python3", "python", f"python{sys.version_info.major}.{sys.version_info.minor}"):
-            a += ["--symlink", self.python, f"/sandbox/bin/{name}"]
-        return a
 
     def create_session(self, image: str = "", files: dict[str, bytes] | None = None) -> LocalSession:
         """A new session with its own uid and work directory; ``image`` is ignored (no containers images here)."""
@@ -440,12 +369,12 @@ class LocalSession:
             if not k or "=" in k or "\0" in k or "\0" in v:
                 raise SandboxError(f"invalid environment variable {k!r}", "INVALID_ARGUMENT")
         # The caller's variables (LD_PRELOAD...) must never reach a privileged process: bwrap and setpriv, which
-        # still runs as root, get only _DEFAULT_ENV; ``env -i`` sets the caller's, after the switch to the session's
-        # uid. Without any, the program keeps _DEFAULT_ENV and the chain is one program shorter.
+        # still runs as root, get only DEFAULT_ENV; ``env -i`` sets the caller's, after the switch to the session's
+        # uid. Without any, the program keeps DEFAULT_ENV and the chain is one program shorter.
         # PATH stays first: env(1) stops parsing options at the first NAME=VALUE
         set_env: list[str] = []
         if env:  # PWD: what bwrap sets after its --chdir
-            merged = {**_DEFAULT_ENV, "PWD": "/work", **env}
+            merged = {**DEFAULT_ENV, "PWD": "/work", **env}
             set_env = [self.backend.env_tool, "-i", *(f"{k}={v}" for k, v in merged.items())]
         with self._cond:
             self._check_open()

@@ -8,8 +8,9 @@ from typing import Any
 
 import grpc
 
-from sandbox.backend import DEFAULT_LIMITS, Backend, Limits, SandboxError
+from sandbox.backend import Backend, SandboxError
 from sandbox.metrics import SandboxMetrics
+from sandbox.options import SandboxOptions
 from sandbox.proto import sandbox_pb2_grpc as pb_grpc
 from sandbox.service import SandboxService
 
@@ -25,7 +26,8 @@ MAX_CONNECTION_AGE_MS = 60_000
 
 
 def build_backend(name: str, **options: Any) -> Backend:
-    """The backend called ``name`` ("local" or "kubernetes"), built with its keyword options."""
+    """The backend called ``name`` ("local" or "kubernetes"), built with its keyword arguments (``options=``: its
+    ``LocalOptions`` or ``KubernetesOptions``)."""
     if name == "local":
         from sandbox.local import LocalBackend
 
@@ -40,16 +42,19 @@ def build_backend(name: str, **options: Any) -> Backend:
 class SandboxServer:
     """A running sandbox service: ``address`` to connect to, ``stop()`` to shut it down (closing all sessions)."""
 
-    def __init__(self, backend: Backend, *, host: str = "127.0.0.1", port: int = 0, concurrency: int = 8,
-                 max_queue: int = 256, max_sessions: int = 256, default_limits: Limits = DEFAULT_LIMITS,
-                 metrics_port: int | None = None, session_idle_s: float = 1800.0, advertise_address: str = ""):
+    def __init__(self, backend: Backend, options: SandboxOptions | None = None, *, session_idle_s: float = 1800.0,
+                 **fields: Any):
+        """``options``: host, port, concurrency, queue, sessions, default limits, metrics port and advertised address
+        (the backend's keys are the backend's business); ``fields`` replace some of them, validated. Without
+        ``options``, the defaults on port 0 (a free one)."""
+        self.options = o = (options if options is not None else SandboxOptions(port=0)).override(**fields)
         self.metrics = SandboxMetrics()
-        self.service = SandboxService(backend, concurrency=concurrency, max_queue=max_queue,
-                                      max_sessions=max_sessions, default_limits=default_limits,
+        self.service = SandboxService(backend, concurrency=o.concurrency, max_queue=o.max_queue,
+                                      max_sessions=o.max_sessions, default_limits=o.limits.to_limits(),
                                       session_idle_s=session_idle_s, metrics=self.metrics,
-                                      advertise_address=advertise_address)
+                                      advertise_address=o.advertise_address or "")
         # One thread per running or queued call, plus a few for session calls that need no slot.
-        workers = concurrency + max_queue + 16
+        workers = o.concurrency + o.max_queue + 16
         # grpc.so_reuseport off: with it (gRPC's default) a second service on a port already served binds as well
         # and the kernel splits the connections between the two
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="sandbox-rpc"),
@@ -57,19 +62,19 @@ class SandboxServer:
                                             ("grpc.so_reuseport", 0)])
         pb_grpc.add_SandboxServicer_to_server(self.service, self._server)
         try:
-            self.port = self._server.add_insecure_port(f"{host}:{port}")
+            self.port = self._server.add_insecure_port(f"{o.host}:{o.port}")
         except RuntimeError:  # newer grpcio raises where older ones returned 0
             self.port = 0
         if self.port == 0:
             self.service.close()
-            raise SandboxError(f"cannot bind the sandbox service to {host}:{port}: the port is in use (or the "
+            raise SandboxError(f"cannot bind the sandbox service to {o.host}:{o.port}: the port is in use (or the "
                                "address is not this machine's)", "UNAVAILABLE")
-        self.address = f"{host}:{self.port}"
+        self.address = f"{o.host}:{self.port}"
         self.metrics_port = None
-        if metrics_port is not None:
+        if o.metrics_port is not None:
             from prometheus_client import start_http_server
 
-            server, _ = start_http_server(metrics_port, registry=self.metrics.registry)
+            server, _ = start_http_server(o.metrics_port, registry=self.metrics.registry)
             self._metrics_server = server
             self.metrics_port = server.server_port
         self._server.start()
@@ -101,23 +106,6 @@ def start_server(backend: str | Backend = "local", backend_options: dict[str, An
     return SandboxServer(backend, **server_options)
 
 
-def backend_options(sc: Any) -> dict[str, Any]:
-    """The keyword options of the backend an ``rl.config.SandboxConfig`` names."""
-    options: dict[str, Any] = {"disk_bytes": sc.disk_mb << 20}
-    if sc.backend == "kubernetes":
-        k = sc.kubernetes
-        options = {"namespace": k.namespace, "agent_image": k.agent_image, "default_image": k.default_image,
-                   "runtime_class": k.runtime_class, "ttl_s": k.ttl_s, "max_creates_per_s": k.max_creates_per_s,
-                   "warm_pool": dict(k.warm_pool), "resources": {"cpu": k.cpu, "memory": k.memory},
-                   "node_selector": dict(k.node_selector) or None, "tolerations": list(k.tolerations) or None,
-                   "image_pull_secrets": list(k.image_pull_secrets), "labels": dict(k.labels),
-                   "priority_class": k.priority_class}
-    return options
-
-
-def server_from_config(sc: Any) -> SandboxServer:
-    """Start the service an ``rl.config.SandboxConfig`` describes (host, port, backend, concurrency, limits)."""
-    options = backend_options(sc)
-    return start_server(sc.backend, options, host=sc.host, port=sc.port, concurrency=sc.concurrency,
-                        max_queue=sc.max_queue, max_sessions=sc.max_sessions, metrics_port=sc.metrics_port,
-                        default_limits=sc.limits.to_limits(), advertise_address=sc.advertise_address or "")
+def server_from_config(options: SandboxOptions) -> SandboxServer:
+    """Start the service a run config's ``sandbox`` section describes; it and its backend get their options as is."""
+    return SandboxServer(build_backend(options.backend, options=options.backend_options), options)

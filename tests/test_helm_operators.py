@@ -66,14 +66,13 @@ def test_3_a_private_registry_reaches_the_submitter_and_the_session_pods():
     # the session pods: the service's own flags -> its config -> the pod backend -> the pod it would create
     from sandbox import k8s_manifests as m
     from sandbox.kubernetes import KubernetesBackend
-    from sandbox.server import backend_options
 
     args = one(docs, "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
     sets = [a.removeprefix("--set=") for a in args if a.startswith("--set=")]
     assert "--backend=kubernetes" in args
     sc = load_config(QUICKSTART, sets).sandbox.model_copy(update={"backend": "kubernetes"})  # as rl sandbox serve does
     with KubeApiStandIn() as api:
-        backend = KubernetesBackend(api_client=api.api_client(), reap_interval_s=0, **backend_options(sc))
+        backend = KubernetesBackend(options=sc.backend_options, api_client=api.api_client(), reap_interval_s=0)
         try:
             pod = m.sandbox_pod(name="rl-sbx-1", namespace="rl", session_id="s1", owner="o1", image="swe:task",
                                 **backend._pod_options)

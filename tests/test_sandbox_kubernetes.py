@@ -20,6 +20,7 @@ from sandbox import k8s_manifests as m
 from sandbox.agent import TOKEN_HEADER, AgentClient, AgentServer, child_environment
 from sandbox.backend import Limits, SandboxError, Verdict
 from sandbox.kubernetes import KubernetesBackend, TokenBucket
+from sandbox.options import KubernetesOptions
 from tests.kube_standin import REPO_ROOT, KubeApiStandIn
 
 K8S_VERSION = latest_version()  # the newest schema set kubernetes-validate ships (offline)
@@ -62,10 +63,12 @@ def make_backend(api):
     backends = []
 
     def make(**kw) -> KubernetesBackend:
-        opts = dict(namespace="sbx", agent_image="rl-runtime:test", default_image="task:default",
-                    api_client=api.api_client(), agent_port=_free_port(), ready_timeout_s=15, reap_interval_s=0,
-                    max_creates_per_s=100)
-        b = KubernetesBackend(**{**opts, **kw})
+        # the run config's keys go into the options, the rest are the constructor's own arguments
+        keys = {k: kw.pop(k) for k in list(kw) if k in KubernetesOptions.model_fields}
+        options = KubernetesOptions(**{"namespace": "sbx", "agent_image": "rl-runtime:test",
+                                       "default_image": "task:default", "max_creates_per_s": 100, **keys})
+        args = dict(api_client=api.api_client(), agent_port=_free_port(), ready_timeout_s=15, reap_interval_s=0)
+        b = KubernetesBackend(options=options, **{**args, **kw})
         backends.append(b)
         return b
 

@@ -15,6 +15,7 @@ import pytest
 
 from sandbox.backend import Limits, SandboxError, Verdict
 from sandbox.local import LocalBackend, LocalSession
+from sandbox.options import LocalOptions
 from tests.test_sandbox_local import assert_healthy, assert_no_processes
 
 LIM = Limits(wall_s=20, cpu_s=10, memory_bytes=256 << 20, processes=32, open_files=64, file_size_bytes=1 << 20,
@@ -23,7 +24,7 @@ LIM = Limits(wall_s=20, cpu_s=10, memory_bytes=256 << 20, processes=32, open_fil
 
 @pytest.fixture(scope="module")
 def backend():
-    b = LocalBackend(disk_bytes=8 << 20)
+    b = LocalBackend(options=LocalOptions(disk_mb=8))
     yield b
     b.close()
     assert not b.root.exists()
@@ -188,7 +189,8 @@ FIND_KEY = ("import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
 @pytest.mark.parametrize("seccomp", [True, False], ids=["seccomp", "no-seccomp"])
 def test_kernel_keys_do_not_reach_the_next_session_of_the_uid(tmp_path, seccomp):
     """With seccomp a key cannot be added at all; without it, the uid's keys are cleared before it is reused."""
-    b = LocalBackend(tmp_path / "root", max_sessions=1, uid_base=63500, seccomp=seccomp, disk_bytes=4 << 20)
+    b = LocalBackend(tmp_path / "root", max_sessions=1, uid_base=63500, seccomp=seccomp,
+                     options=LocalOptions(disk_mb=4))
     if not b.as_root:
         b.close()
         pytest.skip("sandbox uids need root; without it the sandbox runs as the service's own uid")
@@ -213,11 +215,11 @@ DEEP = ("import os\nfor top in ('/work', '/tmp'):\n    os.chdir(top)\n    for i 
         "os.chdir('/work')\nos.chmod('d', 0)\nprint('deep')")
 
 
-@pytest.mark.parametrize("disk_bytes", [32 << 20, 0], ids=["tmpfs", "plain-directory"])
-def test_deep_trees_and_requests_are_cleaned_up(tmp_path, disk_bytes):
+@pytest.mark.parametrize("disk_mb", [32, 0], ids=["tmpfs", "plain-directory"])
+def test_deep_trees_and_requests_are_cleaned_up(tmp_path, disk_mb):
     """1,200 nested directories made by the program, and a request path just as deep: closing frees everything
     (unmounting the tmpfs, or removing the tree without recursion)."""
-    b = LocalBackend(tmp_path / "root", max_sessions=2, uid_base=63600, disk_bytes=disk_bytes)
+    b = LocalBackend(tmp_path / "root", max_sessions=2, uid_base=63600, options=LocalOptions(disk_mb=disk_mb))
     try:
         for _ in range(3):  # more rounds than slots: each round's slot must have come back
             s = b.create_session()
@@ -257,7 +259,7 @@ def test_uids_and_dirs_are_released_after_each_attack(backend):
 def test_a_failed_clean_up_keeps_the_slot_until_it_succeeds(tmp_path):
     """Something of the session that cannot be removed (here a mount the test puts in its directory) keeps its slot
     and uid out of use; once it can be removed, the next session gets the slot back."""
-    b = LocalBackend(tmp_path / "root", max_sessions=1, uid_base=63700, disk_bytes=0)
+    b = LocalBackend(tmp_path / "root", max_sessions=1, uid_base=63700, options=LocalOptions(disk_mb=0))
     if not b.as_root:
         b.close()
         pytest.skip("mounting needs root")

@@ -291,7 +291,7 @@ def test_replicas_behind_one_name_share_runs_and_keep_each_session():
     """Two replicas behind one gRPC target (as a headless Service's DNS name resolves to its pods): runs
     go round-robin over both, and every call of a session reaches the replica that holds it (another
     replica answers NOT_FOUND, so half of them would fail without the advertised address)."""
-    from checkpoint_engine.update import free_port
+    from checkpoint_engine.topology import free_port
 
     ports = [free_port(), free_port()]
     replicas = [start_server("local", port=p, concurrency=2, metrics_port=0, advertise_address=f"127.0.0.1:{p}")
