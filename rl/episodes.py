@@ -7,7 +7,9 @@ the trajectory is left out of the loss and counted in ``env_errors``.
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures as cf
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -49,8 +51,27 @@ def make_env(entry: EnvConfig, cfg: Config) -> Env:
     cls = env_class(entry)
     kwargs = dict(entry.kwargs)
     if getattr(cls, "uses_sandbox", False):
-        kwargs.setdefault("sandbox_address", cfg.sandbox.address)
+        kwargs.setdefault("sandbox_address", sandbox_address(cfg))
     return cls(**kwargs)
+
+
+_servers: dict[str, Any] = {}  # the run's own sandbox services, by their options (one per process and section)
+_servers_lock = threading.Lock()
+
+
+def sandbox_address(cfg: Config) -> str:
+    """The run's sandbox service: ``sandbox.address``, or one started in this process from the run's own
+    ``sandbox`` section (limits, backend, concurrency...) on a free port, stopped when the process exits."""
+    if cfg.sandbox.address:
+        return cfg.sandbox.address
+    from sandbox.server import server_from_config
+
+    key = cfg.sandbox.model_dump_json()
+    with _servers_lock:
+        if key not in _servers:
+            server = _servers[key] = server_from_config(cfg.sandbox.override(port=0))
+            atexit.register(server.stop)
+        return _servers[key].address
 
 
 def task_type_of(task: Task, entry: EnvConfig) -> str:

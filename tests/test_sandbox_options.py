@@ -144,3 +144,18 @@ def test_the_pod_backend_gets_the_config_objects_themselves(monkeypatch):
             backend = srv.service.backend
             assert srv.options is sc and backend.options is pods and backend.options.marker == "reached"
             assert backend.namespace == "rl" and backend._pod_options["resources"] == {"cpu": "2", "memory": "2Gi"}
+
+
+def test_a_run_without_a_sandbox_address_starts_its_service_from_its_own_section():
+    """An environment that runs code, in a run with no ``sandbox.address``, reaches a service started from
+    the run's ``sandbox`` section: its default limits are the config's (a 1 s wall limit stops a 5 s
+    program), not the service's built-in ones."""
+    from rl.episodes import make_env, sandbox_address
+    from sandbox.client import connect
+
+    cfg = parse_config({"env": {"name": "code"}, "sandbox": {"limits": {"wall_s": 1}}})
+    env = make_env(cfg.env, cfg)
+    assert env.sandbox_address == sandbox_address(cfg) and env.sandbox_address.split(":")[1] != "50051"
+    with connect(env.sandbox_address) as client:
+        res = client.run(["python3", "-c", "import time; time.sleep(5)"])
+    assert res.verdict.name == "TIMEOUT" and res.wall_s < 4
