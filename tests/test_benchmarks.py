@@ -1,4 +1,4 @@
-"""The optimizer, offload and sandbox benchmarks run and print the JSON record the README documents."""
+"""The optimizer, offload and sandbox benchmarks run and print the JSON record docs/benchmarks.md documents."""
 
 import json
 import subprocess
