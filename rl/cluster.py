@@ -20,6 +20,7 @@ from rl.config import Config
 from rl.errors import UserError
 from rl.partial import Trajectory
 from rl.placement import probe_bundles, reachable_model_dirs, unplaceable, worker_bundle, worker_threads
+from rl.seeds import chunk_seed
 from rl.workers import RolloutWorker, TrainerWorker
 
 # Both actors of a worker share one bundle: they alternate, never compute at the same time.
@@ -105,7 +106,7 @@ class Cluster:
         size = self.cfg.rollout.max_batch
         chunks = [range(i, min(i + size, len(prompts))) for i in range(0, len(prompts), size)]
         refs = [self.rollouts[i % len(self.rollouts)].generate.remote([prompts[j] for j in c], [params[j] for j in c],
-                                                                      seed * 7919 + i)
+                                                                      chunk_seed(seed, i))
                 for i, c in enumerate(chunks)]
         index = {ref: i for i, ref in enumerate(refs)}
         results: list[list[Completion] | None] = [None] * len(refs)

@@ -38,7 +38,8 @@ from rl.metrics import MetricsLog, plot_curves
 from rl.multiturn import play_episodes
 from rl.partial import PartialRolloutBuffer, Trajectory
 from rl.ptx import load_ptx, ptx_batches
-from rl.rewards import collect_samples, episode_runner, episode_seed, evaluate
+from rl.rewards import collect_samples, episode_runner, evaluate
+from rl.seeds import episode_seed, sampling_seed, train_seed
 from rl.warmstart import prepare_model
 
 
@@ -143,7 +144,7 @@ def new_groups(cfg: Config, tasks, tok: TextTokenizer, it: int,
         keys = [group * r.samples_per_prompt + j for j in range(r.samples_per_prompt)]
         buffer.add_group([Trajectory(key=k, group=group, task_index=index, prompt_ids=prompt, started=it,
                                      params=SamplingParams(temps[ttype], max_tokens,
-                                                           seed=(cfg.run.seed * 1_000_003 + k) % 2**63))
+                                                           seed=sampling_seed(cfg.run.seed, it, k)))
                           for k in keys])
     return temps, multi
 
@@ -165,7 +166,8 @@ def iteration(cluster: Cluster, cfg: Config, tasks, tok: TextTokenizer, it: int,
         prior = {t.key: len(t.token_ids) for t in pending}
         generated = sum(len(r.token_ids) - prior[r.key] for r in results)
         buffer.record(results, it)
-        episodes = play_episodes(cluster, cfg, tok, runner, multi, temps, episode_seed(cfg, it), cluster.max_context)
+        episodes = play_episodes(cluster, cfg, tok, runner, multi, temps, episode_seed(cfg.run.seed, it),
+                                 cluster.max_context)
         generated += sum(sum(e.loss_mask) for e in episodes)
         times["time_rollout"] = time.time() - t
 
@@ -185,7 +187,7 @@ def iteration(cluster: Cluster, cfg: Config, tasks, tok: TextTokenizer, it: int,
     a = cfg.algorithm
     ptx_steps = ptx_batches(ptx, tok, a.ptx.batch_size, a.minibatches, cfg.run.seed, it) if ptx else []
     bar = progress.add_task(f"iter {it} train", total=a.minibatches)
-    steps = cluster.train(samples, ptx_steps, seed=cfg.run.seed * 100_003 + it,
+    steps = cluster.train(samples, ptx_steps, seed=train_seed(cfg.run.seed, it),
                           on_step=lambda _: progress.advance(bar)) if samples else []
     progress.remove_task(bar)
     train_peak = cluster.train_peak_gib() if steps else None

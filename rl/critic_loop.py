@@ -19,6 +19,7 @@ from engines.model.tokenizer import TextTokenizer
 from envs.rubric import build_pair_prompt, load_rubrics, parse_verdict
 from rl.algorithm import Sample
 from rl.config import Config
+from rl.seeds import critic_training_seed
 
 CRITIC_GROUP_OFFSET = 500_000  # critic groups of iteration it: it * GROUPS_PER_ITERATION + this + index
 
@@ -43,7 +44,7 @@ def critic_training_batch(cluster, tok: TextTokenizer, cfg: Config, samples: lis
                           groups_per_iteration: int) -> tuple[list[Sample], dict[str, float]]:
     """Critic samples for this iteration and the critic's agreement with the verifiable rewards."""
     c = cfg.algorithm.critic_training
-    rng = random.Random(cfg.run.seed * 1_000_003 + it)
+    rng = random.Random(critic_training_seed(cfg.run.seed, it))
     pairs = critic_pairs(samples, c.pairs, rng)
     if not pairs:
         return [], {}

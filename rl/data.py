@@ -15,9 +15,9 @@ from envs.tasks import TaskFileError, load_tasks
 from rl.config import Config, EnvConfig
 from rl.episodes import env_class
 from rl.errors import UserError
+from rl.seeds import prompt_seed, task_set_seed
 
-# Fixed seeds: the held-out set stays the same across runs, so accuracies are comparable.
-TRAIN_SEED, EVAL_SEED, SFT_SEED = 1, 2, 3
+TRAIN_SEED, EVAL_SEED, SFT_SEED = task_set_seed("train"), task_set_seed("eval"), task_set_seed("sft")
 GROUPS_PER_ITERATION = 1_000_000  # group ids are it * this + index: unique across the run
 SLOW_GENERATION_S = 5.0  # task generation that takes longer is reported on the console
 
@@ -138,7 +138,7 @@ def rollout_seq_len(cfg: Config, sets: TaskSets, tok, context: int) -> int:
 def sample_prompts(n_tasks: int, n: int, seed: int, iteration: int) -> list[int]:
     """Indices of the iteration's new prompts: a deterministic function of (seed, iteration), so
     resumes replay."""
-    rng = random.Random(seed * 1_000_003 + iteration)
+    rng = random.Random(prompt_seed(seed, iteration))
     return rng.sample(range(n_tasks), min(n, n_tasks))
 
 
@@ -146,7 +146,7 @@ def sample_mix(sets: TaskSets, n: int, seed: int, iteration: int) -> list[int]:
     """``n`` new prompt indices drawn from the entries by weight (one entry: exactly ``sample_prompts``)."""
     if len(sets.entries) == 1:
         return sample_prompts(len(sets.train), n, seed, iteration)
-    rng = random.Random(seed * 1_000_003 + iteration)
+    rng = random.Random(prompt_seed(seed, iteration))
     ranges, start = [], 0
     for i in range(len(sets.entries)):
         size = sets.train_env.count(i)

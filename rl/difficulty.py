@@ -23,13 +23,14 @@ from rl.config import Config
 from rl.data import load_task_sets
 from rl.episodes import EpisodeRunner, is_group_level, solved, task_type_of
 from rl.errors import UserError
+from rl.seeds import difficulty_seed
 from rl.warmstart import prepare_model
 
 
 def pass_rates(cfg: Config, model_dir: Path, tasks: list[Task], entries: list, k: int, seed: int = 0,
                batch: int = 64) -> list[float]:
     """Fraction of ``k`` samples of each task whose reward is 1, with the model in ``model_dir``."""
-    torch.manual_seed(seed)
+    torch.manual_seed(difficulty_seed(seed, batch=-1))  # any random init while the model loads
     tok = TextTokenizer.load(model_dir, cfg.model.chat_template)
     engine = InferenceEngine(load_pretrained(model_dir).eval(), tok.eos_ids, tok.pad_id,
                              max_num_seqs=cfg.rollout.max_batch, kv_cache_bytes=cfg.rollout.kv_cache_mb << 20)
@@ -47,7 +48,7 @@ def pass_rates(cfg: Config, model_dir: Path, tasks: list[Task], entries: list, k
                     prompts.append(ids)
                     params.append(SamplingParams(t0, max_tokens))
                     jobs_meta.append((entry, task))
-            outs = engine.generate(prompts, params, seed=seed * 1_000_003 + lo)
+            outs = engine.generate(prompts, params, seed=difficulty_seed(seed, lo // batch))
             results = runner.map([(e, t, tok.decode(c.token_ids)) for (e, t), c in zip(jobs_meta, outs, strict=True)])
             for i in range(len(chunk)):
                 group = zip(results[i * k:(i + 1) * k], outs[i * k:(i + 1) * k], strict=True)

@@ -19,6 +19,7 @@ from pathlib import Path
 from envs.tasks import TaskFileError, read_jsonl
 from rl.algorithm import PtxBatch
 from rl.errors import UserError
+from rl.seeds import ptx_seed
 
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -77,7 +78,7 @@ def load_ptx(path: Path) -> list[PtxSample]:
 def ptx_batches(samples: list[PtxSample], tok, batch_size: int, steps: int, seed: int, iteration: int
                 ) -> list[PtxBatch]:
     """``steps`` batches of prompt ids and response ids + EOS, a deterministic function of the iteration."""
-    rng = random.Random(seed * 7_000_003 + iteration)
+    rng = random.Random(ptx_seed(seed, iteration))
     out = []
     for _ in range(steps):
         chosen = [samples[rng.randrange(len(samples))] for _ in range(batch_size)]

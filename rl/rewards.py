@@ -15,6 +15,7 @@ from rl.data import GROUPS_PER_ITERATION, TaskSets
 from rl.episodes import EpisodeRunner, env_class, is_group_level, solved, task_type_of
 from rl.guards import check_reward
 from rl.partial import Trajectory
+from rl.seeds import critic_seed, eval_seed
 
 
 def score(groups: list[list[Trajectory]], tasks: TaskSets, tok: TextTokenizer, cfg: Config,
@@ -104,9 +105,8 @@ def evaluate(cluster, tasks: TaskSets, tok: TextTokenizer, cfg: Config, progress
     types = [task_type_of(tasks.eval[i], tasks.eval_entry(i)) for i in keep]
     prompts = [tok.prompt_ids(t) for t in held_out]
     params = [SamplingParams(0.0, cfg.task_type(tt)[0]) for tt in types]
-    # sampled: k per prompt at the rollout temperature, each with its own seed (reproducible, independent of
-    # the training rollouts' seeds)
-    params += [SamplingParams(cfg.temperature(tt, it), cfg.task_type(tt)[0], seed=(1 << 62) + n * k + j)
+    # sampled: k per prompt at the rollout temperature, each with its own seed (see eval_seed)
+    params += [SamplingParams(cfg.temperature(tt, it), cfg.task_type(tt)[0], seed=eval_seed(n, j))
                for n, tt in enumerate(types) for j in range(k)]
     bar = progress.add_task(f"held-out eval (greedy{f' + {k} sampled' if k else ''})", total=len(params)) \
         if progress else None
@@ -174,11 +174,6 @@ def collect_samples(cluster, cfg: Config, tasks: TaskSets, tok: TextTokenizer, i
 
 def episode_runner(cluster, cfg: Config, tasks: TaskSets, tok: TextTokenizer, it: int) -> EpisodeRunner:
     """The iteration's environment runner, with the policy attached as critic where an environment judges."""
-    critic = policy_critic(cluster, tok, cfg, episode_seed(cfg, it)) \
+    critic = policy_critic(cluster, tok, cfg, critic_seed(cfg.run.seed, it)) \
         if any(is_group_level(e) for e in tasks.entries) else None
     return EpisodeRunner(cfg, critic=critic)
-
-
-def episode_seed(cfg: Config, it: int) -> int:
-    """Seed of the iteration's episodes (multi-turn sampling, the policy as critic)."""
-    return cfg.run.seed * 7_919 + it

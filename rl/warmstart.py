@@ -28,8 +28,9 @@ from rl.episodes import env_class
 from rl.errors import UserError
 from rl.optim import build_optimizers
 from rl.qk_clip import qk_clip
+from rl.seeds import warmstart_seed
 
-FORMAT_VERSION = 1  # bump when the warm-start recipe changes, to invalidate caches
+FORMAT_VERSION = 2  # bump when the warm-start recipe changes, to invalidate caches
 
 
 def cache_root() -> Path:
@@ -71,8 +72,9 @@ def build_warmstart(cfg: Config, target: Path, progress: Progress | None = None)
         raise UserError(f"environment {env.name!r} cannot generate warm-start data; set model.path") from None
     if any("solution" not in t.meta for t in tasks[:1]):
         raise UserError(f"environment {env.name!r} gives no reference solutions; set model.path")
-    torch.manual_seed(ws.seed)
-    rng = random.Random(ws.seed)
+    # one seed for both: torch's and Python's generators are different algorithms, their draws do not correlate
+    torch.manual_seed(warmstart_seed(ws.seed))
+    rng = random.Random(warmstart_seed(ws.seed))
     tok = train_tokenizer((t.prompt + t.meta["solution"] for t in tasks), ws.vocab_size)
     a = ws.architecture
     arch = make_config(a.family, vocab_size=tok.vocab_size, eos_token_id=tok.eos_id, pad_token_id=tok.pad_id,
