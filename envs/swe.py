@@ -1,8 +1,12 @@
 """A multi-turn software-engineering environment: fix a repository in a sandbox session with tools.
 
 The model gets the issue and the tools ``bash``, ``view_file``, ``edit_file`` (exact, unique replacement),
-``create_file`` and ``submit`` in the K2 tool-call format (``envs.tools``); each step runs its calls and
-returns their results. ``submit``, or the last of ``max_turns`` turns (truncated), grades the repository.
+``create_file`` and ``submit``; each step parses its calls in ``tool_format`` (the model family's format from
+``engines.model.chat_format``, set by the rollout from the tokenizer; K2 by default), runs them and returns
+their results. ``reset`` and ``step`` also put the conversation as chat messages in ``info``: ``messages`` (the
+user prompt, then one ``tool`` message per result) and ``tools`` (OpenAI form), which the rollout renders with
+the model's own chat template; the text observations are the K2 rendering (declarations, result messages).
+``submit``, or the last of ``max_turns`` turns (truncated), grades the repository.
 
 Tasks use SWE-bench's field names in ``Task.meta``:
 
@@ -40,6 +44,7 @@ import shlex
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from engines.model.chat_format import ToolFormat, get_format
 from envs.base import Env, Task
 from envs.registry import register
 from envs.swe_grading import (
@@ -53,9 +58,6 @@ from envs.swe_grading import (
 from envs.tools import (
     Tool,
     ToolCall,
-    call_id,
-    parse_tool_calls,
-    render_tool_calls,
     render_tool_declarations,
     render_tool_results,
 )
@@ -89,6 +91,7 @@ PASSING = frozenset({"PASSED", "XFAIL"})
 _RESULT_LINE = re.compile(r"^(PASSED|FAILED|ERROR|XFAIL|XPASS) (.+?)(?: - (.*))?$", re.M)
 _PLUS_PATH = re.compile(r"^\+\+\+ (?:b/)?(\S+)", re.M)
 _ERROR_ID = re.compile(r"^(functions\.([A-Za-z_][\w.\-]*):\d+): ")
+_OTHER_ERROR_ID = re.compile(r"^([A-Za-z0-9_]+): ")
 _SKIP_DIRS = frozenset({".git", "__pycache__", ".pytest_cache", ".mypy_cache"})
 # Codes of file-tool failures that are the model's doing (a wrong path), not the sandbox's.
 _USER_CODES = frozenset({"NOT_FOUND", "INVALID_ARGUMENT", "RESOURCE_EXHAUSTED"})
@@ -204,12 +207,6 @@ def load_repo_files(meta: dict[str, Any], cache: dict[str, dict[str, bytes]] | N
     return files
 
 
-def _error_call(error: str) -> ToolCall:
-    """A call to report a parse error against: the one it names, when it names one."""
-    m = _ERROR_ID.match(error)
-    return ToolCall(m.group(1), m.group(2), {}) if m else ToolCall("invalid_tool_call", "invalid", {})
-
-
 class SWEEnv(Env):
     """Fix a repository with bash/view/edit/create tools; reward 1.0 when the task's tests all pass."""
 
@@ -217,6 +214,8 @@ class SWEEnv(Env):
     multi_turn = True
     uses_sandbox = True
     tools = TOOLS
+    #: how the model writes calls; the rollout sets the model family's format (``chat_format.detect_format``)
+    tool_format: ToolFormat = get_format("k2")
 
     def __init__(self, tasks: list[Task] | None = None, *, sandbox_address: str | None = None, max_turns: int = 20,
                  command_timeout_s: float = 30, **options: Any) -> None:
@@ -230,7 +229,7 @@ class SWEEnv(Env):
         self._session = None
         self._repo_cache: dict[str, dict[str, bytes]] = {}
         self._baseline: dict[str, str] = {}
-        self._turn, self._done, self._error = 0, True, None
+        self._turn, self._done, self._error, self._calls = 0, True, None, 0
 
     # -- episode ----------------------------------------------------------------------------------
 
@@ -238,7 +237,7 @@ class SWEEnv(Env):
         """Open a session holding the task's repository and return the prompt (a failure shows in info)."""
         _, info = super().reset(seed=seed, options=options)
         self._close_session()
-        self._turn, self._done, self._error = 0, False, None
+        self._turn, self._done, self._error, self._calls = 0, False, None, 0
         try:
             self._open(self.task)
         except Exception as e:  # any failure to set up ends the episode at the first step, with reward 0
@@ -246,17 +245,23 @@ class SWEEnv(Env):
             self._error = f"{type(e).__name__}: {e}"
             self._close_session()
             info["sandbox_error"] = self._error
+        info["messages"] = [{"role": "user", "content": self.user_prompt(self.task)}]
+        info["tools"] = [t.to_openai() for t in self.tools]
         return self.prompt(self.task), info
 
     def prompt(self, task: Task) -> str:
-        """The first observation: tool declarations, the issue and how to work."""
+        """The first observation as text: K2 tool declarations, then ``user_prompt``."""
+        return f"{render_tool_declarations(self.tools)}\n{self.user_prompt(task)}"
+
+    def user_prompt(self, task: Task) -> str:
+        """The issue and how to work, with an example call in ``tool_format`` (the first user message)."""
         meta = task.meta
-        example = render_tool_calls([ToolCall(call_id("bash", 0), "bash", {"command": "ls"})])
-        return (f"{render_tool_declarations(self.tools)}\n"
-                f"You are fixing an issue in the repository {meta.get('repo', '')}, checked out in the current "
+        fmt = self.tool_format
+        example = fmt.render_calls([ToolCall(fmt.call_id("bash", 0), "bash", {"command": "ls"})])
+        return (f"You are fixing an issue in the repository {meta.get('repo', '')}, checked out in the current "
                 f"directory.\n\n# Issue\n\n{meta.get('problem_statement') or task.prompt}\n\n# How to work\n\n"
                 "Explore the code, reproduce the problem, then change the non-test source files to resolve it. "
-                f"Call tools with a tool-call section, for example:\n{example}\nEach call's result comes back to "
+                f"Call tools in your tool-call format, for example:\n{example}\nEach call's result comes back to "
                 "you before your next turn. When the issue is resolved, call submit: hidden tests check your "
                 f"changes. You have at most {self.max_turns} turns.\n")
 
@@ -269,10 +274,11 @@ class SWEEnv(Env):
         self._turn += 1
         if self._error is not None:
             return self._end(self._error, truncated=False)
-        calls, errors = parse_tool_calls(action, self.tools)
-        results = [(_error_call(e), f"Error: {e}") for e in errors]
+        calls, errors = self.tool_format.parse(action, self.tools, self._calls)
+        self._calls += len(calls) + len(errors)
+        results = [(self._error_call(e, i), f"Error: {e}") for i, e in enumerate(errors)]
         if not calls and not errors:
-            results.append((_error_call(""), "No tool call found. Call a tool, or submit when you are done."))
+            results.append((self._error_call("", 0), "No tool call found. Call a tool, or submit when you are done."))
         submitted = False
         try:
             for call in calls:
@@ -284,8 +290,20 @@ class SWEEnv(Env):
                 return self._grade(render_tool_results(results), truncated=not submitted)
         except Exception as e:  # a sandbox failure (or any other) costs this episode only, never the run
             return self._end(f"{type(e).__name__}: {e}", truncated=False)
-        info = {"task_id": self.task.id, "turn": self._turn, "tool_calls": len(calls), "tool_errors": len(errors)}
+        info = {"task_id": self.task.id, "turn": self._turn, "tool_calls": len(calls), "tool_errors": len(errors),
+                "calls": calls, "messages": [{"role": "tool", "tool_call_id": call.id, "name": call.name,
+                                              "content": result} for call, result in results]}
         return render_tool_results(results), 0.0, False, False, info
+
+    def _error_call(self, error: str, i: int) -> ToolCall:
+        """A call to report a parse error against: the one it names, else a fresh id of ``tool_format``."""
+        m = _ERROR_ID.match(error)
+        if m:
+            return ToolCall(m.group(1), m.group(2), {})
+        if self.tool_format.name == "k2":
+            return ToolCall("invalid_tool_call", "invalid", {})
+        m = _OTHER_ERROR_ID.match(error)
+        return ToolCall(m.group(1) if m else self.tool_format.call_id("invalid", self._calls + i), "invalid", {})
 
     def _end(self, error: str, truncated: bool):
         log.warning("swe task %s: sandbox failure: %s", self.task.id, error)

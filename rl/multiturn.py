@@ -6,7 +6,11 @@ batch on the inference engines;
 the environments then step concurrently (a sandbox command, a tool call) within their entry's
 ``timeout_s``. The trained sequence is the whole conversation after the first prompt: the model's
 tokens (loss mask 1, with the sampler's log-probs) and the environment's observations (loss mask 0,
-context only). An episode ends when the environment says so, after ``rollout.max_turns`` turns
+context only). An environment that gives its conversation as chat messages (``info["messages"]``, e.g. the
+tool-using SWE environment) is rendered with the tokenizer's own chat template (``engines.model.conversation``:
+observations are the template's text between the model's turns) and parses calls in the model family's
+format (``model.tool_format``, detected from the template); a turn the template cannot render ends the
+episode there as truncated. An episode ends when the environment says so, after ``rollout.max_turns`` turns
 (truncated: its task type's truncation penalty), or when the conversation no longer fits the model's
 context; an environment error drops that trajectory and is counted. Multi-turn groups are not paused
 by partial rollout: they finish within their iteration.
@@ -19,11 +23,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engines.inference.sampling import SamplingParams
+from engines.model.chat_format import ChatFormatError, ToolFormat, detect_format
+from engines.model.conversation import Conversation
 from engines.model.tokenizer import TextTokenizer
 from envs import Env, Task
 from rl.algorithm import Sample
 from rl.config import Config, EnvConfig
 from rl.episodes import EpisodeRunner, task_type_of
+from rl.errors import UserError
+from rl.seeds import turn_seed
 
 
 @dataclass
@@ -43,11 +51,22 @@ class Episode:
     done: bool = False
     truncated: bool = False
     error: str | None = None
+    conv: Conversation | None = None  # set when the environment gives chat messages (rendered by the template)
+    template_error: str | None = None
 
 
-def _reset(env: Env, task: Task) -> str:
-    obs, _ = env.reset(options={"task": task})
-    return obs
+def _reset(env: Env, task: Task, fmt: ToolFormat | None) -> tuple[str, dict]:
+    if fmt is not None and hasattr(env, "tool_format"):
+        env.tool_format = fmt
+    return env.reset(options={"task": task})
+
+
+def _start(e: Episode, tok: TextTokenizer, obs: str, info: dict, fmt: ToolFormat | None) -> list[int]:
+    """The first prompt's ids; a chat-message environment's conversation starts here."""
+    if info.get("messages") and tok.has_chat_template:
+        e.conv = Conversation(tok, info["messages"], info.get("tools"), fmt)
+        return e.conv.prompt_ids
+    return tok.prompt_ids(e.task) if e.task.messages else tok.encode(obs)
 
 
 def play_episodes(cluster, cfg: Config, tok: TextTokenizer, runner: EpisodeRunner,
@@ -60,9 +79,15 @@ def play_episodes(cluster, cfg: Config, tok: TextTokenizer, runner: EpisodeRunne
     for group, entry, task in groups:
         for j in range(k):
             episodes.append(Episode(group, group * k + j, entry, task, runner.make_env(entry), []))
-    firsts = runner.run_calls([(lambda e=e: _reset(e.env, e.task), e.entry.timeout_s) for e in episodes])
-    for e, (obs, err) in zip(episodes, firsts, strict=True):
-        e.prompt_ids = (tok.prompt_ids(e.task) if e.task.messages else tok.encode(obs)) if err is None else []
+    fmt = None
+    if any(hasattr(e.env, "tool_format") for e in episodes):
+        try:
+            fmt = detect_format(tok, cfg.model.tool_format)
+        except ChatFormatError as err:
+            raise UserError(f"model.tool_format: {err}") from None
+    firsts = runner.run_calls([(lambda e=e: _reset(e.env, e.task, fmt), e.entry.timeout_s) for e in episodes])
+    for e, (out, err) in zip(episodes, firsts, strict=True):
+        e.prompt_ids = _start(e, tok, *out, fmt) if err is None else []
         e.error, e.done = err, err is not None
     for turn in range(cfg.rollout.max_turns):
         active = [e for e in episodes if not e.done]
@@ -74,7 +99,7 @@ def play_episodes(cluster, cfg: Config, tok: TextTokenizer, runner: EpisodeRunne
             e.temperature = temperatures[ttype]
             budget = min(cfg.task_type(ttype)[0], max_context - len(e.prompt_ids) - len(e.response_ids))
             params.append(SamplingParams(e.temperature, max(budget, 1),
-                                         seed=(seed * 1_000_003 + e.key * 131 + turn) % 2**63))
+                                         seed=turn_seed(seed, e.key, turn)))
         outs = cluster.generate([e.prompt_ids + e.response_ids for e in active], params, seed=seed)
         steps = runner.run_calls([(lambda e=e, c=c: e.env.step(tok.decode(c.token_ids)), e.entry.timeout_s)
                                   for e, c in zip(active, outs, strict=True)])
@@ -89,11 +114,21 @@ def play_episodes(cluster, cfg: Config, tok: TextTokenizer, runner: EpisodeRunne
             if err is not None:
                 e.error, e.done = err, True
                 continue
-            obs, reward, terminated, truncated, _ = result
+            obs, reward, terminated, truncated, info = result
             if terminated or truncated:
                 e.reward, e.done, e.truncated = float(reward), True, bool(truncated)
+                if e.conv is not None:
+                    e.conv.finish(c.token_ids, (info or {}).get("calls"))
                 continue
-            obs_ids = tok.encode(obs)
+            if e.conv is not None:
+                try:
+                    obs_ids = e.conv.add_turn(c.token_ids, (info or {}).get("messages")
+                                              or [{"role": "user", "content": obs}], (info or {}).get("calls"))
+                except ChatFormatError as err:  # the template cannot go on: the episode ends at this turn
+                    e.done, e.truncated, e.template_error = True, True, str(err)
+                    continue
+            else:
+                obs_ids = tok.encode(obs)
             if len(e.prompt_ids) + len(e.response_ids) + len(obs_ids) + 1 >= max_context:
                 e.done, e.truncated = True, True  # no room for another turn
                 continue
@@ -125,7 +160,8 @@ def episode_samples(episodes: list[Episode], cfg: Config) -> tuple[list[Sample],
                               temperature=e.temperature, loss_mask=e.loss_mask))
     stats: dict[str, Any] = {"multi_turn_episodes": len(episodes), "multi_turn_errors": errors,
                              "multi_turn_turns": sum(e.turns for e in episodes) / max(1, len(episodes)),
-                             "multi_turn_truncated": sum(e.truncated for e in episodes)}
+                             "multi_turn_truncated": sum(e.truncated for e in episodes),
+                             "multi_turn_template_errors": sum(e.template_error is not None for e in episodes)}
     for ttype, count in n_type.items():
         stats[f"reward_mean/{ttype}"] = reward_sum[ttype] / count
     if first_error:

@@ -1,10 +1,12 @@
 """Constrained decoding of tool calls with xgrammar: every sampled token keeps the output a prefix of
 a valid K2 tool-call section whose arguments satisfy the chosen tool's JSON schema.
 
-The grammar is an xgrammar structural tag: the section/call markers and call ids of ``envs.tools``
-as constant strings, and for each tool the EBNF that ``xgrammar.Grammar.from_json_schema`` makes
-of its parameters (compact JSON with the separators of ``envs.tools.render_arguments``, so that a
-constrained call re-renders to the very same text). The engine uses it through two small objects:
+The grammar is an xgrammar structural tag: the section/call markers and call ids of
+``engines.model.chat_format`` as constant strings, and for each tool the EBNF that
+``xgrammar.Grammar.from_json_schema`` makes of its parameters (the JSON separators of
+``chat_format.render_arguments``, so that a constrained call re-renders to the very same text).
+Constrained calls are available for the ``k2`` and ``hermes`` (Qwen) formats (``tool_format``).
+The engine uses it through two small objects:
 
 - a constraint (``GrammarConstraint``), set as ``SamplingParams.grammar``; its ``matcher()`` makes
 - a per-sequence matcher (``GrammarMatcher``): ``allowed_mask()`` for the next token,
@@ -35,8 +37,7 @@ from xgrammar.structural_tag import (
     TriggeredTagsFormat,
 )
 
-from engines.model.tokenizer import TextTokenizer
-from envs.tools import (
+from engines.model.chat_format import (
     ARGUMENTS_BEGIN,
     CALL_BEGIN,
     CALL_END,
@@ -44,10 +45,14 @@ from envs.tools import (
     JSON_SEPARATORS,
     SECTION_BEGIN,
     SECTION_END,
+    HermesFormat,
     Tool,
 )
+from engines.model.tokenizer import TextTokenizer
 
 ToolChoice = Literal["auto", "required"] | str
+#: The tool-call formats (``engines.model.chat_format``) constrained decoding has a grammar for.
+CONSTRAINED_FORMATS = ("k2", "hermes")
 #: Unrolled depth of the exact-counter grammar when ``max_calls`` is not given.
 DEFAULT_MAX_CALLS = 16
 # Free counters: no leading zeros and at most 6 digits, so that a weak model cannot loop on digits.
@@ -163,15 +168,20 @@ def _arguments_grammar(tool: Tool) -> str:
 
 
 def tool_call_format(tools: Sequence[Tool], *, tool_choice: ToolChoice = "required", parallel_tool_calls: bool = True,
-                     first_counter: int | None = None, max_calls: int | None = None) -> StructuralTag:
-    """The structural tag of K2 tool calls to ``tools``.
+                     first_counter: int | None = None, max_calls: int | None = None,
+                     tool_format: str = "k2") -> StructuralTag:
+    """The structural tag of tool calls to ``tools`` in ``tool_format`` (``CONSTRAINED_FORMATS``).
 
     ``tool_choice``: "required" (the response is one tool-call section), "auto" (free text, then
     at most one section, K2's enforcer behaviour) or a tool name (one section calling that tool).
     ``first_counter`` pins the call ids to ``functions.NAME:first_counter``, ``:first_counter+1``...
     (the dialog's running counter); otherwise any counter is allowed. ``max_calls`` bounds the calls
-    of the section (1 if not ``parallel_tool_calls``).
+    of the section (1 if not ``parallel_tool_calls``). In ``hermes`` (Qwen) format the calls are
+    ``<tool_call>`` blocks (no ids); "auto" there allows free text, then the calls.
     """
+    if tool_format not in CONSTRAINED_FORMATS:
+        raise ValueError(f"constrained tool calls are available for the formats {', '.join(CONSTRAINED_FORMATS)}, "
+                         f"not {tool_format!r}")
     if not tools:
         raise ValueError("constrained tool calling needs at least one tool")
     names = [t.name for t in tools]
@@ -186,6 +196,8 @@ def tool_call_format(tools: Sequence[Tool], *, tool_choice: ToolChoice = "requir
     if max_calls is not None and max_calls < 1:
         raise ValueError(f"max_calls must be >= 1, got {max_calls}")
     arguments = {t.name: GrammarFormat(grammar=_arguments_grammar(t)) for t in tools}
+    if tool_format == "hermes":
+        return _hermes_format(tools, arguments, tool_choice, max_calls)
 
     def call(tool: Tool, counter: int | None) -> TagFormat:
         if counter is None:  # free counter: a regex between the fixed id prefix and the arguments marker
@@ -216,6 +228,20 @@ def tool_call_format(tools: Sequence[Tool], *, tool_choice: ToolChoice = "requir
     return StructuralTag(format=fmt)
 
 
+def _hermes_format(tools: Sequence[Tool], arguments: dict[str, GrammarFormat], tool_choice: ToolChoice,
+                   max_calls: int | None) -> StructuralTag:
+    """Qwen/Hermes calls, exactly as ``chat_format.HermesFormat.render_calls`` writes them."""
+    begin, end = HermesFormat.BEGIN, HermesFormat.END
+    tags = [TagFormat(begin=f'{begin}\n{{"name": "{t.name}", "arguments": ', content=arguments[t.name],
+                      end=f"}}\n{end}") for t in tools]
+    if tool_choice == "auto":
+        return StructuralTag(format=TriggeredTagsFormat(triggers=[begin], tags=tags, stop_after_first=max_calls == 1,
+                                                        excludes=[end]))
+    if max_calls == 1:
+        return StructuralTag(format=OrFormat(elements=tags))
+    return StructuralTag(format=TagsWithSeparatorFormat(tags=tags, separator="\n", at_least_one=True))
+
+
 class ConstraintCompiler:
     """Compiles constraints for one tokenizer and model vocabulary (reuse it: setting up is the slow part)."""
 
@@ -227,10 +253,10 @@ class ConstraintCompiler:
 
     def tool_calls(self, tools: Sequence[Tool], *, tool_choice: ToolChoice = "required",
                    parallel_tool_calls: bool = True, first_counter: int | None = None,
-                   max_calls: int | None = None) -> GrammarConstraint:
-        """A constraint for K2 tool calls to ``tools`` (see ``tool_call_format`` for the options)."""
+                   max_calls: int | None = None, tool_format: str = "k2") -> GrammarConstraint:
+        """A constraint for tool calls to ``tools`` (see ``tool_call_format`` for the options)."""
         tag = tool_call_format(tools, tool_choice=tool_choice, parallel_tool_calls=parallel_tool_calls,
-                               first_counter=first_counter, max_calls=max_calls)
+                               first_counter=first_counter, max_calls=max_calls, tool_format=tool_format)
         compiled = self._compiler.compile_structural_tag(tag)
         names = ", ".join(t.name for t in tools)
         return GrammarConstraint(compiled, self.vocab_size, f"tool calls to {names} ({tool_choice})")

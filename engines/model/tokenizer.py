@@ -8,7 +8,8 @@ and a pad id that exists even when the tokenizer defines none (the first EOS: pa
 masked everywhere, so any real id serves).
 
 The project's own tokenizer (``train_tokenizer``) is a byte-level BPE whose digits are always single
-tokens, which keeps arithmetic learnable for a tiny model.
+tokens, which keeps arithmetic learnable for a tiny model; its chat template is K2's format
+(``chat_format.K2_CHAT_TEMPLATE``), so multi-turn tool episodes are rendered by a template for it too.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from engines.model.chat_format import K2_CHAT_TEMPLATE
 
 EOS = "<|endoftext|>"
 PAD = "<|pad|>"
@@ -145,4 +148,4 @@ def train_tokenizer(corpus: Iterable[str], vocab_size: int = 256) -> TextTokeniz
         show_progress=False,
     )
     tok.train_from_iterator(corpus, trainer=trainer)
-    return wrap(tok)
+    return wrap(tok, chat_template=K2_CHAT_TEMPLATE)
