@@ -108,6 +108,8 @@ class ModelConfig(Strict):
     dtype: Literal["float32", "bfloat16"] = "float32"
     chat_template: bool = Field(False, description="render plain `prompt` tasks as one user message with the "
                                                    "model's chat template (tasks with `messages` always are)")
+    tool_format: str = Field("auto", description="tool-call format of multi-turn tool environments: auto (from "
+                                                 "the chat template), k2, hermes, llama3_json or mistral")
 
 
 class EnvConfig(Strict):
@@ -176,6 +178,12 @@ class RolloutConfig(Strict):
                                          "bucket, half the bytes of bf16 cross the wire")
     sleep_level: Literal[0, 1, 2] = Field(
         1, description="while training: 1 frees the KV cache, 2 also the inference weights, 0 keeps both")
+    engine: Literal["native", "vllm", "auto"] = Field(
+        "auto", description="rollout engine: native (this project's, exact against the trainer), vllm, or auto "
+                            "(vLLM where it is installed and a GPU is present, else native); the choice is logged")
+    vllm_memory_fraction: float = Field(
+        0.2, gt=0, le=1, description="vLLM's gpu_memory_utilization: the share of the device's memory it takes for "
+                                     "weights and KV cache (of host memory on vLLM's CPU build)")
 
 
 class PtxConfig(Strict):

@@ -35,7 +35,7 @@ from engines.inference.kv_cache import (
     paged_pool,
     rows_of,
 )
-from engines.inference.requests import Completion, Request
+from engines.inference.requests import MAX_STOP_IDS, Completion, Request, check_request
 from engines.inference.sampling import (
     InvalidRequestError,
     RowParams,
@@ -53,8 +53,6 @@ from engines.model.layout import byte_placements, hub_state, model_tensors
 
 __all__ = ["Completion", "InferenceEngine", "InvalidRequestError", "SamplingParams", "token_logprobs"]
 
-#: Most stop token ids one request may name (besides EOS).
-MAX_STOP_IDS = 16
 #: Tokens per KV block with flex attention (its block masks work in tiles of this size).
 FLEX_BLOCK_SIZE = 128
 
@@ -146,29 +144,11 @@ class InferenceEngine(RolloutEngine):
 
         ``prior``/``prior_logprobs`` are tokens already generated for it (a resumed request).
         """
-        if not isinstance(params, SamplingParams):
-            raise InvalidRequestError(f"params must be SamplingParams, got {type(params).__name__}")
-        prompt = [int(t) for t in prompt_ids]
-        vocab, ctx = self.model.config.vocab_size, self.model.config.max_position_embeddings
-        if not prompt:
-            raise InvalidRequestError("prompt is empty")
-        bad = [t for t in prompt if not 0 <= t < vocab]
-        if bad:
-            raise InvalidRequestError(f"prompt has token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
-        if len(prompt) + params.max_tokens > ctx:
-            raise InvalidRequestError(f"prompt has {len(prompt)} tokens; with max_tokens={params.max_tokens} it "
-                                      f"exceeds the model's context of {ctx} tokens")
-        if len(prompt) + params.max_tokens > self.max_seq_len:
-            raise InvalidRequestError(
-                f"prompt of {len(prompt)} tokens + max_tokens={params.max_tokens} does not fit the KV cache, "
-                f"which holds {self.max_seq_len} tokens per sequence (max_seq_len)")
-        if len(prior) != len(prior_logprobs) or len(prior) >= params.max_tokens:
-            raise InvalidRequestError(f"resumed request has {len(prior)} tokens and {len(prior_logprobs)} logprobs "
-                                      f"for max_tokens={params.max_tokens}")
-        if params.stop and self.detokenize is None:
-            raise InvalidRequestError("stop strings need an engine built with a detokenize function")
-        if len(params.stop_token_ids) > MAX_STOP_IDS:
-            raise InvalidRequestError(f"at most {MAX_STOP_IDS} stop_token_ids, got {len(params.stop_token_ids)}")
+        cfg = self.model.config
+        prompt = check_request(prompt_ids, params, prior, prior_logprobs, vocab=cfg.vocab_size,
+                               context=cfg.max_position_embeddings, max_seq_len=self.max_seq_len,
+                               detokenizes=self.detokenize is not None)
+        vocab = cfg.vocab_size
         matcher = new_matcher(params, prior)
         rid = next(self._ids) if request_id is None else request_id
         seed = params.seed if params.seed is not None else (self._seed * 1_000_003 + rid) % 2**63

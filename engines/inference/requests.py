@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from engines.inference.blocks import SeqBlocks
-from engines.inference.sampling import SamplingParams
+from engines.inference.sampling import InvalidRequestError, SamplingParams
 
 
 @dataclass
@@ -55,3 +56,37 @@ class Request:
     def completion(self, reason: str | None, stop_reason: int | str | None = None) -> Completion:
         return Completion(list(self.tokens), list(self.logprobs), reason, self.prompt, stop_reason=stop_reason,
                           request_id=self.id, params=self.params)
+
+
+#: Most stop token ids one request may name (besides EOS).
+MAX_STOP_IDS = 16
+
+
+def check_request(prompt_ids: Sequence[int], params: SamplingParams, prior: Sequence[int],
+                  prior_logprobs: Sequence[float], *, vocab: int, context: int, max_seq_len: int,
+                  detokenizes: bool) -> list[int]:
+    """The prompt as ints, or InvalidRequestError naming why an engine cannot serve the request (the same
+    rules for every engine, so a request refused by one is refused by the other)."""
+    if not isinstance(params, SamplingParams):
+        raise InvalidRequestError(f"params must be SamplingParams, got {type(params).__name__}")
+    prompt = [int(t) for t in prompt_ids]
+    if not prompt:
+        raise InvalidRequestError("prompt is empty")
+    bad = [t for t in prompt if not 0 <= t < vocab]
+    if bad:
+        raise InvalidRequestError(f"prompt has token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+    if len(prompt) + params.max_tokens > context:
+        raise InvalidRequestError(f"prompt has {len(prompt)} tokens; with max_tokens={params.max_tokens} it "
+                                  f"exceeds the model's context of {context} tokens")
+    if len(prompt) + params.max_tokens > max_seq_len:
+        raise InvalidRequestError(
+            f"prompt of {len(prompt)} tokens + max_tokens={params.max_tokens} does not fit the KV cache, "
+            f"which holds {max_seq_len} tokens per sequence (max_seq_len)")
+    if len(prior) != len(prior_logprobs) or len(prior) >= params.max_tokens:
+        raise InvalidRequestError(f"resumed request has {len(prior)} tokens and {len(prior_logprobs)} logprobs "
+                                  f"for max_tokens={params.max_tokens}")
+    if params.stop and not detokenizes:
+        raise InvalidRequestError("stop strings need an engine built with a detokenize function")
+    if len(params.stop_token_ids) > MAX_STOP_IDS:
+        raise InvalidRequestError(f"at most {MAX_STOP_IDS} stop_token_ids, got {len(params.stop_token_ids)}")
+    return prompt
