@@ -146,7 +146,7 @@ class Cluster:
         hits, misses = (sum(c[k] for c in counts) for k in ("prefix_hit_tokens", "prefix_miss_tokens"))
         return out, {"prefix_hit_rate": round(hits / (hits + misses), 4) if hits + misses else 0.0,
                      "preemptions": sum(c["preemptions"] for c in counts),
-                     "kv_usage_peak": round(max(c["kv_blocks_peak"] / c["kv_blocks"] for c in counts), 4),
+                     "kv_usage_peak": round(max(c["kv_blocks_peak"] / max(c["kv_blocks"], 1) for c in counts), 4),
                      "mem_rollout_peak_gib": round(max(c["peak_bytes"] for c in counts) / 2**30, 3)}
 
     def train(self, samples: list[Sample], ptx: list[PtxBatch], seed: int,
@@ -181,6 +181,10 @@ class Cluster:
 
     def onload_trainers(self) -> dict:
         return ray.get([t.onload.remote() for t in self.trainers])[0]
+
+    def engine_kind(self) -> str:
+        """The rollout engine the workers run (``rollout.engine``, auto resolved on a worker, where the GPU is)."""
+        return ray.get(self.rollouts[0].engine_kind.remote())
 
     def sleep_rollouts(self) -> None:
         """Free inference memory (per ``rollout.sleep_level``) before the trainer runs."""

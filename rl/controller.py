@@ -73,6 +73,8 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, console: Console | N
         seq_len = rollout_seq_len(cfg, tasks, tok, arch.max_position_embeddings)
         check_fits(cfg, estimate(cfg, arch, seq_len))
         with Cluster(cfg, str(start_dir), seq_len) as cluster:
+            auto = " (rollout.engine: auto)" if cfg.rollout.engine == "auto" else ""
+            console.print(f"rollout engine: {cluster.engine_kind()}{auto}")
             if state:
                 cluster.load_state(str(start_dir))
                 cluster.weights_version = state.weights_version

@@ -26,6 +26,7 @@ from engines.inference.base import RolloutEngine
 from engines.inference.native import InferenceEngine
 from engines.inference.requests import Completion
 from engines.inference.sampling import SamplingParams
+from engines.inference.vllm_engine import VllmEngine, vllm_available
 from engines.model import sharded
 from engines.model.causal_lm import build_model, track_max_logits
 from engines.model.fp8 import BLOCK, checkpoint_block, to_fp8
@@ -37,6 +38,7 @@ from engines.training.engine import TrainingEngine
 from engines.training.trainer_state import has_trainer_state, load_trainer_state, save_trainer_state
 from rl.algorithm import PtxBatch, Sample, rl_update
 from rl.config import Config
+from rl.errors import UserError
 from rl.optim import build_optimizers
 from rl.partial import Trajectory, advance
 from rl.qk_clip import qk_clip
@@ -213,12 +215,7 @@ class RolloutWorker:
         _set_threads(threads)
         # on the GPU Ray gave this worker's bundle (shared with its trainer), in the fused inference layout;
         # empty: the trainers' start-up read fills it (or their first update does)
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-        model = replica_model(read_config(model_dir), cfg, device=device)
-        r, tok = cfg.rollout, TextTokenizer.load(model_dir)  # the same stop ids as the controller's
-        self.engine: RolloutEngine = InferenceEngine(model, tok.eos_ids, tok.pad_id, max_num_seqs=r.max_batch,
-                                      max_seq_len=max_seq_len, kv_cache_bytes=r.kv_cache_mb << 20,
-                                      max_batch_tokens=r.max_batch_tokens, attention=r.attention)
+        self.engine = rollout_engine(model_dir, cfg, max_seq_len)
         self.receiver: WeightReceiver | None = None
         self._ipc: tuple | None = None
 
@@ -226,12 +223,16 @@ class RolloutWorker:
         """Map the checkpoint engine's IPC buffers; checks the plan against this engine's tensors."""
         self._ipc = (plan, handles)
         self.receiver = WeightReceiver(plan, handles, self.engine.named_tensors(), on_commit=self.engine.swap_weights,
-                                       placements=self.engine.weight_placements())
+                                       placements=self.engine.weight_placements() or None)
 
     def use_plan(self, plan=None) -> None:
         """Load the buckets of ``plan`` from now on (the start-up's), or again those of the updates (None)."""
         assert self.receiver is not None and self._ipc is not None, "attach() first"
         self.receiver.set_plan(plan if plan is not None else self._ipc[0])
+
+    def engine_kind(self) -> str:
+        """Which rollout engine this worker runs (``rollout.engine``, auto resolved here, where the GPU is)."""
+        return self.engine.kind
 
     def pack_bucket(self, bucket: int, buffer: int) -> int:
         """Write bucket ``bucket`` of the weights this engine serves into IPC buffer ``buffer`` (a restarted
@@ -290,6 +291,32 @@ class RolloutWorker:
         how Ray can carry them."""
         return {k: (v.view(torch.uint8) if v.dtype == torch.float8_e4m3fn else v).clone()
                 for k, v in self.engine.served_weights().items()}
+
+
+def engine_kind(cfg: Config) -> str:
+    """The rollout engine a run uses: ``rollout.engine``, with auto resolved (vLLM where it is installed and a
+    GPU is present, else native)."""
+    kind = cfg.rollout.engine
+    if kind == "auto":
+        kind = "vllm" if torch.cuda.is_available() and vllm_available() else "native"
+    if kind == "vllm" and cfg.rollout.fp8:
+        raise UserError("rollout.fp8 is served by the native engine only; set rollout.engine: native")
+    return kind
+
+
+def rollout_engine(model_dir: str, cfg: Config, max_seq_len: int | None) -> RolloutEngine:
+    """This worker's inference engine, of ``engine_kind(cfg)``, for the model in ``model_dir``."""
+    r, tok = cfg.rollout, TextTokenizer.load(model_dir)  # the same stop ids as the controller's
+    if engine_kind(cfg) == "vllm":
+        return VllmEngine(model_dir, tok.eos_ids, max_seq_len=max_seq_len, max_num_seqs=r.max_batch,
+                          dtype=cfg.rollout_dtype, seed=cfg.run.seed, memory_fraction=r.vllm_memory_fraction)
+    # on the GPU Ray gave this worker's bundle (shared with its trainer), in the fused inference layout;
+    # empty: the trainers' start-up read fills it (or their first update does)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = replica_model(read_config(model_dir), cfg, device=device)
+    return InferenceEngine(model, tok.eos_ids, tok.pad_id, max_num_seqs=r.max_batch, max_seq_len=max_seq_len,
+                           kv_cache_bytes=r.kv_cache_mb << 20, max_batch_tokens=r.max_batch_tokens,
+                           attention=r.attention)
 
 
 def replica_model(arch, cfg: Config, device: str = "cpu"):

@@ -32,6 +32,8 @@ from engines.inference.sampling import SamplingParams
 class RolloutEngine(ABC):
     """An inference engine the controller and the checkpoint engine can drive (see the module docstring)."""
 
+    #: the engine's name in ``rollout.engine``
+    kind: str
     #: where the engine computes
     device: torch.device
     #: tokens sampled over the engine's life: the partial-rollout budget is counted in them

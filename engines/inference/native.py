@@ -68,6 +68,8 @@ class InferenceEngine(RolloutEngine):
     "flex" (flex_attention through block masks, compiled on a GPU); see ``engines.inference.kv_cache``.
     """
 
+    kind = "native"
+
     def __init__(self, model: CausalLM, eos_id: int | Sequence[int] | None, pad_id: int | None = None, *,
                  max_seq_len: int | None = None, kv_cache_bytes: int = 512 * 2**20, max_num_seqs: int = 512,
                  max_batch_tokens: int = 8192, block_size: int | None = None, seed: int = 0,

