@@ -21,12 +21,13 @@ Contract every implementation keeps:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import replace
 
 import torch
 
 from engines.inference.requests import Completion
-from engines.inference.sampling import SamplingParams
+from engines.inference.sampling import InvalidRequestError, SamplingParams
 
 
 class RolloutEngine(ABC):
@@ -38,6 +39,8 @@ class RolloutEngine(ABC):
     device: torch.device
     #: tokens sampled over the engine's life: the partial-rollout budget is counted in them
     generated: int
+    #: request ids handed out when the caller gives none
+    _ids: Iterator[int]
 
     # --- requests -------------------------------------------------------------------------
 
@@ -59,16 +62,44 @@ class RolloutEngine(ABC):
     def pause(self) -> list[Completion]:
         """Stop every unfinished request and return it with its tokens so far (finish_reason None)."""
 
-    @abstractmethod
     def resume(self, partials: Iterable[Completion]) -> list[int]:
-        """Continue paused requests from their tokens; returns their ids."""
+        """Continue paused requests from their tokens (after a weight update their prefix is recomputed
+        with the new weights); returns their ids."""
+        ids = []
+        for c in partials:
+            if c.finish_reason is not None or c.params is None:
+                raise InvalidRequestError(f"request {c.request_id} is not a paused request")
+            ids.append(self.add_request(c.prompt_ids, c.params, prior=c.token_ids, prior_logprobs=c.logprobs,
+                                        request_id=c.request_id))
+        return ids
 
-    @abstractmethod
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams],
                  seed: int | None = None, on_finish: Callable[[Completion], None] | None = None
                  ) -> list[Completion]:
-        """Run prompts to completion, results in the prompts' order; a request that cannot be served
-        gets finish_reason "error" and the others still run."""
+        """Run prompts to completion, results in the prompts' order. A request that cannot be served gets
+        finish_reason "error" and its reason, and the others still run. ``seed`` seeds the requests without
+        their own seed by their index in this call (reproducible batches)."""
+        plist = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        if len(plist) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(plist)} sampling params")
+        if seed is not None:
+            plist = [p if p.seed is not None else replace(p, seed=(seed * 1_000_003 + i) % 2**63)
+                     for i, p in enumerate(plist)]
+        out: dict[int, Completion] = {}
+        order = []
+        for prompt, p in zip(prompts, plist, strict=True):
+            try:
+                order.append(self.add_request(prompt, p))
+            except InvalidRequestError as e:
+                rid = next(self._ids)
+                order.append(rid)
+                out[rid] = Completion([], [], "error", list(prompt), error=str(e), request_id=rid, params=p)
+        while self.has_unfinished():
+            for c in self.step():
+                out[c.request_id] = c
+                if on_finish:
+                    on_finish(c)
+        return [out[r] for r in order]
 
     # --- colocation -----------------------------------------------------------------------
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import replace
 
 import torch
 
@@ -162,33 +161,6 @@ class InferenceEngine(RolloutEngine):
     def has_unfinished(self) -> bool:
         return self.sched.has_unfinished()
 
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams],
-                 seed: int | None = None, on_finish: Callable[[Completion], None] | None = None) -> list[Completion]:
-        """Run prompts to completion; results keep the prompts' order. A request that cannot be
-        served gets finish_reason "error" and its reason, and the others still run. ``seed`` seeds
-        the requests without their own seed by their index in this call (reproducible batches)."""
-        plist = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
-        if len(plist) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but {len(plist)} sampling params")
-        if seed is not None:
-            plist = [p if p.seed is not None else replace(p, seed=(seed * 1_000_003 + i) % 2**63)
-                     for i, p in enumerate(plist)]
-        out: dict[int, Completion] = {}
-        order = []
-        for prompt, p in zip(prompts, plist, strict=True):
-            try:
-                order.append(self.add_request(prompt, p))
-            except InvalidRequestError as e:
-                rid = next(self._ids)
-                order.append(rid)
-                out[rid] = Completion([], [], "error", list(prompt), error=str(e), request_id=rid, params=p)
-        while self.has_unfinished():
-            for c in self.step():
-                out[c.request_id] = c
-                if on_finish:
-                    on_finish(c)
-        return [out[r] for r in order]
-
     def step(self) -> list[Completion]:
         """One forward: a token for every decoding request, the next chunk of prefills; returns the
         requests that finished."""
@@ -221,17 +193,6 @@ class InferenceEngine(RolloutEngine):
         """Stop every unfinished request; returns them (finish_reason None) with tokens so far. Their full
         blocks stay cached, so resuming before the weights change recomputes little."""
         return [r.completion(None) for r in self.sched.clear()]
-
-    def resume(self, partials: Iterable[Completion]) -> list[int]:
-        """Continue paused requests from their tokens (after a weight update their prefix is
-        recomputed with the new weights); the sampling stream continues where it stopped."""
-        ids = []
-        for c in partials:
-            if c.finish_reason is not None or c.params is None:
-                raise InvalidRequestError(f"request {c.request_id} is not a paused request")
-            ids.append(self.add_request(c.prompt_ids, c.params, prior=c.token_ids, prior_logprobs=c.logprobs,
-                                        request_id=c.request_id))
-        return ids
 
     def stats(self) -> dict[str, float]:
         """Counters: prompt tokens found in the prefix cache and computed, blocks, preemptions, tokens, steps."""

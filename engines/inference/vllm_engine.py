@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import itertools
 import os
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -191,43 +191,6 @@ class VllmEngine(RolloutEngine):
         out = [live.completion(None) for live in self._live.values()]
         self._live.clear()
         return out
-
-    def resume(self, partials: Iterable[Completion]) -> list[int]:
-        """Continue paused requests from their tokens (prompt + tokens so far as the new prompt)."""
-        ids = []
-        for c in partials:
-            if c.finish_reason is not None or c.params is None:
-                raise InvalidRequestError(f"request {c.request_id} is not a paused request")
-            ids.append(self.add_request(c.prompt_ids, c.params, prior=c.token_ids, prior_logprobs=c.logprobs,
-                                        request_id=c.request_id))
-        return ids
-
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams],
-                 seed: int | None = None, on_finish: Callable[[Completion], None] | None = None
-                 ) -> list[Completion]:
-        """Run prompts to completion, results in the prompts' order; a request that cannot be served gets
-        finish_reason "error" and the others still run. ``seed`` seeds requests without their own seed."""
-        plist = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
-        if len(plist) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but {len(plist)} sampling params")
-        if seed is not None:
-            plist = [p if p.seed is not None else replace(p, seed=(seed * 1_000_003 + i) % 2**63)
-                     for i, p in enumerate(plist)]
-        out: dict[int, Completion] = {}
-        order = []
-        for prompt, p in zip(prompts, plist, strict=True):
-            try:
-                order.append(self.add_request(prompt, p))
-            except InvalidRequestError as e:
-                rid = next(self._ids)
-                order.append(rid)
-                out[rid] = Completion([], [], "error", list(prompt), error=str(e), request_id=rid, params=p)
-        while self.has_unfinished():
-            for c in self.step():
-                out[c.request_id] = c
-                if on_finish:
-                    on_finish(c)
-        return [out[r] for r in order]
 
     # --- colocation -----------------------------------------------------------------------
 
