@@ -20,6 +20,7 @@ import torch
 
 from engines.training.distributed import all_reduce_max, all_reduce_sum
 from engines.training.engine import TokenScores, TrainingEngine
+from rl.mismatch import Correction, apply
 
 
 @dataclass
@@ -272,6 +273,7 @@ def ptx_backward(engine: TrainingEngine, batch: PtxBatch, coef: float, *, token_
 def rl_update(engine: TrainingEngine, samples: Sequence[Sample], *, tau: float, minibatches: int, token_budget: int,
               seed: int, ptx: Sequence[PtxBatch] = (), ptx_coef: float = 0.0, rank: int = 0, world: int = 1,
               max_items: int | None = None, drop_equal_groups: bool = True, recompute_old: bool = False,
+              correction: Correction | None = None,
               after_step: Callable[[], dict[str, float]] | None = None) -> Iterator[dict[str, float]]:
     """Several optimizer steps on one rollout batch, one per minibatch of whole prompt groups.
 
@@ -280,7 +282,8 @@ def rl_update(engine: TrainingEngine, samples: Sequence[Sample], *, tau: float, 
     (QK-Clip). Yields each step's metrics (losses are this rank's shares) as it completes; the first
     step's also carry the iteration's diagnostics (``Measures``). ``drop_equal_groups`` leaves groups
     whose rewards are all equal out; with none left (and no PTX) nothing is stepped at all.
-    ``recompute_old`` replaces the sampler's log π_old by the trainer's before the first step.
+    ``recompute_old`` replaces the sampler's log π_old by the trainer's before the first step; ``correction``
+    does too, then reweights (or masks) each sample by its ratio trainer/sampler (``rl.mismatch``).
     """
     adv = group_advantages(samples)
     by_group: dict[int, list[int]] = defaultdict(list)
@@ -291,10 +294,16 @@ def rl_update(engine: TrainingEngine, samples: Sequence[Sample], *, tau: float, 
     if not groups and not (ptx_coef > 0 and ptx):
         return
     pre = Measures()
+    recompute_old = recompute_old or correction is not None
+    factor: dict[int, float] = {}
     if recompute_old and groups:
         kept = [i for g in groups for i in by_group[g]]
         fresh = recompute_old_logprobs(engine, [samples[i] for i in kept], token_budget=token_budget, rank=rank,
                                        world=world, max_items=max_items, measures=pre)
+        if correction is not None:
+            fresh, factors, is_metrics = apply(fresh, [samples[i].old_logprobs for i in kept], correction)
+            factor = dict(zip(kept, factors, strict=True))
+            counts.update(is_metrics)
         samples = list(samples)
         for i, s in zip(kept, fresh, strict=True):
             samples[i] = s
@@ -302,7 +311,7 @@ def rl_update(engine: TrainingEngine, samples: Sequence[Sample], *, tau: float, 
     for j, mb in enumerate(plan):
         idx = [i for g in mb for i in by_group[g]]
         # w = 1/(K_g · G): mean over each prompt's samples, then over the minibatch's prompts
-        weights = [1.0 / (len(by_group[samples[i].group]) * len(mb)) for i in idx]
+        weights = [factor.get(i, 1.0) / (len(by_group[samples[i].group]) * len(mb)) for i in idx]
         measures = pre if j == 0 else Measures()
         loss = k15_backward(engine, [samples[i] for i in idx], [adv[i] for i in idx], weights, tau=tau,
                             token_budget=token_budget, rank=rank, world=world, max_items=max_items,

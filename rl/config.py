@@ -206,6 +206,18 @@ class CriticTrainingConfig(Strict):
     rubrics: list[str] = Field(["core"], description="rubric sets shown to the critic (envs/rubrics/)")
 
 
+class MismatchConfig(Strict):
+    """Train–inference mismatch correction (``rl.mismatch``): each sample reweighted by its ratio trainer/sampler."""
+
+    correction: Literal["auto", "none", "tis", "mis"] = Field(
+        "auto", description="tis: truncated importance sampling; mis: masked importance sampling; none; auto: tis "
+                            "when the rollout engine is vLLM (its kernels differ from the trainer's), else none")
+    level: Literal["sequence", "token"] = Field(
+        "sequence", description="sequence: one ratio per response; token: per-token ratios (TIS truncates each, "
+                                "MIS masks each token out of the loss)")
+    cap: float = Field(2.0, gt=1, description="C: TIS truncates ratios at C; MIS keeps ratios within [1/C, C]")
+
+
 class AlgorithmConfig(Strict):
     tau: float = Field(1.0, gt=0, description="τ of the K1.5 objective")
     minibatches: int = Field(2, ge=1, description="optimizer steps per rollout batch")
@@ -220,6 +232,7 @@ class AlgorithmConfig(Strict):
                             "auto: when the trainer or the inference engines compute in bfloat16")
     ptx: PtxConfig = PtxConfig()
     critic_training: CriticTrainingConfig = CriticTrainingConfig()
+    mismatch: MismatchConfig = MismatchConfig()
 
     @model_validator(mode="after")
     def _check(self) -> AlgorithmConfig:

@@ -39,6 +39,7 @@ from engines.training.trainer_state import has_trainer_state, load_trainer_state
 from rl.algorithm import PtxBatch, Sample, rl_update
 from rl.config import Config
 from rl.errors import UserError
+from rl.mismatch import Correction
 from rl.optim import build_optimizers
 from rl.partial import Trajectory, advance
 from rl.qk_clip import qk_clip
@@ -141,7 +142,8 @@ class TrainerWorker:
                            token_budget=a.micro_batch_tokens, max_items=a.micro_batch, seed=seed, ptx=ptx,
                            ptx_coef=a.ptx.coef, rank=self.rank, world=self.world,
                            drop_equal_groups=a.drop_equal_reward_groups,
-                           recompute_old=self.cfg.recompute_old_logprobs, after_step=lambda: qk_clip(model, tau_qk)):
+                           recompute_old=self.cfg.recompute_old_logprobs, correction=mismatch_correction(self.cfg),
+                           after_step=lambda: qk_clip(model, tau_qk)):
             for k in ("loss", "ptx_loss"):  # each rank's share of the minibatch
                 if k in m:
                     m[k] = distributed.global_sum(m[k])
@@ -302,6 +304,13 @@ def engine_kind(cfg: Config) -> str:
     if kind == "vllm" and cfg.rollout.fp8:
         raise UserError("rollout.fp8 is served by the native engine only; set rollout.engine: native")
     return kind
+
+
+def mismatch_correction(cfg: Config) -> Correction | None:
+    """The run's train–inference mismatch correction (``algorithm.mismatch``; auto: TIS with vLLM, else none)."""
+    m = cfg.algorithm.mismatch
+    kind = m.correction if m.correction != "auto" else "tis" if engine_kind(cfg) == "vllm" else "none"
+    return None if kind == "none" else Correction(kind, m.level, m.cap)
 
 
 def rollout_engine(model_dir: str, cfg: Config, max_seq_len: int | None) -> RolloutEngine:
