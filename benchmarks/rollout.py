@@ -169,6 +169,33 @@ def rl_record(model_name: str, prompts_n: int, samples: int, *, dtype: str = "fl
         return measure_rl(model, d, model_name, prompts_n, samples, dtype=tdtype, device=device, skip_hf=skip_hf)
 
 
+def engines_record(model_name: str, prompts_n: int, samples: int, *, dtype: str = "float32",
+                   threads: int | None = None) -> dict:
+    """The RL workload on the native engine and on vLLM, same weights, prompts and forced output lengths."""
+    from benchmarks.rollout_rl import RL_LENGTHS, draw_workload, run_engine_rl, run_vllm_rl
+
+    torch.set_num_threads(threads or os.cpu_count() or 1)
+    torch.manual_seed(0)
+    tdtype = getattr(torch, dtype)
+    cfg = MODELS[model_name]
+    lo, hi, max_out = RL_LENGTHS[model_name]
+    prompts, lengths = draw_workload(prompts_n, samples, (lo, hi), max_out, cfg.vocab_size)
+    max_seq = hi + max_out
+    with tempfile.TemporaryDirectory() as d:
+        save_pretrained(CausalLM(cfg), None, d)
+        model = load_pretrained(d, tdtype)
+        native_s, native_out, _ = run_engine_rl(model, prompts, lengths, 512 << 20, max_seq)
+        vllm_s, vllm_out = run_vllm_rl(d, tdtype, prompts, lengths, max_seq)
+    tokens = sum(map(len, native_out))
+    same = sum(a == b for a, b in zip(native_out, vllm_out, strict=True))
+    return {"benchmark": "rollout_engines", "model": model_name, "params": sum(p.numel() for p in model.parameters()),
+            "dtype": dtype, "threads": torch.get_num_threads(), "prompts": prompts_n, "samples": samples,
+            "tokens": tokens, "native_tok_s": round(tokens / native_s, 1),
+            "vllm_tok_s": round(sum(map(len, vllm_out)) / vllm_s, 1),
+            "native_over_vllm": round((tokens / native_s) / (sum(map(len, vllm_out)) / vllm_s), 3),
+            "same_tokens": same == len(native_out), "identical_sequences": same, "sequences": len(native_out)}
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
@@ -185,7 +212,19 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--skip-hf", action="store_true", help="time only the engine")
     ap.add_argument("--device", default="cpu", help="cpu or cuda (on cuda the engine also runs without CUDA graphs)")
     ap.add_argument("--json", action="store_true", help="print only the JSON record")
+    ap.add_argument("--engine", choices=["native", "both"], default="native",
+                    help="both: the RL workload on the native engine and on vLLM side by side (no HF generate)")
     a = ap.parse_args(argv)
+    if a.engine == "both":
+        if a.workload != "rl":
+            ap.error("--engine both runs the RL workload: add --workload rl")
+        rec = engines_record(a.model, a.prompts, a.samples, dtype=a.dtype, threads=a.threads)
+        if not a.json:
+            print(f"RL workload, {a.model} model: native {rec['native_tok_s']} tok/s, vLLM {rec['vllm_tok_s']} tok/s "
+                  f"(native/vLLM {rec['native_over_vllm']}); {rec['identical_sequences']} of {rec['sequences']} "
+                  "sequences identical")
+        print(json.dumps(rec))
+        return
     if a.workload == "rl":
         rec = rl_record(a.model, a.prompts, a.samples, dtype=a.dtype, threads=a.threads, skip_hf=a.skip_hf,
                         device=a.device)

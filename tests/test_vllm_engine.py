@@ -227,3 +227,15 @@ def test_vllm_run_trains_and_every_update_reaches_the_sampler(ray_cluster, tmp_p
     assert len(recs) == 4 and sum(r["optimizer_steps"] for r in recs) > 0
     assert all(r["logprob_diff_mean"] < 1e-5 for r in recs)
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["iterations"] == 4
+
+
+def test_vllm_side_by_side_benchmark_prints_both_engines(capsys):
+    """`python -m benchmarks.rollout --workload rl --engine both --json`: one JSON line with both engines'
+    throughput, their ratio and whether they produced the same tokens."""
+    from benchmarks.rollout import main
+
+    main(["--workload", "rl", "--engine", "both", "--prompts", "2", "--samples", "2", "--json"])
+    rec = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert rec["native_tok_s"] > 0 and rec["vllm_tok_s"] > 0 and rec["sequences"] == 4
+    assert rec["native_over_vllm"] == pytest.approx(rec["native_tok_s"] / rec["vllm_tok_s"], rel=0.01)
+    assert rec["same_tokens"] is (rec["identical_sequences"] == 4)

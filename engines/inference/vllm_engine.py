@@ -84,14 +84,16 @@ class VllmEngine(RolloutEngine):
     """A vLLM ``LLMEngine`` of ``model_dir`` behind the rollout engine interface.
 
     ``eos_ids`` are the tokens that end a response (the tokenizer's, as the native engine takes them);
-    ``memory_fraction`` is vLLM's ``gpu_memory_utilization`` (of host memory on a CPU build).
+    ``memory_fraction`` is vLLM's ``gpu_memory_utilization`` (of host memory on a CPU build); without
+    ``tokenizer`` the directory needs none (token ids in and out; stop strings are then refused).
     """
 
     kind = "vllm"
 
     def __init__(self, model_dir: str | Path, eos_ids: Sequence[int], *, max_seq_len: int | None = None,
                  max_num_seqs: int = 256, dtype: str = "auto", seed: int = 0, memory_fraction: float = 0.2,
-                 tensor_parallel_size: int = 1, enforce_eager: bool = True, prefix_caching: bool = True) -> None:
+                 tensor_parallel_size: int = 1, enforce_eager: bool = True, prefix_caching: bool = True,
+                 tokenizer: bool = True) -> None:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         try:
             import vllm
@@ -109,7 +111,7 @@ class VllmEngine(RolloutEngine):
                                 # seeded request's generator for it fails on CPU (CPU generators have no offset)
                                 enable_chunked_prefill=self.device.type == "cuda",
                                 max_num_batched_tokens=max(8192, max_seq_len or 0),
-                                worker_extension_cls=f"{__name__}.WeightLoader")
+                                worker_extension_cls=f"{__name__}.WeightLoader", skip_tokenizer_init=not tokenizer)
         except Exception as e:
             if "not supported" in str(e) and "rchitecture" in str(e):
                 raise UnsupportedByVllmError(f"vLLM does not support this model's architecture ({e}); set "
@@ -119,7 +121,7 @@ class VllmEngine(RolloutEngine):
         mc = self.engine.model_config
         self.vocab_size, self.context, self.dtype = mc.get_vocab_size(), mc.max_model_len, mc.dtype
         self.max_seq_len = max_seq_len or self.context
-        self._seed = seed
+        self._seed, self._detokenizes = seed, tokenizer
         self._ids = itertools.count()
         self._live: dict[str, _Live] = {}
         self._sleep_level = 0
@@ -139,7 +141,7 @@ class VllmEngine(RolloutEngine):
         """Queue a request (``prior``: tokens already generated for it); raises InvalidRequestError and
         queues nothing when it cannot be served."""
         prompt = check_request(prompt_ids, params, prior, prior_logprobs, vocab=self.vocab_size, context=self.context,
-                               max_seq_len=self.max_seq_len, detokenizes=True)
+                               max_seq_len=self.max_seq_len, detokenizes=self._detokenizes)
         if params.grammar is not None:
             raise InvalidRequestError("constrained decoding (grammar) is served by the native engine only")
         rid = next(self._ids) if request_id is None else request_id
