@@ -84,7 +84,7 @@ def run_vllm_rl(model_dir: str, dtype: torch.dtype, prompts, lengths, max_seq_le
     from engines.inference.vllm_engine import VllmEngine
 
     engine = VllmEngine(model_dir, [], max_seq_len=max_seq_len, max_num_seqs=min(256, sum(map(len, lengths))),
-                        dtype=str(dtype).removeprefix("torch."), memory_fraction=0.2, tokenizer=False)
+                        dtype=str(dtype).removeprefix("torch."), kv_cache_bytes=512 << 20, tokenizer=False)
     reqs = [(p, SamplingParams(0.0, n, ignore_eos=True)) for p, ns in zip(prompts, lengths, strict=True) for n in ns]
     engine.generate([p for p, _ in reqs[:4]], [SamplingParams(0.0, 2, ignore_eos=True)] * 4)  # warm-up
     engine.weights_loaded()  # forget the warm-up's cached prefixes

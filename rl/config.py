@@ -182,8 +182,8 @@ class RolloutConfig(Strict):
         "auto", description="rollout engine: native (this project's, exact against the trainer), vllm, or auto "
                             "(vLLM where it is installed and a GPU is present, else native); the choice is logged")
     vllm_memory_fraction: float = Field(
-        0.2, gt=0, le=1, description="vLLM's gpu_memory_utilization: the share of the device's memory it takes for "
-                                     "weights and KV cache (of host memory on vLLM's CPU build)")
+        0.2, gt=0, le=1, description="vLLM's gpu_memory_utilization: the share of the device's memory it may take "
+                                     "(its KV cache is rollout.kv_cache_mb, as the native engine's)")
 
 
 class PtxConfig(Strict):

@@ -318,7 +318,8 @@ def rollout_engine(model_dir: str, cfg: Config, max_seq_len: int | None) -> Roll
     r, tok = cfg.rollout, TextTokenizer.load(model_dir)  # the same stop ids as the controller's
     if engine_kind(cfg) == "vllm":
         return VllmEngine(model_dir, tok.eos_ids, max_seq_len=max_seq_len, max_num_seqs=r.max_batch,
-                          dtype=cfg.rollout_dtype, seed=cfg.run.seed, memory_fraction=r.vllm_memory_fraction)
+                          dtype=cfg.rollout_dtype, seed=cfg.run.seed, kv_cache_bytes=r.kv_cache_mb << 20,
+                          memory_fraction=r.vllm_memory_fraction)
     # on the GPU Ray gave this worker's bundle (shared with its trainer), in the fused inference layout;
     # empty: the trainers' start-up read fills it (or their first update does)
     device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -52,7 +52,8 @@ def served(tokenizer, tmp_path_factory):
     model = _model(tokenizer, 0)
     d = tmp_path_factory.mktemp("vllm_model")
     save_pretrained(model, tokenizer, d)
-    engine = vllm_engine.VllmEngine(d, tokenizer.eos_ids, max_seq_len=256, max_num_seqs=16, dtype="float32")
+    engine = vllm_engine.VllmEngine(d, tokenizer.eos_ids, max_seq_len=256, max_num_seqs=16, dtype="float32",
+                                    kv_cache_bytes=64 << 20)
     return engine, model
 
 
@@ -174,7 +175,7 @@ def _vllm_run(**sections):
 
     raw = json.loads(json.dumps(TINY))
     raw["warmstart"]["architecture"] = dict(VLLM_ARCH)
-    raw["rollout"].update(engine="vllm", vllm_memory_fraction=0.15)
+    raw["rollout"].update(engine="vllm", kv_cache_mb=64)
     for k, v in sections.items():
         raw.setdefault(k, {}).update(v)
     return parse_config(raw)

@@ -84,14 +84,17 @@ class VllmEngine(RolloutEngine):
     """A vLLM ``LLMEngine`` of ``model_dir`` behind the rollout engine interface.
 
     ``eos_ids`` are the tokens that end a response (the tokenizer's, as the native engine takes them);
-    ``memory_fraction`` is vLLM's ``gpu_memory_utilization`` (of host memory on a CPU build); without
+    ``kv_cache_bytes`` sizes the KV cache as the native engine's budget does (None: vLLM sizes it from
+    ``memory_fraction``, its ``gpu_memory_utilization``, of host memory on a CPU build, less what this
+    process already holds, which makes it depend on the process's history); without
     ``tokenizer`` the directory needs none (token ids in and out; stop strings are then refused).
     """
 
     kind = "vllm"
 
     def __init__(self, model_dir: str | Path, eos_ids: Sequence[int], *, max_seq_len: int | None = None,
-                 max_num_seqs: int = 256, dtype: str = "auto", seed: int = 0, memory_fraction: float = 0.2,
+                 max_num_seqs: int = 256, dtype: str = "auto", seed: int = 0, kv_cache_bytes: int | None = None,
+                 memory_fraction: float = 0.2,
                  tensor_parallel_size: int = 1, enforce_eager: bool = True, prefix_caching: bool = True,
                  tokenizer: bool = True) -> None:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -111,7 +114,8 @@ class VllmEngine(RolloutEngine):
                                 # seeded request's generator for it fails on CPU (CPU generators have no offset)
                                 enable_chunked_prefill=self.device.type == "cuda",
                                 max_num_batched_tokens=max(8192, max_seq_len or 0),
-                                worker_extension_cls=f"{__name__}.WeightLoader", skip_tokenizer_init=not tokenizer)
+                                worker_extension_cls=f"{__name__}.WeightLoader", skip_tokenizer_init=not tokenizer,
+                                kv_cache_memory_bytes=kv_cache_bytes)
         except Exception as e:
             if "not supported" in str(e) and "rchitecture" in str(e):
                 raise UnsupportedByVllmError(f"vLLM does not support this model's architecture ({e}); set "
