@@ -1,1 +1,1 @@
-"""Inference engines behind one interface (``engines.inference.base``): the native engine, and its server."""
+"""Inference engines behind one interface (``engines.inference.base``): the native engine, vLLM, and the server."""
