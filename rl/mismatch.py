@@ -48,7 +48,7 @@ def own_log_ratios(old: Sequence[float], sampler: Sequence[float], mask: Sequenc
 
 def correct(old: Sequence[Sequence[float]], sampler: Sequence[Sequence[float]],
             masks: Sequence[Sequence[int] | None], how: Correction
-            ) -> tuple[list[float], list[list[int] | None], dict[str, float]]:
+            ) -> tuple[list[float], list[Sequence[int] | None], dict[str, float]]:
     """Per sequence: its loss-weight factor and its loss mask after the correction (token-level MIS masks
     tokens out; otherwise the mask is as given), and the metrics: the sequence ratio's mean, min and max,
     and the share of sequences (or tokens, at token level) truncated (TIS) or masked out (MIS)."""
@@ -65,13 +65,13 @@ def correct(old: Sequence[Sequence[float]], sampler: Sequence[Sequence[float]],
             hit += out_of_range
             factor = math.exp(min(log_rho, log_c)) if how.kind == "tis" else float(not out_of_range)
             factors.append(factor)
-            new_masks.append(None if m is None else list(m))
+            new_masks.append(m)
             continue
         units += len(deltas)
         if how.kind == "tis":
             hit += sum(d > log_c for d in deltas)
             factors.append(math.exp(sum(min(d, log_c) for d in deltas)))
-            new_masks.append(None if m is None else list(m))
+            new_masks.append(m)
         else:
             row = list(m) if m is not None else [1] * len(o)
             for t, (ot, st) in enumerate(zip(o, s, strict=True)):

@@ -66,6 +66,8 @@ class TrainerWorker:
         _set_threads(threads)
         self.cfg = cfg
         self.reloader: RayReloader | None = None
+        # resolved once, on the worker (rollout.engine auto looks for vLLM and a GPU here, beside the rollout actor)
+        self.correction = mismatch_correction(cfg)
 
     def rendezvous(self) -> str:
         """The torch.distributed address of this worker (asked of rank 0 only)."""
@@ -142,7 +144,7 @@ class TrainerWorker:
                            token_budget=a.micro_batch_tokens, max_items=a.micro_batch, seed=seed, ptx=ptx,
                            ptx_coef=a.ptx.coef, rank=self.rank, world=self.world,
                            drop_equal_groups=a.drop_equal_reward_groups,
-                           recompute_old=self.cfg.recompute_old_logprobs, correction=mismatch_correction(self.cfg),
+                           recompute_old=self.cfg.recompute_old_logprobs, correction=self.correction,
                            after_step=lambda: qk_clip(model, tau_qk)):
             for k in ("loss", "ptx_loss"):  # each rank's share of the minibatch
                 if k in m:

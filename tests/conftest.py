@@ -28,17 +28,21 @@ def tiny_config(vocab_size: int, **kw) -> ModelConfig:
     return ModelConfig(**args)
 
 
-@pytest.fixture
-def tiny_model(tokenizer):
-    torch.manual_seed(0)
-    cfg = tiny_config(tokenizer.vocab_size, eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.pad_id)
+def sharp_model(cfg: ModelConfig, seed: int = 0) -> CausalLM:
+    """A model of ``cfg`` with larger matrices than the init (N(0, 0.2)), so that logits are far from uniform
+    and errors would show."""
+    torch.manual_seed(seed)
     model = CausalLM(cfg)
-    # larger weights than the init so that logits are far from uniform and errors would show
     with torch.no_grad():
         for p in model.parameters():
             if p.ndim == 2:
                 p.normal_(0, 0.2)
     return model
+
+
+@pytest.fixture
+def tiny_model(tokenizer):
+    return sharp_model(tiny_config(tokenizer.vocab_size, eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.pad_id))
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -5,12 +5,10 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from engines.inference.constrained import ConstraintCompiler, tool_call_format
 from engines.inference.native import InferenceEngine
 from engines.inference.sampling import SamplingParams
-from engines.model.causal_lm import CausalLM
 from engines.model.tokenizer import train_tokenizer
 from envs.tools import (
     ARGUMENTS_BEGIN,
@@ -27,7 +25,7 @@ from envs.tools import (
     render_tool_results,
     validate_arguments,
 )
-from tests.conftest import tiny_config
+from tests.conftest import sharp_model, tiny_config
 
 READ_SPEC = {
     "type": "function",
@@ -149,16 +147,10 @@ def tool_tokenizer():
 
 @pytest.fixture(scope="module")
 def setup(tool_tokenizer):
-    torch.manual_seed(0)
     # the model's vocabulary is wider than the tokenizer's (padded lm_head): the grammar must mask the extra ids
     vocab = tool_tokenizer.vocab_size + 7
-    cfg = tiny_config(vocab, max_position_embeddings=512, eos_token_id=tool_tokenizer.eos_id,
-                      pad_token_id=tool_tokenizer.pad_id)
-    model = CausalLM(cfg)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.ndim == 2:
-                p.normal_(0, 0.2)
+    model = sharp_model(tiny_config(vocab, max_position_embeddings=512, eos_token_id=tool_tokenizer.eos_id,
+                                    pad_token_id=tool_tokenizer.pad_id))
     engine = InferenceEngine(model, tool_tokenizer.eos_id, tool_tokenizer.pad_id, kv_cache_bytes=64 * 2**20)
     compiler = ConstraintCompiler(tool_tokenizer, vocab)
     prompt = tool_tokenizer.encode(render_tool_declarations(TOOLS) + "Read f1.py then finish.")

@@ -24,7 +24,7 @@ from engines.model.causal_lm import CausalLM, attention_layers, track_max_logits
 from engines.model.sharded import full_state_dict, local_shards, local_tensor
 from engines.training.distributed import init_distributed, rank, shard_model, world_size
 from engines.training.engine import TrainingEngine
-from tests.conftest import tiny_config
+from tests.conftest import sharp_model, tiny_config
 from tests.ranks import rank_body, run_ranks
 
 VOCAB = 37  # odd: the embedding and the head split unevenly over 2 ranks (19 + 18 rows)
@@ -35,13 +35,7 @@ CLIP = 0.05  # well below the first step's gradient norm, so clipping acts
 
 
 def _model(seed: int = 0) -> CausalLM:
-    torch.manual_seed(seed)
-    model = CausalLM(tiny_config(VOCAB))
-    with torch.no_grad():  # weights far from the init, so logits are far from uniform
-        for p in model.parameters():
-            if p.ndim == 2:
-                p.normal_(0, 0.2)
-    return model
+    return sharp_model(tiny_config(VOCAB), seed)
 
 
 def _batch(n: int = 8, seed: int = 1):

@@ -23,7 +23,7 @@ from rl.config import parse_config
 from rl.controller import train
 from rl.partial import generate_with_budget
 from rl.warmstart import prepare_model
-from tests.conftest import tiny_config
+from tests.conftest import sharp_model, tiny_config
 
 vllm_engine = pytest.importorskip("engines.inference.vllm_engine")
 if not vllm_engine.vllm_available():
@@ -33,17 +33,11 @@ PROMPTS = ["Question: Mia has 3 apples.", "Q", "Answer: 1+2=3, 3*2=6. The", "Que
 
 
 def _model(tokenizer, seed: int) -> CausalLM:
-    torch.manual_seed(seed)
     # head_dim 32: vLLM's CPU attention has no kernel for smaller heads
     cfg = tiny_config(tokenizer.vocab_size, hidden_size=64, intermediate_size=128, num_attention_heads=2,
                       num_key_value_heads=1, max_position_embeddings=256, eos_token_id=tokenizer.eos_id,
                       pad_token_id=tokenizer.pad_id)
-    model = CausalLM(cfg)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.ndim == 2:
-                p.normal_(0, 0.2)
-    return model.eval()
+    return sharp_model(cfg, seed).eval()
 
 
 @pytest.fixture(scope="module")

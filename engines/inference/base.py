@@ -41,6 +41,8 @@ class RolloutEngine(ABC):
     generated: int
     #: request ids handed out when the caller gives none
     _ids: Iterator[int]
+    #: the engine's seed: requests without their own seed derive theirs from it (``request_seed``)
+    _seed: int
 
     # --- requests -------------------------------------------------------------------------
 
@@ -61,6 +63,11 @@ class RolloutEngine(ABC):
     @abstractmethod
     def pause(self) -> list[Completion]:
         """Stop every unfinished request and return it with its tokens so far (finish_reason None)."""
+
+    def request_seed(self, params: SamplingParams, request_id: int) -> int:
+        """The request's own seed, or one derived from the engine's and the request id: the same rule in every
+        engine, so a request without a seed draws the same stream whichever engine serves it."""
+        return params.seed if params.seed is not None else (self._seed * 1_000_003 + request_id) % 2**63
 
     def resume(self, partials: Iterable[Completion]) -> list[int]:
         """Continue paused requests from their tokens (after a weight update their prefix is recomputed

@@ -152,7 +152,7 @@ class InferenceEngine(RolloutEngine):
         vocab = cfg.vocab_size
         matcher = new_matcher(params, prior)
         rid = next(self._ids) if request_id is None else request_id
-        seed = params.seed if params.seed is not None else (self._seed * 1_000_003 + rid) % 2**63
+        seed = self.request_seed(params, rid)
         self.sched.waiting.append(Request(rid, prompt, params, seed, [int(t) for t in prior],
                                           [float(x) for x in prior_logprobs], matcher,
                                           filter_kind=filter_kind(params.top_k, params.top_p, vocab)))

@@ -151,7 +151,7 @@ class VllmEngine(RolloutEngine):
         rid = next(self._ids) if request_id is None else request_id
         if str(rid) in self._live:
             raise InvalidRequestError(f"request id {rid} is already running")
-        seed = params.seed if params.seed is not None else (self._seed * 1_000_003 + rid) % 2**63
+        seed = self.request_seed(params, rid)
         if prior:  # a resumed request: a fresh stream for the rest, reproducible from what it has
             seed = (seed * 1_000_003 + len(prior)) % 2**63
         sp = self._vllm.SamplingParams(
@@ -159,7 +159,9 @@ class VllmEngine(RolloutEngine):
             max_tokens=params.max_tokens - len(prior), seed=seed % 2**31, logprobs=0, stop=list(params.stop) or None,
             stop_token_ids=list(params.stop_token_ids) + ([] if params.ignore_eos else self.eos_ids),
             ignore_eos=True,  # the model's own EOS is among stop_token_ids unless ignore_eos
-            detokenize=bool(params.stop))
+            detokenize=bool(params.stop),
+            # each step's new tokens only: a cumulative output would be re-read whole at every step
+            output_kind=self._vllm.sampling_params.RequestOutputKind.DELTA)
         self.engine.add_request(str(rid), {"prompt_token_ids": prompt + [int(t) for t in prior]}, sp)
         self._live[str(rid)] = _Live(rid, prompt, params, [int(t) for t in prior], [float(x) for x in prior_logprobs])
         return rid
@@ -180,10 +182,9 @@ class VllmEngine(RolloutEngine):
             if live is None:
                 continue
             c = out.outputs[0]
-            new = list(c.token_ids)
-            self.generated += len(new) - len(live.tokens)
-            live.tokens = new
-            live.logprobs = [next(iter(d.values())).logprob for d in (c.logprobs or [])][: len(new)]
+            self.generated += len(c.token_ids)
+            live.tokens += c.token_ids
+            live.logprobs += [next(iter(d.values())).logprob for d in (c.logprobs or [])][: len(c.token_ids)]
             if out.finished:
                 del self._live[out.request_id]
                 reason = "length" if c.finish_reason == "length" else "stop"

@@ -62,10 +62,7 @@ class Conversation:
         return the observation's token ids (all the template adds up to the next generation prompt)."""
         self.turns += 1
         response_ids = list(response_ids)
-        text = self.tok.decode(response_ids)  # without EOS: the message content
-        seen = self.text + self.tok.hf.decode(response_ids, skip_special_tokens=False)
-        if calls is None and self.tool_format is not None:
-            calls, _ = self.tool_format.parse(text)
+        text, seen, calls = self._turn(response_ids, calls)
         observation = [dict(m) for m in observation]
         errors = []
         fallback = None
@@ -83,6 +80,15 @@ class Conversation:
             raise ChatFormatError(f"the chat template of {self.source} cannot render turn {self.turns} of the "
                                   f"conversation: {'; '.join(errors) or 'no candidate message'}")
         return self._inexact(response_ids, observation, *fallback, seen)
+
+    def _turn(self, response_ids: list[int], calls: list[ToolCall] | None) -> tuple[str, str, list[ToolCall] | None]:
+        """The turn's message text (without EOS), what the model has seen through it, and its calls (parsed in
+        the family's format when not given)."""
+        text = self.tok.decode(response_ids)
+        seen = self.text + self.tok.hf.decode(response_ids, skip_special_tokens=False)
+        if calls is None and self.tool_format is not None:
+            calls, _ = self.tool_format.parse(text)
+        return text, seen, calls
 
     def _inexact(self, response_ids: list[int], observation: list[dict], msg: dict, new: str, seen: str) -> list[int]:
         """The observation after the template's own rendering of a turn it renders differently from the model."""
@@ -106,10 +112,7 @@ class Conversation:
 
     def finish(self, response_ids: Sequence[int], calls: list[ToolCall] | None = None) -> None:
         """Record the last turn (no observation follows), for logs and ``messages``."""
-        text = self.tok.decode(list(response_ids))
-        seen = self.text + self.tok.hf.decode(list(response_ids), skip_special_tokens=False)
-        if calls is None and self.tool_format is not None:
-            calls, _ = self.tool_format.parse(text)
+        text, seen, calls = self._turn(list(response_ids), calls)
         for msg in self._candidates(text, calls or []):
             try:
                 if self._render([*self.messages, msg], generation_prompt=False).startswith(seen):
