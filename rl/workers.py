@@ -52,6 +52,18 @@ def _set_threads(threads: int) -> None:
     torch.set_num_threads(max(1, threads))
 
 
+def worker_device(cfg: Config) -> str:
+    """"cuda" when the run gives its workers GPUs, else "cpu"; a worker that was given GPUs and cannot use them
+    stops the run instead of training on the host while holding them."""
+    if cfg.cluster.gpus_per_worker <= 0:
+        return "cpu"
+    if not torch.cuda.is_available():
+        raise UserError(f"cluster.gpus_per_worker={cfg.cluster.gpus_per_worker:g} but CUDA is not available in this "
+                        f"worker (torch {torch.__version__}, built for CUDA {torch.version.cuda or 'none'}): the "
+                        f"node's driver may be older than this CUDA needs, or the pod lacks the NVIDIA runtime")
+    return "cuda"
+
+
 def _host_ip() -> str:
     try:
         return socket.gethostbyname(socket.gethostname())
@@ -79,7 +91,7 @@ class TrainerWorker:
         the optimizers and the checkpoint engine."""
         cfg, o = self.cfg, self.cfg.optimizer
         self.rank, self.world = rank, world
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+        device = worker_device(cfg)
         distributed.init_distributed(rank, world, init_method, device=device)
         arch = read_config(model_dir)
         master, compute = cfg.trainer.master_dtype, cfg.compute_dtype
@@ -324,7 +336,7 @@ def rollout_engine(model_dir: str, cfg: Config, max_seq_len: int | None) -> Roll
                           memory_fraction=r.vllm_memory_fraction)
     # on the GPU Ray gave this worker's bundle (shared with its trainer), in the fused inference layout;
     # empty: the trainers' start-up read fills it (or their first update does)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = worker_device(cfg)
     model = replica_model(read_config(model_dir), cfg, device=device)
     return InferenceEngine(model, tok.eos_ids, tok.pad_id, max_num_seqs=r.max_batch, max_seq_len=max_seq_len,
                            kv_cache_bytes=r.kv_cache_mb << 20, max_batch_tokens=r.max_batch_tokens,

@@ -226,6 +226,22 @@ def test_system_packages_for_the_sandbox_and_kuberay(image):
     assert _step_index(img, "RUN", r"apt-get install") < _step_index(img, "RUN", r"\bmake setup\b")
 
 
+def test_gpu_image_can_compile_kernels_and_defaults_to_cuda_12(image):
+    """Triton builds its launcher with a C compiler and Python.h on the first torch.compile (flex_attention in the
+    trainer); CUDA 12 by default, since CUDA 13 wheels need a driver (R580+) many clusters do not have yet."""
+    kind, img = image
+    if kind != "cuda":
+        pytest.skip("the CPU image compiles nothing on a GPU")
+    assert {"gcc", "libc6-dev", "python3-dev"} <= _apt_packages(img)
+    assert re.match(r"nvidia/cuda:12\.", img.base), img.base
+    torch_step = _step_index(img, "RUN", r"pip install --index-url")
+    index = re.search(r"--index-url \"?([^\"\s]+)", img.steps[torch_step][1]).group(1)
+    assert re.fullmatch(r"https://download\.pytorch\.org/whl/cu12\d", index), index
+    # vLLM from PyPI is built for CUDA 13: not installed by default beside a CUDA 12 torch
+    setup = img.steps[_step_index(img, "RUN", r"\bmake setup\b")][1]
+    assert 'VLLM_SPEC=""' in setup, setup
+
+
 def test_bases(image):
     kind, img = image
     if kind == "cpu":

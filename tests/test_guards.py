@@ -134,6 +134,16 @@ def test_more_workers_than_cores_is_refused_up_front(tmp_path):
     assert proc.returncode == 2 and "needs 512 CPU cores" in proc.stderr and "Traceback" not in proc.stderr
 
 
+def test_workers_given_gpus_without_cuda_stop_instead_of_training_on_the_host(monkeypatch):
+    from rl.workers import worker_device
+
+    cfg = parse_config({**TINY, "cluster": {"workers": 1, "gpus_per_worker": 1}})
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a node whose driver is older than the wheel
+    with pytest.raises(UserError, match=r"gpus_per_worker=1 but CUDA is not available.*driver"):
+        worker_device(cfg)
+    assert worker_device(parse_config({**TINY, "cluster": {"workers": 1}})) == "cpu"  # no GPUs asked: the host
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounting a read-only or tiny file system for the test needs root")
 @pytest.mark.parametrize(("opts", "why"), [("ro", "Read-only file system"), ("size=8k", "No space left on device")])
 def test_read_only_or_full_run_directory(tmp_path, opts, why):
