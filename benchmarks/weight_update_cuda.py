@@ -7,34 +7,51 @@ memory, as an offloaded trainer holds them, so stage 1 is the H2D copy. One infe
 the engine's two IPC buffers through CUDA IPC handles and loads every parameter into its own
 device tensors (journalling the bytes it overwrites unless ``--rollback none``; the journal runs
 on a side stream one bucket ahead). ``update_s`` is the median of the timed updates after a cold
-one, until the last bucket is loaded. ``floor_s`` is the bytes at this GPU's pinned host-to-device
-bandwidth, measured in the same run: every byte must cross PCIe once. ``bitwise_equal`` compares
-the inference tensors' digests with the trainer's (with ``--weights fp8``: with the reference block
-quantisation of the trainer's bf16 weights, which the owner computes on the GPU while staging;
-``wire_bytes`` is then about half of ``bytes``, and ``quantize_gb_per_s`` is the reference
-quantisation's rate on this GPU, bf16 bytes in per second). The last line printed is one JSON
-object per point.
+one, until the last bucket is loaded. ``floor_s`` is the trainer's bytes (``source_bytes``: what
+stage 1 copies) at this GPU's pinned host-to-device bandwidth, measured in the same run: every one
+of them must cross PCIe once. ``bitwise_equal`` compares the inference tensors' digests with the
+trainer's.
 
-    python -m benchmarks.weight_update_cuda --gib 8 --bucket-mb 1024 --rollback journal none --weights bf16 fp8
+``--weights`` picks what the trainer holds and what the replica gets (``--gib`` is the replica's bytes):
+``bf16`` both; ``fp32-to-bf16`` float32 master weights cast to a bf16 replica on the way (sent as
+float32 and cast on the GPU: ``source_bytes`` is twice ``wire_bytes``; the replica must equal the
+host's own ``to(torch.bfloat16)``); ``fp8`` bf16 weights block-quantised by the owner on the GPU
+(compared with the reference quantisation; ``wire_bytes`` is about half, ``quantize_gb_per_s`` is the
+reference quantisation's rate, bf16 bytes in per second). Progress goes to stderr as it happens; the
+last line on stdout is one JSON object per point.
+
+    python -m benchmarks.weight_update_cuda --gib 16 --bucket-mb 1024 --repeats 2 --weights bf16 fp32-to-bf16 --json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.multiprocessing as mp
 
-from checkpoint_engine.buckets import as_bytes
+from checkpoint_engine.buckets import ALIGN, TensorSpec
 from checkpoint_engine.engine import CheckpointEngine
 from checkpoint_engine.local import PipeReloader, answer_load, digest, synthetic_params
 from checkpoint_engine.synthetic import SyntheticModel
 from checkpoint_engine.topology import free_port
 from checkpoint_engine.transfer import WeightReceiver
 from engines.model.fp8 import quantize
+from engines.training.offload import host_buffer
+
+WEIGHTS = ("bf16", "fp32-to-bf16", "fp8")
+_T0 = time.perf_counter()
+
+
+def say(msg: str) -> None:
+    """One progress line on stderr, with the seconds since start (a timeout then shows where it was)."""
+    print(f"[weight_update_cuda {time.perf_counter() - _T0:7.1f} s] {msg}", file=sys.stderr, flush=True)
 
 
 def _bandwidth(src: torch.Tensor, dst: torch.Tensor, tries: int = 5) -> float:
@@ -51,51 +68,77 @@ def _bandwidth(src: torch.Tensor, dst: torch.Tensor, tries: int = 5) -> float:
     return src.numel() * src.element_size() / best
 
 
+def _digests(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
+    """Digests of (the host copies of) ``tensors``, hashed on every core."""
+    with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+        return dict(zip(tensors, pool.map(lambda t: digest(t.cpu()), tensors.values()), strict=True))
+
+
 def _receiver(conn, specs, plan, handles, rollback: str) -> None:
     """The inference process: zeros on the device, then whatever the updates bring."""
     targets = {s.name: torch.zeros(s.shape, dtype=getattr(torch, s.dtype), device="cuda") for s in specs}
     recv = WeightReceiver(plan, handles, targets, rollback=rollback)
+    conn.send(("ready",))
     while True:
         msg = conn.recv()
         if msg[0] == "load":
             answer_load(recv, conn, msg)
         elif msg[0] == "digests":
-            conn.send(("digests", {n: digest(t.cpu()) for n, t in recv.tensors.items()}, recv.version,
-                       torch.cuda.max_memory_allocated()))
+            conn.send(("digests", _digests(recv.tensors), recv.version, torch.cuda.max_memory_allocated()))
         elif msg[0] == "stop":
             return
 
 
-def _host_versions(specs, n: int = 2, finite: bool = False) -> list[dict[str, torch.Tensor]]:
-    """``n`` sets of parameters in pinned host memory (drawn on the GPU: fast): random bytes, or normal
-    values with ``finite`` (what quantisation needs)."""
-    sets = []
-    for v in range(n):
-        g = torch.Generator(device="cuda").manual_seed(v)
-        out = {}
-        for s in specs:
-            host = torch.empty(s.shape, dtype=getattr(torch, s.dtype), pin_memory=True)
-            if finite:
-                host.copy_(torch.randn(s.shape, device="cuda", generator=g) * 0.05)
-            else:
-                as_bytes(host).copy_(torch.randint(0, 256, (s.nbytes,), dtype=torch.uint8, device="cuda",
-                                                   generator=g))
-            out[s.name] = host
-        sets.append(out)
-    return sets
+def source_dtype(spec: TensorSpec, weights: str) -> torch.dtype:
+    """The dtype the trainer holds ``spec`` in: float32 masters with ``fp32-to-bf16``, else the replica's."""
+    return torch.float32 if weights == "fp32-to-bf16" else getattr(torch, spec.dtype)
 
 
-def _reference(specs, tensors: dict[str, torch.Tensor], fp8: bool) -> dict[str, str]:
-    """Digests of what the replica must hold: the tensors, or their block quantisation (computed on the GPU)."""
-    want = {}
-    for s in specs:
-        t = tensors[s.name]
-        if fp8 and t.ndim == 2:
-            q, sc = quantize(t.cuda())
-            want[s.name], want[s.name + "_scale_inv"] = digest(q.cpu()), digest(sc.cpu())
+def _fill(slab: torch.Tensor, weights: str, chunk: int = 1 << 30) -> None:
+    """Random bytes (bf16: every bit pattern), or normal values in the sources' dtype (a cast or a
+    quantisation needs finite ones), drawn on the GPU a chunk at a time."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    finite = {"fp32-to-bf16": torch.float32, "fp8": torch.bfloat16}.get(weights)
+    for lo in range(0, slab.numel(), chunk):
+        n = min(chunk, slab.numel() - lo)
+        if finite is None:
+            part = torch.randint(0, 256, (n,), dtype=torch.uint8, device="cuda", generator=g)
         else:
-            want[s.name] = digest(t)
-    return want
+            part = (torch.randn(n // finite.itemsize, device="cuda", generator=g) * 0.05).to(finite).view(torch.uint8)
+        slab[lo : lo + n].copy_(part)
+
+
+def host_versions(specs: list[TensorSpec], weights: str) -> list[dict[str, torch.Tensor]]:
+    """Two versions of the trainer's parameters: views of one pinned host slab of the exact size, ``ALIGN``
+    bytes apart (different values, half the pinned memory of two sets, one registration)."""
+    dtypes = [source_dtype(s, weights) for s in specs]
+    sizes = [torch.Size(s.shape).numel() * d.itemsize for s, d in zip(specs, dtypes, strict=True)]
+    offsets, at = [], 0
+    for n in sizes:
+        offsets.append(at)
+        at += -(-n // ALIGN) * ALIGN
+    t0 = time.perf_counter()
+    slab = host_buffer(at + ALIGN)
+    say(f"pinned {slab.numel() / 2**30:.2f} GiB of host memory in {time.perf_counter() - t0:.1f} s")
+    t0 = time.perf_counter()
+    _fill(slab, weights)
+    say(f"filled it from the GPU in {time.perf_counter() - t0:.1f} s")
+    return [{s.name: slab[o + v * ALIGN : o + v * ALIGN + n].view(d).view(s.shape)
+             for s, d, o, n in zip(specs, dtypes, offsets, sizes, strict=True)} for v in range(2)]
+
+
+def _reference(specs: list[TensorSpec], tensors: dict[str, torch.Tensor], weights: str) -> dict[str, str]:
+    """Digests of what the replica must hold: the tensors cast on the host to the replica's dtype, or
+    their block quantisation (computed on the GPU)."""
+    def one(s: TensorSpec) -> dict[str, str]:
+        t = tensors[s.name]
+        if weights == "fp8" and t.ndim == 2:
+            q, sc = quantize(t.cuda())
+            return {s.name: digest(q.cpu()), s.name + "_scale_inv": digest(sc.cpu())}
+        return {s.name: digest(t.to(getattr(torch, s.dtype)))}
+
+    with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+        return {k: v for d in pool.map(one, specs) for k, v in d.items()}
 
 
 def quantize_gb_per_s(nbytes: int = 1 << 30) -> float:
@@ -110,17 +153,27 @@ def quantize_gb_per_s(nbytes: int = 1 << 30) -> float:
     return nbytes / (start.elapsed_time(end) / 1e3) / 1e9
 
 
-def measure(gib: float, bucket_mb: int, repeats: int = 3, rollback: str = "journal", fp8: bool = False) -> dict:
-    """One benchmark point; returns the JSON record."""
-    specs = synthetic_params(int(gib * (1 << 30)))
-    nbytes = sum(s.nbytes for s in specs)
-    sets = _host_versions(specs, finite=fp8)
-    probe = min(nbytes, 1 << 30)
-    h2d = _bandwidth(torch.empty(probe, dtype=torch.uint8, pin_memory=True),
-                     torch.empty(probe, dtype=torch.uint8, device="cuda"))
+def _probe() -> tuple[float, float]:
+    """(pinned host-to-device, device-to-device) bytes per second, over 1 GiB."""
+    probe = 1 << 30
+    host = host_buffer(probe)
+    h2d = _bandwidth(host, torch.empty(probe, dtype=torch.uint8, device="cuda"))
     d2d = _bandwidth(torch.empty(probe, dtype=torch.uint8, device="cuda"),
                      torch.empty(probe, dtype=torch.uint8, device="cuda"))
     torch.cuda.empty_cache()
+    return h2d, d2d
+
+
+def measure(gib: float, bucket_mb: int, repeats: int = 3, rollback: str = "journal", weights: str = "bf16") -> dict:
+    """One benchmark point; returns the JSON record."""
+    fp8 = weights == "fp8"
+    specs = synthetic_params(int(gib * (1 << 30)))
+    nbytes = sum(s.nbytes for s in specs)
+    say(f"{weights}, bucket {bucket_mb} MiB, rollback {rollback}: {len(specs)} tensors, {nbytes / 2**30:.2f} GiB")
+    sets = host_versions(specs, weights)
+    source = sum(t.numel() * t.element_size() for t in sets[0].values())
+    h2d, d2d = _probe()
+    say(f"H2D {h2d / 1e9:.1f} GB/s, D2D {d2d / 1e9:.0f} GB/s")
     before = torch.cuda.memory_allocated()
     engine = CheckpointEngine(0, 1, f"tcp://127.0.0.1:{free_port()}", bucket_mb << 20, "bench-cuda", device="cuda")
     buffers = torch.cuda.memory_allocated() - before
@@ -134,23 +187,31 @@ def measure(gib: float, bucket_mb: int, repeats: int = 3, rollback: str = "journ
     reloader = PipeReloader(parent)
     times = []
     try:
+        if parent.recv() != ("ready",):
+            raise RuntimeError("the inference process did not start")
+        say(f"engine and inference process up ({len(plan.buckets)} buckets)")
         for version in range(1, repeats + 2):
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             engine.update(plan, sets[version % 2], version, reloader)
             times.append(time.perf_counter() - t0)
+            say(f"update {version}/{repeats + 1}: {times[-1]:.3f} s" + (" (cold)" if version == 1 else ""))
         parent.send(("digests",))
         _, got, got_version, receiver_peak = parent.recv()
+        say("replica's digests taken")
         parent.send(("stop",))
     finally:
         proc.join(timeout=120)
+        if proc.is_alive():
+            proc.kill()
         engine.close()
-    want = _reference(specs, sets[(repeats + 1) % 2], fp8)
+    want = _reference(specs, sets[(repeats + 1) % 2], weights)
+    say("reference digests taken")
     update_s = statistics.median(times[1:])
-    floor_s = wire / h2d
+    floor_s = source / h2d
     extra = {"quantize_gb_per_s": round(quantize_gb_per_s(), 1)} if fp8 else {}
     return {"update_s": round(update_s, 4), "floor_s": round(floor_s, 4), "ratio": round(update_s / floor_s, 3),
-            "weights": "fp8" if fp8 else "bf16", "wire_bytes": wire, **extra,
+            "weights": weights, "wire_bytes": wire, "source_bytes": source, **extra,
             "bytes": nbytes, "gb_per_s": round(nbytes / update_s / 1e9, 2), "bitwise_equal": got == want and
             got_version == repeats + 1, "first_update_s": round(times[0], 4), "bucket_mb": bucket_mb,
             "buckets": len(plan.buckets), "workers": 1, "rollback": rollback, "h2d_gb_per_s": round(h2d / 1e9, 2),
@@ -161,13 +222,13 @@ def measure(gib: float, bucket_mb: int, repeats: int = 3, rollback: str = "journ
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.weight_update_cuda", description=__doc__.split("\n")[0])
-    ap.add_argument("--gib", type=float, default=4.0, help="parameter bytes, in GiB (default 4)")
+    ap.add_argument("--gib", type=float, default=4.0, help="the replica's parameter bytes, in GiB (default 4)")
     ap.add_argument("--bucket-mb", type=int, nargs="+", default=[256, 1024], help="bucket MiB (several: a sweep)")
     ap.add_argument("--repeats", type=int, default=3, help="timed updates after the cold one")
     ap.add_argument("--rollback", choices=["journal", "none"], nargs="+", default=["journal"],
                     help="how the inference side keeps the previous weights until commit")
-    ap.add_argument("--weights", choices=["bf16", "fp8"], nargs="+", default=["bf16"],
-                    help="replica weights: bf16, or block-FP8 quantised by the owner on the GPU")
+    ap.add_argument("--weights", choices=WEIGHTS, nargs="+", default=["bf16"],
+                    help="bf16; fp32-to-bf16: float32 masters cast on the GPU; fp8: block-FP8 quantised on the GPU")
     ap.add_argument("--json", action="store_true", help="print only JSON records, one per line")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -175,11 +236,11 @@ def main(argv: list[str] | None = None) -> None:
     for weights in args.weights:
         for rollback in args.rollback:
             for mb in args.bucket_mb:
-                _point(args, mb, rollback, weights == "fp8")
+                _point(args, mb, rollback, weights)
 
 
-def _point(args, mb: int, rollback: str, fp8: bool) -> None:
-    rec = measure(args.gib, mb, args.repeats, rollback, fp8)
+def _point(args, mb: int, rollback: str, weights: str) -> None:
+    rec = measure(args.gib, mb, args.repeats, rollback, weights)
     if not args.json:
         print(f"{rec['bytes'] / 2**30:.1f} GiB {rec['weights']}, bucket {mb} MiB, rollback {rollback}: "
               f"{rec['update_s']:.3f} s ({rec['gb_per_s']} GB/s), floor {rec['floor_s']:.3f} s "

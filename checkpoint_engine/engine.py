@@ -10,7 +10,9 @@ IPC buffers (``checkpoint_engine.topology``): the owner stages straight into the
 node's inference engines read it where it is, and only between nodes does a bucket travel, over
 gloo, to one worker of each other node. Each bucket carries a trailer (update version, bucket
 index, checksum) so the inference side can refuse a corrupted or mismatched bucket. Extra memory is
-three buckets (on CPU: two per node), whatever the model size.
+three buckets (on CPU: two per node), whatever the model size, and ``CAST_CHUNK`` on a GPU whose
+trainer holds another dtype than the replicas (float32 masters cross as they are, the GPU casts them).
+Every tensor given to torch.distributed goes through ``checkpoint_engine.wire``, on the engine's device.
 
 A restarted replica catches up from one live replica, point to point (``serve_catch_up`` on the
 live replica's worker, ``catch_up`` on the restarted one's): the live replica packs its weights
@@ -30,9 +32,11 @@ import torch.distributed as dist
 from checkpoint_engine.buckets import ALIGN, BucketPlan, as_bytes
 from checkpoint_engine.quantize import OwnerQuantizer
 from checkpoint_engine.topology import NodeBuffers
+from checkpoint_engine.wire import Wire
 
 TRAILER = ALIGN  # bytes after a bucket's data: int64 version, bucket index, checksum
 ABORT = -1       # bucket index in a trailer whose owner failed to stage it
+CAST_CHUNK = 64 << 20  # device bytes of host source staged at a time when a piece changes dtype on the way
 
 
 class UpdateError(RuntimeError):
@@ -45,12 +49,32 @@ def checksum(data: torch.Tensor) -> int:
 
 
 def write_trailer(buf: torch.Tensor, used: int, version: int, bucket: int) -> None:
-    buf[used : used + TRAILER].view(torch.int64)[:3] = torch.tensor([version, bucket, checksum(buf[:used])])
+    words = torch.tensor([version, bucket, checksum(buf[:used])], dtype=torch.int64, device=buf.device)
+    buf[used : used + TRAILER].view(torch.int64)[:3] = words
 
 
 def read_trailer(buf: torch.Tensor, used: int) -> tuple[int, int, int]:
     v, b, c = buf[used : used + TRAILER].view(torch.int64)[:3].tolist()
     return v, b, c
+
+
+def copy_cast(dst: torch.Tensor, src: torch.Tensor, scratch: torch.Tensor | None = None) -> None:
+    """``dst.copy_(src)`` for flat tensors of different dtypes, with the cast done where ``scratch`` is.
+
+    A copy that changes both device and dtype casts on the host into pageable memory, then copies
+    synchronously; through ``scratch`` (bytes on ``dst``'s device) the source crosses as it is, a chunk
+    at a time and asynchronously from pinned memory, and the device casts it. Stream order keeps a
+    chunk's cast ahead of the next chunk's copy into the same scratch.
+    """
+    if scratch is None:
+        dst.copy_(src)
+        return
+    per = scratch.numel() // src.element_size()
+    for lo in range(0, src.numel(), per):
+        n = min(per, src.numel() - lo)
+        staged = scratch[: n * src.element_size()].view(src.dtype)
+        staged.copy_(src[lo : lo + n], non_blocking=True)
+        dst[lo : lo + n].copy_(staged)
 
 
 class Reloader(Protocol):
@@ -87,7 +111,11 @@ class CheckpointEngine:
     def __init__(self, rank: int, world: int, init_method: str, bucket_bytes: int, name: str,
                  device: str = "cpu", timeout_s: float = 120, node: str | None = None) -> None:
         self.rank, self.world, self.device = rank, world, torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
         backend = "nccl" if self.device.type == "cuda" else "gloo"
+        self.wire = Wire(self.device)  # every tensor given to torch.distributed goes through it
+        self._cast_scratch: torch.Tensor | None = None
         if not dist.is_initialized():
             dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
                                     timeout=timedelta(seconds=timeout_s))
@@ -160,14 +188,14 @@ class CheckpointEngine:
                         stage_failure = e
                         write_trailer(src, used, version, ABORT)
                     if src is not dst:
-                        dist.broadcast(src, src=owner)
+                        self.wire.broadcast(src, owner)
                         dst.copy_(src)
                     elif self.nodes is not None and self.nodes.multi_node:
-                        dist.broadcast(dst, src=owner, group=self.nodes.rail_group(owner))
+                        self.wire.broadcast(dst, owner, self.nodes.rail_group(owner))
                 elif not shared:
-                    dist.broadcast(dst, src=owner)
+                    self.wire.broadcast(dst, owner)
                 elif self.nodes.multi_node and self.rank in self.nodes.topology.rail(owner):
-                    dist.broadcast(dst, src=owner, group=self.nodes.rail_group(owner))
+                    self.wire.broadcast(dst, owner, self.nodes.rail_group(owner))
                 if shared:
                     if reloader is not None and wait_for >= 0:
                         load_failure, reloader = self._wait(reloader, wait_for, load_failure)
@@ -209,7 +237,8 @@ class CheckpointEngine:
                used: int, version: int, bucket: int) -> None:
         """Stage 1: the synchronous copy of this worker's bucket into its H2D (on CPU: IPC) buffer.
 
-        On GPU the source is the offloaded (pinned host) parameter, so each piece is one H2D copy.
+        On GPU the source is the offloaded (pinned host) parameter, so each piece is one H2D copy; a piece
+        whose dtype changes crosses in its own dtype and is cast on the device (``copy_cast``).
         """
         for p in pieces:
             dst = into[p.offset : p.offset + p.length]
@@ -223,8 +252,15 @@ class CheckpointEngine:
             if src.dtype == wire:
                 dst.copy_(as_bytes(src)[first * wire.itemsize : first * wire.itemsize + p.length])
             else:  # one cast per piece, as the tensor itself would be cast (round to nearest even)
-                dst.view(wire).copy_(src.reshape(-1)[first : first + p.length // wire.itemsize])
+                piece = src.reshape(-1)[first : first + p.length // wire.itemsize]
+                copy_cast(dst.view(wire), piece, self._scratch() if piece.device != dst.device else None)
         write_trailer(into, used, version, bucket)
+
+    def _scratch(self) -> torch.Tensor:
+        """The device buffer host sources cross in before a cast (allocated on first use, then kept)."""
+        if self._cast_scratch is None:
+            self._cast_scratch = torch.empty(CAST_CHUNK, dtype=torch.uint8, device=self.device)
+        return self._cast_scratch
 
     # ---- peer-to-peer catch-up -----------------------------------------------------------------
 
@@ -235,12 +271,14 @@ class CheckpointEngine:
         n, sends, acked = len(plan.buckets), {}, 0
         for k in range(n):
             buf, used = k % 2, plan.used_bytes(k)
+            dst = self.ipc[buf][: used + TRAILER]
             if k >= 2:  # the buffer is free once the peer has it (and, if shared, has loaded it)
                 if shared:
                     acked = self._ack(peer, acked, k - 2)
                 else:
                     sends.pop(k - 2).wait()
-            dst = self.ipc[buf][: used + TRAILER]
+                    if dst.is_cuda:  # the packer writes from another process: the send must be done, not queued
+                        torch.cuda.current_stream(dst.device).synchronize()
             try:
                 version = packer.pack(k, buf)
             except Exception as e:
@@ -250,11 +288,11 @@ class CheckpointEngine:
             else:
                 failure = None
             if k == 0:
-                dist.send(torch.tensor([version], dtype=torch.int64), dst=peer)
+                self.wire.send(self.wire.word(version), peer)
             if shared:
-                dist.send(torch.tensor([k], dtype=torch.int64), dst=peer)
+                self.wire.send(self.wire.word(k), peer)
             else:
-                sends[k] = dist.isend(dst, dst=peer)
+                sends[k] = self.wire.isend(dst, peer)
             if failure is not None:
                 for s in sends.values():
                     s.wait()
@@ -266,12 +304,11 @@ class CheckpointEngine:
             acked = self._ack(peer, acked, n - 1)
         return version if n else -1
 
-    @staticmethod
-    def _ack(peer: int, acked: int, upto: int) -> int:
+    def _ack(self, peer: int, acked: int, upto: int) -> int:
         """Receive the peer's acknowledgements (one per loaded bucket) up to bucket ``upto``."""
-        got = torch.zeros(1, dtype=torch.int64)
+        got = self.wire.word()
         while acked <= upto:
-            dist.recv(got, src=peer)
+            self.wire.recv(got, peer)
             acked += 1
         return acked
 
@@ -280,19 +317,19 @@ class CheckpointEngine:
         returns the version it now holds."""
         shared = self.nodes is not None and self.nodes.topology.shares_buffers(peer)
         n = len(plan.buckets)
-        head = torch.zeros(1, dtype=torch.int64)
+        head = self.wire.word()
         try:
             for k in range(n):
                 buf, used = k % 2, plan.used_bytes(k)
                 if k == 0:
-                    dist.recv(head, src=peer)
+                    self.wire.recv(head, peer)
                 version = int(head[0])
                 if shared:
-                    dist.recv(torch.zeros(1, dtype=torch.int64), src=peer)
+                    self.wire.recv(self.wire.word(), peer)
                 else:
                     if k >= 2:
                         reloader.wait(k - 2)
-                    dist.recv(self.ipc[buf][: used + TRAILER], src=peer)
+                    self.wire.recv(self.ipc[buf][: used + TRAILER], peer)
                 if read_trailer(self.ipc[buf], used)[1] == ABORT:
                     raise UpdateError(f"worker {self.rank}: worker {peer}'s replica could not send bucket {k}")
                 if self.ipc[buf].is_cuda:
@@ -301,11 +338,11 @@ class CheckpointEngine:
                 if shared:  # the peer packs k+1 into the other buffer meanwhile; it needs this one back
                     if k >= 1:
                         reloader.wait(k - 1)
-                        dist.send(torch.tensor([k - 1], dtype=torch.int64), dst=peer)
+                        self.wire.send(self.wire.word(k - 1), peer)
             for k in range(max(0, n - 2), n):
                 reloader.wait(k)
             if shared and n:
-                dist.send(torch.tensor([n - 1], dtype=torch.int64), dst=peer)
+                self.wire.send(self.wire.word(n - 1), peer)
         except Exception as e:
             try:
                 reloader.abort(int(head[0]))

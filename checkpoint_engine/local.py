@@ -158,6 +158,7 @@ class _Setup:
     shard_inference: bool
     threads: int
     rollback: str | None
+    device: str = "cpu"  # "cuda": worker r's engine on GPU r (NCCL, CUDA IPC buffers)
 
 
 def _worker_main(rank: int, init: str, setup: _Setup, steps: list[Step], result) -> None:
@@ -169,7 +170,10 @@ def _worker_main(rank: int, init: str, setup: _Setup, steps: list[Step], result)
     sharding = Sharding(rank, world) if setup.shard_inference else Sharding()
     try:
         plan = model.plan(setup.bucket_bytes)
-        engine = CheckpointEngine(rank, world, init, setup.bucket_bytes, setup.name,
+        device = torch.device("cuda", rank) if setup.device == "cuda" else torch.device("cpu")
+        if device.type == "cuda":
+            torch.cuda.set_device(device)  # NCCL's barriers use the current device
+        engine = CheckpointEngine(rank, world, init, setup.bucket_bytes, setup.name, device=str(device),
                                   node=f"node{rank * setup.nodes // world}")
 
         def start_inference():
@@ -262,13 +266,14 @@ class LocalRun:
 def run_scenario(specs: list[TensorSpec], world: int, bucket_bytes: int, steps: list[Step], *,
                  shard_inference: bool = False, threads: int = 1, rollback: str | None = None,
                  timeout_s: float = 600, nodes: int = 1, split_rows: bool = False, fp8: bool = False,
-                 block: int = 128) -> LocalRun:
+                 block: int = 128, device: str = "cpu") -> LocalRun:
     """Run ``steps`` on ``world`` workers; parameter owners are round-robin (or, with ``split_rows``,
     each matrix's rows split over all workers, as FSDP2 shards them); replica r keeps rows shard r of
     ``world`` if ``shard_inference``. ``nodes``: the workers form that many nodes (shared IPC buffers
-    inside one, gloo between them). ``fp8``: the replicas hold block-FP8 matrices."""
+    inside one, gloo between them). ``fp8``: the replicas hold block-FP8 matrices. ``device="cuda"``:
+    worker r's buffers are on GPU r and the group is NCCL (the replicas still hold host tensors)."""
     setup = _Setup(SyntheticModel(tuple(specs), world, split_rows, fp8, block), bucket_bytes,
-                   f"cke-{os.getpid()}-{free_port()}", nodes, shard_inference, threads, rollback)
+                   f"cke-{os.getpid()}-{free_port()}", nodes, shard_inference, threads, rollback, device)
     ctx = mp.get_context("spawn")
     result = ctx.Queue()
     init = f"tcp://127.0.0.1:{free_port()}"

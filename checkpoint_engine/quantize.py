@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from checkpoint_engine.buckets import BucketPlan, Piece
+from checkpoint_engine.wire import Wire
 from engines.model.fp8 import FP8, block_amax, quantize_with, scales_from_amax
 
 
@@ -91,7 +92,7 @@ class OwnerQuantizer:
             if rows is not None and rows.numel():
                 amax[at:at + width] = block_amax(rows.to(device), self.plan.block)[0]
             at += width
-        dist.all_reduce(amax, op=dist.ReduceOp.MAX)
+        Wire(device).all_reduce(amax, dist.ReduceOp.MAX)
         at = 0
         for key, width in zip(bands, widths, strict=True):
             self._scales[key] = scales_from_amax(amax[at:at + width])

@@ -25,6 +25,7 @@ import torch
 from checkpoint_engine.buckets import BucketPlan, Piece, as_bytes, spec_of
 from checkpoint_engine.engine import ABORT, checksum, read_trailer, write_trailer
 from checkpoint_engine.shm import SharedBuffer
+from engines.training.offload import host_buffer
 
 
 class PlanMismatchError(ValueError):
@@ -316,7 +317,7 @@ class WeightReceiver:
         copies in flight never move."""
         total = sum(dst.numel() for k in range(len(self.plan.buckets)) for _, dst, _, _ in self._targets(k, self._dest))
         cuda = self._side is not None
-        grown = torch.empty(max(total, need, 1 << 20), dtype=torch.uint8, pin_memory=cuda)
+        grown = host_buffer(max(total, need, 1 << 20), pinned=cuda)  # exact size: the replica's bytes, once
         if self._journal_buf is not None and self._journal_used:
             if cuda:
                 self._side.synchronize()

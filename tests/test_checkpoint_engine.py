@@ -411,6 +411,19 @@ def test_cuda_ipc_update_is_bitwise_equal():
     assert mode == "journal" and torch.equal(got["attn.bf16"], t.view(torch.uint8).reshape(-1))
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CUDA IPC, NCCL)")
+def test_cuda_fp32_master_is_cast_on_the_gpu_bitwise_as_the_host_casts(monkeypatch):
+    """float32 masters to a bf16 replica: sent as float32 through a small device scratch (several chunks a
+    piece), cast there, and equal to the host's own cast bit for bit."""
+    import checkpoint_engine.engine as ce
+
+    monkeypatch.setattr(ce, "CAST_CHUNK", 256)
+    master = torch.randn(40, 33, generator=torch.Generator().manual_seed(5)) * 3
+    plan = plan_buckets([TensorSpec("attn.bf16", (40, 33), "bfloat16", 40 * 33 * 2)], 1024)
+    _, got, _ = _cuda_update(plan, {"attn.bf16": master.pin_memory()})
+    assert torch.equal(got["attn.bf16"], master.to(torch.bfloat16).view(torch.uint8).reshape(-1))
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_fp8_quantised_on_the_gpu_equals_the_reference():
     """The owner quantises on the device (source rows copied there, scales and FP8 bytes computed there):
@@ -434,6 +447,18 @@ def test_cuda_ipc_across_device_orderings():
     _, got, uuid = _cuda_update(plan, {"attn.bf16": t.pin_memory()}, device=1, child_devices="1,0")
     assert uuid == str(torch.cuda.get_device_properties(1).uuid)
     assert torch.equal(got["attn.bf16"], t.view(torch.uint8).reshape(-1))
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs (NCCL point to point)")
+def test_cuda_restarted_replica_catches_up_over_nccl():
+    """Workers on GPUs 0 and 1 (NCCL): replica 1 restarts empty and copies replica 0's weights point to
+    point, its version word and every bucket on the device (a host tensor stops NCCL: issue 29, item 3)."""
+    steps = [Step("update", 1), Step("update", 2), Step("restart", rank=1), Step("catch_up", rank=1, peer=0)]
+    run = run_scenario(MIXED, 2, BUCKET, steps, device="cuda")
+    assert all(res["errors"] == {} for res in run.results.values())
+    assert run.results[1]["loads"] == run.results[1]["buckets"]  # the catch-up only
+    for res in run.results.values():
+        assert res["digests"] == expected_digests(MIXED, Sharding(), 2) and res["version"] == 2
 
 
 def test_benchmark_prints_its_record_last(capsys):
