@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engines.inference.kv_cache import bytes_per_token
-from engines.inference.native import InferenceEngine
+from engines.inference.native import InferenceEngine, fit_kv_budget
 from engines.inference.sampling import InvalidRequestError, RowParams, SamplingParams, sample
 from engines.model.arch import make_config
 from engines.model.attention import padded_causal_mask, positions_from_valid
@@ -435,6 +435,32 @@ def test_bad_requests_fail_alone(tiny_model, tokenizer):
         engine(tiny_model, tokenizer, kv_cache_bytes=1000)
 
 
+def test_kv_budget_is_capped_to_a_fraction_of_free_device_memory(tiny_model, tokenizer):
+    """The GPU RL benchmark on qwen3-0.6b asked for a slot cache of 512 x 2560 tokens (140 GiB, over an 80 GB
+    H100's memory): capped at a fraction of what is free it fits, and a cap below one sequence is a one-line
+    error. On the CPU the fraction changes nothing."""
+    from benchmarks.rollout import MODELS
+    from benchmarks.rollout_rl import KV_MEMORY_FRACTION, RL_LENGTHS
+
+    cfg, (_, longest_prompt, longest_output) = MODELS["qwen3-0.6b"], RL_LENGTHS["qwen3-0.6b"]
+    per_token = bytes_per_token(cfg, torch.bfloat16)
+    assert per_token == 28 * 8 * (128 + 128) * 2 == 114_688
+    asked = per_token * (longest_prompt + longest_output) * 64 * 8
+    h100_free = 78 * 2**30  # an 80 GB H100 with the weights and the CUDA context in place
+    assert asked > h100_free
+    got = fit_kv_budget(asked, per_token * 2560, h100_free, KV_MEMORY_FRACTION, "cuda:0")
+    assert got == int(h100_free * KV_MEMORY_FRACTION) and got + 20 * 2**30 < h100_free
+    assert fit_kv_budget(2**20, 2**10, h100_free, 0.5, "cuda:0") == 2**20  # a budget that fits is kept
+    with pytest.raises(ValueError, match=r"needs at least 280 MiB .* free on cuda:0") as err:
+        fit_kv_budget(asked, per_token * 2560, 300 * 2**20, 0.5, "cuda:0")
+    assert "\n" not in str(err.value)
+    with pytest.raises(ValueError, match="kv_memory_fraction"):
+        fit_kv_budget(asked, 1, h100_free, 1.5, "cuda:0")
+    budget = 64 * 16 * bytes_per_token(tiny_model.config, torch.float32)
+    cpu = engine(tiny_model, tokenizer, kv_cache_bytes=budget, kv_memory_fraction=1e-9)
+    assert cpu.kv_cache_bytes == budget
+
+
 def test_rollout_benchmark_runs_both_generators():
     from benchmarks.rollout import measure
 
@@ -494,6 +520,7 @@ def test_cuda_graph_decode_matches_eager_decode(tiny_model, tokenizer):
         torch.testing.assert_close(torch.tensor(g.logprobs), torch.tensor(w.logprobs), atol=1e-4, rtol=0)
     first = graphed.graphs.captures
     assert first >= 4  # 12 rows shrinking one by one: buckets 16, 8, 4, 2, 1
+    assert graphed.stats()["cuda_graphs_fallback"] == 0 and graphed.stats()["cuda_graph_captures"] == first
     graphs = dict(graphed.graphs.graphs)
     for level in (1, 2):
         weights = {k: v.clone() for k, v in graphed.named_tensors().items()}

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engines.inference.uploads import upload_rows
 from engines.model.arch import ModelConfig
 
 #: Tokens per block.
@@ -84,8 +85,8 @@ class PagedKVCache:
         if not pairs:
             return
         bs = self.block_size
-        src = torch.tensor([s * bs + i for s, _ in pairs for i in range(bs)], device=self.k.device)
-        dst = torch.tensor([d * bs + i for _, d in pairs for i in range(bs)], device=self.k.device)
+        src, dst = upload_rows([[s * bs + i for s, _ in pairs for i in range(bs)],
+                                [d * bs + i for _, d in pairs for i in range(bs)]], [], self.k.device)
         for t in (self.k, self.v):
             if t is not None:
                 t[:, :, dst] = t[:, :, src]
@@ -101,23 +102,21 @@ class Ragged:
     """Queries of several sequences, padded to one batch, each attending to its own cached keys.
 
     ``q_index`` [S, Q]: the queries' places in the flat token axis; ``q_pos`` [S, Q]: their positions in
-    their sequence (padding repeats a real one); ``table`` [S, B]: each sequence's block table (unused
-    entries any valid block); ``width``: keys 0..width-1 cover every query's sequence; ``valid`` [S, Q]:
-    which queries are real."""
+    their sequence; ``table`` [S, B]: each sequence's block table (unused entries any valid block);
+    ``width``: keys 0..width-1 cover every query's sequence. A padding query repeats a real query of its
+    sequence in both ``q_index`` and ``q_pos``: it computes that query's output again, bit for bit, and
+    writing it to the same place changes nothing (so no mask of the real ones is needed)."""
 
     q_index: torch.Tensor
     q_pos: torch.Tensor
     table: torch.Tensor
     width: int
-    valid: torch.Tensor
 
     @classmethod
     def decode(cls, block_table: torch.Tensor, positions: torch.Tensor, width: int) -> Ragged:
         """One query per sequence at ``positions`` [n] (device ops only: a CUDA graph can capture it)."""
-        n = positions.shape[0]
-        q_index = torch.arange(n, device=positions.device)[:, None]
-        return cls(q_index, positions[:, None], block_table, width,
-                   torch.ones(n, 1, dtype=torch.bool, device=positions.device))
+        q_index = torch.arange(positions.shape[0], device=positions.device)[:, None]
+        return cls(q_index, positions[:, None], block_table, width)
 
 
 class PagedPass:
@@ -146,7 +145,9 @@ class PagedPass:
         for i, g in enumerate(self.groups):
             attend = self._flex if self.backend == "flex" else self._torch
             res = attend(i, g, layer, qf[g.q_index], scale, window)  # [S, Q, H, Dv]
-            out.index_copy_(0, g.q_index[g.valid], res[g.valid])
+            # unmasked: a padding query wrote its real twin's values to its twin's place (see Ragged), and a
+            # boolean mask would make the host wait on a nonzero, which a captured decode step cannot do
+            out.index_copy_(0, g.q_index.flatten(), res.flatten(0, 1))
         return out.transpose(0, 1)[None]
 
     def _values(self, layer: int) -> torch.Tensor:

@@ -17,14 +17,15 @@ dropped.
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import torch
 
-from engines.inference.arena import adopt, new_arena
+from engines.inference.arena import CudaError, adopt, new_arena
 from engines.inference.base import RolloutEngine
 from engines.inference.blocks import BlockAllocator
-from engines.inference.cuda_graphs import DecodeGraphs
+from engines.inference.cuda_graphs import DecodeGraphs, graphs_supported
 from engines.inference.kv_cache import (
     BLOCK_SIZE,
     PagedKVCache,
@@ -47,10 +48,13 @@ from engines.inference.sampling import (
     token_logprobs,
 )
 from engines.inference.scheduler import Scheduler, StepPlan
+from engines.inference.uploads import upload, upload_rows
 from engines.model.causal_lm import CausalLM
 from engines.model.layout import byte_placements, hub_state, model_tensors
 
-__all__ = ["Completion", "InferenceEngine", "InvalidRequestError", "SamplingParams", "token_logprobs"]
+__all__ = ["Completion", "InferenceEngine", "InvalidRequestError", "SamplingParams", "fit_kv_budget", "token_logprobs"]
+
+log = logging.getLogger(__name__)
 
 #: Tokens per KV block with flex attention (its block masks work in tiles of this size).
 FLEX_BLOCK_SIZE = 128
@@ -65,6 +69,8 @@ class InferenceEngine(RolloutEngine):
     ``max_batch_tokens`` tokens (decode rows first, then prompt chunks). ``detokenize`` turns token
     ids into text; it is needed only for stop strings. ``attention``: "torch" (gathering, the default) or
     "flex" (flex_attention through block masks, compiled on a GPU); see ``engines.inference.kv_cache``.
+    ``kv_memory_fraction``: on a CUDA device, the KV budget is at most this fraction of the memory free
+    when the engine is built (None: ``kv_cache_bytes`` as given, which must then fit).
     """
 
     kind = "native"
@@ -73,7 +79,7 @@ class InferenceEngine(RolloutEngine):
                  max_seq_len: int | None = None, kv_cache_bytes: int = 512 * 2**20, max_num_seqs: int = 512,
                  max_batch_tokens: int = 8192, block_size: int | None = None, seed: int = 0,
                  detokenize: Callable[[list[int]], str] | None = None, cuda_graphs: bool = True,
-                 attention: str | None = None) -> None:
+                 attention: str | None = None, kv_memory_fraction: float | None = None) -> None:
         self.model = model.eval().requires_grad_(False)
         cfg = model.config
         # a model may end a turn with any of several tokens (Llama 3: <|eot_id|> and <|end_of_text|>)
@@ -88,18 +94,20 @@ class InferenceEngine(RolloutEngine):
         self.attention = attention or "torch"
         # flex_attention reads the pool through block masks whose blocks should match its tiles
         self.block_size = block_size or (FLEX_BLOCK_SIZE if self.attention == "flex" else BLOCK_SIZE)
-        budget = kv_cache_bytes
-        self.num_blocks, self.kv_cache_bytes = paged_pool(cfg, budget, self.dtype, self.block_size)
         self.max_blocks = -(-self.max_seq_len // self.block_size)  # block-table width
-        # mixture-of-experts layers size each expert's batch on the host, which a captured graph cannot do
-        use_graphs = cuda_graphs and self.device.type == "cuda" and not cfg.is_moe
-        # a graph's padding rows write their keys somewhere: into the last block, which no sequence gets
-        self.scratch_block = self.num_blocks - 1 if use_graphs else None
-        if self.num_blocks - use_graphs < self.max_blocks:
-            per_block = bytes_per_token(cfg, self.dtype) * self.block_size
-            raise ValueError(f"a KV cache budget of {budget} bytes holds no sequence of {self.max_seq_len} "
+        use_graphs = cuda_graphs and graphs_supported(self.device, cfg)
+        per_block = bytes_per_token(cfg, self.dtype) * self.block_size
+        need = per_block * (self.max_blocks + use_graphs)  # one full sequence, and the graphs' scratch block
+        if kv_cache_bytes < need:
+            raise ValueError(f"a KV cache budget of {kv_cache_bytes} bytes holds no sequence of {self.max_seq_len} "
                              f"tokens ({per_block * self.max_blocks} bytes each); raise kv_cache_bytes or lower "
                              "max_seq_len")
+        budget = kv_cache_bytes
+        if kv_memory_fraction is not None and self.device.type == "cuda":
+            budget = fit_kv_budget(budget, need, _free_device_bytes(self.device), kv_memory_fraction, self.device)
+        self.num_blocks, self.kv_cache_bytes = paged_pool(cfg, budget, self.dtype, self.block_size)
+        # a graph's padding rows write their keys somewhere: into the last block, which no sequence gets
+        self.scratch_block = self.num_blocks - 1 if use_graphs else None
         self.max_num_seqs = max_num_seqs
         self.max_batch_tokens = max(max_batch_tokens, max_num_seqs + 1)  # room for every decode row and a chunk
         self.detokenize = detokenize
@@ -178,15 +186,16 @@ class InferenceEngine(RolloutEngine):
         logits = self._forward(n, plan)
         self.steps += 1
         # prefills that reached their last token start decoding: rows for them and the samples sharing them
-        src = list(range(n))
+        src, placed = list(range(n)), []
         for j, (r, _, end) in enumerate(plan.chunks):
             self._written(r, end)
             if end == r.context_len:
                 for row in self.sched.place(r):
-                    self._set_row(row, self.running[row])
+                    placed.append(row)
                     src.append(n + j)
-        if len(src) > n:
-            logits = logits[torch.tensor(src, device=self.device)]
+        if placed:
+            self._set_rows(placed)
+            logits = logits[upload(src, self.device)]
         return self._release(self._commit(len(src), logits[: len(src)], n))
 
     def pause(self) -> list[Completion]:
@@ -195,13 +204,16 @@ class InferenceEngine(RolloutEngine):
         return [r.completion(None) for r in self.sched.clear()]
 
     def stats(self) -> dict[str, float]:
-        """Counters: prompt tokens found in the prefix cache and computed, blocks, preemptions, tokens, steps."""
-        a = self.sched.alloc
+        """Counters: prompt tokens found in the prefix cache and computed, blocks, preemptions, tokens, steps,
+        CUDA graphs captured and whether their capture failed (1: decoding eagerly instead)."""
+        a, g = self.sched.alloc, self.graphs
         looked = a.hits + a.misses
         return {"prefix_hit_tokens": a.hits, "prefix_miss_tokens": a.misses,
                 "prefix_hit_rate": a.hits / looked if looked else 0.0, "kv_blocks": a.num_blocks,
                 "kv_blocks_used": a.used(), "kv_blocks_peak": self.peak_blocks, "preemptions": self.sched.preemptions,
-                "generated_tokens": self.generated, "steps": self.steps}
+                "generated_tokens": self.generated, "steps": self.steps,
+                "cuda_graph_captures": g.captures if g is not None else 0,
+                "cuda_graphs_fallback": int(g is not None and g.failed is not None)}
 
     # --- colocation -----------------------------------------------------------------------
 
@@ -339,7 +351,14 @@ class InferenceEngine(RolloutEngine):
         if self.kv is None:
             storage = None
             if self._kv_arena is not None:
-                self._kv_arena.map()
+                try:
+                    self._kv_arena.map()
+                except CudaError as e:
+                    free = _free_device_bytes(self.device)
+                    raise torch.OutOfMemoryError(
+                        f"the KV cache ({self.kv_cache_bytes / 2**20:.0f} MiB) does not fit on {self.device}: "
+                        f"{free / 2**20:.0f} MiB free; lower kv_cache_bytes (rollout.kv_cache_mb) or pass "
+                        f"kv_memory_fraction ({e})") from e
                 storage = self._kv_arena.bytes
             self.kv = PagedKVCache(self.model.config, self.num_blocks, self.block_size, self.dtype, self.device,
                                    storage)
@@ -376,7 +395,7 @@ class InferenceEngine(RolloutEngine):
     def _forward(self, n: int, plan: StepPlan) -> torch.Tensor:
         """Logits of the decode rows, then of the last token of each prefill chunk."""
         if not plan.chunks:
-            if self.graphs is not None:
+            if self.graphs is not None and self.graphs.failed is None:
                 return self.graphs.logits(n, self._width(n))
             return self.decode_logits(n)
         bs, dev = self.block_size, self.device
@@ -392,36 +411,41 @@ class InferenceEngine(RolloutEngine):
             tables.append(blocks)
             offset += end - start
             last.append(offset - 1)
-        pad = lambda rows: [x + [x[-1]] * (max(map(len, rows)) - len(x)) for x in rows]  # noqa: E731
-        width_q = max(map(len, q_index))
-        pre = Ragged(torch.tensor(pad(q_index), device=dev), torch.tensor(pad(q_pos), device=dev),
-                     torch.tensor(pad(tables), device=dev), max(end for _, _, end in plan.chunks),
-                     torch.tensor([[j < len(x) for j in range(width_q)] for x in q_index], device=dev))
-        flat_ids, flat_pos = torch.tensor(ids, device=dev), torch.tensor(positions, device=dev)
-        flat_write, groups = torch.tensor(write, device=dev), [pre]
+        # padding repeats a chunk's last query (see Ragged); everything goes to the device in one copy
+        flat_ids, flat_pos, flat_write, sel, qi, qp, tab = upload_rows(
+            [ids, positions, write, last], [_pad(q_index), _pad(q_pos), _pad(tables)], dev)
+        groups = [Ragged(qi, qp, tab, max(end for _, _, end in plan.chunks))]
         if n:
             table, pos = self.block_table[:n], self.pos[:n]
             groups.insert(0, Ragged.decode(table, pos, self._width(n)))
             flat_ids = torch.cat((self.last[:n], flat_ids))
             flat_pos = torch.cat((pos, flat_pos))
             flat_write = torch.cat((rows_of(table, pos[:, None], bs)[:, 0], flat_write))
-        select = torch.cat((torch.arange(n, device=dev), torch.tensor(last, device=dev)))
+        select = torch.cat((torch.arange(n, device=dev), sel))
         step = PagedPass(self._cache(), flat_write, groups, self.attention)
         return self.model(flat_ids[None], flat_pos[None], cache=step, select=select)
 
-    def _set_row(self, row: int, r: Request) -> None:
-        p, g = r.params, len(r.tokens)
-        self.pos[row] = len(r.context)
-        self.gen[row], self.max_gen[row] = g, p.max_tokens
-        self.eos_stop[row] = not p.ignore_eos
-        self.stop_ids[row] = -1
-        if p.stop_token_ids:
-            self.stop_ids[row, : len(p.stop_token_ids)] = torch.tensor(p.stop_token_ids)
-        self.rows.temperature[row], self.rows.top_k[row] = p.temperature, p.top_k
-        self.rows.top_p[row], self.rows.seed[row] = p.top_p, r.seed
-        blocks = r.seq.blocks
-        self._tables_host[row, : len(blocks)] = torch.tensor(blocks)
-        self.block_table[row].copy_(self._tables_host[row], non_blocking=True)
+    def _set_rows(self, rows: list[int]) -> None:
+        """Per-row state of requests that start decoding in ``rows``: one upload for all of them, not a
+        device write per field and row."""
+        ints, floats = [], []
+        for row in rows:
+            r = self.running[row]
+            p, blocks = r.params, r.seq.blocks
+            table = blocks + [0] * (self.max_blocks - len(blocks))  # unused entries: any valid block
+            self._tables_host[row] = torch.tensor(table)
+            stops = list(p.stop_token_ids) + [-1] * (MAX_STOP_IDS - len(p.stop_token_ids))
+            ints.append([len(r.context), len(r.tokens), p.max_tokens, int(not p.ignore_eos), p.top_k, r.seed,
+                         *stops, *table])
+            floats.append([p.temperature, p.top_p])
+        idx, v = upload_rows([rows], [ints], self.device)
+        f = upload(floats, self.device, torch.float32)
+        for j, t in enumerate((self.pos, self.gen, self.max_gen, self.eos_stop, self.rows.top_k, self.rows.seed)):
+            t.index_copy_(0, idx, v[:, j].to(t.dtype))
+        self.stop_ids.index_copy_(0, idx, v[:, 6: 6 + MAX_STOP_IDS])
+        self.block_table.index_copy_(0, idx, v[:, 6 + MAX_STOP_IDS:])
+        self.rows.temperature.index_copy_(0, idx, f[:, 0])
+        self.rows.top_p.index_copy_(0, idx, f[:, 1])
 
     def _commit(self, rows: int, logits: torch.Tensor, decoded: int) -> list[int]:
         """Sample the next token of rows 0..rows-1 from ``logits``; rows below ``decoded`` wrote their last
@@ -484,6 +508,35 @@ class InferenceEngine(RolloutEngine):
                   self.rows.temperature, self.rows.top_k, self.rows.top_p, self.rows.seed):
             t[dst] = t[src]
         self._tables_host[dst] = self._tables_host[src]
+
+
+def fit_kv_budget(requested: int, need: int, free: int, fraction: float, device: torch.device | str) -> int:
+    """The KV budget on a device with ``free`` bytes free: ``requested``, capped at ``fraction`` of them (the
+    rest is for activations and graphs, as vLLM's gpu_memory_utilization keeps); ``need`` is the least that
+    serves one sequence, and a cap below it is an error."""
+    if not 0 < fraction <= 1:
+        raise ValueError(f"kv_memory_fraction must be in (0, 1], got {fraction}")
+    cap = int(free * fraction)
+    if cap < need:
+        raise ValueError(f"the KV cache needs at least {need / 2**20:.0f} MiB (one full-length sequence) but "
+                         f"{fraction:g} of the {free / 2**20:.0f} MiB free on {device} is {cap / 2**20:.0f} MiB; "
+                         "free device memory or lower max_seq_len")
+    if requested > cap:
+        log.info("KV cache budget %d MiB capped at %d MiB (%g of the memory free on %s)", requested >> 20,
+                 cap >> 20, fraction, device)
+    return min(requested, cap)
+
+
+def _free_device_bytes(device: torch.device) -> int:
+    """Bytes free on a CUDA device, counting the caching allocator's unused blocks (``empty_cache`` frees them)."""
+    free = torch.cuda.mem_get_info(device)[0]
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+
+
+def _pad(rows: list[list[int]]) -> list[list[int]]:
+    """Rows of unequal length made equal by repeating each one's last entry."""
+    width = max(map(len, rows))
+    return [x + [x[-1]] * (width - len(x)) for x in rows]
 
 
 def _grammar_done(matcher, token: int) -> bool:

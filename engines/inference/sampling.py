@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from engines.inference.uploads import upload
+
 if TYPE_CHECKING:
     from engines.inference.constrained import Constraint, Matcher
 
@@ -139,8 +141,9 @@ def sample(logits: torch.Tensor, rows: RowParams, counters: torch.Tensor,
     The logprob is the token's log-probability under softmax(logits / T) over the whole vocabulary
     (T = 1 for greedy rows), which is what the trainer recomputes; top-k/top-p only restrict which
     tokens may be drawn. ``kinds`` gives each row's ``filter_kind`` (the caller knows the parameters;
-    None: worked out here). Nothing waits for the device: each row draws by inverse CDF from its own
-    counter-based uniform, and greedy rows take the argmax through a ``where``.
+    None: worked out here, which reads the parameters back from the device). Otherwise nothing waits for
+    the device: each row draws by inverse CDF from its own counter-based uniform, and greedy rows take the
+    argmax through a ``where``.
     """
     logits = logits.float()
     v = logits.shape[1]
@@ -155,7 +158,7 @@ def sample(logits: torch.Tensor, rows: RowParams, counters: torch.Tensor,
     for kind in (1, 2):
         idx = [i for i, k in enumerate(kinds) if k == kind]
         if idx:
-            sel = torch.tensor(idx, device=logits.device)
+            sel = upload(idx, logits.device)  # the host knows the kinds: no read back, no blocking copy
             sub = rows[sel]
             if kind == 1:
                 top, order = probs[sel].topk(min(v, TOPK_CANDIDATES), dim=-1)
@@ -209,9 +212,11 @@ def mask_logits(logits: torch.Tensor, matchers: Sequence[Matcher | None]) -> tor
         mask = matchers[i].allowed_mask()
         width = min(logits.shape[-1], mask.shape[0])  # logits past the grammar's vocabulary stay disallowed
         allowed[j, :width] = mask[:width]
-    idx = torch.tensor(rows, device=logits.device)
+    idx = upload(rows, logits.device)
+    if logits.device.type == "cuda":
+        allowed = allowed.pin_memory()
     logits = logits.clone()
-    logits[idx] = logits[idx].masked_fill(~allowed.to(logits.device), float("-inf"))
+    logits[idx] = logits[idx].masked_fill(~allowed.to(logits.device, non_blocking=True), float("-inf"))
     return logits
 
 

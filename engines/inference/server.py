@@ -122,6 +122,9 @@ class EngineLoop:
                 fut.set_exception(e)
 
     def _run(self) -> None:
+        # a new thread's current CUDA device is the first one, not necessarily the engine's
+        if self.engine.device.type == "cuda":
+            torch.cuda.set_device(self.engine.device)
         while not self._stop.is_set():
             self._take(block=not self.engine.has_unfinished())
             if not self.engine.has_unfinished():
