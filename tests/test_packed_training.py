@@ -33,9 +33,9 @@ KINDS = {"mha": dict(num_attention_heads=3, num_key_value_heads=3, hidden_size=2
                         sliding_window=4)}
 
 
-def _model(kind: str = "gqa", std: float = 0.5, layers: int = 2) -> CausalLM:
+def _model(kind: str = "gqa", std: float = 0.5, layers: int = 2, **kw) -> CausalLM:
     torch.manual_seed(1)
-    model = CausalLM(tiny_config(VOCAB, intermediate_size=40, num_hidden_layers=layers, **KINDS[kind]))
+    model = CausalLM(tiny_config(VOCAB, intermediate_size=40, num_hidden_layers=layers, **{**KINDS[kind], **kw}))
     with torch.no_grad():  # weights large enough that attention logits spread over tens
         for p in model.parameters():
             if p.ndim == 2:
@@ -278,11 +278,12 @@ def test_cuda_flex_path_matches_the_dense_path_with_gradients_and_maxima():
     prompts, responses = _sequences(12)
     out = []
     for backend in ("sdpa", "flex"):
-        model = _model("window").cuda()
+        model = _model("window", head_dim=16).cuda()  # flex's kernel takes no head dimension below 16
         track_max_logits(model)
         engine = TrainingEngine(model, [], 0, attention=backend)
         scores = engine.score(prompts, responses, 1.0)
         scores.logprobs.sum().backward()
+        assert engine.attention_fallback == 0  # the compiled kernel ran, not the dense fallback
         out.append((scores.logprobs.detach(), {n: p.grad for n, p in model.named_parameters()},
                     [a.max_logits for a in model.modules() if isinstance(a, Attention)]))
     (l0, g0, m0), (l1, g1, m1) = out

@@ -8,7 +8,10 @@ layout holds the checkpoint's tensors (``hub_placements``).
 
 from __future__ import annotations
 
+import logging
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -16,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engines.model.arch import ModelConfig
-from engines.model.document_mask import DocumentMask
+from engines.model.document_mask import FLEX_BLOCK, DocumentMask
 from engines.model.layers import RMSNorm
 from engines.model.rope import apply_rope, apply_rope_interleaved
 from engines.model.sharded import local_rows
@@ -96,28 +99,129 @@ def heads_over_valid(row_max: torch.Tensor, query_valid: torch.Tensor | None) ->
     return row_max.float().amax(dim=(0, 2))
 
 
-_compiled_flex = None
+#: Devices where the training path compiles flex_attention into a fused kernel; elsewhere flex runs its
+#: unfused reference (CPU tests), which materialises every score.
+FLEX_COMPILED_DEVICES: set[str] = {"cuda"}
+#: Flex's Triton kernel multiplies tiles with ``tl.dot``, which takes no head dimension below 16.
+FLEX_MIN_HEAD_DIM = 16
+#: The largest tile (BLOCK_M, BLOCK_N) of flex's Triton configs: a block mask's block must hold whole tiles.
+FLEX_MAX_TILE = 128
+
+log = logging.getLogger(__name__)
 
 
-def flex_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask, scale: float,
-                want_max: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """flex_attention over a ``BlockMask``: (output [B, H, T, Dv], per-query-row max logit [B, H, T] or None).
+def why_not_flex(qk_dim: int, v_dim: int, block: int = FLEX_BLOCK) -> str | None:
+    """Why flex_attention's compiled GPU kernel cannot take these head dimensions and mask block, or None."""
+    if min(qk_dim, v_dim) < FLEX_MIN_HEAD_DIM:
+        return (f"flex_attention's GPU kernel needs head dimensions of at least {FLEX_MIN_HEAD_DIM} "
+                f"(query/key {qk_dim}, value {v_dim})")
+    if block % FLEX_MAX_TILE:
+        return f"flex_attention's block mask block {block} is not a multiple of its kernel's tile {FLEX_MAX_TILE}"
+    return None
 
-    On CUDA the compiled kernel returns the row maxima alongside the output (no second Q·Kᵀ); other
-    devices run flex's unfused reference (no gradients, no maxima: the caller computes those itself).
-    """
+
+def attention_dims(cfg: ModelConfig) -> tuple[int, int]:
+    """(query/key, value) head dimensions of the training path's attention for ``cfg``."""
+    if cfg.is_mla:
+        return cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim
+    return cfg.head_dim, cfg.head_dim
+
+
+@dataclass
+class FlexFallback:
+    """Process-wide record of the compiled flex path failing: the dense path runs from then on."""
+
+    count: int = 0              # compiled flex calls that failed and ran the dense path instead
+    reason: str | None = None   # the first failure
+
+
+#: Read by the training engine's ``attention_fallback``; tests reset it.
+FLEX_FALLBACK = FlexFallback()
+
+
+def _flex_body(q, k, v, block_mask, scale: float, with_max: bool, aligned: bool):
+    """flex_attention with the row maxima when ``with_max`` (output, maxima or None), traced by torch.compile."""
     from torch.nn.attention.flex_attention import AuxRequest, flex_attention
 
-    global _compiled_flex
-    if q.device.type != "cuda":
+    if aligned:  # rows are whole blocks: a width-generic kernel keeps its unmasked loads (IS_DIVISIBLE)
+        torch._check(q.shape[-2] % FLEX_BLOCK == 0)
+        torch._check(k.shape[-2] % FLEX_BLOCK == 0)
+    if not with_max:
         return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True), None
-    if _compiled_flex is None:
-        _compiled_flex = torch.compile(flex_attention, dynamic=False)
-    if not want_max:
-        return _compiled_flex(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True), None
-    out, aux = _compiled_flex(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True,
+    out, aux = flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True,
                               return_aux=AuxRequest(max_scores=True))
     return out, aux.max_scores
+
+
+# Two functions with one body: torch.compile keeps its cache, and counts recompiles against
+# ``recompile_limit``, per code object, so training and no-grad scoring each get a budget of their own.
+def _flex_grad(q, k, v, block_mask, scale: float, with_max: bool, aligned: bool):
+    """The compiled entry for forwards that build a graph (training, activation-checkpoint recompute)."""
+    return _flex_body(q, k, v, block_mask, scale, with_max, aligned)
+
+
+def _flex_no_grad(q, k, v, block_mask, scale: float, with_max: bool, aligned: bool):
+    """The compiled entry for no-grad forwards (log-prob recompute, reference scoring)."""
+    return _flex_body(q, k, v, block_mask, scale, with_max, aligned)
+
+
+_compiled: dict[bool, Callable] = {}
+
+
+def _compiled_flex(grad: bool) -> Callable:
+    """The compiled flex entry for this grad mode (compiled on first use)."""
+    if grad not in _compiled:
+        # dynamic=None (automatic): the first width compiles static, the next one width-generic, so any number
+        # of row widths costs two entries per (grad mode, window); dynamic=False took one per width
+        _compiled[grad] = torch.compile(_flex_grad if grad else _flex_no_grad, dynamic=None)
+    return _compiled[grad]
+
+
+def _flex_failed(err: Exception) -> None:
+    """Count a compiled flex failure; the first one logs one warning."""
+    if FLEX_FALLBACK.reason is None:
+        lines = str(err).strip().splitlines()
+        FLEX_FALLBACK.reason = f"{type(err).__name__}: {lines[0] if lines else ''}"
+        log.warning("compiled flex_attention failed (%s); training attention runs the dense SDPA path from now on",
+                    FLEX_FALLBACK.reason)
+    FLEX_FALLBACK.count += 1
+
+
+def flex_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: DocumentMask,
+                scale: float) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """flex_attention over ``mask``'s ``BlockMask``: (output [B, H, T, Dv], per-query-row max logit [B, H, T] or
+    None), or None when the compiled kernel failed (now or before): the caller then runs the dense path.
+
+    Compiled (``FLEX_COMPILED_DEVICES``) the kernel returns the row maxima alongside the output (no second
+    Q·Kᵀ) on CUDA; elsewhere flex runs its unfused reference (no gradients, no maxima: the caller computes those).
+    """
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if q.device.type not in FLEX_COMPILED_DEVICES:
+        return flex_attention(q, k, v, block_mask=_block_mask(mask), scale=scale, enable_gqa=True), None
+    if FLEX_FALLBACK.reason is not None:
+        FLEX_FALLBACK.count += 1
+        return None
+    aligned = q.shape[-2] % FLEX_BLOCK == 0 and k.shape[-2] % FLEX_BLOCK == 0
+    # the same request on CUDA whether this layer tracks maxima or not: one compile instead of two
+    # (CPU kernels cannot return maxima)
+    with_max = q.device.type == "cuda"
+    try:
+        # past the recompile limit torch would run flex unfused, every score in float32 (out of memory at 16 K
+        # tokens): fail instead, and take the dense path below
+        with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+            return _compiled_flex(torch.is_grad_enabled())(q, k, v, _block_mask(mask), scale, with_max, aligned)
+    except torch.OutOfMemoryError:
+        raise
+    except Exception as err:  # any compile or lowering failure: keep the run alive on the dense path
+        _flex_failed(err)
+        return None
+
+
+def _block_mask(mask: DocumentMask):
+    """``mask``'s BlockMask, built without a graph: one grad mode halves create_block_mask's compiles."""
+    with torch.no_grad():
+        return mask.block_mask()
 
 
 @torch.no_grad()
@@ -157,16 +261,19 @@ class _Tracked(nn.Module):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=True)
 
     def _attend_packed(self, q, k, v, mask: DocumentMask) -> torch.Tensor:
-        """The training path: packed rows with document masking; S_max over valid queries' allowed keys."""
-        if mask.backend == "flex":
-            out, rows = flex_attend(q, k, v, mask.block_mask(), self.scale, self.track_logits)
+        """The training path: packed rows with document masking; S_max over valid queries' allowed keys.
+        A flex mask whose compiled kernel failed runs the dense path (the same pairs)."""
+        done = flex_attend(q, k, v, mask, self.scale) if mask.backend == "flex" else None
+        if done is None:
+            out, rows = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.dense(), scale=self.scale,
+                                                       enable_gqa=True), None
+        else:
+            out, rows = done
+        if self.track_logits:
             if rows is not None:
                 self._fold(heads_over_valid(rows, mask.query_valid))
-                return out
-        else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.dense(), scale=self.scale, enable_gqa=True)
-        if self.track_logits:
-            self._fold(head_max_logits(q, k, mask.dense(), self.scale, mask.query_valid))
+            else:
+                self._fold(head_max_logits(q, k, mask.dense(), self.scale, mask.query_valid))
         return out
 
     def clip_heads(self, gammas: dict[int, float]) -> bool:

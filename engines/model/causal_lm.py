@@ -112,7 +112,8 @@ class CausalLM(nn.Module):
         positions of the flattened B·T token axis: logits are then [M, V], and the vocabulary projection runs
         only there. ``targets`` [B, T] (token ids, -1 = none) returns instead (log-prob, entropy) [N] of each
         target under softmax(logits · ``inv_temp``) (one number, or one per target), in the row-major order of
-        ``targets >= 0``, scored in vocabulary chunks (``engines.model.logprobs``) so the [N, V] logits never exist.
+        ``targets >= 0``, scored in vocabulary chunks (``engines.model.logprobs``) so the [N, V] logits never exist;
+        ``select`` (their flat positions) spares the boolean mask, whose ``nonzero`` waits for the device.
         """
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, x.dtype)
@@ -127,8 +128,10 @@ class CausalLM(nn.Module):
             else:
                 x = layer(x, cos, sin, masks.get(w, mask), i, cache)
         if targets is not None:
-            chosen = targets >= 0
-            return selected_logprobs(self.model.norm(x[chosen]), self.lm_head.weight, targets[chosen], inv_temp)
+            if select is None:
+                select = (targets >= 0).flatten().nonzero().squeeze(1)
+            hidden, chosen = x.flatten(0, 1)[select], targets.flatten()[select]
+            return selected_logprobs(self.model.norm(hidden), self.lm_head.weight, chosen, inv_temp)
         if select is not None:
             x = x.flatten(0, 1)[select]
         return self.lm_head(self.model.norm(x))

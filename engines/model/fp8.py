@@ -83,6 +83,23 @@ def dequantize(q: torch.Tensor, s: torch.Tensor, block: int = BLOCK, dtype: torc
     return w.view(w.shape[0] * block, -1)[top:top + rows, :cols].to(dtype)
 
 
+def dequantize_rows(q: torch.Tensor, row_scales: torch.Tensor, block: int, dtype: torch.dtype) -> torch.Tensor:
+    """W = Q·S in ``dtype`` for Q [rows, cols] and each row's block scales ``row_scales`` [rows, ceil(cols / block)].
+
+    Computed in the compute dtype itself when it is bfloat16 (which holds every e4m3 value exactly; the
+    product is rounded twice instead of once, within a bf16 step) or float32: a forward then reads the FP8
+    bytes once and writes one matrix in its own dtype, never a float32 copy.
+    """
+    rows, cols = q.shape
+    work = dtype if dtype in (torch.bfloat16, torch.float32) else torch.float32
+    s = row_scales.to(work)
+    if cols % block == 0:  # broadcast each scale over its block: no per-element scale matrix
+        w = (q.reshape(rows, cols // block, block).to(work) * s[:, :, None]).view(rows, cols)
+    else:
+        w = q.to(work) * s.repeat_interleave(block, 1)[:, :cols]
+    return w.to(dtype)
+
+
 def checkpoint_block(config) -> int | None:
     """The block size of a config.json's FP8 ``quantization_config`` (``ModelConfig.extra``), or None."""
     qc = (getattr(config, "extra", None) or {}).get("quantization_config") or {}
@@ -115,8 +132,8 @@ class Fp8Linear(nn.Module):
         self.bias = bias
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
-        s = self.weight_scale_inv[self._scale_row].repeat_interleave(self.block, 1)[:, :self.in_features]
-        return (self.weight.float() * s).to(dtype)
+        """The weight W = Q·S in ``dtype``."""
+        return dequantize_rows(self.weight, self.weight_scale_inv[self._scale_row], self.block, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.dequantized(x.dtype), self.bias)
@@ -143,7 +160,7 @@ class Fp8Experts(Experts):
     def matrix(self, name: str, e: int, dtype: torch.dtype) -> torch.Tensor:
         q, s = getattr(self, name)[e], getattr(self, name + SCALE_SUFFIX)[e]
         rows = getattr(self, f"_scale_row_{name}")
-        return (q.float() * s[rows].repeat_interleave(self.block, 1)[:, :q.shape[1]]).to(dtype)
+        return dequantize_rows(q, s[rows], self.block, dtype)
 
     def _apply(self, fn, recurse=True):
         return _keep_dtypes(self, super()._apply, fn, recurse)

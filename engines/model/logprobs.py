@@ -24,6 +24,13 @@ def vocab_chunk(rows: int, vocab: int, budget: int | None = None) -> int:
     return max(min(vocab, MIN_CHUNK), min(vocab, budget // max(1, rows)))
 
 
+def _in_chunk(targets: torch.Tensor, lo: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(whether each target falls in vocabulary chunk [lo, lo + width) [N] bool, its column there [N, 1]
+    clamped into the chunk): masks and gathers of a fixed size, so no ``nonzero`` makes the host wait."""
+    inside = (targets >= lo) & (targets < lo + width)
+    return inside, (targets - lo).clamp(0, width - 1)[:, None]
+
+
 class _SelectedLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, targets, inv_temp, chunk):
@@ -36,9 +43,8 @@ class _SelectedLogprobs(torch.autograd.Function):
         scale = inv_temp[:, None]
         for lo in range(0, vocab, chunk):
             z = (hidden @ weight[lo:lo + chunk].T).float() * scale
-            inside = (targets >= lo) & (targets < lo + z.shape[1])
-            rows = inside.nonzero().squeeze(-1)
-            chosen[rows] = z[rows, targets[rows] - lo]
+            inside, col = _in_chunk(targets, lo, z.shape[1])
+            chosen = torch.where(inside, z.gather(1, col).squeeze(1), chosen)
             new_best = torch.maximum(best, z.amax(dim=-1))
             keep = torch.exp(best - new_best)
             e = torch.exp(z - new_best[:, None])
@@ -65,9 +71,8 @@ class _SelectedLogprobs(torch.autograd.Function):
             w = weight[lo:lo + chunk]
             z = (hidden @ w.T).float() * inv_temp[:, None]
             coef = torch.exp(z - lse[:, None]).mul_(-g)
-            inside = (targets >= lo) & (targets < lo + w.shape[0])
-            rows = inside.nonzero().squeeze(-1)
-            coef[rows, targets[rows] - lo] += g[rows, 0]
+            inside, col = _in_chunk(targets, lo, w.shape[0])
+            coef.scatter_add_(1, col, g * inside[:, None])  # adds 0 where the target is in another chunk
             coef = coef.to(hidden.dtype)
             if need_h:
                 grad_h += (coef @ w).float()
@@ -82,6 +87,9 @@ def selected_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch
     """(log-prob of ``targets`` [N] float32, entropy [N] float32 without gradient) under
     softmax(hidden·weightᵀ·inv_temp) for hidden [N, D], weight [V, D]; ``inv_temp`` one number or [N]."""
     n = hidden.shape[0]
-    inv = torch.as_tensor(inv_temp, dtype=torch.float32, device=hidden.device).expand(n).contiguous()
+    if isinstance(inv_temp, torch.Tensor):
+        inv = inv_temp.to(device=hidden.device, dtype=torch.float32).expand(n).contiguous()
+    else:  # filled on the device: no copy of a Python number
+        inv = torch.full((n,), float(inv_temp), dtype=torch.float32, device=hidden.device)
     chunk = chunk or vocab_chunk(n, weight.shape[0])
     return _SelectedLogprobs.apply(hidden, weight, targets, inv, chunk)

@@ -22,12 +22,17 @@ if TYPE_CHECKING:
 
 PARAM_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
+#: The CUDA device this process's NCCL collectives run on (set by ``init_distributed``; None: the current one).
+_nccl_device: torch.device | None = None
+
 
 def init_distributed(rank: int, world: int, init_method: str, device: str = "cpu", timeout_s: float = 300) -> None:
     """Initialise the default process group (gloo on CPU, NCCL on CUDA) unless it already exists."""
+    global _nccl_device
     dev = torch.device(device)
     if dev.type == "cuda" and dev.index is not None:
         torch.cuda.set_device(dev)
+        _nccl_device = dev
     if dist.is_initialized():
         if (dist.get_rank(), dist.get_world_size()) != (rank, world):
             raise RuntimeError(f"the process group is already initialised as rank {dist.get_rank()} of "
@@ -51,7 +56,8 @@ def rank() -> int:
 def _reduce(values: list[float], op) -> list[float]:
     if world_size() == 1 or not values:
         return [float(v) for v in values]
-    dev = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    # the engine's own GPU, not whichever device is current when the reduction runs
+    dev = (_nccl_device or torch.device("cuda", torch.cuda.current_device())) if dist.get_backend() == "nccl" else "cpu"
     t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=dev)
     dist.all_reduce(t, op=op)
     return t.tolist()

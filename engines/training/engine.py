@@ -13,6 +13,7 @@ of them, padding with ``dummy_forward``/``dummy_backward``.
 
 from __future__ import annotations
 
+import logging
 import math
 import numbers
 from collections.abc import Sequence
@@ -22,14 +23,42 @@ import torch
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from engines.model.arch import ModelConfig
+from engines.model.attention import FLEX_COMPILED_DEVICES, FLEX_FALLBACK, attention_dims, why_not_flex
 from engines.model.causal_lm import CausalLM
 from engines.model.document_mask import DocumentMask
 from engines.model.sharded import local_shards, local_tensor
 from engines.training.distributed import all_reduce_sum, is_sharded, world_size
 from engines.training.offload import HostOffloader
-from engines.training.packing import PackedBatch, pack
+from engines.training.packing import PackedBatch, flex_row_width, pack, upload
 
 ATTENTION_BACKENDS = ("auto", "sdpa", "flex")
+
+log = logging.getLogger(__name__)
+_noticed: set[str] = set()
+
+
+def resolve_attention(requested: str, device_type: str, cfg: ModelConfig) -> str:
+    """The training attention backend for ``requested`` on ``device_type``: "auto" is flex where flex compiles
+    (CUDA) and the model's head dimensions fit its kernel, else sdpa (with a one-time notice on CUDA)."""
+    if requested not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention must be one of {ATTENTION_BACKENDS}, got {requested!r}")
+    if requested == "sdpa":
+        return "sdpa"
+    compiled = device_type in FLEX_COMPILED_DEVICES
+    why = why_not_flex(*attention_dims(cfg)) if compiled else None
+    if requested == "flex":
+        if why is not None:
+            raise ValueError(f"attention 'flex' on {device_type}: {why}; use 'auto' or 'sdpa'")
+        return "flex"
+    if not compiled:
+        return "sdpa"
+    if why is not None:
+        if why not in _noticed:
+            _noticed.add(why)
+            log.warning("training attention: sdpa (attention: auto; %s)", why)
+        return "sdpa"
+    return "flex"
 
 
 @dataclass
@@ -69,22 +98,19 @@ class TrainingEngine:
     """Model plus optimizers, with log-probability recompute, a clipped optimizer step and offload.
 
     ``attention``: "sdpa" (a dense document mask; the CPU path), "flex" (flex_attention block masks; the
-    GPU path) or "auto" (flex on CUDA, sdpa elsewhere). After every ``step`` ``update_rms`` holds the root
-    mean square of the weight change per optimizer ("muon", "adamw"), over all ranks.
+    GPU path) or "auto" (``resolve_attention``: flex on CUDA when the head dimensions fit its kernel, sdpa
+    otherwise). After every ``step`` ``update_rms`` holds the root mean square of the weight change per
+    optimizer ("muon", "adamw"), over all ranks.
     """
 
     def __init__(self, model: CausalLM, optimizers: list[torch.optim.Optimizer], pad_id: int,
                  max_grad_norm: float = 1.0, attention: str = "auto") -> None:
-        if attention not in ATTENTION_BACKENDS:
-            raise ValueError(f"attention must be one of {ATTENTION_BACKENDS}, got {attention!r}")
         self.model = model.train()
         self.optimizers = optimizers
         self.pad_id = pad_id if pad_id is not None else 0
         self.max_grad_norm = max_grad_norm
         self.device = local_tensor(next(model.parameters())).device
-        if attention == "auto":
-            attention = "flex" if self.device.type == "cuda" else "sdpa"
-        self.attention = attention
+        self.attention = resolve_attention(attention, self.device.type, model.config)
         self.update_rms: dict[str, float] = {}
         self._offloader = HostOffloader()
         self._host_shards: dict[str, tuple[torch.Tensor, int]] = {}
@@ -97,13 +123,20 @@ class TrainingEngine:
     def offloaded(self) -> bool:
         return self._offloader.offloaded
 
+    @property
+    def attention_fallback(self) -> int:
+        """1 once compiled flex_attention failed in this process and the dense path took over (a metric), else 0."""
+        return int(self.attention == "flex" and FLEX_FALLBACK.reason is not None)
+
     def _check_onloaded(self) -> None:
         if self.offloaded:
             raise RuntimeError("the training engine is offloaded: call onload() first")
 
     def _run(self, batch: PackedBatch, inv_temp: torch.Tensor | float) -> tuple[torch.Tensor, torch.Tensor]:
         """(log-prob, entropy) of every target of ``batch`` (on this engine's device)."""
-        return self.model(batch.ids, batch.positions, batch.mask, targets=batch.targets, inv_temp=inv_temp)
+        # select: the targets' flat positions, so the forward needs no boolean mask (a host sync)
+        return self.model(batch.ids, batch.positions, batch.mask, select=batch.target_flat, targets=batch.targets,
+                          inv_temp=inv_temp)
 
     def score(self, prompts, responses, temperature: float | Sequence[float]) -> TokenScores:
         """Log-probabilities (differentiable) and entropies of the response tokens, packed into one pass.
@@ -111,9 +144,15 @@ class TrainingEngine:
         ``temperature`` is one for all rows or one per row (0 = greedy, scored at T = 1).
         """
         self._check_onloaded()
-        batch = pack(prompts, responses, self.pad_id, self.attention).to(self.device)
-        inv = torch.tensor(inverse_temperatures(temperature, len(prompts)), dtype=torch.float32, device=self.device)
-        lp, ent = self._run(batch, inv[batch.target_seq])
+        host = pack(prompts, responses, self.pad_id, self.attention)
+        inv = torch.tensor(inverse_temperatures(temperature, len(prompts)), dtype=torch.float32)[host.target_seq]
+        return self.score_packed(host, inv)
+
+    def score_packed(self, host: PackedBatch, inv_temp: torch.Tensor) -> TokenScores:
+        """``score`` of a batch ``pack`` made on the host, with 1/T per target (host): the device part, which
+        uploads without blocking and never waits for the device."""
+        batch = host.to(self.device)
+        lp, ent = self._run(batch, upload(inv_temp, self.device))
         return TokenScores(batch.per_sequence(lp), batch.response_mask(), batch.per_sequence(ent), batch.tokens)
 
     def response_logprobs(self, prompts, responses,
@@ -126,14 +165,18 @@ class TrainingEngine:
         return s.logprobs, s.mask
 
     def _dummy(self) -> PackedBatch:
-        """Two filler tokens: no document, so no query of the max-logit statistic; one target to backward through."""
-        ids = torch.full((1, 2), self.pad_id, dtype=torch.long)
-        mask = DocumentMask(torch.full((1, 2), -1), torch.zeros(1, 2, dtype=torch.long), self.attention)
-        targets = torch.tensor([[self.pad_id, -1]])
-        return PackedBatch(ids, mask, targets, torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long), [1])
+        """Filler tokens only: no document, so no query of the max-logit statistic; one target to backward through.
+        Two of them, or on flex a row of the width packing gives (no shape of its own for the compiled kernel)."""
+        w = flex_row_width(2) if self.attention == "flex" else 2
+        ids = torch.full((1, w), self.pad_id, dtype=torch.long)
+        mask = DocumentMask(torch.full((1, w), -1), torch.zeros(1, w, dtype=torch.long), self.attention)
+        targets = torch.full((1, w), -1, dtype=torch.long)
+        targets[0, 0] = self.pad_id
+        zero = torch.zeros(1, dtype=torch.long)
+        return PackedBatch(ids, mask, targets, zero, zero, [1], zero, 0)
 
     def dummy_forward(self) -> None:
-        """A no-grad forward on two filler tokens: pads a rank's no-grad forwards to its peers' count."""
+        """A no-grad forward on filler tokens (``_dummy``): pads a rank's no-grad forwards to its peers' count."""
         self._check_onloaded()
         if not self.sharded:
             return  # no collectives to keep in step with
@@ -141,8 +184,8 @@ class TrainingEngine:
             self._run(self._dummy().to(self.device), 1.0)
 
     def dummy_backward(self) -> None:
-        """A forward/backward on two filler tokens that adds exactly zero to every gradient and nothing to the
-        tracked max logits.
+        """A forward/backward on filler tokens (``_dummy``) that adds exactly zero to every gradient and nothing to
+        the tracked max logits.
 
         Pads a rank with fewer micro-batches so every rank runs FSDP's collectives equally often.
         A plain model has no collectives, so there it does nothing (gradients that are None stay None).
@@ -163,19 +206,20 @@ class TrainingEngine:
         norm = torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
-        check_finite_grad_norm(float(norm), self)
-        sums: list[float] = []
+        grad_norm = float(norm)  # the step's one read of the gradient norm
+        check_finite_grad_norm(grad_norm, self)
+        sums: list[torch.Tensor | float] = []
         for opt in self.optimizers:
             sums += _step_measured(opt)
             opt.zero_grad(set_to_none=True)
         self.model.zero_grad(set_to_none=True)
-        totals = all_reduce_sum(sums)
+        totals = all_reduce_sum(_read_back(sums))
         self.update_rms = {}
         for i, opt in enumerate(self.optimizers):
             sq, n = totals[2 * i], totals[2 * i + 1]
             if n:
                 self.update_rms[_kind(opt)] = (sq / n) ** 0.5
-        return float(norm)
+        return grad_norm
 
     # ---- offload / onload -------------------------------------------------------------------
 
@@ -263,17 +307,29 @@ def _kind(opt: torch.optim.Optimizer) -> str:
     return "muon" if isinstance(opt, torch.optim.Muon) else type(opt).__name__.lower()
 
 
-def _step_measured(opt: torch.optim.Optimizer) -> list[float]:
-    """Step ``opt``; returns [Σ (Δw)², elements] over this rank's shards of the parameters it moved.
+def _step_measured(opt: torch.optim.Optimizer) -> list[torch.Tensor | float]:
+    """Step ``opt``; returns [Σ (Δw)², elements] over this rank's shards of the parameters it moved (the sum
+    may stay on the device: ``_read_back`` reads all of a step's sums at once).
 
     An optimizer that measures its own step (``last_update_sq``, ``last_update_numel``: ShardedMuon) is
     trusted; for others the stepped parameters' local shards are copied first.
     """
     if hasattr(opt, "last_update_sq"):
         opt.step()
-        return [float(opt.last_update_sq), float(opt.last_update_numel)]
+        return [opt.last_update_sq, float(opt.last_update_numel)]
     params = [local_tensor(p) for g in opt.param_groups for p in g["params"] if p.grad is not None]
     before = [p.detach().clone() for p in params]
     opt.step()
-    sq = sum(float((p.detach().float() - b.float()).square().sum()) for p, b in zip(params, before, strict=True))
-    return [sq, float(sum(p.numel() for p in params))]
+    if not params:
+        return [0.0, 0.0]
+    sq = torch.stack([(p.detach().float() - b.float()).square().sum() for p, b in zip(params, before, strict=True)])
+    return [sq.sum(), float(sum(p.numel() for p in params))]
+
+
+def _read_back(values: list[torch.Tensor | float]) -> list[float]:
+    """``values`` as floats, the device ones read in one copy (one wait for the device, not one per value)."""
+    tensors = [v.detach().reshape(()).double() for v in values if isinstance(v, torch.Tensor)]
+    if not tensors:
+        return [float(v) for v in values]
+    read = iter(torch.stack([t.to(tensors[0].device) for t in tensors]).tolist())
+    return [next(read) if isinstance(v, torch.Tensor) else float(v) for v in values]

@@ -20,12 +20,29 @@ from dataclasses import dataclass
 
 import torch
 
-from engines.model.document_mask import DocumentMask
+from engines.model.document_mask import FLEX_BLOCK, DocumentMask
 
 #: The flex path's row is the micro-batch's tokens rounded up to a power of two of at least this many: the
-#: compiled kernel then sees a handful of shapes (a full micro-batch of a power-of-two budget wastes nothing;
-#: only each rank's last, partial one carries filler).
+#: compiled kernel then sees a handful of shapes, every one whole mask blocks (a full micro-batch of a
+#: power-of-two budget wastes nothing; only each rank's last, partial one carries filler).
 FLEX_MIN_ROW = 512
+
+
+def flex_row_width(tokens: int, width: int | None = None) -> int:
+    """The flex path's row width for ``tokens`` tokens (or for rows of ``width``): whole blocks of the block
+    mask, a power of two of at least ``FLEX_MIN_ROW`` when the caller sets no width."""
+    if width is not None:
+        return -(-width // FLEX_BLOCK) * FLEX_BLOCK
+    return max(FLEX_MIN_ROW, 1 << (max(tokens, 1) - 1).bit_length())
+
+
+def upload(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """``t`` (host) on ``device`` without blocking the host: through pinned memory on CUDA."""
+    device = torch.device(device)
+    if device.type != "cuda" or t.device.type != "cpu":
+        return t.to(device)
+    # the pinned staging block stays reserved until the copy is done (the host allocator records its stream)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def first_fit_rows(lengths: Sequence[int], width: int) -> list[list[int]]:
@@ -53,7 +70,9 @@ class PackedBatch:
 
     ``targets`` [R, W] holds, at each position whose next token is a response token, that token's id
     (-1 elsewhere); ``target_seq`` / ``target_index`` name the sequence and the response-token index of
-    each target, in the row-major order ``targets >= 0`` selects them.
+    each target, in the row-major order ``targets >= 0`` selects them; ``target_flat`` is the flat position
+    (over R·W) of each target, in that order, so the forward gathers them without a boolean mask (whose
+    hidden ``nonzero`` waits for the device). ``tokens`` counts the sequences' tokens (filler excluded).
     """
 
     ids: torch.Tensor
@@ -62,21 +81,21 @@ class PackedBatch:
     target_seq: torch.Tensor
     target_index: torch.Tensor
     response_lengths: list[int]
+    target_flat: torch.Tensor
+    tokens: int
 
     @property
     def positions(self) -> torch.Tensor:
         return self.mask.positions
 
-    @property
-    def tokens(self) -> int:
-        """Tokens of the sequences (filler excluded)."""
-        return int(self.mask.query_valid.sum())
-
     def to(self, device: torch.device | str) -> PackedBatch:
+        """This batch on ``device``, copied without blocking the host."""
         m = self.mask
-        return PackedBatch(self.ids.to(device), DocumentMask(m.doc.to(device), m.positions.to(device), m.backend),
-                           self.targets.to(device), self.target_seq.to(device), self.target_index.to(device),
-                           self.response_lengths)
+        return PackedBatch(upload(self.ids, device), DocumentMask(upload(m.doc, device), upload(m.positions, device),
+                                                                  m.backend),
+                           upload(self.targets, device), upload(self.target_seq, device),
+                           upload(self.target_index, device), self.response_lengths, upload(self.target_flat, device),
+                           self.tokens)
 
     def per_sequence(self, values: torch.Tensor) -> torch.Tensor:
         """Per-target ``values`` [N] laid out as [sequences, longest response] (0 past each response)."""
@@ -85,9 +104,10 @@ class PackedBatch:
 
     def response_mask(self) -> torch.Tensor:
         """[sequences, longest response] bool: True on each sequence's response tokens."""
+        # built on the host from Python ints and uploaded: no blocking copy of a Python list
         width = max(self.response_lengths, default=0)
-        lengths = torch.tensor(self.response_lengths, device=self.ids.device)
-        return torch.arange(width, device=self.ids.device)[None] < lengths[:, None]
+        lengths = torch.tensor(self.response_lengths, dtype=torch.long)
+        return upload(torch.arange(width)[None] < lengths[:, None], self.ids.device)
 
 
 def pack(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], pad_id: int,
@@ -95,17 +115,17 @@ def pack(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], p
     """Pack prompt+response pairs into rows with document masking.
 
     ``sdpa``: rows as wide as the longest sequence (or ``width``). ``flex``: one row of all tokens,
-    padded to a power of two of at least ``FLEX_MIN_ROW`` (``width``: rows of that many tokens instead).
+    padded to a power of two of at least ``FLEX_MIN_ROW`` (``width``: rows of that many tokens rounded up
+    to whole mask blocks instead).
     """
     seqs = [list(p) + list(r) for p, r in zip(prompts, responses, strict=True)]
     lengths = [len(s) for s in seqs]
     if not seqs or any(len(p) == 0 for p in prompts):
         raise ValueError("every sequence needs a prompt of at least one token")
-    if width is None:
-        if backend == "flex":
-            width = max(FLEX_MIN_ROW, 1 << (sum(lengths) - 1).bit_length())
-        else:
-            width = max(lengths)
+    if backend == "flex":
+        width = flex_row_width(sum(lengths), width)
+    elif width is None:
+        width = max(lengths)
     rows = first_fit_rows(lengths, width)
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     doc = torch.full((len(rows), width), -1, dtype=torch.long)
@@ -126,6 +146,6 @@ def pack(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], p
             seq_at[r, start + p - 1:start + n - 1] = i
             index_at[r, start + p - 1:start + n - 1] = torch.arange(n - p)
             start += n
-    chosen = targets >= 0
+    chosen = targets >= 0  # on the host: its nonzero waits for nothing
     return PackedBatch(ids, DocumentMask(doc, pos, backend), targets, seq_at[chosen], index_at[chosen],
-                       [len(r) for r in responses])
+                       [len(r) for r in responses], chosen.flatten().nonzero().squeeze(-1), sum(lengths))
