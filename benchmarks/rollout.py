@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.rollout_rl import measure_rl
+from benchmarks.rollout_rl import KV_MEMORY_FRACTION, measure_rl
 from engines.device import peak_memory_bytes, reset_peak_memory, synchronize
 from engines.inference.kv_cache import bytes_per_slot
 from engines.inference.native import InferenceEngine
@@ -72,7 +72,7 @@ def run_engine(model: CausalLM, prompts, samples: int, output_len: int, temperat
     p = next(model.parameters())
     per_seq = bytes_per_slot(model.config, seq, p.dtype)
     engine = InferenceEngine(model, eos_id=1, pad_id=0, max_seq_len=seq, max_num_seqs=n, kv_cache_bytes=per_seq * n,
-                             cuda_graphs=cuda_graphs)
+                             cuda_graphs=cuda_graphs, kv_memory_fraction=KV_MEMORY_FRACTION)
     params = SamplingParams(temperature=temperature, max_tokens=output_len, ignore_eos=True)
     # warm-up: first-call allocations, and on a GPU the graphs of every batch size the run meets
     engine.generate([q for q in prompts for _ in range(samples)], replace(params, max_tokens=2))
@@ -158,7 +158,7 @@ def measure(model_name: str, prompts_n: int, samples: int, prompt_len: int, outp
 
 
 def rl_record(model_name: str, prompts_n: int, samples: int, *, dtype: str = "float32", threads: int | None = None,
-              skip_hf: bool = False, device: str = "cpu") -> dict:
+              skip_hf: bool = False, device: str = "cpu", attention: str = "torch") -> dict:
     """The RL-workload record (``benchmarks.rollout_rl``) of a random-weight model of ``model_name``."""
     torch.set_num_threads(threads or os.cpu_count() or 1)
     torch.manual_seed(0)
@@ -166,7 +166,8 @@ def rl_record(model_name: str, prompts_n: int, samples: int, *, dtype: str = "fl
     with tempfile.TemporaryDirectory() as d:
         save_pretrained(CausalLM(MODELS[model_name]), None, d)
         model = load_pretrained(d, tdtype).to(device)
-        return measure_rl(model, d, model_name, prompts_n, samples, dtype=tdtype, device=device, skip_hf=skip_hf)
+        return measure_rl(model, d, model_name, prompts_n, samples, dtype=tdtype, device=device, skip_hf=skip_hf,
+                          attention=attention)
 
 
 def engines_record(model_name: str, prompts_n: int, samples: int, *, dtype: str = "float32",
@@ -212,6 +213,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--skip-hf", action="store_true", help="time only the engine")
     ap.add_argument("--device", default="cpu", help="cpu or cuda (on cuda the engine also runs without CUDA graphs)")
     ap.add_argument("--json", action="store_true", help="print only the JSON record")
+    ap.add_argument("--attention", choices=["torch", "flex"], default="torch",
+                    help="the native engine's attention over the paged KV cache (RL workload)")
     ap.add_argument("--engine", choices=["native", "both"], default="native",
                     help="both: the RL workload on the native engine and on vLLM side by side (no HF generate)")
     a = ap.parse_args(argv)
@@ -227,7 +230,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     if a.workload == "rl":
         rec = rl_record(a.model, a.prompts, a.samples, dtype=a.dtype, threads=a.threads, skip_hf=a.skip_hf,
-                        device=a.device)
+                        device=a.device, attention=a.attention)
         if not a.json:
             print(f"RL workload, {a.model} model ({rec['params']:,} parameters): engine {rec['engine_tok_s']} tok/s, "
                   f"HF generate {rec['hf_generate_tok_s']} tok/s, speedup {rec['speedup']}; KV capacity "

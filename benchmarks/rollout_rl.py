@@ -35,6 +35,10 @@ from engines.model.causal_lm import CausalLM
 
 #: (shortest prompt, longest prompt, longest output) per model.
 RL_LENGTHS = {"demo": (16, 48, 64), "100m": (64, 192, 256), "qwen3-0.6b": (128, 512, 2048)}
+#: On a GPU the KV cache takes at most this fraction of the memory free after the weights (the slot-cache
+#: budget of the qwen3-0.6b workload, 512 x 2560 tokens x 114,688 B = 140 GiB, fits no single GPU); the
+#: rest holds the decode step's gathered keys/values, the CUDA graphs' pool and the sampler's logits.
+KV_MEMORY_FRACTION = 0.7
 
 
 def draw_workload(n_prompts: int, samples: int, prompt_range: tuple[int, int], max_output: int, vocab: int,
@@ -58,10 +62,11 @@ def copy_bandwidth(device: torch.device, nbytes: int = 256 * 2**20, reps: int = 
 
 
 def run_engine_rl(model: CausalLM, prompts, lengths, kv_bytes: int, max_seq_len: int,
-                  cuda_graphs: bool = True) -> tuple[float, list[list[int]], InferenceEngine]:
+                  cuda_graphs: bool = True, attention: str = "torch") -> tuple[float, list[list[int]], InferenceEngine]:
     """Engine wall time and outputs (in prompt-major order) of the workload."""
     engine = InferenceEngine(model, eos_id=1, pad_id=0, max_seq_len=max_seq_len, kv_cache_bytes=kv_bytes,
-                             max_num_seqs=sum(map(len, lengths)), cuda_graphs=cuda_graphs)
+                             max_num_seqs=sum(map(len, lengths)), cuda_graphs=cuda_graphs,
+                             kv_memory_fraction=KV_MEMORY_FRACTION, attention=attention)
     reqs = [(p, SamplingParams(0.0, n, ignore_eos=True)) for p, ns in zip(prompts, lengths, strict=True) for n in ns]
     engine.generate([p for p, _ in reqs[:4]], [SamplingParams(0.0, 2, ignore_eos=True)] * 4)  # warm-up
     engine.weights_loaded()  # forget the warm-up's cached prefixes
@@ -148,21 +153,26 @@ def decode_bytes(model: CausalLM, prompts, lengths, steps: int) -> int:
 
 
 def measure_rl(model: CausalLM, model_dir: str, name: str, prompts_n: int, samples: int, *, dtype: torch.dtype,
-               device: str, skip_hf: bool = False, seed: int = 0) -> dict:
-    """The RL-workload record for ``model`` (already on ``device``), saved in ``model_dir`` for ``generate``."""
+               device: str, skip_hf: bool = False, seed: int = 0, attention: str = "torch") -> dict:
+    """The RL-workload record for ``model`` (already on ``device``), saved in ``model_dir`` for ``generate``;
+    ``attention``: the native engine's attention backend (torch or flex)."""
     lo, hi, longest = RL_LENGTHS[name]
     cfg = model.config
     prompts, lengths = draw_workload(prompts_n, samples, (lo, hi), longest, cfg.vocab_size, seed)
     tokens = sum(map(sum, lengths))
     max_seq = hi + longest
     # a budget that holds every sequence of the workload at once at its full length, as a slot cache would need
+    # (on a GPU capped at a fraction of its free memory: the capacities below compare equal bytes either way)
     kv_bytes = bytes_per_slot(cfg, max_seq, dtype) * prompts_n * samples
-    engine_s, engine_out, engine = run_engine_rl(model, prompts, lengths, kv_bytes, max_seq)
-    stats = engine.run_stats
+    engine_s, engine_out, engine = run_engine_rl(model, prompts, lengths, kv_bytes, max_seq, attention=attention)
+    stats, kv_bytes = engine.run_stats, engine.kv_cache_bytes
+    del engine  # its KV pool and graphs go back before the eager engine takes its own
+    if device == "cuda":
+        torch.cuda.empty_cache()
     paged, slots = kv_capacity(cfg, dtype, prompts, lengths, kv_bytes)
     bw = copy_bandwidth(torch.device(device))
     roofline_s = decode_bytes(model, prompts, lengths, stats["steps"]) / bw
-    eager_s = run_engine_rl(model, prompts, lengths, kv_bytes, max_seq, cuda_graphs=False)[0] \
+    eager_s = run_engine_rl(model, prompts, lengths, kv_bytes, max_seq, cuda_graphs=False, attention=attention)[0] \
         if device == "cuda" else None
     hf_s, same = None, None
     if not skip_hf:
@@ -184,13 +194,16 @@ def measure_rl(model: CausalLM, model_dir: str, name: str, prompts_n: int, sampl
         "prompt_len_range": [lo, hi],
         "output_len_max": longest,
         "output_len_mean": round(tokens / (prompts_n * samples), 1),
-        "kv_cache_mib": round(engine.kv_cache_bytes / 2**20, 1),
+        "kv_cache_mib": round(kv_bytes / 2**20, 1),
         "kv_capacity_paged_seqs": round(paged, 1),
         "kv_capacity_slot_seqs": slots,
         "kv_capacity_ratio": round(paged / max(slots, 1), 2),
         "prefix_hit_rate": round(stats["prefix_hit_tokens"] / looked, 3) if looked else 0.0,
         "preemptions": stats["preemptions"],
         "engine_steps": stats["steps"],
+        "attention": attention,
+        "cuda_graph_captures": stats.get("cuda_graph_captures", 0),
+        "cuda_graphs_fallback": stats.get("cuda_graphs_fallback", 0),
         "copy_gb_s": round(bw / 1e9, 2),
         "roofline_s": round(roofline_s, 3),
         "roofline_fraction": round(roofline_s / engine_s, 3),

@@ -1,0 +1,229 @@
+"""One command for a person with a GPU: the GPU tests, then every GPU figure the project reports.
+
+    python -m benchmarks.gpu_check                              # records under benchmarks/results/<gpu>-*.jsonl
+    python -m benchmarks.gpu_check --only tests decode          # some steps
+    python -m benchmarks.gpu_check --dry-run --out /tmp/check   # the same plan on CPU at toy sizes (< 5 minutes)
+
+Steps, each its own process with its own time limit, so that a crash, an out-of-memory or a hang in one loses
+none of the others' figures:
+
+- ``tests``: the suite's GPU tests and its sync/capture checks (``pytest -k "cuda or sync or capture"``);
+- ``decode``: rollout tok/s of the ~0.6 B Qwen3-shape RL workload, native engine with each attention backend,
+  CUDA graphs on and off (``benchmarks.rollout --workload rl``), and vLLM beside it when it is installed;
+- ``weight_update``: a 16 GiB update through the checkpoint engine against the copy floor, bf16 weights and the
+  fp32-master -> bf16 path (``benchmarks.weight_update_cuda``);
+- ``train_step``: the ~1 B Qwen3-shape train step, MFU against the measured matmul peak and the GPU's nominal
+  dense bf16 peak (``benchmarks.train_step``);
+- ``rl_iteration``: one whole RL iteration of the 0.6 B shape on Ray, time per phase (``benchmarks.rl_iteration``).
+
+Each step's records go to ``<out>/<gpu>-<step>.jsonl`` (one JSON object per line, with ``status``: ok, failed or
+timeout, and ``wall_s``), and ``<out>/<gpu>-summary.md`` is the one-page summary of all of them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+
+#: dense bf16 tensor-core peak (TFLOP/s) by the name CUDA reports, from the vendors' data sheets (SXM parts)
+NOMINAL_BF16_TFLOPS = {"H200": 989.4, "H100": 989.4, "A100": 312.0, "L40S": 362.1, "B200": 2250.0, "GH200": 989.4}
+
+
+@dataclass
+class Step:
+    """One measurement: ``python -m <argv>`` under ``timeout_s``; its JSON records go to ``<gpu>-<name>.jsonl``."""
+
+    name: str
+    label: str
+    argv: list[str]
+    timeout_s: int
+    extra: dict = field(default_factory=dict)  # keys added to each of its records (the variant it measured)
+
+
+def gpu_slug(dry_run: bool) -> str:
+    """A short file-name part for this GPU: "h100", "h200", "a100"...; "cpu-dryrun" for a dry run."""
+    if dry_run or not torch.cuda.is_available():
+        return "cpu-dryrun"
+    name = torch.cuda.get_device_name(0)
+    m = re.search(r"\b([A-Z]{1,2}\d{2,3}[A-Z]?)\b", name)
+    return (m.group(1) if m else re.sub(r"\W+", "-", name)).lower()
+
+
+def nominal_tflops(name: str) -> float | None:
+    """The nominal dense bf16 peak of a GPU named ``name`` (None when unknown)."""
+    for key in sorted(NOMINAL_BF16_TFLOPS, key=len, reverse=True):
+        if key in name:
+            return NOMINAL_BF16_TFLOPS[key]
+    return None
+
+
+def vllm_installed() -> bool:
+    """Whether vLLM can be imported here (checked in a child: importing it is slow and changes global state)."""
+    return subprocess.run([sys.executable, "-c", "import vllm"], capture_output=True).returncode == 0
+
+
+def plan(dry_run: bool, gpus: int, with_vllm: bool) -> list[Step]:
+    """The steps of a check: full sizes on a GPU, toy sizes on the CPU with ``dry_run``."""
+    dev = "cpu" if dry_run else "cuda"
+    tests = Step("tests", "GPU tests and sync/capture checks",
+                 ["pytest", "-q", "-rs", "-p", "no:cacheprovider", "--continue-on-collection-errors", "-k",
+                  "cuda or sync or capture", "tests"], 420)
+    decode = []
+    model, dtype = ("demo", "float32") if dry_run else ("qwen3-0.6b", "bfloat16")
+    for attention in ("torch", "flex"):
+        args = ["benchmarks.rollout", "--workload", "rl", "--model", model, "--device", dev, "--dtype", dtype,
+                "--attention", attention, "--skip-hf", "--json"]
+        if dry_run:
+            args += ["--prompts", "4", "--samples", "2"]
+        decode.append(Step("decode", f"rollout, native engine, {attention} attention", args, 300,
+                           {"attention": attention}))
+    if with_vllm:
+        args = ["benchmarks.rollout", "--workload", "rl", "--model", model, "--device", dev, "--dtype", dtype,
+                "--engine", "both", "--skip-hf", "--json"]
+        if dry_run:
+            args += ["--prompts", "4", "--samples", "2"]
+        decode.append(Step("decode", "rollout, native engine and vLLM", args, 900, {"attention": "vllm-both"}))
+    if dry_run:
+        update = [Step("weight_update", "weight update (CPU: shared memory)",
+                       ["benchmarks.weight_update", "--gib", "0.0625", "--repeats", "1", "--floor-repeats", "2",
+                        "--json"], 300)]
+    else:
+        update = [Step("weight_update", f"weight update, 16 GiB, {w}",
+                       ["benchmarks.weight_update_cuda", "--gib", "16", "--bucket-mb", "1024", "--repeats", "2",
+                        "--weights", w, "--json"], 300, {"weights": w}) for w in ("bf16", "fp32-to-bf16")]
+    train = Step("train_step", "train step",
+                 ["benchmarks.train_step", "--model", "demo" if dry_run else "1b", "--device", dev, "--dtype", dtype,
+                  "--variants", "base", "--repeats", "1" if dry_run else "3", "--json"], 300)
+    iteration = Step("rl_iteration", "one RL iteration",
+                     ["benchmarks.rl_iteration", "--model", "tiny-qwen3" if dry_run else "qwen3-0.6b", "--device", dev,
+                      "--iterations", "2", "--json"] + (["--prompts", "4", "--samples", "2"] if dry_run else []), 540)
+    steps = [tests, *decode, *update, train, iteration]
+    two = Step("tests_two_gpus", "two-GPU tests", ["pytest", "-q", "-rs", "-p", "no:cacheprovider", "-k",
+                                                   "across_device_orderings or over_nccl",
+                                                   "tests/test_checkpoint_engine.py"], 600)
+    return steps if gpus < 2 or dry_run else [*steps, two]
+
+
+def run_step(step: Step, env: dict[str, str]) -> list[dict]:
+    """Run one step; its JSON records (or one failure record with the output's end) with status and wall time."""
+    t0 = time.perf_counter()
+    cmd = [sys.executable, "-m", *step.argv]
+    base = {"step": step.name, "label": step.label, **step.extra}
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=step.timeout_s)
+    except subprocess.TimeoutExpired as e:
+        out = "".join(x.decode(errors="replace") if isinstance(x, bytes) else (x or "") for x in (e.stdout, e.stderr))
+        return [{**base, "status": "timeout", "wall_s": step.timeout_s, "output_tail": out[-3000:]}]
+    wall = round(time.perf_counter() - t0, 1)
+    if step.argv[0] == "pytest":
+        return [{**base, **pytest_counts(proc.stdout), "status": "ok" if proc.returncode == 0 else "failed",
+                 "wall_s": wall, **({} if proc.returncode == 0 else {"output_tail": proc.stdout[-3000:]})}]
+    records = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode != 0 or not records:
+        return [{**base, "status": "failed", "wall_s": wall, "output_tail": (proc.stdout + proc.stderr)[-3000:]}]
+    return [{**base, "status": "ok", "wall_s": wall, **r} for r in records]
+
+
+def pytest_counts(out: str) -> dict[str, int]:
+    """passed/failed/skipped/... counts from pytest's last line."""
+    last = out.strip().splitlines()[-1] if out.strip() else ""
+    return {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|errors?|deselected)", last)}
+
+
+def add_mfu(rec: dict, gpu_name: str) -> dict:
+    """Put the train step's MFU against the GPU's nominal peak beside the measured-peak MFU."""
+    peak = nominal_tflops(gpu_name)
+    base = rec.get("base")
+    if peak and isinstance(base, dict) and rec.get("model_tflop"):
+        rec["nominal_bf16_tflops"] = peak
+        base["mfu_nominal"] = round(rec["model_tflop"] / base["step_s"] / peak, 4)
+    return rec
+
+
+def summary_line(rec: dict) -> str:
+    """One line of the summary for one record."""
+    head = f"- **{rec['label']}** ({rec['status']}, {rec['wall_s']} s)"
+    if rec["status"] != "ok":
+        tail = rec.get("output_tail", "").strip().splitlines()
+        return f"{head}: {tail[-1] if tail else 'no output'}"
+    s = rec["step"]
+    if s.startswith("tests"):
+        return f"{head}: " + ", ".join(f"{v} {k}" for k, v in rec.items() if k in
+                                       ("passed", "failed", "skipped", "error", "errors"))
+    if s == "decode":
+        figs = [f"{k} {rec[k]}" for k in ("engine_tok_s", "engine_eager_tok_s", "cuda_graph_speedup",
+                                          "native_tok_s", "vllm_tok_s", "native_over_vllm", "same_tokens")
+                if k in rec]
+        return f"{head}: " + ", ".join(figs)
+    if s == "weight_update":
+        figs = [f"{k} {rec[k]}" for k in ("bytes", "update_s", "floor_s", "ratio", "gb_per_s", "bitwise_equal")
+                if k in rec]
+        return f"{head}: " + ", ".join(figs)
+    if s == "train_step":
+        b = rec.get("base", {})
+        return (f"{head}: {rec.get('params')} params, {b.get('step_s')} s/step, {b.get('tokens_per_s')} tok/s, "
+                f"MFU {b.get('mfu')} of the measured matmul peak ({rec.get('matmul_peak_tflops')} TFLOP/s), "
+                f"{b.get('mfu_nominal')} of the nominal ({rec.get('nominal_bf16_tflops')})")
+    if s == "rl_iteration":
+        phases = ", ".join(f"{k[5:]} {rec[k]} s" for k in rec if k.startswith("time_"))
+        return f"{head}: iteration {rec.get('iteration_s')} s ({phases})"
+    return head
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the plan, write each step's records and the summary; exit status 1 if any step did not succeed."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dry-run", action="store_true", help="the same plan on CPU at toy sizes")
+    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results", help="directory for the records")
+    ap.add_argument("--only", nargs="+", metavar="STEP", help="run only these steps (tests, decode, weight_update, "
+                    "train_step, rl_iteration)")
+    ap.add_argument("--skip", nargs="+", metavar="STEP", default=[], help="run all steps but these")
+    ap.add_argument("--attention", nargs="+", choices=["torch", "flex", "vllm-both"], help="decode variants to run")
+    ap.add_argument("--weights", nargs="+", choices=["bf16", "fp32-to-bf16"], help="weight-update variants to run")
+    ap.add_argument("--step-timeout", type=int, metavar="S", help="cap every step's time limit at S seconds (a "
+                    "leased machine with little time left: a step cut short is recorded as a timeout)")
+    a = ap.parse_args(argv)
+    if not a.dry_run and not torch.cuda.is_available():
+        ap.error("no CUDA device here; --dry-run runs the plan on the CPU")
+    gpus = 0 if a.dry_run else torch.cuda.device_count()
+    gpu_name = "CPU (dry run)" if a.dry_run else torch.cuda.get_device_name(0)
+    steps = [s for s in plan(a.dry_run, gpus, vllm_installed())
+             if (not a.only or s.name in a.only) and s.name not in a.skip
+             and (not a.attention or s.extra.get("attention", a.attention[0]) in a.attention)
+             and (not a.weights or s.extra.get("weights", a.weights[0]) in a.weights)]
+    for s in steps:
+        s.timeout_s = min(s.timeout_s, a.step_timeout or s.timeout_s)
+    slug = gpu_slug(a.dry_run)
+    a.out.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    records: list[dict] = []
+    for i, step in enumerate(steps, 1):
+        print(f"[{i}/{len(steps)}] {step.label} ...", file=sys.stderr, flush=True)
+        recs = [add_mfu(r, gpu_name) if step.name == "train_step" else r for r in run_step(step, env)]
+        with open(a.out / f"{slug}-{step.name}.jsonl", "a") as f:
+            for r in recs:
+                f.write(json.dumps({**r, "gpu": gpu_name}) + "\n")
+        for r in recs:
+            print(summary_line(r), file=sys.stderr, flush=True)
+        records += recs
+    lines = [f"# GPU check: {gpu_name}", "", f"torch {torch.__version__}, CUDA {torch.version.cuda}, {gpus} GPU(s), "
+             f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; records in `{slug}-*.jsonl`.", ""]
+    (a.out / f"{slug}-summary.md").write_text("\n".join(lines + [summary_line(r) for r in records]) + "\n")
+    print(f"summary: {a.out / f'{slug}-summary.md'}", file=sys.stderr)
+    return 0 if all(r["status"] == "ok" for r in records) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

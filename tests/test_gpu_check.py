@@ -1,0 +1,48 @@
+"""benchmarks.gpu_check: the plan a person with a GPU runs, proven on CPU by its dry run."""
+
+from __future__ import annotations
+
+import json
+
+from benchmarks import gpu_check
+
+
+def test_gpu_names_map_to_short_record_names_and_nominal_peaks():
+    assert gpu_check.nominal_tflops("NVIDIA H100 80GB HBM3") == 989.4
+    assert gpu_check.nominal_tflops("NVIDIA A100-SXM4-80GB") == 312.0
+    assert gpu_check.nominal_tflops("Some Future Accelerator") is None
+    rec = {"model_tflop": 98.94, "base": {"step_s": 0.5, "mfu": 0.3}}
+    assert gpu_check.add_mfu(rec, "NVIDIA H100 80GB HBM3")["base"]["mfu_nominal"] == 0.2
+
+
+def test_pytest_counts_read_the_last_line():
+    out = "....s\n3 passed, 1 skipped, 2 deselected in 4.1s\n"
+    assert gpu_check.pytest_counts(out) == {"passed": 3, "skipped": 1, "deselected": 2}
+    assert gpu_check.pytest_counts("1 failed, 2 passed in 1s") == {"failed": 1, "passed": 2}
+
+
+def test_the_full_plan_measures_every_figure_the_issue_asks_for():
+    steps = gpu_check.plan(dry_run=False, gpus=2, with_vllm=True)
+    names = [s.name for s in steps]
+    assert names.count("decode") == 3 and {s.extra.get("attention") for s in steps} >= {"torch", "flex", "vllm-both"}
+    updates = [s for s in steps if s.name == "weight_update"]
+    assert {s.extra["weights"] for s in updates} == {"bf16", "fp32-to-bf16"}
+    assert all("16" in s.argv for s in updates)  # 16 GiB
+    assert {"tests", "train_step", "rl_iteration", "tests_two_gpus"} <= set(names)
+    assert "qwen3-0.6b" in next(s for s in steps if s.name == "rl_iteration").argv
+
+
+def test_dry_run_runs_the_whole_plan_on_cpu(tmp_path):
+    # the GPU tests themselves run in this suite already (skipped without a GPU): the dry run here skips that step
+    status = gpu_check.main(["--dry-run", "--out", str(tmp_path), "--skip", "tests"])
+    summary = (tmp_path / "cpu-dryrun-summary.md").read_text()
+    records = {p.name: [json.loads(x) for x in p.read_text().splitlines()] for p in tmp_path.glob("*.jsonl")}
+    failed = [(r["label"], r.get("output_tail", "")[-600:])
+              for rs in records.values() for r in rs if r["status"] != "ok"]
+    assert status == 0 and not failed, failed
+    assert set(records) == {f"cpu-dryrun-{s}.jsonl" for s in ("decode", "weight_update", "train_step", "rl_iteration")}
+    assert {r["attention"] for r in records["cpu-dryrun-decode.jsonl"]} >= {"torch", "flex"}
+    assert all(r["engine_tok_s"] > 0 for r in records["cpu-dryrun-decode.jsonl"] if "engine_tok_s" in r)
+    assert records["cpu-dryrun-weight_update.jsonl"][0]["bitwise_equal"] is True
+    assert records["cpu-dryrun-rl_iteration.jsonl"][0]["iteration_s"] > 0
+    assert "one RL iteration" in summary and "train step" in summary
