@@ -42,8 +42,8 @@ from checkpoint_engine.local import PipeReloader, answer_load, digest, synthetic
 from checkpoint_engine.synthetic import SyntheticModel
 from checkpoint_engine.topology import free_port
 from checkpoint_engine.transfer import WeightReceiver
+from engines.device import host_buffer
 from engines.model.fp8 import quantize
-from engines.training.offload import host_buffer
 
 WEIGHTS = ("bf16", "fp32-to-bf16", "fp8")
 _T0 = time.perf_counter()

@@ -113,6 +113,9 @@ class CheckpointEngine:
         self.rank, self.world, self.device = rank, world, torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
+        if self.device.type == "cuda":
+            # the object collectives (model_plan, topology) stage their bytes on the current device
+            torch.cuda.set_device(self.device)
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         self.wire = Wire(self.device)  # every tensor given to torch.distributed goes through it
         self._cast_scratch: torch.Tensor | None = None

@@ -4,6 +4,11 @@ Peak memory of this process over a phase: device memory on a GPU, resident memor
 starts with ``reset_peak_memory`` and ends with ``peak_memory_bytes``. On CUDA these are the caching
 allocator's peak counters; on CPU Linux's high-water mark of the resident set (VmHWM), which writing
 5 to /proc/self/clear_refs resets to the current RSS.
+
+``host_buffer`` is how this project pins large host buffers: torch's pinned allocator
+(``pin_memory=True``, ``Tensor.pin_memory()``) rounds every block up to a power of two and keeps it
+cached, so a 16.4 GB buffer pins 32 GiB. Here the pages are mapped at the exact size, faulted in by
+every core, then registered with CUDA as they are.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import mmap
 
 import torch
 
@@ -63,3 +69,44 @@ def peak_memory_bytes(device: torch.device) -> int:
     except OSError:
         pass
     return 0
+
+
+class _Registered(mmap.mmap):
+    """An anonymous mapping that stays registered with CUDA (page-locked) for as long as it lives."""
+
+    pinned_at = 0  # the address registered, 0 while not registered
+
+    def __del__(self) -> None:
+        if self.pinned_at:
+            try:
+                _unregister(self.pinned_at)
+            except Exception:  # interpreter shutdown: CUDA may be gone already, the process with it
+                pass
+
+
+def _register(ptr: int, nbytes: int) -> None:
+    """Page-lock host memory for the current CUDA context (``cudaHostRegister``)."""
+    err = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)
+    if int(err) != 0:
+        raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed: {err}")
+
+
+def _unregister(ptr: int) -> None:
+    """Undo ``_register``."""
+    torch.cuda.cudart().cudaHostUnregister(ptr)
+
+
+def host_buffer(nbytes: int, pinned: bool = True) -> torch.Tensor:
+    """``nbytes`` of host memory as a flat uint8 tensor; page-locked with ``pinned`` where CUDA is present.
+
+    Pinned, it costs exactly ``nbytes`` (rounded to a page), not the next power of two, and is unpinned
+    and unmapped when the last view of it is gone. Without CUDA it is a plain tensor.
+    """
+    if not pinned or nbytes == 0 or not torch.cuda.is_available():
+        return torch.empty(nbytes, dtype=torch.uint8)
+    region = _Registered(-1, nbytes, flags=mmap.MAP_PRIVATE)  # private: Python's default shares it (tmpfs)
+    t = torch.frombuffer(region, dtype=torch.uint8)  # holds the mapping: it lives as long as any view
+    t.zero_()  # faults the pages in on every core; registering would fault them one by one
+    _register(t.data_ptr(), nbytes)
+    region.pinned_at = t.data_ptr()
+    return t

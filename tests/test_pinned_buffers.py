@@ -1,5 +1,5 @@
 """Large pinned host buffers cost what they hold: torch's pinned allocator rounds every block up to a power
-of two (a 16.4 GB replica pinned 32 GiB), ``engines.training.offload.host_buffer`` pins the exact size."""
+of two (a 16.4 GB replica pinned 32 GiB), ``engines.device.host_buffer`` pins the exact size."""
 
 from __future__ import annotations
 
@@ -11,16 +11,18 @@ from pathlib import Path
 import pytest
 import torch
 
-import engines.training.offload as offload
-from engines.training.offload import HostOffloader, host_buffer
+import engines.device as device
+from engines.device import host_buffer
+from engines.training.offload import HostOffloader
 
 ROOT = Path(__file__).resolve().parents[1]
-#: the modules whose host buffers go through ``host_buffer`` (engines/inference/native.py to follow)
-PINNING = [*sorted((ROOT / "checkpoint_engine").glob("*.py")), ROOT / "engines/training/offload.py"]
+#: the modules whose host buffers go through ``host_buffer``
+PINNING = [*sorted((ROOT / "checkpoint_engine").glob("*.py")), ROOT / "engines/training/offload.py",
+           ROOT / "engines/inference/native.py"]
 
 
 def test_without_cuda_a_host_buffer_is_a_plain_tensor_of_the_bytes_asked(monkeypatch):
-    monkeypatch.setattr(offload.torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(device.torch.cuda, "is_available", lambda: False)
     for n in (0, 1, (3 << 20) + 1):
         for pinned in (True, False):
             t = host_buffer(n, pinned)
@@ -31,9 +33,9 @@ def test_a_pinned_buffer_registers_exactly_its_bytes_until_its_last_view_is_gone
     """With CUDA (stood in for here) the buffer is a mapping of the exact size registered as it is, not a
     power-of-two block; it is unregistered once, when nothing views it any more."""
     calls: list[tuple] = []
-    monkeypatch.setattr(offload.torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(offload, "_register", lambda ptr, n: calls.append(("register", ptr, n)))
-    monkeypatch.setattr(offload, "_unregister", lambda ptr: calls.append(("unregister", ptr)))
+    monkeypatch.setattr(device.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(device, "_register", lambda ptr, n: calls.append(("register", ptr, n)))
+    monkeypatch.setattr(device, "_unregister", lambda ptr: calls.append(("unregister", ptr)))
     n = (3 << 20) + 1
     t = host_buffer(n)
     assert t.shape == (n,) and t.dtype == torch.uint8 and calls == [("register", t.data_ptr(), n)]

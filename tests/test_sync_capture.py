@@ -173,3 +173,24 @@ def test_captured_decode_step_and_sampler_have_no_host_sync_on_cuda(tiny_model, 
     with no_host_sync():
         logits = eng.decode_logits(bucket(n, eng.max_num_seqs), MIN_WIDTH)[:n]
         sample(logits, eng.rows[:n], eng.gen[:n].clone(), [r.filter_kind for r in eng.running])
+
+
+def test_captured_graphs_are_dropped_when_an_fp8_weight_buffer_moves(tokenizer):
+    """A graph replays the addresses it was captured with: FP8 weights and their scales are buffers, not
+    parameters, so the key the graphs check before a replay must cover buffers too (or a replica whose FP8
+    weights were rebound would replay reads of freed memory)."""
+    import copy
+
+    from engines.model.fp8 import to_fp8
+    from tests.conftest import tiny_config
+
+    torch.manual_seed(0)
+    model = to_fp8(build_model(tiny_config(tokenizer.vocab_size, hidden_size=64, num_attention_heads=2,
+                                           num_key_value_heads=1, intermediate_size=128)), block=32)
+    eng = engine(model, tokenizer)
+    graphs = DecodeGraphs(eng)
+    before = graphs._addresses()
+    fp8 = next(name for name, b in model.named_buffers() if b.dtype == torch.float8_e4m3fn)
+    owner, attr = model.get_submodule(fp8.rpartition(".")[0]), fp8.rpartition(".")[2]
+    setattr(owner, attr, copy.deepcopy(getattr(owner, attr)))  # same values, new memory
+    assert graphs._addresses() != before

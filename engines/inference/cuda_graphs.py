@@ -16,6 +16,7 @@ fails, the engine decodes eagerly from then on (same tokens, slower) after one w
 
 from __future__ import annotations
 
+import itertools
 import logging
 import weakref
 from typing import TYPE_CHECKING
@@ -89,8 +90,10 @@ class DecodeGraphs:
     def _addresses(self) -> tuple[int, ...]:
         e = self.engine
         kv = e._cache()
+        # buffers too: FP8 weights and their scales are buffers, and RoPE tables move with the model
+        weights = itertools.chain(e.model.parameters(), e.model.buffers())
         return (e.last.data_ptr(), e.pos.data_ptr(), e.block_table.data_ptr(), kv.k.data_ptr(),
-                kv.v.data_ptr() if kv.v is not None else 0, *(t.data_ptr() for t in e.model.parameters()))
+                kv.v.data_ptr() if kv.v is not None else 0, *(t.data_ptr() for t in weights))
 
     def _give_up(self, err: Exception) -> None:
         """Drop every graph and decode eagerly from now on, saying so once."""

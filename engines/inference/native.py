@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import torch
 
+from engines.device import host_buffer
 from engines.inference.arena import CudaError, adopt, new_arena
 from engines.inference.base import RolloutEngine
 from engines.inference.blocks import BlockAllocator
@@ -244,7 +245,7 @@ class InferenceEngine(RolloutEngine):
             tensors = {}
             if level == 1 and self.device.type != "cpu":
                 if self._host_arena is None:
-                    self._host_arena = torch.empty(w.nbytes, dtype=torch.uint8, pin_memory=True)
+                    self._host_arena = host_buffer(w.nbytes)
                 self._host_arena.copy_(w.bytes)
             if level == 2 or self.device.type != "cpu":
                 w.unmap()
@@ -254,7 +255,7 @@ class InferenceEngine(RolloutEngine):
             if level == 1:
                 host = self._host_weights.get(name)
                 if host is None or host.shape != t.shape or host.dtype != t.dtype:
-                    host = self._host_weights[name] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                    host = self._host_weights[name] = host_buffer(t.nbytes).view(t.dtype).view(t.shape)
                 host.copy_(t.data)
             self._offloaded[name] = (t.shape, level)
             t.data = torch.empty(0, dtype=t.dtype, device=t.device)
@@ -344,8 +345,10 @@ class InferenceEngine(RolloutEngine):
         self.rows = RowParams(torch.zeros(s, device=dev), torch.zeros(s, **z), torch.ones(s, device=dev),
                               torch.zeros(s, **z))
         self.block_table = torch.zeros(s, self.max_blocks, **z)
-        pin = dev.type == "cuda"
-        self._tables_host = torch.zeros(s, self.max_blocks, dtype=torch.long, pin_memory=pin)
+        # pinned on a GPU, so that its copies to the device need not wait
+        self._tables_host = host_buffer(s * self.max_blocks * 8, pinned=dev.type == "cuda").view(torch.long).view(
+            s, self.max_blocks)
+        self._tables_host.zero_()
 
     def _cache(self) -> PagedKVCache:
         if self.kv is None:

@@ -7,23 +7,19 @@ same storages back and fills them from the buffer, one copy per storage and one 
 On CUDA the buffer is pinned, so those copies are asynchronous DMA; on CPU the same code frees each
 tensor's own allocation while the bytes wait in the buffer.
 
-``host_buffer`` is how this project pins large host buffers: torch's pinned allocator
-(``pin_memory=True``, ``Tensor.pin_memory()``) rounds every block up to a power of two and keeps it
-cached, so a 16.4 GB buffer pins 32 GiB. Here the pages are mapped at the exact size, faulted in by
-every core, then registered with CUDA as they are.
+The buffer comes from ``engines.device.host_buffer`` (pinned at its exact size, not torch's power of two).
 """
 
 from __future__ import annotations
 
 import ctypes
-import mmap
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
 
-from engines.device import malloc_trim, synchronize
+from engines.device import host_buffer, malloc_trim, synchronize
 
 ALIGN = 64  # bytes; every slot starts aligned, so typed views of the buffer are valid
 
@@ -33,47 +29,6 @@ class _Slot:
     storage: torch.UntypedStorage
     nbytes: int
     offset: int  # in the host buffer
-
-
-class _Registered(mmap.mmap):
-    """An anonymous mapping that stays registered with CUDA (page-locked) for as long as it lives."""
-
-    pinned_at = 0  # the address registered, 0 while not registered
-
-    def __del__(self) -> None:
-        if self.pinned_at:
-            try:
-                _unregister(self.pinned_at)
-            except Exception:  # interpreter shutdown: CUDA may be gone already, the process with it
-                pass
-
-
-def _register(ptr: int, nbytes: int) -> None:
-    """Page-lock host memory for the current CUDA context (``cudaHostRegister``)."""
-    err = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)
-    if int(err) != 0:
-        raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed: {err}")
-
-
-def _unregister(ptr: int) -> None:
-    """Undo ``_register``."""
-    torch.cuda.cudart().cudaHostUnregister(ptr)
-
-
-def host_buffer(nbytes: int, pinned: bool = True) -> torch.Tensor:
-    """``nbytes`` of host memory as a flat uint8 tensor; page-locked with ``pinned`` where CUDA is present.
-
-    Pinned, it costs exactly ``nbytes`` (rounded to a page), not the next power of two, and is unpinned
-    and unmapped when the last view of it is gone. Without CUDA it is a plain tensor.
-    """
-    if not pinned or nbytes == 0 or not torch.cuda.is_available():
-        return torch.empty(nbytes, dtype=torch.uint8)
-    region = _Registered(-1, nbytes, flags=mmap.MAP_PRIVATE)  # private: Python's default shares it (tmpfs)
-    t = torch.frombuffer(region, dtype=torch.uint8)  # holds the mapping: it lives as long as any view
-    t.zero_()  # faults the pages in on every core; registering would fault them one by one
-    _register(t.data_ptr(), nbytes)
-    region.pinned_at = t.data_ptr()
-    return t
 
 
 def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
