@@ -111,6 +111,7 @@ class MemoryEstimate:
     device_peak: int   # GPU: the larger of the rollout and the training phase
     host_total: int    # CPU: everything at once
     activations: int = 0   # one micro-batch's activations, the gathered layer and the log-prob blocks
+    host_pinned: int = 0   # GPU: page-locked host memory (offloaded trainer, sleeping replica, rollback journal)
 
     def table(self) -> str:
         rows = [("parameters", f"{self.params / 1e6:,.1f} M"),
@@ -121,6 +122,7 @@ class MemoryEstimate:
                 ("inference replica", _gib(self.replica)),
                 (f"KV cache ({self.kv_sequences} seqs x {self.max_seq_len} tokens)", _gib(self.kv_cache)),
                 ("peak per worker, GPU phases", _gib(self.device_peak)),
+                ("pinned host memory per worker, GPU", _gib(self.host_pinned)),
                 ("total per worker, CPU", _gib(self.host_total))]
         width = max(len(k) for k, _ in rows)
         return "\n".join(f"  {k:<{width}}  {v:>12}" for k, v in rows)
@@ -172,8 +174,12 @@ def estimate(cfg: Config, arch: ModelConfig, max_seq_len: int) -> MemoryEstimate
     level = cfg.rollout.sleep_level
     rollout_phase = replica + kv + (0 if cfg.trainer.offload else trainer)
     train_phase = trainer + work + (replica if level < 2 else 0) + (kv if level == 0 else 0)
+    # on a GPU these wait in page-locked host memory (engines.device.host_buffer, exact sizes): the trainer while
+    # offloaded, the replica while asleep at level 1, and the rollback journal, as large as the replica
+    pinned = (trainer if cfg.trainer.offload else 0) + (replica if level == 1 else 0) + replica
     return MemoryEstimate(shape.params, weights, grads, opt, replica, kv, seqs, per_seq, max_seq_len,
-                          max(rollout_phase, train_phase), trainer + work + replica + kv, work)
+                          max(rollout_phase, train_phase), trainer + work + replica + kv, work,
+                          pinned if cfg.cluster.gpus_per_worker > 0 else 0)
 
 
 def estimate_run(cfg: Config) -> MemoryEstimate:
@@ -224,6 +230,13 @@ def check_fits(cfg: Config, est: MemoryEstimate) -> None:
         raise UserError(f"rollout.kv_cache_mb: {cfg.rollout.kv_cache_mb} MiB holds no sequence of "
                         f"{est.max_seq_len} tokens ({_gib(est.kv_per_sequence)} each); raise "
                         "rollout.kv_cache_mb or lower rollout.max_seq_len")
+    # the pinned buffers live on this machine only when it runs the GPU workers itself
+    if est.host_pinned and cfg.cluster.ray_address is None and torch.cuda.is_available():
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // cfg.cluster.workers
+        if est.host_pinned > ram:
+            raise UserError(f"a worker pins about {_gib(est.host_pinned)} of host memory (offloaded trainer, "
+                            f"sleeping replica, rollback journal) but has {_gib(ram)} of RAM; set "
+                            "trainer.offload: false or rollout.sleep_level: 2, or use fewer workers per machine")
     have = available_per_worker(cfg)
     if have is None:
         return

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -181,3 +182,25 @@ def test_memory_plan_of_a_7b_dense_model_and_of_kimi_k2(capsys):
     assert "fits" in capsys.readouterr().out
     assert main(["memory-plan", "no-such-model"]) == 2
     assert "neither a preset" in capsys.readouterr().err
+
+
+def test_gpu_runs_count_the_pinned_host_memory_and_refuse_more_than_the_ram(monkeypatch):
+    """On a GPU the offloaded trainer, the replica asleep at level 1 and the rollback journal (the replica's
+    size) wait in page-locked host memory; eight 8 B workers on one machine pin more than its RAM."""
+    arch = make_config("llama", **LLAMA8B)
+    over = {"model": {"dtype": "bfloat16"}, "rollout": {"max_seq_len": 4096, "kv_cache_mb": 3000}}
+    gpu = estimate(parse_config({**over, "cluster": {"workers": 8, "gpus_per_worker": 1}}), arch, 4096)
+    trainer = gpu.trainer_weights + gpu.trainer_grads + gpu.optimizer
+    assert gpu.host_pinned == trainer + 2 * gpu.replica and "pinned host memory" in gpu.table()
+    no_offload = estimate(parse_config({**over, "cluster": {"workers": 8, "gpus_per_worker": 1},
+                                        "trainer": {"offload": False}, "rollout": {**over["rollout"],
+                                                                                   "sleep_level": 2}}), arch, 4096)
+    assert no_offload.host_pinned == gpu.replica  # the journal alone
+    assert estimate(parse_config({**over, "cluster": {"workers": 8}}), arch, 4096).host_pinned == 0  # CPU
+    monkeypatch.setattr("rl.memory.torch.cuda.is_available", lambda: True)
+    monkeypatch.setattr("rl.memory.available_per_worker", lambda cfg: None)
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert gpu.host_pinned * 8 > ram  # eight workers pin more than this machine has
+    with pytest.raises(UserError, match=r"pins about .* of host memory .* trainer.offload: false") as err:
+        check_fits(parse_config({**over, "cluster": {"workers": 8, "gpus_per_worker": 1}}), gpu)
+    assert "\n" not in str(err.value)
