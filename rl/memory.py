@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engines.inference.kv_cache import bytes_per_slot, paged_pool
+from engines.inference.kv_cache import bytes_per_slot, gather_bytes, paged_pool
 from engines.model.arch import ModelConfig
 from rl.config import Config
 from rl.errors import UserError
@@ -112,6 +112,7 @@ class MemoryEstimate:
     host_total: int    # CPU: everything at once
     activations: int = 0   # one micro-batch's activations, the gathered layer and the log-prob blocks
     host_pinned: int = 0   # GPU: page-locked host memory (offloaded trainer, sleeping replica, rollback journal)
+    decode_work: int = 0   # the torch attention path's gathered keys/values and scores of the widest decode step
 
     def table(self) -> str:
         rows = [("parameters", f"{self.params / 1e6:,.1f} M"),
@@ -121,6 +122,7 @@ class MemoryEstimate:
                 ("activations (one micro-batch, est.)", _gib(self.activations)),
                 ("inference replica", _gib(self.replica)),
                 (f"KV cache ({self.kv_sequences} seqs x {self.max_seq_len} tokens)", _gib(self.kv_cache)),
+                ("decode attention working set", _gib(self.decode_work)),
                 ("peak per worker, GPU phases", _gib(self.device_peak)),
                 ("pinned host memory per worker, GPU", _gib(self.host_pinned)),
                 ("total per worker, CPU", _gib(self.host_total))]
@@ -172,14 +174,19 @@ def estimate(cfg: Config, arch: ModelConfig, max_seq_len: int) -> MemoryEstimate
     seqs = min(cfg.rollout.max_batch, kv // per_seq)  # sequences of the full max_seq_len it holds at least
     trainer = weights + grads + opt
     level = cfg.rollout.sleep_level
-    rollout_phase = replica + kv + (0 if cfg.trainer.offload else trainer)
+    decode = 0
+    if cfg.rollout.attention == "torch":  # flex reads the pool in place
+        # on a GPU the captured step's width is a power of two (cuda_graphs.bucket), at least 64
+        width = max(64, 1 << (max_seq_len - 1).bit_length()) if cfg.cluster.gpus_per_worker > 0 else max_seq_len
+        decode = gather_bytes(arch, cfg.rollout.max_batch, width, rollout_dtype)  # any row may be the widest
+    rollout_phase = replica + kv + decode + (0 if cfg.trainer.offload else trainer)
     train_phase = trainer + work + (replica if level < 2 else 0) + (kv if level == 0 else 0)
     # on a GPU these wait in page-locked host memory (engines.device.host_buffer, exact sizes): the trainer while
     # offloaded, the replica while asleep at level 1, and the rollback journal, as large as the replica
     pinned = (trainer if cfg.trainer.offload else 0) + (replica if level == 1 else 0) + replica
     return MemoryEstimate(shape.params, weights, grads, opt, replica, kv, seqs, per_seq, max_seq_len,
-                          max(rollout_phase, train_phase), trainer + work + replica + kv, work,
-                          pinned if cfg.cluster.gpus_per_worker > 0 else 0)
+                          max(rollout_phase, train_phase), trainer + work + replica + kv + decode, work,
+                          pinned if cfg.cluster.gpus_per_worker > 0 else 0, decode)
 
 
 def estimate_run(cfg: Config) -> MemoryEstimate:
@@ -245,7 +252,8 @@ def check_fits(cfg: Config, est: MemoryEstimate) -> None:
     if need <= limit:
         return
     parts = {"rollout.kv_cache_mb": est.kv_cache, "rollout.dtype": est.replica,
-             "cluster.workers (shards the trainer)": est.trainer_weights + est.trainer_grads + est.optimizer}
+             "cluster.workers (shards the trainer)": est.trainer_weights + est.trainer_grads + est.optimizer,
+             "rollout.attention (flex reads the cache in place; torch gathers it)": est.decode_work}
     knob = max(parts, key=parts.get)
     raise UserError(f"a worker needs about {_gib(need)} but has {_gib(limit)} of {what}; the largest part is "
                     f"{_gib(parts[knob])} set by {knob} (activations come on top)")

@@ -204,3 +204,20 @@ def test_gpu_runs_count_the_pinned_host_memory_and_refuse_more_than_the_ram(monk
     with pytest.raises(UserError, match=r"pins about .* of host memory .* trainer.offload: false") as err:
         check_fits(parse_config({**over, "cluster": {"workers": 8, "gpus_per_worker": 1}}), gpu)
     assert "\n" not in str(err.value)
+
+
+def test_the_torch_decode_path_counts_its_gathered_keys_and_scores():
+    """The torch attention path gathers every decoding sequence's keys and values at the step's width (a power of
+    two on a GPU, where a captured graph keeps them in its pool) and scores them in float32; flex reads the
+    pool in place. By hand for Llama-8B: 256 rows, 3000 tokens -> width 4096 on a GPU."""
+    arch = make_config("llama", **LLAMA8B)
+    base = {"model": {"dtype": "bfloat16"}, "cluster": {"workers": 8, "gpus_per_worker": 1},
+            "algorithm": {"micro_batch_tokens": 512}}  # a small training phase: the rollout phase is the peak
+    roll = {"max_seq_len": 3000, "kv_cache_mb": 20000, "max_batch": 256}
+    torch_path = estimate(parse_config({**base, "rollout": roll}), arch, 3000)
+    flex = estimate(parse_config({**base, "rollout": {**roll, "attention": "flex"}}), arch, 3000)
+    by_hand = 256 * 4096 * 8 * (128 + 128) * 2 + 2 * 256 * 32 * 4096 * 4  # rows·width·kv heads·(k+v)·bf16 + scores
+    assert torch_path.decode_work == by_hand and flex.decode_work == 0
+    assert torch_path.device_peak - flex.device_peak == by_hand
+    cpu = estimate(parse_config({**base, "cluster": {"workers": 8}, "rollout": roll}), arch, 3000)
+    assert cpu.decode_work == 256 * 3000 * 8 * 256 * 2 + 2 * 256 * 32 * 3000 * 4  # exact width on a CPU

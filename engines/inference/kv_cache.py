@@ -49,6 +49,15 @@ def bytes_per_slot(cfg: ModelConfig, max_seq_len: int, dtype: torch.dtype) -> in
     return bytes_per_token(cfg, dtype) * max_seq_len
 
 
+def gather_bytes(cfg: ModelConfig, rows: int, width: int, dtype: torch.dtype) -> int:
+    """Temporary bytes of the torch path's decode step over ``rows`` sequences whose keys span ``width``
+    positions: one layer's gathered keys and values (the next layer reuses them) and its float32 scores and
+    probabilities. A captured graph keeps them in its pool, the CPU path in its scratch buffers."""
+    heads, dk, dv = cache_dims(cfg)
+    gathered = rows * width * heads * (dk + (dv or 0)) * dtype.itemsize
+    return gathered + 2 * rows * cfg.num_attention_heads * width * 4
+
+
 def paged_pool(cfg: ModelConfig, budget_bytes: int, dtype: torch.dtype, block_size: int = BLOCK_SIZE
                ) -> tuple[int, int]:
     """(blocks, bytes) of the paged pool a budget of ``budget_bytes`` buys: as many whole blocks as fit."""
