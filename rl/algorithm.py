@@ -1,4 +1,4 @@
-"""The K1.5 objective (report 3.2.3) and the update loops that apply it.
+"""The K1.5 objective (report 3.2.3) and the update loops that apply it (GRPO and DAPO: ``rl.objectives``).
 
 For each prompt x with K samples: L = 1/K Σ_i (r_i − r̄ − τ·(log π_θ(y_i|x) − log π_old(y_i|x)))²,
 averaged over prompts; log π is the sum over the response's tokens. The SFT/PTX loss is the
@@ -21,6 +21,14 @@ import torch
 from engines.training.distributed import all_reduce_max, all_reduce_sum
 from engines.training.engine import TokenScores, TrainingEngine
 from rl.mismatch import Correction, apply
+from rl.objectives import (
+    Objective,
+    clip_fraction,
+    clipped_surrogate,
+    normalized_advantages,
+    overlong_penalty,
+    token_weights,
+)
 
 
 @dataclass
@@ -141,6 +149,8 @@ class Measures:
     residual_sq: float = 0.0
     residual_absmax: float = 0.0
     sequences: float = 0.0
+    clipped: float = 0.0   # GRPO/DAPO: own tokens whose gradient the clip stopped
+    scored: float = 0.0    # GRPO/DAPO: own tokens of the surrogate
 
     def add_tokens(self, samples: Sequence[Sample], scores: TokenScores) -> None:
         mask = scores.mask & _own_tokens(samples, scores.mask)
@@ -160,7 +170,7 @@ class Measures:
 
     def metrics(self, tokens: bool, residuals: bool) -> dict[str, float]:
         sums = all_reduce_sum([self.diff_sum, self.entropy_sum, self.tokens, self.residual_sum, self.residual_sq,
-                               self.sequences])
+                               self.sequences, self.clipped, self.scored])
         maxima = all_reduce_max([self.diff_max, self.residual_absmax])
         out: dict[str, float] = {}
         if tokens and sums[2]:
@@ -169,6 +179,8 @@ class Measures:
             mean = sums[3] / sums[5]
             out.update(k15_residual_mean=mean, k15_residual_std=max(0.0, sums[4] / sums[5] - mean * mean) ** 0.5,
                        k15_residual_absmax=maxima[1])
+        if residuals and sums[7]:
+            out["clip_fraction"] = sums[6] / sums[7]
         return out
 
 
@@ -225,6 +237,53 @@ def k15_backward(engine: TrainingEngine, samples: Sequence[Sample], advantages: 
     return total
 
 
+def surrogate_backward(engine: TrainingEngine, samples: Sequence[Sample], advantages: Sequence[float],
+                       weights: Sequence[float], objective: Objective, *, total_tokens: int, token_budget: int,
+                       rank: int = 0, world: int = 1, max_items: int | None = None,
+                       measures: Measures | None = None, measure_tokens: bool = False) -> float:
+    """Accumulate the gradient of GRPO's or DAPO's clipped surrogate (``rl.objectives``) in micro-batches;
+    returns this rank's loss. ``weights``: per response, 1/(K·G) (GRPO) or 1 (DAPO), times any mismatch
+    correction; ``total_tokens``: the minibatch's own tokens over all ranks (DAPO's token mean)."""
+    total = 0.0
+    plans = plan_micro_batches(_lengths(samples), token_budget, world, max_items)
+    parts, passes = plans[rank], max(len(p) for p in plans)
+    for part in parts:
+        chosen = [samples[i] for i in part]
+        scores = engine.score([s.prompt_ids for s in chosen], [s.response_ids for s in chosen],
+                              [s.temperature for s in chosen])
+        own = scores.mask & _own_tokens(chosen, scores.mask)
+        old = _per_token(chosen, scores.mask)
+        dev = scores.logprobs.device
+        adv = torch.tensor([advantages[i] for i in part], dtype=torch.float32, device=dev)
+        w = torch.tensor([weights[i] for i in part], dtype=torch.float32, device=dev)
+        coef = token_weights(objective.kind, own, w, total_tokens)
+        loss = clipped_surrogate(scores.logprobs, old, adv, coef, objective.clip_low, objective.clip_high)
+        loss.backward()
+        total += float(loss.detach())
+        if measures is not None:
+            clipped, scored = clip_fraction(scores.logprobs, old, adv, own, objective.clip_low, objective.clip_high)
+            measures.clipped += clipped
+            measures.scored += scored
+            if measure_tokens:
+                measures.add_tokens(chosen, scores)
+    for _ in range(passes - len(parts)):
+        engine.dummy_backward()
+    return total
+
+
+def _own_count(s: Sample) -> int:
+    """The model's own tokens in a response."""
+    return len(s.response_ids) if s.loss_mask is None else sum(s.loss_mask)
+
+
+def shape_lengths(samples: Sequence[Sample], objective: Objective) -> list[Sample]:
+    """DAPO's overlong shaping: each reward plus R_len of its response's length (unchanged otherwise)."""
+    if objective.kind != "dapo" or not objective.overlong_buffer or objective.max_tokens is None:
+        return list(samples)
+    return [replace(s, reward=s.reward + overlong_penalty(_own_count(s), objective.max_tokens,
+                                                          objective.overlong_buffer)) for s in samples]
+
+
 @torch.no_grad()
 def recompute_old_logprobs(engine: TrainingEngine, samples: Sequence[Sample], *, token_budget: int, rank: int = 0,
                            world: int = 1, max_items: int | None = None,
@@ -273,7 +332,7 @@ def ptx_backward(engine: TrainingEngine, batch: PtxBatch, coef: float, *, token_
 def rl_update(engine: TrainingEngine, samples: Sequence[Sample], *, tau: float, minibatches: int, token_budget: int,
               seed: int, ptx: Sequence[PtxBatch] = (), ptx_coef: float = 0.0, rank: int = 0, world: int = 1,
               max_items: int | None = None, drop_equal_groups: bool = True, recompute_old: bool = False,
-              correction: Correction | None = None,
+              correction: Correction | None = None, objective: Objective | None = None,
               after_step: Callable[[], dict[str, float]] | None = None) -> Iterator[dict[str, float]]:
     """Several optimizer steps on one rollout batch, one per minibatch of whole prompt groups.
 
@@ -284,8 +343,11 @@ def rl_update(engine: TrainingEngine, samples: Sequence[Sample], *, tau: float, 
     whose rewards are all equal out; with none left (and no PTX) nothing is stepped at all.
     ``recompute_old`` replaces the sampler's log π_old by the trainer's before the first step; ``correction``
     does too, then reweights (or masks) each sample by its ratio trainer/sampler (``rl.mismatch``).
+    ``objective``: K1.5 with ``tau`` (None, the default) or GRPO/DAPO (``rl.objectives``).
     """
-    adv = group_advantages(samples)
+    objective = objective or Objective("k15", tau=tau)
+    samples = shape_lengths(samples, objective)
+    adv = group_advantages(samples) if objective.kind == "k15" else normalized_advantages(samples)
     by_group: dict[int, list[int]] = defaultdict(list)
     for i, s in enumerate(samples):
         by_group[s.group].append(i)
@@ -313,9 +375,20 @@ def rl_update(engine: TrainingEngine, samples: Sequence[Sample], *, tau: float, 
         # w = 1/(K_g · G): mean over each prompt's samples, then over the minibatch's prompts
         weights = [factor.get(i, 1.0) / (len(by_group[samples[i].group]) * len(mb)) for i in idx]
         measures = pre if j == 0 else Measures()
-        loss = k15_backward(engine, [samples[i] for i in idx], [adv[i] for i in idx], weights, tau=tau,
-                            token_budget=token_budget, rank=rank, world=world, max_items=max_items,
-                            measures=measures, measure_tokens=j == 0 and not recompute_old) if idx else 0.0
+        chosen, first = [samples[i] for i in idx], j == 0 and not recompute_old
+        if not idx:
+            loss = 0.0
+        elif objective.kind == "k15":
+            loss = k15_backward(engine, chosen, [adv[i] for i in idx], weights, tau=objective.tau,
+                                token_budget=token_budget, rank=rank, world=world, max_items=max_items,
+                                measures=measures, measure_tokens=first)
+        else:
+            if objective.kind == "dapo":  # every token of the minibatch alike: only the correction weighs
+                weights = [factor.get(i, 1.0) for i in idx]
+            loss = surrogate_backward(engine, chosen, [adv[i] for i in idx], weights, objective,
+                                      total_tokens=sum(map(_own_count, chosen)), token_budget=token_budget,
+                                      rank=rank, world=world, max_items=max_items, measures=measures,
+                                      measure_tokens=first)
         metrics = {"loss": loss}
         if ptx_coef > 0 and j < len(ptx):
             metrics["ptx_loss"] = ptx_backward(engine, ptx[j], ptx_coef, token_budget=token_budget, rank=rank,

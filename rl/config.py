@@ -12,6 +12,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from rl.errors import UserError
+from rl.objectives import Objective
 from rl.schedules import temperature_at
 from sandbox.options import KubernetesOptions, LimitsOptions, SandboxOptions
 
@@ -219,7 +220,19 @@ class MismatchConfig(Strict):
 
 
 class AlgorithmConfig(Strict):
+    objective: Literal["k15", "grpo", "dapo"] = Field(
+        "k15", description="k15: Kimi K1.5's squared-residual objective (the report's); grpo: group-normalised "
+                           "advantages and a clipped per-token ratio, each response's tokens averaged; dapo: the "
+                           "same with clip-higher, one token mean over the minibatch and overlong shaping "
+                           "(rl.objectives has the formulas)")
     tau: float = Field(1.0, gt=0, description="τ of the K1.5 objective")
+    clip_low: float = Field(0.2, gt=0, lt=1, description="grpo/dapo: ε (ε_low), the ratio's lower clip 1 − ε")
+    clip_high: float | None = Field(
+        None, gt=0, description="grpo/dapo: ε_high, the upper clip 1 + ε_high; None: clip_low for grpo, 0.28 for dapo "
+                                "(DAPO's clip-higher, which keeps unlikely tokens able to gain probability)")
+    overlong_buffer: int | None = Field(
+        None, ge=0, description="dapo: L_c, the tokens before a response's budget over which its reward loses up to "
+                                "1 (0: off); None: a fifth of rollout.max_tokens")
     minibatches: int = Field(2, ge=1, description="optimizer steps per rollout batch")
     micro_batch_tokens: int = Field(16384, ge=16, description="tokens (prompts + responses) packed into one "
                                     "forward/backward on each worker; a longer sequence gets a pass of its own")
@@ -233,6 +246,14 @@ class AlgorithmConfig(Strict):
     ptx: PtxConfig = PtxConfig()
     critic_training: CriticTrainingConfig = CriticTrainingConfig()
     mismatch: MismatchConfig = MismatchConfig()
+
+    def objective_settings(self, max_tokens: int) -> Objective:
+        """The objective an update minimises, with its defaults resolved for a response budget of ``max_tokens``."""
+        dapo = self.objective == "dapo"
+        high = self.clip_high if self.clip_high is not None else 0.28 if dapo else self.clip_low
+        buffer = self.overlong_buffer if self.overlong_buffer is not None else max_tokens // 5 if dapo else 0
+        return Objective(self.objective, tau=self.tau, clip_low=self.clip_low, clip_high=high,
+                         overlong_buffer=buffer, max_tokens=max_tokens)
 
     @model_validator(mode="after")
     def _check(self) -> AlgorithmConfig:

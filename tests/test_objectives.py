@@ -1,0 +1,144 @@
+"""GRPO and DAPO (rl.objectives) against the formulas computed by hand, one sequence and one token at a time."""
+
+import math
+import random
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engines.model.attention import padded_causal_mask, positions_from_valid
+from engines.training.engine import TrainingEngine
+from rl.algorithm import Sample, rl_update, shape_lengths, surrogate_backward
+from rl.config import parse_config
+from rl.objectives import Objective, normalized_advantages, overlong_penalty
+
+
+def _token_logprobs(model, s: Sample) -> list[torch.Tensor]:
+    """log π_θ of each response token, the sequence alone, at its sampling temperature."""
+    ids = torch.tensor([s.prompt_ids + s.response_ids])
+    valid = torch.ones_like(ids, dtype=torch.bool)
+    logp = F.log_softmax(model(ids, positions_from_valid(valid), padded_causal_mask(valid))[0].float()
+                         / s.temperature, dim=-1)
+    return [logp[len(s.prompt_ids) - 1 + t, tok] for t, tok in enumerate(s.response_ids)]
+
+
+def _reference(model, samples, kind: str, eps_low: float, eps_high: float) -> torch.Tensor:
+    """GRPO: −mean over prompts of mean over samples of mean over own tokens of min(ρÂ, clip(ρ)Â);
+    DAPO: −(sum over every own token of the batch) / (own tokens of the batch)."""
+    groups: dict[int, list[Sample]] = {}
+    for s in samples:
+        groups.setdefault(s.group, []).append(s)
+    per_prompt, all_terms = [], []
+    for members in groups.values():
+        rewards = [s.reward for s in members]
+        mean = sum(rewards) / len(rewards)
+        std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / len(rewards))
+        per_sample = []
+        for s in members:
+            adv = (s.reward - mean) / (std + 1e-6)
+            mask = s.loss_mask or [1] * len(s.response_ids)
+            terms = []
+            for new, old, m in zip(_token_logprobs(model, s), s.old_logprobs, mask, strict=True):
+                if m:
+                    ratio = torch.exp(new - old)
+                    terms.append(torch.minimum(ratio * adv, ratio.clamp(1 - eps_low, 1 + eps_high) * adv))
+            per_sample.append(sum(terms) / len(terms))
+            all_terms += terms
+        per_prompt.append(sum(per_sample) / len(per_sample))
+    if kind == "grpo":
+        return -sum(per_prompt) / len(per_prompt)
+    return -sum(all_terms) / len(all_terms)
+
+
+def _samples(model, vocab: int, rng: random.Random, masked: bool = False) -> list[Sample]:
+    """Three prompts (one with K − 1 samples), rewards with signal, and sampler log-probs within ±0.5 of the
+    model's own so that some ratios fall inside the clip range and some outside it."""
+    out = []
+    for g in range(3):
+        prompt = [rng.randrange(2, vocab) for _ in range(rng.randint(2, 6))]
+        for k in range(4 - (g == 1)):
+            resp = [rng.randrange(2, vocab) for _ in range(rng.randint(1, 7))]
+            mask = [1] + [int(rng.random() < 0.6) for _ in resp[1:]] if masked else None
+            s = Sample(g, prompt, resp, [0.0] * len(resp), float(k % 2) + rng.random() * 0.1,
+                       temperature=rng.choice([0.7, 1.0]), loss_mask=mask)
+            with torch.no_grad():
+                exact = [float(x) for x in _token_logprobs(model, s)]
+            out.append(replace(s, old_logprobs=[x + rng.uniform(-0.5, 0.5) for x in exact]))
+    return out
+
+
+@pytest.mark.parametrize("kind,masked", [("grpo", False), ("dapo", False), ("dapo", True)])
+def test_surrogate_loss_and_gradient_match_the_formula(tiny_model, tokenizer, kind, masked):
+    rng = random.Random(1)
+    samples = _samples(tiny_model, tokenizer.vocab_size, rng, masked)
+    objective = Objective(kind, clip_low=0.2, clip_high=0.2 if kind == "grpo" else 0.28)
+    tiny_model.zero_grad()
+    ref = _reference(tiny_model, samples, kind, objective.clip_low, objective.clip_high)
+    ref.backward()
+    want = {n: p.grad.clone() for n, p in tiny_model.named_parameters()}
+
+    tiny_model.zero_grad()
+    engine = TrainingEngine(tiny_model, [], tokenizer.pad_id)
+    sizes = {g: sum(s.group == g for s in samples) for g in {s.group for s in samples}}
+    weights = [1 / (sizes[s.group] * len(sizes)) if kind == "grpo" else 1.0 for s in samples]
+    own = sum(sum(s.loss_mask) if s.loss_mask else len(s.response_ids) for s in samples)
+    loss = surrogate_backward(engine, samples, normalized_advantages(samples), weights, objective, total_tokens=own,
+                              token_budget=20)
+    assert abs(loss - ref.item()) < 1e-5 * max(1.0, abs(ref.item()))
+    for n, p in tiny_model.named_parameters():
+        torch.testing.assert_close(p.grad, want[n], atol=1e-5, rtol=1e-4, msg=n)
+
+
+def test_clipped_tokens_give_no_gradient(tiny_model, tokenizer):
+    """A ratio above 1 + ε_high with a positive advantage (or below 1 − ε_low with a negative one) is clipped:
+    its token contributes nothing to the gradient."""
+    s = Sample(0, [5, 6, 7], [8, 9], [0.0, 0.0], 1.0)
+    with torch.no_grad():
+        exact = [float(x) for x in _token_logprobs(tiny_model, s)]
+    good = replace(s, old_logprobs=[exact[0] - 1.0, exact[1] - 1.0])  # ρ = e > 1.28 on both tokens
+    bad = replace(s, reward=0.0)
+    engine = TrainingEngine(tiny_model, [], tokenizer.pad_id)
+    tiny_model.zero_grad()
+    surrogate_backward(engine, [good, bad], [1.0, -1.0], [1.0, 1.0], Objective("dapo", clip_high=0.28),
+                       total_tokens=4, token_budget=64)  # the second: ρ = 1, A < 0, not clipped
+    g_both = {n: p.grad.clone() for n, p in tiny_model.named_parameters() if p.grad is not None}
+    tiny_model.zero_grad()
+    surrogate_backward(engine, [bad], [-1.0], [1.0], Objective("dapo", clip_high=0.28), total_tokens=4,
+                       token_budget=64)
+    for n, p in tiny_model.named_parameters():
+        if p.grad is not None:
+            torch.testing.assert_close(g_both[n], p.grad, msg=n)
+
+
+def test_advantages_and_overlong_shaping_by_hand():
+    group = [Sample(0, [1], [2], [0.0], r) for r in (1.0, 0.0, 0.0, 1.0)] + [Sample(1, [1], [2], [0.0], 3.0)]
+    adv = normalized_advantages(group)
+    assert [round(a, 4) for a in adv[:4]] == [1.0, -1.0, -1.0, 1.0] and adv[4] == 0.0  # mean 0.5, std 0.5
+    # L_max 40, L_c 8: no penalty up to 32 tokens, then a ramp to −1 at 40, −1 beyond
+    assert [overlong_penalty(n, 40, 8) for n in (20, 32, 36, 40, 41)] == [0.0, 0.0, -0.5, -1.0, -1.0]
+    assert overlong_penalty(39, 40, 0) == 0.0
+    long = [Sample(0, [1], list(range(36)), [0.0] * 36, 1.0), Sample(0, [1], [3], [0.0], 1.0)]
+    shaped = shape_lengths(long, Objective("dapo", overlong_buffer=8, max_tokens=40))
+    assert [s.reward for s in shaped] == [0.5, 1.0]
+    assert [s.reward for s in shape_lengths(long, Objective("grpo", overlong_buffer=8, max_tokens=40))] == [1.0, 1.0]
+
+
+def test_config_resolves_each_objective_and_an_update_reports_its_clip_fraction(tiny_model, tokenizer):
+    algo = parse_config({"algorithm": {"objective": "dapo"}, "rollout": {"max_tokens": 50}}).algorithm
+    assert algo.objective_settings(50) == Objective("dapo", tau=1.0, clip_low=0.2, clip_high=0.28,
+                                                    overlong_buffer=10, max_tokens=50)
+    grpo = parse_config({"algorithm": {"objective": "grpo", "clip_low": 0.1}}).algorithm.objective_settings(40)
+    assert (grpo.clip_low, grpo.clip_high, grpo.overlong_buffer) == (0.1, 0.1, 0)
+    with pytest.raises(Exception, match="objective"):
+        parse_config({"algorithm": {"objective": "ppo"}})
+    samples = _samples(tiny_model, tokenizer.vocab_size, random.Random(2))
+    params = [p for p in tiny_model.parameters()]
+    before = [p.detach().clone() for p in params]
+    engine = TrainingEngine(tiny_model, [torch.optim.SGD(params, lr=0.1)], tokenizer.pad_id)
+    steps = list(rl_update(engine, samples, tau=1.0, minibatches=2, token_budget=64, seed=0,
+                           objective=Objective("grpo")))
+    assert len(steps) == 2 and all(0.0 <= m["clip_fraction"] <= 1.0 for m in steps)
+    assert "k15_residual_mean" not in steps[0] and any(m["clip_fraction"] > 0 for m in steps)
+    assert any(not torch.equal(a, p) for a, p in zip(before, params, strict=True))
