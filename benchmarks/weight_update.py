@@ -3,6 +3,7 @@
     python -m benchmarks.weight_update --json                 # 1 GiB bf16, 2 workers
     python -m benchmarks.weight_update --workers 1 2 4 --bucket-mb 16 64 256   # a sweep
     python -m benchmarks.weight_update --fp8 --json           # FP8 replicas (owners quantise)
+    python -m benchmarks.weight_update --engine vllm --json   # into vLLM (benchmarks.weight_update_vllm)
 
 N checkpoint-engine worker processes own round-robin shares of a model-like parameter set; each
 has its own inference process that maps the IPC buffers and loads every parameter (or its row
@@ -119,7 +120,8 @@ def measure(gib: float, workers: int, bucket_mb: int, *, dtype: str = "bfloat16"
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.weight_update", description=__doc__.split("\n")[0])
     ap.add_argument("--gib", type=float, default=1.0, help="parameter bytes, in GiB (default 1)")
-    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    ap.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"],
+                    help="replica dtype (default bfloat16; float32 with --engine vllm, where tokens compare exactly)")
     ap.add_argument("--workers", type=int, nargs="+", default=[2], help="checkpoint-engine workers (several: a sweep)")
     ap.add_argument("--bucket-mb", type=int, nargs="+", default=[16], help="bucket MiB (several: a sweep)")
     ap.add_argument("--repeats", type=int, default=5, help="timed updates after the cold one")
@@ -131,7 +133,18 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rollback", choices=["swap", "journal", "none"], default=None,
                     help="how replicas keep the previous weights during an update (default swap on CPU)")
     ap.add_argument("--json", action="store_true", help="print only JSON records, one per line")
+    ap.add_argument("--engine", choices=["native", "vllm"], default="native",
+                    help="the replicas: synthetic tensors as the native engine loads them (default), or one vLLM "
+                         "engine on a saved model (--vllm-model, --dtype, --bucket-mb, --repeats apply)")
+    ap.add_argument("--vllm-model", default="100m", help="with --engine vllm: small or 100m (default)")
     args = ap.parse_args(argv)
+    if args.engine == "vllm":
+        from benchmarks.weight_update_vllm import measure_vllm
+
+        for b in args.bucket_mb:
+            print(json.dumps(measure_vllm(args.vllm_model, b, dtype=args.dtype or "float32", repeats=args.repeats,
+                                          floor_repeats=args.floor_repeats)), flush=True)
+        return
     if args.gib <= 0 or min(args.workers) < 1 or min(args.bucket_mb) < 1 or args.repeats < 1 or \
             args.floor_repeats < 2 or not 1 <= args.nodes <= min(args.workers):
         ap.error("--gib must be > 0, --workers, --bucket-mb, --repeats at least 1, --floor-repeats at least 2 and "
@@ -139,8 +152,9 @@ def main(argv: list[str] | None = None) -> None:
     records: list[dict] = []
     for w in args.workers:
         for b in args.bucket_mb:
-            rec = measure(args.gib, w, b, dtype=args.dtype, repeats=args.repeats, shard_inference=args.shard_inference,
-                          rollback=args.rollback, nodes=args.nodes, fp8=args.fp8, floor_repeats=args.floor_repeats)
+            rec = measure(args.gib, w, b, dtype=args.dtype or "bfloat16", repeats=args.repeats,
+                          shard_inference=args.shard_inference, rollback=args.rollback, nodes=args.nodes,
+                          fp8=args.fp8, floor_repeats=args.floor_repeats)
             records.append(rec)
             if args.json:
                 print(json.dumps(rec), flush=True)

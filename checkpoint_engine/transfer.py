@@ -11,6 +11,10 @@ the previous weights instead of a half-updated model. On GPU the journal copies 
 stream, one bucket ahead: bucket k+1's old bytes go to host memory while bucket k+1 is still
 travelling, and loading it only waits for that copy.
 
+An engine that cannot be written byte by byte (vLLM re-packs its weights for its kernels) takes the
+update as a stream instead (``WeightStream``): the receiver loads each bucket into its host copy and
+hands the engine the tensors that bucket completed, before it acknowledges the bucket.
+
 A live receiver also packs its weights into a bucket (``pack``): that is how a restarted replica
 catches up from it, point to point.
 """
@@ -19,13 +23,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from contextlib import nullcontext
+from typing import Protocol
 
 import torch
 
 from checkpoint_engine.buckets import BucketPlan, Piece, as_bytes, spec_of
 from checkpoint_engine.engine import ABORT, checksum, read_trailer, write_trailer
 from checkpoint_engine.shm import SharedBuffer
-from engines.training.offload import host_buffer
+from engines.device import host_buffer
 
 
 class PlanMismatchError(ValueError):
@@ -48,6 +53,21 @@ Placements = Mapping[str, tuple[str, int]]
 #: "journal": save the bytes about to be overwritten in host memory (device engines);
 #: "none": nothing kept; a failed update leaves the engine marked inconsistent.
 ROLLBACK_MODES = ("swap", "journal", "none")
+
+
+class WeightStream(Protocol):
+    """An engine that takes an update as it arrives: ``begin``, one ``feed`` per bucket (the tensors the
+    bucket completed, host tensors it may keep until the update ends), then ``commit`` or ``abort``."""
+
+    def begin(self, version: int) -> None: ...
+
+    def feed(self, version: int, bucket: int, tensors: dict[str, torch.Tensor]) -> None: ...
+
+    def commit(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
+        """Serve ``tensors`` (every weight, the update's) from now on."""
+
+    def abort(self) -> None:
+        """Drop the update in progress; serve the weights served before it."""
 
 
 #: position of the device index in ``torch.multiprocessing.reductions.rebuild_cuda_tensor``'s arguments
@@ -135,13 +155,19 @@ class WeightReceiver:
     ``load_hook`` maps a piece to byte ranges of the engine's own (possibly sharded) tensor; None
     means the engine holds every tensor whole. ``placements`` says where a plan tensor lives in an
     engine with another layout. ``on_commit`` receives the tensors to serve with after a complete
-    update (in "swap" mode they are new objects the engine must rebind to).
+    update (in "swap" mode they are new objects the engine must rebind to). ``stream`` also receives the
+    update bucket by bucket (``WeightStream``); with it the tensors must be held whole (no hook, no
+    placements) and a rollback ends with ``stream.abort()``.
     """
 
     def __init__(self, plan: BucketPlan, handles: list, tensors: dict[str, torch.Tensor],
                  load_hook: LoadHook | None = None, rollback: str | None = None,
                  on_commit: Callable[[dict[str, torch.Tensor]], None] | None = None,
-                 placements: Placements | None = None) -> None:
+                 placements: Placements | None = None, stream: WeightStream | None = None) -> None:
+        moved = any(n != t or o for n, (t, o) in (placements or {}).items())
+        if stream is not None and (load_hook is not None or moved):
+            raise ValueError("a weight stream takes whole tensors under the plan's names: no load hook or placements")
+        self.stream = stream
         self.placements = dict(placements or {})
         self.load_hook = load_hook or _full_tensor
         if rollback is None:
@@ -161,6 +187,7 @@ class WeightReceiver:
         self._loading: tuple[int, set[int]] | None = None
         self._written: dict[str, int] = {}
         self._dest: dict[str, torch.Tensor] = {}
+        self._into: dict[str, torch.Tensor] = {}  # the typed tensors behind _dest
         self._journal_buf: torch.Tensor | None = None
         self._journal: dict[int, list[tuple[torch.Tensor, int, int]]] = {}  # bucket -> (destination, at, bytes)
         self._journal_used = 0
@@ -216,13 +243,18 @@ class WeightReceiver:
             self._journal_ahead(bucket)
             if self._side is not None:
                 torch.cuda.current_stream(src.device).wait_event(self._ready.pop(bucket))
+        completed: dict[str, torch.Tensor] = {}
         for target, dst, lo, hi in self._targets(bucket, self._dest):
             dst.copy_(src[lo:hi])
             self._written[target] = self._written.get(target, 0) + hi - lo
+            if self._written[target] == self._dest[target].numel():  # a split tensor: with its last piece
+                completed[target] = self._into[target]
         if self.rollback_mode == "journal":
             self._journal_ahead(bucket + 1)  # on GPU: overlaps with the next bucket's way here
         if src.is_cuda:  # the sender overwrites this buffer once we return: our copies must be done
             torch.cuda.current_stream(src.device).synchronize()
+        if self.stream is not None:  # the engine holds our copies, never the IPC buffer the sender reuses
+            self.stream.feed(version, bucket, completed)
         self.loads += 1
         self._loading[1].add(bucket)
         if len(self._loading[1]) == len(self.plan.buckets):
@@ -259,16 +291,20 @@ class WeightReceiver:
             torch.cuda.synchronize()
         self._loading = None
         self._reset_journal()
+        if self.stream is not None:
+            self.stream.abort()
         return True
 
     def _begin(self, version: int) -> None:
         if self._loading is not None and not self.rollback():
             raise CorruptUpdateError(f"update {self._loading[0]} was left partly applied")
+        if self.stream is not None:  # first: an engine that refuses the version leaves nothing begun
+            self.stream.begin(version)
         self._loading, self._written = (version, set()), {}
         if self.rollback_mode == "swap" and self._shadow is None:
             self._shadow = {n: torch.empty_like(t) for n, t in self.tensors.items()}
-        into = self._shadow if self.rollback_mode == "swap" else self.tensors
-        self._dest = {n: as_bytes(t) for n, t in into.items()}
+        self._into = self._shadow if self.rollback_mode == "swap" else self.tensors
+        self._dest = {n: as_bytes(t) for n, t in self._into.items()}
         if self._side is not None:  # the journal must read the weights as the last update left them
             self._side.wait_stream(torch.cuda.current_stream())
 
@@ -277,8 +313,15 @@ class WeightReceiver:
             assert self._shadow is not None
             short = [n for n, t in self._shadow.items() if self._written.get(n, 0) != t.numel() * t.element_size()]
             if short:  # a byte not written would serve weights from two updates ago
-                self._loading = None
+                self.rollback()
                 raise CorruptUpdateError(f"update {version} did not cover every byte of {short[:4]}")
+        if self.stream is not None:
+            try:
+                self.stream.commit(version, self._into)
+            except BaseException:
+                self.rollback()
+                raise
+        if self.rollback_mode == "swap":
             self.tensors, self._shadow = self._shadow, self.tensors
         self.version, self._loading = version, None
         self._reset_journal()

@@ -148,7 +148,7 @@ class TrainerWorker:
         self.ckpt.update(self.sender.plan, tensors, version, self.reloader, offsets=offsets)
 
     def train(self, samples: list[Sample], ptx: list[PtxBatch], seed: int) -> Iterator[dict[str, float]]:
-        """Run the K1.5 (+ PTX) update on a rollout batch; yields metrics after each optimizer step."""
+        """Run the policy update (K1.5, GRPO or DAPO; + PTX) on a rollout batch; yields metrics after each step."""
         a, model = self.cfg.algorithm, self.engine.model
         reset_peak_memory(self.engine.device)
         tau_qk = self.cfg.optimizer.qk_clip_tau
@@ -157,6 +157,7 @@ class TrainerWorker:
                            ptx_coef=a.ptx.coef, rank=self.rank, world=self.world,
                            drop_equal_groups=a.drop_equal_reward_groups,
                            recompute_old=self.cfg.recompute_old_logprobs, correction=self.correction,
+                           objective=a.objective_settings(self.cfg.rollout.max_tokens),
                            after_step=lambda: qk_clip(model, tau_qk)):
             for k in ("loss", "ptx_loss"):  # each rank's share of the minibatch
                 if k in m:
@@ -238,6 +239,9 @@ class RolloutWorker:
     def attach(self, plan, handles: list) -> None:
         """Map the checkpoint engine's IPC buffers; checks the plan against this engine's tensors."""
         self._ipc = (plan, handles)
+        if getattr(self.engine, "streams_weights", False):  # vLLM: each bucket goes on into its running reload
+            self.receiver = WeightReceiver(plan, handles, self.engine.named_tensors(), stream=self.engine)
+            return
         self.receiver = WeightReceiver(plan, handles, self.engine.named_tensors(), on_commit=self.engine.swap_weights,
                                        placements=self.engine.weight_placements() or None)
 

@@ -10,6 +10,8 @@ import pytest
 import ray
 import torch
 
+from checkpoint_engine.buckets import spec_of
+from checkpoint_engine.child_sender import ChildSender, read_tensors
 from engines.inference.native import InferenceEngine
 from engines.inference.sampling import SamplingParams
 from engines.model.causal_lm import CausalLM
@@ -112,6 +114,110 @@ def test_vllm_an_in_place_update_serves_exactly_the_new_weights_and_abort_keeps_
     finally:
         engine.load_weights(iter(hub_state(model).items()))
     assert [c.token_ids for c in engine.generate(prompts, greedy)] == [c.token_ids for c in before]
+
+
+@pytest.fixture(scope="module")
+def sender(served):
+    """A checkpoint-engine worker in a child process whose buckets (8 KiB: many, tensors split across them)
+    reach the served vLLM engine through shared memory."""
+    engine, _ = served
+    with ChildSender([spec_of(n, t) for n, t in engine.named_tensors().items()], 8 << 10) as s:
+        yield s
+
+
+def _checkpoint(tokenizer, tmp_path, seed: int):
+    """A model of another seed, saved as a Hugging Face directory; and the native engine's greedy tokens on
+    it as loaded back from disk."""
+    save_pretrained(_model(tokenizer, seed), tokenizer, tmp_path)
+    want = InferenceEngine(load_pretrained(tmp_path).eval(), tokenizer.eos_ids, tokenizer.pad_id)
+    return tmp_path, [c.token_ids for c in want.generate(_prompts(tokenizer), SamplingParams(0.0, 24))]
+
+
+def _greedy(engine, tokenizer):
+    return [c.token_ids for c in engine.generate(_prompts(tokenizer), SamplingParams(0.0, 24))]
+
+
+@pytest.fixture
+def restore(served):
+    """Puts the served engine back on its start-up weights after a test that updates it."""
+    yield
+    engine, model = served
+    engine.abort()
+    engine.load_weights(iter(hub_state(model).items()))
+
+
+def test_vllm_update_streamed_bucket_by_bucket_serves_the_new_checkpoint(served, sender, tokenizer, tmp_path,
+                                                                         restore):
+    engine, _ = served
+    plan = sender.plan
+    split = [n for n in plan.tensors if sum(p.name == n for b in plan.buckets for p in b) > 1]
+    assert len(plan.buckets) > 8 and split
+    before = _greedy(engine, tokenizer)
+    new_dir, want = _checkpoint(tokenizer, tmp_path, 1)
+    recv = sender.receiver(engine.named_tensors(), stream=engine)
+    _, error = sender.update(recv, new_dir, 3)
+    assert error is None and recv.version == engine.weights_version == 3
+    assert _greedy(engine, tokenizer) == want != before
+    on_disk = read_tensors(new_dir)
+    assert all(torch.equal(engine.served_weights()[k], v) for k, v in on_disk.items())
+    # the receiver's host copy is what vLLM serves now (a catch-up packs from it): no second copy was kept
+    assert all(recv.tensors[k] is engine.served_weights()[k] for k in on_disk)
+
+
+def test_vllm_streamed_update_is_one_reload_that_takes_each_bucket_before_the_next_arrives(
+        served, sender, tokenizer, tmp_path, restore):
+    engine, _ = served
+    new_dir, want = _checkpoint(tokenizer, tmp_path, 2)
+    recv = sender.receiver(engine.named_tensors(), stream=engine)
+    reloads = engine.reloads
+    _, error = sender.update(recv, new_dir, 1)
+    assert error is None and engine.reloads == reloads + 1
+    n = len(sender.plan.buckets)
+    # vLLM's reload had handled every tensor bucket k completed (and asked for more) before bucket k+1 came
+    assert engine.stream_log == [(e, k) for k in range(n) for e in ("delivered", "taken")]
+    assert _greedy(engine, tokenizer) == want
+
+
+def test_vllm_update_aborted_midway_serves_the_old_weights_and_version(served, sender, tokenizer, tmp_path,
+                                                                      restore):
+    engine, _ = served
+    first, _ = _checkpoint(tokenizer, tmp_path / "v1", 1)
+    recv = sender.receiver(engine.named_tensors(), stream=engine)
+    assert sender.update(recv, first, 1)[1] is None
+    served_v1 = _greedy(engine, tokenizer)
+    second, want = _checkpoint(tokenizer, tmp_path / "v2", 2)
+    last = {n: max(k for k, b in enumerate(sender.plan.buckets) for p in b if p.name == n) for n in sender.plan.tensors}
+    qkv = [last[f"model.layers.1.self_attn.{x}_proj.weight"] for x in "qkv"]
+    bad = max(qkv)  # the bucket that would complete layer 1's fused q/k/v: vLLM holds part of that layer
+    assert min(qkv) < bad and bad > 1
+    _, error = sender.update(recv, second, 2, corrupt=bad)
+    assert error is not None and "checksum" in error
+    # vLLM had taken update 2 up to bucket `bad` (whole layers processed, one half-buffered): all rolled back
+    assert ("taken", bad - 1) in engine.stream_log and ("taken", bad) not in engine.stream_log
+    assert recv.consistent and recv.version == engine.weights_version == 1
+    assert _greedy(engine, tokenizer) == served_v1 != want
+    assert sender.update(recv, second, 2)[1] is None  # the next attempt goes through
+    assert _greedy(engine, tokenizer) == want
+
+
+def test_vllm_refuses_a_mismatched_update_version(served, sender, tokenizer, tmp_path, restore):
+    engine, _ = served
+    new_dir, _ = _checkpoint(tokenizer, tmp_path, 1)
+    recv = sender.receiver(engine.named_tensors(), stream=engine)
+    assert sender.update(recv, new_dir, 5)[1] is None
+    served_v5, reloads = _greedy(engine, tokenizer), engine.reloads
+    _, error = sender.update(recv, new_dir, 6, claim=7)  # the buckets say 6, the sender announces 7
+    assert error is not None and "holds bucket 0 of update 6" in error
+    _, error = sender.update(recv, new_dir, 4)  # older than what vLLM serves
+    assert error is not None and "older than" in error
+    assert engine.reloads == reloads and engine.weights_version == 5 and recv.consistent
+    engine.begin(6)
+    with pytest.raises(vllm_engine.VersionMismatchError, match="update 7 reached vLLM while update 6"):
+        engine.feed(7, 0, {})
+    with pytest.raises(RuntimeError, match="streaming"):
+        engine.generate(_prompts(tokenizer), SamplingParams(0.0, 4))
+    engine.abort()
+    assert engine.weights_version == 5 and _greedy(engine, tokenizer) == served_v5
 
 
 def test_vllm_partial_rollout_pauses_at_the_budget_and_resumes_with_the_same_prefix(served, tokenizer):

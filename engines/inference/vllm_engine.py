@@ -18,12 +18,20 @@ Weights: ``load_weights`` runs one in-place ``reload_weights`` of vLLM's model r
 kernels' layouts itself. It must see every weight in one call, so an update streams bucket by bucket
 through one iterable. The engine keeps a host copy of the weights it serves under checkpoint names
 (``served_weights``): what a restarted replica catches up to, and what an aborted update rolls back to.
+
+Through the checkpoint engine, an update is such a stream (``begin``, ``feed``, ``commit``, ``abort``,
+the receiver's ``WeightStream``): the reload runs in a thread from the update's first bucket on, its
+iterator fed from a queue; ``feed`` hands it the tensors a bucket completed (the receiver's own host
+copies, never views of the IPC buffer: vLLM keeps a tensor until its layer is complete) and returns once
+vLLM has taken them. An abort makes the iterator raise, then reloads the served weights in one call.
 """
 
 from __future__ import annotations
 
 import itertools
 import os
+import queue
+import threading
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,6 +52,14 @@ class VllmUnavailableError(RuntimeError):
 
 class UnsupportedByVllmError(ValueError):
     """vLLM has no implementation of the model's architecture."""
+
+
+class VersionMismatchError(RuntimeError):
+    """A weight update's version is not the one streaming, or older than the one served."""
+
+
+class UpdateAbortedError(RuntimeError):
+    """Raised inside vLLM's reload to stop a streamed update."""
 
 
 def vllm_available() -> bool:
@@ -77,7 +93,69 @@ class WeightLoader:
 
     def reload_from(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """One in-place reload over ``weights`` in checkpoint names and layout."""
-        self.model_runner.reload_weights(weights_iterator=iter(weights))
+        try:
+            self.model_runner.reload_weights(weights_iterator=iter(weights))
+        except BaseException:
+            # a stream that fails midway leaves its unfinished layers on the meta device with their loaders
+            # wrapped, and the next reload would skip re-initialising them: finish them (with whatever they
+            # got) so the rollback's reload starts clean
+            from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
+
+            finalize_layerwise_reload(self.model_runner.get_model(), self.model_runner.vllm_config.model_config)
+            raise
+
+
+_END = object()  # ends a stream's iterator
+
+
+class _Stream:
+    """One in-place reload of vLLM running in its own thread, its iterator fed bucket by bucket."""
+
+    def __init__(self, llm, version: int, cuda_index: int | None) -> None:
+        self.version = version
+        self.inbox: queue.Queue = queue.Queue()
+        self.acks: queue.Queue = queue.Queue()
+        self.log: list[tuple[str, int]] = []  # ("delivered" | "taken", bucket), in the order they happened
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, args=(llm, cuda_index), name=f"vllm-reload-{version}",
+                                       daemon=True)
+        self.thread.start()
+
+    def _pairs(self):
+        while (item := self.inbox.get()) is not _END:
+            if isinstance(item, BaseException):
+                raise item
+            bucket, pairs = item
+            yield from pairs
+            # vLLM asks for the next pair only after it has handled the last (and processed the layers it
+            # completed): the bucket's tensors are taken
+            self.log.append(("taken", bucket))
+            self.acks.put(bucket)
+
+    def _run(self, llm, cuda_index: int | None) -> None:
+        try:
+            if cuda_index is not None:  # the current device is per thread
+                torch.cuda.set_device(cuda_index)
+            with torch.no_grad():
+                llm.collective_rpc("reload_from", args=(self._pairs(),))
+        except BaseException as e:
+            self.error = e
+        finally:
+            self.acks.put(None)  # wakes a feed that waits for an ack that will not come
+
+    def feed(self, bucket: int, pairs: list[tuple[str, torch.Tensor]]) -> None:
+        """Hand vLLM a bucket's tensors; returns once it has taken them."""
+        self.log.append(("delivered", bucket))
+        self.inbox.put((bucket, pairs))
+        if self.acks.get() is None:
+            raise RuntimeError(f"vLLM's reload failed at bucket {bucket} of update {self.version}: "
+                               f"{type(self.error).__name__}: {self.error}") from self.error
+
+    def end(self, error: BaseException | None = None) -> BaseException | None:
+        """Close the iterator (``error``: make it raise) and wait for the reload; returns its failure."""
+        self.inbox.put(_END if error is None else error)
+        self.thread.join()
+        return self.error
 
 
 class VllmEngine(RolloutEngine):
@@ -131,6 +209,10 @@ class VllmEngine(RolloutEngine):
         self._sleep_level = 0
         self._weights_valid = True
         self._served: dict[str, torch.Tensor] | None = None  # host copy in checkpoint names, made on demand
+        self._stream: _Stream | None = None
+        self._last_stream: _Stream | None = None
+        self.weights_version: int | None = None  # of the last streamed update; None: the start-up checkpoint's
+        self.reloads = 0  # vLLM reload_weights calls, over the engine's life
         self.generated = 0
         self.peak_running = 0
         self.peak_blocks = 0
@@ -228,15 +310,15 @@ class VllmEngine(RolloutEngine):
 
     def named_tensors(self) -> dict[str, torch.Tensor]:
         """The host copy of the served weights in checkpoint names: vLLM's own tensors cannot be written in
-        place byte by byte (its CPU kernels re-pack them), so an update lands here and ``swap_weights``
-        reloads vLLM from it."""
+        place byte by byte (its CPU kernels re-pack them), so an update lands in a second such copy and goes
+        on into vLLM's reload from there (``feed``, or ``swap_weights`` at the end)."""
         return self.served_weights()
 
     def weight_placements(self) -> dict[str, tuple[str, int]]:
         """Every checkpoint tensor is its own named tensor (no fused layout on this side)."""
         return {name: (name, 0) for name in self.served_weights()}
 
-    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]], version: int | None = None) -> None:
         """One in-place reload over every weight, in checkpoint names (a stream: consumed once, in order).
         If the stream fails midway, the weights served before are loaded back and the error re-raised."""
         kept: dict[str, torch.Tensor] = {}
@@ -247,22 +329,89 @@ class VllmEngine(RolloutEngine):
                 yield name, t
 
         self._reload(keep(tensors))
-        self._served = kept
+        self._served, self.weights_version = kept, version
 
-    def swap_weights(self, tensors: Mapping[str, torch.Tensor]) -> None:
+    def swap_weights(self, tensors: Mapping[str, torch.Tensor], version: int | None = None) -> None:
         """Serve with ``tensors`` (checkpoint names, host memory the engine may keep)."""
         self._reload(iter(tensors.items()))
-        self._served = dict(tensors)
+        self._served, self.weights_version = dict(tensors), version
 
     def _reload(self, pairs: Iterable[tuple[str, torch.Tensor]]) -> None:
+        if self._stream is not None:
+            raise RuntimeError(f"update {self._stream.version} is streaming into vLLM; commit or abort it first")
         previous = self.served_weights()
+        self.reloads += 1
         try:
             self.llm.collective_rpc("reload_from", args=(pairs,))
         except BaseException:
-            self.llm.collective_rpc("reload_from", args=(iter(previous.items()),))
-            self.weights_loaded()
+            self._restore(previous)
             raise
         self.weights_loaded()
+
+    def _restore(self, previous: Mapping[str, torch.Tensor]) -> None:
+        self.reloads += 1
+        self.llm.collective_rpc("reload_from", args=(iter(previous.items()),))
+        self.weights_loaded()
+
+    # --- a streamed update (the checkpoint engine receiver's WeightStream) ----------------------
+
+    streams_weights = True
+
+    def begin(self, version: int) -> None:
+        """Start update ``version``: one reload whose iterator the buckets feed as they arrive."""
+        if self._stream is not None:
+            raise VersionMismatchError(f"update {self._stream.version} is streaming into vLLM; update {version} "
+                                       "cannot start before it commits or aborts")
+        if self.weights_version is not None and version < self.weights_version:
+            raise VersionMismatchError(f"update {version} is older than the served weights' {self.weights_version}")
+        self.served_weights()  # what an abort restores must exist before vLLM's weights change
+        self.reloads += 1
+        cuda_index = torch.cuda.current_device() if self.device.type == "cuda" else None
+        self._stream = self._last_stream = _Stream(self.llm, version, cuda_index)
+
+    def feed(self, version: int, bucket: int, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Give vLLM the tensors bucket ``bucket`` completed (host tensors that stay untouched until the update
+        ends); returns once vLLM has taken them. A failed reload is rolled back, then raised."""
+        stream = self._streaming(version)
+        try:
+            stream.feed(bucket, list(tensors.items()))
+        except BaseException:
+            self.abort()
+            raise
+
+    def commit(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
+        """End update ``version``: vLLM finishes its reload and serves ``tensors`` (the update's host copy)."""
+        stream = self._streaming(version)
+        self._stream = None
+        error = stream.end()
+        if error is not None:
+            self._restore(self.served_weights())
+            raise RuntimeError(f"vLLM's reload of update {version} failed: {type(error).__name__}: {error}") \
+                from error
+        self._served, self.weights_version = dict(tensors), version
+        self.weights_loaded()
+
+    def abort(self) -> None:
+        """Stop the update streaming in (if any) and serve the weights served before it again."""
+        stream, self._stream = self._stream, None
+        if stream is None:
+            return
+        stream.end(UpdateAbortedError(f"update {stream.version} aborted"))
+        self._restore(self.served_weights())
+
+    @property
+    def stream_log(self) -> list[tuple[str, int]]:
+        """The last streamed update's ("delivered" | "taken", bucket) events, in order: "taken" once vLLM's
+        reload has handled every tensor the bucket completed and asks for more."""
+        return list(self._last_stream.log) if self._last_stream is not None else []
+
+    def _streaming(self, version: int) -> _Stream:
+        if self._stream is None:
+            raise VersionMismatchError(f"no update is streaming into vLLM (bucket of update {version})")
+        if version != self._stream.version:
+            raise VersionMismatchError(f"a bucket of update {version} reached vLLM while update "
+                                       f"{self._stream.version} is streaming in")
+        return self._stream
 
     def weights_loaded(self) -> None:
         """Drop what was computed with the old weights (vLLM's prefix cache)."""
@@ -299,6 +448,8 @@ class VllmEngine(RolloutEngine):
     # --- internals ------------------------------------------------------------------------
 
     def _check_awake(self) -> None:
+        if self._stream is not None:  # half of vLLM's layers are being replaced
+            raise RuntimeError(f"update {self._stream.version} is streaming into vLLM; generate after it ends")
         if self._sleep_level:
             raise RuntimeError("inference engine is asleep; call wake_up() first")
         if not self._weights_valid:
