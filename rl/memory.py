@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engines.inference.kv_cache import bytes_per_slot, gather_bytes, paged_pool
+from engines.inference.kv_cache import BLOCK_SIZE, bytes_per_slot, bytes_per_token, gather_bytes, paged_pool
 from engines.model.arch import ModelConfig
 from rl.config import Config
 from rl.errors import UserError
@@ -176,9 +176,12 @@ def estimate(cfg: Config, arch: ModelConfig, max_seq_len: int) -> MemoryEstimate
     level = cfg.rollout.sleep_level
     decode = 0
     if cfg.rollout.attention == "torch":  # flex reads the pool in place
-        # on a GPU the captured step's width is a power of two (cuda_graphs.bucket), at least 64
-        width = max(64, 1 << (max_seq_len - 1).bit_length()) if cfg.cluster.gpus_per_worker > 0 else max_seq_len
-        decode = gather_bytes(arch, cfg.rollout.max_batch, width, rollout_dtype)  # any row may be the widest
+        # every row is gathered at the widest one's length, which the pool also bounds; each row holds a block
+        tokens = kv // bytes_per_token(arch, rollout_dtype)
+        width, rows = min(max_seq_len, tokens), min(cfg.rollout.max_batch, max(1, tokens // BLOCK_SIZE))
+        if cfg.cluster.gpus_per_worker > 0:  # a captured step's width is a power of two (cuda_graphs.bucket)
+            width = max(64, 1 << (max(width, 1) - 1).bit_length())
+        decode = gather_bytes(arch, rows, width, rollout_dtype)
     rollout_phase = replica + kv + decode + (0 if cfg.trainer.offload else trainer)
     train_phase = trainer + work + (replica if level < 2 else 0) + (kv if level == 0 else 0)
     # on a GPU these wait in page-locked host memory (engines.device.host_buffer, exact sizes): the trainer while
