@@ -7,6 +7,7 @@ weights, optimizer state) is in ``trainer/``, written by every rank (``engines.t
 
 from __future__ import annotations
 
+import errno
 import json
 import shutil
 import zipfile
@@ -14,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rl.errors import UserError
+from rl.errors import CommandFailed, UserError
 
 STATE_FILE = "state.json"
 #: what a saved model carries over from the starting directory: the tokenizer in every format transformers
@@ -46,15 +47,46 @@ def copy_tokenizer(src: Path, dst: Path) -> None:
             shutil.copy2(src / name, dst / name)
 
 
+class SaveFailed(CommandFailed):
+    """A checkpoint could not be written (a full or failing disk); the last complete one is untouched."""
+
+
+def _disk_full(err: BaseException) -> bool:
+    """Whether ``err`` (possibly raised in a worker and passed on by Ray) is a full disk or quota."""
+    chain = [err, err.__cause__, getattr(err, "cause", None)]
+    return any(getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT) for e in chain if e is not None) or \
+        "No space left on device" in str(err) or "Disk quota exceeded" in str(err)
+
+
+def _tree_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.is_dir() else 0
+
+
 def save_checkpoint(run_dir: Path, state: LoopState, write_weights, tokenizer_dir: Path, keep: int) -> Path:
-    """``write_weights(dir)`` writes model and optimizer; then state; then an atomic rename."""
+    """``write_weights(dir)`` writes model and optimizer; then state; then an atomic rename. A save that fails
+    removes what it wrote and raises ``SaveFailed`` in one line (the bytes a checkpoint needs, the last one kept)."""
     final = checkpoint_dir(run_dir, state.iteration)
     tmp = final.with_name(final.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    write_weights(str(tmp))
-    copy_tokenizer(tokenizer_dir, tmp)
-    (tmp / STATE_FILE).write_text(json.dumps(asdict(state), indent=2))
+    previous = list_checkpoints(run_dir)
+    try:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        write_weights(str(tmp))
+        copy_tokenizer(tokenizer_dir, tmp)
+        (tmp / STATE_FILE).write_text(json.dumps(asdict(state), indent=2))
+    except Exception as e:
+        written = _tree_bytes(tmp)
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not isinstance(e, OSError) and not _disk_full(e):
+            raise
+        last = f"the last checkpoint, {previous[-1]}, is intact (--resume {run_dir})" if previous else \
+            "no earlier checkpoint exists"
+        need = _tree_bytes(previous[-1]) if previous else 0
+        size = f"a checkpoint takes about {need:,} bytes" if need else f"{written:,} bytes written before it failed"
+        why = "no space left on the device" if _disk_full(e) else \
+            f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
+        free = shutil.disk_usage(run_dir).free if run_dir.exists() else 0
+        raise SaveFailed(f"saving checkpoint {final} failed: {why} ({size}, {free:,} free); {last}") from None
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)
     for old in list_checkpoints(run_dir)[:-keep]:
