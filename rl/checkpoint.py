@@ -35,6 +35,8 @@ class LoopState:
     partial: dict[str, Any] = field(default_factory=dict)  # the partial-rollout buffer
     workers: int = 1            # trainer ranks that wrote the trainer state (any count may resume it)
     initial_accuracy_sampled: float | None = None
+    rollbacks: int = 0          # collapses rolled back so far (rl.health.CollapseGuard)
+    best_accuracy: float | None = None  # the best held-out accuracy so far (what best/ holds)
 
 
 def checkpoint_dir(run_dir: Path, iteration: int) -> Path:

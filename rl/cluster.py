@@ -219,6 +219,10 @@ class Cluster:
         """Master weights and optimizer state of a checkpoint (saved by any number of workers)."""
         ray.get([t.load_state.remote(directory) for t in self.trainers])
 
+    def scale_lr(self, factor: float) -> float:
+        """Multiply the trainers' learning rates by ``factor``; returns the new rate (of the first parameter group)."""
+        return ray.get([t.scale_lr.remote(factor) for t in self.trainers])[0]
+
     def close(self) -> None:
         try:
             ray.get([t.close.remote() for t in self.trainers], timeout=30)

@@ -39,6 +39,14 @@ class RunConfig(Strict):
                                       "model and summary, and ends")
     max_env_error_rate: float = Field(0.5, ge=0, le=1, description="stop when a larger share of an iteration's "
                                       "episodes fails in its environment (the first error is named)")
+    collapse_guard: bool = Field(True, description="roll back to the best evaluated weights (kept in best/ with "
+                                 "their trainer state) when the run collapses: held-out accuracy collapse_drop below "
+                                 "the best, or the mean reward halving (rl.health)")
+    collapse_drop: float = Field(0.1, gt=0, le=1, description="held-out accuracy this far below the best so far "
+                                 "counts as a collapse")
+    max_rollbacks: int = Field(3, ge=0, description="collapses rolled back before the run stops with a message")
+    rollback_lr_factor: float = Field(0.5, gt=0, le=1, description="each rollback multiplies the learning rate by "
+                                      "this")
 
 
 class ClusterConfig(Strict):

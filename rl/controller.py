@@ -8,6 +8,7 @@ device only between its onload and offload; the checkpoint engine then moves the
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from pathlib import Path
 
@@ -26,13 +27,14 @@ from rl.episodes import env_class, task_type_of
 from rl.errors import UserError
 from rl.guards import (
     Budget,
+    TrainingStopped,
     check_cluster_fits,
     check_error_rate,
     check_max_tokens,
     check_sample_rewards,
     check_writable,
 )
-from rl.health import HealthMonitor
+from rl.health import CollapseGuard, HealthMonitor
 from rl.memory import check_fits, estimate
 from rl.metrics import MetricsLog, plot_curves
 from rl.multiturn import play_episodes
@@ -86,12 +88,29 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, console: Console | N
                 sampled = "" if initial_sampled is None else \
                     f", sampled {initial_sampled:.3f} (mean of {cfg.run.eval_samples} at the rollout temperature)"
                 console.print(f"warm start: held-out accuracy {initial:.3f} on {len(tasks.eval)} prompts{sampled}")
+            rollbacks = state.rollbacks if state else 0
+            guard = CollapseGuard(cfg.run.collapse_drop, state.best_accuracy if state else None) \
+                if cfg.run.collapse_guard else None
+            if guard is not None and guard.improved({"accuracy": initial}):  # the warm start is the first best
+                save_best(cluster, run_dir, start_dir, -1, initial)
             cluster.offload_trainers()
             first = state.iteration + 1 if state else 0
             for it in range(first, cfg.run.iterations):
                 rec = iteration(cluster, cfg, tasks, tok, it, progress, buffer, ptx)
                 for warning in health.check(rec):
                     console.print(f"[bold yellow]warning:[/] iter {it}: {warning}")
+                if guard is not None and guard.improved(rec):
+                    save_best(cluster, run_dir, start_dir, it, rec["accuracy"])
+                elif guard is not None and (why := guard.verdict(rec)):
+                    if rollbacks >= cfg.run.max_rollbacks:
+                        log.record({**rec, "rollbacks": rollbacks})
+                        raise TrainingStopped(f"iteration {it}: {why}, and {rollbacks} rollback(s) already "
+                                              f"(run.max_rollbacks); the best weights are in {run_dir / BEST_DIR}")
+                    rollbacks, lr = roll_back(cluster, cfg, run_dir, it, why, rollbacks, console)
+                    buffer = PartialRolloutBuffer(cfg.rollout.partial.max_age)  # sampled by the collapsed policy
+                    health.rolled_back()
+                    rec.update(rollback=1, lr_after_rollback=lr)
+                rec["rollbacks"] = rollbacks
                 if budget.reached() and it + 1 < cfg.run.iterations:
                     stopped = "max_minutes"
                     if rec["accuracy"] is None:  # end on a measured model, as a run that ran out of iterations
@@ -99,7 +118,7 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, console: Console | N
                 log.record(rec)
                 if (it + 1) % cfg.run.save_every == 0 or it + 1 == cfg.run.iterations or stopped:
                     loop = LoopState(it, initial, budget.elapsed(), cluster.weights_version, buffer.state_dict(),
-                                     cfg.cluster.workers, initial_sampled)
+                                     cfg.cluster.workers, initial_sampled, rollbacks, guard and guard.best)
                     save_checkpoint(run_dir, loop, cluster.save, start_dir, cfg.run.keep_checkpoints)
                 if stopped:
                     console.print(f"run.max_minutes={cfg.run.max_minutes:g} reached after iteration {it} "
@@ -118,6 +137,8 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, console: Console | N
             "final_accuracy_sampled": sampled[-1] if sampled else initial_sampled} if initial_sampled is not None
            else {}),
         "iterations": len(log.records),
+        "rollbacks": sum(r.get("rollback", 0) for r in log.records),
+        **({"best_model": str(run_dir / BEST_DIR)} if (run_dir / BEST_DIR).is_dir() else {}),
         "wall_s": round(budget.elapsed(), 2),
         "final_model": str(final_dir),
         **({"stopped_by": stopped} if stopped else {}),
@@ -125,6 +146,38 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, console: Console | N
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     plot_curves(log.records, run_dir / "curves.png", initial, initial_sampled)
     return summary
+
+
+BEST_DIR = "best"
+
+
+def save_best(cluster: Cluster, run_dir: Path, start_dir: Path, it: int, accuracy: float) -> None:
+    """``best/``: the best evaluated weights (Hugging Face format, as ``final/``) with their trainer state, which
+    a rollback returns to; written aside and renamed into place."""
+    best, tmp = run_dir / BEST_DIR, run_dir / f"{BEST_DIR}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    cluster.save(str(tmp), trainer_state=True)
+    copy_tokenizer(start_dir, tmp)
+    (tmp / "best.json").write_text(json.dumps({"iteration": it, "accuracy": accuracy}))
+    shutil.rmtree(best, ignore_errors=True)
+    tmp.rename(best)
+
+
+def roll_back(cluster: Cluster, cfg: Config, run_dir: Path, it: int, why: str, done: int,
+              console: Console) -> tuple[int, float]:
+    """Return the trainers and every inference engine to ``best/``, scale the learning rate; returns the rollbacks
+    so far and the new rate."""
+    best = run_dir / BEST_DIR
+    if not (best / "best.json").is_file():
+        raise TrainingStopped(f"iteration {it}: {why}, and no best/ to roll back to (run.collapse_guard was off)")
+    cluster.load_state(str(best))
+    lr = cluster.scale_lr(cfg.run.rollback_lr_factor)
+    cluster.update_weights()
+    came_from = json.loads((best / "best.json").read_text())["iteration"]
+    console.print(f"[bold yellow]rollback:[/] iter {it}: {why}; back to best/ (iteration {came_from}), learning rate "
+                  f"now {lr:.3g} (rollback {done + 1} of at most {cfg.run.max_rollbacks})")
+    return done + 1, lr
 
 
 def new_groups(cfg: Config, tasks, tok: TextTokenizer, it: int,

@@ -8,6 +8,11 @@ Each iteration's record is checked against the run's own history (so a resumed r
   of the best such mean so far (a too large learning rate typically does this within a few iterations);
 - ``warn_no_signal``: no prompt group had rewards that differ, so the RL loss was empty.
 Each is 1 on the iterations where it holds and 0 otherwise.
+
+``CollapseGuard`` turns them into action (``run.collapse_guard``): held-out accuracy ``collapse_drop``
+below the best evaluated so far, or a reward collapse, makes the controller roll back to the best
+weights (``best/``, saved with their trainer state at each new best), scale the learning rate by
+``rollback_lr_factor`` and go on; after ``max_rollbacks`` the run stops.
 """
 
 from __future__ import annotations
@@ -56,7 +61,39 @@ class HealthMonitor:
             out.append("no prompt group had rewards that differ: the RL loss was empty this iteration")
         return out
 
+    def rolled_back(self) -> None:
+        """The weights went back to an earlier, better state: the collapsed iterations' rewards no longer count
+        (the window fills again before a reward collapse can be flagged), the best mean stays the bar."""
+        self.rewards.clear()
+
     def replay(self, records: list[dict[str, Any]]) -> None:
         """Catch up with the iterations of an earlier attempt (``--resume``)."""
         for rec in records:
             self.check(dict(rec))
+            if rec.get("rollback"):
+                self.rolled_back()
+
+
+class CollapseGuard:
+    """Judges each iteration's record; keeps the best held-out accuracy seen (the warm start's included)."""
+
+    def __init__(self, drop: float, best: float | None = None) -> None:
+        self.drop, self.best = drop, best
+
+    def improved(self, rec: dict[str, Any]) -> bool:
+        """Whether ``rec`` evaluated a new best held-out accuracy (then ``best`` is it)."""
+        acc = rec.get("accuracy")
+        if acc is None or (self.best is not None and acc <= self.best):
+            return False
+        self.best = acc
+        return True
+
+    def verdict(self, rec: dict[str, Any]) -> str | None:
+        """Why the run is collapsing at this record (``HealthMonitor.check`` ran on it), or None."""
+        acc = rec.get("accuracy")
+        if acc is not None and self.best is not None and acc < self.best - self.drop:
+            return f"held-out accuracy {acc:.3f} is more than {self.drop:g} below the best {self.best:.3f}"
+        if rec.get("warn_reward_collapse"):
+            return "the mean reward collapsed"
+        return None
+

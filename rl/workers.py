@@ -200,6 +200,13 @@ class TrainerWorker:
             if self.world > 1:
                 dist.barrier()
 
+    def scale_lr(self, factor: float) -> float:
+        """Multiply every optimizer's learning rate by ``factor`` (a rollback); returns the first group's new rate."""
+        for opt in self.engine.optimizers:
+            for group in opt.param_groups:
+                group["lr"] = float(group["lr"]) * factor
+        return float(self.engine.optimizers[0].param_groups[0]["lr"])
+
     def load_state(self, directory: str) -> None:
         """Master weights and optimizer state from a checkpoint, whatever the worker count that saved it;
         collective. A checkpoint of the earlier format (one ``optimizer.pt`` of per-rank states) needs the

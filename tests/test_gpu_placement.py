@@ -1,6 +1,8 @@
 """cluster.gpus_per_worker: each colocated worker's placement-group bundle takes its GPUs, and the
 worker's trainer and inference actors both see them. Ray's GPU resources are declared on this CPU
-machine, so the placement is what is under test here, not CUDA."""
+machine, so the placement is what is under test here, not CUDA: a worker given GPUs refuses to run without
+CUDA (``rl.workers.worker_device``), so each Ray worker process here is set up to compute on the CPU instead
+(the stand-in for the GPUs this machine does not have)."""
 
 from __future__ import annotations
 
@@ -17,8 +19,12 @@ from rl.cluster import Cluster
 from rl.warmstart import prepare_model
 from tests.test_run import tiny
 
+def on_the_cpu():
+    import rl.workers
+    rl.workers.worker_device = lambda cfg: "cpu"
+
 ray.init(num_cpus=2, num_gpus=2, include_dashboard=False, logging_level=logging.ERROR, log_to_driver=False,
-         object_store_memory=200 * 2**20)
+         object_store_memory=200 * 2**20, runtime_env={"worker_process_setup_hook": on_the_cpu})
 cfg = tiny(cluster={"workers": 2, "gpus_per_worker": 1})
 with Cluster(cfg, str(prepare_model(cfg))) as cluster:
     def seen(actor):

@@ -1,6 +1,6 @@
 """Learning-health warnings: entropy and reward collapse, iterations without signal, and their replay on resume."""
 
-from rl.health import HealthMonitor
+from rl.health import CollapseGuard, HealthMonitor
 
 
 def _rec(it, reward, entropy=None, **kw):
@@ -45,3 +45,34 @@ def test_an_iteration_without_signal_is_flagged_and_a_resume_replays_history():
     resumed.replay(history)
     a, b = _rec(2, 0.3, 0.2), _rec(2, 0.3, 0.2)
     assert fresh.check(a) == resumed.check(b) and a["warn_entropy_collapse"] == b["warn_entropy_collapse"] == 1
+
+
+def test_collapse_guard_keeps_the_best_and_judges_drops_and_reward_collapse():
+    guard = CollapseGuard(drop=0.1, best=None)
+    assert guard.improved({"accuracy": 0.34}) and guard.best == 0.34  # the warm start is the first best
+    assert guard.verdict({"accuracy": None}) is None  # no evaluation, no reward collapse: nothing to judge
+    assert not guard.improved({"accuracy": 0.30}) and guard.verdict({"accuracy": 0.30}) is None  # within the drop
+    assert guard.improved({"accuracy": 0.40}) and guard.best == 0.40
+    why = guard.verdict({"accuracy": 0.29})
+    assert why == "held-out accuracy 0.290 is more than 0.1 below the best 0.400"
+    assert guard.verdict({"accuracy": None, "warn_reward_collapse": 1}) == "the mean reward collapsed"
+    assert CollapseGuard(0.1, best=0.5).verdict({"accuracy": 0.41}) is None  # resumed with its best
+
+
+def test_after_a_rollback_the_reward_window_fills_again_before_it_can_flag():
+    health = HealthMonitor(window=2)
+    recs = [{"reward_mean": r} for r in (0.6, 0.6, 0.1, 0.1)]
+    for r in recs:
+        health.check(r)
+    assert recs[-1]["warn_reward_collapse"] == 1
+    health.rolled_back()
+    after = [{"reward_mean": 0.1}, {"reward_mean": 0.6}]
+    health.check(after[0])
+    health.check(after[1])
+    assert after[0]["warn_reward_collapse"] == 0  # one iteration: the window is not full yet
+    assert after[1]["warn_reward_collapse"] == 0  # (0.1 + 0.6) / 2 is no collapse against 0.6
+    replayed = HealthMonitor(window=2)
+    replayed.replay([*recs[:3], {**recs[3], "rollback": 1}])
+    probe = {"reward_mean": 0.1}
+    replayed.check(probe)
+    assert probe["warn_reward_collapse"] == 0  # the replay cleared the window at the rollback too

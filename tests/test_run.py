@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from engines.inference.sampling import SamplingParams
 from envs.arithmetic import ArithmeticEnv
 from rl.algorithm import Sample
-from rl.checkpoint import LoopState, latest_checkpoint, save_checkpoint
+from rl.checkpoint import LoopState, SaveFailed, latest_checkpoint, save_checkpoint
 from rl.cluster import Cluster
 from rl.config import parse_config
 from rl.controller import train
@@ -174,8 +174,9 @@ def test_failed_save_leaves_last_checkpoint_intact(tmp_path):
         open(f"{d}/model.safetensors", "w").write("half")
         raise OSError("disk full")
 
-    with pytest.raises(OSError):
+    with pytest.raises(SaveFailed, match=r"iter_000009 failed: OSError: disk full .*iter_000004, is intact"):
         save_checkpoint(tmp_path, LoopState(9, 0.1, 2.0), broken, tmp_path / "tok", keep=2)
+    assert not (tmp_path / "checkpoints" / "iter_000009.tmp").exists()  # what it wrote is gone
     ckpt, state = latest_checkpoint(tmp_path)
     assert state.iteration == 4 and torch.equal(load_file(str(ckpt / "model.safetensors"))["w"], torch.ones(3))
 
