@@ -199,7 +199,10 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("no CUDA device here; --dry-run runs the plan on the CPU")
     gpus = 0 if a.dry_run else torch.cuda.device_count()
     gpu_name = "CPU (dry run)" if a.dry_run else torch.cuda.get_device_name(0)
-    steps = [s for s in plan(a.dry_run, gpus, vllm_installed())
+    # importing vLLM takes seconds: only ask when its decode step could run
+    wants_vllm = (not a.only or "decode" in a.only) and "decode" not in a.skip and \
+        (not a.attention or "vllm-both" in a.attention)
+    steps = [s for s in plan(a.dry_run, gpus, wants_vllm and vllm_installed())
              if (not a.only or s.name in a.only) and s.name not in a.skip
              and (not a.attention or s.extra.get("attention", a.attention[0]) in a.attention)
              and (not a.weights or s.extra.get("weights", a.weights[0]) in a.weights)]
