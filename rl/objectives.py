@@ -74,10 +74,9 @@ def overlong_penalty(length: int, max_tokens: int, buffer: int) -> float:
 
 
 def token_weights(kind: str, own: torch.Tensor, seq_weights: torch.Tensor, total_tokens: int) -> torch.Tensor:
-    """c_{i,t} [B, T] such that the loss is −Σ c·min(...): GRPO averages each response's own tokens and weighs
-    it by ``seq_weights`` (1/(K·G) times any correction), DAPO weighs every own token of the minibatch
-    (``total_tokens`` over all ranks) equally, times its response's correction factor (``seq_weights``
-    relative to 1/(K·G) is passed in already as a factor for DAPO)."""
+    """c_{i,t} [B, T] such that the loss is −Σ c·min(...), over the model's own tokens (``own``). GRPO: each
+    response's tokens averaged, times ``seq_weights`` (1/(K·G), times any mismatch correction). DAPO: every own
+    token of the minibatch (``total_tokens``, all ranks) alike, times ``seq_weights`` (the correction alone)."""
     own = own.float()
     if kind == "grpo":
         return own * (seq_weights / own.sum(-1).clamp(min=1))[:, None]
