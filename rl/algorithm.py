@@ -201,6 +201,19 @@ def _per_token(samples: Sequence[Sample], layout: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _scored_parts(engine: TrainingEngine, samples: Sequence[Sample], token_budget: int, rank: int, world: int,
+                  max_items: int | None) -> Iterator[tuple[list[int], list[Sample], TokenScores]]:
+    """This rank's micro-batches (``plan_micro_batches``), each scored by ``engine``: (indices, samples, scores).
+    The caller backpropagates each; once they are done, dummy passes pad this rank to its peers' count."""
+    plans = plan_micro_batches(_lengths(samples), token_budget, world, max_items)
+    for part in plans[rank]:
+        chosen = [samples[i] for i in part]
+        yield part, chosen, engine.score([s.prompt_ids for s in chosen], [s.response_ids for s in chosen],
+                                         [s.temperature for s in chosen])
+    for _ in range(max(len(p) for p in plans) - len(plans[rank])):
+        engine.dummy_backward()
+
+
 def k15_backward(engine: TrainingEngine, samples: Sequence[Sample], advantages: Sequence[float],
                  weights: Sequence[float], *, tau: float, token_budget: int, rank: int = 0, world: int = 1,
                  max_items: int | None = None, measures: Measures | None = None, measure_tokens: bool = False) -> float:
@@ -212,12 +225,7 @@ def k15_backward(engine: TrainingEngine, samples: Sequence[Sample], advantages: 
     ``measures`` collects the residuals (and, with ``measure_tokens``, the per-token diagnostics).
     """
     total = 0.0
-    plans = plan_micro_batches(_lengths(samples), token_budget, world, max_items)
-    parts, passes = plans[rank], max(len(p) for p in plans)
-    for part in parts:
-        chosen = [samples[i] for i in part]
-        scores = engine.score([s.prompt_ids for s in chosen], [s.response_ids for s in chosen],
-                              [s.temperature for s in chosen])
+    for part, chosen, scores in _scored_parts(engine, samples, token_budget, rank, world, max_items):
         lp = scores.logprobs
         if any(s.loss_mask is not None for s in chosen):
             lp = lp * _own_tokens(chosen, scores.mask)
@@ -232,8 +240,6 @@ def k15_backward(engine: TrainingEngine, samples: Sequence[Sample], advantages: 
             measures.add_residuals(adv - tau * (new.detach() - old))
             if measure_tokens:
                 measures.add_tokens(chosen, scores)
-    for _ in range(passes - len(parts)):
-        engine.dummy_backward()
     return total
 
 
@@ -245,12 +251,7 @@ def surrogate_backward(engine: TrainingEngine, samples: Sequence[Sample], advant
     returns this rank's loss. ``weights``: per response, 1/(K·G) (GRPO) or 1 (DAPO), times any mismatch
     correction; ``total_tokens``: the minibatch's own tokens over all ranks (DAPO's token mean)."""
     total = 0.0
-    plans = plan_micro_batches(_lengths(samples), token_budget, world, max_items)
-    parts, passes = plans[rank], max(len(p) for p in plans)
-    for part in parts:
-        chosen = [samples[i] for i in part]
-        scores = engine.score([s.prompt_ids for s in chosen], [s.response_ids for s in chosen],
-                              [s.temperature for s in chosen])
+    for part, chosen, scores in _scored_parts(engine, samples, token_budget, rank, world, max_items):
         own = scores.mask & _own_tokens(chosen, scores.mask)
         old = _per_token(chosen, scores.mask)
         dev = scores.logprobs.device
@@ -266,8 +267,6 @@ def surrogate_backward(engine: TrainingEngine, samples: Sequence[Sample], advant
             measures.scored += scored
             if measure_tokens:
                 measures.add_tokens(chosen, scores)
-    for _ in range(passes - len(parts)):
-        engine.dummy_backward()
     return total
 
 
