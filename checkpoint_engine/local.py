@@ -263,27 +263,19 @@ class LocalRun:
     results: dict[int, dict] = field(default_factory=dict)
 
 
-def run_scenario(specs: list[TensorSpec], world: int, bucket_bytes: int, steps: list[Step], *,
-                 shard_inference: bool = False, threads: int = 1, rollback: str | None = None,
-                 timeout_s: float = 600, nodes: int = 1, split_rows: bool = False, fp8: bool = False,
-                 block: int = 128, device: str = "cpu") -> LocalRun:
-    """Run ``steps`` on ``world`` workers; parameter owners are round-robin (or, with ``split_rows``,
-    each matrix's rows split over all workers, as FSDP2 shards them); replica r keeps rows shard r of
-    ``world`` if ``shard_inference``. ``nodes``: the workers form that many nodes (shared IPC buffers
-    inside one, gloo between them). ``fp8``: the replicas hold block-FP8 matrices. ``device="cuda"``:
-    worker r's buffers are on GPU r and the group is NCCL (the replicas still hold host tensors)."""
-    setup = _Setup(SyntheticModel(tuple(specs), world, split_rows, fp8, block), bucket_bytes,
-                   f"cke-{os.getpid()}-{free_port()}", nodes, shard_inference, threads, rollback, device)
+def run_ranks(target, args: list[tuple], shm_name: str, timeout_s: float) -> dict[int, dict]:
+    """Start ``target(*args[r], queue)`` in one spawned process per rank and collect the ``(rank, result)`` each
+    puts on the queue, until all have or ``timeout_s`` passes (or every process died); then join (kill a stuck
+    one) and remove the shared buffers named ``shm_name-*`` that a dead worker left in /dev/shm."""
     ctx = mp.get_context("spawn")
     result = ctx.Queue()
-    init = f"tcp://127.0.0.1:{free_port()}"
-    procs = [ctx.Process(target=_worker_main, args=(r, init, setup, steps, result)) for r in range(world)]
+    procs = [ctx.Process(target=target, args=(*a, result)) for a in args]
     for p in procs:
         p.start()
     results: dict[int, dict] = {}
     deadline = time.time() + timeout_s
     try:
-        while len(results) < world and time.time() < deadline:
+        while len(results) < len(procs) and time.time() < deadline:
             try:
                 rank, res = result.get(timeout=1)
                 results[rank] = res
@@ -295,8 +287,24 @@ def run_scenario(specs: list[TensorSpec], world: int, bucket_bytes: int, steps: 
             p.join(timeout=30)
             if p.is_alive():
                 p.kill()
-        for f in Path("/dev/shm").glob(f"{setup.name}-*"):  # buffers of a worker that died
+        for f in Path("/dev/shm").glob(f"{shm_name}-*"):
             f.unlink(missing_ok=True)
+    return results
+
+
+def run_scenario(specs: list[TensorSpec], world: int, bucket_bytes: int, steps: list[Step], *,
+                 shard_inference: bool = False, threads: int = 1, rollback: str | None = None,
+                 timeout_s: float = 600, nodes: int = 1, split_rows: bool = False, fp8: bool = False,
+                 block: int = 128, device: str = "cpu") -> LocalRun:
+    """Run ``steps`` on ``world`` workers; parameter owners are round-robin (or, with ``split_rows``,
+    each matrix's rows split over all workers, as FSDP2 shards them); replica r keeps rows shard r of
+    ``world`` if ``shard_inference``. ``nodes``: the workers form that many nodes (shared IPC buffers
+    inside one, gloo between them). ``fp8``: the replicas hold block-FP8 matrices. ``device="cuda"``:
+    worker r's buffers are on GPU r and the group is NCCL (the replicas still hold host tensors)."""
+    setup = _Setup(SyntheticModel(tuple(specs), world, split_rows, fp8, block), bucket_bytes,
+                   f"cke-{os.getpid()}-{free_port()}", nodes, shard_inference, threads, rollback, device)
+    init = f"tcp://127.0.0.1:{free_port()}"
+    results = run_ranks(_worker_main, [(r, init, setup, steps) for r in range(world)], setup.name, timeout_s)
     fatal = {r: res["fatal"] for r, res in results.items() if "fatal" in res}
     if fatal:
         raise RuntimeError("; ".join(f"worker {r}: {e}" for r, e in sorted(fatal.items())))

@@ -11,16 +11,14 @@ invisible (the engine's device is the host), so the behavioural test runs the en
 from __future__ import annotations
 
 import ast
-import multiprocessing as mp
 import os
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from checkpoint_engine.buckets import TensorSpec
-from checkpoint_engine.local import ShardedWeights, Sharding, SyntheticModel, digest, expected_digests
+from checkpoint_engine.local import ShardedWeights, Sharding, SyntheticModel, digest, expected_digests, run_ranks
 from checkpoint_engine.topology import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -115,30 +113,8 @@ def _worker(rank: int, init: str, nodes: list[str], name: str, result) -> None:
 
 
 def _run(nodes: list[str]) -> dict[int, dict]:
-    ctx = mp.get_context("spawn")
-    result = ctx.Queue()
     init, name = f"tcp://127.0.0.1:{free_port()}", f"test-ce-dev-{os.getpid()}-{free_port()}"
-    procs = [ctx.Process(target=_worker, args=(r, init, nodes, name, result)) for r in range(2)]
-    for p in procs:
-        p.start()
-    out: dict[int, dict] = {}
-    deadline = time.time() + 180
-    try:
-        while len(out) < 2 and time.time() < deadline:
-            try:
-                rank, res = result.get(timeout=1)
-                out[rank] = res
-            except Exception:
-                if all(not p.is_alive() for p in procs) and result.empty():
-                    break
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-        for f in Path("/dev/shm").glob(f"{name}-*"):
-            f.unlink(missing_ok=True)
-    return out
+    return run_ranks(_worker, [(r, init, nodes, name) for r in range(2)], name, 180)
 
 
 @pytest.mark.parametrize("nodes", [["a", "b"], ["a", "a"]], ids=["point-to-point", "shared-buffers"])
