@@ -21,6 +21,15 @@ import mmap
 import torch
 
 
+def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """Host tensor ``t`` on ``device`` without the host waiting: staged in pinned memory on CUDA (the pinned
+    block stays reserved until the copy has run: torch's host allocator records the stream)."""
+    device = torch.device(device)
+    if device.type != "cuda" or t.device.type != "cpu":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def synchronize(device: torch.device) -> None:
     """Wait for the device's queued work (a no-op on CPU)."""
     if device.type == "cuda":

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from engines.device import to_device
 from engines.inference.uploads import upload
 
 if TYPE_CHECKING:
@@ -213,10 +214,8 @@ def mask_logits(logits: torch.Tensor, matchers: Sequence[Matcher | None]) -> tor
         width = min(logits.shape[-1], mask.shape[0])  # logits past the grammar's vocabulary stay disallowed
         allowed[j, :width] = mask[:width]
     idx = upload(rows, logits.device)
-    if logits.device.type == "cuda":
-        allowed = allowed.pin_memory()
     logits = logits.clone()
-    logits[idx] = logits[idx].masked_fill(~allowed.to(logits.device, non_blocking=True), float("-inf"))
+    logits[idx] = logits[idx].masked_fill(~to_device(allowed, logits.device), float("-inf"))
     return logits
 
 

@@ -3,7 +3,8 @@
 ``torch.tensor(values, device="cuda")`` copies from pageable memory and then waits for the stream, so
 every such call in a step is a sync (and one inside a CUDA graph capture is an error). These helpers
 stage the values in pinned memory and copy them non-blocking; torch's pinned allocator keeps a staging
-block until the copy that reads it has run, so the host may go on at once.
+block until the copy that reads it has run, so the host may go on at once. (A tensor already on the
+host goes the same way through ``engines.device.to_device``.)
 """
 
 from __future__ import annotations

@@ -23,6 +23,7 @@ import torch
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from engines.device import to_device
 from engines.model.arch import ModelConfig
 from engines.model.attention import FLEX_COMPILED_DEVICES, FLEX_FALLBACK, attention_dims, why_not_flex
 from engines.model.causal_lm import CausalLM
@@ -30,7 +31,7 @@ from engines.model.document_mask import DocumentMask
 from engines.model.sharded import local_shards, local_tensor
 from engines.training.distributed import all_reduce_sum, is_sharded, world_size
 from engines.training.offload import HostOffloader
-from engines.training.packing import PackedBatch, flex_row_width, pack, upload
+from engines.training.packing import PackedBatch, flex_row_width, pack
 
 ATTENTION_BACKENDS = ("auto", "sdpa", "flex")
 
@@ -152,7 +153,7 @@ class TrainingEngine:
         """``score`` of a batch ``pack`` made on the host, with 1/T per target (host): the device part, which
         uploads without blocking and never waits for the device."""
         batch = host.to(self.device)
-        lp, ent = self._run(batch, upload(inv_temp, self.device))
+        lp, ent = self._run(batch, to_device(inv_temp, self.device))
         return TokenScores(batch.per_sequence(lp), batch.response_mask(), batch.per_sequence(ent), batch.tokens)
 
     def response_logprobs(self, prompts, responses,

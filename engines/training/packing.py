@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engines.device import to_device
 from engines.model.document_mask import FLEX_BLOCK, DocumentMask
 
 #: The flex path's row is the micro-batch's tokens rounded up to a power of two of at least this many: the
@@ -34,15 +35,6 @@ def flex_row_width(tokens: int, width: int | None = None) -> int:
     if width is not None:
         return -(-width // FLEX_BLOCK) * FLEX_BLOCK
     return max(FLEX_MIN_ROW, 1 << (max(tokens, 1) - 1).bit_length())
-
-
-def upload(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
-    """``t`` (host) on ``device`` without blocking the host: through pinned memory on CUDA."""
-    device = torch.device(device)
-    if device.type != "cuda" or t.device.type != "cpu":
-        return t.to(device)
-    # the pinned staging block stays reserved until the copy is done (the host allocator records its stream)
-    return t.pin_memory().to(device, non_blocking=True)
 
 
 def first_fit_rows(lengths: Sequence[int], width: int) -> list[list[int]]:
@@ -90,11 +82,9 @@ class PackedBatch:
 
     def to(self, device: torch.device | str) -> PackedBatch:
         """This batch on ``device``, copied without blocking the host."""
-        m = self.mask
-        return PackedBatch(upload(self.ids, device), DocumentMask(upload(m.doc, device), upload(m.positions, device),
-                                                                  m.backend),
-                           upload(self.targets, device), upload(self.target_seq, device),
-                           upload(self.target_index, device), self.response_lengths, upload(self.target_flat, device),
+        m, up = self.mask, lambda t: to_device(t, device)
+        return PackedBatch(up(self.ids), DocumentMask(up(m.doc), up(m.positions), m.backend), up(self.targets),
+                           up(self.target_seq), up(self.target_index), self.response_lengths, up(self.target_flat),
                            self.tokens)
 
     def per_sequence(self, values: torch.Tensor) -> torch.Tensor:
@@ -107,7 +97,7 @@ class PackedBatch:
         # built on the host from Python ints and uploaded: no blocking copy of a Python list
         width = max(self.response_lengths, default=0)
         lengths = torch.tensor(self.response_lengths, dtype=torch.long)
-        return upload(torch.arange(width)[None] < lengths[:, None], self.ids.device)
+        return to_device(torch.arange(width)[None] < lengths[:, None], self.ids.device)
 
 
 def pack(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], pad_id: int,
