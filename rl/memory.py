@@ -220,6 +220,11 @@ def estimate_run(cfg: Config) -> MemoryEstimate:
     return estimate(cfg, arch, seq or arch.max_position_embeddings)
 
 
+def _ram() -> int:
+    """This machine's physical memory in bytes."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 def available_per_worker(cfg: Config) -> tuple[int, str] | None:
     """(bytes, what) one worker may use on this machine, or None where it cannot be known (a remote cluster,
     GPU workers on a machine without one)."""
@@ -230,8 +235,7 @@ def available_per_worker(cfg: Config) -> tuple[int, str] | None:
             return None
         total = torch.cuda.get_device_properties(0).total_memory
         return int(total * cfg.cluster.gpus_per_worker), "GPU memory"
-    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return ram // cfg.cluster.workers, "RAM"
+    return _ram() // cfg.cluster.workers, "RAM"
 
 
 def check_fits(cfg: Config, est: MemoryEstimate) -> None:
@@ -242,7 +246,7 @@ def check_fits(cfg: Config, est: MemoryEstimate) -> None:
                         "rollout.kv_cache_mb or lower rollout.max_seq_len")
     # the pinned buffers live on this machine only when it runs the GPU workers itself
     if est.host_pinned and cfg.cluster.ray_address is None and torch.cuda.is_available():
-        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // cfg.cluster.workers
+        ram = _ram() // cfg.cluster.workers
         if est.host_pinned > ram:
             raise UserError(f"a worker pins about {_gib(est.host_pinned)} of host memory (offloaded trainer, "
                             f"sleeping replica, rollback journal) but has {_gib(ram)} of RAM; set "
