@@ -23,16 +23,7 @@ from checkpoint_engine.engine import CheckpointEngine
 from checkpoint_engine.local import PipeReloader, answer_load
 from checkpoint_engine.topology import free_port
 from checkpoint_engine.transfer import WeightReceiver
-
-
-def read_tensors(directory: str | Path) -> dict[str, torch.Tensor]:
-    """Every tensor of the safetensors files in ``directory``, by name."""
-    from safetensors.torch import load_file
-
-    out: dict[str, torch.Tensor] = {}
-    for f in sorted(Path(directory).glob("*.safetensors")):
-        out.update(load_file(f))
-    return out
+from engines.model.hf_io import read_tensors
 
 
 class _FaultyReloader(PipeReloader):

@@ -11,11 +11,11 @@ import ray
 import torch
 
 from checkpoint_engine.buckets import spec_of
-from checkpoint_engine.child_sender import ChildSender, read_tensors
+from checkpoint_engine.child_sender import ChildSender
 from engines.inference.native import InferenceEngine
 from engines.inference.sampling import SamplingParams
 from engines.model.causal_lm import CausalLM
-from engines.model.hf_io import load_pretrained, save_pretrained
+from engines.model.hf_io import load_pretrained, read_tensors, save_pretrained
 from engines.model.layout import hub_state
 from engines.model.tokenizer import TextTokenizer
 from engines.training.engine import TrainingEngine

