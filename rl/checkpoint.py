@@ -11,6 +11,7 @@ import errno
 import json
 import shutil
 import zipfile
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -64,33 +65,44 @@ def _tree_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.is_dir() else 0
 
 
-def save_checkpoint(run_dir: Path, state: LoopState, write_weights, tokenizer_dir: Path, keep: int) -> Path:
-    """``write_weights(dir)`` writes model and optimizer; then state; then an atomic rename. A save that fails
-    removes what it wrote and raises ``SaveFailed`` in one line (the bytes a checkpoint needs, the last one kept)."""
-    final = checkpoint_dir(run_dir, state.iteration)
+def write_aside(final: Path, fill: Callable[[Path], None], noun: str, kept: Path | None, kept_as: str,
+                resume: str) -> Path:
+    """Fill directory ``final`` (a ``noun``) by ``fill(tmp)`` beside it, then rename it into place. A fill that
+    fails removes what it wrote and raises ``SaveFailed`` in one line: why, about how many bytes ``kept`` (the
+    copy still in place, described as ``kept_as``; ``resume`` says how to use it) takes, and what is free."""
     tmp = final.with_name(final.name + ".tmp")
-    previous = list_checkpoints(run_dir)
     try:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        write_weights(str(tmp))
-        copy_tokenizer(tokenizer_dir, tmp)
-        (tmp / STATE_FILE).write_text(json.dumps(asdict(state), indent=2))
+        fill(tmp)
     except Exception as e:
         written = _tree_bytes(tmp)
         shutil.rmtree(tmp, ignore_errors=True)
         if not isinstance(e, OSError) and not _disk_full(e):
             raise
-        last = f"the last checkpoint, {previous[-1]}, is intact (--resume {run_dir})" if previous else \
-            "no earlier checkpoint exists"
-        need = _tree_bytes(previous[-1]) if previous else 0
-        size = f"a checkpoint takes about {need:,} bytes" if need else f"{written:,} bytes written before it failed"
+        last = f"{kept_as}, {kept}, is intact{resume}" if kept else f"no earlier {noun} exists"
+        need = _tree_bytes(kept) if kept else 0
+        size = f"a {noun} takes about {need:,} bytes" if need else f"{written:,} bytes written before it failed"
         why = "no space left on the device" if _disk_full(e) else \
             f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
-        free = shutil.disk_usage(run_dir).free if run_dir.exists() else 0
-        raise SaveFailed(f"saving checkpoint {final} failed: {why} ({size}, {free:,} free); {last}") from None
+        free = shutil.disk_usage(final.parent).free if final.parent.exists() else 0
+        raise SaveFailed(f"saving {noun} {final} failed: {why} ({size}, {free:,} free); {last}") from None
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)
+    return final
+
+
+def save_checkpoint(run_dir: Path, state: LoopState, write_weights, tokenizer_dir: Path, keep: int) -> Path:
+    """``write_weights(dir)`` writes model and optimizer; then state; then an atomic rename. A save that fails
+    removes what it wrote and raises ``SaveFailed`` in one line (the bytes a checkpoint needs, the last one kept)."""
+    def fill(tmp: Path) -> None:
+        write_weights(str(tmp))
+        copy_tokenizer(tokenizer_dir, tmp)
+        (tmp / STATE_FILE).write_text(json.dumps(asdict(state), indent=2))
+
+    previous = list_checkpoints(run_dir)
+    final = write_aside(checkpoint_dir(run_dir, state.iteration), fill, "checkpoint",
+                        previous[-1] if previous else None, "the last checkpoint", f" (--resume {run_dir})")
     for old in list_checkpoints(run_dir)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final

@@ -8,7 +8,6 @@ device only between its onload and offload; the checkpoint engine then moves the
 from __future__ import annotations
 
 import json
-import shutil
 import time
 from pathlib import Path
 
@@ -19,7 +18,7 @@ from engines.inference.sampling import SamplingParams
 from engines.model.hf_io import read_config
 from engines.model.tokenizer import TextTokenizer
 from envs import Task
-from rl.checkpoint import LoopState, copy_tokenizer, latest_checkpoint, save_checkpoint
+from rl.checkpoint import LoopState, copy_tokenizer, latest_checkpoint, save_checkpoint, write_aside
 from rl.cluster import Cluster
 from rl.config import Config, EnvConfig, dump_config
 from rl.data import GROUPS_PER_ITERATION, check_renderable, load_task_sets, rollout_seq_len, sample_mix
@@ -153,15 +152,15 @@ BEST_DIR = "best"
 
 def save_best(cluster: Cluster, run_dir: Path, start_dir: Path, it: int, accuracy: float) -> None:
     """``best/``: the best evaluated weights (Hugging Face format, as ``final/``) with their trainer state, which
-    a rollback returns to; written aside and renamed into place."""
-    best, tmp = run_dir / BEST_DIR, run_dir / f"{BEST_DIR}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    cluster.save(str(tmp), trainer_state=True)
-    copy_tokenizer(start_dir, tmp)
-    (tmp / "best.json").write_text(json.dumps({"iteration": it, "accuracy": accuracy}))
-    shutil.rmtree(best, ignore_errors=True)
-    tmp.rename(best)
+    a rollback returns to; written aside and renamed into place (``write_aside``: a full disk is one line)."""
+    def fill(tmp: Path) -> None:
+        cluster.save(str(tmp), trainer_state=True)
+        copy_tokenizer(start_dir, tmp)
+        (tmp / "best.json").write_text(json.dumps({"iteration": it, "accuracy": accuracy}))
+
+    best = run_dir / BEST_DIR
+    write_aside(best, fill, "best model", best if (best / "best.json").is_file() else None, "the previous best",
+                "")
 
 
 def roll_back(cluster: Cluster, cfg: Config, run_dir: Path, it: int, why: str, done: int,
