@@ -25,6 +25,7 @@ from rl.objectives import (
     Objective,
     clip_fraction,
     clipped_surrogate,
+    group_stats,
     normalized_advantages,
     overlong_penalty,
     token_weights,
@@ -68,11 +69,8 @@ def k15_loss(new_logp: torch.Tensor, old_logp: torch.Tensor, advantage: torch.Te
 
 def group_advantages(samples: Sequence[Sample]) -> list[float]:
     """r − r̄(x): each reward minus the mean reward of its prompt's samples."""
-    by_group: dict[int, list[float]] = defaultdict(list)
-    for s in samples:
-        by_group[s.group].append(s.reward)
-    mean = {g: sum(r) / len(r) for g, r in by_group.items()}
-    return [s.reward - mean[s.group] for s in samples]
+    stats = group_stats(samples)
+    return [s.reward - stats[s.group][0] for s in samples]
 
 
 def _minibatches(groups: list[int], n: int, rng: random.Random) -> list[list[int]]:

@@ -52,8 +52,8 @@ class Objective:
             raise ValueError(f"objective must be one of {OBJECTIVES}, got {self.kind!r}")
 
 
-def normalized_advantages(samples: Sequence[Sample]) -> list[float]:
-    """Â = (r − mean) / (std + ε) within each prompt's group (population std, as GRPO's reference code)."""
+def group_stats(samples: Sequence[Sample]) -> dict[int, tuple[float, float]]:
+    """Per prompt group, (mean, population std) of its samples' rewards."""
     by_group: dict[int, list[float]] = defaultdict(list)
     for s in samples:
         by_group[s.group].append(s.reward)
@@ -61,6 +61,12 @@ def normalized_advantages(samples: Sequence[Sample]) -> list[float]:
     for g, r in by_group.items():
         mean = sum(r) / len(r)
         stats[g] = (mean, math.sqrt(sum((x - mean) ** 2 for x in r) / len(r)))
+    return stats
+
+
+def normalized_advantages(samples: Sequence[Sample]) -> list[float]:
+    """Â = (r − mean) / (std + ε) within each prompt's group (population std, as GRPO's reference code)."""
+    stats = group_stats(samples)
     return [(s.reward - stats[s.group][0]) / (stats[s.group][1] + STD_EPS) for s in samples]
 
 
