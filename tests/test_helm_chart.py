@@ -58,12 +58,16 @@ def pod_templates(job: dict) -> list[dict]:
     return [spec["headGroupSpec"]["template"]] + [g["template"] for g in spec["workerGroupSpecs"]]
 
 
-def train_args(docs: list[dict]) -> tuple[list[str], list[str]]:
-    """The fresh-start and the resume command lines of the ConfigMap's launch.sh."""
+def train_args(docs: list[dict]) -> list[str]:
+    """The command line of the ConfigMap's launch.sh: one, the same on every attempt (it resumes by itself)."""
     script = run_configmap(docs)["data"]["launch.sh"]
-    lines = [shlex.split(x.strip()) for x in script.splitlines() if x.strip().startswith("exec rl train")]
-    resume, fresh = lines
-    return fresh, resume
+    [line] = [shlex.split(x.strip()) for x in script.splitlines() if x.strip().startswith("exec rl train")]
+    return line
+
+
+def config_args(argv: list[str]) -> list[str]:
+    """The run-config overrides of a launch.sh command line (what follows --auto-resume)."""
+    return argv[argv.index("--auto-resume") + 1:]
 
 
 def overrides(argv: list[str]) -> dict[str, str]:
@@ -100,34 +104,32 @@ def test_every_example_renders_valid_manifests(values):
         assert {"/etc/rl", "/data", "/dev/shm"} <= mounts
         shm = next(v for v in t["spec"]["volumes"] if v["name"] == "dshm")
         assert shm["emptyDir"]["medium"] == "Memory"
-    fresh, _ = train_args(docs)
-    assert fresh[:4] == ["exec", "rl", "train", "/etc/rl/config.yaml"]
+    argv = train_args(docs)
+    assert argv[:7] == ["exec", "rl", "train", "/etc/rl/config.yaml", "--run-dir", "$run_dir", "--auto-resume"]
     # the overrides the head passes must make a valid run config
-    assert rl_main(["check-config", str(QUICKSTART), *fresh[4 + 2:]]) == 0
+    assert rl_main(["check-config", str(QUICKSTART), *config_args(argv)]) == 0
 
 
 def test_gpu_example_sizes_workers_and_reaches_model_and_monitoring():
     docs = render(CHART / "examples" / "gpu-cluster.yaml")
     job = one(docs, "RayJob")
     group = job["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]
-    assert group["replicas"] == 2
+    assert group["replicas"] == 4
     c = group["template"]["spec"]["containers"][0]
     assert c["resources"]["limits"]["nvidia.com/gpu"] == "8" and c["image"].endswith(":cuda")
     assert group["template"]["spec"]["tolerations"][0]["key"] == "nvidia.com/gpu"
     assert group["template"]["spec"]["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
-    models = next(v for v in group["template"]["spec"]["volumes"] if v["name"] == "models")
-    assert models["persistentVolumeClaim"] == {"claimName": "rl-models", "readOnly": True}
     data = next(v for v in group["template"]["spec"]["volumes"] if v["name"] == "data")
-    assert data["persistentVolumeClaim"]["claimName"] == "rl-runs"
-    assert not [d for d in docs if d["kind"] == "PersistentVolumeClaim"]  # an existing claim is used as it is
-    fresh, resume = train_args(docs)
-    o = overrides(fresh)
-    assert o["cluster.workers"] == "16" and o["cluster.gpus_per_worker"] == "1"
-    assert o["model.path"] == "/models/Qwen3-8B" and o["sandbox.address"] == "dns:///myrun-sandbox.rl.svc:50051"
-    assert fresh[-2:] == ["--set", "run.save_every=5"]
-    assert "run_dir='/data/runs/math-16gpu'" in run_configmap(docs)["data"]["launch.sh"]
-    assert resume[:4] == ["exec", "rl", "train", "--resume"] and overrides(resume) == o
-    assert job["spec"]["backoffLimit"] == 2 and job["spec"]["rayClusterSpec"]["rayVersion"] == "2.60.0"
+    claim = one(docs, "PersistentVolumeClaim")
+    assert data["persistentVolumeClaim"]["claimName"] == claim["metadata"]["name"]
+    assert claim["spec"]["accessModes"] == ["ReadWriteMany"] and claim["spec"]["storageClassName"] == "shared-rwx"
+    argv = train_args(docs)
+    o = overrides(argv)
+    assert o["cluster.workers"] == "32" and o["cluster.gpus_per_worker"] == "1"
+    assert o["model.path"] == "Qwen/Qwen3-8B" and o["sandbox.address"] == "dns:///myrun-sandbox.rl.svc:50051"
+    assert argv[-2:] == ["--set", "run.save_every=5"]
+    assert "run_dir='/data/runs/math-32gpu'" in run_configmap(docs)["data"]["launch.sh"]
+    assert job["spec"]["backoffLimit"] == 3 and job["spec"]["rayClusterSpec"]["rayVersion"] == "2.60.0"
     hpa = one(docs, "HorizontalPodAutoscaler")
     assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (2, 16)
     assert "replicas" not in one(docs, "Deployment")["spec"]  # the HPA owns the replica count
@@ -142,13 +144,15 @@ def test_gpu_example_sizes_workers_and_reaches_model_and_monitoring():
 def test_sandbox_pod_backend_rbac_is_limited_and_sandboxes_get_no_egress():
     docs = render()
     role = one(docs, "Role")
+    assert role["metadata"]["namespace"] == "rl-myrun-sandbox"  # the session pods' namespace, not the run's
     assert sorted((tuple(r["apiGroups"]), tuple(r["resources"]), tuple(sorted(r["verbs"]))) for r in role["rules"]) \
         == [(("",), ("pods",), ("create", "delete", "get", "list", "watch")),
             (("networking.k8s.io",), ("networkpolicies",), ("create", "get"))]
     binding = one(docs, "RoleBinding")
     assert binding["subjects"][0]["name"] == one(docs, "ServiceAccount")["metadata"]["name"]
+    assert binding["subjects"][0]["namespace"] == "rl" and binding["metadata"]["namespace"] == "rl-myrun-sandbox"
     assert not [d for d in docs if d["kind"] in ("ClusterRole", "ClusterRoleBinding")]
-    policy = one([d for d in docs if "sandbox" in d["metadata"]["name"]], "NetworkPolicy")["spec"]
+    policy = next(d for d in docs if d["metadata"]["name"] == "myrun-sandbox-pods-deny-egress")["spec"]
     # the labels the pod backend puts on session pods, and the label its ingress rule admits
     from sandbox import k8s_manifests as m
 
@@ -158,10 +162,10 @@ def test_sandbox_pod_backend_rbac_is_limited_and_sandboxes_get_no_egress():
     assert m.DEFAULT_SERVICE_LABELS.items() <= pod_labels.items()
     assert policy["ingress"][0]["from"][0]["podSelector"]["matchLabels"].items() <= pod_labels.items()
     args = one(docs, "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
-    assert "--backend=kubernetes" in args and "--set=sandbox.kubernetes.namespace=rl" in args
+    assert "--backend=kubernetes" in args and "--set=sandbox.kubernetes.namespace=rl-myrun-sandbox" in args
     assert "--advertise-address=$(POD_IP):50051" in args  # sessions come back to their replica
     env = one(docs, "Deployment")["spec"]["template"]["spec"]["containers"][0]["env"]
-    assert env == [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]
+    assert env[0] == {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
     assert one([d for d in docs if d["metadata"]["name"] == "myrun-sandbox"], "Service")["spec"]["clusterIP"] == "None"
     sets = [a.removeprefix("--set=") for a in args if a.startswith("--set=")]
     assert rl_main(["check-config", str(QUICKSTART), *[x for s in sets for x in ("--set", s)]]) == 0
@@ -173,12 +177,12 @@ def test_local_sandbox_backend_is_privileged_without_rbac_or_egress():
     assert one(docs, "ServiceAccount")["automountServiceAccountToken"] is False
     pod = one(docs, "Deployment")["spec"]["template"]
     assert pod["spec"]["containers"][0]["securityContext"]["privileged"] is True
-    policy = one([d for d in docs if "sandbox" in d["metadata"]["name"]], "NetworkPolicy")["spec"]
+    policy = next(d for d in docs if d["metadata"]["name"] == "myrun-sandbox-deny-egress")["spec"]
     assert policy["podSelector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
     assert policy["egress"] == [] and policy["policyTypes"] == ["Egress"]
     job = one(docs, "RayJob")
     assert len(job["spec"]["rayClusterSpec"]["workerGroupSpecs"]) == 2
-    assert overrides(train_args(docs)[0])["cluster.workers"] == "3"
+    assert overrides(train_args(docs))["cluster.workers"] == "3"
     assert one(docs, "PodMonitor")["spec"]["podMetricsEndpoints"][0]["interval"] == "15s"
     assert "annotations" not in pod_templates(job)[0]["metadata"]
 

@@ -15,7 +15,18 @@ from rl.config import load_config
 from rl.launch import CHART, release_name
 from tests.k8s_validation import parse_quantity, validate_manifest
 from tests.kube_standin import KubeApiStandIn
-from tests.test_helm_chart import EXAMPLES, HELM, QUICKSTART, helm, one, overrides, pod_templates, render, train_args
+from tests.test_helm_chart import (
+    EXAMPLES,
+    HELM,
+    QUICKSTART,
+    config_args,
+    helm,
+    one,
+    overrides,
+    pod_templates,
+    render,
+    train_args,
+)
 
 pytestmark = pytest.mark.skipif(HELM is None, reason="helm is not installed (make setup installs it)")
 ALL = [None, *EXAMPLES]
@@ -86,17 +97,17 @@ def test_3_a_private_registry_reaches_the_submitter_and_the_session_pods():
 
 def test_2_the_gpu_example_launches_its_own_run_config():
     """gpu-cluster.yaml with configs/qwen3-8b-gpu.yaml, the pair its header names: the head's command line makes a
-    valid run config (16 workers of one GPU each, the model from the claim)."""
+    valid run config (32 workers of one GPU each, the model from the hub)."""
     from rl.cli import main as rl_main
 
     config = QUICKSTART.parent / "qwen3-8b-gpu.yaml"
     docs = render(GPU, config=config)
-    fresh, _ = train_args(docs)
-    o = overrides(fresh)
-    assert o["cluster.workers"] == "16" and o["model.path"] == "/models/Qwen3-8B"
-    cfg = load_config(config, [fresh[i + 1] for i, a in enumerate(fresh) if a == "--set"])
-    assert cfg.cluster.workers == 16 and cfg.cluster.gpus_per_worker == 1 and cfg.model.chat_template
-    assert rl_main(["check-config", str(config), *fresh[4 + 2:]]) == 0
+    argv = train_args(docs)
+    o = overrides(argv)
+    assert o["cluster.workers"] == "32" and o["model.path"] == "Qwen/Qwen3-8B"
+    cfg = load_config(config, [argv[i + 1] for i, a in enumerate(argv) if a == "--set"])
+    assert cfg.cluster.workers == 32 and cfg.cluster.gpus_per_worker == 1 and cfg.model.chat_template
+    assert rl_main(["check-config", str(config), *config_args(argv)]) == 0
 
 
 # The KubeRay release that added each RayJob spec field the chart may set (KubeRay's release notes).
@@ -160,7 +171,7 @@ def test_6_each_worker_pod_takes_exactly_the_workers_it_was_sized_for(values):
         assert slots == max(1, int(given.get("gpus", 0)))
         assert int(params["num-cpus"]) == int(parse_quantity(given["cpu"]))
         total += slots * group["replicas"]
-    assert overrides(train_args(docs)[0])["cluster.workers"] == str(total)
+    assert overrides(train_args(docs))["cluster.workers"] == str(total)
 
 
 @pytest.mark.parametrize("values", ALL, ids=ids)

@@ -64,9 +64,17 @@ colocated-rl/run: {{ .Release.Name }}
 {{- end -}}
 {{- end -}}
 
-{{/* ReadWriteOnce storage is attached to one node: every Ray pod must be able to go to the head's. */}}
+{{/* ReadWriteOnce storage is attached to one node: every Ray pod must be able to go to the head's, and one node
+     holds at most one GPU pod's worth of GPUs (the head itself is a CPU pod and may land on a CPU node). */}}
 {{- define "rl.checkStorage" -}}
 {{- if eq .Values.storage.accessMode "ReadWriteOnce" -}}
+{{- $gpuPods := 0 -}}
+{{- range .Values.workerGroups -}}
+{{- if gt (int .gpus) 0 }}{{ $gpuPods = add $gpuPods .replicas }}{{ end -}}
+{{- end -}}
+{{- if gt (int $gpuPods) 1 -}}
+{{- fail (printf "storage.accessMode ReadWriteOnce attaches the run volume to one node, so all %d GPU worker pods would have to share the head's node and all but one stay Pending: set storage.accessMode=ReadWriteMany with a storageClassName (or existingClaim) that offers it (NFS, EFS, Filestore, Azure Files, CephFS, Lustre)" (int $gpuPods)) -}}
+{{- end -}}
 {{- range $i, $g := .Values.workerGroups -}}
 {{- if not (deepEqual ($g.nodeSelector | default dict) ($.Values.head.nodeSelector | default dict)) -}}
 {{- fail (printf "storage.accessMode ReadWriteOnce puts every Ray pod on the head's node (the volume attaches to one node), but workerGroups[%d].nodeSelector %s differs from head.nodeSelector %s: set storage.accessMode=ReadWriteMany with a storage class or existingClaim that offers it (NFS, EFS, Filestore, Azure Files, CephFS)" $i (toJson ($g.nodeSelector | default dict)) (toJson ($.Values.head.nodeSelector | default dict))) -}}
@@ -103,9 +111,24 @@ priorityClassName: {{ . }}
 {{- end }}
 {{- end -}}
 
+{{/* Colocated workers one worker pod holds: its GPUs / run.gpusPerWorker (a tensor-parallel replica spans
+     gpusPerWorker GPUs of one pod); a pod without GPUs holds one CPU worker. */}}
+{{- define "rl.podWorkers" -}}
+{{- $gpus := int .group.gpus -}}
+{{- if gt $gpus 0 -}}
+{{- $per := int .root.Values.run.gpusPerWorker -}}
+{{- if mod $gpus $per -}}
+{{- fail (printf "workerGroups[%s].gpus %d is not a multiple of run.gpusPerWorker %d: each colocated worker (a tensor-parallel replica) takes run.gpusPerWorker GPUs of one pod" .group.name $gpus $per) -}}
+{{- end -}}
+{{- div $gpus $per -}}
+{{- else -}}
+1
+{{- end -}}
+{{- end -}}
+
 {{/* The JSON of --resources in rayStartParams, quoted for the shell command KubeRay builds. */}}
 {{- define "rl.workerSlots" -}}
-{{- printf "\"{\\\"rl_worker\\\": %d}\"" (max 1 (int .gpus)) -}}
+{{- printf "\"{\\\"rl_worker\\\": %s}\"" (include "rl.podWorkers" .) -}}
 {{- end -}}
 
 {{- define "rl.image" -}}
@@ -127,19 +150,20 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- default (printf "%s-data" (include "rl.fullname" .)) .Values.storage.existingClaim -}}
 {{- end -}}
 
-{{/* Colocated workers: each GPU of a worker pod is one; a pod without GPUs is one. */}}
+{{/* Colocated workers of the run: the sum over the worker pods. */}}
 {{- define "rl.workers" -}}
 {{- $n := 0 -}}
 {{- range .Values.workerGroups -}}
-{{- $n = add $n (mul .replicas (max 1 (int .gpus))) -}}
+{{- $n = add $n (mul .replicas (include "rl.podWorkers" (dict "root" $ "group" .) | int)) -}}
 {{- end -}}
 {{- $n -}}
 {{- end -}}
 
+{{/* GPUs of each colocated worker: run.gpusPerWorker where the run has GPU pods, else 0 (CPU workers). */}}
 {{- define "rl.gpusPerWorker" -}}
 {{- $g := 0 -}}
 {{- range .Values.workerGroups -}}
-{{- if gt (int .gpus) 0 }}{{ $g = 1 }}{{ end -}}
+{{- if gt (int .gpus) 0 }}{{ $g = int $.Values.run.gpusPerWorker }}{{ end -}}
 {{- end -}}
 {{- $g -}}
 {{- end -}}
@@ -149,13 +173,26 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- printf "%s/runs/%s" .Values.storage.mountPath (include "rl.runName" .) -}}
 {{- end -}}
 
+{{/* Where the model comes from: model.source (a hub id or a bucket; the head's init container downloads it into
+     rl.modelCache, and the run resolves the same source there), else model.path, else the run config's. */}}
+{{- define "rl.modelCache" -}}
+{{- printf "%s/models" .Values.storage.mountPath -}}
+{{- end -}}
+
 {{- define "rl.trainArgs" -}}
+{{- $tp := include "rl.gpusPerWorker" . | int -}}
 {{- $args := list "--set" "cluster.ray_address=auto"
       "--set" (printf "cluster.workers=%s" (include "rl.workers" .))
-      "--set" (printf "cluster.gpus_per_worker=%s" (include "rl.gpusPerWorker" .))
+      "--set" (printf "cluster.gpus_per_worker=%d" $tp)
       "--set" (printf "metrics.prometheus_port=%v" .Values.run.metricsPort) -}}
-{{- if .Values.model.path -}}
-{{- $args = concat $args (list "--set" (printf "model.path=%s" .Values.model.path)) -}}
+{{- if gt $tp 1 -}}{{/* a replica spans its worker's GPUs: vLLM's tensor parallelism and the trainer's mesh */}}
+{{- $args = concat $args (list "--set" (printf "rollout.tensor_parallel_size=%d" $tp)) -}}
+{{- end -}}
+{{- if and .Values.model.source .Values.model.path -}}
+{{- fail (printf "model.source %q and model.path %q: set one (source downloads the model, path names a directory the pods see)" .Values.model.source .Values.model.path) -}}
+{{- end -}}
+{{- with (.Values.model.source | default .Values.model.path) -}}
+{{- $args = concat $args (list "--set" (printf "model.path=%s" .)) -}}
 {{- end -}}
 {{- if .Values.sandbox.enabled -}}
 {{- $args = concat $args (list "--set" (printf "sandbox.address=%s" (include "rl.sandboxAddress" .))) -}}
@@ -165,15 +202,73 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end -}}
 
 {{/* The environment of every Ray pod: the warm-start cache on the run's volume, which every Ray pod mounts,
-     so the workers find the model the head warm-starts. */}}
+     so the workers find the model the head warm-starts; the downloaded models' cache; the sandbox's token; then
+     run.env and the pod group's own env (NCCL_* and the like). Called with root and env. */}}
 {{- define "rl.rayEnv" -}}
+{{- $v := .root.Values -}}
 - name: RL_CACHE_DIR
-  value: {{ printf "%s/cache" .Values.storage.mountPath | quote }}
+  value: {{ printf "%s/cache" $v.storage.mountPath | quote }}
 - name: RL_WORKER_SLOTS  # place workers by the pods' rl_worker slots, also while worker pods are still joining
   value: "1"
-{{- with .Values.run.env }}
+{{- if $v.model.source }}
+- name: RL_MODEL_CACHE  # the head's init container downloaded model.source here
+  value: {{ include "rl.modelCache" .root | quote }}
+{{- end }}
+{{- if $v.sandbox.enabled }}
+- name: RL_SANDBOX_TOKEN  # the sandbox service admits only calls that carry it
+  valueFrom: {secretKeyRef: {name: {{ include "rl.sandboxTokenSecret" .root }}, key: token}}
+{{- end }}
+{{- with $v.run.env }}
 {{ toYaml . }}
 {{- end }}
+{{- with .env }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
+
+{{/* Pod Security Standards (restricted) for every pod of the run: a non-root uid (the image's, 1000), the
+     runtime's default seccomp filter; fsGroup lets it write the run storage, and OnRootMismatch keeps kubelet from
+     chowning a large shared volume at every pod start. */}}
+{{- define "rl.podSecurityContext" -}}
+runAsNonRoot: true
+runAsUser: 1000
+runAsGroup: 1000
+fsGroup: 1000
+fsGroupChangePolicy: OnRootMismatch
+seccompProfile: {type: RuntimeDefault}
+{{- end -}}
+
+{{/* A container's: no privilege gain, every capability dropped but those given (e.g. IPC_LOCK for RDMA). */}}
+{{- define "rl.containerSecurityContext" -}}
+allowPrivilegeEscalation: false
+capabilities:
+  drop: [ALL]
+  {{- with . }}
+  add: {{ toJson . }}
+  {{- end }}
+{{- end -}}
+
+{{- define "rl.sandboxTokenSecret" -}}
+{{- printf "%s-sandbox-token" (include "rl.fullname" .) -}}
+{{- end -}}
+
+{{/* The namespace of the sandbox's session pods: never the run's own (its pods, claims and Secrets). */}}
+{{- define "rl.sessionNamespace" -}}
+{{- $default := printf "%s-%s-sandbox" .Release.Namespace (include "rl.fullname" .) | trunc 63 | trimSuffix "-" -}}
+{{- $ns := .Values.sandbox.sessionNamespace.name | default $default -}}
+{{- if eq $ns .Release.Namespace -}}
+{{- fail (printf "sandbox.sessionNamespace.name %q is the run's own namespace: session pods run untrusted code, and the service's right to make pods must not reach the Ray pods, the run's claim or its Secrets; name another namespace" $ns) -}}
+{{- end -}}
+{{- $ns -}}
+{{- end -}}
+
+{{/* The run's Ray pods (head, workers, submitter): not the sandbox's, whose session pods carry the run label too. */}}
+{{- define "rl.rayPeers" -}}
+podSelector:
+  matchLabels:
+    colocated-rl/run: {{ .Release.Name }}
+  matchExpressions:
+    - {key: app.kubernetes.io/component, operator: In, values: [ray-head, ray-worker, ray-submitter]}
 {{- end -}}
 
 {{/* Volumes every Ray pod mounts: the run config, the run storage, /dev/shm, the model claim. */}}
@@ -209,4 +304,29 @@ app.kubernetes.io/instance: {{ .Release.Name }}
   mountPath: {{ .Values.model.mountPath }}
   readOnly: true
 {{- end }}
+{{- end -}}
+
+{{/* A worker group's GPUs and extra resources (RDMA devices, EFA interfaces): requested and limited alike. */}}
+{{- define "rl.extendedResources" -}}
+{{- if gt (int .gpus) 0 }}
+{{ .gpuResource | default "nvidia.com/gpu" }}: {{ .gpus | quote }}
+{{- end }}
+{{- range $name, $n := .extraResources }}
+{{ $name }}: {{ $n | toString | quote }}
+{{- end }}
+{{- end -}}
+
+{{/* An egress rule to the cluster's DNS (networkPolicy.egress). */}}
+{{- define "rl.dnsEgress" -}}
+{{- $eg := .Values.networkPolicy.egress -}}
+to:
+  - namespaceSelector:
+      matchLabels:
+        {{- toYaml $eg.dnsNamespaceLabels | nindent 8 }}
+    podSelector:
+      matchLabels:
+        {{- toYaml $eg.dnsPodLabels | nindent 8 }}
+ports:
+  - {protocol: UDP, port: 53}
+  - {protocol: TCP, port: 53}
 {{- end -}}
