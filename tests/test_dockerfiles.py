@@ -242,6 +242,43 @@ def test_gpu_image_can_compile_kernels_and_defaults_to_cuda_12(image):
     assert 'VLLM_SPEC=""' in setup, setup
 
 
+def test_gpu_image_has_the_rdma_userspace_nccl_loads(image):
+    """NCCL's InfiniBand/RoCE transport dlopens libibverbs (with a provider for the NIC, mlx5 among them) and
+    librdmacm; without them it falls back to TCP sockets for FSDP2 and the weight broadcast."""
+    kind, img = image
+    if kind != "cuda":
+        pytest.skip("the CPU image runs no NCCL")
+    assert {"libibverbs1", "ibverbs-providers", "librdmacm1", "rdma-core"} <= _apt_packages(img)
+
+
+def _efa_step(img: Image) -> str:
+    return img.steps[_step_index(img, "RUN", r"efa_installer\.sh")][1]
+
+
+def test_gpu_image_efa_variant_is_a_build_argument(image, tmp_path):
+    """EFA needs libfabric and the aws-ofi-nccl plugin, from AWS's installer: only when EFA_INSTALLER_VERSION is
+    given. The step itself runs here with the default (empty) argument and must do nothing."""
+    kind, img = image
+    if kind != "cuda":
+        pytest.skip("EFA is for the GPU image")
+    step = _efa_step(img)
+    assert _step_index(img, "RUN", r"efa_installer\.sh") < _step_index(img, "RUN", r"\bmake setup\b")
+    # the default build: bash runs the step as Docker would, and nothing happens
+    proc = subprocess.run(["bash", "-c", step], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stdout == proc.stderr == "" and not list(tmp_path.iterdir())
+    # with a version: AWS's installer of that version, no kernel module (the node has it), and the build stops when
+    # the installer brought no NCCL plugin
+    text = DOCKERFILES["cuda"].read_text()
+    [raw] = [i.args for i in parse_dockerfile(text) if i.cmd == "RUN" and "efa_installer.sh" in i.args]
+    versioned = substitute(raw, {"EFA_INSTALLER_VERSION": "1.38.0"})
+    assert "https://efa-installer.amazonaws.com/aws-efa-installer-1.38.0.tar.gz" in versioned
+    assert "--skip-kmod" in versioned and "libnccl-net" in versioned and "exit 1" in versioned
+    assert subprocess.run(["bash", "-n", "-c", versioned], timeout=60).returncode == 0
+    library_path = img.env["LD_LIBRARY_PATH"].split(":")
+    assert "/opt/amazon/ofi-nccl/lib" in library_path and "/opt/amazon/efa/lib" in library_path
+    assert library_path[-1] == "${LD_LIBRARY_PATH}", "the base image's own entries (the driver's) stay"
+
+
 def test_bases(image):
     kind, img = image
     if kind == "cpu":
