@@ -65,15 +65,21 @@ class Cluster:
         sites = probe_bundles(self.pg, n, model_dir)
         threads, dirs = worker_threads(sites, cfg.cluster.threads_per_worker), reachable_model_dirs(model_dir, sites)
 
+        # a tensor-parallel replica holds all of its bundle's GPUs (Ray hands out whole GPUs above one), and its
+        # trainer joins it on the first of them; otherwise half the bundle's GPUs each: Ray then shows both
+        # actors the same device(s)
+        spans = cfg.rollout.tensor_parallel_size > 1 and gpus > 0
+
         def placed(cls, i):
             strategy = PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i)
-            # half the bundle's GPUs each: Ray then shows both actors the same device(s)
-            return ray.remote(num_cpus=ACTOR_CPUS, num_gpus=gpus / 2, scheduling_strategy=strategy)(cls)
+            share = (gpus if cls is RolloutWorker else 0) if spans else gpus / 2
+            return ray.remote(num_cpus=ACTOR_CPUS, num_gpus=share, scheduling_strategy=strategy)(cls)
 
         self._placed = placed
         self._rollout_args = [(dirs[i], cfg, threads[i], self.max_context) for i in range(n)]
-        self.trainers = [placed(TrainerWorker, i).remote(cfg, threads[i]) for i in range(n)]
         self.rollouts = [placed(RolloutWorker, i).remote(*self._rollout_args[i]) for i in range(n)]
+        devices = ray.get([r.visible_devices.remote() for r in self.rollouts]) if spans else [None] * n
+        self.trainers = [placed(TrainerWorker, i).remote(cfg, threads[i], devices[i]) for i in range(n)]
         address = ray.get(self.trainers[0].rendezvous.remote())
         ray.get([t.setup.remote(dirs[i], i, n, address, f"{prefix}-w{i}") for i, t in enumerate(self.trainers)])
         # one plan for all (every rank computed the same); each replica maps its own worker's IPC buffers

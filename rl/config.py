@@ -191,8 +191,14 @@ class RolloutConfig(Strict):
         "auto", description="rollout engine: native (this project's, exact against the trainer), vllm, or auto "
                             "(vLLM where it is installed and a GPU is present, else native); the choice is logged")
     vllm_memory_fraction: float = Field(
-        0.2, gt=0, le=1, description="vLLM's gpu_memory_utilization: the share of the device's memory it may take "
-                                     "(its KV cache is rollout.kv_cache_mb, as the native engine's)")
+        0.2, gt=0, le=1, description="vLLM's gpu_memory_utilization: the share of the device's memory it needs "
+                                     "free at start (host memory on its CPU build); it does not size the KV "
+                                     "cache, which is rollout.kv_cache_mb as for the native engine")
+    tensor_parallel_size: int = Field(
+        1, ge=1, description="devices of one rollout replica (vLLM's tensor parallelism; needs rollout.engine: vllm): "
+                             "a model too large for one GPU is served across the worker's GPUs "
+                             "(cluster.gpus_per_worker must equal it on GPUs); each rank gets the full tensors of "
+                             "an update and vLLM's loaders take its shard")
 
 
 class PtxConfig(Strict):
@@ -336,6 +342,13 @@ class Config(Strict):
                                           or a.num_attention_heads % a.num_key_value_heads):
             raise ValueError("warmstart.architecture: hidden_size must divide by num_attention_heads, "
                              "and num_attention_heads by num_key_value_heads")
+        tp, gpus = self.rollout.tensor_parallel_size, self.cluster.gpus_per_worker
+        if tp > 1 and self.rollout.engine == "native":
+            raise ValueError(f"rollout.tensor_parallel_size={tp} needs rollout.engine: vllm (a native replica is "
+                             "one device)")
+        if tp > 1 and gpus > 0 and gpus != tp:
+            raise ValueError(f"rollout.tensor_parallel_size={tp} spans the worker's GPUs: set "
+                             f"cluster.gpus_per_worker={tp} (it is {gpus:g})")
         return self
 
     @property

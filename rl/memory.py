@@ -167,7 +167,8 @@ def estimate(cfg: Config, arch: ModelConfig, max_seq_len: int) -> MemoryEstimate
     sharded = workers > 1 or cfg.compute_dtype != cfg.trainer.master_dtype
     work = training_working_set(shape, cfg.algorithm.micro_batch_tokens, cfg.compute_dtype,
                                 cfg.trainer.activation_checkpointing, sharded)
-    replica = shape.params * _itemsize(cfg.rollout_dtype)
+    # per device: a tensor-parallel replica's ranks hold a shard each (and a KV cache of rollout.kv_cache_mb each)
+    replica = shape.params * _itemsize(cfg.rollout_dtype) // cfg.rollout.tensor_parallel_size
     rollout_dtype = getattr(torch, cfg.rollout_dtype)
     per_seq = bytes_per_slot(arch, max_seq_len, rollout_dtype)
     _, kv = paged_pool(arch, cfg.rollout.kv_cache_mb << 20, rollout_dtype)  # the engine takes the whole budget
@@ -175,7 +176,7 @@ def estimate(cfg: Config, arch: ModelConfig, max_seq_len: int) -> MemoryEstimate
     trainer = weights + grads + opt
     level = cfg.rollout.sleep_level
     decode = 0
-    if cfg.rollout.attention == "torch":  # flex reads the pool in place
+    if cfg.rollout.attention == "torch" and cfg.rollout.engine != "vllm":  # flex reads the pool in place
         # every row is gathered at the widest one's length, which the pool also bounds; each row holds a block
         tokens = kv // bytes_per_token(arch, rollout_dtype)
         width, rows = min(max_seq_len, tokens), min(cfg.rollout.max_batch, max(1, tokens // BLOCK_SIZE))

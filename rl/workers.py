@@ -8,6 +8,7 @@ shards the model over it and the checkpoint engine broadcasts each rank's shard 
 
 from __future__ import annotations
 
+import os
 import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -74,8 +75,12 @@ def _host_ip() -> str:
 class TrainerWorker:
     """Holds one rank of the (sharded) training engine and the sending end of the checkpoint engine."""
 
-    def __init__(self, cfg: Config, threads: int) -> None:
+    def __init__(self, cfg: Config, threads: int, devices: str | None = None) -> None:
+        """``devices``: the GPUs of this worker's tensor-parallel replica (its CUDA_VISIBLE_DEVICES); the trainer
+        then computes on the first of them, which Ray did not assign to it."""
         _set_threads(threads)
+        if devices is not None:  # before anything initialises CUDA in this process
+            os.environ["CUDA_VISIBLE_DEVICES"] = devices
         self.cfg = cfg
         self.reloader: RayReloader | None = None
         # resolved once, on the worker (rollout.engine auto looks for vLLM and a GPU here, beside the rollout actor)
@@ -257,6 +262,10 @@ class RolloutWorker:
         assert self.receiver is not None and self._ipc is not None, "attach() first"
         self.receiver.set_plan(plan if plan is not None else self._ipc[0])
 
+    def visible_devices(self) -> str | None:
+        """The GPUs Ray gave this worker (CUDA_VISIBLE_DEVICES), which its trainer shares."""
+        return os.environ.get("CUDA_VISIBLE_DEVICES")
+
     def engine_kind(self) -> str:
         """Which rollout engine this worker runs (``rollout.engine``, auto resolved here, where the GPU is)."""
         return self.engine.kind
@@ -326,6 +335,9 @@ def engine_kind(cfg: Config) -> str:
     kind = cfg.rollout.engine
     if kind == "auto":
         kind = "vllm" if torch.cuda.is_available() and vllm_available() else "native"
+    if kind == "native" and cfg.rollout.tensor_parallel_size > 1:
+        raise UserError(f"rollout.tensor_parallel_size={cfg.rollout.tensor_parallel_size} needs vLLM, and "
+                        "rollout.engine auto found no vLLM or no GPU here; set rollout.engine: vllm")
     if kind == "vllm" and cfg.rollout.fp8:
         raise UserError("rollout.fp8 is served by the native engine only; set rollout.engine: native")
     return kind
@@ -344,7 +356,7 @@ def rollout_engine(model_dir: str, cfg: Config, max_seq_len: int | None) -> Roll
     if engine_kind(cfg) == "vllm":
         return VllmEngine(model_dir, tok.eos_ids, max_seq_len=max_seq_len, max_num_seqs=r.max_batch,
                           dtype=cfg.rollout_dtype, seed=cfg.run.seed, kv_cache_bytes=r.kv_cache_mb << 20,
-                          memory_fraction=r.vllm_memory_fraction)
+                          memory_fraction=r.vllm_memory_fraction, tensor_parallel_size=r.tensor_parallel_size)
     # on the GPU Ray gave this worker's bundle (shared with its trainer), in the fused inference layout;
     # empty: the trainers' start-up read fills it (or their first update does)
     device = worker_device(cfg)

@@ -225,3 +225,20 @@ def test_the_torch_decode_path_counts_its_gathered_keys_and_scores():
     small = estimate(parse_config({**base, "rollout": {**roll, "kv_cache_mb": 512, "max_seq_len": 131072}}), arch,
                      131072)
     assert small.decode_work == 256 * 4096 * 8 * 256 * 2 + 2 * 256 * 32 * 4096 * 4
+
+
+def test_a_tensor_parallel_vllm_replica_counts_its_shard_per_device():
+    """rollout.tensor_parallel_size 2: each of the worker's GPUs holds half the replica and a KV cache of its own;
+    vLLM's attention reads its cache in place (no gathered copy as the native torch path counts)."""
+    arch = make_config("llama", **LLAMA8B)
+    base = {"model": {"dtype": "bfloat16"}, "rollout": {"max_seq_len": 4096, "kv_cache_mb": 3000}}
+    one = estimate(parse_config({**base, "cluster": {"gpus_per_worker": 1}}), arch, 4096)
+    tp = estimate(parse_config({**base, "cluster": {"gpus_per_worker": 2},
+                                "rollout": {**base["rollout"], "engine": "vllm", "tensor_parallel_size": 2}}),
+                  arch, 4096)
+    assert one.replica == one.params * 2 and tp.replica == one.params  # bf16, split over two ranks
+    assert tp.kv_cache == one.kv_cache and tp.decode_work == 0 < one.decode_work
+    with pytest.raises(UserError, match="tensor_parallel_size=2 needs rollout.engine: vllm"):
+        parse_config({"rollout": {"engine": "native", "tensor_parallel_size": 2}})
+    with pytest.raises(UserError, match="set cluster.gpus_per_worker=2"):
+        parse_config({"rollout": {"engine": "vllm", "tensor_parallel_size": 2}, "cluster": {"gpus_per_worker": 1}})

