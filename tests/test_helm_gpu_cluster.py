@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from rl.cli import main as rl_main
 from rl.launch import CHART
 from tests.test_helm_chart import EXAMPLES, HELM, QUICKSTART, helm, one, pod_templates, render
 
@@ -348,6 +349,8 @@ def test_13_a_worker_spans_gpus_per_worker_gpus_of_one_pod(tmp_path):
     o = sets(command(docs))
     assert o["cluster.workers"] == "8" and o["cluster.gpus_per_worker"] == "4"
     assert o["rollout.tensor_parallel_size"] == "4"
+    argv = command(docs)  # the overrides make a run config the run accepts
+    assert rl_main(["check-config", str(QUICKSTART), *argv[argv.index("--auto-resume") + 1:]]) == 0
     [g] = one(docs, "RayJob")["spec"]["rayClusterSpec"]["workerGroupSpecs"]
     assert g["rayStartParams"]["resources"] == '"{\\"rl_worker\\": 2}"' and g["rayStartParams"]["num-gpus"] == "8"
     err = refused("--values", str(f), "--set", "run.gpusPerWorker=3")
