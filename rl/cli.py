@@ -96,12 +96,14 @@ def _cmd_envs(args: argparse.Namespace) -> None:
 
 def _cmd_serve(args: argparse.Namespace) -> None:
     from engines.inference.server import serve
+    from engines.inference.vllm_engine import VllmUnavailableError
     from engines.model.hf_io import ModelDirError
 
     try:
         serve(args.model_dir, host=args.host, port=args.port, name=args.served_model_name, dtype=args.dtype,
-              max_num_seqs=args.max_num_seqs, kv_cache_bytes=args.kv_cache_mb << 20)
-    except (ModelDirError, FileNotFoundError, ValueError) as e:
+              max_num_seqs=args.max_num_seqs, kv_cache_bytes=args.kv_cache_mb << 20, engine=args.engine,
+              tensor_parallel_size=args.tensor_parallel_size)
+    except (ModelDirError, FileNotFoundError, ValueError, VllmUnavailableError) as e:
         raise UserError(f"rl serve: {e}") from None
 
 
@@ -250,6 +252,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     s.add_argument("--max-num-seqs", type=int, default=256, help="most sequences decoded together")
     s.add_argument("--kv-cache-mb", type=int, default=512, help="KV-cache memory budget in MiB")
+    s.add_argument("--engine", default="native", choices=["native", "vllm"], help="inference engine")
+    s.add_argument("--tensor-parallel-size", type=int, default=1, help="devices per replica (vllm)")
     s.set_defaults(func=_cmd_serve)
 
     f = sub.add_parser("filter-tasks", help="keep the training prompts of moderate difficulty for the current model "

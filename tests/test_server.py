@@ -134,3 +134,45 @@ def test_saved_weights_have_the_usual_file_mode(tiny_model, tokenizer, tmp_path)
     os.umask(mask)
     modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "m").iterdir()}
     assert modes["model.safetensors"] == modes["config.json"] == 0o666 & ~mask, modes
+
+
+def test_vllm_serve_answers_as_the_native_engine_over_the_same_api(tokenizer, tmp_path):
+    """`rl serve --engine vllm`: the OpenAI-compatible server on vLLM gives the native engine's greedy text and
+    token log-probs for a completion, cuts stop strings, and answers chat through the model's template."""
+    from tests.test_vllm_engine import _model
+
+    vllm_engine = pytest.importorskip("engines.inference.vllm_engine")
+    if not vllm_engine.vllm_available():
+        pytest.skip("vLLM is not installed here (make setup installs it)")
+    model = _model(tokenizer, 0)
+    save_pretrained(model, tokenizer, tmp_path / "m")
+    served = ServedModel(tmp_path / "m", max_num_seqs=4, kv_cache_bytes=32 << 20, engine="vllm")
+    port = free_port()
+    srv = uvicorn.Server(uvicorn.Config(build_app(served), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.time() + 60
+        while not srv.started:
+            assert time.time() < deadline and thread.is_alive(), "server did not start"
+            time.sleep(0.05)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+        prompt = "Question: Mia has 3 apples."
+        r = client.completions.create(model="m", prompt=prompt, max_tokens=12, temperature=0, logprobs=0)
+        ref = InferenceEngine(model.eval(), tokenizer.eos_ids).generate([tokenizer.encode(prompt)],
+                                                                        SamplingParams(0.0, 12))[0]
+        assert r.choices[0].text == tokenizer.decode(ref.token_ids)
+        assert r.choices[0].logprobs.token_logprobs == pytest.approx(ref.logprobs, abs=1e-4)
+        text = r.choices[0].text
+        stop = text[len(text) // 2:][:2]
+        if stop.strip():
+            cut = client.completions.create(model="m", prompt=prompt, max_tokens=12, temperature=0, stop=[stop])
+            assert cut.choices[0].text == text[:text.find(stop)]
+        chat = client.chat.completions.create(model="m", messages=[{"role": "user", "content": prompt}],
+                                              max_tokens=6, temperature=0)
+        assert chat.choices[0].message.role == "assistant"
+    finally:
+        srv.should_exit = True
+        thread.join(timeout=10)
+        served.loop.close()
+        served.engine.close()

@@ -25,6 +25,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from engines.inference.base import RolloutEngine
 from engines.inference.native import InferenceEngine
 from engines.inference.requests import Completion
 from engines.inference.sampling import InvalidRequestError, SamplingParams
@@ -76,7 +77,7 @@ def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
 class EngineLoop:
     """Owns the engine on one thread; ``submit`` is safe from any thread."""
 
-    def __init__(self, engine: InferenceEngine) -> None:
+    def __init__(self, engine: RolloutEngine) -> None:
         self.engine = engine
         self._inbox: queue.Queue = queue.Queue()
         self._futures: dict[int, Future] = {}
@@ -143,14 +144,28 @@ class ServedModel:
     """The engine and its tokenizer (chat template included), as the HTTP handlers need them."""
 
     def __init__(self, model_dir: str | Path, name: str | None = None, dtype: str = "float32",
-                 max_num_seqs: int = 256, kv_cache_bytes: int = 512 * 2**20) -> None:
+                 max_num_seqs: int = 256, kv_cache_bytes: int = 512 * 2**20, engine: str = "native",
+                 tensor_parallel_size: int = 1) -> None:
+        """``engine``: native (this project's) or vllm (``tensor_parallel_size`` devices per replica)."""
         self.name = name or Path(model_dir).name
         read_config(model_dir)  # a missing or unreadable model directory is named before its tokenizer
         self.tokenizer = TextTokenizer.load(model_dir)
-        model = load_pretrained(model_dir, getattr(torch, dtype))
-        self.device = next(model.parameters()).device
-        self.engine = InferenceEngine(model, self.tokenizer.eos_ids, self.tokenizer.pad_id,
-                                      max_num_seqs=max_num_seqs, kv_cache_bytes=kv_cache_bytes, detokenize=self.decode)
+        if engine == "vllm":
+            from engines.inference.vllm_engine import VllmEngine
+
+            self.engine = VllmEngine(model_dir, self.tokenizer.eos_ids, dtype=dtype, max_num_seqs=max_num_seqs,
+                                     kv_cache_bytes=kv_cache_bytes, tensor_parallel_size=tensor_parallel_size)
+            self.device = self.engine.device
+        elif engine == "native":
+            if tensor_parallel_size != 1:
+                raise ValueError(f"tensor parallel size {tensor_parallel_size} needs the vllm engine")
+            model = load_pretrained(model_dir, getattr(torch, dtype))
+            self.device = next(model.parameters()).device
+            self.engine = InferenceEngine(model, self.tokenizer.eos_ids, self.tokenizer.pad_id,
+                                          max_num_seqs=max_num_seqs, kv_cache_bytes=kv_cache_bytes,
+                                          detokenize=self.decode)
+        else:
+            raise ValueError(f"engine must be native or vllm, got {engine!r}")
         self.default_max_tokens = 16
         self.loop = EngineLoop(self.engine)
 
@@ -193,6 +208,8 @@ def _top_logprobs(served: ServedModel, c: Completion, k: int) -> list[list[tuple
     own distribution, before temperature), from one forward pass on the engine's thread."""
     if not k or not c.token_ids:
         return [[] for _ in c.token_ids]
+    if served.engine.kind != "native":
+        raise InvalidRequestError("top_logprobs: served by the native engine only (rl serve --engine native)")
 
     def score() -> list[list[tuple[int, float]]]:
         ids = torch.tensor([c.prompt_ids + c.token_ids], device=served.device)
@@ -324,3 +341,5 @@ def serve(model_dir: str, host: str = "127.0.0.1", port: int = 8000, **kw: Any) 
         uvicorn.run(build_app(served), host=host, port=port, log_level="info")
     finally:
         served.loop.close()
+        if hasattr(served.engine, "close"):
+            served.engine.close()
