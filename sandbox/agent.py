@@ -38,7 +38,15 @@ from collections.abc import Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from sandbox.backend import ExecResult, Limits, SandboxError, Verdict, check_relative_path, open_parent_dir
+from sandbox.backend import (
+    ExecResult,
+    Limits,
+    SandboxError,
+    Verdict,
+    check_relative_path,
+    note_oom_kills,
+    open_parent_dir,
+)
 
 TOKEN_ENV = "SANDBOX_AGENT_TOKEN"
 TOKEN_HEADER = "X-Sandbox-Token"
@@ -93,6 +101,36 @@ def result_from_json(obj: dict[str, Any]) -> ExecResult:
     fields = {k: obj[k] for k in ExecResult.__dataclass_fields__ if k in obj}
     return ExecResult(**{**fields, "verdict": Verdict(obj["verdict"]), "stdout": unb64(obj.get("stdout", ""), "stdout"),
                          "stderr": unb64(obj.get("stderr", ""), "stderr")})
+
+
+# The pod container's own cgroup (the pod is the session): v2, then v1.
+_OOM_FILES = ("/sys/fs/cgroup/memory.events", "/sys/fs/cgroup/memory/memory.oom_control")
+_MEMORY_MAX_FILES = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
+
+
+def container_oom_kills() -> int | None:
+    """The container cgroup's oom_kill counter, or None where it cannot be read."""
+    for path in _OOM_FILES:
+        try:
+            with open(path) as f:
+                for line in f:
+                    key, _, value = line.partition(" ")
+                    if key == "oom_kill":
+                        return int(value)
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def container_memory_max(default: int) -> int:
+    """The container's memory limit in bytes (``default`` where it is unlimited or unreadable)."""
+    for path in _MEMORY_MAX_FILES:
+        try:
+            with open(path) as f:
+                return int(f.read().split()[0])
+        except (OSError, ValueError, IndexError):
+            continue
+    return default
 
 
 def child_environment(environ: Mapping[str, str], request_env: dict[str, str]) -> dict[str, str]:
@@ -270,8 +308,12 @@ class _Handler(BaseHTTPRequestHandler):
         threading.Thread(target=_watch_disconnect, args=(self.connection, cancel, done), daemon=True).start()
         try:
             workdir = self.server.workdir.root
+            oom_before = container_oom_kills()
             result = run_command(argv, limits, cwd=workdir, env=child_environment(os.environ, env), stdin=stdin,
                                  cancel=cancel, rlimits="preexec", scan_dirs=(workdir,))
+            oom_after = container_oom_kills()
+            if oom_before is not None and oom_after is not None:
+                note_oom_kills(result, oom_after - oom_before, container_memory_max(limits.memory_bytes))
         finally:
             done.set()
             with self.server.lock:

@@ -102,6 +102,25 @@ class ExecResult:
     wall_s: float = 0.0
     cpu_s: float = 0.0
     detail: str = ""  # a human-readable reason for a non-OK verdict
+    oom_kills: int = 0  # processes the kernel killed at the sandbox's memory limit (its cgroup's oom_kill counter)
+
+
+def note_oom_kills(res: ExecResult, kills: int, memory_bytes: int) -> ExecResult:
+    """Record ``kills`` OOM kills in the sandbox's cgroup during the command, wherever they hit: the command itself,
+    or a child of it whose parent carried on (even to exit 0). The verdict becomes MEMORY_LIMIT unless the service
+    itself ended the command (wall clock, output, cancel) or another limit was named first (CPU time, disk)."""
+    res.oom_kills = kills
+    if kills <= 0:
+        return res
+    if res.verdict in (Verdict.OK, Verdict.FAILED, Verdict.MEMORY_LIMIT, Verdict.PROCESS_LIMIT):
+        how = (f"killed by signal {res.signal}" if res.signal is not None else
+               "the command itself exited 0" if res.exit_code == 0 else f"exit status {res.exit_code}")
+        res.verdict = Verdict.MEMORY_LIMIT
+        res.detail = (f"memory limit of {memory_bytes} bytes for the whole sandbox reached: the kernel killed "
+                      f"{kills} process(es) ({how})")
+    else:
+        res.detail = f"{res.detail}; the kernel also killed {kills} process(es) at the memory limit".lstrip("; ")
+    return res
 
 
 class SandboxError(Exception):
@@ -112,12 +131,21 @@ class SandboxError(Exception):
         self.code = code  # INVALID_ARGUMENT, NOT_FOUND, RESOURCE_EXHAUSTED, UNAVAILABLE, INTERNAL
 
 
-def check_relative_path(path: str) -> PurePosixPath:
-    """A session-relative file path, refusing absolute paths and '..' (raises SandboxError INVALID_ARGUMENT)."""
+NAME_MAX = 255  # bytes in one path component (Linux)
+
+
+def check_relative_path(path: str, field: str = "file path") -> PurePosixPath:
+    """A session-relative file path, refusing absolute paths, '..', NUL bytes and over-long names (raises
+    SandboxError INVALID_ARGUMENT naming ``field``, the request field it came from)."""
+    if "\0" in path:
+        raise SandboxError(f"{field} {path!r} contains a NUL byte", "INVALID_ARGUMENT")
     p = PurePosixPath(path)
     if not path or p.is_absolute() or ".." in p.parts:
-        raise SandboxError(f"file path {path!r} must be relative to the session's work directory, without '..'",
+        raise SandboxError(f"{field} {path!r} must be relative to the session's work directory, without '..'",
                            "INVALID_ARGUMENT")
+    for part in p.parts:
+        if len(os.fsencode(part)) > NAME_MAX:
+            raise SandboxError(f"{field} {path[:80]!r}...: a name is longer than {NAME_MAX} bytes", "INVALID_ARGUMENT")
     return p
 
 

@@ -1,5 +1,10 @@
-"""The parts of the local backend's bubblewrap containers that are the same for every session: the staged ``/etc``
-and the constant head of the ``bwrap`` command line (see ``sandbox.local`` for the isolation they make up)."""
+"""The parts of the local backend's bubblewrap containers that are the same for every session: the staged ``/etc``,
+the masks over ``/proc``, and the constant head of the ``bwrap`` command line (see ``sandbox.local`` for the
+isolation they make up).
+
+The staged files live on a tmpfs of their own where the service may mount one (root): a bind mount shows its source
+directory in the sandbox's ``/proc/self/mountinfo``, and from a tmpfs that is ``/etc``, not a directory of the host.
+"""
 
 from __future__ import annotations
 
@@ -10,20 +15,51 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from sandbox.backend import SandboxError
+from sandbox.fs import mount_tmpfs, unmount
 
 ETC_FILES = ("passwd", "group", "hosts", "host.conf", "nsswitch.conf", "gai.conf", "ld.so.cache", "ld.so.conf",
              "ld.so.conf.d", "localtime", "ssl", "alternatives", "protocols", "services", "mime.types")
 SYSTEM_LINKS = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 SANDBOX_PATH = "/sandbox/bin:/usr/local/bin:/usr/bin:/bin"
+#: /proc files a judged program never needs and that tell about the host's kernel or other processes (kernel symbols
+#: and memory, loaded modules, timers of every process, keys): an unreadable empty file is bound over each that exists
+MASKED_PROC = ("kallsyms", "kcore", "modules", "keys", "key-users", "timer_list", "sched_debug", "latency_stats",
+               "sysrq-trigger", "kpagecount", "kpageflags", "kpagecgroup", "vmallocinfo", "iomem", "ioports",
+               "config.gz")
+SYSTEM_DIR = ".system"  # under the backend's root: etc/ and the mask file
+_SYSTEM_TMPFS_BYTES = 64 << 20
 #: the environment of every command, to which the caller's variables are added
 DEFAULT_ENV = {"PATH": SANDBOX_PATH, "HOME": "/tmp", "TMPDIR": "/tmp", "LANG": "C.UTF-8",
                "PYTHONDONTWRITEBYTECODE": "1"}
 
 
+def stage_system(root: Path, uids: range | None) -> tuple[Path, bool]:
+    """The directory of the files every sandbox shares (``etc/``, ``masked``), on a tmpfs of its own where the
+    service may mount one; returns it and whether it is mounted (``release_system`` undoes both)."""
+    system = root / SYSTEM_DIR
+    system.mkdir(mode=0o755, exist_ok=True)
+    mounted = True
+    try:
+        mount_tmpfs(system, _SYSTEM_TMPFS_BYTES, 16384, mode=0o755)
+    except OSError:
+        mounted = False  # not root: bind sources then show under the backend's directory in mountinfo
+    stage_etc(system, uids)
+    masked = system / "masked"
+    masked.touch()
+    os.chmod(masked, 0)  # unreadable by the sandbox's uid (it has no capabilities)
+    return system, mounted
+
+
+def release_system(system: Path, mounted: bool) -> None:
+    """Unmount the shared files' tmpfs (then the directory is empty); raises OSError."""
+    if mounted:
+        unmount(system)
+
+
 def stage_etc(root: Path, uids: range | None) -> Path:
-    """A minimal /etc under ``root`` for the sandboxes: copies of the harmless host files, plus users for the sandbox
+    """A minimal /etc in ``root`` for the sandboxes: copies of the harmless host files, plus users for the sandbox
     ``uids`` (None: the sandboxes keep the service's uid)."""
-    etc = root / ".etc"
+    etc = root / "etc"
     shutil.rmtree(etc, ignore_errors=True)
     etc.mkdir(mode=0o755)
     for name in ETC_FILES:
@@ -49,9 +85,10 @@ def stage_etc(root: Path, uids: range | None) -> Path:
     return etc
 
 
-def base_argv(bwrap: str, etc: Path, python: str, *, as_root: bool, ro_paths: Sequence[str] = ()) -> list[str]:
-    """The constant part of every bwrap command line: namespaces, capabilities, the read-only system, ``etc`` as
-    /etc, ``python``'s installation and ``ro_paths`` read-only, and ``python`` as /sandbox/bin/python3."""
+def base_argv(bwrap: str, system: Path, python: str, *, as_root: bool, ro_paths: Sequence[str] = ()) -> list[str]:
+    """The constant part of every bwrap command line: namespaces, capabilities, the read-only system, ``system``'s
+    etc as /etc, the masks over /proc, ``python``'s installation and ``ro_paths`` read-only, and ``python`` as
+    /sandbox/bin/python3."""
     a = [bwrap, "--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try",
          "--hostname", "sandbox", "--die-with-parent", "--as-pid-1", "--clearenv", "--cap-drop", "ALL"]
     for k, v in DEFAULT_ENV.items():  # only these reach the root part of the chain (see LocalSession.exec)
@@ -69,8 +106,11 @@ def base_argv(bwrap: str, etc: Path, python: str, *, as_root: bool, ro_paths: Se
             a += ["--symlink", os.readlink(link), link]
         elif os.path.isdir(link):
             a += ["--ro-bind", link, link]
-    a += ["--ro-bind", str(etc), "/etc", "--proc", "/proc", "--dev", "/dev",
-          "--perms", "1777", "--size", str(64 << 20), "--tmpfs", "/dev/shm"]
+    a += ["--ro-bind", str(system / "etc"), "/etc", "--proc", "/proc"]
+    for name in MASKED_PROC:  # the sandbox's /proc is of the same kernel: it has the files the host's has
+        if os.path.lexists(f"/proc/{name}"):
+            a += ["--ro-bind", str(system / "masked"), f"/proc/{name}"]
+    a += ["--dev", "/dev", "--perms", "1777", "--size", str(64 << 20), "--tmpfs", "/dev/shm"]
     made: set[str] = set()
     prefix = Path(python).parent.parent
     for path in [str(prefix), *ro_paths]:

@@ -40,13 +40,16 @@ class CgroupUnavailable(Exception):
 
 @dataclass
 class Usage:
-    """Counters of one session's cgroup: how often the kernel enforced a limit."""
+    """Counters of one session's cgroup: how often the kernel enforced a limit, and the CPU time of everything that
+    ran in it (None where the host does not account it)."""
 
     oom_kills: int = 0
     pids_max_hits: int = 0
+    cpu_s: float | None = None
 
     def __sub__(self, other: Usage) -> Usage:
-        return Usage(self.oom_kills - other.oom_kills, self.pids_max_hits - other.pids_max_hits)
+        cpu = None if self.cpu_s is None or other.cpu_s is None else self.cpu_s - other.cpu_s
+        return Usage(self.oom_kills - other.oom_kills, self.pids_max_hits - other.pids_max_hits, cpu)
 
 
 def _read_keyed(path: Path, key: str) -> int:
@@ -59,6 +62,14 @@ def _read_keyed(path: Path, key: str) -> int:
     except (OSError, ValueError):
         pass
     return 0
+
+
+def _read_int(path: Path) -> int | None:
+    """A file holding one integer, or None when absent or unreadable."""
+    try:
+        return int(path.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _write(path: Path, value: str) -> None:
@@ -183,7 +194,7 @@ class CgroupManager:
                 return cls._probe_v2(Path(v2[0]), own.get("", "/"), name)
             except CgroupUnavailable as e:
                 reasons.append(f"cgroup v2: {e}")
-        v1 = {c: Path(m[0]) for m in mounts if m[1] == "cgroup" for c in CONTROLLERS if c in m[2]}
+        v1 = {c: Path(m[0]) for m in mounts if m[1] == "cgroup" for c in (*CONTROLLERS, "cpuacct") if c in m[2]}
         if all(c in v1 for c in CONTROLLERS):
             try:
                 return cls._probe_v1(v1, own, name)
@@ -239,8 +250,10 @@ class CgroupManager:
     @classmethod
     def _probe_v1(cls, mounts: dict[str, Path], own: dict[str, str], name: str) -> CgroupManager:
         parents = {}
+        # CPU time is accounted by cpuacct, mounted with cpu (cpu,cpuacct) or, on some hosts, on its own
+        wanted = [*CONTROLLERS, *(["cpuacct"] if "cpuacct" in mounts and mounts["cpuacct"] != mounts["cpu"] else [])]
         try:
-            for c in CONTROLLERS:
+            for c in wanted:
                 parent = mounts[c] / own.get(c, "/").lstrip("/") / name
                 parent.mkdir()
                 parents[c] = parent
@@ -307,11 +320,16 @@ class CgroupManager:
         _write(dirs["cpu"] / "cpu.cfs_quota_us", str(quota))
 
     def usage(self, dirs: dict[str, Path]) -> Usage:
+        """The counters of a session's cgroup(s): oom_kill of memory.events (v1: memory.oom_control), pids.events'
+        max, and CPU time (cpu.stat's usage_usec; v1: cpuacct.usage, in ns)."""
         if self.mode == "v2":
             d = dirs[""]
-            return Usage(_read_keyed(d / "memory.events", "oom_kill"), _read_keyed(d / "pids.events", "max"))
+            usec = _read_keyed(d / "cpu.stat", "usage_usec") if (d / "cpu.stat").exists() else None
+            return Usage(_read_keyed(d / "memory.events", "oom_kill"), _read_keyed(d / "pids.events", "max"),
+                         None if usec is None else usec / 1e6)
+        ns = _read_int(dirs.get("cpuacct", dirs["cpu"]) / "cpuacct.usage")
         return Usage(_read_keyed(dirs["memory"] / "memory.oom_control", "oom_kill"),
-                     _read_keyed(dirs["pids"] / "pids.events", "max"))
+                     _read_keyed(dirs["pids"] / "pids.events", "max"), None if ns is None else ns / 1e9)
 
     def kill(self, d: Path) -> None:
         """SIGKILL whatever is still in a session cgroup (v2's cgroup.kill; v1: each pid)."""

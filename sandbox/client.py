@@ -9,28 +9,38 @@ from collections.abc import Iterable
 
 import grpc
 
+from sandbox import auth
 from sandbox.backend import ExecResult, Limits, SandboxError
 from sandbox.proto import sandbox_pb2 as pb
 from sandbox.proto import sandbox_pb2_grpc as pb_grpc
-from sandbox.server import GRPC_OPTIONS, SandboxServer, start_server
+from sandbox.server import GRPC_OPTIONS, MAX_MESSAGE_BYTES, SandboxServer, start_server
 from sandbox.wire import files_from_pb, files_to_pb, limits_to_pb, result_from_pb
 
 # Time beyond a command's wall limit allowed for sandbox set-up and queueing before the client gives up.
 DEADLINE_SLACK_S = 120.0
 
 
-# One-shot runs spread over every address the name resolves to (the replicas behind a headless Service).
-ROUND_ROBIN = ("grpc.service_config", json.dumps({"loadBalancingConfig": [{"round_robin": {}}]}))
+# One-shot runs spread over every address the name resolves to (the replicas behind a headless Service). A run or a
+# new session refused as UNAVAILABLE (a replica shutting down, or gone) is tried once more, on the next replica:
+# neither has anything on the replica that refused it.
+ROUND_ROBIN = ("grpc.service_config", json.dumps({
+    "loadBalancingConfig": [{"round_robin": {}}],
+    "methodConfig": [{"name": [{"service": "rl.sandbox.v1.Sandbox", "method": m} for m in ("Run", "CreateSession")],
+                      "retryPolicy": {"maxAttempts": 2, "initialBackoff": "0.2s", "maxBackoff": "1s",
+                                      "backoffMultiplier": 2, "retryableStatusCodes": ["UNAVAILABLE"]}}]}))
 
 
 class SandboxClient:
     """Talks to a sandbox service at ``address``: host:port, or any gRPC target naming several replicas
     (``dns:///sandbox.ns.svc:50051`` of a headless Service, ``ipv4:10.0.0.1:50051,10.0.0.2:50051``).
 
-    Runs go round-robin over the replicas; a session's calls go to the replica that holds it."""
+    Runs go round-robin over the replicas; a session's calls go to the replica that holds it. Every call carries
+    ``token`` (None: ``RL_SANDBOX_TOKEN``; unset or empty: none) as ``authorization: Bearer <token>``."""
 
-    def __init__(self, address: str, *, slack_s: float = DEADLINE_SLACK_S):
+    def __init__(self, address: str, *, slack_s: float = DEADLINE_SLACK_S, token: str | None = None):
         self.address, self.slack_s = address, slack_s
+        self.token = token if token is not None else auth.token_from_env()
+        self._metadata = auth.call_metadata(self.token)
         self._channel = grpc.insecure_channel(address, options=[*GRPC_OPTIONS, ROUND_ROBIN])
         self._stub = pb_grpc.SandboxStub(self._channel)
         self._replicas: dict[str, SandboxClient] = {}
@@ -58,7 +68,7 @@ class SandboxClient:
             return self
         with self._replicas_lock:
             if address not in self._replicas:
-                self._replicas[address] = SandboxClient(address, slack_s=self.slack_s)
+                self._replicas[address] = SandboxClient(address, slack_s=self.slack_s, token=self.token)
             return self._replicas[address]
 
     def close(self) -> None:
@@ -78,12 +88,15 @@ class SandboxClient:
             return timeout_s
         return (limits.wall_s if limits and limits.wall_s else Limits().wall_s) + self.slack_s
 
-    @staticmethod
-    def _call(method, request, timeout_s: float | None):
+    def _call(self, method, request, timeout_s: float | None):
         try:
-            return method(request, timeout=timeout_s)
+            return method(request, timeout=timeout_s, metadata=self._metadata)
         except grpc.RpcError as e:
-            raise SandboxError(f"sandbox service: {e.details()}", e.code().name) from None
+            details = e.details() or ""
+            if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in details:
+                details += (f" (one request or answer may carry at most {MAX_MESSAGE_BYTES >> 20} MiB: send the files "
+                            "in several calls)")
+            raise SandboxError(f"sandbox service: {details}", e.code().name) from None
 
 
 class RemoteSession:

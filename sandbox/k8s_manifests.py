@@ -22,6 +22,7 @@ AGENT_CONTAINER = "sandbox"
 POLICY_NAME = "rl-sandbox-deny-egress"
 DEFAULT_SERVICE_LABELS = {"app.kubernetes.io/name": "rl-sandbox-service"}
 DEFAULT_RESOURCES = {"cpu": "1", "memory": "2Gi", "ephemeral-storage": "4Gi"}
+NOBODY = 65534  # the uid (and gid) session pods run as unless configured otherwise
 # The init container only copies a few hundred kilobytes.
 INIT_RESOURCES = {"requests": {"cpu": "50m", "memory": "64Mi"}, "limits": {"cpu": "500m", "memory": "256Mi"}}
 # Waiting reasons after which a pod with restartPolicy Never will not start by itself. ErrImagePull is left out: the
@@ -39,6 +40,11 @@ def label_value(value: str) -> str:
     if not _LABEL_VALUE.match(value):
         raise ValueError(f"{value!r} is not a valid Kubernetes label value")
     return value
+
+
+def is_label_value(value: str) -> bool:
+    """Whether Kubernetes accepts ``value`` as a label value."""
+    return bool(_LABEL_VALUE.match(value))
 
 
 def rfc3339(t: float) -> str:
@@ -67,20 +73,31 @@ def container_resources(resources: dict[str, Any] | None) -> dict[str, dict[str,
 
 
 def _hardened() -> dict[str, Any]:
-    """The container securityContext: no privilege gain, no capabilities, the runtime's default seccomp filter."""
-    return {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}, "privileged": False,
-            "seccompProfile": {"type": "RuntimeDefault"}}
+    """The container securityContext: not root, no privilege gain, no capabilities, the runtime's default seccomp
+    filter (Pod Security Standards, "restricted")."""
+    return {"runAsNonRoot": True, "allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]},
+            "privileged": False, "seccompProfile": {"type": "RuntimeDefault"}}
+
+
+def owner_reference(pod_name: str, pod_uid: str) -> dict[str, Any]:
+    """An ownerReference to the service pod that made a session pod: when that pod is gone (a crashed replica), the
+    garbage collector deletes its session pods. Only valid within the owner's namespace."""
+    return {"apiVersion": "v1", "kind": "Pod", "name": pod_name, "uid": pod_uid, "blockOwnerDeletion": False}
 
 
 def sandbox_pod(*, name: str, namespace: str, session_id: str, owner: str, image: str, agent_image: str,
                 token: str = "", port: int = 8000, ttl_s: float = 3600, expires_at: float | None = None,
                 workdir: str = "/work", workdir_volume: bool = True, resources: dict[str, Any] | None = None,
                 runtime_class: str | None = None, node_selector: dict[str, str] | None = None,
-                tolerations: list[dict[str, Any]] | None = None, run_as_user: int | None = None,
+                tolerations: list[dict[str, Any]] | None = None, run_as_user: int = NOBODY,
                 image_pull_policy: str = "IfNotPresent", image_pull_secrets: list[str] = (),
-                labels: dict[str, str] | None = None, priority_class: str | None = None) -> dict[str, Any]:
-    """The pod of one session: an init container copies the agent into an emptyDir, the task's image runs it.
-    ``labels`` are added to the backend's own (which win); ``image_pull_secrets`` name Secrets of a private registry."""
+                labels: dict[str, str] | None = None, priority_class: str | None = None,
+                owner_pod: tuple[str, str] | None = None) -> dict[str, Any]:
+    """The pod of one session: an init container copies the agent into an emptyDir, the task's image runs it, as
+    ``run_as_user`` (never root). ``labels`` are added to the backend's own (which win); ``image_pull_secrets`` name
+    Secrets of a private registry; ``owner_pod`` (name, uid): the service pod that owns it."""
+    if run_as_user <= 0:
+        raise ValueError(f"run_as_user={run_as_user}: session pods never run as root")
     expires_at = time.time() + ttl_s if expires_at is None else expires_at
     res = container_resources(resources)
     volumes: list[dict[str, Any]] = [{"name": "agent", "emptyDir": {"sizeLimit": "64Mi"}}]
@@ -104,9 +121,9 @@ def sandbox_pod(*, name: str, namespace: str, session_id: str, owner: str, image
             "command": ["python3", "-c", _COPY_AGENT.format(dst=f"{AGENT_ROOT}/sandbox")],
             "resources": INIT_RESOURCES, "securityContext": _hardened(),
             "volumeMounts": [{"name": "agent", "mountPath": AGENT_ROOT}]}
-    pod_security: dict[str, Any] = {"seccompProfile": {"type": "RuntimeDefault"}}
-    if run_as_user is not None:
-        pod_security["runAsUser"] = run_as_user
+    # the emptyDirs belong to the fsGroup, so the agent and the program can write their work directory
+    pod_security: dict[str, Any] = {"runAsNonRoot": True, "runAsUser": run_as_user, "runAsGroup": run_as_user,
+                                    "fsGroup": run_as_user, "seccompProfile": {"type": "RuntimeDefault"}}
     spec: dict[str, Any] = {
         "restartPolicy": "Never",
         # The kubelet kills the pod at its TTL even if the service that created it is gone.
@@ -129,18 +146,16 @@ def sandbox_pod(*, name: str, namespace: str, session_id: str, owner: str, image
         spec["imagePullSecrets"] = [{"name": n} for n in image_pull_secrets]
     if priority_class:
         spec["priorityClassName"] = priority_class
-    return {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {
-            "name": name,
-            "namespace": namespace,
-            "labels": {**{k: label_value(v) for k, v in (labels or {}).items()}, MANAGED_BY_LABEL: MANAGED_BY,
-                       SESSION_LABEL: label_value(session_id), OWNER_LABEL: label_value(owner)},
-            "annotations": {EXPIRES_ANNOTATION: rfc3339(expires_at), IMAGE_ANNOTATION: image},
-        },
-        "spec": spec,
+    metadata: dict[str, Any] = {
+        "name": name,
+        "namespace": namespace,
+        "labels": {**{k: label_value(v) for k, v in (labels or {}).items()}, MANAGED_BY_LABEL: MANAGED_BY,
+                   SESSION_LABEL: label_value(session_id), OWNER_LABEL: label_value(owner)},
+        "annotations": {EXPIRES_ANNOTATION: rfc3339(expires_at), IMAGE_ANNOTATION: image},
     }
+    if owner_pod is not None:
+        metadata["ownerReferences"] = [owner_reference(*owner_pod)]
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": spec}
 
 
 def deny_egress_policy(namespace: str, *, port: int = 8000, name: str = POLICY_NAME,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import secrets
 import threading
 import time
@@ -29,6 +30,10 @@ from sandbox.options import KubernetesOptions
 log = logging.getLogger(__name__)
 
 API_TIMEOUT_S = 30.0  # one API-server request (not a watch)
+# Set by the Helm chart: where session pods go, and (downward API) the service pod that owns them.
+SESSION_NAMESPACE_ENV = "RL_SANDBOX_SESSION_NAMESPACE"
+POD_NAME_ENV, POD_UID_ENV, POD_NAMESPACE_ENV = "POD_NAME", "POD_UID", "POD_NAMESPACE"
+_SA_NAMESPACE_FILE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
 WATCH_CHUNK_S = 15  # a start's watch is renewed (from its last resourceVersion) this often, to notice close()
 
 
@@ -114,6 +119,22 @@ class KubernetesSession:
         self._backend._forget(self, delete)
 
 
+def _session_namespace(options: KubernetesOptions) -> str:
+    """Where session pods go: RL_SANDBOX_SESSION_NAMESPACE, else the options' namespace."""
+    return os.environ.get(SESSION_NAMESPACE_ENV) or options.namespace
+
+
+def _own_namespace(options: KubernetesOptions) -> str:
+    """The service pod's namespace: POD_NAMESPACE, the service account's, else the options' namespace."""
+    if os.environ.get(POD_NAMESPACE_ENV):
+        return os.environ[POD_NAMESPACE_ENV]
+    try:
+        with open(_SA_NAMESPACE_FILE) as f:
+            return f.read().strip() or options.namespace
+    except OSError:
+        return options.namespace
+
+
 def _url(ip: str, port: int) -> str:
     return f"http://[{ip}]:{port}" if ":" in ip else f"http://{ip}:{port}"
 
@@ -123,16 +144,19 @@ class KubernetesBackend:
 
     name = "kubernetes"
 
-    # owner: label value naming this service instance; give a restarted instance the same one and collect_on_start
-    # so that it deletes its predecessor's pods first. workdir_volume=False: the image provides ``workdir`` (e.g. the
-    # repository at /testbed). service_labels/service_namespace: who may reach the agents (the NetworkPolicy).
+    # owner: label value naming this service instance (default: its pod's name, from POD_NAME; else random); a
+    # restarted instance with the same one and collect_on_start (the default with POD_NAME) deletes its
+    # predecessor's pods first. Session pods go to RL_SANDBOX_SESSION_NAMESPACE (else options.namespace), owned by
+    # the service pod (POD_NAME, POD_UID) when that is in the same namespace. workdir_volume=False: the image
+    # provides ``workdir`` (e.g. the repository at /testbed). service_labels/service_namespace: who may reach the
+    # agents (the NetworkPolicy; default namespace: the service's own).
     def __init__(self, *, options: KubernetesOptions | None = None,
                  api_client: kubernetes.client.ApiClient | None = None, agent_port: int = 8000,
                  resources: dict[str, Any] | None = None, ready_timeout_s: float = 300,
                  create_burst: float | None = None, workdir: str = "/work", workdir_volume: bool = True,
                  owner: str | None = None, service_labels: dict[str, str] | None = None,
                  service_namespace: str | None = None, network_policy: bool = True, reap_interval_s: float = 60,
-                 pool_max_age_s: float | None = None, pool_workers: int = 16, collect_on_start: bool = False):
+                 pool_max_age_s: float | None = None, pool_workers: int = 16, collect_on_start: bool | None = None):
         """``options``: a run config's keys for this backend (namespace, images, pod settings, rates, warm pool);
         ``resources``: requests and limits of session pods where they differ (None: ``options.cpu``/``memory``)."""
         self.options = o = options if options is not None else KubernetesOptions()
@@ -149,16 +173,30 @@ class KubernetesBackend:
         self.api_client = api_client
         self.core = kubernetes.client.CoreV1Api(api_client)
         self.net = kubernetes.client.NetworkingV1Api(api_client)
-        self.namespace, self.agent_image, self.agent_port = o.namespace, o.agent_image, agent_port
+        self.namespace, self.agent_image, self.agent_port = _session_namespace(o), o.agent_image, agent_port
         self.default_image, self.ttl_s, self.ready_timeout_s = o.default_image, float(o.ttl_s), float(ready_timeout_s)
-        self.owner = m.label_value(owner or f"rl-sandbox-{uuid.uuid4().hex[:10]}")
+        own_namespace = _own_namespace(o)
+        pod_name, pod_uid = os.environ.get(POD_NAME_ENV, ""), os.environ.get(POD_UID_ENV, "")
+        self.owner_pod = (pod_name, pod_uid) if pod_name and pod_uid else None
+        if self.owner_pod is not None and self.namespace != own_namespace:
+            log.warning("session pods in namespace %s cannot be owned by the service pod %s/%s (owner references do "
+                        "not cross namespaces): a crashed replica's pods end at their TTL", self.namespace,
+                        own_namespace, pod_name)
+            self.owner_pod = None
+        stable = pod_name if pod_name and m.is_label_value(pod_name) else pod_uid
+        self.owner = m.label_value(owner or stable or f"rl-sandbox-{uuid.uuid4().hex[:10]}")
+        if collect_on_start is None:  # the same pod restarted its container: its old sessions are gone with it
+            collect_on_start = not owner and bool(stable)
+        if service_namespace is None and self.namespace != own_namespace:
+            service_namespace = own_namespace
         self._pod_options = {"agent_image": o.agent_image, "port": agent_port, "ttl_s": self.ttl_s,
                              "workdir": workdir, "workdir_volume": workdir_volume,
                              "resources": {"cpu": o.cpu, "memory": o.memory} if resources is None else resources,
                              "runtime_class": o.runtime_class, "node_selector": o.node_selector,
                              "tolerations": o.tolerations, "image_pull_secrets": list(o.image_pull_secrets),
-                             "labels": o.labels, "priority_class": o.priority_class}
-        self._policy = m.deny_egress_policy(o.namespace, port=agent_port, service_labels=service_labels,
+                             "labels": o.labels, "priority_class": o.priority_class,
+                             "run_as_user": o.run_as_user, "owner_pod": self.owner_pod}
+        self._policy = m.deny_egress_policy(self.namespace, port=agent_port, service_labels=service_labels,
                                             service_namespace=service_namespace) if network_policy else None
         self._policy_ready, self._policy_lock = self._policy is None, threading.Lock()
         self.bucket = TokenBucket(o.max_creates_per_s, create_burst)

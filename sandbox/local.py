@@ -62,8 +62,17 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from sandbox import uids
-from sandbox.backend import CancelEvent, ExecResult, Limits, SandboxError, Verdict, check_relative_path, open_parent_dir
-from sandbox.bwrap import DEFAULT_ENV, base_argv, stage_etc
+from sandbox.backend import (
+    CancelEvent,
+    ExecResult,
+    Limits,
+    SandboxError,
+    Verdict,
+    check_relative_path,
+    note_oom_kills,
+    open_parent_dir,
+)
+from sandbox.bwrap import DEFAULT_ENV, base_argv, release_system, stage_system
 from sandbox.cgroups import ENTER_ERROR, CgroupManager, CgroupUnavailable, SessionCgroup, Usage
 from sandbox.fs import mount_tmpfs, remove_tree, unmount
 from sandbox.options import LocalOptions
@@ -148,8 +157,8 @@ class LocalBackend:
         self.tmpfs = self._setup_tmpfs()
         for w in self.warnings:
             log.warning("local sandbox: %s", w)
-        etc = stage_etc(self.root, range(uid_base, uid_base + max_sessions) if self.as_root else None)
-        self._base = base_argv(bwrap, etc, self.python, as_root=self.as_root, ro_paths=ro_paths)
+        self._system = stage_system(self.root, range(uid_base, uid_base + max_sessions) if self.as_root else None)
+        self._base = base_argv(bwrap, self._system[0], self.python, as_root=self.as_root, ro_paths=ro_paths)
 
     def _setup_cgroups(self, wanted: bool) -> CgroupManager | None:
         if not wanted:
@@ -285,8 +294,11 @@ class LocalBackend:
             log.error("local sandbox: session %s (uid %d) could not be cleaned up: %s", s.id, s.uid, s.leftover)
         if self.cgroups is not None:
             self.cgroups.close()
-        for path in (self.root / ".etc", self.root / ".seccomp.bpf", *([self.root] if self._own_root else [])):
+        for path in (self._system[0], self.root / ".seccomp.bpf", *([self.root] if self._own_root else [])):
             try:
+                if path == self._system[0]:
+                    release_system(*self._system)
+                    self._system = (path, False)
                 remove_tree(path)
             except OSError as e:
                 log.error("local sandbox: cannot remove %s: %s", path, e)
@@ -403,6 +415,9 @@ class LocalSession:
             elif self.backend.as_root:
                 uids.reap(self.uid)
             hit = self.cgroup.usage() - before if self.cgroup is not None else Usage()
+            if hit.cpu_s is not None:
+                # everything the sandbox ran, also what bwrap never reaped because we killed it (wall clock, output)
+                res.cpu_s = hit.cpu_s
         finally:
             for fd in fds:
                 with contextlib.suppress(OSError):
@@ -446,26 +461,21 @@ class LocalSession:
         if res.verdict == Verdict.CANCELLED and self._closed.is_set():
             res.detail = "the session was closed"
         if res.verdict in _KILLED_BY_US:
-            return res
+            return note_oom_kills(res, hit.oom_kills, limits.memory_bytes)
         if res.exit_code in (1, 125, 127) and res.stderr.startswith(self.backend.tool_errors):
             res.verdict, res.detail = Verdict.ERROR, "sandbox failed: " + res.stderr.decode(errors="replace")[:500]
             return res
         if res.exit_code is not None and 128 < res.exit_code < 128 + 65:
             res.signal, res.exit_code = res.exit_code - 128, None
             res.verdict, res.detail = classify(None, res.signal, limits, res.stderr, res.cpu_s, self._scan)
-        if res.verdict in (Verdict.OK, Verdict.CPU_LIMIT):
-            return res
         if res.verdict == Verdict.FAILED and self._disk_full():
             res.verdict = Verdict.FILE_SIZE_LIMIT
             res.detail = (f"disk quota of {self.backend.disk_bytes} bytes for the session's /work and /tmp reached "
                           f"({res.detail})")
-            return res
-        how = f"killed by signal {res.signal}" if res.signal is not None else f"exit status {res.exit_code}"
-        if hit.oom_kills:
-            res.verdict = Verdict.MEMORY_LIMIT
-            res.detail = (f"memory limit of {limits.memory_bytes} bytes for the whole sandbox reached: the kernel "
-                          f"killed {hit.oom_kills} process(es) ({how})")
-        elif hit.pids_max_hits and res.verdict == Verdict.FAILED:
+        # an OOM kill anywhere in the cgroup is reported, also when the command itself exited 0
+        res = note_oom_kills(res, hit.oom_kills, limits.memory_bytes)
+        if hit.pids_max_hits and res.verdict == Verdict.FAILED:
+            how = f"killed by signal {res.signal}" if res.signal is not None else f"exit status {res.exit_code}"
             res.verdict = Verdict.PROCESS_LIMIT
             res.detail = f"process/thread limit of {limits.processes} for the whole sandbox reached ({how})"
         return res

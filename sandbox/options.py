@@ -80,6 +80,8 @@ class KubernetesOptions(StrictOptions):
     node_selector: dict[str, str] = Field({}, description="where session pods may run")
     tolerations: list[dict[str, Any]] = Field([], description="taints session pods tolerate")
     priority_class: str | None = Field(None, description="PriorityClass of session pods")
+    run_as_user: int = Field(65534, ge=1, description="uid (and gid, fsGroup) of session pods, never root; an image "
+                             "that brings its own work directory must let this uid write it")
 
     @field_validator("cpu", "memory", mode="before")
     @classmethod
@@ -102,6 +104,9 @@ class SandboxOptions(LocalOptions):
     metrics_port: int | None = Field(None, ge=0, le=65535, description="Prometheus /metrics of the service")
     advertise_address: str | None = Field(None, description="host:port clients reach this replica at (its pod "
                                           "IP on Kubernetes): sessions created here are used through it")
+    drain_s: float = Field(20, ge=0, description="at shutdown (SIGTERM): how long running commands and open "
+                           "sessions get to finish before they are cut; keep it below the pod's "
+                           "terminationGracePeriodSeconds")
     limits: LimitsOptions = Field(default_factory=LimitsOptions)
     kubernetes: KubernetesOptions = Field(default_factory=KubernetesOptions)
 

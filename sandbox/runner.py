@@ -204,7 +204,10 @@ class _Run:
 
     def _close_wake(self) -> None:
         if self._unwatch is not None:
+            # dropped, not just called: it refers back to this object, and a cycle would keep the output buffers
+            # alive until the garbage collector's next full pass
             self._unwatch()
+            self._unwatch = None
         with self._wake_lock:
             if self._wake is not None:
                 with contextlib.suppress(KeyError):
@@ -323,6 +326,7 @@ class _Run:
         self.sel.close()
         if self.pidfd is not None:
             os.close(self.pidfd)
+        self.stdin.release()
 
 
 def run_command(argv: list[str], limits: Limits, *, cwd: str, env: dict[str, str], stdin: bytes = b"",
@@ -372,7 +376,8 @@ def run_command(argv: list[str], limits: Limits, *, cwd: str, env: dict[str, str
     exit_code = os.WEXITSTATUS(status) if os.WIFEXITED(status) else None
     sig = os.WTERMSIG(status) if os.WIFSIGNALED(status) else None
     stdout, stderr = bytes(run.out["stdout"]), bytes(run.out["stderr"])
-    if run.reason == "wall" and any(m in run.out["stderr"] for m in _PROCESS_MARKS):
+    run.out.clear()  # the copies above are what lives on; a payload's worth of memory goes back now
+    if run.reason == "wall" and any(m in stderr for m in _PROCESS_MARKS):
         # a fork bomb is stopped by the process limit, but its first process may not notice before the wall clock
         verdict = Verdict.PROCESS_LIMIT
         detail = f"process/thread limit of {limits.processes} reached, then the wall-clock limit of {limits.wall_s:g}s"

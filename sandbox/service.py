@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import threading
 import time
 import uuid
@@ -14,12 +13,13 @@ from typing import TypeVar
 
 import grpc
 
+from sandbox import requests as rq
 from sandbox.backend import DEFAULT_LIMITS, Backend, CancelEvent, ExecResult, Limits, SandboxError, SessionInfo, Verdict
 from sandbox.judge import judge_command, judge_verdict
 from sandbox.metrics import SandboxMetrics
 from sandbox.proto import sandbox_pb2 as pb
 from sandbox.proto import sandbox_pb2_grpc as pb_grpc
-from sandbox.wire import files_from_pb, files_to_pb, limits_from_pb, result_to_pb
+from sandbox.wire import files_to_pb, limits_from_pb, result_to_pb
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -48,6 +48,8 @@ class SandboxService(pb_grpc.SandboxServicer):
         self._waiting = 0
         self._sessions: dict[str, SessionInfo] = {}
         self._closed = threading.Event()
+        self._draining = threading.Event()
+        self._running = 0  # commands holding a slot (under self._lock)
         self._reaper = threading.Thread(target=self._reap_idle_sessions, name="sandbox-session-reaper", daemon=True)
         self._reaper.start()
 
@@ -55,7 +57,8 @@ class SandboxService(pb_grpc.SandboxServicer):
 
     def Run(self, request: pb.RunRequest, context: grpc.ServicerContext) -> pb.ExecResult:
         t0 = time.perf_counter()
-        files, executable = files_from_pb(request.files)
+        self._refuse_when_draining(context)
+        files, executable = self._call(context, rq.check_files, request.files)
         argv, stdin, nonce = list(request.command), request.stdin, None
         if request.code or request.tests:
             if argv or files or stdin:
@@ -64,6 +67,7 @@ class SandboxService(pb_grpc.SandboxServicer):
             files, argv, stdin, nonce = judge_command(request.code, request.tests)
         if not argv:
             _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "Run needs a command (or code and tests)")
+        self._check_exec(request, context)
         limits = self._limits(request.limits, context)
         cancel = _cancel_event(context)
         with self._slot(context):
@@ -75,11 +79,15 @@ class SandboxService(pb_grpc.SandboxServicer):
                                     stdin, dict(request.env), cancel)
             finally:
                 session.close()
+        result = self._cut_short(result, context)
         if nonce is not None:
             result = judge_verdict(result, nonce)
         return self._finish("run", result, t0)
 
     def CreateSession(self, request: pb.CreateSessionRequest, context: grpc.ServicerContext):
+        self._refuse_when_draining(context)
+        self._call(context, rq.check_image, request.image)
+        files, executable = self._call(context, rq.check_files, request.files)
         with self._lock:
             if len(self._sessions) >= self.max_sessions:
                 self.metrics.rejections.labels("session_limit").inc()
@@ -89,7 +97,6 @@ class SandboxService(pb_grpc.SandboxServicer):
             # Reserve the place before the (possibly slow) creation so concurrent calls cannot overshoot.
             sid = uuid.uuid4().hex[:16]
             self._sessions[sid] = None  # type: ignore[assignment]
-        files, executable = files_from_pb(request.files)
         try:
             session = self._call(context, self.backend.create_session, request.image, files)
             if executable:
@@ -106,31 +113,34 @@ class SandboxService(pb_grpc.SandboxServicer):
 
     def Exec(self, request: pb.ExecRequest, context: grpc.ServicerContext) -> pb.ExecResult:
         t0 = time.perf_counter()
+        self._call(context, rq.check_session_id, request.session_id)
         if not request.command:
             _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "Exec needs a command")
+        self._check_exec(request, context)
         limits = self._limits(request.limits, context)
         cancel = _cancel_event(context)
         with self._session(request.session_id, context) as info, self._slot(context):
             result = self._call(context, info.session.exec, list(request.command),
                                 self._deadline_limits(limits, context), request.stdin, dict(request.env), cancel)
-        return self._finish("exec", result, t0)
+        return self._finish("exec", self._cut_short(result, context), t0)
 
     def WriteFiles(self, request: pb.WriteFilesRequest, context: grpc.ServicerContext):
-        files, executable = files_from_pb(request.files)
+        self._call(context, rq.check_session_id, request.session_id)
+        files, executable = self._call(context, rq.check_files, request.files)
         with self._session(request.session_id, context) as info:
             self._call(context, info.session.write_files, files, executable)
         return pb.WriteFilesResponse()
 
     def ReadFiles(self, request: pb.ReadFilesRequest, context: grpc.ServicerContext):
-        max_bytes = request.max_bytes or self.max_read_bytes
-        if max_bytes > self.max_read_bytes:
-            _abort(context, grpc.StatusCode.INVALID_ARGUMENT,
-                   f"max_bytes={max_bytes} is above the server's maximum {self.max_read_bytes}")
+        self._call(context, rq.check_session_id, request.session_id)
+        max_bytes = self._call(context, rq.check_max_bytes, request.max_bytes, self.max_read_bytes)
+        paths = self._call(context, rq.check_paths, request.paths)
         with self._session(request.session_id, context) as info:
-            files = self._call(context, info.session.read_files, list(request.paths), max_bytes)
+            files = self._call(context, info.session.read_files, paths, max_bytes)
         return pb.ReadFilesResponse(files=files_to_pb(files))
 
     def CloseSession(self, request: pb.CloseSessionRequest, context: grpc.ServicerContext):
+        self._call(context, rq.check_session_id, request.session_id)
         with self._lock:
             info = self._sessions.get(request.session_id)
             if info is not None:
@@ -144,8 +154,26 @@ class SandboxService(pb_grpc.SandboxServicer):
 
     # ---- lifecycle -----------------------------------------------------------------------------------------------
 
+    def drain(self) -> None:
+        """Take no new sessions or runs (UNAVAILABLE, so clients go to another replica); the open sessions go on."""
+        self._draining.set()
+
+    def wait_drained(self, timeout_s: float) -> str:
+        """Wait until no command runs and no session is open, at most ``timeout_s``; "" when drained, else what is
+        left (for the log)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with self._lock:
+                running, sessions = self._running, len(self._sessions)
+            if not running and not sessions:
+                return ""
+            if time.monotonic() >= deadline:
+                return f"{sessions} session(s) and {running} running command(s)"
+            time.sleep(0.05)
+
     def close(self) -> None:
-        """Close every session and the backend."""
+        """Close every session and the backend; commands still running are cut short (verdict ERROR)."""
+        self._draining.set()
         self._closed.set()
         with self._lock:
             infos = [i for i in self._sessions.values() if i is not None]
@@ -164,12 +192,16 @@ class SandboxService(pb_grpc.SandboxServicer):
 
     def _limits(self, msg: pb.Limits, context: grpc.ServicerContext) -> Limits:
         asked = limits_from_pb(msg)
-        for name, value in asked.items():
-            top = getattr(self.max_limits, name)
-            if not math.isfinite(value) or value < 0 or value > top:  # NaN compares false to everything
-                _abort(context, grpc.StatusCode.INVALID_ARGUMENT,
-                       f"limits.{name}={value} is outside what this server allows (0..{top})")
+        self._call(context, rq.check_limits, asked, self.max_limits)
         return self.default_limits.merged(**asked)
+
+    def _check_exec(self, request: pb.RunRequest | pb.ExecRequest, context: grpc.ServicerContext) -> None:
+        """The fields of a command: its argv, environment and (Run) image, each named when malformed."""
+        if request.command:
+            self._call(context, rq.check_command, request.command)
+        self._call(context, rq.check_env, request.env)
+        if isinstance(request, pb.RunRequest):
+            self._call(context, rq.check_image, request.image)
 
     @staticmethod
     def _deadline_limits(limits: Limits, context: grpc.ServicerContext) -> Limits:
@@ -192,9 +224,13 @@ class SandboxService(pb_grpc.SandboxServicer):
             _abort(context, grpc.StatusCode.DEADLINE_EXCEEDED,
                    "the deadline passed (or the call was cancelled) while waiting for a free sandbox slot")
         self.metrics.running.inc()
+        with self._lock:
+            self._running += 1
         try:
             yield
         finally:
+            with self._lock:
+                self._running -= 1
             self._slots.release()
             self.metrics.running.dec()
 
@@ -234,6 +270,19 @@ class SandboxService(pb_grpc.SandboxServicer):
                 yield info
             finally:
                 info.last_used = time.monotonic()
+
+    def _refuse_when_draining(self, context: grpc.ServicerContext) -> None:
+        if self._draining.is_set():
+            self.metrics.rejections.labels("shutting_down").inc()
+            _abort(context, grpc.StatusCode.UNAVAILABLE, "the sandbox service is shutting down and takes no new "
+                   "sessions or runs; retry (another replica takes it)")
+
+    def _cut_short(self, result: ExecResult, context: grpc.ServicerContext) -> ExecResult:
+        """A command killed because the service shut down is the environment's failure, never the program's."""
+        if result.verdict == Verdict.CANCELLED and self._closed.is_set() and context.is_active():
+            return replace(result, verdict=Verdict.ERROR, detail="the sandbox service shut down before the command "
+                           "finished (an environment error, not the program's)")
+        return result
 
     def _call(self, context: grpc.ServicerContext, fn: Callable[..., T], *args) -> T:
         """Call the backend, turning its errors into gRPC statuses that name the problem."""

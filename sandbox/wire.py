@@ -24,7 +24,7 @@ def result_to_pb(r: ExecResult) -> pb.ExecResult:
     """ExecResult → message."""
     msg = pb.ExecResult(verdict=pb.Verdict.Value(r.verdict.name), stdout=r.stdout, stderr=r.stderr,
                         stdout_truncated=r.stdout_truncated, stderr_truncated=r.stderr_truncated,
-                        wall_s=r.wall_s, cpu_s=r.cpu_s, detail=r.detail)
+                        wall_s=r.wall_s, cpu_s=r.cpu_s, detail=r.detail, oom_kills=r.oom_kills)
     if r.exit_code is not None:
         msg.exit_code = r.exit_code
     if r.signal is not None:
@@ -38,7 +38,8 @@ def result_from_pb(msg: pb.ExecResult) -> ExecResult:
                       exit_code=msg.exit_code if msg.HasField("exit_code") else None,
                       signal=msg.signal if msg.HasField("signal") else None,
                       stdout=msg.stdout, stderr=msg.stderr, stdout_truncated=msg.stdout_truncated,
-                      stderr_truncated=msg.stderr_truncated, wall_s=msg.wall_s, cpu_s=msg.cpu_s, detail=msg.detail)
+                      stderr_truncated=msg.stderr_truncated, wall_s=msg.wall_s, cpu_s=msg.cpu_s, detail=msg.detail,
+                      oom_kills=msg.oom_kills)
 
 
 def files_to_pb(files: dict[str, bytes | str] | None, executable: frozenset[str] = frozenset()) -> list[pb.File]:

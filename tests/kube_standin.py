@@ -308,14 +308,20 @@ class KubeApiStandIn:
         shutil.rmtree(run.workdir, ignore_errors=True)
 
     def delete_pod(self, ns: str, name: str) -> tuple[int, dict[str, Any]]:
-        """DELETE a pod: gone at once (as with gracePeriodSeconds=0), its process killed."""
+        """DELETE a pod: gone at once (as with gracePeriodSeconds=0), its process killed; then, as the garbage
+        collector does, the pods of its namespace that name it (by uid) in their ownerReferences."""
         with self._cond:
             pod = self.pods.pop((ns, name), None)
             if pod is None:
                 return 404, _status(404, "NotFound", f'pods "{name}" not found', name)
             pod["metadata"]["deletionTimestamp"] = _now()
             self._bump("DELETED", pod)
+            uid = pod["metadata"].get("uid")
+            dependents = [n for (pns, n), p in self.pods.items() if pns == ns and uid and any(
+                ref.get("uid") == uid for ref in p["metadata"].get("ownerReferences") or ())]
         self._stop_run((ns, name))
+        for dependent in dependents:
+            self.delete_pod(ns, dependent)
         return 200, pod
 
     def list_pods(self, ns: str, query: dict[str, str]) -> dict[str, Any]:

@@ -24,11 +24,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # the public keys of the section: configs, the Helm chart's --set flags and users' files name them
 SANDBOX_KEYS = {"address", "backend", "host", "port", "concurrency", "max_queue", "max_sessions", "metrics_port",
-                "advertise_address", "limits", "disk_mb", "kubernetes"}
+                "advertise_address", "drain_s", "limits", "disk_mb", "kubernetes"}
 LIMITS_KEYS = {"wall_s", "cpu_s", "memory_mb", "processes", "open_files", "file_size_mb", "output_kb", "cpus"}
 KUBERNETES_KEYS = {"namespace", "agent_image", "default_image", "runtime_class", "ttl_s", "max_creates_per_s",
                    "warm_pool", "cpu", "memory", "image_pull_secrets", "labels", "node_selector", "tolerations",
-                   "priority_class"}
+                   "priority_class", "run_as_user"}
 
 
 @pytest.mark.parametrize("section, key", [({"bakend": "local"}, "sandbox.bakend"),
@@ -74,7 +74,7 @@ def test_the_run_config_embeds_the_schema_and_its_keys_stay():
 def test_a_sandbox_section_round_trips():
     section = {"address": "dns:///rl-sandbox.rl.svc:50051", "backend": "kubernetes", "host": "0.0.0.0", "port": 6000,
                "concurrency": 3, "max_queue": 0, "max_sessions": 9, "metrics_port": 9100,
-               "advertise_address": "10.0.0.7:6000", "disk_mb": 0,
+               "advertise_address": "10.0.0.7:6000", "disk_mb": 0, "drain_s": 5.5,
                "limits": {"wall_s": 2.5, "cpu_s": 2, "memory_mb": 64, "processes": 8, "open_files": 32,
                           "file_size_mb": 2, "output_kb": 16, "cpus": 0.5},
                "kubernetes": {"namespace": "rl", "agent_image": "reg/rt:1", "default_image": "task:base",
@@ -83,7 +83,7 @@ def test_a_sandbox_section_round_trips():
                               "image_pull_secrets": ["creds"], "labels": {"colocated-rl/run": "r1"},
                               "node_selector": {"pool": "sandbox"},
                               "tolerations": [{"key": "sandbox", "operator": "Exists", "effect": "NoSchedule"}],
-                              "priority_class": "rl-training"}}
+                              "priority_class": "rl-training", "run_as_user": 1000}}
     cfg = parse_config({"sandbox": section})
     dumped = yaml.safe_load(dump_config(cfg))["sandbox"]
     assert dumped == {**section, "kubernetes": {**section["kubernetes"], "cpu": "2"}}  # a quantity is a string

@@ -258,23 +258,37 @@ def test_cli_serve_and_run():
 
 
 def test_sigterm_stops_the_cli_service_and_leaves_nothing():
-    """``rl sandbox serve`` stopped with SIGTERM (how Kubernetes, systemd and the benchmark stop it) closes its open
-    sessions and removes its directories, mounts and cgroups, as a stop with Ctrl-C does."""
+    """``rl sandbox serve`` stopped with SIGTERM (how Kubernetes, systemd and the benchmark stop it) drains: the open
+    session goes on until its client closes it, new ones are refused; then the service removes its directories,
+    mounts and cgroups, as a stop with Ctrl-C does."""
     if os.geteuid() != 0:
         pytest.skip("the session mounts and cgroups this checks need root")
     from sandbox.cgroups import _mounts, _own_paths
 
+    def session_mounts() -> set[Path]:
+        with open("/proc/self/mountinfo") as f:  # the service's mounts are in this mount namespace too
+            return {Path(line.split()[4]) for line in f if "/rl-sandbox-" in line.split()[4]
+                    and not line.split()[4].endswith("/.system")}  # a backend's shared files
+
+    others = session_mounts()  # this process's own services'
     proc = subprocess.Popen([sys.executable, "-m", "rl.cli", "sandbox", "serve", "--port", "0", "--concurrency", "2"],
                             stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
         address = re.search(r"listening on (\S+)", proc.stdout.readline()).group(1)
         with SandboxClient(address) as c:
-            c.create_session(files={"a.txt": "x"})  # left open
-            with open(f"/proc/{proc.pid}/mountinfo") as f:
-                session_dirs = [Path(line.split()[4]) for line in f if "/rl-sandbox-" in line.split()[4]]
+            s = c.create_session(files={"a.txt": "x"})
+            session_dirs = sorted(session_mounts() - others)
             assert len(session_dirs) == 1, session_dirs
             proc.send_signal(signal.SIGTERM)
-            assert proc.wait(30) == 0
+            time.sleep(0.5)
+            assert proc.poll() is None  # draining: the open session goes on
+            assert s.exec(["cat", "a.txt"], limits=SMALL).stdout == b"x"
+            with pytest.raises(SandboxError) as e:
+                c.create_session()
+            assert e.value.code == "UNAVAILABLE"
+            t0 = time.monotonic()
+            s.close()
+            assert proc.wait(30) == 0 and time.monotonic() - t0 < 10
     finally:
         if proc.poll() is None:
             proc.kill()
