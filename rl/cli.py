@@ -45,12 +45,17 @@ def _cmd_train(args: argparse.Namespace) -> None:
 def _cmd_check(args: argparse.Namespace) -> None:
     from rl.config import dump_config, load_config
     from rl.memory import check_fits, estimate_run
+    from rl.warmstart import model_dir_here
 
     cfg = load_config(args.config, args.set)
     print(dump_config(cfg), end="")
     for warning in cfg.warnings():
         print(f"# warning: {warning}")
-    if cfg.cluster.ray_address is not None and cfg.model.path and not Path(cfg.model.path).exists():
+    here = model_dir_here(cfg)
+    if cfg.model.path is not None and here is None:  # a hub repository or a bucket, not in the model cache
+        print(f"# memory per worker: not estimated, {cfg.model.path} is not on this machine, fetched at start")
+        return
+    if cfg.cluster.ray_address is not None and here is not None and not here.exists():
         # a run for a remote cluster (rl launch): its model directory lives there, not here
         print(f"# memory per worker: not estimated, {cfg.model.path} is not on this machine "
               "(the run checks it at start)")
@@ -59,6 +64,21 @@ def _cmd_check(args: argparse.Namespace) -> None:
     print(f"# memory per worker ({cfg.cluster.workers} workers; activations estimated from the layer shapes):")
     print("\n".join(f"#{line}" for line in est.table().splitlines()))
     check_fits(cfg, est)
+
+
+def _cmd_fetch_model(args: argparse.Namespace) -> None:
+    from engines.model.sources import FetchError, SourceError, fetch_model
+
+    if args.cache is None:
+        from rl.warmstart import model_cache
+
+        args.cache = model_cache()
+    try:
+        print(fetch_model(args.source, Path(args.cache)))
+    except SourceError as e:
+        raise UserError(f"rl fetch-model: {e}") from None
+    except FetchError as e:
+        raise CommandFailed(f"rl fetch-model: {e}") from None
 
 
 def _cmd_memory_plan(args: argparse.Namespace) -> None:
@@ -225,6 +245,13 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("config")
     c.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     c.set_defaults(func=_cmd_check)
+
+    fm = sub.add_parser("fetch-model", help="download a model (hub id, s3://, gs://) into a cache once, checked and "
+                                            "resumable; prints its local directory")
+    fm.add_argument("source", help="a local directory, org/name or hf://org/name[@revision], s3://bucket/prefix or "
+                                   "gs://bucket/prefix (credentials: HF_TOKEN, AWS_*, GOOGLE_HMAC_*)")
+    fm.add_argument("--cache", help="cache directory (default $RL_MODEL_CACHE, else models/ in the rl cache)")
+    fm.set_defaults(func=_cmd_fetch_model)
 
     mp = sub.add_parser("memory-plan", help="per-GPU memory of training + inference colocation for a model (a "
                                             "preset such as llama-7b or kimi-k2, or a model directory), on paper")

@@ -9,8 +9,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from engines.model.sources import parse_source
 from rl.errors import UserError
 from rl.objectives import Objective
 from rl.schedules import temperature_at
@@ -113,12 +114,24 @@ class WarmStartConfig(Strict):
 
 
 class ModelConfig(Strict):
-    path: Path | None = Field(None, description="Hugging Face model directory; None = embedded warm start")
+    path: str | None = Field(None, description="Hugging Face model directory, or where to download one from: a hub "
+                                               "id (org/name, hf://org/name@revision), s3://bucket/prefix or "
+                                               "gs://bucket/prefix, fetched once into $RL_MODEL_CACHE when the run "
+                                               "starts; None = embedded warm start")
     dtype: Literal["float32", "bfloat16"] = "float32"
     chat_template: bool = Field(False, description="render plain `prompt` tasks as one user message with the "
                                                    "model's chat template (tasks with `messages` always are)")
     tool_format: str = Field("auto", description="tool-call format of multi-turn tool environments: auto (from "
                                                  "the chat template), k2, hermes, llama3_json or mistral")
+
+    @field_validator("path", mode="before")
+    @classmethod
+    def _source(cls, v: Any) -> Any:
+        if isinstance(v, Path):
+            v = str(v)
+        if isinstance(v, str):
+            parse_source(v)  # a bad scheme or bucket: its ValueError is the field's error
+        return v
 
 
 class EnvConfig(Strict):

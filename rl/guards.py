@@ -76,9 +76,12 @@ def check_max_tokens(cfg: Config) -> None:
     prompts themselves are checked once the tokenizer exists: ``rl.data.rollout_seq_len``)."""
     if cfg.model.path is not None:
         from engines.model.hf_io import ModelDirError, read_config
+        from rl.warmstart import model_dir_here
 
+        if (here := model_dir_here(cfg)) is None:
+            return  # a hub repository or bucket not fetched yet: rl.data.rollout_seq_len checks it once it is
         try:
-            context = read_config(cfg.model.path).max_position_embeddings
+            context = read_config(here).max_position_embeddings
         except ModelDirError:
             return  # named by prepare_model
     else:

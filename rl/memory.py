@@ -202,9 +202,12 @@ def estimate_run(cfg: Config) -> MemoryEstimate:
     from engines.model.hf_io import ModelDirError, read_config
     from engines.model.tokenizer import TextTokenizer
     from rl.data import load_task_sets, rollout_seq_len
-    from rl.warmstart import cache_root, warmstart_key
+    from rl.warmstart import cache_root, model_dir_here, warmstart_key
 
-    model_dir = cfg.model.path or cache_root() / f"warmstart-{warmstart_key(cfg)}"
+    model_dir = model_dir_here(cfg)
+    if cfg.model.path is not None and model_dir is None:
+        raise UserError(f"model.path: {cfg.model.path} is not on this machine yet (the run fetches it at start)")
+    model_dir = model_dir or cache_root() / f"warmstart-{warmstart_key(cfg)}"
     try:
         arch = read_config(model_dir)
     except ModelDirError as e:

@@ -19,13 +19,14 @@ from rich.progress import Progress
 from engines.model.arch import make_config
 from engines.model.causal_lm import CausalLM, track_max_logits
 from engines.model.hf_io import ModelDirError, read_config, save_pretrained
+from engines.model.sources import FetchError, cached_dir, fetch_model, parse_source
 from engines.model.tokenizer import train_tokenizer
 from engines.training.engine import TrainingEngine
 from rl.algorithm import sft_update
 from rl.config import Config
 from rl.data import SFT_SEED
 from rl.episodes import env_class
-from rl.errors import UserError
+from rl.errors import CommandFailed, UserError
 from rl.optim import build_optimizers
 from rl.qk_clip import qk_clip
 from rl.seeds import warmstart_seed
@@ -37,6 +38,22 @@ def cache_root() -> Path:
     return Path(os.environ.get("RL_CACHE_DIR", Path.home() / ".cache" / "rl-colocated"))
 
 
+def model_cache() -> Path:
+    """Where model.path's hub repositories and buckets are downloaded: ``$RL_MODEL_CACHE``, else models/ in the
+    cache root (``rl fetch-model --cache`` fills the same layout ahead of a run)."""
+    return Path(os.environ.get("RL_MODEL_CACHE") or cache_root() / "models")
+
+
+def model_dir_here(cfg: Config) -> Path | None:
+    """model.path as a directory on this machine, without downloading: a local path as given (it may not exist), a
+    hub repository's or bucket's complete copy in ``model_cache()``; None when that is not there yet (or no
+    model.path)."""
+    if cfg.model.path is None:
+        return None
+    src = parse_source(cfg.model.path)
+    return cached_dir(src, model_cache()) if src.remote else Path(src.where)
+
+
 def warmstart_key(cfg: Config) -> str:
     env = cfg.env_entries[0]  # the warm start learns the first environment of a task mix
     blob = json.dumps([FORMAT_VERSION, env.name, env.kwargs, cfg.warmstart.model_dump(mode="json"),
@@ -45,15 +62,22 @@ def warmstart_key(cfg: Config) -> str:
 
 
 def prepare_model(cfg: Config, progress: Progress | None = None) -> Path:
-    """The starting model directory: ``model.path`` if given, else the cached warm start."""
+    """The starting model directory: ``model.path`` if given (a remote one downloaded into ``model_cache()``), else
+    the cached warm start."""
     if cfg.model.path is not None:
+        src = parse_source(cfg.model.path)
+        try:  # a hub repository or a bucket: downloaded here once (nothing when rl fetch-model or a run did it)
+            log = (lambda line: progress.console.print(line, markup=False)) if progress else None
+            path = fetch_model(src, model_cache(), log) if src.remote else Path(src.where)
+        except FetchError as e:
+            raise CommandFailed(f"model.path: {e}") from None
         try:
-            read_config(cfg.model.path)
+            read_config(path)
         except ModelDirError as e:
             raise UserError(f"model.path: {e}") from None
-        if not (Path(cfg.model.path) / "tokenizer.json").is_file():
-            raise UserError(f"model.path: model directory {cfg.model.path} has no tokenizer.json")
-        return Path(cfg.model.path)
+        if not (path / "tokenizer.json").is_file():
+            raise UserError(f"model.path: model directory {path} has no tokenizer.json")
+        return path
     target = cache_root() / f"warmstart-{warmstart_key(cfg)}"
     if (target / "config.json").is_file():
         return target
