@@ -8,9 +8,12 @@ full tensors the saver held, then takes the same next step.
 
 from __future__ import annotations
 
+import hashlib
 import random
+import shutil
 from pathlib import Path
 
+import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
@@ -18,7 +21,12 @@ from engines.model.causal_lm import CausalLM
 from engines.model.sharded import full_state_dict
 from engines.training.distributed import init_distributed, shard_model
 from engines.training.engine import TrainingEngine
-from engines.training.trainer_state import load_trainer_state, save_trainer_state
+from engines.training.trainer_state import (
+    TrainerStateError,
+    collect_shard_sums,
+    load_trainer_state,
+    save_trainer_state,
+)
 from rl.optim import build_optimizers
 from tests.conftest import tiny_config
 from tests.ranks import rank_body, run_ranks
@@ -74,6 +82,33 @@ def _ranks_main(rank: int, world: int, port: int, out: str, source: str) -> None
         torch.save(res, Path(out) / f"rank{rank}.pt")
 
 
+def _check_collect(saved: Path, scratch: Path) -> None:
+    """collect_shard_sums on a copy of a 2-rank trainer state: a rank that did not finish (no record), a shard
+    missing or cut short are named; the whole one gives each file's size and SHA-256 (computed here, independently)
+    and its records are gone."""
+    def copy(name: str) -> Path:
+        shutil.copytree(saved, scratch / name)
+        return scratch / name
+
+    shutil.rmtree(scratch, ignore_errors=True)
+    (copy("no-record") / "trainer" / "__1.sums.json").unlink()
+    (copy("missing") / "trainer" / "__1_0.distcp").unlink()
+    with open(copy("short") / "trainer" / "__0_0.distcp", "r+b") as f:
+        f.truncate(100)
+    for name, why in (("no-record", r"trainer/__1_0.distcp has no record of being written whole .* 1 rank\(s\) did"),
+                      ("missing", r"trainer/__1_0.distcp is missing; its rank wrote [\d,]+ and the index needs"),
+                      ("short", r"trainer/__0_0.distcp is 100 bytes; its rank wrote")):
+        with pytest.raises(TrainerStateError, match=why):
+            collect_shard_sums(scratch / name)
+    whole = copy("whole")
+    sums = collect_shard_sums(whole)
+    want = {f"trainer/{n}" for n in (".metadata", "__0_0.distcp", "__1_0.distcp")}
+    assert set(sums) == want and {p.name for p in (whole / "trainer").iterdir()} == {n[8:] for n in want}
+    for rel, rec in sums.items():
+        data = (whole / rel).read_bytes()
+        assert rec == {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}, rel
+
+
 def _assert_equal(got: dict, want: dict) -> None:
     assert got.keys() == want.keys()
     for k, v in want.items():
@@ -87,14 +122,17 @@ def test_trainer_state_resumes_on_another_number_of_ranks(tmp_path):
     _step(single, seed=2)
     save_trainer_state(single.model, single.optimizers, tmp_path / "one")
     saved_one = _full(single)
-    assert {p.name for p in (tmp_path / "one" / "trainer").iterdir()} == {".metadata", "__0_0.distcp"}
+    # the shards and the index; the rank's record of what it wrote (sizes, SHA-256) beside them
+    assert {p.name for p in (tmp_path / "one" / "trainer").iterdir()} == {".metadata", "__0_0.distcp", "__0.sums.json"}
     assert any(k.endswith("momentum_buffer") for k in saved_one) and any(k.endswith("exp_avg") for k in saved_one)
 
     two = run_ranks(_ranks_main, tmp_path, "one", world=2)
     for r in two:  # 1 -> 2 ranks: every tensor back whole
         _assert_equal(r["loaded"], saved_one)
-    # each of the two ranks wrote its own shard file
-    assert {p.name for p in (tmp_path / "two" / "trainer").iterdir()} == {".metadata", "__0_0.distcp", "__1_0.distcp"}
+    # each of the two ranks wrote its own shard file, and its record of it
+    assert {p.name for p in (tmp_path / "two" / "trainer").iterdir()} == {".metadata", "__0_0.distcp", "__1_0.distcp",
+                                                                          "__0.sums.json", "__1.sums.json"}
+    _check_collect(tmp_path / "two", tmp_path / "bad")
     saved_two = two[0]["saved"]
     _assert_equal(two[1]["saved"], saved_two)
 
