@@ -16,9 +16,14 @@ EXIT_FAILED = 1  # a command that failed at run time (a non-finite update, faili
 
 
 def _cmd_train(args: argparse.Namespace) -> None:
+    from rl.checkpoint import list_checkpoints, remove_stale
     from rl.config import load_config
     from rl.controller import train
 
+    resume = bool(args.resume)
+    if args.auto_resume and (args.resume or not args.config or not args.run_dir):
+        raise UserError("--auto-resume needs CONFIG and --run-dir RUN_DIR, and no --resume: rl train CONFIG "
+                        "--run-dir RUN_DIR --auto-resume")
     if args.resume:
         run_dir = Path(args.resume)
         cfg_path = run_dir / "config.yaml"
@@ -30,10 +35,17 @@ def _cmd_train(args: argparse.Namespace) -> None:
             raise UserError("rl train needs a CONFIG file (or --resume RUN_DIR)")
         cfg = load_config(args.config, args.set)
         run_dir = Path(args.run_dir or f"runs/{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}")
-        if (run_dir / "checkpoints").exists():
-            raise UserError(f"--run-dir {run_dir} already holds a run; use --resume {run_dir} to continue it")
+        if args.auto_resume:  # a job that may be a retry: continue from a complete checkpoint, else start afresh
+            resume = bool(list_checkpoints(run_dir))
+            if not resume:
+                removed = remove_stale(run_dir, incomplete=True)
+                gone = f" (removed {', '.join(removed)}: saves that did not finish)" if removed else ""
+                print(f"--auto-resume: no complete checkpoint in {run_dir}{gone}; starting afresh", flush=True)
+        elif (run_dir / "checkpoints").exists():
+            raise UserError(f"--run-dir {run_dir} already holds a run; use --resume {run_dir} to continue it "
+                            "(or --auto-resume)")
     try:
-        summary = train(cfg, run_dir, resume=bool(args.resume))
+        summary = train(cfg, run_dir, resume=resume)
     except OSError as e:  # a full or read-only disk while the run writes: checkpoints are written atomically
         raise CommandFailed(f"cannot write to {e.filename or run_dir}: {e.strerror or e}; the last checkpoint in "
                          f"{run_dir}/checkpoints is intact (resume with --resume {run_dir})") from None
@@ -235,7 +247,10 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="run (or resume) an RL run from a YAML config")
     t.add_argument("config", nargs="?", help="YAML run config, e.g. configs/quickstart.yaml")
     t.add_argument("--run-dir", help="where outputs go (default runs/NAME-TIMESTAMP)")
-    t.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its last checkpoint")
+    t.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its last complete checkpoint")
+    t.add_argument("--auto-resume", action="store_true",
+                   help="with CONFIG and --run-dir: continue from the run directory's newest complete checkpoint if "
+                        "it has one, else start afresh there (what a retried job runs)")
     t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config value, e.g. --set run.iterations=10 (repeatable)")
     t.set_defaults(func=_cmd_train)
@@ -357,6 +372,12 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _own(e: Exception) -> Exception:
+    """The error itself, where a Ray worker raised it: Ray passes it on wrapped, its text led by Ray's traceback."""
+    cause = getattr(e, "cause", None)  # ray.exceptions.RayTaskError: an instance of the worker's error class too
+    return cause if isinstance(cause, (UserError, CommandFailed)) else e
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["swe-generate"]:  # its own parser, options included
@@ -372,10 +393,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args.func(args)
     except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {_own(e)}", file=sys.stderr)
         return EXIT_USER_ERROR
     except CommandFailed as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {_own(e)}", file=sys.stderr)
         return EXIT_FAILED
     except KeyboardInterrupt:
         print("interrupted; the last checkpoint is intact (resume with --resume RUN_DIR)", file=sys.stderr)
