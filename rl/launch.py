@@ -152,7 +152,8 @@ def launch(config: str, *, values: list[str] = (), sets: list[str] = (), name: s
     """Validate the run config and the chart values, then install the chart (or print it); returns helm's output.
 
     A name whose RayJob exists is refused (KubeRay would not run it again), unless ``replace``: then the old run
-    is deleted first (its checkpoints stay, and the new run resumes from them)."""
+    is deleted first (its checkpoints stay, and the new run resumes from the newest complete one: the chart's
+    entrypoint runs ``rl train --auto-resume``, which names it in the run's log)."""
     from rl.config import load_config
 
     out = out or sys.stdout
@@ -175,10 +176,11 @@ def launch(config: str, *, values: list[str] = (), sets: list[str] = (), name: s
         if not replace:
             state = describe_rayjob(existing).splitlines()[0].split(": ", 1)[1]
             raise CommandFailed(f"run {release} exists already in namespace {kube.namespace} ({state}); KubeRay "
-                                f"would not run it again. rl launch --replace deletes it and launches "
-                                f"anew (resuming from its checkpoints); rl delete {release} removes it; or pick "
-                                "another --name")
-        print(f"replacing run {release}: deleting the old one first", file=out, flush=True)
+                                f"would not run it again. rl launch --replace deletes it and launches anew "
+                                f"(resuming from its newest complete checkpoint); rl delete {release} removes it; "
+                                "or pick another --name")
+        print(f"replacing run {release}: deleting the old one first (its checkpoints stay; the new run resumes from "
+              f"the newest complete one, which rl logs {release} names)", file=out, flush=True)
         delete(release, kube=kube, out=out)
     proc = subprocess.run(helm_command(Path(config), release, namespace=kube.namespace, values=values, sets=sets,
                                        chart=chart), capture_output=True, text=True)

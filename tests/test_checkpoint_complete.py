@@ -203,3 +203,18 @@ def test_every_file_and_directory_is_on_disk_before_the_rename_and_the_seal_afte
     written = {str(p).replace(str(final), tmp) for p in final.rglob("*") if p.name != MARKER}
     assert written | {tmp} <= before
     assert events[at + 1:] == [f"fsync {final.parent}", f"fsync {final / MARKER}", f"fsync {final}"]
+
+
+def test_a_checkpoint_written_before_seals_existed_still_resumes(tmp_path):
+    """Older checkpoints have no complete.json and no "layout" in state.json: they were renamed into place whole,
+    so they count as complete; one of this layout without its seal does not."""
+    older = _real_checkpoint(tmp_path, 0)
+    (older / MARKER).unlink()
+    state = json.loads((older / "state.json").read_text())
+    (older / "state.json").write_text(json.dumps({k: v for k, v in state.items() if k != "layout"}))
+    newer = _real_checkpoint(tmp_path, 1)
+    (newer / MARKER).unlink()
+    assert list_checkpoints(tmp_path / "run") == [older]
+    said: list[str] = []
+    assert latest_checkpoint(tmp_path / "run", report=said.append)[0] == older
+    assert said[0] == "skipped incomplete checkpoint(s) iter_000001 (a save that did not finish)"
