@@ -72,6 +72,11 @@ class ArithmeticEnv(Env):
 
     task_type = "arithmetic"
 
+    def __init__(self, tasks: list[Task] | None = None, *, max_operand: int = 60, max_steps: int = 2) -> None:
+        # a run config passes one kwargs dict to both __init__ and generate_tasks: the generation options are
+        # accepted here and play no part in scoring
+        super().__init__(tasks)
+
     def score(self, task: Task, response: str) -> tuple[float, dict[str, Any]]:
         got = extract_answer(response)
         correct = got is not None and int(got) == int(task.answer)

@@ -76,9 +76,11 @@ class MoEArchitecture(Strict):
 
 
 class Architecture(Strict):
-    family: Literal["llama", "qwen3", "deepseek_v3"] = Field(
-        "llama", description="layout of the embedded model: llama (GQA), qwen3 (GQA + q/k RMSNorm), "
-                             "deepseek_v3 (Kimi K2: latent attention + mixture of experts with a shared expert)")
+    family: Literal["llama", "qwen2", "qwen3", "mixtral", "deepseek_v3"] = Field(
+        "llama", description="layout of the embedded model: llama (GQA), qwen2 (GQA + q/k/v biases), qwen3 (GQA + "
+                             "q/k RMSNorm), mixtral (GQA + softmax top-k experts: moe.n_routed_experts, "
+                             "moe.num_experts_per_tok), deepseek_v3 (Kimi K2: latent attention + mixture of "
+                             "experts with a shared expert)")
     hidden_size: int = Field(128, ge=8)
     intermediate_size: int = Field(384, ge=8)
     num_hidden_layers: int = Field(4, ge=1)
@@ -90,11 +92,13 @@ class Architecture(Strict):
     def hf_kwargs(self) -> dict[str, Any]:
         """Arguments of transformers' config class for ``family`` (vocabulary and special ids apart)."""
         common = self.model_dump(exclude={"family", "moe"})
-        if self.family == "llama":
+        if self.family in ("llama", "qwen2"):
             return common
         if self.family == "qwen3":
             return {**common, "head_dim": self.hidden_size // self.num_attention_heads}
         m = self.moe
+        if self.family == "mixtral":
+            return {**common, "num_local_experts": m.n_routed_experts, "num_experts_per_tok": m.num_experts_per_tok}
         if m.num_experts_per_tok > m.n_routed_experts:
             raise ValueError("warmstart.architecture.moe: num_experts_per_tok exceeds n_routed_experts")
         return {**common, **m.model_dump(), "num_key_value_heads": self.num_attention_heads, "n_group": 1,
@@ -109,6 +113,9 @@ class WarmStartConfig(Strict):
     lr: float = Field(3e-3, gt=0)
     num_examples: int = Field(20000, ge=1)
     vocab_size: int = Field(512, ge=300)
+    tokenizer: Literal["k2", "chatml", "llama3", "mistral"] = Field(
+        "k2", description="special tokens and chat template of the trained tokenizer, as a family ships them: k2 "
+                          "(Kimi K2), chatml (Qwen), llama3, mistral; EOS is the family's end of turn")
     architecture: Architecture = Architecture()
     seed: int = 0
 

@@ -57,7 +57,7 @@ def model_dir_here(cfg: Config) -> Path | None:
 def warmstart_key(cfg: Config) -> str:
     env = cfg.env_entries[0]  # the warm start learns the first environment of a task mix
     blob = json.dumps([FORMAT_VERSION, env.name, env.kwargs, cfg.warmstart.model_dump(mode="json"),
-                       cfg.optimizer.qk_clip_tau], sort_keys=True)
+                       cfg.optimizer.qk_clip_tau] + (["chat"] if cfg.model.chat_template else []), sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -99,7 +99,8 @@ def build_warmstart(cfg: Config, target: Path, progress: Progress | None = None)
     # one seed for both: torch's and Python's generators are different algorithms, their draws do not correlate
     torch.manual_seed(warmstart_seed(ws.seed))
     rng = random.Random(warmstart_seed(ws.seed))
-    tok = train_tokenizer((t.prompt + t.meta["solution"] for t in tasks), ws.vocab_size)
+    tok = train_tokenizer((t.prompt + t.meta["solution"] for t in tasks), ws.vocab_size, ws.tokenizer)
+    tok.chat_prompts = cfg.model.chat_template  # SFT on the prompts exactly as the run will render them
     a = ws.architecture
     arch = make_config(a.family, vocab_size=tok.vocab_size, eos_token_id=tok.eos_id, pad_token_id=tok.pad_id,
                        bos_token_id=None, tie_word_embeddings=False, **a.hf_kwargs())
@@ -107,7 +108,7 @@ def build_warmstart(cfg: Config, target: Path, progress: Progress | None = None)
     engine = TrainingEngine(model, build_optimizers(model, "muon", ws.lr, 0.0), tok.pad_id)
     tau = cfg.optimizer.qk_clip_tau
     track_max_logits(model, tau is not None)
-    prompts = [tok.encode(t.prompt) for t in tasks]
+    prompts = [tok.prompt_ids(t) for t in tasks] if tok.chat_prompts else [tok.encode(t.prompt) for t in tasks]
     responses = [[*tok.encode(t.meta["solution"]), tok.eos_id] for t in tasks]
     bar = progress.add_task("warm start (SFT)", total=ws.steps) if progress else None
     for _ in range(ws.steps):

@@ -149,3 +149,28 @@ def test_no_eos_anywhere_is_refused(tmp_path):
     _save(_bpe(["<|x|>"]), tmp_path, "PreTrainedTokenizerFast", None)
     with pytest.raises(ValueError, match="no EOS token"):
         TextTokenizer.load(tmp_path)
+
+
+def test_trained_tokenizers_take_a_familys_conventions():
+    """warmstart.tokenizer: the special tokens, EOS (the family's end of turn) and chat template of a family, so a
+    model built here behaves as that family's do: ChatML's <|im_end|> ends Qwen turns, Llama 3's <|eot_id|>,
+    Mistral's </s> (which also pads: the family has no pad token)."""
+    from engines.model.family_tokens import STYLES
+    from engines.model.tokenizer import train_tokenizer
+
+    corpus = ["Question: 12 + 30 = 42. Answer: 42"] * 20
+    chat = [{"role": "user", "content": "hi"}]
+    want = {"chatml": "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n",
+            "llama3": "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nhi<|eot_id|>"
+                      "<|start_header_id|>assistant<|end_header_id|>\n\n",
+            "mistral": "<s>[INST] hi [/INST]"}
+    for style, text in want.items():
+        tok = train_tokenizer(corpus, 300, style)
+        assert tok.hf.convert_ids_to_tokens(tok.eos_id) == STYLES[style].eos
+        assert tok.hf.convert_ids_to_tokens(tok.pad_id) == (STYLES[style].pad or STYLES[style].eos)
+        assert tok.hf.decode(tok.apply_chat_template(chat)) == text
+        assert all(len(tok.encode(s)) == 1 for s in STYLES[style].specials)  # each special is one token
+    k2 = train_tokenizer(corpus, 300)
+    assert (k2.pad_id, k2.eos_id) == (0, 1)  # the embedded model's ids, unchanged
+    with pytest.raises(ValueError, match="tokenizer style 'gpt'"):
+        train_tokenizer(corpus, 300, "gpt")

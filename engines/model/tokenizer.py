@@ -134,8 +134,14 @@ def wrap(tok: Tokenizer, eos: str = EOS, pad: str | None = PAD, chat_template: s
     return TextTokenizer(hf)
 
 
-def train_tokenizer(corpus: Iterable[str], vocab_size: int = 256) -> TextTokenizer:
-    """Train a byte-level BPE tokenizer on ``corpus`` with digits kept as single tokens."""
+def train_tokenizer(corpus: Iterable[str], vocab_size: int = 256, style: str = "k2") -> TextTokenizer:
+    """Train a byte-level BPE tokenizer on ``corpus`` with digits kept as single tokens, with the special tokens
+    and chat template of ``style`` (``engines.model.family_tokens.STYLES``: k2, chatml, llama3, mistral)."""
+    from engines.model.family_tokens import STYLES
+
+    if style not in STYLES:
+        raise ValueError(f"tokenizer style {style!r}: one of {', '.join(STYLES)}")
+    st = STYLES[style]
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
@@ -143,9 +149,9 @@ def train_tokenizer(corpus: Iterable[str], vocab_size: int = 256) -> TextTokeniz
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=[PAD, EOS],
+        special_tokens=st.specials,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator(corpus, trainer=trainer)
-    return wrap(tok, chat_template=K2_CHAT_TEMPLATE)
+    return wrap(tok, eos=st.eos, pad=st.pad, chat_template=st.chat_template)
