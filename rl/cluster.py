@@ -20,6 +20,7 @@ from rl.config import Config
 from rl.errors import UserError
 from rl.partial import Trajectory
 from rl.placement import probe_bundles, reachable_model_dirs, unplaceable, worker_bundle, worker_threads
+from rl.recovery import Restarts, WorkerFailed, gather, next_item
 from rl.seeds import chunk_seed
 from rl.workers import RolloutWorker, TrainerWorker
 
@@ -31,9 +32,11 @@ PLACEMENT_WAIT_S = 120
 class Cluster:
     """Colocated workers (one trainer and one inference actor per placement-group bundle)."""
 
-    def __init__(self, cfg: Config, model_dir: str, max_seq_len: int | None = None) -> None:
+    def __init__(self, cfg: Config, model_dir: str, max_seq_len: int | None = None,
+                 restarts: Restarts | None = None) -> None:
         """``max_seq_len``: tokens per sequence of the inference KV caches (default: ``rollout.max_seq_len``,
-        else the model's context)."""
+        else the model's context); ``restarts``: the run's recoveries so far (an inference engine that dies or
+        stalls is replaced in place, counted there)."""
         from engines.model.hf_io import read_config
 
         context = read_config(model_dir).max_position_embeddings
@@ -41,6 +44,10 @@ class Cluster:
         if self.max_context > context:
             raise UserError(f"rollout.max_seq_len {self.max_context} exceeds the model's context of {context} tokens")
         self.cfg = cfg
+        self.timeout = cfg.run.step_timeout_s
+        self.restarts = restarts or Restarts(cfg.run.max_restarts)
+        self.broken = False  # a worker failed: close() does not wait on the workers
+        self._stale: set[int] = set()  # engines replaced while asleep: filled at wake-up
         self._own_ray = not ray.is_initialized()
         if self._own_ray:
             os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -111,18 +118,37 @@ class Cluster:
         """Spread requests over the inference engines in chunks; results keep the prompts' order."""
         size = self.cfg.rollout.max_batch
         chunks = [range(i, min(i + size, len(prompts))) for i in range(0, len(prompts), size)]
-        refs = [self.rollouts[i % len(self.rollouts)].generate.remote([prompts[j] for j in c], [params[j] for j in c],
-                                                                      chunk_seed(seed, i))
-                for i, c in enumerate(chunks)]
-        index = {ref: i for i, ref in enumerate(refs)}
-        results: list[list[Completion] | None] = [None] * len(refs)
-        pending = list(refs)
-        while pending:
-            done, pending = ray.wait(pending, num_returns=1)
-            results[index[done[0]]] = ray.get(done[0])
+        n = len(self.rollouts)
+
+        def submit(i: int):
+            c = chunks[i]
+            return self.rollouts[i % n].generate.remote([prompts[j] for j in c], [params[j] for j in c],
+                                                        chunk_seed(seed, i))
+
+        index = {submit(i): i for i in range(len(chunks))}
+        results: list[list[Completion] | None] = [None] * len(chunks)
+        while index:
+            try:
+                ref, got = self._first(list(index), [index[r] % n for r in index], "generate")
+            except WorkerFailed as f:
+                self.replace_rollout(f)  # its chunks go again, with their own seeds: the same completions
+                index = {(submit(i) if i % n == f.index else r): i for r, i in index.items()}
+                continue
+            i = index.pop(ref)
+            results[i] = got
             if on_chunk:
-                on_chunk(len(chunks[index[done[0]]]))
+                on_chunk(len(chunks[i]))
         return [c for r in results for c in r]  # type: ignore[union-attr]
+
+    def _first(self, refs: list, workers: list[int], phase: str) -> tuple:
+        """The first of the engines' calls ``refs`` (made on engines ``workers``) to finish, and its value."""
+        t0 = time.monotonic()
+        done, _ = ray.wait(refs, num_returns=1, timeout=self.timeout)
+        if not done:  # none of them answered: the first still busy is named (each engine has one call here)
+            raise WorkerFailed("inference engine", workers[0], phase,
+                               f"stalled (no answer in run.step_timeout_s={self.timeout:g} s)", time.monotonic() - t0)
+        k = refs.index(done[0])
+        return refs[k], gather([refs[k]], "inference engine", phase, self.timeout, [workers[k]])[0]
 
     def rollout(self, trajectories: list[Trajectory], token_budget: int | None,
                 on_worker: Callable[[int], None] | None = None) -> tuple[list[Trajectory], dict[str, float]]:
@@ -137,14 +163,18 @@ class Cluster:
         for t in trajectories:
             shares[worker_of[t.group]].append(t)
         budget = None if token_budget is None else max(1, token_budget // n)
-        refs = [r.rollout.remote(share, budget, self.weights_version)
-                for r, share in zip(self.rollouts, shares, strict=True)]
+        pending = {self.rollouts[i].rollout.remote(shares[i], budget, self.weights_version): i for i in range(n)}
         out: list[Trajectory] = []
         counts: list[dict[str, int]] = []
-        pending = list(refs)
         while pending:
-            done, pending = ray.wait(pending, num_returns=1)
-            got, stats = ray.get(done[0])
+            try:
+                ref, (got, stats) = self._first(list(pending), list(pending.values()), "rollout")
+            except WorkerFailed as f:  # its groups are generated again, with their seeds: the same trajectories
+                self.replace_rollout(f)
+                pending = {r: i for r, i in pending.items() if i != f.index}
+                pending[self.rollouts[f.index].rollout.remote(shares[f.index], budget, self.weights_version)] = f.index
+                continue
+            del pending[ref]
             out += got
             counts.append(stats)
             if on_worker:
@@ -165,28 +195,99 @@ class Cluster:
         gens = [t.train.remote(samples_ref, ptx_ref, seed) for t in self.trainers]
         steps = []
         try:
-            for ref in gens[0]:
-                steps.append(ray.get(ref))
+            while True:
+                try:
+                    steps.append(self._trainer_step(gens, 0))
+                except StopIteration:
+                    break
                 if on_step:
                     on_step(steps[-1])
-            for g in gens[1:]:
-                ray.get(list(g))
+            for i in range(1, len(gens)):
+                while True:
+                    try:
+                        self._trainer_step(gens, i)
+                    except StopIteration:
+                        break
         except ray.exceptions.RayTaskError as e:
             if isinstance(e.cause, NonFiniteError):
                 raise TrainingStopped(str(e.cause)) from None
             raise
         return steps
 
+    def _trainer_step(self, gens: list, i: int) -> dict:
+        """Rank ``i``'s next training step; a rank broken by the death of another is that one's failure."""
+        try:
+            return next_item(gens[i], "trainer", i, "train", self.timeout)
+        except ray.exceptions.RayTaskError as e:  # a rank broken by a peer that died: that peer is the fault
+            for j in range(len(gens)):
+                try:
+                    if j != i:
+                        next_item(gens[j], "trainer", j, "train", 5.0)
+                except WorkerFailed as f:
+                    if not f.stalled:
+                        raise self._broken(f) from None
+                except Exception:  # the peer's own error or end: not the cause looked for
+                    pass
+            raise e from None
+        except WorkerFailed as f:
+            raise self._broken(f) from None
+
+    def _broken(self, failure: WorkerFailed) -> WorkerFailed:
+        self.broken = True
+        return failure
+
+    def _trainers(self, refs: list, phase: str, ranks: list[int] | None = None) -> list:
+        """The trainers' calls ``refs`` (of ``ranks``, default all), within the step timeout; a failed trainer
+        marks the cluster broken."""
+        try:
+            return gather(refs, "trainer", phase, self.timeout, ranks)
+        except WorkerFailed as f:
+            raise self._broken(f) from None
+
+    def _rollouts(self, call: Callable, phase: str) -> list:
+        """``call(engine)`` on every inference engine; one that fails is replaced in place and called again."""
+        refs = [call(r) for r in self.rollouts]
+        while True:
+            try:
+                return gather(refs, "inference engine", phase, self.timeout)
+            except WorkerFailed as f:
+                self.replace_rollout(f, stale=True)
+                refs[f.index] = call(self.rollouts[f.index])
+
+    def replace_rollout(self, failure: WorkerFailed, stale: bool = False) -> None:
+        """A new inference engine in place of the failed one (counted in ``run.max_restarts``): it copies a live
+        peer's weights through the checkpoint engine, or the trainers' when it is the only one; ``stale``: the
+        engines sleep, it is filled when they wake."""
+        i, n = failure.index, len(self.rollouts)
+        how = "filled at wake-up" if stale else (f"weights from engine {(i + 1) % n}" if n > 1 else
+                                                   "weights from the trainers")
+        self.restarts.take(failure, f"inference engine {i} replaced in place ({how})")
+        if not stale and n > 1:
+            self.restart_rollout(i, (i + 1) % n)
+            return
+        ray.kill(self.rollouts[i])
+        self.rollouts[i] = self._placed(RolloutWorker, i).remote(*self._rollout_args[i])
+        ray.get(self.rollouts[i].attach.remote(self._plans[0][0], self._plans[i][1]))
+        ray.get(self.trainers[i].connect.remote([self.rollouts[i]]))
+        if stale:
+            self._stale.add(i)
+        else:
+            self._refill()
+
+    def _refill(self) -> None:
+        """Every inference engine gets the trainers' current weights again (collective, same version)."""
+        self._trainers([t.update_weights.remote(self.weights_version) for t in self.trainers], "weight update")
+
     def train_peak_gib(self) -> float:
         """The largest trainer process's peak memory over its last training phase (GiB)."""
-        return round(max(ray.get([t.peak_memory.remote() for t in self.trainers])) / 2**30, 3)
+        return round(max(self._trainers([t.peak_memory.remote() for t in self.trainers], "train")) / 2**30, 3)
 
     def offload_trainers(self) -> dict:
         """Trainer state to host memory (rank 0's figures)."""
-        return ray.get([t.offload.remote() for t in self.trainers])[0]
+        return self._trainers([t.offload.remote() for t in self.trainers], "offload")[0]
 
     def onload_trainers(self) -> dict:
-        return ray.get([t.onload.remote() for t in self.trainers])[0]
+        return self._trainers([t.onload.remote() for t in self.trainers], "onload")[0]
 
     def engine_kind(self) -> str:
         """The rollout engine the workers run (``rollout.engine``, auto resolved on a worker, where the GPU is)."""
@@ -194,15 +295,24 @@ class Cluster:
 
     def sleep_rollouts(self) -> None:
         """Free inference memory (per ``rollout.sleep_level``) before the trainer runs."""
-        ray.get([r.sleep.remote(self.cfg.rollout.sleep_level) for r in self.rollouts])
+        self._rollouts(lambda r: r.sleep.remote(self.cfg.rollout.sleep_level), "sleep")
 
     def wake_rollouts(self) -> None:
-        ray.get([r.wake_up.remote() for r in self.rollouts])
+        """Reallocate the engines' memory; engines replaced while asleep get the current weights."""
+        self._rollouts(lambda r: r.wake_up.remote(), "wake-up")
+        if self._stale:
+            stale, self._stale = self._stale, set()
+            live = [j for j in range(len(self.rollouts)) if j not in stale]
+            if live and self.cfg.rollout.sleep_level < 2:  # a peer that kept its weights serves them
+                for i in sorted(stale):
+                    self._catch_up(i, live[0])
+            else:
+                self._refill()
 
     def update_weights(self) -> None:
         """Checkpoint-engine update of every inference engine from the trainers."""
         self.weights_version += 1
-        ray.get([t.update_weights.remote(self.weights_version) for t in self.trainers])
+        self._trainers([t.update_weights.remote(self.weights_version) for t in self.trainers], "weight update")
 
     def restart_rollout(self, i: int, source: int) -> float:
         """Replace inference engine ``i`` by a fresh one that copies engine ``source``'s weights point to
@@ -213,25 +323,30 @@ class Cluster:
         self.rollouts[i] = self._placed(RolloutWorker, i).remote(*self._rollout_args[i])
         ray.get(self.rollouts[i].attach.remote(self._plans[0][0], self._plans[i][1]))
         ray.get(self.trainers[i].connect.remote([self.rollouts[i]]))
+        return self._catch_up(i, source)
+
+    def _catch_up(self, i: int, source: int) -> float:
+        """Engine ``i`` copies engine ``source``'s weights point to point; returns the seconds it took."""
         t0 = time.perf_counter()
-        ray.get([self.trainers[source].serve_catch_up.remote(i), self.trainers[i].catch_up.remote(source)])
+        self._trainers([self.trainers[source].serve_catch_up.remote(i), self.trainers[i].catch_up.remote(source)],
+                       "catch-up", [source, i])
         return time.perf_counter() - t0
 
     def save(self, directory: str, trainer_state: bool = True) -> None:
         """Weights in Hugging Face format, and (``trainer_state``) every rank's shards of the trainer state."""
-        ray.get([t.save.remote(directory, trainer_state) for t in self.trainers])
+        self._trainers([t.save.remote(directory, trainer_state) for t in self.trainers], "save")
 
     def load_state(self, directory: str) -> None:
         """Master weights and optimizer state of a checkpoint (saved by any number of workers)."""
-        ray.get([t.load_state.remote(directory) for t in self.trainers])
+        self._trainers([t.load_state.remote(directory) for t in self.trainers], "load")
 
     def scale_lr(self, factor: float) -> float:
         """Multiply the trainers' learning rates by ``factor``; returns the new rate (of the first parameter group)."""
         return ray.get([t.scale_lr.remote(factor) for t in self.trainers])[0]
 
     def close(self) -> None:
-        try:
-            ray.get([t.close.remote() for t in self.trainers], timeout=30)
+        try:  # a broken cluster's workers may never answer (a stopped process): they are killed
+            ray.get([t.close.remote() for t in self.trainers], timeout=2 if self.broken else 30)
         except Exception:
             pass
         for a in self.trainers + self.rollouts:

@@ -48,6 +48,12 @@ class RunConfig(Strict):
     max_rollbacks: int = Field(3, ge=0, description="collapses rolled back before the run stops with a message")
     rollback_lr_factor: float = Field(0.5, gt=0, le=1, description="each rollback multiplies the learning rate by "
                                       "this")
+    step_timeout_s: float = Field(600, gt=0, description="a worker that does not answer a call of the loop (a "
+                                  "rollout, a training step, a weight update, a save) within this many seconds has "
+                                  "stalled: it is replaced (an inference engine) or the workers restart from the "
+                                  "last checkpoint")
+    max_restarts: int = Field(3, ge=0, description="recoveries from worker faults (an inference engine replaced in "
+                              "place, the workers restarted from the last checkpoint) before the run stops")
 
 
 class ClusterConfig(Strict):

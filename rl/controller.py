@@ -39,14 +39,34 @@ from rl.metrics import MetricsLog, plot_curves
 from rl.multiturn import play_episodes
 from rl.partial import PartialRolloutBuffer, Trajectory
 from rl.ptx import load_ptx, ptx_batches
+from rl.recovery import Restarts, WorkerFailed
 from rl.rewards import collect_samples, episode_runner, evaluate
 from rl.seeds import episode_seed, sampling_seed, train_seed
 from rl.warmstart import prepare_model
 
 
 def train(cfg: Config, run_dir: Path, resume: bool = False, console: Console | None = None) -> dict:
-    """Run (or resume) an RL run in ``run_dir``; returns the summary also written to summary.json."""
+    """Run (or resume) an RL run in ``run_dir``; returns the summary also written to summary.json.
+
+    A worker that fails and cannot be replaced in place (a trainer rank, a lost node) tears the workers down and
+    the run goes on from the last complete checkpoint (from the start when there is none yet), at most
+    ``run.max_restarts`` recoveries in all."""
+    from rl.checkpoint import list_checkpoints
+
     console = console or Console()
+    restarts = Restarts(cfg.run.max_restarts, lambda line: console.print(f"[bold yellow]{line}[/]"))
+    while True:
+        try:
+            return _run(cfg, run_dir, resume, console, restarts)
+        except WorkerFailed as failure:
+            ckpts = list_checkpoints(run_dir)
+            restarts.take(failure, "the workers restart from " + (f"checkpoint {ckpts[-1].name}" if ckpts else
+                                                                  "the start (no complete checkpoint yet)"))
+            resume = bool(ckpts)
+
+
+def _run(cfg: Config, run_dir: Path, resume: bool, console: Console, restarts: Restarts) -> dict:
+    """One attempt of ``train``: its workers start, and a fault they cannot recover from in place ends it."""
     check_cluster_fits(cfg)
     check_max_tokens(cfg)
     check_writable(run_dir)
@@ -74,7 +94,7 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, console: Console | N
         arch = read_config(start_dir)
         seq_len = rollout_seq_len(cfg, tasks, tok, arch.max_position_embeddings)
         check_fits(cfg, estimate(cfg, arch, seq_len))
-        with Cluster(cfg, str(start_dir), seq_len) as cluster:
+        with Cluster(cfg, str(start_dir), seq_len, restarts) as cluster:
             auto = " (rollout.engine: auto)" if cfg.rollout.engine == "auto" else ""
             console.print(f"rollout engine: {cluster.engine_kind()}{auto}")
             if state:
@@ -110,7 +130,7 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, console: Console | N
                     buffer = PartialRolloutBuffer(cfg.rollout.partial.max_age)  # sampled by the collapsed policy
                     health.rolled_back()
                     rec.update(rollback=1, lr_after_rollback=lr)
-                rec["rollbacks"] = rollbacks
+                rec["rollbacks"], rec["recoveries"] = rollbacks, restarts.used
                 if budget.reached() and it + 1 < cfg.run.iterations:
                     stopped = "max_minutes"
                     if rec["accuracy"] is None:  # end on a measured model, as a run that ran out of iterations
