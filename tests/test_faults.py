@@ -1,0 +1,115 @@
+"""Faults injected into real runs (the reduced set of ``python -m benchmarks.faults``): a killed inference engine is
+replaced in place, a stopped one is found within ``run.step_timeout_s``, and a killed driver's job, run again, goes
+on from its last complete checkpoint; each run then ends bit for bit where an uninterrupted run ends."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import signal
+import time
+
+import psutil
+import pytest
+import yaml
+from rich.console import Console
+
+from benchmarks.fault_inject import Injector, Trigger, actors, kill_group, signal_actor
+from benchmarks.faults import Run, run_config, same_run
+from rl.config import parse_config
+from rl.controller import train
+
+ITERATIONS = 3
+
+
+def _cfg(**run):
+    return parse_config(run_config(run={"iterations": ITERATIONS, **run}))
+
+
+@pytest.fixture(scope="module")
+def reference(ray_cluster, tmp_path_factory):
+    """An uninterrupted run of the faults' config."""
+    out = tmp_path_factory.mktemp("reference")
+    train(_cfg(), out, console=Console(file=io.StringIO()))
+    return out
+
+
+def _faulted(cfg, run_dir, trigger: Trigger, act) -> tuple[Injector, list[tuple[float, str]]]:
+    """``train`` in this process with ``act`` injected at ``trigger``; returns the injector and the run's lines
+    with the time each was written."""
+    lines: list[tuple[float, str]] = []
+
+    class Lines(io.StringIO):
+        def write(self, s: str) -> int:
+            lines.extend((time.time(), x) for x in s.splitlines() if x.strip())
+            return len(s)
+
+    injector = Injector(os.getpid(), run_dir, trigger, act)
+    injector.start()
+    try:
+        train(cfg, run_dir, console=Console(file=Lines(), width=300))
+    finally:
+        injector.stop()
+        injector.join(timeout=5)
+    assert injector.error is None, injector.error
+    assert injector.injection.at is not None, "the run never reached the injection point"
+    return injector, lines
+
+
+def _recoveries(run_dir) -> list[int]:
+    return [json.loads(x)["recoveries"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_a_killed_inference_engine_is_replaced_in_place_and_its_groups_generated_again(reference, tmp_path):
+    """SIGKILL of the inference engine's process while it generates iteration 1's groups: the run names it in one
+    line, replaces it (weights from the trainers, the only other holder), generates its groups again with their
+    seeds and ends with the uninterrupted run's weights and metrics, bit for bit."""
+    run_dir = tmp_path / "run"
+    inj, lines = _faulted(_cfg(), run_dir, Trigger("rollout", 1), signal_actor("RolloutWorker", signal.SIGKILL))
+    found = [(t, line) for t, line in lines if line.startswith("recovery ")]
+    assert len(found) == 1
+    assert re.match(r"recovery 1 of at most 3: inference engine 0 died during rollout \(detected in [\d.]+ s\); "
+                    r"inference engine 0 replaced in place \(weights from the trainers\)$", found[0][1])
+    assert found[0][0] - inj.injection.at < 30
+    assert _recoveries(run_dir) == [0, 1, 1]
+    assert same_run(reference, run_dir)
+
+
+def test_a_stopped_inference_engine_is_found_within_the_step_timeout_and_replaced(reference, tmp_path):
+    """SIGSTOP of the inference engine during a rollout (it never continues): the run does not wait on it past
+    run.step_timeout_s, names it and the phase, replaces it and ends as the uninterrupted run does; the stopped
+    process does not outlive the run."""
+    run_dir = tmp_path / "run"
+    inj, lines = _faulted(_cfg(step_timeout_s=8), run_dir, Trigger("rollout", 1),
+                          signal_actor("RolloutWorker", signal.SIGSTOP))
+    stopped = int(inj.injection.target.split("pid ")[1].split()[0])
+    found = [(t, line) for t, line in lines if line.startswith("recovery ")]
+    assert len(found) == 1 and "inference engine 0 stalled (no answer in run.step_timeout_s=8 s) during rollout" \
+        in found[0][1]
+    assert 7 < found[0][0] - inj.injection.at < 30
+    assert same_run(reference, run_dir)
+    deadline = time.time() + 30  # Ray kills the stopped process a few seconds after ray.kill
+    while psutil.pid_exists(stopped) and psutil.Process(stopped).status() != psutil.STATUS_ZOMBIE:
+        assert time.time() < deadline, "the stopped engine outlived the run"
+        time.sleep(0.5)
+
+
+def test_a_killed_driver_is_run_again_and_goes_on_from_its_last_checkpoint_bit_exactly(reference, tmp_path):
+    """`rl train CONFIG --run-dir D --auto-resume` killed with its whole process group (as a container restart
+    does) while it trains iteration 1; the same command run again names the checkpoint it goes on from and ends
+    with the uninterrupted run's weights and metrics, bit for bit."""
+    config, run_dir = tmp_path / "run.yaml", tmp_path / "run"
+    config.write_text(yaml.safe_dump(run_config(run={"iterations": ITERATIONS})))
+    first = Run(config, run_dir, dict(os.environ))
+    injector = Injector(first.proc.pid, run_dir, Trigger("train", 1), kill_group(first.proc))
+    injector.start()
+    assert first.wait(300) == -signal.SIGKILL
+    injector.join(timeout=5)
+    assert injector.error is None and injector.injection.at is not None
+    assert not actors(first.proc.pid, "TrainerWorker")
+    again = Run(config, run_dir, dict(os.environ))
+    assert again.wait(300) == 0, again.text()[-2000:]
+    assert again.first(re.compile(r"resuming from iter_000000 \(after iteration 0\)")), again.text()[-2000:]
+    assert same_run(reference, run_dir)
