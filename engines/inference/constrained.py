@@ -109,10 +109,14 @@ class GrammarMatcher:
 class GrammarConstraint:
     """A compiled grammar to set as ``SamplingParams.grammar``; ``matcher()`` starts one sequence."""
 
-    def __init__(self, compiled: xgr.CompiledGrammar, vocab_size: int, description: str = "grammar") -> None:
+    def __init__(self, compiled: xgr.CompiledGrammar, vocab_size: int, description: str = "grammar",
+                 source: tuple[str, str] | None = None) -> None:
+        """``source``: what it was compiled from, as vLLM's structured outputs take it (``("structural_tag",
+        json)`` or ``("grammar", ebnf)``), so that another engine compiles the very same constraint."""
         self.compiled = compiled
         self.vocab_size = vocab_size
         self.description = description
+        self.source = source
 
     def matcher(self) -> GrammarMatcher:
         """A fresh matcher at the start of the grammar."""
@@ -259,13 +263,14 @@ class ConstraintCompiler:
                                first_counter=first_counter, max_calls=max_calls, tool_format=tool_format)
         compiled = self._compiler.compile_structural_tag(tag)
         names = ", ".join(t.name for t in tools)
-        return GrammarConstraint(compiled, self.vocab_size, f"tool calls to {names} ({tool_choice})")
+        return GrammarConstraint(compiled, self.vocab_size, f"tool calls to {names} ({tool_choice})",
+                                 ("structural_tag", tag.model_dump_json()))
 
     def json_schema(self, schema: dict) -> GrammarConstraint:
         """A constraint for one compact JSON value valid for ``schema``."""
-        compiled = self._compiler.compile_grammar(xgr.Grammar.from_ebnf(
-            _arguments_grammar(Tool("json", "", schema))))
-        return GrammarConstraint(compiled, self.vocab_size, "json schema")
+        ebnf = _arguments_grammar(Tool("json", "", schema))
+        compiled = self._compiler.compile_grammar(xgr.Grammar.from_ebnf(ebnf))
+        return GrammarConstraint(compiled, self.vocab_size, "json schema", ("grammar", ebnf))
 
 
 def tool_call_constraint(tools: Sequence[Tool], tokenizer: TextTokenizer | Tokenizer, vocab_size: int | None = None,

@@ -183,8 +183,12 @@ class VllmEngine(RolloutEngine):
         queues nothing when it cannot be served."""
         prompt = check_request(prompt_ids, params, prior, prior_logprobs, vocab=self.vocab_size, context=self.context,
                                max_seq_len=self.max_seq_len, detokenizes=self._detokenizes)
-        if params.grammar is not None:
-            raise InvalidRequestError("constrained decoding (grammar) is served by the native engine only")
+        structured = None
+        if params.grammar is not None:  # vLLM compiles the same xgrammar source with its own backend
+            source = getattr(params.grammar, "source", None)
+            if source is None:
+                raise InvalidRequestError(f"{params.grammar!r} has no source vLLM can compile; use the native engine")
+            structured = self._vllm.sampling_params.StructuredOutputsParams(**{source[0]: source[1]})
         rid = next(self._ids) if request_id is None else request_id
         if str(rid) in self._live:
             raise InvalidRequestError(f"request id {rid} is already running")
@@ -198,7 +202,7 @@ class VllmEngine(RolloutEngine):
             ignore_eos=True,  # the model's own EOS is among stop_token_ids unless ignore_eos
             detokenize=bool(params.stop),
             # each step's new tokens only: a cumulative output would be re-read whole at every step
-            output_kind=self._vllm.sampling_params.RequestOutputKind.DELTA)
+            output_kind=self._vllm.sampling_params.RequestOutputKind.DELTA, structured_outputs=structured)
         self.engine.add_request(str(rid), {"prompt_token_ids": prompt + [int(t) for t in prior]}, sp)
         self._live[str(rid)] = _Live(rid, prompt, params, [int(t) for t in prior], [float(x) for x in prior_logprobs])
         return rid
