@@ -4,11 +4,13 @@ on from its last complete checkpoint; each run then ends bit for bit where an un
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
 import re
 import signal
+import threading
 import time
 
 import psutil
@@ -18,10 +20,11 @@ from rich.console import Console
 
 from benchmarks.fault_inject import Injector, Trigger, actors, kill_group, signal_actor
 from benchmarks.faults import Run, run_config, same_run
+from rl.cli import main as rl_main
 from rl.config import parse_config
 from rl.controller import train
 
-ITERATIONS = 3
+ITERATIONS = 2
 
 
 def _cfg(**run):
@@ -73,7 +76,7 @@ def test_a_killed_inference_engine_is_replaced_in_place_and_its_groups_generated
     assert re.match(r"recovery 1 of at most 3: inference engine 0 died during rollout \(detected in [\d.]+ s\); "
                     r"inference engine 0 replaced in place \(weights from the trainers\)$", found[0][1])
     assert found[0][0] - inj.injection.at < 30
-    assert _recoveries(run_dir) == [0, 1, 1]
+    assert _recoveries(run_dir) == [0, 1]
     assert same_run(reference, run_dir)
 
 
@@ -82,24 +85,40 @@ def test_a_stopped_inference_engine_is_found_within_the_step_timeout_and_replace
     run.step_timeout_s, names it and the phase, replaces it and ends as the uninterrupted run does; the stopped
     process does not outlive the run."""
     run_dir = tmp_path / "run"
-    inj, lines = _faulted(_cfg(step_timeout_s=8), run_dir, Trigger("rollout", 1),
-                          signal_actor("RolloutWorker", signal.SIGSTOP))
-    stopped = int(inj.injection.target.split("pid ")[1].split()[0])
+    stopped: list[int] = []
+
+    def stop(root: int) -> str:
+        target = signal_actor("RolloutWorker", signal.SIGSTOP)(root)
+        stopped.append(int(target.split("pid ")[1].split()[0]))
+        return target
+
+    def unblock() -> None:  # a run that waits on the stopped engine forever must fail this test, not hang it
+        for pid in stopped:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+    watchdog = threading.Timer(240, unblock)
+    watchdog.start()
+    try:
+        inj, lines = _faulted(_cfg(step_timeout_s=10), run_dir, Trigger("rollout", 1), stop)
+    finally:
+        watchdog.cancel()
     found = [(t, line) for t, line in lines if line.startswith("recovery ")]
-    assert len(found) == 1 and "inference engine 0 stalled (no answer in run.step_timeout_s=8 s) during rollout" \
+    assert len(found) == 1 and "inference engine 0 stalled (no answer in run.step_timeout_s=10 s) during rollout" \
         in found[0][1]
-    assert 7 < found[0][0] - inj.injection.at < 30
+    assert 9 < found[0][0] - inj.injection.at < 40
     assert same_run(reference, run_dir)
     deadline = time.time() + 30  # Ray kills the stopped process a few seconds after ray.kill
-    while psutil.pid_exists(stopped) and psutil.Process(stopped).status() != psutil.STATUS_ZOMBIE:
+    while psutil.pid_exists(stopped[0]) and psutil.Process(stopped[0]).status() != psutil.STATUS_ZOMBIE:
         assert time.time() < deadline, "the stopped engine outlived the run"
         time.sleep(0.5)
 
 
-def test_a_killed_driver_is_run_again_and_goes_on_from_its_last_checkpoint_bit_exactly(reference, tmp_path):
+def test_a_killed_driver_is_run_again_and_goes_on_from_its_last_checkpoint_bit_exactly(reference, tmp_path, capsys):
     """`rl train CONFIG --run-dir D --auto-resume` killed with its whole process group (as a container restart
-    does) while it trains iteration 1; the same command run again names the checkpoint it goes on from and ends
-    with the uninterrupted run's weights and metrics, bit for bit."""
+    does) while it trains iteration 1; the same command run again (here in this process, on the tests' Ray
+    cluster) names the checkpoint it goes on from and ends with the uninterrupted run's weights and metrics, bit
+    for bit."""
     config, run_dir = tmp_path / "run.yaml", tmp_path / "run"
     config.write_text(yaml.safe_dump(run_config(run={"iterations": ITERATIONS})))
     first = Run(config, run_dir, dict(os.environ))
@@ -109,7 +128,6 @@ def test_a_killed_driver_is_run_again_and_goes_on_from_its_last_checkpoint_bit_e
     injector.join(timeout=5)
     assert injector.error is None and injector.injection.at is not None
     assert not actors(first.proc.pid, "TrainerWorker")
-    again = Run(config, run_dir, dict(os.environ))
-    assert again.wait(300) == 0, again.text()[-2000:]
-    assert again.first(re.compile(r"resuming from iter_000000 \(after iteration 0\)")), again.text()[-2000:]
+    assert rl_main(["train", str(config), "--run-dir", str(run_dir), "--auto-resume"]) == 0
+    assert re.search(r"resuming from iter_000000 \(after iteration 0\)", capsys.readouterr().out)
     assert same_run(reference, run_dir)
