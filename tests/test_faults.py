@@ -131,3 +131,22 @@ def test_a_killed_driver_is_run_again_and_goes_on_from_its_last_checkpoint_bit_e
     assert rl_main(["train", str(config), "--run-dir", str(run_dir), "--auto-resume"]) == 0
     assert re.search(r"resuming from iter_000000 \(after iteration 0\)", capsys.readouterr().out)
     assert same_run(reference, run_dir)
+
+
+def test_run_max_restarts_bounds_the_recoveries_and_the_next_fault_stops_the_run_in_one_line():
+    """Each recovery is one line; the one past run.max_restarts stops the run (TrainingStopped: exit status 1)
+    naming the fault and the limit."""
+    from rl.guards import TrainingStopped
+    from rl.recovery import Restarts, WorkerFailed
+
+    lines: list[str] = []
+    restarts = Restarts(1, lines.append)
+    fault = WorkerFailed("inference engine", 0, "rollout", "died", 0.04)
+    restarts.take(fault, "inference engine 0 replaced in place")
+    assert lines == ["recovery 1 of at most 1: inference engine 0 died during rollout (detected in 0.0 s); "
+                     "inference engine 0 replaced in place"]
+    with pytest.raises(TrainingStopped) as stop:
+        restarts.take(WorkerFailed("trainer", 1, "train", "died", 0.5), "the workers restart")
+    assert str(stop.value) == ("trainer 1 died during train (detected in 0.5 s), and 1 recoveries already "
+                               "(run.max_restarts=1); the last complete checkpoint is intact")
+    assert restarts.used == 1 and len(lines) == 1
