@@ -21,8 +21,6 @@ from typing import Any
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from engines.model.chat_format import K2_CHAT_TEMPLATE
-
 EOS = "<|endoftext|>"
 PAD = "<|pad|>"
 
