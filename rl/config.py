@@ -225,6 +225,9 @@ class RolloutConfig(Strict):
                              "a model too large for one GPU is served across the worker's GPUs "
                              "(cluster.gpus_per_worker must equal it on GPUs); each rank gets the full tensors of "
                              "an update and vLLM's loaders take its shard")
+    expert_parallel: bool = Field(
+        False, description="a mixture-of-experts replica places whole experts on its tensor-parallel ranks "
+                           "(vLLM's enable_expert_parallel) instead of splitting every expert's matrices across them")
 
 
 class PtxConfig(Strict):
@@ -372,6 +375,9 @@ class Config(Strict):
         if tp > 1 and self.rollout.engine == "native":
             raise ValueError(f"rollout.tensor_parallel_size={tp} needs rollout.engine: vllm (a native replica is "
                              "one device)")
+        if self.rollout.expert_parallel and tp < 2:
+            raise ValueError("rollout.expert_parallel spreads experts over a replica's ranks: it needs "
+                             "rollout.tensor_parallel_size of 2 or more")
         if tp > 1 and gpus > 0 and gpus != tp:
             raise ValueError(f"rollout.tensor_parallel_size={tp} spans the worker's GPUs: set "
                              f"cluster.gpus_per_worker={tp} (it is {gpus:g})")

@@ -356,7 +356,8 @@ def rollout_engine(model_dir: str, cfg: Config, max_seq_len: int | None) -> Roll
     if engine_kind(cfg) == "vllm":
         return VllmEngine(model_dir, tok.eos_ids, max_seq_len=max_seq_len, max_num_seqs=r.max_batch,
                           dtype=cfg.rollout_dtype, seed=cfg.run.seed, kv_cache_bytes=r.kv_cache_mb << 20,
-                          memory_fraction=r.vllm_memory_fraction, tensor_parallel_size=r.tensor_parallel_size)
+                          memory_fraction=r.vllm_memory_fraction, tensor_parallel_size=r.tensor_parallel_size,
+                          expert_parallel=r.expert_parallel)
     # on the GPU Ray gave this worker's bundle (shared with its trainer), in the fused inference layout;
     # empty: the trainers' start-up read fills it (or their first update does)
     device = worker_device(cfg)

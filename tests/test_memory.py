@@ -240,5 +240,7 @@ def test_a_tensor_parallel_vllm_replica_counts_its_shard_per_device():
     assert tp.kv_cache == one.kv_cache and tp.decode_work == 0 < one.decode_work
     with pytest.raises(UserError, match="tensor_parallel_size=2 needs rollout.engine: vllm"):
         parse_config({"rollout": {"engine": "native", "tensor_parallel_size": 2}})
+    with pytest.raises(UserError, match="expert_parallel .* needs rollout.tensor_parallel_size of 2"):
+        parse_config({"rollout": {"engine": "vllm", "expert_parallel": True}})
     with pytest.raises(UserError, match="set cluster.gpus_per_worker=2"):
         parse_config({"rollout": {"engine": "vllm", "tensor_parallel_size": 2}, "cluster": {"gpus_per_worker": 1}})

@@ -120,7 +120,8 @@ class VllmEngine(RolloutEngine):
     def __init__(self, model_dir: str | Path, eos_ids: Sequence[int], *, max_seq_len: int | None = None,
                  max_num_seqs: int = 256, dtype: str = "auto", seed: int = 0, kv_cache_bytes: int | None = None,
                  memory_fraction: float = 0.2,
-                 tensor_parallel_size: int = 1, enforce_eager: bool = True, prefix_caching: bool = True,
+                 tensor_parallel_size: int = 1, expert_parallel: bool = False, enforce_eager: bool = True,
+                 prefix_caching: bool = True,
                  tokenizer: bool = True) -> None:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         try:
@@ -138,7 +139,8 @@ class VllmEngine(RolloutEngine):
         try:
             self.llm = vllm.LLM(model=str(model_dir), dtype=dtype, max_model_len=max_seq_len, max_num_seqs=max_num_seqs,
                                 seed=seed, gpu_memory_utilization=memory_fraction, enforce_eager=enforce_eager,
-                                tensor_parallel_size=tensor_parallel_size, enable_prefix_caching=prefix_caching,
+                                tensor_parallel_size=tensor_parallel_size, enable_expert_parallel=expert_parallel,
+                                enable_prefix_caching=prefix_caching,
                                 # its own processes for the ranks, also inside a Ray actor (vLLM would otherwise
                                 # place Ray workers of its own in the run's placement group)
                                 distributed_executor_backend="mp" if tensor_parallel_size > 1 else None,
