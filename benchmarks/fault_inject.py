@@ -120,8 +120,8 @@ class Injector(threading.Thread):
                     self.injection.still_in_phase = bool(actors(self.root, self.trigger.cls, self.trigger.method))
                     self.injection.finished = records(self.run_dir)
                     self.injection.checkpoints = complete_checkpoints(self.run_dir)
-                    self.injection.target = self.act(self.root)
-                    self.injection.at = time.time()
+                    self.injection.at = time.time()  # before acting: filling a disk takes a while, and the run
+                    self.injection.target = self.act(self.root)  # may notice before it is done
                     return
                 time.sleep(self.poll_s)
         except BaseException as e:  # the test or suite reports it

@@ -163,7 +163,15 @@ def _corrupt(run_dir: Path) -> bool:
 
 def _records(run_dir: Path) -> list[dict]:
     path = run_dir / "metrics.jsonl"
-    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:  # a line cut short: not a record (same_run then differs in length)
+            continue
+    return out
 
 
 def same_run(a: Path, b: Path) -> bool:

@@ -12,6 +12,14 @@ CURVES = [("reward_mean", "mean reward"), ("accuracy", "held-out accuracy (greed
           ("response_len", "mean response length (tokens)")]
 
 
+def _parses(line: str) -> bool:
+    try:
+        json.loads(line)
+    except ValueError:
+        return False
+    return True
+
+
 class MetricsLog:
     """Appends one JSON record per iteration and mirrors it to the console and Prometheus."""
 
@@ -22,8 +30,10 @@ class MetricsLog:
         self.records: list[dict[str, Any]] = []
         if resume_at is not None and self.path.exists():
             # keep what the checkpoint covers; later records belong to the interrupted attempt
-            lines = [json.loads(x) for x in self.path.read_text().splitlines() if x.strip()]
-            self.records = [r for r in lines if r["iteration"] < resume_at]
+            lines = [x for x in self.path.read_text().splitlines() if x.strip()]
+            if lines and not _parses(lines[-1]):  # an append cut short (a full disk, a killed driver)
+                lines.pop()
+            self.records = [r for r in map(json.loads, lines) if r["iteration"] < resume_at]
         self.path.write_text("".join(json.dumps(r) + "\n" for r in self.records))
         self.gauges: dict[str, Any] = {}
         self.prometheus = prometheus_port is not None

@@ -150,3 +150,15 @@ def test_run_max_restarts_bounds_the_recoveries_and_the_next_fault_stops_the_run
     assert str(stop.value) == ("trainer 1 died during train (detected in 0.5 s), and 1 recoveries already "
                                "(run.max_restarts=1); the last complete checkpoint is intact")
     assert restarts.used == 1 and len(lines) == 1
+
+
+def test_a_metrics_line_cut_short_by_a_full_disk_does_not_block_the_resume(tmp_path):
+    """The disk filled while a record was appended (found by the suite's disk_full fault): the resumed run drops
+    the partial line and keeps the records its checkpoint covers."""
+    from rl.metrics import MetricsLog
+
+    whole = [{"iteration": 0, "reward_mean": 0.5}, {"iteration": 1, "reward_mean": 0.25}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in whole) + '{"iteration": 2, "rew')
+    log = MetricsLog(tmp_path, Console(file=io.StringIO()), resume_at=2)
+    assert log.records == whole
+    assert (tmp_path / "metrics.jsonl").read_text().splitlines() == [json.dumps(r) for r in whole]
