@@ -26,6 +26,7 @@ from sandbox import k8s_manifests as m
 from sandbox.agent import AgentClient
 from sandbox.backend import ExecResult, Limits, SandboxError, check_relative_path
 from sandbox.options import KubernetesOptions
+from sandbox.requests import check_image_allowed
 
 log = logging.getLogger(__name__)
 
@@ -175,6 +176,8 @@ class KubernetesBackend:
         self.net = kubernetes.client.NetworkingV1Api(api_client)
         self.namespace, self.agent_image, self.agent_port = _session_namespace(o), o.agent_image, agent_port
         self.default_image, self.ttl_s, self.ready_timeout_s = o.default_image, float(o.ttl_s), float(ready_timeout_s)
+        # the operator's own images are always allowed; callers' others only by pattern (their pods get pull secrets)
+        self.allowed_images = tuple(dict.fromkeys([*filter(None, [o.default_image]), *o.warm_pool, *o.allowed_images]))
         own_namespace = _own_namespace(o)
         pod_name, pod_uid = os.environ.get(POD_NAME_ENV, ""), os.environ.get(POD_UID_ENV, "")
         self.owner_pod = (pod_name, pod_uid) if pod_name and pod_uid else None
@@ -226,6 +229,7 @@ class KubernetesBackend:
         image = image or self.default_image
         if not image:
             raise SandboxError("no image given and no default image configured", "INVALID_ARGUMENT")
+        check_image_allowed(image, self.allowed_images)
         for path in files or {}:
             check_relative_path(path)  # refused before a pod is made for nothing
         while (pod := self._take_warm(image)) is not None:

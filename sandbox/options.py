@@ -73,6 +73,10 @@ class KubernetesOptions(StrictOptions):
     ttl_s: float = Field(3600, gt=0, description="pods are deleted after this long, even if the service dies")
     max_creates_per_s: float = Field(20, gt=0, description="client-side pod-creation rate limit")
     warm_pool: dict[str, int] = Field(default_factory=dict, description="image -> ready pods kept waiting")
+    allowed_images: list[str] = Field([], description="images a session may ask for, as fnmatch patterns "
+                                      "(python:3.11-*, registry.example.com/swe/*); default_image and the warm_pool "
+                                      "images are always allowed. Empty (the default): only those, since a session "
+                                      "pod runs with the run's pull secrets; ['*'] allows any image")
     cpu: str = Field("1", description="Kubernetes quantity per session pod, e.g. 1 or 500m")
     memory: str = Field("2Gi", description="Kubernetes quantity per session pod")
     image_pull_secrets: list[str] = Field([], description="Secrets for a private registry of the session images")

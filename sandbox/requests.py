@@ -7,6 +7,7 @@ NOT_FOUND; a full disk: RESOURCE_EXHAUSTED), never because a field was malformed
 
 from __future__ import annotations
 
+import fnmatch
 import math
 from collections.abc import Iterable, Mapping, Sequence
 
@@ -68,6 +69,15 @@ def check_image(image: str, field: str = "image") -> str:
         raise _bad(f"{field} {image[:80]!r} is not an image reference (spaces, control characters, or over "
                    f"{MAX_IMAGE_CHARS} characters)")
     return image
+
+
+def check_image_allowed(image: str, patterns: Sequence[str], option: str = "sandbox.kubernetes.allowed_images") -> str:
+    """``image`` matches one of ``patterns`` (fnmatch, case-sensitive, ``*`` crosses ``/``); otherwise
+    PERMISSION_DENIED naming the image and ``option``, the setting that would allow it."""
+    if any(fnmatch.fnmatchcase(image, p) for p in patterns):
+        return image
+    raise SandboxError(f"image {image[:200]!r} is not allowed on this sandbox service: add it to {option} "
+                       f"(now {', '.join(patterns) or 'empty'})", "PERMISSION_DENIED")
 
 
 def check_session_id(sid: str, field: str = "session_id") -> str:

@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from rl.cli import main as rl_main
+from rl.config import load_config
 from rl.launch import CHART
 from tests.test_helm_chart import EXAMPLES, HELM, QUICKSTART, helm, one, pod_templates, render
 
@@ -263,6 +264,20 @@ def test_7_the_sandbox_endpoint_takes_a_token_and_only_the_runs_ray_pods():
     for stranger in (session, service["metadata"]["labels"], {**worker, "colocated-rl/run": "other"}, {}):
         assert not matches(peer, stranger)
     assert metrics == {"ports": [{"protocol": "TCP", "port": 9100}]}
+
+
+def test_7_sandbox_sessions_get_only_allowed_images(tmp_path):
+    """sandbox.pods.allowedImages reaches the service's config as `rl sandbox serve` reads its arguments; by default
+    nothing beyond defaultImage is allowed."""
+    def served(docs: list[dict]) -> list[str]:
+        args = one(docs, "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
+        overrides = [a.removeprefix("--set=") for a in args if a.startswith("--set=sandbox.")]
+        return load_config(QUICKSTART, overrides).sandbox.kubernetes.allowed_images
+
+    assert served(render()) == []
+    patterns = ["python:3.11-*", "registry.example.com/swe/*"]
+    assert served(render(values_file(tmp_path, {"sandbox": {"pods": {"allowedImages": patterns}}}))) == patterns
+    assert "allowedImages" in refused("--set", "sandbox.pods.allowedImages[0]=has space")
 
 
 # --- 8: Pod Security Standards ---------------------------------------------------------------------------------------

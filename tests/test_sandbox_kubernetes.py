@@ -122,7 +122,7 @@ def test_session_exec_files_verdicts_and_close(api, make_backend):
 def test_pod_that_cannot_start_is_unavailable_and_deleted(api, make_backend):
     api.failures["registry.example/broken:1"] = "ImagePullBackOff"
     api.failures["huge:1"] = "Unschedulable"
-    backend = make_backend(ready_timeout_s=1)
+    backend = make_backend(ready_timeout_s=1, allowed_images=["registry.example/*", "huge:1"])
     with pytest.raises(SandboxError) as e:
         backend.create_session("registry.example/broken:1")
     name = api.bodies("POST", "pods")[0]["metadata"]["name"]
@@ -174,7 +174,7 @@ def test_garbage_collect_by_owner_label(api, make_backend):
 
 
 def test_warm_pool_is_used_and_refilled(api, make_backend):
-    backend = make_backend(warm_pool={"task:warm": 2})
+    backend = make_backend(warm_pool={"task:warm": 2}, allowed_images=["task:*"])
     _wait_for(lambda: backend.warm_count("task:warm") == 2, 15, "the warm pool to fill")
     creates = api.count("POST")
     pooled = {b["metadata"]["name"] for b in api.bodies("POST", "pods")}
@@ -300,4 +300,33 @@ def test_grpc_service_on_the_pod_backend(api, make_backend):
         with c.create_session(files={"a.txt": "1"}) as s:
             assert s.exec(["sh", "-c", "cat a.txt; echo 2 > b.txt"], limits=grpc_limits).stdout == b"1"
             assert s.read_files(["b.txt"]) == {"b.txt": b"2\n"}
+        with pytest.raises(SandboxError) as e:  # an image outside the allowlist: the gRPC status says so
+            c.create_session(image="evil.example/x:1")
+        assert e.value.code == "PERMISSION_DENIED" and "evil.example/x:1" in str(e.value)
+        assert "sandbox.kubernetes.allowed_images" in str(e.value)
         assert api.count("POST", "pods") == 2 and api.count("DELETE", "pods") == 2
+
+
+def test_image_allowlist(api, make_backend):
+    """Only the operator's images by default (a session pod carries the run's pull secrets); others by pattern, and
+    a refused image makes no pod and names itself and the option that would allow it."""
+    backend = make_backend(warm_pool={"task:warm": 1})  # allowed_images left at its default
+    for image in ("evil.example/miner:latest", "task:default-but-not", "python:3.11-slim"):
+        with pytest.raises(SandboxError) as e:
+            backend.create_session(image)
+        assert e.value.code == "PERMISSION_DENIED" and "\n" not in str(e.value)
+        assert image in str(e.value) and "sandbox.kubernetes.allowed_images" in str(e.value)
+    _wait_for(lambda: backend.warm_count("task:warm") == 1, 15, "the warm pool to fill")
+    assert api.count("POST", "pods") == 1  # the pool's pod only: nothing made for a refused image
+    backend.create_session("").close()  # the default image
+    backend.create_session("task:warm").close()
+    patterns = make_backend(allowed_images=["python:3.11-*", "registry.example.com/swe/*"])
+    assert patterns.create_session("registry.example.com/swe/django__django-11099:v1").pod.image == \
+        "registry.example.com/swe/django__django-11099:v1"
+    patterns.create_session("python:3.11-bookworm").close()
+    for image in ("python:3.12-slim", "registry.example.com/other/x:1", "Python:3.11-slim",
+                  "evil/registry.example.com/swe/x"):
+        with pytest.raises(SandboxError) as e:
+            patterns.create_session(image)
+        assert e.value.code == "PERMISSION_DENIED"
+    make_backend(allowed_images=["*"]).create_session("anything.example/at:all").close()
