@@ -186,7 +186,57 @@ def launch(config: str, *, values: list[str] = (), sets: list[str] = (), name: s
                                        chart=chart), capture_output=True, text=True)
     if proc.returncode != 0:
         raise CommandFailed(f"helm install failed:\n{proc.stderr.strip()}")
+    try:
+        n = own_by_rayjob(release, kube)
+        print(f"RayJob {release} now owns {n} object(s) of the release (the sandbox service among them): they go "
+              "when it is deleted", file=out, flush=True)
+    except CommandFailed as e:  # the run is installed and runs; only the cleanup is left to rl delete
+        print(f"warning: the sandbox service is not tied to RayJob {release} ({e}); rl delete {release} removes it",
+              file=out, flush=True)
     return proc.stdout
+
+
+KEPT_KINDS = ("RayJob", "PersistentVolumeClaim", "Namespace")  # the owner; the checkpoints; cluster-scoped
+
+
+def owned_by_rayjob(manifests: str, namespace: str) -> list[dict[str, Any]]:
+    """The objects of a release (its manifests) that its RayJob owns: all in ``namespace`` but the RayJob itself,
+    the run's claim (its checkpoints outlive the run) and objects elsewhere (owner references cannot cross
+    namespaces: the garbage collector would take the owner for absent and delete them at once)."""
+    import yaml
+
+    return [d for d in yaml.safe_load_all(manifests) if d and d.get("kind") not in KEPT_KINDS
+            and d.get("metadata", {}).get("namespace", namespace) == namespace]
+
+
+def own_by_rayjob(release: str, kube: Kube, manifests: str | None = None) -> int:
+    """Make RayJob ``release`` the owner of the rest of its release (``manifests``; None: what helm installed), so
+    that the garbage collector removes the sandbox fleet with the RayJob; returns how many objects were patched."""
+    if manifests is None:
+        proc = subprocess.run([find_tool("helm"), "get", "manifest", release, "--namespace", kube.namespace],
+                              capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise CommandFailed(f"helm get manifest {release}: {proc.stderr.strip()}")
+        manifests = proc.stdout
+    job = kube.rayjob(release)
+    if job is None:
+        raise CommandFailed(f"no RayJob {kube.namespace}/{release} after the install")
+    # blockOwnerDeletion left unset: setting it needs the right to update the RayJob's finalizers
+    ref = {"apiVersion": "/".join(RAYJOB[:2]), "kind": "RayJob", "name": release, "uid": job["metadata"]["uid"]}
+    patch = {"metadata": {"ownerReferences": [ref]}}
+    objects = owned_by_rayjob(manifests, kube.namespace)
+    for obj in objects:
+        kind, name, api_version = obj["kind"], obj["metadata"]["name"], obj["apiVersion"]
+        what = f"setting the owner of {kind} {kube.namespace}/{name}"
+        if "/" not in api_version:  # the core group: its typed method (patch_namespaced_config_map, ...)
+            method = getattr(kube.core, "patch_namespaced_" + re.sub(r"(?<!^)(?=[A-Z])", "_", kind).lower())
+            kube.call(what, method, name, kube.namespace, patch, _content_type="application/merge-patch+json")
+        else:
+            group, version = api_version.split("/")
+            plural = kind.lower()[:-1] + "ies" if kind.endswith("y") else kind.lower() + "s"
+            kube.call(what, kube.custom.patch_namespaced_custom_object, group, version, kube.namespace, plural,
+                      name, patch, _content_type="application/merge-patch+json")
+    return len(objects)
 
 
 def delete(name: str, *, namespace: str | None = None, delete_data: bool = False, kube: Kube | None = None,

@@ -15,7 +15,8 @@ container's waiting reason. Init containers are not run.
 
 For the run commands (``rl status``, ``rl logs``, ``rl delete``) it also keeps objects that tests put in place with
 ``seed``: pods that run nothing (with the status and log given), custom objects such as RayJobs, claims and Secrets,
-which it lists (with labelSelector), reads and deletes; and pod logs (GET .../pods/NAME/log).
+which it lists (with labelSelector), reads, merge-patches and deletes (deleting, as the garbage collector would, the
+objects and pods of the namespace that name the deleted one in their ownerReferences); and pod logs.
 """
 
 from __future__ import annotations
@@ -176,12 +177,13 @@ class KubeApiStandIn:
         return obj
 
     def _objects(self, method: str, parts: list[str], query: dict[str, str]) -> tuple[int, dict[str, Any]] | None:
-        """GET (list or one), DELETE of seeded objects; None if the path is not such a collection."""
+        """GET (list or one), PATCH, DELETE of seeded objects; None if the path is not such a collection."""
         i = parts.index("namespaces") if "namespaces" in parts else len(parts)
         if len(parts) < i + 3:
             return None
         ns, plural, rest = parts[i + 1], parts[i + 2], parts[i + 3:]
         collection = "/".join([*parts[:i], plural])
+        body = query.pop("_body", None)
         with self._cond:
             if not rest and method == "GET":
                 items = [copy.deepcopy(o) for (c, n, _), o in self.objects.items() if c == collection and n == ns
@@ -195,9 +197,21 @@ class KubeApiStandIn:
                 return 404, _status(404, "NotFound", f'{plural} "{rest[0]}" not found', rest[0])
             if method == "GET":
                 return 200, copy.deepcopy(self.objects[key])
-            if method == "DELETE":
-                return 200, self.objects.pop(key)
-        return None
+            if method == "PATCH":  # a JSON merge patch (RFC 7386), what rl launch sends
+                _merge(self.objects[key], body)
+                return 200, copy.deepcopy(self.objects[key])
+            if method != "DELETE":
+                return None
+            gone = self.objects.pop(key)
+            # as the garbage collector does: the objects and pods of its namespace that name it as their owner
+            uid = gone["metadata"].get("uid")
+            owned = [(c, n) for (c, o_ns, n), o in self.objects.items() if o_ns == ns and _owned_by(o, uid)]
+            pods = [n for (p_ns, n), p in self.pods.items() if p_ns == ns and _owned_by(p, uid)]
+        for c, n in owned:
+            self._objects("DELETE", [*c.split("/")[:-1], "namespaces", ns, c.split("/")[-1], n], {})
+        for n in pods:
+            self.delete_pod(ns, n)
+        return 200, gone
 
     # ---- state changes (all under self._cond) ----
 
@@ -356,6 +370,21 @@ class KubeApiStandIn:
                 cursor = self._rv
 
 
+def _owned_by(obj: dict[str, Any], uid: str | None) -> bool:
+    return bool(uid) and any(ref.get("uid") == uid for ref in obj["metadata"].get("ownerReferences") or ())
+
+
+def _merge(target: dict[str, Any], patch: dict[str, Any]) -> None:
+    """Apply a JSON merge patch in place: null removes a key, objects merge, anything else replaces."""
+    for k, v in patch.items():
+        if v is None:
+            target.pop(k, None)
+        elif isinstance(v, dict) and isinstance(target.get(k), dict):
+            _merge(target[k], v)
+        else:
+            target[k] = copy.deepcopy(v)
+
+
 def _matches(pod: dict[str, Any], query: dict[str, str]) -> bool:
     return (_selector_match(query.get("labelSelector", ""), pod["metadata"].get("labels") or {})
             and _selector_match(query.get("fieldSelector", ""), _pod_fields(pod)))
@@ -432,7 +461,7 @@ class _Handler(BaseHTTPRequestHandler):
         if url.path == f"{_NP_PATH.format(ns=ns)}/{name}" and method == "GET":
             pol = s.policies.get((ns, name))
             return self._json(200, pol) if pol else self._json(404, _status(404, "NotFound", "not found", name))
-        if parts[-2:-1] != ["pods"] and (found := s._objects(method, parts, query)) is not None:
+        if parts[-2:-1] != ["pods"] and (found := s._objects(method, parts, {**query, "_body": body})) is not None:
             return self._json(*found)
         return self._json(404, _status(404, "NotFound", f"the stand-in does not serve {method} {url.path}"))
 
@@ -461,3 +490,6 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_DELETE(self) -> None:
         self._handle("DELETE")
+
+    def do_PATCH(self) -> None:
+        self._handle("PATCH")

@@ -4,13 +4,15 @@ the Kubernetes API server, since none can run here -- and against no server at a
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 
 import pytest
 import yaml
 
 from rl.cli import main as rl_main
-from rl.launch import CHART, RUN_LABEL
+from rl.errors import CommandFailed
+from rl.launch import CHART, RUN_LABEL, Kube, own_by_rayjob
 from tests.k8s_validation import helm_binary
 from tests.kube_standin import KubeApiStandIn
 
@@ -176,3 +178,45 @@ def test_launch_replace_deletes_the_old_run_first(api, capsys):
     assert "replacing run quickstart" in captured.out and "helm install failed" in captured.err
     assert (RAYJOBS, NS, "quickstart") not in api.objects
     assert {n for (_, n) in api.pods} == {"other-head"}
+
+
+def test_the_rayjob_owns_the_sandbox_fleet_and_takes_it_along(api, capsys):
+    """After the install, the RayJob becomes the owner of what the chart made beside it in the run's namespace (the
+    chart's real manifests, stored in the stand-in), so that deleting the RayJob (ttlSecondsAfterFinished with
+    KubeRay's DeleteSelf policy, kubectl delete rayjob) frees the sandbox's nodes; the claim (checkpoints) and the
+    session namespace's objects (owner references do not cross namespaces) are left alone."""
+    manifests = subprocess.run([helm_binary(), "template", "quickstart", str(CHART), "--namespace", NS,
+                                "--set-file", f"runConfig={QUICKSTART}"], capture_output=True, text=True,
+                               check=True).stdout
+    stored = {}
+    for d in (d for d in yaml.safe_load_all(manifests) if d and d["kind"] != "Namespace"):  # namespaced ones
+        group = "api/v1" if d["apiVersion"] == "v1" else f"apis/{d['apiVersion']}"
+        plural = d["kind"].lower()[:-1] + "ies" if d["kind"].endswith("y") else d["kind"].lower() + "s"
+        d["metadata"].setdefault("namespace", NS)
+        stored[d["kind"], d["metadata"]["name"]] = api.seed(f"{group}/{plural}", d)
+    uid = stored["RayJob", "quickstart"]["metadata"]["uid"]
+
+    assert own_by_rayjob("quickstart", Kube(NS), manifests) == 9
+    owned = {(c.rsplit("/", 1)[1], name) for (c, ns, name), o in api.objects.items()
+             if o["metadata"].get("ownerReferences") == [{"apiVersion": "ray.io/v1", "kind": "RayJob",
+                                                           "name": "quickstart", "uid": uid}]}
+    assert owned == {("deployments", "quickstart-sandbox"), ("services", "quickstart-sandbox"),
+                     ("horizontalpodautoscalers", "quickstart-sandbox"), ("secrets", "quickstart-sandbox-token"),
+                     ("serviceaccounts", "quickstart-sandbox"), ("configmaps", "quickstart-config"),
+                     ("networkpolicies", "quickstart-sandbox-ingress"), ("networkpolicies", "quickstart-ray-head"),
+                     ("networkpolicies", "quickstart-ray-workers")}
+    patched = [r.path for r in api.requests if r.method == "PATCH"]
+    assert len(patched) == 9 and all(f"/namespaces/{NS}/" in p for p in patched)
+
+    api.requests.clear()
+    Kube(NS).custom.delete_namespaced_custom_object("ray.io", "v1", NS, "rayjobs", "quickstart")
+    assert {(c, name) for c, ns, name in api.objects if ns == NS} == {
+        ("api/v1/persistentvolumeclaims", "quickstart-data")}
+    assert ("apis/rbac.authorization.k8s.io/v1/roles", "rl-quickstart-sandbox", "quickstart-sandbox") in api.objects
+
+
+def test_owning_needs_the_rayjob(api):
+    """Without the RayJob (an install that did not make one) nothing is patched, and the error names it."""
+    with pytest.raises(CommandFailed, match="no RayJob rl/quickstart after the install"):
+        own_by_rayjob("quickstart", Kube(NS), "")
+    assert api.count("PATCH", "deployments") == 0
