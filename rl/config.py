@@ -44,7 +44,11 @@ class RunConfig(Strict):
                                  "their trainer state) when the run collapses: held-out accuracy collapse_drop below "
                                  "the best, or the mean reward halving (rl.health)")
     collapse_drop: float = Field(0.1, gt=0, le=1, description="held-out accuracy this far below the best so far "
-                                 "counts as a collapse")
+                                 "counts as a collapse (or collapse_drop_relative of the best, if less)")
+    collapse_drop_relative: float = Field(
+        0.3, gt=0, le=1, description="a collapse is also this share of the best held-out accuracy lost (on a task "
+                                     "the model rarely solves, 0.1 is most of it); never less than two standard "
+                                     "errors of the evaluation, so noise alone does not roll back")
     max_rollbacks: int = Field(3, ge=0, description="collapses rolled back before the run stops with a message")
     rollback_lr_factor: float = Field(0.5, gt=0, le=1, description="each rollback multiplies the learning rate by "
                                       "this")
@@ -307,7 +311,10 @@ class AlgorithmConfig(Strict):
 
 class OptimizerConfig(Strict):
     kind: Literal["muon", "adamw"] = "muon"
-    lr: float = Field(5e-4, gt=0)
+    lr: float = Field(1e-4, gt=0, description="for every parameter, in AdamW terms: Muon's update is scaled to "
+                      "AdamW's RMS (0.2·√max(rows, cols), as Moonlight does). 1e-4 was the best rate on both model "
+                      "sizes of benchmarks.lr_sweep and transfers (benchmarks.transfer); the schema's earlier 5e-4 "
+                      "collapsed a Qwen2-format model; pretrained models of billions of parameters want 1e-6 to 1e-5")
     weight_decay: float = Field(0.0, ge=0)
     momentum: float = Field(0.95, ge=0, lt=1)
     max_grad_norm: float = Field(1.0, gt=0)

@@ -109,8 +109,8 @@ def _run(cfg: Config, run_dir: Path, resume: bool, console: Console, restarts: R
                     f", sampled {initial_sampled:.3f} (mean of {cfg.run.eval_samples} at the rollout temperature)"
                 console.print(f"warm start: held-out accuracy {initial:.3f} on {len(tasks.eval)} prompts{sampled}")
             rollbacks = state.rollbacks if state else 0
-            guard = CollapseGuard(cfg.run.collapse_drop, state.best_accuracy if state else None) \
-                if cfg.run.collapse_guard else None
+            guard = CollapseGuard(cfg.run.collapse_drop, state.best_accuracy if state else None,
+                                  cfg.run.collapse_drop_relative, len(tasks.eval)) if cfg.run.collapse_guard else None
             if guard is not None and guard.improved({"accuracy": initial}):  # the warm start is the first best
                 save_best(cluster, run_dir, start_dir, -1, initial)
             cluster.offload_trainers()

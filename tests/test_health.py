@@ -1,5 +1,7 @@
 """Learning-health warnings: entropy and reward collapse, iterations without signal, and their replay on resume."""
 
+import pytest
+
 from rl.health import CollapseGuard, HealthMonitor
 
 
@@ -57,6 +59,19 @@ def test_collapse_guard_keeps_the_best_and_judges_drops_and_reward_collapse():
     assert why == "held-out accuracy 0.290 is more than 0.1 below the best 0.400"
     assert guard.verdict({"accuracy": None, "warn_reward_collapse": 1}) == "the mean reward collapsed"
     assert CollapseGuard(0.1, best=0.5).verdict({"accuracy": 0.41}) is None  # resumed with its best
+
+
+def test_collapse_guard_on_a_task_the_model_rarely_solves_judges_the_share_lost_not_noise():
+    """A Qwen2-format model at the schema's old learning rate went 0.152 → 0.095 on 296 held-out prompts: over a
+    third lost, under the absolute 0.1. The guard calls it; a dip within two standard errors it does not."""
+    guard = CollapseGuard(drop=0.1, best=0.152, relative=0.3, eval_tasks=296)
+    assert guard.margin() == pytest.approx(0.3 * 0.152)  # two standard errors are 0.042, a little less
+    assert "below the best 0.152" in guard.verdict({"accuracy": 0.095})
+    assert guard.verdict({"accuracy": 0.12}) is None
+    noisy = CollapseGuard(drop=0.1, best=0.152, relative=0.3, eval_tasks=40)  # a small eval: ±0.057 per σ
+    assert noisy.margin() == pytest.approx(2 * (0.152 * 0.848 / 40) ** 0.5)
+    assert noisy.verdict({"accuracy": 0.095}) is None
+    assert CollapseGuard(0.1, best=0.6, relative=0.3).margin() == 0.1  # the absolute drop where it is less
 
 
 def test_after_a_rollback_the_reward_window_fills_again_before_it_can_flag():
