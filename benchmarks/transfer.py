@@ -22,6 +22,8 @@ import sys
 import time
 from pathlib import Path
 
+import yaml
+
 ROOT = Path(__file__).resolve().parents[1]
 
 #: pair -> (family, tokenizer style, task, warm-start overrides). The warm starts are short on purpose: RL should
@@ -79,15 +81,15 @@ def run_pair(name: str, iterations: int, out: Path, extra: list[str]) -> dict:
         print(f"{name}: {time.perf_counter() - t0:.0f} s with its warm start", file=sys.stderr)
     summary = json.loads((run_dir / "summary.json").read_text())
     records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    cfg = json.loads(json.dumps(raw))
-    rollout = {"prompts": 64, "samples": 8}  # the schema's defaults (prompts_per_iteration, samples_per_prompt)
+    ran = yaml.safe_load((run_dir / "config.yaml").read_text())  # the validated config, defaults filled in
+    per_iteration = ran["rollout"]["prompts_per_iteration"] * ran["rollout"]["samples_per_prompt"]
     return {"model": f"{PAIRS[name]['family']} ({PAIRS[name]['tokenizer']} tokenizer)", "task": raw["env"]["name"],
             "pair": name, "initial_accuracy": summary["initial_accuracy"],
             "final_accuracy": summary["final_accuracy"], "best_accuracy": summary.get("best_accuracy"),
-            "samples": len(records) * rollout["prompts"] * rollout["samples"], "iterations": len(records),
+            "samples": len(records) * per_iteration, "iterations": len(records), "lr": ran["optimizer"]["lr"],
             "wall_s": summary["wall_s"], "rollbacks": summary.get("rollbacks", 0),
             "warnings": sum(r.get("warn_entropy_collapse", 0) + r.get("warn_reward_collapse", 0) for r in records),
-            "config": cfg, "overrides": extra}
+            "config": raw, "overrides": extra}
 
 
 def main() -> None:
@@ -100,11 +102,12 @@ def main() -> None:
     p.add_argument("--machine", default=f"cpu-{os.cpu_count()}core", help="names the results file")
     args = p.parse_args()
     rows = [run_pair(name, args.iterations, args.out, args.set) for name in args.pairs]
-    print("| pair | model | task | initial | final | best | samples | rollbacks | wall s |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| pair | model | task | lr | initial | final | best | samples | rollbacks | wall s |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         best = f"{r['best_accuracy']:.3f}" if r["best_accuracy"] is not None else "-"
-        print(f"| {r['pair']} | {r['model']} | {r['task']} | {r['initial_accuracy']:.3f} | {r['final_accuracy']:.3f} "
+        print(f"| {r['pair']} | {r['model']} | {r['task']} | {r['lr']:g} | {r['initial_accuracy']:.3f} "
+              f"| {r['final_accuracy']:.3f} "
               f"| {best} | {r['samples']} | {r['rollbacks']} | {r['wall_s']:.0f} |")
     if args.json:
         path = ROOT / "benchmarks" / "results" / f"transfer-{args.machine}.jsonl"
