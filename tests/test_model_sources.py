@@ -8,12 +8,13 @@ from __future__ import annotations
 import hashlib
 import http.client
 import json
-import logging
 import os
 import re
+import socket
 import subprocess
 import sys
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import ClassVar
@@ -21,6 +22,7 @@ from typing import ClassVar
 import boto3
 import pytest
 
+from checkpoint_engine.topology import free_port
 from engines.model import sources
 from engines.model.sources import MARKER, FetchError, SourceError, cached_dir, fetch_model, parse_source
 from engines.model.tokenizer import train_tokenizer
@@ -319,16 +321,25 @@ BIG = 5 * 2**20 + 300_000  # two parts of a multipart upload (S3's smallest part
 
 @pytest.fixture(scope="module")
 def s3_server():
-    from moto.server import ThreadedMotoServer
-
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    moto = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    moto.start()
-    Proxy.upstream = moto.get_host_and_port()
+    # moto's server in a process of its own: it is a Flask app, and Flask's context proxies left in the test process
+    # raise on attribute access, which breaks vLLM's scan of loaded modules in later tests
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-c", "from moto.server import main; main()", "-H", "127.0.0.1",
+                             "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 60
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), 0.5).close()
+            break
+        except OSError:
+            assert time.time() < deadline and proc.poll() is None, "moto's server did not start"
+            time.sleep(0.2)
+    Proxy.upstream = ("127.0.0.1", port)
     proxy = _serve(Proxy)
     yield _url(proxy)
     proxy.shutdown()
-    moto.stop()
+    proc.terminate()
+    proc.wait(timeout=10)
 
 
 @pytest.fixture

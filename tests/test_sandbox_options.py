@@ -28,7 +28,7 @@ SANDBOX_KEYS = {"address", "backend", "host", "port", "concurrency", "max_queue"
 LIMITS_KEYS = {"wall_s", "cpu_s", "memory_mb", "processes", "open_files", "file_size_mb", "output_kb", "cpus"}
 KUBERNETES_KEYS = {"namespace", "agent_image", "default_image", "runtime_class", "ttl_s", "max_creates_per_s",
                    "warm_pool", "cpu", "memory", "image_pull_secrets", "labels", "node_selector", "tolerations",
-                   "priority_class", "run_as_user"}
+                   "priority_class", "run_as_user", "allowed_images"}
 
 
 @pytest.mark.parametrize("section, key", [({"bakend": "local"}, "sandbox.bakend"),
@@ -83,7 +83,8 @@ def test_a_sandbox_section_round_trips():
                               "image_pull_secrets": ["creds"], "labels": {"colocated-rl/run": "r1"},
                               "node_selector": {"pool": "sandbox"},
                               "tolerations": [{"key": "sandbox", "operator": "Exists", "effect": "NoSchedule"}],
-                              "priority_class": "rl-training", "run_as_user": 1000}}
+                              "priority_class": "rl-training", "run_as_user": 1000,
+                              "allowed_images": ["task:*"]}}
     cfg = parse_config({"sandbox": section})
     dumped = yaml.safe_load(dump_config(cfg))["sandbox"]
     assert dumped == {**section, "kubernetes": {**section["kubernetes"], "cpu": "2"}}  # a quantity is a string

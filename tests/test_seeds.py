@@ -14,6 +14,7 @@ from rich.progress import Progress
 
 import rl.cluster
 import rl.controller
+import rl.recovery
 from envs import Env, Task, register
 from envs.arithmetic import ArithmeticEnv
 from rl import seeds
@@ -227,10 +228,13 @@ def test_cluster_chunks_use_chunk_seed(monkeypatch):
             self.value = [SimpleNamespace() for _ in prompts]
 
     worker = SimpleNamespace(generate=SimpleNamespace(remote=Ref))
-    fake_ray = SimpleNamespace(wait=lambda pending, num_returns: (pending[:1], pending[1:]), get=lambda ref: ref.value)
+    fake_ray = SimpleNamespace(wait=lambda pending, num_returns, timeout=None: (pending[:1], pending[1:]),
+                               get=lambda ref: ref.value)
     monkeypatch.setattr(rl.cluster, "ray", fake_ray)
+    monkeypatch.setattr(rl.recovery, "ray", fake_ray)
     cluster = object.__new__(rl.cluster.Cluster)
     cluster.cfg, cluster.rollouts = parse_config({"rollout": {"max_batch": 2}}), [worker, worker]
+    cluster.timeout = cluster.cfg.run.step_timeout_s
     cluster.generate([[1]] * 5, [None] * 5, seed=11)
     assert sent == [seeds.chunk_seed(11, i) for i in range(3)]
 
