@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engines.model.chat_format import K2_CHAT_TEMPLATE
+from engines.model.tokenizer import EOS, PAD
 
 
 @dataclass(frozen=True)
@@ -45,7 +46,7 @@ MISTRAL_TEMPLATE = (
     "{% elif m['role'] == 'assistant' %}{{ m['content'] }}</s>{% endif %}{% endfor %}")
 
 STYLES: dict[str, TokenStyle] = {
-    "k2": TokenStyle("<|endoftext|>", "<|pad|>", (), K2_CHAT_TEMPLATE),
+    "k2": TokenStyle(EOS, PAD, (), K2_CHAT_TEMPLATE),
     "chatml": TokenStyle("<|im_end|>", "<|endoftext|>", ("<|im_start|>",), CHATML_TEMPLATE),
     "llama3": TokenStyle("<|eot_id|>", "<|finetune_right_pad_id|>",
                          ("<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>"),
