@@ -220,33 +220,6 @@ def test_vllm_refuses_a_mismatched_update_version(served, sender, tokenizer, tmp
     assert engine.weights_version == 5 and _greedy(engine, tokenizer) == served_v5
 
 
-def test_vllm_tensor_parallel_replica_serves_and_takes_streamed_updates_on_every_rank(tokenizer, tmp_path):
-    """rollout.tensor_parallel_size 2: vLLM's two ranks (processes of their own) give the native engine's greedy
-    tokens; an update streamed through the checkpoint engine reaches both ranks (each takes its shard of the full
-    tensors), so the replica then serves the new checkpoint exactly; an update aborted midway leaves the old."""
-    model = _model(tokenizer, 0, kv_heads=2)  # a head of each kind per rank
-    save_pretrained(model, tokenizer, tmp_path / "start")
-    engine = vllm_engine.VllmEngine(tmp_path / "start", tokenizer.eos_ids, max_seq_len=256, max_num_seqs=16,
-                                    dtype="float32", kv_cache_bytes=32 << 20, tensor_parallel_size=2)
-    try:
-        native = InferenceEngine(model.eval(), tokenizer.eos_ids, tokenizer.pad_id)
-        assert _greedy(engine, tokenizer) == [c.token_ids for c in native.generate(
-            _prompts(tokenizer), SamplingParams(0.0, 24))]
-        with ChildSender([spec_of(n, t) for n, t in engine.named_tensors().items()], 8 << 10) as sender:
-            first, want = _checkpoint(tokenizer, tmp_path / "v1", 1, kv_heads=2)
-            recv = sender.receiver(engine.named_tensors(), stream=engine)
-            assert sender.update(recv, first, 1)[1] is None
-            assert _greedy(engine, tokenizer) == want and engine.weights_version == 1
-            assert engine.stream_log == [(e, k) for k in range(len(sender.plan.buckets))
-                                         for e in ("delivered", "taken")]
-            second, other = _checkpoint(tokenizer, tmp_path / "v2", 2, kv_heads=2)
-            _, error = sender.update(recv, second, 2, corrupt=len(sender.plan.buckets) // 2)
-            assert error is not None and "checksum" in error
-            assert _greedy(engine, tokenizer) == want != other and engine.weights_version == 1
-    finally:
-        engine.close()
-
-
 def test_vllm_partial_rollout_pauses_at_the_budget_and_resumes_with_the_same_prefix(served, tokenizer):
     engine, model = served
     prompts = _prompts(tokenizer)

@@ -134,6 +134,9 @@ class VllmEngine(RolloutEngine):
             # vLLM's CPU build pins each rank's threads to a NUMA node of its own by default and refuses when the
             # machine has fewer nodes than ranks; unpinned, the ranks share the cores
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+            # an engine started earlier in this process froze vLLM's environment (vllm.envs caches every variable
+            # once a service is up), and a frozen "auto" would still bind
+            getattr(vllm.envs, "disable_envs_cache", lambda: None)()
         self.tensor_parallel_size = tensor_parallel_size
         self.eos_ids = [int(e) for e in eos_ids]
         try:
@@ -397,7 +400,8 @@ class VllmEngine(RolloutEngine):
         return self._served
 
     def close(self) -> None:
-        """Stop vLLM's engine core and its worker processes (tensor-parallel ranks)."""
+        """Stop vLLM's engine core and its worker processes (tensor-parallel ranks). vLLM then resets its
+        process-wide distributed state, so another vLLM engine in this process stops working: one per process."""
         self.engine.engine_core.shutdown()
 
     # --- counters -------------------------------------------------------------------------
