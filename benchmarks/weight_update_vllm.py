@@ -3,17 +3,17 @@
 The replica is a ``VllmEngine`` (in this process) on a random-weight model saved as a Hugging Face
 directory; a checkpoint-engine worker in a child process (``checkpoint_engine.child_sender``) sends each
 update from another saved checkpoint through shared memory, bucket by bucket, and the engine streams the
-buckets into one in-place ``reload_weights`` of vLLM as they arrive. ``update_s`` is the median over
-``--repeats`` updates after a cold one, from the sender's first bucket to the last acknowledgement (vLLM
-serves the new weights by then). ``floor_s`` is the copy floor of the same bytes, as the native
-benchmark counts it for one worker: staged once into the IPC buffer, loaded once into the replica, at this
-machine's single-stream memcpy bandwidth measured in the same run (half the copies before the updates,
-half after). For scale the record also gives ``vllm_reload_s``, vLLM's own reload of weights already in
-host memory (its fusing, oneDNN re-packing and copies, no transfer; median of ``--repeats``), and
-``full_reload_update_s``, the update as it was done before streaming: every bucket into the host copy,
-then one full reload at the end. ``same_tokens``: after the last update vLLM's greedy tokens equal the
-native engine's on that checkpoint loaded from disk (exact in float32; other dtypes may differ by their
-kernels' rounding).
+buckets into vLLM as they arrive. ``update_s`` is the median over ``--repeats`` updates after a cold one,
+from the sender's first bucket to the last acknowledgement (vLLM serves the new weights by then), in the
+way the engine picks for the model (``weight_load``: ``direct``, each bucket through the model's own
+``load_weights`` into the live parameters, then vLLM's CPU kernels re-packed). ``floor_s`` is the copy
+floor of the same bytes, as the native benchmark counts it for one worker: staged once into the IPC
+buffer, loaded once into the replica, at this machine's single-stream memcpy bandwidth measured in the
+same run (half the copies before the updates, half after). For scale the record also gives
+``reload_update_s``, the same update through vLLM's layer-wise reload (every layer rebuilt and re-packed),
+and ``vllm_reload_s``, that reload of weights already in host memory (no transfer). ``same_tokens``: after
+the last update of each way vLLM's greedy tokens equal the native engine's on that checkpoint loaded from
+disk (exact in float32; other dtypes may differ by their kernels' rounding).
 """
 
 from __future__ import annotations
@@ -67,43 +67,53 @@ def measure_vllm(model: str = "100m", bucket_mb: int = 16, *, dtype: str = "floa
         one = copy_seconds(1, probe_bytes, floor_repeats // 2)
         specs = [spec_of(n, t) for n, t in engine.named_tensors().items()]
         wire = sum(s.nbytes for s in specs)
+        prompts = [[(7 * i + j) % cfg.vocab_size for j in range(5 + i)] for i in range(4)]
+        greedy = SamplingParams(0.0, 24, ignore_eos=True)
+
+        def native_tokens(ckpt: Path) -> list[list[int]]:
+            native = InferenceEngine(load_pretrained(ckpt, tdtype).eval(), None, 0)
+            return [c.token_ids for c in native.generate(prompts, greedy)]
+
+        chosen, times, same = engine.weight_load, {}, {}
         with ChildSender(specs, bucket_mb << 20) as sender:
             recv = sender.receiver(engine.named_tensors(), stream=engine)
-            times, reloads = [], engine.reloads
-            for v in range(1, repeats + 2):  # the checkpoints alternate, so every update changes every weight
-                seconds, error = sender.update(recv, ckpts[v % 2], v)
-                if error is not None:
-                    raise RuntimeError(f"update {v} failed: {error}")
-                times.append(seconds)
-            streamed_reloads = engine.reloads - reloads
-            final = ckpts[(repeats + 1) % 2]
-            prompts = [[(7 * i + j) % cfg.vocab_size for j in range(5 + i)] for i in range(4)]
-            greedy = SamplingParams(0.0, 24, ignore_eos=True)
-            got = [c.token_ids for c in engine.generate(prompts, greedy)]
-            native = InferenceEngine(load_pretrained(final, tdtype).eval(), None, 0)
-            want = [c.token_ids for c in native.generate(prompts, greedy)]
-            del native
-            # before streaming: every bucket into the host copy, one full reload when the last one is in
-            old = sender.receiver(engine.named_tensors(), on_commit=engine.swap_weights)
-            full = [sender.update(old, ckpts[v % 2], v)[0] for v in range(repeats + 2, 2 * repeats + 2)]
+            version = 0
+            for mode in dict.fromkeys((chosen, "direct", "reload")):
+                engine.weight_load = mode
+                reloads, seconds = engine.reloads, []
+                for _ in range(repeats + 1):  # the checkpoints alternate, so every update changes every weight
+                    version += 1
+                    took, error = sender.update(recv, ckpts[version % 2], version)
+                    if error is not None:
+                        raise RuntimeError(f"update {version} ({mode}) failed: {error}")
+                    seconds.append(took)
+                if engine.reloads - reloads != repeats + 1:
+                    raise RuntimeError(f"{mode}: {engine.reloads - reloads} loads for {repeats + 1} updates")
+                got = [c.token_ids for c in engine.generate(prompts, greedy)]
+                times[mode], same[mode] = seconds, got == native_tokens(ckpts[version % 2])
+            engine.weight_load = "reload"
             reload_times = []
             for _ in range(repeats):
                 t0 = time.perf_counter()
                 engine.swap_weights(engine.served_weights())
                 reload_times.append(time.perf_counter() - t0)
             reload_s = statistics.median(reload_times)
+            buckets = len(sender.plan.buckets)
         one += copy_seconds(1, probe_bytes, floor_repeats // 2)
     passes = 2  # staged into the IPC buffer once, loaded into the replica once
     floors = sorted(passes * wire * t / probe_bytes for t in one)
-    floor_s, update_s = statistics.median(floors), statistics.median(times[1:])
-    return {"engine": "vllm", "model": model, "update_s": round(update_s, 6), "floor_s": round(floor_s, 6),
-            "ratio": round(update_s / floor_s, 3), "floor_spread": round((floors[-1] - floors[0]) / floor_s, 3),
-            "floor_passes": passes, "bytes": wire, "gb_per_s": round(wire / update_s / 1e9, 3),
+    floor_s = statistics.median(floors)
+    update_s, reload_update_s = (statistics.median(times[m][1:]) for m in (chosen, "reload"))
+    steady = times[chosen][1:]
+    return {"engine": "vllm", "model": model, "weight_load": chosen, "update_s": round(update_s, 6),
+            "floor_s": round(floor_s, 6), "ratio": round(update_s / floor_s, 3),
+            "floor_spread": round((floors[-1] - floors[0]) / floor_s, 3), "floor_passes": passes, "bytes": wire,
+            "gb_per_s": round(wire / update_s / 1e9, 3),
             "copy_gb_per_s": round(probe_bytes / statistics.median(one) / 1e9, 3),
-            "first_update_s": round(times[0], 4),
-            "update_spread": round((max(times[1:]) - min(times[1:])) / update_s, 3),
+            "first_update_s": round(times[chosen][0], 4),
+            "update_spread": round((max(steady) - min(steady)) / update_s, 3),
+            "reload_update_s": round(reload_update_s, 6), "reload_ratio": round(reload_update_s / floor_s, 3),
             "vllm_reload_s": round(reload_s, 6), "vllm_reload_ratio": round(reload_s / floor_s, 3),
-            "full_reload_update_s": round(statistics.median(full), 6),
-            "reload_calls_per_update": streamed_reloads / (repeats + 1), "same_tokens": got == want,
-            "buckets": len(sender.plan.buckets), "bucket_mb": bucket_mb, "dtype": dtype, "repeats": repeats,
+            "same_tokens": all(same.values()), "same_tokens_by_load": same,
+            "buckets": buckets, "bucket_mb": bucket_mb, "dtype": dtype, "repeats": repeats,
             "torch_threads": torch.get_num_threads()}

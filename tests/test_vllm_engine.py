@@ -146,8 +146,18 @@ def restore(served):
     engine.load_weights(iter(hub_state(model).items()))
 
 
+@pytest.fixture(params=["direct", "reload"])
+def load_mode(request, served):
+    """Each way an update goes into vLLM: straight into the live parameters, or vLLM's layer-wise reload."""
+    engine, _ = served
+    assert engine.weight_load == "direct"  # what auto picks for a dense unquantized model
+    engine.weight_load = request.param
+    yield request.param
+    engine.weight_load = "direct"
+
+
 def test_vllm_update_streamed_bucket_by_bucket_serves_the_new_checkpoint(served, sender, tokenizer, tmp_path,
-                                                                         restore):
+                                                                         restore, load_mode):
     engine, _ = served
     plan = sender.plan
     split = [n for n in plan.tensors if sum(p.name == n for b in plan.buckets for p in b) > 1]
@@ -164,8 +174,8 @@ def test_vllm_update_streamed_bucket_by_bucket_serves_the_new_checkpoint(served,
     assert all(recv.tensors[k] is engine.served_weights()[k] for k in on_disk)
 
 
-def test_vllm_streamed_update_is_one_reload_that_takes_each_bucket_before_the_next_arrives(
-        served, sender, tokenizer, tmp_path, restore):
+def test_vllm_streamed_update_is_one_load_that_takes_each_bucket_before_the_next_arrives(
+        served, sender, tokenizer, tmp_path, restore, load_mode):
     engine, _ = served
     new_dir, want = _checkpoint(tokenizer, tmp_path, 2)
     recv = sender.receiver(engine.named_tensors(), stream=engine)
@@ -173,13 +183,13 @@ def test_vllm_streamed_update_is_one_reload_that_takes_each_bucket_before_the_ne
     _, error = sender.update(recv, new_dir, 1)
     assert error is None and engine.reloads == reloads + 1
     n = len(sender.plan.buckets)
-    # vLLM's reload had handled every tensor bucket k completed (and asked for more) before bucket k+1 came
+    # vLLM had loaded every tensor bucket k completed (a reload: and asked for more) before bucket k+1 came
     assert engine.stream_log == [(e, k) for k in range(n) for e in ("delivered", "taken")]
     assert _greedy(engine, tokenizer) == want
 
 
 def test_vllm_update_aborted_midway_serves_the_old_weights_and_version(served, sender, tokenizer, tmp_path,
-                                                                      restore):
+                                                                      restore, load_mode):
     engine, _ = served
     first, _ = _checkpoint(tokenizer, tmp_path / "v1", 1)
     recv = sender.receiver(engine.named_tensors(), stream=engine)
@@ -188,11 +198,13 @@ def test_vllm_update_aborted_midway_serves_the_old_weights_and_version(served, s
     second, want = _checkpoint(tokenizer, tmp_path / "v2", 2)
     last = {n: max(k for k, b in enumerate(sender.plan.buckets) for p in b if p.name == n) for n in sender.plan.tensors}
     qkv = [last[f"model.layers.1.self_attn.{x}_proj.weight"] for x in "qkv"]
-    bad = max(qkv)  # the bucket that would complete layer 1's fused q/k/v: vLLM holds part of that layer
+    # the bucket that would complete layer 1's fused q/k/v: part of that layer is in vLLM's parameters (direct) or
+    # held by its reload, and the layers before it are written
+    bad = max(qkv)
     assert min(qkv) < bad and bad > 1
     _, error = sender.update(recv, second, 2, corrupt=bad)
     assert error is not None and "checksum" in error
-    # vLLM had taken update 2 up to bucket `bad` (whole layers processed, one half-buffered): all rolled back
+    # vLLM had taken update 2 up to bucket `bad`: all rolled back
     assert ("taken", bad - 1) in engine.stream_log and ("taken", bad) not in engine.stream_log
     assert recv.consistent and recv.version == engine.weights_version == 1
     assert _greedy(engine, tokenizer) == served_v1 != want

@@ -28,6 +28,7 @@ def test_vllm_tensor_parallel_replica_serves_and_takes_streamed_updates_on_every
     engine = vllm_engine.VllmEngine(tmp_path / "start", tokenizer.eos_ids, max_seq_len=256, max_num_seqs=16,
                                     dtype="float32", kv_cache_bytes=32 << 20, tensor_parallel_size=2)
     try:
+        assert engine.weight_load == "direct"  # each rank's layers keep their weights: loaded in place, sharded
         native = InferenceEngine(model.eval(), tokenizer.eos_ids, tokenizer.pad_id)
         assert _greedy(engine, tokenizer) == [c.token_ids for c in native.generate(
             _prompts(tokenizer), SamplingParams(0.0, 24))]

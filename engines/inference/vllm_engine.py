@@ -13,17 +13,19 @@ prefix while the weights are unchanged). A resumed request's random stream resta
 derived from its own and the number of tokens it has, so a resumed run is reproducible, though not
 token-for-token the uninterrupted one as with the native engine.
 
-Weights: ``load_weights`` runs one in-place ``reload_weights`` of vLLM's model runner over the
-(name, tensor) pairs given in checkpoint names: vLLM fuses q/k/v and gate/up and re-packs its CPU
-kernels' layouts itself. It must see every weight in one call, so an update streams bucket by bucket
-through one iterable. The engine keeps a host copy of the weights it serves under checkpoint names
-(``served_weights``): what a restarted replica catches up to, and what an aborted update rolls back to.
+Weights: ``load_weights`` takes (name, tensor) pairs in checkpoint names and loads them into vLLM in place,
+in one of two ways (``weight_load``, see ``engines.inference.vllm_worker``): ``direct``, through the model's
+own ``load_weights`` into the live parameters (vLLM's loaders fuse q/k/v and gate/up; on its CPU build the
+layers are re-packed at the end), for dense unquantized models; ``reload``, vLLM's layer-wise in-place
+reload, which rebuilds each layer and must see every weight in one call (MoE, latent attention, quantised
+layers). ``auto`` picks direct where the model allows it. The engine keeps a host copy of the weights it
+serves under checkpoint names (``served_weights``): what a restarted replica catches up to, and what an
+aborted update rolls back to.
 
-Through the checkpoint engine, an update is such a stream (``begin``, ``feed``, ``commit``, ``abort``,
-the receiver's ``WeightStream``): each vLLM worker runs the reload in a thread from the update's first bucket
-on (``engines.inference.vllm_worker``); ``feed`` hands every worker the tensors a bucket completed (the
-receiver's own host copies, never views of the IPC buffer: vLLM keeps a tensor until its layer is complete)
-and returns once they have taken them. An abort makes the iterators raise, then reloads the served weights.
+Through the checkpoint engine, an update is a stream (``begin``, ``feed``, ``commit``, ``abort``, the
+receiver's ``WeightStream``): ``feed`` hands every vLLM worker the tensors a bucket completed (the receiver's
+own host copies, never views of the IPC buffer: a reload keeps a tensor until its layer is complete) and
+returns once they have taken them. An abort stops the update, then loads the served weights back.
 
 Tensor parallel (``tensor_parallel_size`` > 1): vLLM runs its ranks as processes of its own; each gets the
 full tensors of a bucket and its weight loaders take the rank's shard.
@@ -89,7 +91,7 @@ class _Live:
                           stop_reason=stop_reason, request_id=self.rid, params=self.params)
 
 
-RELOAD_CHUNK_BYTES = 256 << 20  # a whole-model reload reaches vLLM's workers in pieces of this size
+RELOAD_CHUNK_BYTES = 256 << 20  # a whole-model load reaches vLLM's workers in pieces of this size
 
 
 def _chunks(pairs: Iterable[tuple[str, torch.Tensor]]):
@@ -121,7 +123,7 @@ class VllmEngine(RolloutEngine):
                  max_num_seqs: int = 256, dtype: str = "auto", seed: int = 0, kv_cache_bytes: int | None = None,
                  memory_fraction: float = 0.2,
                  tensor_parallel_size: int = 1, expert_parallel: bool = False, enforce_eager: bool = True,
-                 prefix_caching: bool = True,
+                 prefix_caching: bool = True, weight_load: str = "auto",
                  tokenizer: bool = True) -> None:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         try:
@@ -129,6 +131,11 @@ class VllmEngine(RolloutEngine):
         except ImportError as e:
             raise VllmUnavailableError(INSTALL_HINT) from e
         self._vllm = vllm
+        if weight_load not in ("auto", "direct", "reload"):
+            raise ValueError(f"weight_load must be auto, direct or reload, got {weight_load!r}")
+        from engines.inference.vllm_worker import keep_cpu_weights
+
+        keep_cpu_weights()  # before vLLM builds the model in this process (tensor parallel 1)
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         if tensor_parallel_size > 1 and self.device.type == "cpu":
             # vLLM's CPU build pins each rank's threads to a NUMA node of its own by default and refuses when the
@@ -172,13 +179,18 @@ class VllmEngine(RolloutEngine):
         self._served: dict[str, torch.Tensor] | None = None  # host copy in checkpoint names, made on demand
         self._stream: int | None = None  # the version of the update streaming in, if any
         self.weights_version: int | None = None  # of the last streamed update; None: the start-up checkpoint's
-        self.reloads = 0  # vLLM reload_weights calls, over the engine's life
+        self.reloads = 0  # loads into vLLM (one per update, whole load or restore), over the engine's life
         self.generated = 0
         self.peak_running = 0
         self.peak_blocks = 0
         # in process, the scheduler's block pool is at hand: KV blocks in use, as the native engine counts them
         core = getattr(self.engine.engine_core, "engine_core", None)
         self._blocks = getattr(getattr(getattr(core, "scheduler", None), "kv_cache_manager", None), "block_pool", None)
+        direct = all(self.llm.collective_rpc("direct_load_supported"))
+        if weight_load == "direct" and not direct:
+            raise ValueError("weight_load direct: this model has layers vLLM must rebuild after loading (MoE, "
+                             "latent attention or quantised); use reload or auto")
+        self.weight_load = "direct" if weight_load == "auto" and direct else weight_load.replace("auto", "reload")
 
     # --- requests -------------------------------------------------------------------------
 
@@ -274,8 +286,8 @@ class VllmEngine(RolloutEngine):
 
     def named_tensors(self) -> dict[str, torch.Tensor]:
         """The host copy of the served weights in checkpoint names: vLLM's own tensors cannot be written in
-        place byte by byte (its CPU kernels re-pack them), so an update lands in a second such copy and goes
-        on into vLLM's reload from there (``feed``, or ``swap_weights`` at the end)."""
+        place byte by byte (fused, sharded, re-packed for its kernels), so an update lands in a second such
+        copy and goes on into vLLM from there (``feed``, or ``swap_weights`` at the end)."""
         return self.served_weights()
 
     def weight_placements(self) -> dict[str, tuple[str, int]]:
@@ -283,7 +295,7 @@ class VllmEngine(RolloutEngine):
         return {name: (name, 0) for name in self.served_weights()}
 
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]], version: int | None = None) -> None:
-        """One in-place reload over every weight, in checkpoint names (a stream: consumed once, in order).
+        """Load every weight in place, from pairs in checkpoint names (a stream: consumed once, in order).
         If the stream fails midway, the weights served before are loaded back and the error re-raised."""
         kept: dict[str, torch.Tensor] = {}
 
@@ -312,9 +324,9 @@ class VllmEngine(RolloutEngine):
         self.weights_loaded()
 
     def _reload_all(self, pairs: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """One reload in every vLLM worker over ``pairs``, fed in chunks; raises what failed."""
+        """One load in every vLLM worker over ``pairs``, fed in chunks; raises what failed."""
         self.reloads += 1
-        self.llm.collective_rpc("stream_begin", args=(-1,))
+        self.llm.collective_rpc("stream_begin", args=(-1, self.weight_load))
         try:
             for i, chunk in enumerate(_chunks(pairs)):
                 self.llm.collective_rpc("stream_feed", args=(i, chunk))
@@ -323,7 +335,7 @@ class VllmEngine(RolloutEngine):
             raise
         error = next((e for e in self.llm.collective_rpc("stream_end") if e is not None), None)
         if error is not None:
-            raise RuntimeError(f"vLLM's reload failed: {error}")
+            raise RuntimeError(f"vLLM's {self.weight_load} load failed: {error}")
 
     def _restore(self, previous: Mapping[str, torch.Tensor]) -> None:
         self._reload_all(previous.items())
@@ -334,7 +346,7 @@ class VllmEngine(RolloutEngine):
     streams_weights = True
 
     def begin(self, version: int) -> None:
-        """Start update ``version``: one reload in each vLLM worker, whose iterator the buckets feed."""
+        """Start update ``version`` in each vLLM worker (a reload's iterator, or direct loads, fed by the buckets)."""
         if self._stream is not None:
             raise VersionMismatchError(f"update {self._stream} is streaming into vLLM; update {version} "
                                        "cannot start before it commits or aborts")
@@ -342,12 +354,12 @@ class VllmEngine(RolloutEngine):
             raise VersionMismatchError(f"update {version} is older than the served weights' {self.weights_version}")
         self.served_weights()  # what an abort restores must exist before vLLM's weights change
         self.reloads += 1
-        self.llm.collective_rpc("stream_begin", args=(version,))
+        self.llm.collective_rpc("stream_begin", args=(version, self.weight_load))
         self._stream = version
 
     def feed(self, version: int, bucket: int, tensors: Mapping[str, torch.Tensor]) -> None:
         """Give vLLM the tensors bucket ``bucket`` completed (host tensors that stay untouched until the update
-        ends); returns once every vLLM worker has taken them. A failed reload is rolled back, then raised."""
+        ends); returns once every vLLM worker has taken them. A failed load is rolled back, then raised."""
         self._streaming(version)
         try:
             self.llm.collective_rpc("stream_feed", args=(bucket, list(tensors.items())))
@@ -356,13 +368,13 @@ class VllmEngine(RolloutEngine):
             raise
 
     def commit(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
-        """End update ``version``: vLLM finishes its reload and serves ``tensors`` (the update's host copy)."""
+        """End update ``version``: vLLM finishes loading and serves ``tensors`` (the update's host copy)."""
         self._streaming(version)
         self._stream = None
         error = next((e for e in self.llm.collective_rpc("stream_end") if e is not None), None)
         if error is not None:
             self._restore(self.served_weights())
-            raise RuntimeError(f"vLLM's reload of update {version} failed: {error}")
+            raise RuntimeError(f"vLLM's {self.weight_load} load of update {version} failed: {error}")
         self._served, self.weights_version = dict(tensors), version
         self.weights_loaded()
 
@@ -377,7 +389,7 @@ class VllmEngine(RolloutEngine):
     @property
     def stream_log(self) -> list[tuple[str, int]]:
         """The last streamed update's ("delivered" | "taken", bucket) events in the first vLLM worker, in order:
-        "taken" once its reload has handled every tensor the bucket completed and asks for more."""
+        "taken" once it has loaded every tensor the bucket completed (a reload: and asks for more)."""
         return [tuple(e) for e in self.llm.collective_rpc("stream_log")[0]]
 
     def _streaming(self, version: int) -> None:
