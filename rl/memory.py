@@ -259,6 +259,8 @@ def check_fits(cfg: Config, est: MemoryEstimate) -> None:
     if have is None:
         return
     limit, what = have
+    if cfg.cluster.gpus_per_worker > 0 and cfg.rollout.engine == "vllm":
+        _check_vllm_start(cfg, est, limit // cfg.cluster.gpus_per_worker)
     need = est.device_peak if cfg.cluster.gpus_per_worker > 0 else est.host_total
     if need <= limit:
         return
@@ -268,3 +270,16 @@ def check_fits(cfg: Config, est: MemoryEstimate) -> None:
     knob = max(parts, key=parts.get)
     raise UserError(f"a worker needs about {_gib(need)} but has {_gib(limit)} of {what}; the largest part is "
                     f"{_gib(parts[knob])} set by {knob} (activations come on top)")
+
+
+def _check_vllm_start(cfg: Config, est: MemoryEstimate, per_gpu: int) -> None:
+    """vLLM refuses to start unless ``gpu_memory_utilization`` of the GPU is free then; a replica started (or
+    replaced) while the run is rolling out shares its first GPU with the trainer, resident unless offloaded."""
+    fraction = cfg.rollout.vllm_memory_fraction
+    resident = 0 if cfg.trainer.offload else est.trainer_weights + est.trainer_grads + est.optimizer
+    free = per_gpu - resident
+    if fraction * per_gpu > free:
+        raise UserError(f"rollout.vllm_memory_fraction: {fraction} asks vLLM to find {_gib(int(fraction * per_gpu))} "
+                        f"free on a GPU of {_gib(per_gpu)} when it starts, but the trainer holds {_gib(resident)} "
+                        f"there (trainer.offload: false); set it to at most {free / per_gpu:.2f} or offload the "
+                        "trainer")

@@ -244,3 +244,27 @@ def test_a_tensor_parallel_vllm_replica_counts_its_shard_per_device():
         parse_config({"rollout": {"engine": "vllm", "expert_parallel": True}})
     with pytest.raises(UserError, match="set cluster.gpus_per_worker=2"):
         parse_config({"rollout": {"engine": "vllm", "tensor_parallel_size": 2}, "cluster": {"gpus_per_worker": 1}})
+
+
+def test_vllm_memory_fraction_must_be_free_beside_a_resident_trainer(monkeypatch):
+    """vLLM starts only when rollout.vllm_memory_fraction of its GPU is free; a replica replaced mid-run shares the
+    GPU with the trainer, which holds its shard there unless trainer.offload. By hand for Llama-8B on 8 workers of
+    one 80 GiB GPU: the trainer shard is weights + gradients + optimizer state."""
+    arch = make_config("llama", **LLAMA8B)
+    monkeypatch.setattr("rl.memory.available_per_worker", lambda cfg: (80 * 2**30, "GPU memory"))
+    base = {"model": {"dtype": "bfloat16"}, "cluster": {"workers": 8, "gpus_per_worker": 1},
+            "algorithm": {"micro_batch_tokens": 2048},  # a training phase that fits: the start check is at stake
+            "rollout": {"engine": "vllm", "max_seq_len": 4096, "kv_cache_mb": 3000, "vllm_memory_fraction": 0.9}}
+    resident = parse_config({**base, "trainer": {"offload": False}})
+    est = estimate(resident, arch, 4096)
+    trainer = est.trainer_weights + est.trainer_grads + est.optimizer
+    assert 0.9 * 80 * 2**30 > 80 * 2**30 - trainer  # the case at hand: 72 GiB cannot be free
+    with pytest.raises(UserError, match=r"rollout.vllm_memory_fraction: 0.9 .* set it to at most 0\.\d\d") as err:
+        check_fits(resident, est)
+    assert "\n" not in str(err.value)
+    bound = float(str(err.value).rsplit("at most ", 1)[1].split()[0])
+    assert bound == pytest.approx(1 - trainer / (80 * 2**30), abs=0.005)
+    check_fits(parse_config({**base, "trainer": {"offload": False},
+                             "rollout": {**base["rollout"], "vllm_memory_fraction": bound - 0.01}}), est)
+    offloaded = parse_config(base)  # the trainer waits in host memory while a replica starts
+    check_fits(offloaded, estimate(offloaded, arch, 4096))
