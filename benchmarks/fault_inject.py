@@ -26,9 +26,35 @@ import psutil
 
 from rl.checkpoint import list_checkpoints  # imported here: the injector must not spend seconds importing at the point
 
-#: a phase of an iteration, and the actor method that shows it
+#: a phase of an iteration, and the actor method that shows it ("reward": a command runs in the run's sandbox service)
 PHASES = {"rollout": ("RolloutWorker", "rollout"), "train": ("TrainerWorker", "train"),
-          "weight_update": ("TrainerWorker", "update_weights"), "save": ("TrainerWorker", "save")}
+          "weight_update": ("TrainerWorker", "update_weights"), "save": ("TrainerWorker", "save"),
+          "reward": ("sandbox", "command")}
+
+
+def sandbox_service(root: int) -> psutil.Process | None:
+    """The run's own sandbox service process under ``root`` (``rl sandbox serve``), if one runs."""
+    with contextlib.suppress(psutil.NoSuchProcess):
+        for p in psutil.Process(root).children(recursive=True):
+            with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
+                line = p.cmdline()
+                if "sandbox" in line and "serve" in line and p.status() != psutil.STATUS_ZOMBIE:
+                    return p
+    return None
+
+
+def sandbox_commands(root: int) -> list[psutil.Process]:
+    """The sandboxes running a command for the run's sandbox service under ``root`` (its bwrap children)."""
+    service = sandbox_service(root)
+    if service is None:
+        return []
+    out = []
+    with contextlib.suppress(psutil.NoSuchProcess):
+        for p in service.children():
+            with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
+                if p.name() == "bwrap" and p.status() != psutil.STATUS_ZOMBIE:
+                    out.append(p)
+    return out
 
 
 def actors(root: int, cls: str, method: str | None = None) -> list[psutil.Process]:
@@ -97,7 +123,13 @@ class Trigger:
     def reached(self, root: int, run_dir: Path) -> bool:
         done = records(run_dir)
         want = self.iteration + 1 if self.phase == "save" else self.iteration  # a save follows its record
-        return done == want and bool(actors(root, self.cls, self.method))
+        return done == want and self.in_phase(root)
+
+    def in_phase(self, root: int) -> bool:
+        """Whether the run under ``root`` is in this trigger's phase now."""
+        if self.phase == "reward":
+            return bool(sandbox_commands(root))
+        return bool(actors(root, self.cls, self.method))
 
 
 class Injector(threading.Thread):
@@ -117,7 +149,7 @@ class Injector(threading.Thread):
             while not self._halt.is_set():
                 if self.trigger.reached(self.root, self.run_dir):
                     time.sleep(self.trigger.delay_s)
-                    self.injection.still_in_phase = bool(actors(self.root, self.trigger.cls, self.trigger.method))
+                    self.injection.still_in_phase = self.trigger.in_phase(self.root)
                     self.injection.finished = records(self.run_dir)
                     self.injection.checkpoints = complete_checkpoints(self.run_dir)
                     self.injection.at = time.time()  # before acting: filling a disk takes a while, and the run
@@ -142,6 +174,28 @@ def signal_actor(cls: str, sig: int, method: str | None = None) -> Callable[[int
         os.kill(procs[0].pid, sig)
         return f"{cls} pid {procs[0].pid} ({signal.Signals(sig).name})"
     return act
+
+
+def kill_sandbox_service(root: int) -> str:
+    """An action: SIGKILL the run's sandbox service while it runs commands (its sandboxes are left to end alone)."""
+    service = sandbox_service(root)
+    if service is None:
+        raise RuntimeError(f"no sandbox service under {root}")
+    busy = len(sandbox_commands(root))
+    os.kill(service.pid, signal.SIGKILL)
+    return f"sandbox service pid {service.pid} (SIGKILL, {busy} commands running)"
+
+
+def kill_sandbox_commands(root: int) -> str:
+    """An action: SIGKILL every sandbox running a command for the run's sandbox service (from outside, as an
+    eviction or an operator would: bwrap and, with it, the sandbox's whole PID namespace)."""
+    procs = sandbox_commands(root)
+    if not procs:
+        raise RuntimeError(f"no sandbox running a command under {root}")
+    for p in procs:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(p.pid, signal.SIGKILL)
+    return f"{len(procs)} sandboxes (bwrap pids {', '.join(str(p.pid) for p in procs)}, SIGKILL)"
 
 
 def kill_group(proc: subprocess.Popen) -> Callable[[int], str]:

@@ -16,7 +16,12 @@ of the drawn iteration:
 - ``driver_killed``: SIGKILL of the driver's whole process group; the same command is run again, as a restarted job
   would be, and continues from the last complete checkpoint;
 - ``disk_full``: the run directory is a small tmpfs (root) that is filled up during a save; the run must stop with
-  one line and its last checkpoint intact; the command is then run again with the space freed.
+  one line and its last checkpoint intact; the command is then run again with the space freed;
+- ``sandbox_killed``: SIGKILL of the run's own sandbox service while it runs commands (the run's rewards are decided
+  by programs in the sandbox: ``benchmarks.fault_env``, installed as a plug-in); expected: the service is started
+  again and the commands it cut off run once more, so every reward is the one an uninterrupted run got;
+- ``sandbox_command_killed``: SIGKILL, from outside, of the sandboxes running commands (as an eviction would);
+  expected: reported as the sandbox's failure, not the program's, and run once more.
 
 Per fault one JSON object: ``outcome`` (recovered: in place, the run went on; restarted: from a checkpoint; stopped:
 ended with a clear message; hang: the run did not end within ``--timeout`` and was killed), ``detect_s`` (from the
@@ -51,6 +56,8 @@ from benchmarks.fault_inject import (
     Trigger,
     fill_disk,
     kill_group,
+    kill_sandbox_commands,
+    kill_sandbox_service,
     oom_actor,
     oom_kills,
     oom_supported,
@@ -78,6 +85,10 @@ RUN = {
 EXACT_KEYS = ("reward_mean", "response_len", "truncation_rate", "loss", "grad_norm", "rollout_tokens", "accuracy")
 
 RECOVERY = re.compile(r"recovery (\d+) of at most \d+: (.*)")
+#: the run's lines about its sandbox: the service started again, a cut-off command run once more
+SANDBOX_RECOVERY = re.compile(r"(sandbox service died .*|sandbox: a run was cut off .*)")
+#: the sandbox faults' run: every reward is decided in the sandbox, by a program that takes 0.3 s
+SANDBOXED = {"env": {"name": "sandboxed-arithmetic", "kwargs": {"delay_s": 0.3}}}
 RESUMING = re.compile(r"resuming from (iter_\d+)")
 
 
@@ -105,6 +116,8 @@ FAULTS = {
     "trainer_stall": Fault("trainer_stall", ("train", "weight_update", "save"), {"run": {"step_timeout_s": 20}}),
     "driver_killed": Fault("driver_killed", ("rollout", "train", "weight_update", "save"), {}),
     "disk_full": Fault("disk_full", ("save",), {}),
+    "sandbox_killed": Fault("sandbox_killed", ("reward",), SANDBOXED),
+    "sandbox_command_killed": Fault("sandbox_command_killed", ("reward",), SANDBOXED),
 }
 
 
@@ -189,17 +202,32 @@ def same_run(a: Path, b: Path) -> bool:
     return len(ra) == len(rb) and all(x.get(k) == y.get(k) for x, y in zip(ra, rb, strict=True) for k in EXACT_KEYS)
 
 
+def plugins(work: Path) -> Path:
+    """A directory that, on PYTHONPATH, installs ``benchmarks.fault_env`` as the ``sandboxed-arithmetic`` plug-in
+    (an ``rl.envs`` entry point in a distribution's metadata, as ``pip install`` of a user's package leaves it)."""
+    info = work / "plugins" / "rl_fault_envs-0.1.dist-info"
+    info.mkdir(parents=True, exist_ok=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: rl-fault-envs\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text(
+        "[rl.envs]\nsandboxed-arithmetic = benchmarks.fault_env:SandboxedArithmeticEnv\n")
+    return info.parent
+
+
 def _env(cache: Path) -> dict[str, str]:
+    path = os.pathsep.join(filter(None, [str(plugins(Path(tempfile.gettempdir()) / "rl-fault-plugins")),
+                                        os.environ.get("PYTHONPATH")]))
     return {**os.environ, "RL_CACHE_DIR": str(cache), "RAY_AUTH_MODE": "disabled", "PYTHONUNBUFFERED": "1",
-            "COLUMNS": "200"}
+            "COLUMNS": "200", "PYTHONPATH": path}
 
 
 def reference(work: Path, fault: Fault, cache: Path, timeout_s: float) -> Path:
-    """An uninterrupted run of the fault's config (one per distinct config)."""
-    ref = work / "reference"  # the faults' configs differ in run.step_timeout_s only, which changes no result
+    """An uninterrupted run of the fault's config (one per distinct config: run.step_timeout_s changes no result)."""
+    sections = {k: v for k, v in fault.sections.items() if k != "run"}
+    name = "reference" + ("-" + "-".join(sorted(sections)) if sections else "")
+    ref = work / name
     if not (ref / "final" / "model.safetensors").exists():
-        config = work / "reference.yaml"
-        config.write_text(yaml.safe_dump(run_config()))
+        config = work / f"{name}.yaml"
+        config.write_text(yaml.safe_dump(run_config(**sections)))
         rc = Run(config, ref, _env(cache)).wait(timeout_s)
         if rc != 0:
             raise RuntimeError(f"the reference run failed (exit {rc})")
@@ -245,6 +273,8 @@ def _inject(fault: Fault, trigger: Trigger, config: Path, run_dir: Path, ref: Pa
         "trainer_stall": signal_actor("TrainerWorker", signal.SIGSTOP),
         "driver_killed": kill_group(run.proc),
         "disk_full": fill_disk(run_dir),
+        "sandbox_killed": kill_sandbox_service,
+        "sandbox_command_killed": kill_sandbox_commands,
     }[fault.name]
     injector = Injector(run.proc.pid, run_dir, trigger, act)
     injector.start()
@@ -261,7 +291,7 @@ def _inject(fault: Fault, trigger: Trigger, config: Path, run_dir: Path, ref: Pa
     if fault.name == "rollout_worker_oom":
         pid = int(inj.target.split("pid ")[1].split()[0])
         rec["oom_kills"] = oom_kills(pid)
-    found = run.first(RECOVERY, inj.at)
+    found = run.first(SANDBOX_RECOVERY if fault.name.startswith("sandbox") else RECOVERY, inj.at)
     second = None
     if fault.name in ("driver_killed", "disk_full"):
         stop = run.first(re.compile(r"^error: "), inj.at)
@@ -285,7 +315,7 @@ def _inject(fault: Fault, trigger: Trigger, config: Path, run_dir: Path, ref: Pa
         outcome = "restarted" if rc == 0 else "failed"
     elif rc != 0:
         outcome = "stopped" if any(line.startswith("error:") for _, line in run.lines) else "failed"
-    elif found and "restart from" in found[1].group(2):
+    elif found and "restart from" in found[1].group(found[1].re.groups):
         outcome = "restarted"
     elif found:
         outcome = "recovered"
@@ -296,7 +326,7 @@ def _inject(fault: Fault, trigger: Trigger, config: Path, run_dir: Path, ref: Pa
     rec["outcome"] = outcome
     rec["detect_s"] = None if found is None else round(found[0] - inj.at, 2)
     if found is not None and fault.name not in ("driver_killed", "disk_full"):
-        rec["detected"] = found[1].group(2)
+        rec["detected"] = found[1].group(found[1].re.groups)
     # finished iterations run again: those after the checkpoint the run went on from (none when it went on in place)
     restart = re.search(r"(?:restart from checkpoint |resuming from )iter_(\d+)",
                         (second.text() if second else rec.get("detected", "")))
@@ -307,7 +337,11 @@ def _inject(fault: Fault, trigger: Trigger, config: Path, run_dir: Path, ref: Pa
     rec["checkpoint_lost"] = bool(newest) and newest not in after and not any(a > newest for a in after)
     rec["checkpoint_corrupt"] = _corrupt(run_dir) or bool(rec.get("checkpoint_corrupt_after_fault"))
     rec["bit_exact"] = same_run(ref, run_dir)
-    rec["recoveries"] = max((r.get("recoveries", 0) for r in _records(run_dir)), default=0)
+    done = _records(run_dir)
+    rec["recoveries"] = max((r.get("recoveries", 0) for r in done), default=0)
+    if fault.name.startswith("sandbox"):
+        for key in ("sandbox_restarts", "sandbox_retries", "env_errors"):
+            rec[key] = max((r.get(key, 0) for r in done), default=0)
     return rec
 
 

@@ -4,8 +4,10 @@ arguments, config or values), 1 for a command that failed at run time (a cluster
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -169,10 +171,20 @@ def _cmd_sandbox_serve(args: argparse.Namespace) -> None:
     # SIGTERM (how Kubernetes, systemd and scripts stop a service) stops it as Ctrl-C does: the finally below closes
     # the sessions and removes the backend's directories, mounts and cgroups
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    parent = os.environ.get("RL_SANDBOX_PARENT_PID")
+    if parent:  # a run's own service: it ends with the run (rl.sandbox_service)
+        threading.Thread(target=_end_with, args=(int(parent),), daemon=True).start()
     try:
         server.wait()
     finally:
         server.stop()
+
+
+def _end_with(parent: int) -> None:
+    """SIGTERM this process once ``parent`` is gone (its children are then adopted by another process)."""
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _cmd_sandbox_run(args: argparse.Namespace) -> None:

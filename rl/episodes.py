@@ -55,23 +55,28 @@ def make_env(entry: EnvConfig, cfg: Config) -> Env:
     return cls(**kwargs)
 
 
-_servers: dict[str, Any] = {}  # the run's own sandbox services, by their options (one per process and section)
-_servers_lock = threading.Lock()
+_services: dict[str, Any] = {}  # the run's own sandbox services, by their options (one per process and section)
+_services_lock = threading.Lock()
 
 
 def sandbox_address(cfg: Config) -> str:
-    """The run's sandbox service: ``sandbox.address``, or one started in this process from the run's own
-    ``sandbox`` section (limits, backend, concurrency...) on a free port, stopped when the process exits."""
+    """The run's sandbox service: ``sandbox.address``, or one of its own from its ``sandbox`` section (limits,
+    backend, concurrency...) in a child process on a free port, started again if it dies, stopped at exit."""
     if cfg.sandbox.address:
         return cfg.sandbox.address
-    from sandbox.server import server_from_config
+    from rl.sandbox_service import SandboxServiceProcess
 
     key = cfg.sandbox.model_dump_json()
-    with _servers_lock:
-        if key not in _servers:
-            server = _servers[key] = server_from_config(cfg.sandbox.override(port=0))
-            atexit.register(server.stop)
-        return _servers[key].address
+    with _services_lock:
+        if key not in _services:
+            service = _services[key] = SandboxServiceProcess(cfg.sandbox)
+            atexit.register(service.stop)
+        return _services[key].address
+
+
+def sandbox_restarts() -> int:
+    """Restarts of the run's own sandbox services so far (a dead service is started again)."""
+    return sum(s.restarts for s in list(_services.values()))
 
 
 def task_type_of(task: Task, entry: EnvConfig) -> str:

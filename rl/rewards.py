@@ -12,7 +12,7 @@ from engines.model.tokenizer import TextTokenizer
 from rl.algorithm import Sample
 from rl.config import Config
 from rl.data import GROUPS_PER_ITERATION, TaskSets
-from rl.episodes import EpisodeRunner, env_class, is_group_level, solved, task_type_of
+from rl.episodes import EpisodeRunner, env_class, is_group_level, sandbox_restarts, solved, task_type_of
 from rl.guards import check_reward
 from rl.partial import Trajectory
 from rl.seeds import critic_seed, eval_seed
@@ -86,7 +86,17 @@ def score(groups: list[list[Trajectory]], tasks: TaskSets, tok: TextTokenizer, c
             stats[f"reward_mean/{ttype}"] = reward_sum[ttype] / count
     if first_error:
         stats["first_env_error"] = first_error
+    stats.update(sandbox_recoveries())
     return samples, stats
+
+
+def sandbox_recoveries() -> dict[str, int]:
+    """Over the run so far (when any happened): restarts of its own sandbox service, and one-shot runs that the
+    sandbox infrastructure cut off and that were run once more."""
+    from sandbox.client import runs_retried  # loaded where a run has code to run
+
+    counts = {"sandbox_restarts": sandbox_restarts(), "sandbox_retries": runs_retried()}
+    return counts if any(counts.values()) else {}
 
 
 def evaluate(cluster, tasks: TaskSets, tok: TextTokenizer, cfg: Config, progress: Progress | None = None,

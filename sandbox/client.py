@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import atexit
 import json
+import logging
 import threading
 from collections.abc import Iterable
 
 import grpc
 
 from sandbox import auth
-from sandbox.backend import ExecResult, Limits, SandboxError
+from sandbox.backend import ExecResult, Limits, SandboxError, Verdict
 from sandbox.proto import sandbox_pb2 as pb
 from sandbox.proto import sandbox_pb2_grpc as pb_grpc
 from sandbox.server import GRPC_OPTIONS, MAX_MESSAGE_BYTES, SandboxServer, start_server
@@ -18,6 +19,17 @@ from sandbox.wire import files_from_pb, files_to_pb, limits_to_pb, result_from_p
 
 # Time beyond a command's wall limit allowed for sandbox set-up and queueing before the client gives up.
 DEADLINE_SLACK_S = 120.0
+# How long a one-shot run cut off by the service's death waits for a service to answer again before its one retry.
+RECONNECT_S = 60.0
+
+log = logging.getLogger(__name__)
+_retried = [0]  # one-shot runs run once more by any client of this process
+_retried_lock = threading.Lock()
+
+
+def runs_retried() -> int:
+    """One-shot runs that any client in this process ran once more after the sandbox infrastructure failed."""
+    return _retried[0]
 
 
 # One-shot runs spread over every address the name resolves to (the replicas behind a headless Service). A run or a
@@ -41,19 +53,52 @@ class SandboxClient:
         self.address, self.slack_s = address, slack_s
         self.token = token if token is not None else auth.token_from_env()
         self._metadata = auth.call_metadata(self.token)
-        self._channel = grpc.insecure_channel(address, options=[*GRPC_OPTIONS, ROUND_ROBIN])
+        # a restarted service is found within a second or two, not after gRPC's default backoff of up to 2 minutes
+        self._channel = grpc.insecure_channel(address, options=[*GRPC_OPTIONS, ROUND_ROBIN,
+                                                                ("grpc.initial_reconnect_backoff_ms", 200),
+                                                                ("grpc.max_reconnect_backoff_ms", 2000)])
         self._stub = pb_grpc.SandboxStub(self._channel)
         self._replicas: dict[str, SandboxClient] = {}
         self._replicas_lock = threading.Lock()
+        self.retries = 0  # one-shot runs run again after the sandbox or the service failed under them
 
     def run(self, command: list[str] | None = None, files: dict[str, bytes | str] | None = None, *,
             code: str = "", tests: str = "", limits: Limits | None = None, stdin: bytes = b"",
             env: dict[str, str] | None = None, image: str = "", executable: Iterable[str] = (),
             timeout_s: float | None = None) -> ExecResult:
-        """Run one command (or ``code`` followed by ``tests`` as one Python program) in a fresh sandbox."""
+        """Run one command (or ``code`` followed by ``tests`` as one Python program) in a fresh sandbox.
+
+        A run the sandbox infrastructure cut off (the service died under it: UNAVAILABLE; or its sandbox was killed
+        from outside or failed: verdict ERROR) is run once more, in a fresh sandbox, once a service answers again
+        (within ``RECONNECT_S``): a fresh sandbox makes it safe, and the caller gets the program's own verdict.
+        A second failure is returned (or raised) as it is: the caller's environment error, never a wrong answer."""
         req = pb.RunRequest(files=files_to_pb(files, frozenset(executable)), command=command or [], code=code,
                             tests=tests, limits=limits_to_pb(limits), stdin=stdin, env=env or {}, image=image)
-        return result_from_pb(self._call(self._stub.Run, req, self._timeout(limits, timeout_s)))
+        timeout = self._timeout(limits, timeout_s)
+        try:
+            result = result_from_pb(self._call(self._stub.Run, req, timeout))
+        except SandboxError as e:
+            if e.code != "UNAVAILABLE":
+                raise
+            why = str(e)
+            self._await_service(why)
+        else:
+            if result.verdict is not Verdict.ERROR:
+                return result
+            why = result.detail
+        self.retries += 1
+        with _retried_lock:
+            _retried[0] += 1
+        log.warning("sandbox: a run was cut off (%s); running it once more", why)
+        return result_from_pb(self._call(self._stub.Run, req, timeout))
+
+    def _await_service(self, why: str) -> None:
+        """Wait until the channel reaches a service again; SandboxError UNAVAILABLE after ``RECONNECT_S``."""
+        try:
+            grpc.channel_ready_future(self._channel).result(timeout=RECONNECT_S)
+        except grpc.FutureTimeoutError:
+            raise SandboxError(f"{why}; and no sandbox service answered for {RECONNECT_S:g} s after",
+                               "UNAVAILABLE") from None
 
     def create_session(self, image: str = "", files: dict[str, bytes | str] | None = None,
                        executable: Iterable[str] = (), timeout_s: float | None = 600.0) -> RemoteSession:

@@ -462,6 +462,12 @@ class LocalSession:
             res.detail = "the session was closed"
         if res.verdict in _KILLED_BY_US:
             return note_oom_kills(res, hit.oom_kills, limits.memory_bytes)
+        if res.signal is not None and res.verdict is Verdict.FAILED and not hit.oom_kills:
+            # bwrap itself died of a signal: it lives outside the sandbox's PID namespace, where the program cannot
+            # reach it, and the service did not send it (its kills have verdicts of their own): someone outside
+            # killed the sandbox (an operator, a node's OOM killer elsewhere, an eviction). Not the program's doing.
+            res.verdict, res.detail = Verdict.ERROR, f"the sandbox was killed from outside (signal {res.signal})"
+            return res
         if res.exit_code in (1, 125, 127) and res.stderr.startswith(self.backend.tool_errors):
             res.verdict, res.detail = Verdict.ERROR, "sandbox failed: " + res.stderr.decode(errors="replace")[:500]
             return res

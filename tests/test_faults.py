@@ -1,6 +1,7 @@
 """Faults injected into real runs (the reduced set of ``python -m benchmarks.faults``): a killed inference engine is
-replaced in place, a stopped one is found within ``run.step_timeout_s``, and a killed driver's job, run again, goes
-on from its last complete checkpoint; each run then ends bit for bit where an uninterrupted run ends."""
+replaced in place, a stopped one is found within ``run.step_timeout_s``, a killed driver's job, run again, goes
+on from its last complete checkpoint, and a killed sandbox service is started again with its cut-off commands run
+once more; each run then ends bit for bit where an uninterrupted run ends."""
 
 from __future__ import annotations
 
@@ -18,8 +19,10 @@ import pytest
 import yaml
 from rich.console import Console
 
-from benchmarks.fault_inject import Injector, Trigger, actors, kill_group, signal_actor
-from benchmarks.faults import Run, run_config, same_run
+from benchmarks.fault_env import SandboxedArithmeticEnv
+from benchmarks.fault_inject import Injector, Trigger, actors, kill_group, kill_sandbox_service, signal_actor
+from benchmarks.faults import SANDBOXED, Run, run_config, same_run
+from envs.registry import register
 from rl.cli import main as rl_main
 from rl.config import parse_config
 from rl.controller import train
@@ -27,8 +30,8 @@ from rl.controller import train
 ITERATIONS = 2
 
 
-def _cfg(**run):
-    return parse_config(run_config(run={"iterations": ITERATIONS, **run}))
+def _cfg(sections: dict | None = None, **run):
+    return parse_config(run_config(run={"iterations": ITERATIONS, **run}, **(sections or {})))
 
 
 @pytest.fixture(scope="module")
@@ -131,6 +134,32 @@ def test_a_killed_driver_is_run_again_and_goes_on_from_its_last_checkpoint_bit_e
     assert rl_main(["train", str(config), "--run-dir", str(run_dir), "--auto-resume"]) == 0
     assert re.search(r"resuming from iter_000000 \(after iteration 0\)", capsys.readouterr().out)
     assert same_run(reference, run_dir)
+
+
+@pytest.fixture(scope="module")
+def sandboxed_reference(ray_cluster, tmp_path_factory):
+    """An uninterrupted run whose rewards are decided by programs in the run's own sandbox service."""
+    register("sandboxed-arithmetic", SandboxedArithmeticEnv)  # what the suite installs as a plug-in
+    out = tmp_path_factory.mktemp("sandboxed-reference")
+    train(_cfg(SANDBOXED), out, console=Console(file=io.StringIO()))
+    return out
+
+
+def test_a_killed_sandbox_service_is_started_again_and_its_cut_off_commands_run_once_more(sandboxed_reference,
+                                                                                         tmp_path):
+    """SIGKILL of the run's own sandbox service while it runs iteration 1's reward programs: it is started again on
+    the same port (one line), the commands it cut off are run once more (not counted as wrong answers, nor as
+    environment errors), and the run ends with the uninterrupted run's weights and metrics, bit for bit."""
+    from rl.episodes import sandbox_restarts
+
+    run_dir, before = tmp_path / "run", sandbox_restarts()
+    inj, _ = _faulted(_cfg(SANDBOXED), run_dir, Trigger("reward", 1), kill_sandbox_service)
+    assert re.match(r"sandbox service pid \d+ \(SIGKILL, [1-9]\d* commands running\)$", inj.injection.target)
+    assert sandbox_restarts() == before + 1
+    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert records[1]["sandbox_restarts"] == before + 1 and records[1]["sandbox_retries"] >= 1
+    assert all(r["env_errors"] == 0 for r in records)
+    assert same_run(sandboxed_reference, run_dir)
 
 
 def test_run_max_restarts_bounds_the_recoveries_and_the_next_fault_stops_the_run_in_one_line():

@@ -1,13 +1,22 @@
 """Verdicts of the local backend that tell the truth: an OOM kill anywhere in the sandbox is reported (also when the
-command exits 0), a run killed at its wall limit reports the CPU time it really used, and the sandbox's /proc hides
-the kernel's symbols and the host's directories."""
+command exits 0), a run killed at its wall limit reports the CPU time it really used, a sandbox killed from outside
+is the sandbox's failure (not the program's, and the client runs it once more), and the sandbox's /proc hides the
+kernel's symbols and the host's directories."""
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
+import time
+
+import psutil
 import pytest
 
 from sandbox.backend import Limits, Verdict
+from sandbox.client import SandboxClient
 from sandbox.local import LocalBackend
+from sandbox.server import start_server
 
 LIM = Limits(wall_s=20, cpu_s=10, memory_bytes=128 << 20, processes=32, open_files=64, output_bytes=64 << 10)
 
@@ -112,3 +121,42 @@ def test_mountinfo_names_no_host_directory(backend):
             assert roots["/etc"] == "/etc", roots
     finally:
         s.close()
+
+
+def _kill_sandboxes_of(pid: int, after: threading.Event) -> None:
+    """SIGKILL, from outside, every sandbox (bwrap) process ``pid`` runs, once: as an eviction would."""
+    deadline = time.time() + 20
+    while time.time() < deadline:
+        kids = [p for p in psutil.Process(pid).children() if p.name() == "bwrap"]
+        if kids:
+            time.sleep(0.3)  # the program is running inside
+            for p in kids:
+                os.kill(p.pid, signal.SIGKILL)
+            after.set()
+            return
+        time.sleep(0.01)
+
+
+def test_a_sandbox_killed_from_outside_is_the_sandboxs_failure_and_the_client_runs_it_once_more():
+    """SIGKILL of the bwrap process running a command (the program inside cannot reach it: it lives outside the
+    sandbox's PID namespace): the verdict is the sandbox's ERROR naming the signal, not the program's FAILED; a
+    client runs such a one-shot command once more and returns the program's own verdict."""
+    backend = LocalBackend(options=None)
+    try:
+        s = backend.create_session()
+        killed = threading.Event()
+        threading.Thread(target=_kill_sandboxes_of, args=(os.getpid(), killed), daemon=True).start()
+        r = s.exec(["python3", "-c", "import time; time.sleep(5)"], LIM)
+        s.close()
+        assert killed.is_set() and r.verdict == Verdict.ERROR, r
+        assert r.detail == "the sandbox was killed from outside (signal 9)", r
+        # the program killing itself is its own doing: FAILED, as before
+        own = run(backend, "import os, signal; os.kill(os.getpid(), signal.SIGKILL)")
+        assert own.verdict == Verdict.FAILED and own.signal == signal.SIGKILL, own
+    finally:
+        backend.close()
+    with start_server("local", concurrency=2) as server, SandboxClient(server.address) as client:
+        killed = threading.Event()
+        threading.Thread(target=_kill_sandboxes_of, args=(os.getpid(), killed), daemon=True).start()
+        r = client.run(["python3", "-c", "import time; time.sleep(1); print('done')"], limits=LIM)
+        assert killed.is_set() and r.verdict == Verdict.OK and r.stdout == b"done\n" and client.retries == 1, r
