@@ -21,7 +21,11 @@ of the drawn iteration:
   by programs in the sandbox: ``benchmarks.fault_env``, installed as a plug-in); expected: the service is started
   again and the commands it cut off run once more, so every reward is the one an uninterrupted run got;
 - ``sandbox_command_killed``: SIGKILL, from outside, of the sandboxes running commands (as an eviction would);
-  expected: reported as the sandbox's failure, not the program's, and run once more.
+  expected: reported as the sandbox's failure, not the program's, and run once more;
+- ``node_lost``: the run is on a Ray cluster of three nodes on this machine (a head without CPUs and two worker
+  nodes, ``benchmarks.ray_nodes``; its uninterrupted reference too), and the worker node holding the run's actors
+  is lost whole (its raylet, object store and workers SIGKILLed together); expected: the workers restart from the
+  last checkpoint on the node that is left.
 
 Per fault one JSON object: ``outcome`` (recovered: in place, the run went on; restarted: from a checkpoint; stopped:
 ended with a clear message; hang: the run did not end within ``--timeout`` and was killed), ``detect_s`` (from the
@@ -46,6 +50,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -54,6 +59,7 @@ import yaml
 from benchmarks.fault_inject import (
     Injector,
     Trigger,
+    actors,
     fill_disk,
     kill_group,
     kill_sandbox_commands,
@@ -64,6 +70,7 @@ from benchmarks.fault_inject import (
     signal_actor,
     stopped_descendants,
 )
+from benchmarks.ray_nodes import RayNodes
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -118,6 +125,7 @@ FAULTS = {
     "disk_full": Fault("disk_full", ("save",), {}),
     "sandbox_killed": Fault("sandbox_killed", ("reward",), SANDBOXED),
     "sandbox_command_killed": Fault("sandbox_command_killed", ("reward",), SANDBOXED),
+    "node_lost": Fault("node_lost", ("rollout", "train", "weight_update"), {}),
 }
 
 
@@ -234,8 +242,10 @@ def reference(work: Path, fault: Fault, cache: Path, timeout_s: float) -> Path:
     return ref
 
 
-def inject(fault: Fault, seed: int, work: Path, cache: Path, timeout_s: float) -> dict:
+def inject(fault: Fault, seed: int, work: Path, cache: Path, timeout_s: float, nodes: RayNodes | None = None) -> dict:
     """Run ``fault`` once at its seeded point; returns its record."""
+    if fault.name == "node_lost" and nodes is None:
+        return inject_node_lost(fault, seed, work, cache, timeout_s)
     out: dict = {"fault": fault.name, "seed": seed}
     if fault.name == "rollout_worker_oom" and (why := oom_supported()):
         return {**out, "outcome": "skipped", "note": why}
@@ -255,16 +265,41 @@ def inject(fault: Fault, seed: int, work: Path, cache: Path, timeout_s: float) -
     config = work / f"{fault.name}.yaml"
     config.write_text(yaml.safe_dump(run_config(**fault.sections)))
     try:
-        return {**out, **_inject(fault, trigger, config, run_dir, ref, cache, timeout_s)}
+        return {**out, **_inject(fault, trigger, config, run_dir, ref, cache, timeout_s, nodes)}
     finally:
         if mounted:
             subprocess.run(["umount", "-l", str(run_dir)], check=False)
 
 
+def inject_node_lost(fault: Fault, seed: int, work: Path, cache: Path, timeout_s: float) -> dict:
+    """``node_lost``: its reference and its run on one three-node Ray cluster of this machine (see the module)."""
+    with RayNodes(head_cpus=0) as nodes:
+        for name in ("node-a", "node-b"):
+            nodes.add_node(cpus=4, home=work / name)
+        nodes.wait_for_nodes(3)
+        # the same threads on either node, so that the run after the loss computes as its reference does
+        cluster = {"cluster": {"ray_address": nodes.address, "threads_per_worker": 2}}
+        lost = Fault(fault.name, fault.phases, cluster)
+        return inject(lost, seed, work, cache, timeout_s, nodes)
+
+
+def lose_node(nodes: RayNodes) -> Callable[[int], str]:
+    """An action: SIGKILL the process group of the worker node that holds the run's actors (the node is lost)."""
+    def act(root: int) -> str:
+        for k, node in enumerate(nodes.procs[1:], 1):  # procs[0] is the head
+            if actors(node.pid, "RolloutWorker") or actors(node.pid, "TrainerWorker"):
+                os.killpg(node.pid, signal.SIGKILL)
+                return f"Ray worker node {k} (process group {node.pid}: raylet, object store, workers; SIGKILL)"
+        raise RuntimeError("no worker node holds the run's actors")
+    return act
+
+
 def _inject(fault: Fault, trigger: Trigger, config: Path, run_dir: Path, ref: Path, cache: Path,
-            timeout_s: float) -> dict:
+            timeout_s: float, nodes: RayNodes | None = None) -> dict:
     env = _env(cache)
     run = Run(config, run_dir, env)
+    # the run's actors are the nodes' processes, not the driver's, when it runs on a cluster of its own
+    root = os.getpid() if nodes is not None else run.proc.pid
     act = {
         "rollout_worker_killed": signal_actor("RolloutWorker", signal.SIGKILL),
         "rollout_worker_oom": oom_actor("RolloutWorker"),
@@ -275,8 +310,9 @@ def _inject(fault: Fault, trigger: Trigger, config: Path, run_dir: Path, ref: Pa
         "disk_full": fill_disk(run_dir),
         "sandbox_killed": kill_sandbox_service,
         "sandbox_command_killed": kill_sandbox_commands,
+        "node_lost": lose_node(nodes) if nodes is not None else None,
     }[fault.name]
-    injector = Injector(run.proc.pid, run_dir, trigger, act)
+    injector = Injector(root, run_dir, trigger, act)
     injector.start()
     rc = run.wait(timeout_s)
     injector.stop()

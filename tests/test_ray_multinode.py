@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from benchmarks.ray_nodes import RayNodes
 from rl.placement import Site, cgroup_cpu_limit, worker_threads
-from tests.ray_nodes import RayNodes
 from tests.test_helm_chart import HELM, one, pod_templates, render, run_configmap
 from tests.test_run import TINY
 

@@ -1,9 +1,11 @@
-"""Real multi-node Ray clusters on this one machine, for the tests: a head started with ``ray start --head`` and
-worker nodes with ``ray start --address``, each node with an environment of its own (HOME, RL_CACHE_DIR) and, through
-bubblewrap, a filesystem view of its own (paths hidden from it), as pods on different Kubernetes nodes would have.
+"""Real multi-node Ray clusters on this one machine, for the tests and the fault suite (a node lost): a head started
+with ``ray start --head`` and worker nodes with ``ray start --address``, each node with an environment of its own
+(HOME, RL_CACHE_DIR) and, through bubblewrap, a filesystem view of its own (paths hidden from it), as pods on
+different Kubernetes nodes would have.
 
 The cluster keeps its state in a temporary directory of its own: a record in Ray's default one would make every later
-``ray.init()`` of the test session join this cluster instead of starting its own.
+``ray.init()`` of the test session join this cluster instead of starting its own. Each node is a process group of its
+own (``procs``, in the order started): killing one's group loses that node, raylet, workers and all.
 """
 
 from __future__ import annotations
