@@ -146,6 +146,7 @@ def _cmd_sandbox_serve(args: argparse.Namespace) -> None:
 
     from rl.config import format_errors, load_config, parse_config
     from sandbox.backend import SandboxError
+    from sandbox.heap import fix_mmap_threshold
     from sandbox.server import server_from_config
 
     cfg = load_config(args.config, args.set) if args.config else parse_config({}, "(defaults)", args.set)
@@ -156,6 +157,7 @@ def _cmd_sandbox_serve(args: argparse.Namespace) -> None:
         sc = cfg.sandbox.override(**flags)
     except ValidationError as e:
         raise UserError(format_errors(e, "(rl sandbox serve flags)", prefix="sandbox")) from None
+    fix_mmap_threshold()  # this process is the service: large payloads go back to the system when freed
     try:
         server = server_from_config(sc)
     except SandboxError as e:
