@@ -77,6 +77,8 @@ def _cmd_check(args: argparse.Namespace) -> None:
     est = estimate_run(cfg)
     print(f"# memory per worker ({cfg.cluster.workers} workers; activations estimated from the layer shapes):")
     print("\n".join(f"#{line}" for line in est.table().splitlines()))
+    print(f"# run directory (the claim): {est.checkpoint / 2**30:.3f} GiB per checkpoint (model and trainer state), "
+          f"{est.run_dir / 2**30:.3f} GiB at most ({cfg.run.keep_checkpoints} kept, one being written, best/, final/)")
     check_fits(cfg, est)
 
 

@@ -113,6 +113,8 @@ class MemoryEstimate:
     activations: int = 0   # one micro-batch's activations, the gathered layer and the log-prob blocks
     host_pinned: int = 0   # GPU: page-locked host memory (offloaded trainer, sleeping replica, rollback journal)
     decode_work: int = 0   # the torch attention path's gathered keys/values and scores of the widest decode step
+    checkpoint: int = 0    # one checkpoint on disk (model and trainer state)
+    run_dir: int = 0       # the run directory at its fullest (see run_dir_bytes)
 
     def table(self) -> str:
         rows = [("parameters", f"{self.params / 1e6:,.1f} M"),
@@ -146,6 +148,18 @@ def trainer_bytes(shape: ModelShape, ranks: int, master_dtype: str, optimizer: s
     states = n_muon * 1 + (n - n_muon) * 2 if optimizer == "muon" else n * 2
     shard = lambda b: -(-b // ranks)  # noqa: E731
     return shard(n * master), shard(n * master), shard(states * master)
+
+
+def run_dir_bytes(shape: ModelShape, model_dtype: str, master_dtype: str, optimizer: str,
+                  keep_checkpoints: int) -> tuple[int, int]:
+    """(one checkpoint, the run directory at its fullest), in bytes. A checkpoint holds the model in its own dtype
+    (Hugging Face safetensors) and the trainer's whole state (master weights and optimizer state, every rank's
+    shard); the run directory holds ``keep_checkpoints`` of them, one more while the next is written, ``best/`` (a
+    checkpoint) and ``final/`` (the model alone)."""
+    weights, _, opt = trainer_bytes(shape, 1, master_dtype, optimizer)
+    model = shape.params * _itemsize(model_dtype)
+    checkpoint = model + weights + opt
+    return checkpoint, (keep_checkpoints + 2) * checkpoint + model
 
 
 def training_working_set(shape: ModelShape, tokens: int, compute_dtype: str, checkpointing: bool,
@@ -188,9 +202,11 @@ def estimate(cfg: Config, arch: ModelConfig, max_seq_len: int) -> MemoryEstimate
     # on a GPU these wait in page-locked host memory (engines.device.host_buffer, exact sizes): the trainer while
     # offloaded, the replica while asleep at level 1, and the rollback journal, as large as the replica
     pinned = (trainer if cfg.trainer.offload else 0) + (replica if level == 1 else 0) + replica
+    checkpoint, run_dir = run_dir_bytes(shape, cfg.model.dtype, cfg.trainer.master_dtype, cfg.optimizer.kind,
+                                        cfg.run.keep_checkpoints)
     return MemoryEstimate(shape.params, weights, grads, opt, replica, kv, seqs, per_seq, max_seq_len,
                           max(rollout_phase, train_phase), trainer + work + replica + kv + decode, work,
-                          pinned if cfg.cluster.gpus_per_worker > 0 else 0, decode)
+                          pinned if cfg.cluster.gpus_per_worker > 0 else 0, decode, checkpoint, run_dir)
 
 
 def estimate_run(cfg: Config) -> MemoryEstimate:

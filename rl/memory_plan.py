@@ -20,7 +20,7 @@ import torch
 
 from engines.inference.kv_cache import bytes_per_token
 from engines.model.arch import ModelConfig, make_config
-from rl.memory import GiB, ModelShape, trainer_bytes, training_working_set
+from rl.memory import GiB, ModelShape, run_dir_bytes, trainer_bytes, training_working_set
 
 #: Model shapes by name, as their Hugging Face configs give them (random weights are never built).
 PRESETS = {
@@ -58,6 +58,8 @@ class ColocationPlan:
     parts: dict[str, int] = field(default_factory=dict)     # per GPU
     phases: dict[str, int] = field(default_factory=dict)    # per GPU, the sum of what each phase holds
     kv_tokens: int = 0                                      # KV-cache tokens per replica that fit
+    checkpoint: int = 0                                     # one checkpoint on disk
+    run_dir: int = 0                                        # the run directory at its fullest
 
     @property
     def fits(self) -> bool:
@@ -73,6 +75,10 @@ class ColocationPlan:
         lines += [f"  {k:<{width}}{v / GiB:>10.2f} GiB" for k, v in self.phases.items()]
         lines.append(f"usable ({USABLE:.0%} of the GPU): {USABLE * self.gpu_bytes / GiB:.1f} GiB; KV cache for "
                      f"{self.kv_tokens:,} tokens per replica; {'fits' if self.fits else 'does NOT fit'}")
+        if self.run_dir:
+            lines.append(f"run directory (shared storage): {self.checkpoint / GiB:,.1f} GiB per checkpoint, "
+                         f"{self.run_dir / GiB:,.1f} GiB at most with run.keep_checkpoints 2 (one more being written, "
+                         "best/, final/)")
         return "\n".join(lines)
 
 
@@ -97,7 +103,9 @@ def colocation_plan(arch: ModelConfig, *, gpus: int, gpu_bytes: int, inference_g
     per_token = -(-bytes_per_token(arch, getattr(torch, rollout_dtype)) // inference_gpus)
     kv_tokens = kv_room // per_token
     kv = kv_tokens * per_token
-    plan = ColocationPlan(name, shape.params, gpus, gpu_bytes, inference_gpus, kv_tokens=kv_tokens)
+    checkpoint, run_dir = run_dir_bytes(shape, rollout_dtype, master_dtype, optimizer, 2)
+    plan = ColocationPlan(name, shape.params, gpus, gpu_bytes, inference_gpus, kv_tokens=kv_tokens,
+                          checkpoint=checkpoint, run_dir=run_dir)
     plan.parts = {"master weights (shard)": weights, "gradients (shard)": grads, "optimizer state (shard)": opt,
                   f"training working set ({micro_batch_tokens} tokens)": work,
                   "inference replica (share)": replica, "KV cache (what is left)": kv,

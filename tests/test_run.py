@@ -8,14 +8,17 @@ import ray
 import torch
 import transformers
 from safetensors.torch import load_file
+from torch.distributed.checkpoint import FileSystemReader
 
 from engines.inference.sampling import SamplingParams
+from engines.model.hf_io import read_config
 from envs.arithmetic import ArithmeticEnv
 from rl.algorithm import Sample
 from rl.checkpoint import LoopState, SaveFailed, latest_checkpoint, save_checkpoint
 from rl.cluster import Cluster
 from rl.config import parse_config
 from rl.controller import train
+from rl.memory import estimate
 from rl.warmstart import prepare_model
 
 TINY = {
@@ -112,6 +115,14 @@ def test_run_outputs_and_exact_resume(ray_cluster, tmp_path):
     train(tiny(run={"iterations": 2}, **features), split)
     ckpt, state = latest_checkpoint(split)
     assert state.iteration == 1 and (ckpt / "trainer" / "__0_0.distcp").is_file()
+    # what rl check-config says a checkpoint takes on the claim: the model's file as counted (its header apart), and
+    # the tensors of the trainer's shards (as their metadata lists them) exactly the master weights and optimizer
+    # state counted; the files' per-tensor framing is small next to a real model's tensors, not a tiny one's
+    est = estimate(tiny(**features), read_config(ckpt), 64)
+    assert 0 < (ckpt / "model.safetensors").stat().st_size - est.params * 4 < 0.05 * est.params * 4
+    meta = FileSystemReader(str(ckpt / "trainer")).read_metadata().state_dict_metadata.values()
+    tensors = sum(m.size.numel() * m.properties.dtype.itemsize for m in meta if hasattr(m, "properties"))
+    assert abs(tensors - (est.trainer_weights + est.optimizer)) <= 64 + 0.001 * tensors, (tensors, est)
     (split / "config.yaml").write_text((split / "config.yaml").read_text().replace("iterations: 2", "iterations: 4"))
     from rl.config import load_config
 
