@@ -19,6 +19,7 @@ from rl.errors import CommandFailed, UserError
 
 CHART = Path(__file__).resolve().parents[1] / "helm" / "colocated-rl"
 RUN_LABEL = "colocated-rl/run"  # on every object of a run, and on the sandbox's session pods
+SESSION_MANAGER = "app.kubernetes.io/managed-by=rl-sandbox"  # the label selector of session pods
 COMPONENT_LABEL = "app.kubernetes.io/component"
 RAYJOB = ("ray.io", "v1", "rayjobs")
 MAX_NAME = 40  # KubeRay appends suffixes to the RayJob's name for its cluster and Services
@@ -118,6 +119,25 @@ class Kube:
         pods = self.call(f"listing the pods of run {name}", self.core.list_namespaced_pod, self.namespace,
                          label_selector=selector).items
         return sorted(pods, key=lambda p: p.metadata.creation_timestamp or 0)
+
+
+def session_pods(kube: Kube, name: str) -> list[tuple[str, Any]]:
+    """(namespace, pod) of run ``name``'s sandbox session pods outside the run's namespace: every namespace is
+    searched where the caller may list pods cluster-wide, else the chart's default session namespace."""
+    from kubernetes.client.exceptions import ApiException
+
+    selector = f"{RUN_LABEL}={name},{SESSION_MANAGER}"
+    try:
+        pods = kube.core.list_pod_for_all_namespaces(label_selector=selector, _request_timeout=30).items
+    except ApiException as e:
+        if e.status != 403:
+            raise CommandFailed(f"listing the session pods of run {name}: HTTP {e.status} {e.reason}") from None
+        # the chart's default (rl.sessionNamespace)
+        default = f"{kube.namespace}-{name[:40].rstrip('-')}-sandbox"[:63].rstrip("-")
+        pods = kube.call(f"listing the session pods of run {name} in {default}", kube.core.list_namespaced_pod,
+                         default, label_selector=selector, missing_ok=True)
+        pods = pods.items if pods is not None else []
+    return [(p.metadata.namespace, p) for p in pods if p.metadata.namespace != kube.namespace]
 
 
 def _api_message(e: Any) -> str:
@@ -242,7 +262,7 @@ def own_by_rayjob(release: str, kube: Kube, manifests: str | None = None) -> int
 def delete(name: str, *, namespace: str | None = None, delete_data: bool = False, kube: Kube | None = None,
            wait_s: float = 300, out: TextIO | None = None) -> None:
     """Remove everything run ``name`` made: the release (RayJob, whose Ray cluster and submitter KubeRay deletes
-    with it; the sandbox service, its autoscaler and policies), session pods left behind, and with
+    with it; the sandbox service, its autoscaler and policies), session pods left behind (in the run's namespace and the sandbox's session namespace), and with
     ``delete_data`` its run storage claim. Waits until the RayJob is gone, so the name can be launched again."""
     kube, out = kube or Kube(namespace), out or sys.stdout
     ns = kube.namespace
@@ -255,12 +275,15 @@ def delete(name: str, *, namespace: str | None = None, delete_data: bool = False
     if kube.rayjob(name) is not None:  # made without the chart, or the uninstall left it behind
         kube.call(f"deleting RayJob {ns}/{name}", kube.custom.delete_namespaced_custom_object, *RAYJOB[:2], ns,
                   RAYJOB[2], name, propagation_policy="Foreground", missing_ok=True)
-    left = kube.run_pods(name)
-    for pod in left:  # the sandbox's session pods (its service is gone, so nothing else deletes them now)
-        kube.call(f"deleting pod {ns}/{pod.metadata.name}", kube.core.delete_namespaced_pod, pod.metadata.name, ns,
-                  grace_period_seconds=0, missing_ok=True)
+    # the run's pods left behind, here and in the sandbox's session namespace (its service is gone, so nothing else
+    # deletes them now; a namespace the release made went with it, one that existed before stays)
+    left = [(ns, p) for p in kube.run_pods(name)] + session_pods(kube, name)
+    for where, pod in left:
+        kube.call(f"deleting pod {where}/{pod.metadata.name}", kube.core.delete_namespaced_pod, pod.metadata.name,
+                  where, grace_period_seconds=0, missing_ok=True)
     if left:
-        print(f"deleted {len(left)} pod(s) of run {name}", file=out, flush=True)
+        places = ", ".join(sorted({where for where, _ in left}))
+        print(f"deleted {len(left)} pod(s) of run {name} (namespace {places})", file=out, flush=True)
     if delete_data:
         claim = f"{name}-data"
         pvc = kube.call(f"reading claim {ns}/{claim}", kube.core.read_namespaced_persistent_volume_claim, claim, ns,

@@ -2,8 +2,8 @@
 
 It is an HTTP server on 127.0.0.1 that implements only what ``sandbox.kubernetes`` uses, answering with
 Kubernetes-shaped JSON so that the real ``kubernetes`` client parses it: pods (create, get, list and watch with
-labelSelector/fieldSelector, delete) and NetworkPolicies (create, get). It records every request, so tests can assert
-what an API server would see.
+labelSelector/fieldSelector, delete; a list over every namespace) and NetworkPolicies (create, get). It records
+every request, so tests can assert what an API server would see.
 
 A created pod is run for real: its main container's command starts as a local subprocess (``python3`` replaced by this
 interpreter, PYTHONPATH = the repository root instead of the init container's emptyDir, the container's working
@@ -426,6 +426,11 @@ class _Handler(BaseHTTPRequestHandler):
         parts = url.path.strip("/").split("/")
         ns = parts[parts.index("namespaces") + 1] if "namespaces" in parts else ""
         name = parts[-1] if len(parts) in (6, 7) and parts[-2] in ("pods", "networkpolicies") else ""
+        if url.path == "/api/v1/pods" and method == "GET":  # every namespace's
+            with s._cond:
+                items = [copy.deepcopy(p) for p in s.pods.values() if _matches(p, query)]
+            return self._json(200, {"kind": "PodList", "apiVersion": "v1", "metadata": {"resourceVersion": "1"},
+                                    "items": items})
         if url.path == _POD_PATH.format(ns=ns) and method == "POST":
             return self._json(*s.create_pod(ns, body))
         if url.path == _POD_PATH.format(ns=ns) and method == "GET":

@@ -140,15 +140,20 @@ def test_usage_errors_exit_2_and_version_exits_0(capsys):
 
 def test_delete_removes_the_run_and_what_its_sandbox_left(api, capsys):
     """helm finds no release here (the stand-in keeps none): the run's RayJob and session pods are deleted through
-    the API all the same; the claim only with --delete-data, and only the one the chart made for this run."""
+    the API all the same, also those in the sandbox's session namespace (one the release did not make, so nothing
+    else removes them); the claim only with --delete-data, and only the one the chart made for this run."""
     seed_run(api)
+    for ns, run in (("sessions", "quickstart"), ("sessions", "other"), ("elsewhere", "quickstart")):
+        session = pod(f"rl-sbx-{ns}-{run}", run, None)
+        session["metadata"]["namespace"] = ns
+        api.seed(PODS, session)
     api.seed(CLAIMS, {"apiVersion": "v1", "kind": "PersistentVolumeClaim",
                       "metadata": {"name": "quickstart-data", "namespace": NS, "labels": {RUN_LABEL: "quickstart"}}})
     assert rl_main(["delete", "quickstart"]) == 0
     assert (RAYJOBS, NS, "quickstart") not in api.objects
-    assert {n for (_, n) in api.pods} == {"other-head"}
+    assert {n for (_, n) in api.pods} == {"other-head", "rl-sbx-sessions-other"}
     assert (CLAIMS, NS, "quickstart-data") in api.objects  # checkpoints stay by default
-    assert "deleted 6 pod(s) of run quickstart" in capsys.readouterr().out
+    assert "deleted 8 pod(s) of run quickstart (namespace elsewhere, rl, sessions)" in capsys.readouterr().out
     helm = [r for r in api.requests if "secrets" in r.path]
     assert helm and helm[0].query["labelSelector"] == "name=quickstart,owner=helm"  # helm uninstall looked
     api.seed(CLAIMS, {"apiVersion": "v1", "kind": "PersistentVolumeClaim",
