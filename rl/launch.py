@@ -262,8 +262,9 @@ def own_by_rayjob(release: str, kube: Kube, manifests: str | None = None) -> int
 def delete(name: str, *, namespace: str | None = None, delete_data: bool = False, kube: Kube | None = None,
            wait_s: float = 300, out: TextIO | None = None) -> None:
     """Remove everything run ``name`` made: the release (RayJob, whose Ray cluster and submitter KubeRay deletes
-    with it; the sandbox service, its autoscaler and policies), session pods left behind (in the run's namespace and the sandbox's session namespace), and with
-    ``delete_data`` its run storage claim. Waits until the RayJob is gone, so the name can be launched again."""
+    with it; the sandbox service, its autoscaler and policies), session pods left behind (in the run's namespace
+    and the sandbox's session namespace), and with ``delete_data`` its run storage claim. Waits until the RayJob is
+    gone, so the name can be launched again."""
     kube, out = kube or Kube(namespace), out or sys.stdout
     ns = kube.namespace
     proc = subprocess.run([find_tool("helm"), "uninstall", name, "--namespace", ns, "--wait", "--timeout",
