@@ -25,6 +25,7 @@ from kubernetes.client.rest import ApiException
 from sandbox import k8s_manifests as m
 from sandbox.agent import AgentClient
 from sandbox.backend import ExecResult, Limits, SandboxError, check_relative_path
+from sandbox.k8s_leases import OwnerLease
 from sandbox.options import KubernetesOptions
 from sandbox.requests import check_image_allowed
 
@@ -148,7 +149,9 @@ class KubernetesBackend:
     # owner: label value naming this service instance (default: its pod's name, from POD_NAME; else random); a
     # restarted instance with the same one and collect_on_start (the default with POD_NAME) deletes its
     # predecessor's pods first. Session pods go to RL_SANDBOX_SESSION_NAMESPACE (else options.namespace), owned by
-    # the service pod (POD_NAME, POD_UID) when that is in the same namespace. workdir_volume=False: the image
+    # the service pod (POD_NAME, POD_UID) when that is in the same namespace; in any namespace each instance holds an
+    # owner lease there (lease_s unrenewed, default 3 reaper passes, at least 60 s), and the others delete the pods
+    # of one whose lease ran out (sandbox.k8s_leases). workdir_volume=False: the image
     # provides ``workdir`` (e.g. the repository at /testbed). service_labels/service_namespace: who may reach the
     # agents (the NetworkPolicy; default namespace: the service's own).
     def __init__(self, *, options: KubernetesOptions | None = None,
@@ -157,7 +160,8 @@ class KubernetesBackend:
                  create_burst: float | None = None, workdir: str = "/work", workdir_volume: bool = True,
                  owner: str | None = None, service_labels: dict[str, str] | None = None,
                  service_namespace: str | None = None, network_policy: bool = True, reap_interval_s: float = 60,
-                 pool_max_age_s: float | None = None, pool_workers: int = 16, collect_on_start: bool | None = None):
+                 pool_max_age_s: float | None = None, pool_workers: int = 16, collect_on_start: bool | None = None,
+                 lease_s: float | None = None):
         """``options``: a run config's keys for this backend (namespace, images, pod settings, rates, warm pool);
         ``resources``: requests and limits of session pods where they differ (None: ``options.cpu``/``memory``)."""
         self.options = o = options if options is not None else KubernetesOptions()
@@ -183,8 +187,8 @@ class KubernetesBackend:
         self.owner_pod = (pod_name, pod_uid) if pod_name and pod_uid else None
         if self.owner_pod is not None and self.namespace != own_namespace:
             log.warning("session pods in namespace %s cannot be owned by the service pod %s/%s (owner references do "
-                        "not cross namespaces): a crashed replica's pods end at their TTL", self.namespace,
-                        own_namespace, pod_name)
+                        "not cross namespaces): its owner lease there lets the others delete them if it dies",
+                        self.namespace, own_namespace, pod_name)
             self.owner_pod = None
         stable = pod_name if pod_name and m.is_label_value(pod_name) else pod_uid
         self.owner = m.label_value(owner or stable or f"rl-sandbox-{uuid.uuid4().hex[:10]}")
@@ -219,6 +223,11 @@ class KubernetesBackend:
         self.reap_interval_s = reap_interval_s
         if collect_on_start:
             self.garbage_collect(max_age_s=0)  # before this instance owns any pod: all of them are leftovers
+        # a lease held while this replica lives, so that its pods go if it dies (owner references cannot cross
+        # from the service's namespace into the session namespace)
+        self.lease: OwnerLease | None = OwnerLease(api_client, self.namespace, self.owner, dict(o.labels),
+                                                   lease_s or max(60.0, 3 * reap_interval_s))
+        self._leases()
         self._reaper = threading.Thread(target=self._reap_loop, name="k8s-sandbox-reaper", daemon=True)
         if reap_interval_s > 0:
             self._reaper.start()
@@ -450,12 +459,12 @@ class KubernetesBackend:
                 return
         self._delete_pod(pod.name)
 
-    def garbage_collect(self, max_age_s: float | None = None) -> int:
-        """Delete this owner's pods (by label): those past their expiry or finished (None), or older than
-        ``max_age_s`` (0: all). Returns how many were deleted."""
+    def garbage_collect(self, max_age_s: float | None = None, owner: str | None = None) -> int:
+        """Delete this owner's pods (``owner``'s: another replica's) by label: those past their expiry or finished
+        (None), or older than ``max_age_s`` (0: all). Returns how many were deleted."""
         now, deleted, cont = time.time(), 0, None
         while True:
-            resp = self.core.list_namespaced_pod(self.namespace, label_selector=m.owner_selector(self.owner),
+            resp = self.core.list_namespaced_pod(self.namespace, label_selector=m.owner_selector(owner or self.owner),
                                                  limit=500, _continue=cont, _preload_content=False,
                                                  _request_timeout=API_TIMEOUT_S)
             page = json.loads(resp.data)  # raw JSON: deserialising thousands of V1Pod models is slow
@@ -484,8 +493,25 @@ class KubernetesBackend:
         for s in expired:
             s.close("expired after its TTL")
         n = len(expired) + sum(self._delete_pod(p.name) for p in stale) + self.garbage_collect()
+        n += self._leases()
         self._refill()
         return n
+
+    def _leases(self) -> int:
+        """Renew this replica's owner lease and delete the pods of replicas whose leases ran out (see
+        ``sandbox.k8s_leases``); returns how many pods went. A Role without leases turns them off, with a warning."""
+        if self.lease is None:
+            return 0
+        try:
+            self.lease.renew()
+            return self.lease.collect_orphans(lambda owner: self.garbage_collect(max_age_s=0, owner=owner))
+        except ApiException as e:
+            if e.status != 403:
+                raise
+            log.warning("leases in %s are forbidden to this service (HTTP 403): a crashed replica's session pods "
+                        "will end at their TTL only; give its Role coordination.k8s.io leases", self.namespace)
+            self.lease = None
+            return 0
 
     def _reap_loop(self) -> None:
         while not self._stop.wait(self.reap_interval_s):
@@ -519,5 +545,7 @@ class KubernetesBackend:
             self._filler.shutdown(wait=True)  # fills in flight see the stop flag and delete their pods
         if self._reaper.is_alive():
             self._reaper.join(timeout=5)
+        if self.lease is not None:
+            self.lease.release()
         if self._owns_client:
             self.api_client.close()

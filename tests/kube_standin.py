@@ -2,8 +2,8 @@
 
 It is an HTTP server on 127.0.0.1 that implements only what ``sandbox.kubernetes`` uses, answering with
 Kubernetes-shaped JSON so that the real ``kubernetes`` client parses it: pods (create, get, list and watch with
-labelSelector/fieldSelector, delete; a list over every namespace) and NetworkPolicies (create, get). It records
-every request, so tests can assert what an API server would see.
+labelSelector/fieldSelector, delete; a list over every namespace), NetworkPolicies (create, get) and Leases (create,
+list, merge-patch, delete). It records every request, so tests can assert what an API server would see.
 
 A created pod is run for real: its main container's command starts as a local subprocess (``python3`` replaced by this
 interpreter, PYTHONPATH = the repository root instead of the init container's emptyDir, the container's working
@@ -185,6 +185,15 @@ class KubeApiStandIn:
         collection = "/".join([*parts[:i], plural])
         body = query.pop("_body", None)
         with self._cond:
+            if not rest and method == "POST":  # create (what the sandbox's owner leases need)
+                meta = body.setdefault("metadata", {})
+                key = (collection, ns, meta["name"])
+                if key in self.objects:
+                    return 409, _status(409, "AlreadyExists", f'{plural} "{meta["name"]}" already exists',
+                                        meta["name"])
+                meta.update(namespace=ns, uid=str(uuid.uuid4()), creationTimestamp=_now())
+                self.objects[key] = body
+                return 201, copy.deepcopy(body)
             if not rest and method == "GET":
                 items = [copy.deepcopy(o) for (c, n, _), o in self.objects.items() if c == collection and n == ns
                          and _selector_match(query.get("labelSelector", ""), o["metadata"].get("labels") or {})]

@@ -316,7 +316,12 @@ def test_9_the_ray_cluster_and_its_gpus_go_minutes_after_the_run(values):
 # --- 10: sessions kept alive ------------------------------------------------------------------------------------------
 
 def test_10_no_autoscaler_kills_live_sessions_and_replicas_know_themselves():
+    """No scale-down kills live sessions; each replica knows its pod, and may hold the owner lease through which the
+    living replicas delete a dead one's session pods in the session namespace (sandbox.k8s_leases)."""
     docs = render(GPU, config=GPU_CONFIG)
+    rules = one(docs, "Role")["rules"]
+    assert {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"],
+            "verbs": ["create", "get", "list", "patch", "delete"]} in rules
     hpa = one(docs, "HorizontalPodAutoscaler")["spec"]
     assert hpa["behavior"]["scaleDown"]["selectPolicy"] == "Disabled"
     env = {e["name"]: e for e in one(docs, "Deployment")["spec"]["template"]["spec"]["containers"][0]["env"]}

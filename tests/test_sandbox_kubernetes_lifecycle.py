@@ -1,6 +1,7 @@
 """The pod backend's place in a cluster, against the ``KubeApiStandIn`` stand-in of the API server (no real one can run
 here; it deletes a pod's dependents as the garbage collector does): session pods in a namespace of their own, owned
-by the service pod that made them, meeting the "restricted" Pod Security Standard, and drained at shutdown."""
+by the service pod that made them (or, across namespaces, collected when its owner lease runs out), meeting the
+"restricted" Pod Security Standard, and drained at shutdown."""
 
 from __future__ import annotations
 
@@ -76,6 +77,36 @@ def test_session_pods_go_to_the_namespace_from_the_environment(api, make_backend
     assert any("cannot be owned" in r.message for r in caplog.records)
     s.close()
     assert api.pods.keys() == {("sbx", service_pod["metadata"]["name"])}
+
+
+def test_a_dead_replicas_session_pods_in_another_namespace_go_when_its_lease_runs_out(api, make_backend, monkeypatch):
+    """Session pods in their own namespace cannot be owned by the service pod; each replica holds an owner lease there
+    instead. A replica that dies without closing (its pods left, its lease no longer renewed) loses its pods to a
+    living replica's reaper once the lease has run out, not at their TTL; a living replica's pods and a replica of
+    another run are left alone, and a replica that closes takes its lease with it."""
+    LEASES = "apis/coordination.k8s.io/v1/leases"
+    monkeypatch.setenv(SESSION_NAMESPACE_ENV, "sbx-sessions")
+    run = {"labels": {"colocated-rl/run": "r1"}}
+    dead = make_backend(owner="replica-a", lease_s=4, **run)
+    alive = make_backend(owner="replica-b", lease_s=4, **run)
+    stranger = make_backend(owner="replica-c", lease_s=4, labels={"colocated-rl/run": "r2"})
+    a, b, c = dead.create_session(), alive.create_session(), stranger.create_session()
+    lease = api.objects[(LEASES, "sbx-sessions", "rl-sandbox-owner-replica-a")]
+    assert lease["spec"]["holderIdentity"] == "replica-a" and lease["spec"]["leaseDurationSeconds"] == 4
+    assert lease["metadata"]["labels"]["colocated-rl/run"] == "r1"
+    dead.lease.renew()  # its last renewal; then its process is gone: no reaper, no close
+    dead._stop.set()
+    alive.reap()  # the lease still holds: nothing is touched
+    assert ("sbx-sessions", a.pod.name) in api.pods
+    time.sleep(4.5)
+    stranger.reap()  # another run's replica: not its business
+    assert ("sbx-sessions", a.pod.name) in api.pods
+    assert alive.reap() >= 1
+    assert ("sbx-sessions", a.pod.name) not in api.pods
+    assert {("sbx-sessions", b.pod.name), ("sbx-sessions", c.pod.name)} <= api.pods.keys()
+    assert (LEASES, "sbx-sessions", "rl-sandbox-owner-replica-a") not in api.objects
+    alive.close()
+    assert (LEASES, "sbx-sessions", "rl-sandbox-owner-replica-b") not in api.objects
 
 
 def test_session_pods_meet_the_restricted_pod_security_standard(api, make_backend):
