@@ -141,6 +141,17 @@ def _url(ip: str, port: int) -> str:
     return f"http://[{ip}]:{port}" if ":" in ip else f"http://{ip}:{port}"
 
 
+#: what runtime_class auto tries first: gVisor's usual RuntimeClass name (its runsc handler)
+GVISOR = "gvisor"
+
+
+def _runtime_class(option: str | None) -> str | None:
+    """The RuntimeClass session pods start with: auto's guess, the one named, or none."""
+    if option == "auto":
+        return GVISOR
+    return None if option in (None, "", "none") else option
+
+
 class KubernetesBackend:
     """Sessions as pods: created at a limited rate, optionally taken from a warm pool, deleted on close or at TTL."""
 
@@ -199,7 +210,7 @@ class KubernetesBackend:
         self._pod_options = {"agent_image": o.agent_image, "port": agent_port, "ttl_s": self.ttl_s,
                              "workdir": workdir, "workdir_volume": workdir_volume,
                              "resources": {"cpu": o.cpu, "memory": o.memory} if resources is None else resources,
-                             "runtime_class": o.runtime_class, "node_selector": o.node_selector,
+                             "runtime_class": _runtime_class(o.runtime_class), "node_selector": o.node_selector,
                              "tolerations": o.tolerations, "image_pull_secrets": list(o.image_pull_secrets),
                              "labels": o.labels, "priority_class": o.priority_class,
                              "run_as_user": o.run_as_user, "owner_pod": self.owner_pod}
@@ -302,7 +313,13 @@ class KubernetesBackend:
         manifest = m.sandbox_pod(name=name, namespace=self.namespace, session_id=sid, owner=self.owner, image=image,
                                  token=token, expires_at=now + self.ttl_s, **self._pod_options)
         try:
-            created = self.core.create_namespaced_pod(self.namespace, manifest, _request_timeout=API_TIMEOUT_S)
+            try:
+                created = self.core.create_namespaced_pod(self.namespace, manifest, _request_timeout=API_TIMEOUT_S)
+            except ApiException as e:
+                if not self._no_gvisor(e):
+                    raise
+                manifest["spec"].pop("runtimeClassName", None)
+                created = self.core.create_namespaced_pod(self.namespace, manifest, _request_timeout=API_TIMEOUT_S)
         except ApiException as e:
             body = str(e.body or "")
             code = ("RESOURCE_EXHAUSTED" if e.status == 403 and "quota" in body
@@ -321,6 +338,25 @@ class KubernetesBackend:
             raise SandboxError(f"pod {self.namespace}/{name} did not start: {type(e).__name__}: {e}",
                                "UNAVAILABLE") from e
         return pod
+
+    def _no_gvisor(self, e: ApiException) -> bool:
+        """Whether ``e`` is the API server refusing a pod of runtime_class auto's guess (its RuntimeClass does not
+        exist): session pods then use the node's runtime, said once."""
+        guess = self._pod_options["runtime_class"]
+        if self.options.runtime_class != "auto" or guess is None or e.status != 403:
+            return False
+        try:
+            message = str(json.loads(e.body).get("message", ""))
+        except (TypeError, ValueError, AttributeError):
+            message = str(e.body or "")
+        if f'RuntimeClass "{guess}" not found' not in message:
+            return False
+        with self._lock:
+            if self._pod_options["runtime_class"] is not None:
+                self._pod_options["runtime_class"] = None
+                log.warning("the cluster has no RuntimeClass %s (gVisor): session pods in %s share their node's "
+                            "kernel; install gVisor, or set sandbox.kubernetes.runtime_class", guess, self.namespace)
+        return True
 
     def _wait_running(self, name: str, resource_version: str | None, deadline: float) -> str:
         """The pod's IP once it runs. A watch from the create's resourceVersion: the Running transition arrives when

@@ -69,7 +69,10 @@ class KubernetesOptions(StrictOptions):
     namespace: str = "default"
     agent_image: str = Field("colocated-rl:cpu", description="runtime image whose init container copies the agent")
     default_image: str = Field("python:3.11-slim", description="image of sessions that name none")
-    runtime_class: str | None = Field(None, description="e.g. gvisor, for a kernel boundary between sandboxes")
+    runtime_class: str | None = Field(
+        "auto", description="RuntimeClass of session pods, for a kernel boundary between sandboxes and the node: "
+                            "auto (gVisor, RuntimeClass gvisor, where the cluster has it; else the node's runtime, "
+                            "with a warning), a name (e.g. gvisor, kata), or none/null for the node's runtime")
     ttl_s: float = Field(3600, gt=0, description="pods are deleted after this long, even if the service dies")
     max_creates_per_s: float = Field(20, gt=0, description="client-side pod-creation rate limit")
     warm_pool: dict[str, int] = Field(default_factory=dict, description="image -> ready pods kept waiting")

@@ -9,9 +9,10 @@ A created pod is run for real: its main container's command starts as a local su
 interpreter, PYTHONPATH = the repository root instead of the init container's emptyDir, the container's working
 directory replaced by a per-pod temporary directory) with ``POD_IP`` = a loopback address of its own (all of
 127.0.0.0/8 reaches loopback on Linux). The pod then reports phase Running and that podIP; deleting it kills the
-process; ``activeDeadlineSeconds`` is enforced like the kubelet does. ``failures[image] = reason`` makes pods of an
-image fail instead: "Unschedulable" keeps them Pending, any other reason (e.g. "ImagePullBackOff") is reported as the
-container's waiting reason. Init containers are not run.
+process; ``activeDeadlineSeconds`` is enforced like the kubelet does; a pod naming a RuntimeClass the cluster lacks
+(``runtime_classes``, by default gVisor's ``gvisor``) is refused as the RuntimeClass admission plug-in refuses it.
+``failures[image] = reason`` makes pods of an image fail instead: "Unschedulable" keeps them Pending, any other reason
+(e.g. "ImagePullBackOff") is reported as the container's waiting reason. Init containers are not run.
 
 For the run commands (``rl status``, ``rl logs``, ``rl delete``) it also keeps objects that tests put in place with
 ``seed``: pods that run nothing (with the status and log given), custom objects such as RayJobs, claims and Secrets,
@@ -109,6 +110,8 @@ class KubeApiStandIn:
         self.pods: dict[tuple[str, str], dict[str, Any]] = {}
         self.policies: dict[tuple[str, str], dict[str, Any]] = {}
         self.failures: dict[str, str] = {}
+        # the cluster's RuntimeClasses: a pod naming another is refused, as the RuntimeClass admission plug-in does
+        self.runtime_classes: set[str] = {"gvisor"}
         self.objects: dict[tuple[str, str, str], dict[str, Any]] = {}  # (collection path, namespace, name)
         self.logs: dict[tuple[str, str], str] = {}
         self.start_delay_s = 0.0
@@ -240,6 +243,10 @@ class KubeApiStandIn:
     def create_pod(self, ns: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         """POST pods: store it, then run (or fail) it in the background."""
         name = body["metadata"]["name"]
+        runtime = (body.get("spec") or {}).get("runtimeClassName")
+        if runtime is not None and runtime not in self.runtime_classes:
+            return 403, _status(403, "Forbidden", f'pods "{name}" is forbidden: pod rejected: RuntimeClass '
+                                                  f'"{runtime}" not found', name)
         with self._cond:
             if (ns, name) in self.pods:
                 return 409, _status(409, "AlreadyExists", f'pods "{name}" already exists', name)

@@ -147,6 +147,7 @@ def test_sandbox_pod_backend_rbac_is_limited_and_sandboxes_get_no_egress():
     assert role["metadata"]["namespace"] == "rl-myrun-sandbox"  # the session pods' namespace, not the run's
     assert sorted((tuple(r["apiGroups"]), tuple(r["resources"]), tuple(sorted(r["verbs"]))) for r in role["rules"]) \
         == [(("",), ("pods",), ("create", "delete", "get", "list", "watch")),
+            (("coordination.k8s.io",), ("leases",), ("create", "delete", "get", "list", "patch")),
             (("networking.k8s.io",), ("networkpolicies",), ("create", "get"))]
     binding = one(docs, "RoleBinding")
     assert binding["subjects"][0]["name"] == one(docs, "ServiceAccount")["metadata"]["name"]

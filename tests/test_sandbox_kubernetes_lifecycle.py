@@ -109,6 +109,27 @@ def test_a_dead_replicas_session_pods_in_another_namespace_go_when_its_lease_run
     assert (LEASES, "sbx-sessions", "rl-sandbox-owner-replica-b") not in api.objects
 
 
+def test_session_pods_run_under_gvisor_by_default_where_the_cluster_has_it(api, make_backend, caplog):
+    """runtime_class auto (the default): session pods ask for gVisor's RuntimeClass; on a cluster without one the
+    API server refuses such a pod, and the backend says so once and runs its sessions on the node's runtime."""
+    s = make_backend().create_session()
+    assert api.pods[("sbx", s.pod.name)]["spec"]["runtimeClassName"] == "gvisor"
+    api.runtime_classes.clear()
+    with caplog.at_level(logging.WARNING, logger="sandbox.kubernetes"):
+        backend = make_backend()
+        first, second = backend.create_session(), backend.create_session()
+    for t in (first, second):
+        assert "runtimeClassName" not in api.pods[("sbx", t.pod.name)]["spec"]
+        assert t.exec(["echo", "up"], LIMITS).stdout == b"up\n"
+    assert sum("has no RuntimeClass gvisor" in r.message for r in caplog.records) == 1
+    asked = [r.body["spec"].get("runtimeClassName") for r in api.requests if r.method == "POST"
+             and r.path.endswith("/pods")]
+    assert asked[-3:] == ["gvisor", None, None]  # asked once, then not again
+    # named explicitly, a missing RuntimeClass is the operator's error, not quietly dropped
+    with pytest.raises(Exception, match="RuntimeClass"):
+        make_backend(runtime_class="kata").create_session()
+
+
 def test_session_pods_meet_the_restricted_pod_security_standard(api, make_backend):
     backend = make_backend(runtime_class="gvisor", run_as_user=1234)
     backend.create_session()
