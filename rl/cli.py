@@ -184,6 +184,12 @@ def _cmd_sandbox_serve(args: argparse.Namespace) -> None:
         server.stop()
 
 
+def _cmd_sandbox_release(args: argparse.Namespace) -> None:
+    from rl.launch import release_sandbox
+
+    release_sandbox(args.deployment, namespace=args.namespace)
+
+
 def _end_with(parent: int) -> None:
     """SIGTERM this process once ``parent`` is gone (its children are then adopted by another process)."""
     while os.getppid() == parent:
@@ -348,6 +354,11 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--advertise-address", help="host:port clients reach this replica at, when several replicas "
                                                 "serve one name (sessions stay on the replica that made them)")
     sv.set_defaults(func=_cmd_sandbox_serve)
+    sd = sbs.add_parser("release", help="scale the sandbox service's Deployment to zero (a Kubernetes run's script "
+                                        "does it once the run ended for good)")
+    sd.add_argument("deployment", help="the sandbox service's Deployment, e.g. RELEASE-sandbox")
+    sd.add_argument("-n", "--namespace", help="its namespace (default: kubectl's, or the pod's own)")
+    sd.set_defaults(func=_cmd_sandbox_release)
     sr = sbs.add_parser("run", help="run one command in a fresh sandbox and print its output and verdict")
     sr.add_argument("--address", help="host:port of a running service (default: start a local one)")
     sr.add_argument("--file", action="append", default=[], help="copy this file into the sandbox (repeatable)")

@@ -90,6 +90,7 @@ class Kube:
         self.host = api_client.configuration.host
         self.core = kubernetes.client.CoreV1Api(api_client)
         self.custom = kubernetes.client.CustomObjectsApi(api_client)
+        self.apps = kubernetes.client.AppsV1Api(api_client)
 
     def call(self, what: str, fn: Callable[..., Any], *args: Any, missing_ok: bool = False, **kw: Any) -> Any:
         """``fn(*args, **kw)``; API and connection errors become CommandFailed naming ``what`` (None for a
@@ -119,6 +120,22 @@ class Kube:
         pods = self.call(f"listing the pods of run {name}", self.core.list_namespaced_pod, self.namespace,
                          label_selector=selector).items
         return sorted(pods, key=lambda p: p.metadata.creation_timestamp or 0)
+
+
+def release_sandbox(deployment: str, *, namespace: str | None = None, kube: Kube | None = None,
+                    out: TextIO | None = None) -> None:
+    """Scale the sandbox service's Deployment to zero: what a run that ended for good (``launch.sh`` after ``rl
+    train`` succeeded) does, so that its fleet frees its nodes without waiting for ``rl delete``. Its autoscaler
+    stops acting on a Deployment of zero replicas; open sessions are drained as at any shutdown."""
+    kube, out = kube or Kube(namespace), out or sys.stdout
+    ns = kube.namespace
+    scale = kube.call(f"scaling Deployment {ns}/{deployment} to 0", kube.apps.patch_namespaced_deployment_scale,
+                      deployment, ns, {"spec": {"replicas": 0}}, missing_ok=True)
+    if scale is None:
+        print(f"no Deployment {ns}/{deployment}: nothing to release", file=out, flush=True)
+        return
+    print(f"the run is over: sandbox service {ns}/{deployment} scaled to 0 (rl delete removes the rest)", file=out,
+          flush=True)
 
 
 def session_pods(kube: Kube, name: str) -> list[tuple[str, Any]]:

@@ -2,8 +2,9 @@
 
 It is an HTTP server on 127.0.0.1 that implements only what ``sandbox.kubernetes`` uses, answering with
 Kubernetes-shaped JSON so that the real ``kubernetes`` client parses it: pods (create, get, list and watch with
-labelSelector/fieldSelector, delete; a list over every namespace), NetworkPolicies (create, get) and Leases (create,
-list, merge-patch, delete). It records every request, so tests can assert what an API server would see.
+labelSelector/fieldSelector, delete; a list over every namespace), NetworkPolicies (create, get), Leases (create,
+list, merge-patch, delete) and a Deployment's scale. It records every request, so tests can assert what an API
+server would see.
 
 A created pod is run for real: its main container's command starts as a local subprocess (``python3`` replaced by this
 interpreter, PYTHONPATH = the repository root instead of the init container's emptyDir, the container's working
@@ -202,6 +203,14 @@ class KubeApiStandIn:
                          and _selector_match(query.get("labelSelector", ""), o["metadata"].get("labels") or {})]
                 return 200, {"apiVersion": "v1", "kind": "List", "metadata": {"resourceVersion": str(self._rv)},
                              "items": items}
+            if len(rest) == 2 and rest[1] == "scale" and method == "PATCH":  # a Deployment's scale subresource
+                obj = self.objects.get((collection, ns, rest[0]))
+                if obj is None:
+                    return 404, _status(404, "NotFound", f'{plural} "{rest[0]}" not found', rest[0])
+                _merge(obj, {"spec": {"replicas": (body.get("spec") or {}).get("replicas")}})
+                return 200, {"apiVersion": "autoscaling/v1", "kind": "Scale", "metadata": {"name": rest[0],
+                                                                                         "namespace": ns},
+                             "spec": {"replicas": obj["spec"]["replicas"]}, "status": {"replicas": 0}}
             if len(rest) != 1:
                 return None
             key = (collection, ns, rest[0])

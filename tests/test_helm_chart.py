@@ -60,9 +60,22 @@ def pod_templates(job: dict) -> list[dict]:
 
 def train_args(docs: list[dict]) -> list[str]:
     """The command line of the ConfigMap's launch.sh: one, the same on every attempt (it resumes by itself)."""
-    script = run_configmap(docs)["data"]["launch.sh"]
-    [line] = [shlex.split(x.strip()) for x in script.splitlines() if x.strip().startswith("exec rl train")]
-    return line
+    return train_command(run_configmap(docs)["data"]["launch.sh"])
+
+
+def train_command(script: str) -> list[str]:
+    """The one ``rl train`` command of a launch.sh (``exec rl train ...``, or ``rl train ... || status=$?`` where the
+    script goes on after it), split as bash would, from ``rl`` to its last argument."""
+    [line] = [shlex.split(x) for x in script.splitlines() if " rl train " in f" {x.strip()} "]
+    line = line[line.index("rl"):]
+    return line[: line.index("||")] if "||" in line else line
+
+
+def sandbox_role(docs: list[dict], kind: str = "Role") -> dict:
+    """The sandbox service's Role (or RoleBinding, ServiceAccount): the session pods' rights, not the run's own
+    (myrun-run: scaling the sandbox's Deployment at the run's end)."""
+    [doc] = [d for d in docs if d["kind"] == kind and d["metadata"]["name"].endswith("-sandbox")]
+    return doc
 
 
 def config_args(argv: list[str]) -> list[str]:
@@ -105,7 +118,7 @@ def test_every_example_renders_valid_manifests(values):
         shm = next(v for v in t["spec"]["volumes"] if v["name"] == "dshm")
         assert shm["emptyDir"]["medium"] == "Memory"
     argv = train_args(docs)
-    assert argv[:7] == ["exec", "rl", "train", "/etc/rl/config.yaml", "--run-dir", "$run_dir", "--auto-resume"]
+    assert argv[:6] == ["rl", "train", "/etc/rl/config.yaml", "--run-dir", "$run_dir", "--auto-resume"]
     # the overrides the head passes must make a valid run config
     assert rl_main(["check-config", str(QUICKSTART), *config_args(argv)]) == 0
 
@@ -143,14 +156,14 @@ def test_gpu_example_sizes_workers_and_reaches_model_and_monitoring():
 
 def test_sandbox_pod_backend_rbac_is_limited_and_sandboxes_get_no_egress():
     docs = render()
-    role = one(docs, "Role")
+    role = sandbox_role(docs)
     assert role["metadata"]["namespace"] == "rl-myrun-sandbox"  # the session pods' namespace, not the run's
     assert sorted((tuple(r["apiGroups"]), tuple(r["resources"]), tuple(sorted(r["verbs"]))) for r in role["rules"]) \
         == [(("",), ("pods",), ("create", "delete", "get", "list", "watch")),
             (("coordination.k8s.io",), ("leases",), ("create", "delete", "get", "list", "patch")),
             (("networking.k8s.io",), ("networkpolicies",), ("create", "get"))]
-    binding = one(docs, "RoleBinding")
-    assert binding["subjects"][0]["name"] == one(docs, "ServiceAccount")["metadata"]["name"]
+    binding = sandbox_role(docs, "RoleBinding")
+    assert binding["subjects"][0]["name"] == sandbox_role(docs, "ServiceAccount")["metadata"]["name"]
     assert binding["subjects"][0]["namespace"] == "rl" and binding["metadata"]["namespace"] == "rl-myrun-sandbox"
     assert not [d for d in docs if d["kind"] in ("ClusterRole", "ClusterRoleBinding")]
     policy = next(d for d in docs if d["metadata"]["name"] == "myrun-sandbox-pods-deny-egress")["spec"]
@@ -174,8 +187,8 @@ def test_sandbox_pod_backend_rbac_is_limited_and_sandboxes_get_no_egress():
 
 def test_local_sandbox_backend_is_privileged_without_rbac_or_egress():
     docs = render(CHART / "examples" / "local-sandbox.yaml")
-    assert not [d for d in docs if d["kind"] in ("Role", "RoleBinding")]
-    assert one(docs, "ServiceAccount")["automountServiceAccountToken"] is False
+    assert not [d for d in docs if d["kind"] in ("Role", "RoleBinding") and d["metadata"]["name"].endswith("-sandbox")]
+    assert sandbox_role(docs, "ServiceAccount")["automountServiceAccountToken"] is False
     pod = one(docs, "Deployment")["spec"]["template"]
     assert pod["spec"]["containers"][0]["securityContext"]["privileged"] is True
     policy = next(d for d in docs if d["metadata"]["name"] == "myrun-sandbox-deny-egress")["spec"]

@@ -6,7 +6,7 @@ test_helm_chart.py (kubernetes-validate and the KubeRay CRD schema); Pod Securit
 from __future__ import annotations
 
 import re
-import shlex
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -15,7 +15,17 @@ import yaml
 from rl.cli import main as rl_main
 from rl.config import load_config
 from rl.launch import CHART
-from tests.test_helm_chart import EXAMPLES, HELM, QUICKSTART, helm, one, pod_templates, render
+from tests.test_helm_chart import (
+    EXAMPLES,
+    HELM,
+    QUICKSTART,
+    helm,
+    one,
+    pod_templates,
+    render,
+    sandbox_role,
+    train_command,
+)
 
 pytestmark = pytest.mark.skipif(HELM is None, reason="helm is not installed (make setup installs it)")
 GPU = CHART / "examples" / "gpu-cluster.yaml"
@@ -41,8 +51,7 @@ def refused(*args: str) -> str:
 def command(docs: list[dict]) -> list[str]:
     """launch.sh's one command line (split as bash would)."""
     script = next(d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"].endswith("-config"))
-    [line] = [shlex.split(x) for x in script["data"]["launch.sh"].splitlines() if x.startswith("exec ")]
-    return line
+    return train_command(script["data"]["launch.sh"])
 
 
 def sets(argv: list[str]) -> dict[str, str]:
@@ -209,7 +218,7 @@ def test_5_14_every_attempt_runs_one_command_that_resumes_from_a_complete_checkp
     text = script["data"]["launch.sh"]
     assert "checkpoints" not in text and "--resume" not in text.replace("--auto-resume", "")
     argv = command(docs)
-    assert argv[:7] == ["exec", "rl", "train", "/etc/rl/config.yaml", "--run-dir", "$run_dir", "--auto-resume"]
+    assert argv[:6] == ["rl", "train", "/etc/rl/config.yaml", "--run-dir", "$run_dir", "--auto-resume"]
     assert one(docs, "RayJob")["spec"]["backoffLimit"] > 0
 
 
@@ -222,7 +231,7 @@ def test_6_session_pods_and_the_role_live_in_a_namespace_of_their_own(tmp_path):
     assert name == "rl-myrun-sandbox"
     assert ns["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "restricted"
     for kind in ("Role", "RoleBinding"):
-        assert one(docs, kind)["metadata"]["namespace"] == name  # nothing of the run's own namespace
+        assert sandbox_role(docs, kind)["metadata"]["namespace"] == name  # nothing of the run's own namespace
     deployment = one(docs, "Deployment")["spec"]["template"]["spec"]
     c = deployment["containers"][0]
     assert f"--set=sandbox.kubernetes.namespace={name}" in c["args"]
@@ -234,7 +243,7 @@ def test_6_session_pods_and_the_role_live_in_a_namespace_of_their_own(tmp_path):
     # a namespace made beforehand (by whoever may create namespaces), and never the run's own
     docs = render(sets=("sandbox.sessionNamespace.name=rl-sandbox", "sandbox.sessionNamespace.create=false"))
     assert not [d for d in docs if d["kind"] == "Namespace"]
-    assert one(docs, "Role")["metadata"]["namespace"] == "rl-sandbox"
+    assert sandbox_role(docs)["metadata"]["namespace"] == "rl-sandbox"
     err = refused("--set", "sandbox.sessionNamespace.name=rl")
     assert "sandbox.sessionNamespace.name \"rl\" is the run's own namespace" in err
 
@@ -302,7 +311,9 @@ def test_8_the_local_backends_privileged_pod_needs_consent():
     docs = render(sets=("sandbox.backend=local", "sandbox.localPrivileged=true"))
     spec = one(docs, "Deployment")["spec"]["template"]["spec"]
     assert spec["containers"][0]["securityContext"]["privileged"] is True
-    assert not [d for d in docs if d["kind"] in ("Namespace", "Role")]  # no session pods, no rights to make them
+    # no session pods, no rights to make them
+    assert not [d for d in docs if d["kind"] == "Namespace" or (d["metadata"]["name"].endswith("-sandbox")
+                and d["kind"] == "Role")]
 
 
 # --- 9: GPUs freed minutes after the run -
@@ -313,13 +324,42 @@ def test_9_the_ray_cluster_and_its_gpus_go_minutes_after_the_run(values):
     assert spec["shutdownAfterJobFinishes"] is True and spec["ttlSecondsAfterFinished"] <= 300
 
 
+def test_9_a_run_that_succeeded_releases_its_sandbox_fleet(tmp_path):
+    """The RayJob (and the fleet it owns) stays after the run, for its status: a run that succeeded, and so will not
+    be retried, scales its sandbox service to zero itself (launch.sh, through the Ray pods' own account, whose one
+    right is that Deployment's scale); a failed attempt keeps it for the retry. Run here with bash, rl train and
+    rl sandbox release replaced by stand-ins that record their calls."""
+    docs = render(GPU, config=GPU_CONFIG)
+    role = next(d for d in docs if d["kind"] == "Role" and d["metadata"]["name"] == "myrun-run")
+    assert role["metadata"].get("namespace", "rl") == "rl" and role["rules"] == [
+        {"apiGroups": ["apps"], "resources": ["deployments/scale"], "resourceNames": ["myrun-sandbox"],
+         "verbs": ["get", "patch"]}]
+    binding = next(d for d in docs if d["kind"] == "RoleBinding" and d["metadata"]["name"] == "myrun-run")
+    for t in pod_templates(one(docs, "RayJob")):
+        assert t["spec"]["serviceAccountName"] == binding["subjects"][0]["name"] == "myrun-run"
+    script = next(d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "myrun-config")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "rl").write_text('#!/bin/bash\necho "$@" >> "$CALLS"\n[ "$1" = train ] && exit "$TRAIN_STATUS"\n'
+                                'exit 0\n')
+    (bin_dir / "rl").chmod(0o755)
+    for status in (0, 1):
+        calls = tmp_path / f"calls-{status}"
+        env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "CALLS": str(calls), "TRAIN_STATUS": str(status)}
+        proc = subprocess.run(["bash", "-c", script["data"]["launch.sh"]], env=env, capture_output=True, text=True)
+        assert proc.returncode == status, proc.stderr
+        lines = calls.read_text().splitlines()
+        assert lines[0].startswith("train /etc/rl/config.yaml --run-dir")
+        assert lines[1:] == (["sandbox release myrun-sandbox --namespace rl"] if status == 0 else [])
+
+
 # --- 10: sessions kept alive ------------------------------------------------------------------------------------------
 
 def test_10_no_autoscaler_kills_live_sessions_and_replicas_know_themselves():
     """No scale-down kills live sessions; each replica knows its pod, and may hold the owner lease through which the
     living replicas delete a dead one's session pods in the session namespace (sandbox.k8s_leases)."""
     docs = render(GPU, config=GPU_CONFIG)
-    rules = one(docs, "Role")["rules"]
+    rules = sandbox_role(docs)["rules"]
     assert {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"],
             "verbs": ["create", "get", "list", "patch", "delete"]} in rules
     hpa = one(docs, "HorizontalPodAutoscaler")["spec"]

@@ -201,7 +201,7 @@ def test_the_rayjob_owns_the_sandbox_fleet_and_takes_it_along(api, capsys):
         stored[d["kind"], d["metadata"]["name"]] = api.seed(f"{group}/{plural}", d)
     uid = stored["RayJob", "quickstart"]["metadata"]["uid"]
 
-    assert own_by_rayjob("quickstart", Kube(NS), manifests) == 9
+    assert own_by_rayjob("quickstart", Kube(NS), manifests) == 12
     owned = {(c.rsplit("/", 1)[1], name) for (c, ns, name), o in api.objects.items()
              if o["metadata"].get("ownerReferences") == [{"apiVersion": "ray.io/v1", "kind": "RayJob",
                                                            "name": "quickstart", "uid": uid}]}
@@ -209,9 +209,10 @@ def test_the_rayjob_owns_the_sandbox_fleet_and_takes_it_along(api, capsys):
                      ("horizontalpodautoscalers", "quickstart-sandbox"), ("secrets", "quickstart-sandbox-token"),
                      ("serviceaccounts", "quickstart-sandbox"), ("configmaps", "quickstart-config"),
                      ("networkpolicies", "quickstart-sandbox-ingress"), ("networkpolicies", "quickstart-ray-head"),
-                     ("networkpolicies", "quickstart-ray-workers")}
+                     ("networkpolicies", "quickstart-ray-workers"), ("serviceaccounts", "quickstart-run"),
+                     ("roles", "quickstart-run"), ("rolebindings", "quickstart-run")}
     patched = [r.path for r in api.requests if r.method == "PATCH"]
-    assert len(patched) == 9 and all(f"/namespaces/{NS}/" in p for p in patched)
+    assert len(patched) == 12 and all(f"/namespaces/{NS}/" in p for p in patched)
 
     api.requests.clear()
     Kube(NS).custom.delete_namespaced_custom_object("ray.io", "v1", NS, "rayjobs", "quickstart")
@@ -225,3 +226,18 @@ def test_owning_needs_the_rayjob(api):
     with pytest.raises(CommandFailed, match="no RayJob rl/quickstart after the install"):
         own_by_rayjob("quickstart", Kube(NS), "")
     assert api.count("PATCH", "deployments") == 0
+
+
+def test_sandbox_release_scales_the_fleet_to_zero(api, capsys):
+    """`rl sandbox release DEPLOYMENT` (a run's launch.sh, once the run succeeded): the sandbox service's Deployment
+    goes to zero replicas through its scale subresource; a Deployment that is not there is said so, not an error."""
+    api.seed("apis/apps/v1/deployments", {"apiVersion": "apps/v1", "kind": "Deployment",
+                                          "metadata": {"name": "quickstart-sandbox", "namespace": NS},
+                                          "spec": {"replicas": 3}})
+    assert rl_main(["sandbox", "release", "quickstart-sandbox"]) == 0
+    assert api.objects[("apis/apps/v1/deployments", NS, "quickstart-sandbox")]["spec"]["replicas"] == 0
+    [patch] = [r for r in api.requests if r.method == "PATCH"]
+    assert patch.path == f"/apis/apps/v1/namespaces/{NS}/deployments/quickstart-sandbox/scale"
+    assert "sandbox service rl/quickstart-sandbox scaled to 0" in capsys.readouterr().out
+    assert rl_main(["sandbox", "release", "gone-sandbox"]) == 0
+    assert "no Deployment rl/gone-sandbox: nothing to release" in capsys.readouterr().out

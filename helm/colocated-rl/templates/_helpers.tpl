@@ -103,7 +103,7 @@ colocated-rl/run: {{ .Release.Name }}
 imagePullSecrets:
   {{- toYaml . | nindent 2 }}
 {{- end }}
-{{- with .Values.scheduling.serviceAccountName }}
+{{- with (include "rl.runServiceAccount" .) }}
 serviceAccountName: {{ . }}
 {{- end }}
 {{- with .Values.scheduling.priorityClassName }}
@@ -329,4 +329,16 @@ to:
 ports:
   - {protocol: UDP, port: 53}
   - {protocol: TCP, port: 53}
+{{- end -}}
+
+
+{{/* The Ray pods' and the submitter's service account: the one named in scheduling.serviceAccountName, else, with a
+     sandbox, the chart's own (its only right: scaling the sandbox's Deployment at the run's end), else none (the
+     namespace's default). */}}
+{{- define "rl.runServiceAccount" -}}
+{{- if .Values.scheduling.serviceAccountName -}}
+{{- .Values.scheduling.serviceAccountName -}}
+{{- else if .Values.sandbox.enabled -}}
+{{- printf "%s-run" (include "rl.fullname" .) -}}
+{{- end -}}
 {{- end -}}
