@@ -90,7 +90,8 @@ def run_pair(name: str, iterations: int, out: Path, extra: list[str]) -> dict:
             "final_accuracy": summary["final_accuracy"], "best_accuracy": summary.get("best_accuracy"),
             "samples": len(records) * per_iteration, "iterations": len(records), "lr": ran["optimizer"]["lr"],
             "wall_s": summary["wall_s"], "rollbacks": summary.get("rollbacks", 0),
-            "warnings": sum(r.get("warn_entropy_collapse", 0) + r.get("warn_reward_collapse", 0) for r in records),
+            "warnings": sum(v for r in records for k, v in r.items()
+                            if k.startswith("warn_") and k != "warn_no_signal"),
             "config": raw, "overrides": extra}
 
 

@@ -1,18 +1,25 @@
-"""Learning health: warnings, in the log and as metrics, when the policy's entropy or its reward collapses.
+"""Learning health: warnings, in the log and as metrics, when the policy or its training goes wrong.
 
 Each iteration's record is checked against the run's own history (so a resumed run replays its
 ``metrics.jsonl`` first):
 - ``warn_entropy_collapse``: the policy entropy fell below ``entropy_ratio`` of its first measured value
   (the policy became nearly deterministic: the K samples of a prompt stop differing, and so do rewards);
+- ``warn_entropy_blowup``: the entropy rose above ``blowup_ratio`` times its first value and by more than
+  ``blowup_nats`` (the policy is turning to noise: what a too large update does to a pretrained model first);
 - ``warn_reward_collapse``: the mean reward of the last ``window`` iterations fell below ``reward_ratio``
   of the best such mean so far (a too large learning rate typically does this within a few iterations);
-- ``warn_no_signal``: no prompt group had rewards that differ, so the RL loss was empty.
+- ``warn_update_spike``: an optimizer update's RMS (``update_rms/*``) above ``spike_ratio`` times the median of
+  the last ``window`` iterations' (a step much larger than the run's own);
+- ``warn_logit_growth``: the largest attention logit (``max_logit``) above ``logit_ratio`` times its first value
+  (QK-Clip caps it at ``optimizer.qk_clip_tau`` where it is on);
+- ``warn_no_signal``: no prompt group had rewards that differ, so the RL loss was empty; ``no_signal_share``
+  (a metric) is the share of the iteration's groups whose rewards were all equal.
 Each is 1 on the iterations where it holds and 0 otherwise.
 
 ``CollapseGuard`` turns them into action (``run.collapse_guard``): held-out accuracy ``collapse_drop``
-below the best evaluated so far, or a reward collapse, makes the controller roll back to the best
-weights (``best/``, saved with their trainer state at each new best), scale the learning rate by
-``rollback_lr_factor`` and go on; after ``max_rollbacks`` the run stops.
+below the best evaluated so far, a reward collapse or an entropy blow-up makes the controller roll back to the
+best weights (``best/``, saved with their trainer state at each new best), scale the learning rate by
+``rollback_lr_factor`` and go on; after ``max_rollbacks`` the run stops. The other signals warn.
 """
 
 from __future__ import annotations
@@ -23,11 +30,16 @@ from typing import Any
 
 class HealthMonitor:
     def __init__(self, entropy_ratio: float = 0.25, reward_ratio: float = 0.5, window: int = 5,
-                 min_reward: float = 0.05) -> None:
+                 min_reward: float = 0.05, blowup_ratio: float = 3.0, blowup_nats: float = 0.5,
+                 spike_ratio: float = 5.0, logit_ratio: float = 2.0) -> None:
         self.entropy_ratio, self.reward_ratio, self.window, self.min_reward = (entropy_ratio, reward_ratio, window,
                                                                                min_reward)
+        self.blowup_ratio, self.blowup_nats, self.spike_ratio, self.logit_ratio = (blowup_ratio, blowup_nats,
+                                                                                   spike_ratio, logit_ratio)
         self.first_entropy: float | None = None
+        self.first_logit: float | None = None
         self.rewards: deque[float] = deque(maxlen=window)
+        self.updates: dict[str, deque[float]] = {}
         self.best_reward_mean = float("-inf")
 
     def check(self, rec: dict[str, Any]) -> list[str]:
@@ -43,6 +55,14 @@ class HealthMonitor:
                 out.append(f"policy entropy collapsed: {entropy:.3f} nats per token, {self.entropy_ratio:.0%} of the "
                            f"first iteration's {self.first_entropy:.3f} is the floor (lower optimizer.lr?)")
         rec["warn_entropy_collapse"] = int(flag)
+        first = self.first_entropy
+        blowup = entropy is not None and first is not None and entropy > max(self.blowup_ratio * first,
+                                                                             first + self.blowup_nats)
+        if blowup:
+            out.append(f"policy entropy blew up: {entropy:.3f} nats per token against the first iteration's "
+                       f"{first:.3f} (the policy is turning to noise: lower optimizer.lr?)")
+        rec["warn_entropy_blowup"] = int(blowup)
+        out += self._spikes(rec)
         flag = False
         if "reward_mean" in rec:
             self.rewards.append(rec["reward_mean"])
@@ -54,11 +74,40 @@ class HealthMonitor:
                                f"of {self.best_reward_mean:.3f} (lower optimizer.lr?)")
                 self.best_reward_mean = max(self.best_reward_mean, mean)
         rec["warn_reward_collapse"] = int(flag)
+        groups = (rec.get("groups_trained") or 0) + (rec.get("groups_equal_reward") or 0)
+        if groups:
+            rec["no_signal_share"] = round((rec.get("groups_equal_reward") or 0) / groups, 4)
         stepless = bool(rec.get("trained_samples", 1)) and rec.get("optimizer_steps") == 0
         no_signal = rec.get("groups_trained") == 0 or stepless
         rec["warn_no_signal"] = int(bool(no_signal))
         if no_signal:
             out.append("no prompt group had rewards that differ: the RL loss was empty this iteration")
+        return out
+
+    def _spikes(self, rec: dict[str, Any]) -> list[str]:
+        """``warn_update_spike`` and ``warn_logit_growth`` on ``rec``; their lines."""
+        out, spike = [], False
+        for key in sorted(k for k in rec if k.startswith("update_rms/")):
+            value, seen = rec[key], self.updates.setdefault(key, deque(maxlen=self.window))
+            if value is None:
+                continue
+            if len(seen) == self.window:
+                median = sorted(seen)[self.window // 2]
+                if median > 0 and value > self.spike_ratio * median:
+                    spike = True
+                    out.append(f"{key} spiked: {value:.3g} against a median of {median:.3g} over the last "
+                               f"{self.window} iterations")
+            seen.append(value)
+        rec["warn_update_spike"] = int(spike)
+        logit, grew = rec.get("max_logit"), False
+        if logit is not None:
+            if self.first_logit is None:
+                self.first_logit = logit
+            elif logit > self.logit_ratio * self.first_logit:
+                grew = True
+                out.append(f"attention logits grew: the largest is {logit:.1f}, {self.logit_ratio:g} times the first "
+                           f"iteration's {self.first_logit:.1f} (optimizer.qk_clip_tau caps them)")
+        rec["warn_logit_growth"] = int(grew)
         return out
 
     def rolled_back(self) -> None:
@@ -109,5 +158,7 @@ class CollapseGuard:
             return f"held-out accuracy {acc:.3f} is more than {self.margin():.3g} below the best {self.best:.3f}"
         if rec.get("warn_reward_collapse"):
             return "the mean reward collapsed"
+        if rec.get("warn_entropy_blowup"):
+            return f"the policy's entropy blew up ({rec.get('entropy', 0):.3f} nats per token)"
         return None
 

@@ -91,3 +91,37 @@ def test_after_a_rollback_the_reward_window_fills_again_before_it_can_flag():
     probe = {"reward_mean": 0.1}
     replayed.check(probe)
     assert probe["warn_reward_collapse"] == 0  # the replay cleared the window at the rollback too
+
+
+def test_entropy_blowup_is_flagged_and_rolls_back():
+    """The policy turning to noise: entropy above 3x its first value and 0.5 nats more; tiny entropies that triple
+    without rising half a nat are not (the quick start's is 0.1)."""
+    h = HealthMonitor()
+    flags = []
+    for it, e in enumerate([0.4, 0.6, 1.1, 1.3, 0.5]):
+        rec = _rec(it, 0.3, e)
+        h.check(rec)
+        flags.append(rec["warn_entropy_blowup"])
+    assert flags == [0, 0, 0, 1, 0]  # over max(3 x 0.4, 0.4 + 0.5) = 1.2 only at 1.3
+    tiny = HealthMonitor()
+    recs = [_rec(i, 0.3, e) for i, e in enumerate([0.1, 0.35])]
+    for r in recs:
+        tiny.check(r)
+    assert recs[1]["warn_entropy_blowup"] == 0
+    guard = CollapseGuard(drop=0.1, best=0.4)
+    why = guard.verdict({"warn_entropy_blowup": 1, "entropy": 1.3})
+    assert why == "the policy's entropy blew up (1.300 nats per token)"
+
+
+def test_update_spikes_logit_growth_and_the_share_without_signal_are_watched():
+    h = HealthMonitor(window=3, spike_ratio=5.0, logit_ratio=2.0)
+    spikes, logits = [], []
+    for it, (rms, logit) in enumerate([(0.01, 10.0), (0.012, 11.0), (0.011, 12.0), (0.04, 15.0), (0.2, 21.0)]):
+        rec = _rec(it, 0.3, **{"update_rms/muon": rms, "max_logit": logit, "groups_equal_reward": it})
+        h.check(rec)
+        spikes.append(rec["warn_update_spike"])
+        logits.append(rec["warn_logit_growth"])
+        assert rec["no_signal_share"] == round(it / (10 + it), 4)
+    # median of the last three before: 0.011 (x5 = 0.055: 0.04 is not a spike), then 0.012 (0.2 is)
+    assert spikes == [0, 0, 0, 0, 1]
+    assert logits == [0, 0, 0, 0, 1]  # over 2 x 10 only at 21
