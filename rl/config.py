@@ -272,15 +272,21 @@ class AlgorithmConfig(Strict):
                            "advantages and a clipped per-token ratio, each response's tokens averaged; dapo: the "
                            "same with clip-higher, one token mean over the minibatch and overlong shaping "
                            "(rl.objectives has the formulas)")
-    tau: float = Field(1.0, gt=0, description="τ of the K1.5 objective")
-    clip_low: float = Field(0.2, gt=0, lt=1, description="grpo/dapo: ε (ε_low), the ratio's lower clip 1 − ε")
+    tau: float = Field(1.0, gt=0, description="τ of the K1.5 objective: the weight of the log-ratio term that holds "
+                       "each update near the sampling policy π_old (there is no KL to a reference model). 1.0, the "
+                       "cautious end, is what the transfer suite ran on models it was not tuned on; the quick start "
+                       "sets 0.2 for its own model, visibly")
+    clip_low: float = Field(0.2, gt=0, lt=1, description="grpo/dapo: ε (ε_low), the ratio's lower clip 1 − ε; 0.2 is "
+                            "PPO's, GRPO's and DAPO's")
     clip_high: float | None = Field(
         None, gt=0, description="grpo/dapo: ε_high, the upper clip 1 + ε_high; None: clip_low for grpo, 0.28 for dapo "
                                 "(DAPO's clip-higher, which keeps unlikely tokens able to gain probability)")
     overlong_buffer: int | None = Field(
         None, ge=0, description="dapo: L_c, the tokens before a response's budget over which its reward loses up to "
                                 "1 (0: off); None: a fifth of rollout.max_tokens")
-    minibatches: int = Field(2, ge=1, description="optimizer steps per rollout batch")
+    minibatches: int = Field(2, ge=1, description="optimizer steps per rollout batch: 2, the fewest at which the "
+                             "τ term (or the clip) acts at all (on the first step π_θ = π_old), and the fewest moves "
+                             "away from the sampler per batch of a model the defaults were not tuned on")
     micro_batch_tokens: int = Field(16384, ge=16, description="tokens (prompts + responses) packed into one "
                                     "forward/backward on each worker; a longer sequence gets a pass of its own")
     micro_batch: int | None = Field(None, ge=1, description="most sequences per forward/backward (None: only the "
@@ -315,9 +321,13 @@ class OptimizerConfig(Strict):
                       "AdamW's RMS (0.2·√max(rows, cols), as Moonlight does). 1e-4 was the best rate on both model "
                       "sizes of benchmarks.lr_sweep and transfers (benchmarks.transfer); the schema's earlier 5e-4 "
                       "collapsed a Qwen2-format model; pretrained models of billions of parameters want 1e-6 to 1e-5")
-    weight_decay: float = Field(0.0, ge=0)
+    weight_decay: float = Field(0.0, ge=0, description="decoupled weight decay; 0: RL fine-tuning runs for hundreds "
+                                "of steps, too few for decay to matter, and decay pulls a pretrained model off its "
+                                "weights")
     momentum: float = Field(0.95, ge=0, lt=1)
-    max_grad_norm: float = Field(1.0, gt=0)
+    max_grad_norm: float = Field(1.0, gt=0, description="clip of the global gradient norm before each step: 1.0, "
+                                 "the usual, bounds what one bad batch does (Muon's update size is set by its "
+                                 "orthogonalisation and lr, not by the gradient's norm)")
     qk_clip_tau: float | None = Field(100.0, gt=0, description="QK-Clip threshold τ_qk on the max attention "
                                                                 "logit per head; None = no clipping (still logged)")
 
