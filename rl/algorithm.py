@@ -26,6 +26,7 @@ from rl.objectives import (
     clip_fraction,
     clipped_surrogate,
     group_stats,
+    kl_to_reference,
     normalized_advantages,
     overlong_penalty,
     token_weights,
@@ -45,6 +46,7 @@ class Sample:
     # Multi-turn: 1 for the model's own tokens, 0 for what the environment inserted (tool results, user turns),
     # which are context only; None = every response token is the model's.
     loss_mask: list[int] | None = None
+    ref_logprobs: list[float] | None = None  # per token, of the reference policy (a KL penalty's); None: none
 
     def policy_logprob(self) -> float:
         """log π_old of the model's own tokens (the masked-in ones)."""
@@ -149,6 +151,8 @@ class Measures:
     sequences: float = 0.0
     clipped: float = 0.0   # GRPO/DAPO: own tokens whose gradient the clip stopped
     scored: float = 0.0    # GRPO/DAPO: own tokens of the surrogate
+    kl_sum: float = 0.0    # GRPO/DAPO with a KL penalty: D summed over own tokens
+    kl_tokens: float = 0.0
 
     def add_tokens(self, samples: Sequence[Sample], scores: TokenScores) -> None:
         mask = scores.mask & _own_tokens(samples, scores.mask)
@@ -168,7 +172,7 @@ class Measures:
 
     def metrics(self, tokens: bool, residuals: bool) -> dict[str, float]:
         sums = all_reduce_sum([self.diff_sum, self.entropy_sum, self.tokens, self.residual_sum, self.residual_sq,
-                               self.sequences, self.clipped, self.scored])
+                               self.sequences, self.clipped, self.scored, self.kl_sum, self.kl_tokens])
         maxima = all_reduce_max([self.diff_max, self.residual_absmax])
         out: dict[str, float] = {}
         if tokens and sums[2]:
@@ -179,6 +183,8 @@ class Measures:
                        k15_residual_absmax=maxima[1])
         if residuals and sums[7]:
             out["clip_fraction"] = sums[6] / sums[7]
+        if residuals and sums[9]:
+            out["kl_ref"] = sums[8] / sums[9]
         return out
 
 
@@ -196,6 +202,15 @@ def _per_token(samples: Sequence[Sample], layout: torch.Tensor) -> torch.Tensor:
     out = torch.zeros(layout.shape, dtype=torch.float32, device=layout.device)
     for b, s in enumerate(samples):
         out[b, :len(s.old_logprobs)] = torch.as_tensor(s.old_logprobs, dtype=torch.float32, device=layout.device)
+    return out
+
+
+def _per_token_ref(samples: Sequence[Sample], layout: torch.Tensor) -> torch.Tensor:
+    """The reference policy's per-token log-probs laid out like ``TrainingEngine.score``'s [B, longest response]."""
+    out = torch.zeros(layout.shape, dtype=torch.float32, device=layout.device)
+    for b, s in enumerate(samples):
+        assert s.ref_logprobs is not None, "a KL penalty needs the reference's log-probs"
+        out[b, :len(s.ref_logprobs)] = torch.as_tensor(s.ref_logprobs, dtype=torch.float32, device=layout.device)
     return out
 
 
@@ -257,6 +272,12 @@ def surrogate_backward(engine: TrainingEngine, samples: Sequence[Sample], advant
         w = torch.tensor([weights[i] for i in part], dtype=torch.float32, device=dev)
         coef = token_weights(objective.kind, own, w, total_tokens)
         loss = clipped_surrogate(scores.logprobs, old, adv, coef, objective.clip_low, objective.clip_high)
+        if objective.kl_coef:
+            kl = kl_to_reference(scores.logprobs, _per_token_ref(chosen, scores.mask)) * own
+            loss = loss + objective.kl_coef * (coef * kl).sum()
+            if measures is not None:
+                measures.kl_sum += float(kl.detach().sum())
+                measures.kl_tokens += float(own.sum())
         loss.backward()
         total += float(loss.detach())
         if measures is not None:
@@ -282,11 +303,10 @@ def shape_lengths(samples: Sequence[Sample], objective: Objective) -> list[Sampl
 
 
 @torch.no_grad()
-def recompute_old_logprobs(engine: TrainingEngine, samples: Sequence[Sample], *, token_budget: int, rank: int = 0,
-                           world: int = 1, max_items: int | None = None,
-                           measures: Measures | None = None) -> list[Sample]:
-    """``samples`` with ``old_logprobs`` recomputed by the trainer's current weights (π_old as the trainer
-    computes it, as verl does); each rank scores its share and the ranks exchange the results."""
+def score_samples(engine: TrainingEngine, samples: Sequence[Sample], *, token_budget: int, rank: int = 0,
+                  world: int = 1, max_items: int | None = None, measures: Measures | None = None) -> list[list[float]]:
+    """Each sample's per-token log-probs under ``engine``'s weights, at its sampling temperature; each rank scores
+    its share and the ranks exchange the results."""
     plans = plan_micro_batches(_lengths(samples), token_budget, world, max_items)
     offsets = [0]
     for s in samples:
@@ -304,7 +324,17 @@ def recompute_old_logprobs(engine: TrainingEngine, samples: Sequence[Sample], *,
     for _ in range(max(len(p) for p in plans) - len(plans[rank])):
         engine.dummy_forward()
     flat = torch.tensor(all_reduce_sum(flat.tolist()), dtype=torch.float64) if world > 1 else flat
-    return [replace(s, old_logprobs=flat[offsets[i]:offsets[i + 1]].tolist()) for i, s in enumerate(samples)]
+    return [flat[offsets[i]:offsets[i + 1]].tolist() for i in range(len(samples))]
+
+
+def recompute_old_logprobs(engine: TrainingEngine, samples: Sequence[Sample], *, token_budget: int, rank: int = 0,
+                           world: int = 1, max_items: int | None = None,
+                           measures: Measures | None = None) -> list[Sample]:
+    """``samples`` with ``old_logprobs`` recomputed by the trainer's current weights (π_old as the trainer
+    computes it, as verl does)."""
+    fresh = score_samples(engine, samples, token_budget=token_budget, rank=rank, world=world, max_items=max_items,
+                          measures=measures)
+    return [replace(s, old_logprobs=lp) for s, lp in zip(samples, fresh, strict=True)]
 
 
 def ptx_backward(engine: TrainingEngine, batch: PtxBatch, coef: float, *, token_budget: int, rank: int = 0,
@@ -330,7 +360,8 @@ def rl_update(engine: TrainingEngine, samples: Sequence[Sample], *, tau: float, 
               seed: int, ptx: Sequence[PtxBatch] = (), ptx_coef: float = 0.0, rank: int = 0, world: int = 1,
               max_items: int | None = None, drop_equal_groups: bool = True, recompute_old: bool = False,
               correction: Correction | None = None, objective: Objective | None = None,
-              after_step: Callable[[], dict[str, float]] | None = None) -> Iterator[dict[str, float]]:
+              after_step: Callable[[], dict[str, float]] | None = None,
+              reference: TrainingEngine | None = None) -> Iterator[dict[str, float]]:
     """Several optimizer steps on one rollout batch, one per minibatch of whole prompt groups.
 
     Every rank gets the same ``samples`` and trains on its share of each minibatch. ``ptx[j]``
@@ -340,7 +371,8 @@ def rl_update(engine: TrainingEngine, samples: Sequence[Sample], *, tau: float, 
     whose rewards are all equal out; with none left (and no PTX) nothing is stepped at all.
     ``recompute_old`` replaces the sampler's log π_old by the trainer's before the first step; ``correction``
     does too, then reweights (or masks) each sample by its ratio trainer/sampler (``rl.mismatch``).
-    ``objective``: K1.5 with ``tau`` (None, the default) or GRPO/DAPO (``rl.objectives``).
+    ``objective``: K1.5 with ``tau`` (None, the default) or GRPO/DAPO (``rl.objectives``); with its ``kl_coef``,
+    ``reference`` (the reference policy's engine) scores the trained samples once, before the first step.
     """
     objective = objective or Objective("k15", tau=tau)
     samples = shape_lengths(samples, objective)
@@ -366,6 +398,15 @@ def rl_update(engine: TrainingEngine, samples: Sequence[Sample], *, tau: float, 
         samples = list(samples)
         for i, s in zip(kept, fresh, strict=True):
             samples[i] = s
+    if objective.kl_coef and groups:
+        if reference is None:
+            raise ValueError("a KL penalty (kl_coef) needs the reference policy's engine")
+        kept = [i for g in groups for i in by_group[g]]
+        refs = score_samples(reference, [samples[i] for i in kept], token_budget=token_budget, rank=rank,
+                             world=world, max_items=max_items)
+        samples = list(samples)
+        for i, lp in zip(kept, refs, strict=True):
+            samples[i] = replace(samples[i], ref_logprobs=lp)
     plan = _minibatches(groups, minibatches, random.Random(seed)) if groups else [[]] * min(minibatches, len(ptx))
     for j, mb in enumerate(plan):
         idx = [i for g in mb for i in by_group[g]]

@@ -33,10 +33,11 @@ class Cluster:
     """Colocated workers (one trainer and one inference actor per placement-group bundle)."""
 
     def __init__(self, cfg: Config, model_dir: str, max_seq_len: int | None = None,
-                 restarts: Restarts | None = None) -> None:
+                 restarts: Restarts | None = None, reference_dir: str | None = None) -> None:
         """``max_seq_len``: tokens per sequence of the inference KV caches (default: ``rollout.max_seq_len``,
         else the model's context); ``restarts``: the run's recoveries so far (an inference engine that dies or
-        stalls is replaced in place, counted there)."""
+        stalls is replaced in place, counted there); ``reference_dir``: the model the run started from, the
+        reference policy of a KL penalty (``algorithm.kl_coef``; default ``model_dir``)."""
         from engines.model.hf_io import read_config
 
         context = read_config(model_dir).max_position_embeddings
@@ -97,6 +98,9 @@ class Cluster:
         self.num_buckets = len(plans[0][0].buckets)
         self.weights_version = 0
         self._startup(dirs)
+        if cfg.algorithm.kl_coef > 0:  # the reference policy: one more collective read, of the starting model
+            refs = reachable_model_dirs(reference_dir or model_dir, sites)
+            ray.get([t.load_reference.remote(d) for t, d in zip(self.trainers, refs, strict=True)])
 
     def _startup(self, dirs: list[str]) -> None:
         """Read the model once, collectively: each trainer reads some of its files and the checkpoint

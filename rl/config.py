@@ -284,6 +284,10 @@ class AlgorithmConfig(Strict):
     overlong_buffer: int | None = Field(
         None, ge=0, description="dapo: L_c, the tokens before a response's budget over which its reward loses up to "
                                 "1 (0: off); None: a fifth of rollout.max_tokens")
+    kl_coef: float = Field(0.0, ge=0, description="grpo/dapo: β of GRPO's KL penalty against the reference policy "
+                           "(the model the run started from; the trainer holds a second copy of it to score each "
+                           "batch); 0, off: DAPO and most recent recipes leave it out, and the clip already bounds "
+                           "each step")
     minibatches: int = Field(2, ge=1, description="optimizer steps per rollout batch: 2, the fewest at which the "
                              "τ term (or the clip) acts at all (on the first step π_θ = π_old), and the fewest moves "
                              "away from the sampler per batch of a model the defaults were not tuned on")
@@ -306,12 +310,15 @@ class AlgorithmConfig(Strict):
         high = self.clip_high if self.clip_high is not None else 0.28 if dapo else self.clip_low
         buffer = self.overlong_buffer if self.overlong_buffer is not None else max_tokens // 5 if dapo else 0
         return Objective(self.objective, tau=self.tau, clip_low=self.clip_low, clip_high=high,
-                         overlong_buffer=buffer, max_tokens=max_tokens)
+                         overlong_buffer=buffer, max_tokens=max_tokens, kl_coef=self.kl_coef)
 
     @model_validator(mode="after")
     def _check(self) -> AlgorithmConfig:
         if self.ptx.coef > 0 and self.ptx.data is None:
             raise ValueError("ptx.coef > 0 needs ptx.data (a JSONL file of chat samples)")
+        if self.kl_coef > 0 and self.objective == "k15":
+            raise ValueError("kl_coef > 0 is a penalty of objective grpo or dapo; K1.5's tau holds its update near "
+                             "the sampler (set algorithm.objective: grpo)")
         return self
 
 

@@ -94,7 +94,9 @@ def _run(cfg: Config, run_dir: Path, resume: bool, console: Console, restarts: R
         arch = read_config(start_dir)
         seq_len = rollout_seq_len(cfg, tasks, tok, arch.max_position_embeddings)
         check_fits(cfg, estimate(cfg, arch, seq_len))
-        with Cluster(cfg, str(start_dir), seq_len, restarts) as cluster:
+        # a KL penalty's reference: the model the run started from, also after a resume (prepare_model: cached)
+        reference = str(prepare_model(cfg, progress)) if cfg.algorithm.kl_coef > 0 and resume else None
+        with Cluster(cfg, str(start_dir), seq_len, restarts, reference) as cluster:
             auto = " (rollout.engine: auto)" if cfg.rollout.engine == "auto" else ""
             console.print(f"rollout engine: {cluster.engine_kind()}{auto}")
             if state:

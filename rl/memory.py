@@ -187,7 +187,8 @@ def estimate(cfg: Config, arch: ModelConfig, max_seq_len: int) -> MemoryEstimate
     per_seq = bytes_per_slot(arch, max_seq_len, rollout_dtype)
     _, kv = paged_pool(arch, cfg.rollout.kv_cache_mb << 20, rollout_dtype)  # the engine takes the whole budget
     seqs = min(cfg.rollout.max_batch, kv // per_seq)  # sequences of the full max_seq_len it holds at least
-    trainer = weights + grads + opt
+    # a KL penalty's reference policy: a second copy of the master weights' shard, offloaded with the trainer
+    trainer = weights + grads + opt + (weights if cfg.algorithm.kl_coef > 0 else 0)
     level = cfg.rollout.sleep_level
     decode = 0
     if cfg.rollout.attention == "torch" and cfg.rollout.engine != "vllm":  # flex reads the pool in place

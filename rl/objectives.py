@@ -5,8 +5,10 @@ Both score each response token against the sampler's (or the trainer's recompute
 Â_i = (r_i − mean_K(r)) / (std_K(r) + ε) over the K samples of each prompt.
 
 GRPO (Shao et al., DeepSeekMath, 2024), each response's tokens averaged, then the responses:
-    L = −1/G Σ_x 1/K Σ_i 1/|y_i| Σ_t min(ρ_{i,t}·Â_i, clip(ρ_{i,t}, 1 − ε, 1 + ε)·Â_i)
-(its KL penalty against a reference policy is left out, as DAPO and most recent recipes do).
+    L = −1/G Σ_x 1/K Σ_i 1/|y_i| Σ_t [min(ρ_{i,t}·Â_i, clip(ρ_{i,t}, 1 − ε, 1 + ε)·Â_i) − β·D_{i,t}]
+with its optional KL penalty against a reference policy π_ref (the model the run started from), GRPO's unbiased
+per-token estimator D_{i,t} = π_ref/π_θ − log(π_ref/π_θ) − 1 ≥ 0 (the "k3" estimator of KL(π_θ ‖ π_ref)), weighted
+as the surrogate's tokens are; β = ``algorithm.kl_coef``, 0 (off) by default, as DAPO and most recent recipes do.
 
 DAPO (Yu et al., 2025): the same surrogate with clip-higher (ε_low < ε_high, so unlikely tokens can gain
 probability), averaged over every token of the minibatch at once (long responses weigh by their length):
@@ -46,10 +48,13 @@ class Objective:
     clip_high: float = 0.2         # DAPO: ε_high
     overlong_buffer: int = 0       # DAPO: L_c (0: no length shaping)
     max_tokens: int | None = None  # DAPO: L_max, the response budget
+    kl_coef: float = 0.0           # GRPO/DAPO: β of the KL penalty against the reference policy (0: none)
 
     def __post_init__(self) -> None:
         if self.kind not in OBJECTIVES:
             raise ValueError(f"objective must be one of {OBJECTIVES}, got {self.kind!r}")
+        if self.kl_coef and self.kind == "k15":
+            raise ValueError("a KL penalty (kl_coef) is for grpo and dapo; K1.5's τ term holds its update near π_old")
 
 
 def group_stats(samples: Sequence[Sample]) -> dict[int, tuple[float, float]]:
@@ -105,3 +110,9 @@ def clip_fraction(new: torch.Tensor, old: torch.Tensor, advantage: torch.Tensor,
     a = advantage[:, None]
     clipped = ((ratio > 1 + clip_high) & (a > 0)) | ((ratio < 1 - clip_low) & (a < 0))
     return float((clipped & own).sum()), float(own.sum())
+
+
+def kl_to_reference(new: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """D = π_ref/π_θ − log(π_ref/π_θ) − 1 per token (k3: unbiased for KL(π_θ ‖ π_ref), never negative); all [B, T]."""
+    delta = ref - new
+    return torch.exp(delta) - delta - 1

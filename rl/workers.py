@@ -112,6 +112,13 @@ class TrainerWorker:
         # any id will do for filler: filler positions are masked out of attention and of the loss
         pad = arch.pad_token_id if arch.pad_token_id is not None else 0
         self.engine = TrainingEngine(model, opts, pad, o.max_grad_norm, attention=cfg.trainer.attention)
+        # GRPO's KL penalty: the reference policy, sharded as the policy is, filled by load_reference
+        self.reference: TrainingEngine | None = None
+        if cfg.algorithm.kl_coef > 0:
+            ref = build_model(arch, device="meta" if shard else device, dtype=getattr(torch, master))
+            if shard:
+                ref = distributed.shard_model(ref, param_dtype=compute, device=device)
+            self.reference = TrainingEngine(ref.requires_grad_(False), [], pad, attention=cfg.trainer.attention)
         replica = replica_model(arch, cfg, device="meta")
         self.sender = ModelSender(model, replica, cfg.checkpoint_engine.bucket_bytes)
         self.ckpt = CheckpointEngine(rank, world, init_method, cfg.checkpoint_engine.bucket_bytes, shm_prefix,
@@ -130,6 +137,14 @@ class TrainerWorker:
         trainer's shard, and the inference engines when they hold its dtypes (collective). Returns
         whether they did ("replicas") and the tensors this trainer read per file ("reads")."""
         return self.sender.startup(self.ckpt, model_dir, self.reloader)
+
+    def load_reference(self, model_dir: str) -> None:
+        """Fill the reference policy (kl_coef) from ``model_dir``, the model the run started from, in one collective
+        read as ``startup`` does; the inference engines are not touched."""
+        assert self.reference is not None
+        replica = replica_model(read_config(model_dir), self.cfg, device="meta")
+        ModelSender(self.reference.model, replica, self.cfg.checkpoint_engine.bucket_bytes).startup(
+            self.ckpt, model_dir, None)
 
     def connect(self, rollouts: list) -> None:
         """The local inference engines that this worker's checkpoint engine updates."""
@@ -163,7 +178,7 @@ class TrainerWorker:
                            drop_equal_groups=a.drop_equal_reward_groups,
                            recompute_old=self.cfg.recompute_old_logprobs, correction=self.correction,
                            objective=a.objective_settings(self.cfg.rollout.max_tokens),
-                           after_step=lambda: qk_clip(model, tau_qk)):
+                           after_step=lambda: qk_clip(model, tau_qk), reference=self.reference):
             for k in ("loss", "ptx_loss"):  # each rank's share of the minibatch
                 if k in m:
                     m[k] = distributed.global_sum(m[k])
@@ -174,10 +189,17 @@ class TrainerWorker:
         return peak_memory_bytes(self.engine.device)
 
     def offload(self) -> dict:
-        """Parameters, gradients and optimizer state to host memory while the inference engine runs."""
-        return self.engine.offload() if self.cfg.trainer.offload and not self.engine.offloaded else {}
+        """Parameters, gradients and optimizer state to host memory while the inference engine runs (and the
+        reference policy's parameters, where there is one)."""
+        if not self.cfg.trainer.offload or self.engine.offloaded:
+            return {}
+        if self.reference is not None and not self.reference.offloaded:
+            self.reference.offload()
+        return self.engine.offload()
 
     def onload(self) -> dict:
+        if self.reference is not None and self.reference.offloaded:
+            self.reference.onload()
         return self.engine.onload() if self.engine.offloaded else {}
 
     @contextmanager

@@ -268,3 +268,15 @@ def test_vllm_memory_fraction_must_be_free_beside_a_resident_trainer(monkeypatch
                              "rollout": {**base["rollout"], "vllm_memory_fraction": bound - 0.01}}), est)
     offloaded = parse_config(base)  # the trainer waits in host memory while a replica starts
     check_fits(offloaded, estimate(offloaded, arch, 4096))
+
+
+def test_a_kl_penalty_counts_the_reference_policys_copy():
+    """algorithm.kl_coef > 0: each trainer rank also holds the reference policy's shard of the master weights."""
+    arch = make_config("llama", **LLAMA8B)
+    base = {"model": {"dtype": "bfloat16"}, "cluster": {"workers": 8, "gpus_per_worker": 1},
+            "algorithm": {"objective": "grpo", "micro_batch_tokens": 2048},
+            "rollout": {"max_seq_len": 4096, "kv_cache_mb": 3000}}
+    plain = estimate(parse_config(base), arch, 4096)
+    kl = estimate(parse_config({**base, "algorithm": {**base["algorithm"], "kl_coef": 0.04}}), arch, 4096)
+    assert kl.host_pinned - plain.host_pinned == plain.trainer_weights  # offloaded with the trainer
+    assert kl.host_total - plain.host_total == plain.trainer_weights

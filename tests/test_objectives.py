@@ -24,9 +24,9 @@ def _token_logprobs(model, s: Sample) -> list[torch.Tensor]:
     return [logp[len(s.prompt_ids) - 1 + t, tok] for t, tok in enumerate(s.response_ids)]
 
 
-def _reference(model, samples, kind: str, eps_low: float, eps_high: float) -> torch.Tensor:
-    """GRPO: −mean over prompts of mean over samples of mean over own tokens of min(ρÂ, clip(ρ)Â);
-    DAPO: −(sum over every own token of the batch) / (own tokens of the batch)."""
+def _reference(model, samples, kind: str, eps_low: float, eps_high: float, beta: float = 0.0) -> torch.Tensor:
+    """GRPO: −mean over prompts of mean over samples of mean over own tokens of min(ρÂ, clip(ρ)Â) − β·D, with
+    D = π_ref/π_θ − log(π_ref/π_θ) − 1; DAPO: −(sum over every own token of the batch) / (own tokens of the batch)."""
     groups: dict[int, list[Sample]] = {}
     for s in samples:
         groups.setdefault(s.group, []).append(s)
@@ -40,10 +40,14 @@ def _reference(model, samples, kind: str, eps_low: float, eps_high: float) -> to
             adv = (s.reward - mean) / (std + 1e-6)
             mask = s.loss_mask or [1] * len(s.response_ids)
             terms = []
-            for new, old, m in zip(_token_logprobs(model, s), s.old_logprobs, mask, strict=True):
+            refs = s.ref_logprobs or [0.0] * len(s.response_ids)
+            for new, old, ref, m in zip(_token_logprobs(model, s), s.old_logprobs, refs, mask, strict=True):
                 if m:
                     ratio = torch.exp(new - old)
-                    terms.append(torch.minimum(ratio * adv, ratio.clamp(1 - eps_low, 1 + eps_high) * adv))
+                    term = torch.minimum(ratio * adv, ratio.clamp(1 - eps_low, 1 + eps_high) * adv)
+                    if beta:
+                        term = term - beta * (math.exp(ref) / torch.exp(new) - (ref - new) - 1)
+                    terms.append(term)
             per_sample.append(sum(terms) / len(terms))
             all_terms += terms
         per_prompt.append(sum(per_sample) / len(per_sample))
@@ -69,13 +73,18 @@ def _samples(model, vocab: int, rng: random.Random, masked: bool = False) -> lis
     return out
 
 
-@pytest.mark.parametrize("kind,masked", [("grpo", False), ("dapo", False), ("dapo", True)])
-def test_surrogate_loss_and_gradient_match_the_formula(tiny_model, tokenizer, kind, masked):
+@pytest.mark.parametrize("kind,masked,beta", [("grpo", False, 0.0), ("dapo", False, 0.0), ("dapo", True, 0.0),
+                                               ("grpo", False, 0.3), ("dapo", True, 0.3)])
+def test_surrogate_loss_and_gradient_match_the_formula(tiny_model, tokenizer, kind, masked, beta):
+    """The surrogate, and with β > 0 GRPO's KL penalty against a reference policy (its log-probs within ±0.3 of
+    the model's), each token computed alone."""
     rng = random.Random(1)
     samples = _samples(tiny_model, tokenizer.vocab_size, rng, masked)
-    objective = Objective(kind, clip_low=0.2, clip_high=0.2 if kind == "grpo" else 0.28)
+    if beta:
+        samples = [replace(s, ref_logprobs=[x + rng.uniform(-0.3, 0.3) for x in s.old_logprobs]) for s in samples]
+    objective = Objective(kind, clip_low=0.2, clip_high=0.2 if kind == "grpo" else 0.28, kl_coef=beta)
     tiny_model.zero_grad()
-    ref = _reference(tiny_model, samples, kind, objective.clip_low, objective.clip_high)
+    ref = _reference(tiny_model, samples, kind, objective.clip_low, objective.clip_high, beta)
     ref.backward()
     want = {n: p.grad.clone() for n, p in tiny_model.named_parameters()}
 
@@ -133,6 +142,10 @@ def test_config_resolves_each_objective_and_an_update_reports_its_clip_fraction(
     assert (grpo.clip_low, grpo.clip_high, grpo.overlong_buffer) == (0.1, 0.1, 0)
     with pytest.raises(Exception, match="objective"):
         parse_config({"algorithm": {"objective": "ppo"}})
+    assert parse_config({"algorithm": {"objective": "grpo", "kl_coef": 0.04}}).algorithm.objective_settings(40) \
+        == Objective("grpo", clip_high=0.2, kl_coef=0.04, max_tokens=40)
+    with pytest.raises(Exception, match="kl_coef > 0 is a penalty of objective grpo or dapo"):
+        parse_config({"algorithm": {"kl_coef": 0.04}})
     samples = _samples(tiny_model, tokenizer.vocab_size, random.Random(2))
     params = [p for p in tiny_model.parameters()]
     before = [p.detach().clone() for p in params]
@@ -142,3 +155,20 @@ def test_config_resolves_each_objective_and_an_update_reports_its_clip_fraction(
     assert len(steps) == 2 and all(0.0 <= m["clip_fraction"] <= 1.0 for m in steps)
     assert "k15_residual_mean" not in steps[0] and any(m["clip_fraction"] > 0 for m in steps)
     assert any(not torch.equal(a, p) for a, p in zip(before, params, strict=True))
+
+
+def test_a_kl_penalty_scores_against_the_reference_engine(tiny_model, tokenizer):
+    """rl_update with kl_coef: the reference engine (here a copy of the starting weights) scores the batch once;
+    on the first step the policy is the reference (KL 0), after a step it has moved away (KL > 0)."""
+    import copy
+
+    samples = _samples(tiny_model, tokenizer.vocab_size, random.Random(3))
+    reference = TrainingEngine(copy.deepcopy(tiny_model).requires_grad_(False), [], tokenizer.pad_id)
+    params = list(tiny_model.parameters())
+    engine = TrainingEngine(tiny_model, [torch.optim.SGD(params, lr=0.5)], tokenizer.pad_id)
+    steps = list(rl_update(engine, samples, tau=1.0, minibatches=2, token_budget=64, seed=0,
+                           objective=Objective("grpo", kl_coef=0.1), reference=reference))
+    assert steps[0]["kl_ref"] == pytest.approx(0.0, abs=1e-6) and steps[1]["kl_ref"] > 1e-4
+    with pytest.raises(ValueError, match="needs the reference policy's engine"):
+        list(rl_update(engine, samples, tau=1.0, minibatches=1, token_budget=64, seed=0,
+                       objective=Objective("grpo", kl_coef=0.1)))

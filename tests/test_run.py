@@ -315,3 +315,32 @@ def test_fp8_checkpoint_is_read_once_and_fp8_updates_are_exact(ray_cluster, tmp_
                 assert torch.equal(replica[k + "_scale_inv"], s), k
             elif not k.endswith("e_score_correction_bias"):
                 assert torch.equal(replica[k], t.to(torch.bfloat16)), k
+
+
+def test_grpo_with_a_kl_penalty_scores_against_the_starting_model_also_after_a_resume(ray_cluster, tmp_path):
+    """algorithm.kl_coef: each trainer rank (two, FSDP-sharded) holds the reference policy, read from the model the
+    run started from, and every iteration that trains reports the KL to it. A run resumed from its checkpoint reads
+    the same reference (the starting model, not the checkpoint) and ends with the weights and KL of the
+    uninterrupted run, bit for bit."""
+    from rl.config import load_config
+    from tests.test_difficulty import EvenLength  # noqa: F401  (registers "even-length-test": rewards vary)
+
+    raw = json.loads(json.dumps(TINY))
+    raw["run"].update(iterations=3, eval_every=100, save_every=1, eval_samples=0)
+    raw["cluster"] = {"workers": 2}
+    raw["algorithm"].update(objective="grpo", kl_coef=0.05)
+    raw["envs"] = [{"name": "arithmetic", "weight": 0.01, "num_train": 50, "num_eval": 4},  # the warm start's
+                   {"name": "even-length-test", "num_train": 200, "num_eval": 4}]
+    full = tmp_path / "full"
+    train(parse_config(raw), full)
+    records = [json.loads(x) for x in (full / "metrics.jsonl").read_text().splitlines()]
+    trained = [r for r in records if r.get("optimizer_steps")]
+    assert trained and all(r["kl_ref"] > 0 for r in trained) and "kl_ref" in records[-1]
+    split = tmp_path / "split"
+    train(parse_config({**raw, "run": {**raw["run"], "iterations": 2}}), split)
+    (split / "config.yaml").write_text((split / "config.yaml").read_text().replace("iterations: 2", "iterations: 3"))
+    train(load_config(split / "config.yaml"), split, resume=True)
+    a, b = load_file(str(full / "final" / "model.safetensors")), load_file(str(split / "final" / "model.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    resumed = [json.loads(x) for x in (split / "metrics.jsonl").read_text().splitlines()]
+    assert resumed[-1]["kl_ref"] == records[-1]["kl_ref"]
