@@ -30,7 +30,8 @@ PLACEMENT_WAIT_S = 120
 
 
 class Cluster:
-    """Colocated workers (one trainer and one inference actor per placement-group bundle)."""
+    """Colocated workers: per placement-group bundle one inference actor and one trainer rank, or, where the replica
+    spans the bundle's GPUs (tensor parallel), one trainer rank per GPU."""
 
     def __init__(self, cfg: Config, model_dir: str, max_seq_len: int | None = None,
                  restarts: Restarts | None = None, reference_dir: str | None = None) -> None:
@@ -61,7 +62,12 @@ class Cluster:
                 object_store_memory=None if cfg.cluster.ray_address else 256 * 2**20,
             )
         n, gpus = cfg.cluster.workers, cfg.cluster.gpus_per_worker
-        bundle = worker_bundle(2 * ACTOR_CPUS, gpus)  # one worker slot each where the pods offer them
+        # a tensor-parallel replica holds all of its bundle's GPUs (Ray hands out whole GPUs above one), and the
+        # worker's trainer is as many ranks, one on each of them (FSDP2 over every GPU of the run); otherwise one
+        # trainer and one replica, half the bundle's GPUs each: Ray then shows both actors the same device(s)
+        spans = cfg.rollout.tensor_parallel_size > 1 and gpus > 0
+        per = self.per = int(gpus) if spans else 1  # trainer ranks per worker
+        bundle = worker_bundle((1 + per) * ACTOR_CPUS, gpus)  # one worker slot each where the pods offer them
         self.pg = placement_group([bundle] * n, strategy="PACK")
         try:
             ray.get(self.pg.ready(), timeout=PLACEMENT_WAIT_S)
@@ -73,11 +79,6 @@ class Cluster:
         sites = probe_bundles(self.pg, n, model_dir)
         threads, dirs = worker_threads(sites, cfg.cluster.threads_per_worker), reachable_model_dirs(model_dir, sites)
 
-        # a tensor-parallel replica holds all of its bundle's GPUs (Ray hands out whole GPUs above one), and its
-        # trainer joins it on the first of them; otherwise half the bundle's GPUs each: Ray then shows both
-        # actors the same device(s)
-        spans = cfg.rollout.tensor_parallel_size > 1 and gpus > 0
-
         def placed(cls, i):
             strategy = PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i)
             share = (gpus if cls is RolloutWorker else 0) if spans else gpus / 2
@@ -87,20 +88,29 @@ class Cluster:
         self._rollout_args = [(dirs[i], cfg, threads[i], self.max_context) for i in range(n)]
         self.rollouts = [placed(RolloutWorker, i).remote(*self._rollout_args[i]) for i in range(n)]
         devices = ray.get([r.visible_devices.remote() for r in self.rollouts]) if spans else [None] * n
-        self.trainers = [placed(TrainerWorker, i).remote(cfg, threads[i], devices[i]) for i in range(n)]
+        # trainer rank r: worker r // per, on the (r % per)-th GPU of that worker's replica
+        self.trainers = [placed(TrainerWorker, r // per).remote(
+            cfg, threads[r // per], devices[r // per].split(",")[r % per] if spans else None) for r in range(n * per)]
         address = ray.get(self.trainers[0].rendezvous.remote())
-        ray.get([t.setup.remote(dirs[i], i, n, address, f"{prefix}-w{i}") for i, t in enumerate(self.trainers)])
-        # one plan for all (every rank computed the same); each replica maps its own worker's IPC buffers
+        ray.get([t.setup.remote(dirs[r // per], r, n * per, address, f"{prefix}-w{r}")
+                 for r, t in enumerate(self.trainers)])
+        # one plan for all (every rank computed the same); each replica maps its worker's first rank's IPC buffers,
+        # and that rank updates it (the worker's other ranks take part in every broadcast)
         plans = ray.get([t.weight_plan.remote() for t in self.trainers])
         self._plans = plans
-        ray.get([r.attach.remote(plans[0][0], handles) for r, (_, handles) in zip(self.rollouts, plans, strict=True)])
-        ray.get([t.connect.remote([r]) for t, r in zip(self.trainers, self.rollouts, strict=True)])
+        ray.get([r.attach.remote(plans[0][0], plans[self.lead(i)][1]) for i, r in enumerate(self.rollouts)])
+        ray.get([t.connect.remote([self.rollouts[r // per]] if r % per == 0 else [])
+                 for r, t in enumerate(self.trainers)])
         self.num_buckets = len(plans[0][0].buckets)
         self.weights_version = 0
-        self._startup(dirs)
+        self._startup([dirs[r // per] for r in range(n * per)])
         if cfg.algorithm.kl_coef > 0:  # the reference policy: one more collective read, of the starting model
             refs = reachable_model_dirs(reference_dir or model_dir, sites)
-            ray.get([t.load_reference.remote(d) for t, d in zip(self.trainers, refs, strict=True)])
+            ray.get([t.load_reference.remote(refs[r // per]) for r, t in enumerate(self.trainers)])
+
+    def lead(self, i: int) -> int:
+        """The trainer rank that updates worker ``i``'s inference engine (its first; see ``per``)."""
+        return i * self.per
 
     def _startup(self, dirs: list[str]) -> None:
         """Read the model once, collectively: each trainer reads some of its files and the checkpoint
@@ -271,8 +281,8 @@ class Cluster:
             return
         ray.kill(self.rollouts[i])
         self.rollouts[i] = self._placed(RolloutWorker, i).remote(*self._rollout_args[i])
-        ray.get(self.rollouts[i].attach.remote(self._plans[0][0], self._plans[i][1]))
-        ray.get(self.trainers[i].connect.remote([self.rollouts[i]]))
+        ray.get(self.rollouts[i].attach.remote(self._plans[0][0], self._plans[self.lead(i)][1]))
+        ray.get(self.trainers[self.lead(i)].connect.remote([self.rollouts[i]]))
         if stale:
             self._stale.add(i)
         else:
@@ -325,15 +335,16 @@ class Cluster:
             raise ValueError(f"restart_rollout: need two different engines of {len(self.rollouts)}, got {i}, {source}")
         ray.kill(self.rollouts[i])
         self.rollouts[i] = self._placed(RolloutWorker, i).remote(*self._rollout_args[i])
-        ray.get(self.rollouts[i].attach.remote(self._plans[0][0], self._plans[i][1]))
-        ray.get(self.trainers[i].connect.remote([self.rollouts[i]]))
+        ray.get(self.rollouts[i].attach.remote(self._plans[0][0], self._plans[self.lead(i)][1]))
+        ray.get(self.trainers[self.lead(i)].connect.remote([self.rollouts[i]]))
         return self._catch_up(i, source)
 
     def _catch_up(self, i: int, source: int) -> float:
         """Engine ``i`` copies engine ``source``'s weights point to point; returns the seconds it took."""
         t0 = time.perf_counter()
-        self._trainers([self.trainers[source].serve_catch_up.remote(i), self.trainers[i].catch_up.remote(source)],
-                       "catch-up", [source, i])
+        a, b = self.lead(source), self.lead(i)  # the two engines' trainer ranks, point to point
+        self._trainers([self.trainers[a].serve_catch_up.remote(b), self.trainers[b].catch_up.remote(a)],
+                       "catch-up", [a, b])
         return time.perf_counter() - t0
 
     def save(self, directory: str, trainer_state: bool = True) -> None:

@@ -173,10 +173,18 @@ def training_working_set(shape: ModelShape, tokens: int, compute_dtype: str, che
     return activation_bytes(shape, tokens, cb, checkpointing) + logprob_bytes(tokens, shape.vocab) + gathered
 
 
+def per_worker_ranks(cfg: Config) -> int:
+    """Trainer ranks of one worker: one per GPU where its replica spans them (tensor parallel), else one."""
+    gpus = cfg.cluster.gpus_per_worker
+    return int(gpus) if cfg.rollout.tensor_parallel_size > 1 and gpus > 0 else 1
+
+
 def estimate(cfg: Config, arch: ModelConfig, max_seq_len: int) -> MemoryEstimate:
-    """Bytes per worker of a run of ``cfg`` on a model of ``arch`` with KV caches of ``max_seq_len`` tokens."""
+    """Bytes per worker of a run of ``cfg`` on a model of ``arch`` with KV caches of ``max_seq_len`` tokens (per GPU
+    where a worker's replica spans several: each holds a trainer rank and a replica rank)."""
     shape = ModelShape.of(arch)
-    workers = cfg.cluster.workers
+    # trainer ranks: one per worker, or one per GPU of a worker whose replica spans its GPUs (rl.cluster)
+    workers = cfg.cluster.workers * per_worker_ranks(cfg)
     weights, grads, opt = trainer_bytes(shape, workers, cfg.trainer.master_dtype, cfg.optimizer.kind)
     sharded = workers > 1 or cfg.compute_dtype != cfg.trainer.master_dtype
     work = training_working_set(shape, cfg.algorithm.micro_batch_tokens, cfg.compute_dtype,
@@ -278,6 +286,8 @@ def check_fits(cfg: Config, est: MemoryEstimate) -> None:
     limit, what = have
     if cfg.cluster.gpus_per_worker > 0 and cfg.rollout.engine == "vllm":
         _check_vllm_start(cfg, est, limit // cfg.cluster.gpus_per_worker)
+    if per_worker_ranks(cfg) > 1:  # the estimate is of one GPU of the worker's
+        limit, what = limit // per_worker_ranks(cfg), "memory on each of its GPUs"
     need = est.device_peak if cfg.cluster.gpus_per_worker > 0 else est.host_total
     if need <= limit:
         return

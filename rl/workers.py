@@ -76,8 +76,8 @@ class TrainerWorker:
     """Holds one rank of the (sharded) training engine and the sending end of the checkpoint engine."""
 
     def __init__(self, cfg: Config, threads: int, devices: str | None = None) -> None:
-        """``devices``: the GPUs of this worker's tensor-parallel replica (its CUDA_VISIBLE_DEVICES); the trainer
-        then computes on the first of them, which Ray did not assign to it."""
+        """``devices``: the GPU of this rank's worker's tensor-parallel replica it computes on (its
+        CUDA_VISIBLE_DEVICES: Ray assigned the worker's GPUs to the replica; the worker has a rank on each)."""
         _set_threads(threads)
         if devices is not None:  # before anything initialises CUDA in this process
             os.environ["CUDA_VISIBLE_DEVICES"] = devices

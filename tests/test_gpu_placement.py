@@ -1,8 +1,8 @@
 """cluster.gpus_per_worker: each colocated worker's placement-group bundle takes its GPUs, and the
-worker's trainer and inference actors both see them. Ray's GPU resources are declared on this CPU
-machine, so the placement is what is under test here, not CUDA: a worker given GPUs refuses to run without
-CUDA (``rl.workers.worker_device``), so each Ray worker process here is set up to compute on the CPU instead
-(the stand-in for the GPUs this machine does not have)."""
+worker's trainer and inference actors both see them (a replica that spans several GPUs has a trainer rank on each
+of them). Ray's GPU resources are declared on this CPU machine, so the placement is what is under test here, not
+CUDA: a worker given GPUs refuses to run without CUDA (``rl.workers.worker_device``), so each Ray worker process
+here is set up to compute on the CPU instead (the stand-in for the GPUs this machine does not have)."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def on_the_cpu():
         return native(d, c.model_copy(update={"rollout": r}), n)
     rl.workers.rollout_engine = one_device
 
-ray.init(num_cpus=2, num_gpus=4, include_dashboard=False, logging_level=logging.ERROR, log_to_driver=False,
+ray.init(num_cpus=4, num_gpus=4, include_dashboard=False, logging_level=logging.ERROR, log_to_driver=False,
          object_store_memory=200 * 2**20, runtime_env={"worker_process_setup_hook": on_the_cpu})
 for tp in (1, 2):
     cfg = tiny(cluster={"workers": 2, "gpus_per_worker": tp}, rollout={"engine": "vllm" if tp > 1 else "native",
@@ -39,28 +39,53 @@ for tp in (1, 2):
     with Cluster(cfg, str(prepare_model(cfg))) as cluster:
         def seen(actor):
             return ray.get(actor.__ray_call__.remote(lambda self: os.environ.get("CUDA_VISIBLE_DEVICES")))
-        print(json.dumps([[seen(t), seen(r)] for t, r in zip(cluster.trainers, cluster.rollouts)]))
+
+        def world(actor):
+            return ray.get(actor.__ray_call__.remote(lambda self: (self.rank, self.world)))
+
+        # a step on every rank, then an update: each engine then holds the trainers' weights
+        from engines.inference.sampling import SamplingParams
+        from rl.algorithm import Sample
+        outs = cluster.generate([[5, 6, 7]] * 4, [SamplingParams(1.0, 8)] * 4, seed=0)
+        cluster.sleep_rollouts()
+        cluster.onload_trainers()
+        cluster.train([Sample(0, o.prompt_ids, o.token_ids, o.logprobs, float(i % 2)) for i, o in enumerate(outs)],
+                      [], seed=0)
+        trained = ray.get([t.state_dict.remote() for t in cluster.trainers])[0]
+        cluster.offload_trainers()
+        cluster.wake_rollouts()
+        cluster.update_weights()
+        same = all(all(v.equal(trained[k]) for k, v in ray.get(r.state_dict.remote()).items())
+                   for r in cluster.rollouts)
+        print(json.dumps({"trainers": [seen(t) for t in cluster.trainers], "rollouts": [seen(r) for r in
+                          cluster.rollouts], "ranks": [world(t) for t in cluster.trainers], "updated": same}))
 """
 
 
 @pytest.fixture(scope="module")
-def seen() -> dict[int, list[list[str]]]:
-    """Per replica size (1, 2 GPUs): [trainer's, inference actor's] CUDA_VISIBLE_DEVICES of each worker."""
+def seen() -> dict[int, dict]:
+    """Per replica size (1, 2 GPUs): the trainers' and inference actors' CUDA_VISIBLE_DEVICES, the trainers' (rank,
+    world), and whether an update after a training step left every engine with the trainers' weights."""
     proc = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return dict(zip((1, 2), (json.loads(line) for line in proc.stdout.strip().splitlines()[-2:]), strict=True))
 
 
 def test_each_worker_pair_shares_its_own_gpu(seen):
-    pairs = seen[1]
-    assert all(trainer == rollout for trainer, rollout in pairs), pairs   # colocated: one device per worker
-    assert sorted(trainer for trainer, _ in pairs) == ["0", "1"], pairs   # and a different one per worker
+    one = seen[1]
+    assert one["trainers"] == one["rollouts"], one   # colocated: one device per worker, both actors on it
+    assert sorted(one["trainers"]) == ["0", "1"], one  # and a different one per worker
+    assert one["ranks"] == [[0, 2], [1, 2]] and one["updated"], one
 
 
-def test_a_tensor_parallel_replica_holds_its_workers_gpus_and_its_trainer_computes_on_them(seen):
-    """rollout.tensor_parallel_size 2 with cluster.gpus_per_worker 2: each inference actor is given both GPUs
-    of its bundle (vLLM's ranks run on them) and its trainer sees the same two, not a third device."""
-    pairs = seen[2]
-    assert all(trainer == rollout and len(rollout.split(",")) == 2 for trainer, rollout in pairs), pairs
-    gpus = [g for _, rollout in pairs for g in rollout.split(",")]
-    assert sorted(gpus) == ["0", "1", "2", "3"], pairs  # two workers, two GPUs each, none shared
+def test_a_tensor_parallel_replica_holds_its_workers_gpus_and_its_trainer_has_a_rank_on_each(seen):
+    """rollout.tensor_parallel_size 2 with cluster.gpus_per_worker 2: each inference actor is given both GPUs of its
+    bundle (vLLM's ranks run on them), and its worker's trainer is two ranks, one on each of those GPUs: FSDP2
+    shards over all four GPUs of the run, none idle in training. A step on every rank, then an update through the
+    workers' first ranks, leaves both engines with the trainers' weights."""
+    two = seen[2]
+    assert all(len(r.split(",")) == 2 for r in two["rollouts"]), two
+    assert sorted(g for r in two["rollouts"] for g in r.split(",")) == ["0", "1", "2", "3"], two  # none shared
+    # trainer rank r: worker r // 2, on GPU r % 2 of that worker's replica
+    assert two["trainers"] == [g for r in two["rollouts"] for g in r.split(",")], two
+    assert two["ranks"] == [[r, 4] for r in range(4)] and two["updated"], two

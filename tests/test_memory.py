@@ -228,8 +228,9 @@ def test_the_torch_decode_path_counts_its_gathered_keys_and_scores():
 
 
 def test_a_tensor_parallel_vllm_replica_counts_its_shard_per_device():
-    """rollout.tensor_parallel_size 2: each of the worker's GPUs holds half the replica and a KV cache of its own;
-    vLLM's attention reads its cache in place (no gathered copy as the native torch path counts)."""
+    """rollout.tensor_parallel_size 2: each of the worker's GPUs holds half the replica and a KV cache of its own,
+    and a trainer rank; vLLM's attention reads its cache in place (no gathered copy as the native torch path
+    counts)."""
     arch = make_config("llama", **LLAMA8B)
     base = {"model": {"dtype": "bfloat16"}, "rollout": {"max_seq_len": 4096, "kv_cache_mb": 3000}}
     one = estimate(parse_config({**base, "cluster": {"gpus_per_worker": 1}}), arch, 4096)
@@ -237,6 +238,8 @@ def test_a_tensor_parallel_vllm_replica_counts_its_shard_per_device():
                                 "rollout": {**base["rollout"], "engine": "vllm", "tensor_parallel_size": 2}}),
                   arch, 4096)
     assert one.replica == one.params * 2 and tp.replica == one.params  # bf16, split over two ranks
+    # and the worker's trainer is two ranks, one on each GPU: each holds half the master weights
+    assert one.trainer_weights == one.params * 4 and tp.trainer_weights == one.params * 2
     assert tp.kv_cache == one.kv_cache and tp.decode_work == 0 < one.decode_work
     with pytest.raises(UserError, match="tensor_parallel_size=2 needs rollout.engine: vllm"):
         parse_config({"rollout": {"engine": "native", "tensor_parallel_size": 2}})
