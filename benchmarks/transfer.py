@@ -8,8 +8,9 @@ of turn, pad, chat template, prompts rendered through it) — warm-started here 
 middling accuracy on a task of its own (multi-digit arithmetic, longer chains, math problems). Then one RL run
 with the schema's defaults (only the budget is set: iterations, evaluation cadence) spends a fixed number of
 samples, and the pair records the held-out greedy accuracy before, at the end and at best, the samples, the wall
-time and the collapse guard's rollbacks. One JSON object per pair is appended to
-``benchmarks/results/transfer-<machine>.jsonl`` (with ``--json``), and a table is printed.
+time and the collapse guard's rollbacks, with the validated config it ran (every default filled in). One JSON
+object per pair is appended to ``benchmarks/results/transfer-<machine>.jsonl`` (with ``--json``), and a table is
+printed; a pair whose run directory holds a finished run is read from it, not run again.
 """
 
 from __future__ import annotations
@@ -92,7 +93,7 @@ def run_pair(name: str, iterations: int, out: Path, extra: list[str]) -> dict:
             "wall_s": summary["wall_s"], "rollbacks": summary.get("rollbacks", 0),
             "warnings": sum(v for r in records for k, v in r.items()
                             if k.startswith("warn_") and k != "warn_no_signal"),
-            "config": raw, "overrides": extra}
+            "config": ran, "overrides": extra}
 
 
 def main() -> None:
