@@ -3,6 +3,7 @@
     python -m benchmarks.gpu_check                              # records under benchmarks/results/<gpu>-*.jsonl
     python -m benchmarks.gpu_check --only tests decode          # some steps
     python -m benchmarks.gpu_check --dry-run --out /tmp/check   # the same plan on CPU at toy sizes (< 5 minutes)
+    python -m benchmarks.gpu_check --quick --deadline 540       # smaller workloads, for a leased GPU's minutes
 
 Steps, each its own process with its own time limit, so that a crash, an out-of-memory or a hang in one loses
 none of the others' figures:
@@ -26,6 +27,7 @@ import argparse
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -73,12 +75,14 @@ def vllm_installed() -> bool:
     return subprocess.run([sys.executable, "-c", "import vllm"], capture_output=True).returncode == 0
 
 
-def plan(dry_run: bool, gpus: int, with_vllm: bool) -> list[Step]:
-    """The steps of a check: full sizes on a GPU, toy sizes on the CPU with ``dry_run``."""
+def plan(dry_run: bool, gpus: int, with_vllm: bool, quick: bool = False) -> list[Step]:
+    """The steps of a check: full sizes on a GPU, toy sizes on the CPU with ``dry_run``; ``quick``: the same
+    figures on smaller workloads, for a leased GPU's few minutes (the records say which sizes ran)."""
     dev = "cpu" if dry_run else "cuda"
+    smaller = quick and not dry_run
     tests = Step("tests", "GPU tests and sync/capture checks",
-                 ["pytest", "-q", "-rs", "-p", "no:cacheprovider", "--continue-on-collection-errors", "-k",
-                  "cuda or sync or capture", "tests"], 420)
+                 ["pytest", "-q", "-rfs", "-p", "no:cacheprovider", "--continue-on-collection-errors", "-k",
+                  "cuda or sync or capture", "tests"], 180 if smaller else 420)
     decode = []
     model, dtype = ("demo", "float32") if dry_run else ("qwen3-0.6b", "bfloat16")
     for attention in ("torch", "flex"):
@@ -86,7 +90,9 @@ def plan(dry_run: bool, gpus: int, with_vllm: bool) -> list[Step]:
                 "--attention", attention, "--skip-hf", "--json"]
         if dry_run:
             args += ["--prompts", "4", "--samples", "2"]
-        decode.append(Step("decode", f"rollout, native engine, {attention} attention", args, 300,
+        elif smaller:
+            args += ["--prompts", "16", "--samples", "4", "--output-len", "512"]
+        decode.append(Step("decode", f"rollout, native engine, {attention} attention", args, 150 if smaller else 300,
                            {"attention": attention}))
     if with_vllm:
         args = ["benchmarks.rollout", "--workload", "rl", "--model", model, "--device", dev, "--dtype", dtype,
@@ -104,10 +110,13 @@ def plan(dry_run: bool, gpus: int, with_vllm: bool) -> list[Step]:
                         "--weights", w, "--json"], 300, {"weights": w}) for w in ("bf16", "fp32-to-bf16")]
     train = Step("train_step", "train step",
                  ["benchmarks.train_step", "--model", "demo" if dry_run else "1b", "--device", dev, "--dtype", dtype,
-                  "--variants", "base", "--repeats", "1" if dry_run else "3", "--json"], 300)
+                  "--variants", "base", "--repeats", "1" if dry_run else "3", "--json"]
+                 + (["--tokens", "8192"] if smaller else []), 150 if smaller else 300)
     iteration = Step("rl_iteration", "one RL iteration",
                      ["benchmarks.rl_iteration", "--model", "tiny-qwen3" if dry_run else "qwen3-0.6b", "--device", dev,
-                      "--iterations", "2", "--json"] + (["--prompts", "4", "--samples", "2"] if dry_run else []), 540)
+                      "--iterations", "2", "--json"] + (["--prompts", "4", "--samples", "2"] if dry_run else [])
+                     + (["--prompts", "16", "--samples", "4", "--max-tokens", "256"] if smaller else []),
+                     240 if smaller else 540)
     steps = [tests, *decode, *update, train, iteration]
     two = Step("tests_two_gpus", "two-GPU tests", ["pytest", "-q", "-rs", "-p", "no:cacheprovider", "-k",
                                                    "across_device_orderings or over_nccl",
@@ -115,23 +124,36 @@ def plan(dry_run: bool, gpus: int, with_vllm: bool) -> list[Step]:
     return steps if gpus < 2 or dry_run else [*steps, two]
 
 
-def run_step(step: Step, env: dict[str, str]) -> list[dict]:
-    """Run one step; its JSON records (or one failure record with the output's end) with status and wall time."""
+def run_step(step: Step, env: dict[str, str], log: Path | None = None) -> list[dict]:
+    """Run one step; its JSON records (or one failure record with the output's end) with status and wall time;
+    its whole output to ``log`` when given."""
     t0 = time.perf_counter()
     cmd = [sys.executable, "-m", *step.argv]
     base = {"step": step.name, "label": step.label, **step.extra}
+    # its own process group: at the time limit the step's children (compile workers, Ray) go with it, and
+    # none of them keeps the output pipes open
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
     try:
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=step.timeout_s)
-    except subprocess.TimeoutExpired as e:
-        out = "".join(x.decode(errors="replace") if isinstance(x, bytes) else (x or "") for x in (e.stdout, e.stderr))
-        return [{**base, "status": "timeout", "wall_s": step.timeout_s, "output_tail": out[-3000:]}]
+        stdout, stderr = proc.communicate(timeout=step.timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        try:
+            stdout, stderr = proc.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            stdout, stderr = "", ""
+        if log:
+            log.write_text(stdout + stderr)
+        return [{**base, "status": "timeout", "wall_s": step.timeout_s, "output_tail": (stdout + stderr)[-3000:]}]
     wall = round(time.perf_counter() - t0, 1)
+    if log:
+        log.write_text(stdout + stderr)
     if step.argv[0] == "pytest":
-        return [{**base, **pytest_counts(proc.stdout), "status": "ok" if proc.returncode == 0 else "failed",
-                 "wall_s": wall, **({} if proc.returncode == 0 else {"output_tail": proc.stdout[-3000:]})}]
-    records = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+        return [{**base, **pytest_counts(stdout), "status": "ok" if proc.returncode == 0 else "failed",
+                 "wall_s": wall, **({} if proc.returncode == 0 else {"output_tail": stdout[-3000:]})}]
+    records = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
     if proc.returncode != 0 or not records:
-        return [{**base, "status": "failed", "wall_s": wall, "output_tail": (proc.stdout + proc.stderr)[-3000:]}]
+        return [{**base, "status": "failed", "wall_s": wall, "output_tail": (stdout + stderr)[-3000:]}]
     return [{**base, "status": "ok", "wall_s": wall, **r} for r in records]
 
 
@@ -186,14 +208,19 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dry-run", action="store_true", help="the same plan on CPU at toy sizes")
+    ap.add_argument("--quick", action="store_true", help="smaller workloads (decode 64 sequences up to 512 tokens, "
+                    "train step 8K tokens, RL iteration 64 x 256 tokens) that fit a leased GPU's 10 minutes")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results", help="directory for the records")
-    ap.add_argument("--only", nargs="+", metavar="STEP", help="run only these steps (tests, decode, weight_update, "
-                    "train_step, rl_iteration)")
+    ap.add_argument("--only", nargs="+", metavar="STEP", help="run only these steps, in this order (tests, decode, "
+                    "weight_update, train_step, rl_iteration)")
     ap.add_argument("--skip", nargs="+", metavar="STEP", default=[], help="run all steps but these")
     ap.add_argument("--attention", nargs="+", choices=["torch", "flex", "vllm-both"], help="decode variants to run")
     ap.add_argument("--weights", nargs="+", choices=["bf16", "fp32-to-bf16"], help="weight-update variants to run")
     ap.add_argument("--step-timeout", type=int, metavar="S", help="cap every step's time limit at S seconds (a "
                     "leased machine with little time left: a step cut short is recorded as a timeout)")
+    ap.add_argument("--deadline", type=int, metavar="S", help="the whole check's time budget: each step gets at most "
+                    "what is left of S seconds, and a step with under 20 s left is recorded as skipped")
+    ap.add_argument("--logs", type=Path, metavar="DIR", help="write each step's whole output to DIR/NN-<step>.log")
     a = ap.parse_args(argv)
     if not a.dry_run and not torch.cuda.is_available():
         ap.error("no CUDA device here; --dry-run runs the plan on the CPU")
@@ -202,19 +229,31 @@ def main(argv: list[str] | None = None) -> int:
     # importing vLLM takes seconds: only ask when its decode step could run
     wants_vllm = (not a.only or "decode" in a.only) and "decode" not in a.skip and \
         (not a.attention or "vllm-both" in a.attention)
-    steps = [s for s in plan(a.dry_run, gpus, wants_vllm and vllm_installed())
+    steps = [s for s in plan(a.dry_run, gpus, wants_vllm and vllm_installed(), a.quick)
              if (not a.only or s.name in a.only) and s.name not in a.skip
              and (not a.attention or s.extra.get("attention", a.attention[0]) in a.attention)
              and (not a.weights or s.extra.get("weights", a.weights[0]) in a.weights)]
+    if a.only:  # in the order asked: a short lease measures what matters most first
+        steps.sort(key=lambda s: a.only.index(s.name))
     for s in steps:
         s.timeout_s = min(s.timeout_s, a.step_timeout or s.timeout_s)
     slug = gpu_slug(a.dry_run)
     a.out.mkdir(parents=True, exist_ok=True)
+    if a.logs:
+        a.logs.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     records: list[dict] = []
+    t_start = time.monotonic()
     for i, step in enumerate(steps, 1):
         print(f"[{i}/{len(steps)}] {step.label} ...", file=sys.stderr, flush=True)
-        recs = [add_mfu(r, gpu_name) if step.name == "train_step" else r for r in run_step(step, env)]
+        left = None if a.deadline is None else int(a.deadline - (time.monotonic() - t_start))
+        if left is not None and left < 20:
+            recs = [{"step": step.name, "label": step.label, **step.extra, "status": "skipped", "wall_s": 0,
+                     "output_tail": f"not run: {left} s of the {a.deadline} s deadline left"}]
+        else:
+            step.timeout_s = min(step.timeout_s, left or step.timeout_s)
+            log = a.logs / f"{i:02d}-{step.name}.log" if a.logs else None
+            recs = [add_mfu(r, gpu_name) if step.name == "train_step" else r for r in run_step(step, env, log)]
         with open(a.out / f"{slug}-{step.name}.jsonl", "a") as f:
             for r in recs:
                 f.write(json.dumps({**r, "gpu": gpu_name}) + "\n")

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from benchmarks.rollout_rl import KV_MEMORY_FRACTION, measure_rl
+from benchmarks.timing import say
 from engines.device import peak_memory_bytes, reset_peak_memory, synchronize
 from engines.inference.kv_cache import bytes_per_slot
 from engines.inference.native import InferenceEngine
@@ -158,7 +159,8 @@ def measure(model_name: str, prompts_n: int, samples: int, prompt_len: int, outp
 
 
 def rl_record(model_name: str, prompts_n: int, samples: int, *, dtype: str = "float32", threads: int | None = None,
-              skip_hf: bool = False, device: str = "cpu", attention: str = "torch") -> dict:
+              skip_hf: bool = False, device: str = "cpu", attention: str = "torch",
+              longest: int | None = None) -> dict:
     """The RL-workload record (``benchmarks.rollout_rl``) of a random-weight model of ``model_name``."""
     torch.set_num_threads(threads or os.cpu_count() or 1)
     torch.manual_seed(0)
@@ -166,8 +168,9 @@ def rl_record(model_name: str, prompts_n: int, samples: int, *, dtype: str = "fl
     with tempfile.TemporaryDirectory() as d:
         save_pretrained(CausalLM(MODELS[model_name]), None, d)
         model = load_pretrained(d, tdtype).to(device)
+        say("rollout", f"{model_name} built, saved and loaded on {device}")
         return measure_rl(model, d, model_name, prompts_n, samples, dtype=tdtype, device=device, skip_hf=skip_hf,
-                          attention=attention)
+                          attention=attention, longest=longest)
 
 
 def engines_record(model_name: str, prompts_n: int, samples: int, *, dtype: str = "float32",
@@ -206,7 +209,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--samples", type=int, default=8, help="responses per prompt")
     ap.add_argument("--prompt-len", type=int, help="tokens per prompt (default: 32 demo, 128 for 100m)")
-    ap.add_argument("--output-len", type=int, help="tokens per response (default: 64 demo, 128 for 100m)")
+    ap.add_argument("--output-len", type=int, help="tokens per response (default: 64 demo, 128 for 100m); with "
+                    "--workload rl the longest response (default: 64 demo, 256 100m, 2048 qwen3-0.6b)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--threads", type=int, help="torch threads (default: all cores)")
@@ -230,7 +234,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     if a.workload == "rl":
         rec = rl_record(a.model, a.prompts, a.samples, dtype=a.dtype, threads=a.threads, skip_hf=a.skip_hf,
-                        device=a.device, attention=a.attention)
+                        device=a.device, attention=a.attention, longest=a.output_len)
         if not a.json:
             print(f"RL workload, {a.model} model ({rec['params']:,} parameters): engine {rec['engine_tok_s']} tok/s, "
                   f"HF generate {rec['hf_generate_tok_s']} tok/s, speedup {rec['speedup']}; KV capacity "

@@ -26,7 +26,7 @@ import time
 
 import torch
 
-from benchmarks.timing import best_seconds
+from benchmarks.timing import best_seconds, say
 from engines.device import synchronize
 from engines.inference.kv_cache import BLOCK_SIZE, bytes_per_slot, bytes_per_token, paged_pool
 from engines.inference.native import InferenceEngine
@@ -68,8 +68,11 @@ def run_engine_rl(model: CausalLM, prompts, lengths, kv_bytes: int, max_seq_len:
                              max_num_seqs=sum(map(len, lengths)), cuda_graphs=cuda_graphs,
                              kv_memory_fraction=KV_MEMORY_FRACTION, attention=attention)
     reqs = [(p, SamplingParams(0.0, n, ignore_eos=True)) for p, ns in zip(prompts, lengths, strict=True) for n in ns]
+    mode = "graphs" if cuda_graphs and next(model.parameters()).is_cuda else "eager"
+    say("rollout", f"engine up ({attention} attention, {mode}, KV {engine.kv_cache_bytes / 2**30:.1f} GiB)")
     engine.generate([p for p, _ in reqs[:4]], [SamplingParams(0.0, 2, ignore_eos=True)] * 4)  # warm-up
     engine.weights_loaded()  # forget the warm-up's cached prefixes
+    say("rollout", f"warm-up done; timing {len(reqs)} sequences, {sum(map(sum, lengths))} tokens")
     dev = next(model.parameters()).device
     start = engine.stats()
     synchronize(dev)
@@ -77,6 +80,7 @@ def run_engine_rl(model: CausalLM, prompts, lengths, kv_bytes: int, max_seq_len:
     outs = engine.generate([p for p, _ in reqs], [s for _, s in reqs])
     synchronize(dev)
     elapsed = time.perf_counter() - t0
+    say("rollout", f"{mode}: {elapsed:.2f} s")
     engine.run_stats = {k: v - start.get(k, 0) for k, v in engine.stats().items()
                         if isinstance(v, (int, float)) and k != "prefix_hit_rate"}
     return elapsed, [o.token_ids for o in outs], engine
@@ -153,10 +157,13 @@ def decode_bytes(model: CausalLM, prompts, lengths, steps: int) -> int:
 
 
 def measure_rl(model: CausalLM, model_dir: str, name: str, prompts_n: int, samples: int, *, dtype: torch.dtype,
-               device: str, skip_hf: bool = False, seed: int = 0, attention: str = "torch") -> dict:
+               device: str, skip_hf: bool = False, seed: int = 0, attention: str = "torch",
+               longest: int | None = None) -> dict:
     """The RL-workload record for ``model`` (already on ``device``), saved in ``model_dir`` for ``generate``;
-    ``attention``: the native engine's attention backend (torch or flex)."""
-    lo, hi, longest = RL_LENGTHS[name]
+    ``attention``: the native engine's attention backend (torch or flex); ``longest``: the longest output
+    (default: the model's in ``RL_LENGTHS``)."""
+    lo, hi, default_longest = RL_LENGTHS[name]
+    longest = longest or default_longest
     cfg = model.config
     prompts, lengths = draw_workload(prompts_n, samples, (lo, hi), longest, cfg.vocab_size, seed)
     tokens = sum(map(sum, lengths))

@@ -29,7 +29,7 @@ import time
 import torch
 
 from benchmarks.rollout import MODELS
-from benchmarks.timing import best_seconds
+from benchmarks.timing import best_seconds, say
 from engines.device import synchronize
 from engines.inference.sampling import token_logprobs
 from engines.model.arch import make_config
@@ -156,13 +156,16 @@ def measure(model_name: str, repeats: int = 3, warmup: int = 1, device: str = "c
     n_tok = tokens or n_tok
     prompts, responses = make_batch(n_tok, lo, hi, cfg.vocab_size, seed)
     engine = TrainingEngine(model, build_optimizers(model, "muon", 1e-4, 0.0), pad_id=0)
+    say("train_step", f"{model_name} built on {device} ({len(prompts)} sequences)")
     times: dict[str, list[float]] = {v: [] for v in variants}
     for i in range(warmup + repeats):
         for v in variants:
             t = _timed(engine, prompts, responses, v)
+            say("train_step", f"{v} step {i + 1}/{warmup + repeats}: {t:.3f} s" + (" (warm-up)" if i < warmup else ""))
             if i >= warmup:
                 times[v].append(t)
     peaks = {v: _peak_memory(engine, prompts, responses, v) for v in variants}  # apart: the profiler slows steps
+    say("train_step", "peak memory measured")
     peak_flops = matmul_peak(dev, compute)
     flops = model_flops(model, prompts, responses)
     total = sum(len(p) + len(r) for p, r in zip(prompts, responses, strict=True))

@@ -29,13 +29,13 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.multiprocessing as mp
 
+from benchmarks import timing
 from checkpoint_engine.buckets import ALIGN, TensorSpec
 from checkpoint_engine.engine import CheckpointEngine
 from checkpoint_engine.local import PipeReloader, answer_load, digest, synthetic_params
@@ -46,12 +46,11 @@ from engines.device import host_buffer
 from engines.model.fp8 import quantize
 
 WEIGHTS = ("bf16", "fp32-to-bf16", "fp8")
-_T0 = time.perf_counter()
 
 
 def say(msg: str) -> None:
-    """One progress line on stderr, with the seconds since start (a timeout then shows where it was)."""
-    print(f"[weight_update_cuda {time.perf_counter() - _T0:7.1f} s] {msg}", file=sys.stderr, flush=True)
+    """One progress line on stderr (``benchmarks.timing.say``)."""
+    timing.say("weight_update_cuda", msg)
 
 
 def _bandwidth(src: torch.Tensor, dst: torch.Tensor, tries: int = 5) -> float:

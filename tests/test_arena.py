@@ -79,14 +79,19 @@ def test_cuda_arena_returns_memory_to_the_device_and_maps_back_at_the_same_addre
     graph = torch.cuda.CUDAGraph()  # a graph captured on the arena keeps working after unmap/map
     with torch.cuda.graph(graph):
         y = x[:1024] * 2
+    # measured across the call alone: the graph's pool and lazily loaded kernels took device memory since free0
+    # (174 MiB on an H200 with torch 2.11)
+    torch.cuda.synchronize()
+    before = torch.cuda.mem_get_info()[0]
     a.unmap()
-    assert torch.cuda.mem_get_info()[0] - free0 >= -(32 << 20)  # back to the device (other allocations aside)
+    assert torch.cuda.mem_get_info()[0] - before >= n  # back to the device
     a.map()
     assert x.data_ptr() == a.base and not x.any()
     x[:1024] = 5.0
     graph.replay()
     assert torch.equal(y, torch.full_like(y, 10.0))
     del x, y, graph
-    a.close()
     torch.cuda.synchronize()
-    assert torch.cuda.mem_get_info()[0] >= free0 - (32 << 20)
+    before = torch.cuda.mem_get_info()[0]
+    a.close()
+    assert torch.cuda.mem_get_info()[0] - before >= n

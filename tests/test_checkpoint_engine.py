@@ -359,7 +359,9 @@ def _cuda_receiver(specs, plan, handles, conn):
     for k in range(len(plan.buckets)):
         recv.load(k, k % 2, conn.recv())
         conn.send("ok")
-    conn.send((recv.rollback_mode, {n: t.cpu().view(torch.uint8).clone() for n, t in recv.tensors.items()}))
+    # plain bytes: a tensor would travel as a shared-memory handle that this process, about to exit, must serve
+    conn.send((recv.rollback_mode, {n: t.cpu().view(torch.uint8).reshape(-1).numpy().tobytes()
+                                    for n, t in recv.tensors.items()}))
 
 
 def _cuda_update(plan, sources: dict, device: int = 0, child_devices: str | None = None):
@@ -397,6 +399,7 @@ def _cuda_update(plan, sources: dict, device: int = 0, child_devices: str | None
         uuid = parent.recv()
         engine.update(plan, sources, 1, Reloader())
         mode, got = parent.recv()
+        got = {n: torch.frombuffer(bytearray(b), dtype=torch.uint8) for n, b in got.items()}
     finally:
         proc.join(timeout=60)
         engine.close()

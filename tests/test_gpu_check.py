@@ -47,3 +47,36 @@ def test_dry_run_runs_the_whole_plan_on_cpu(tmp_path):
     assert records["cpu-dryrun-weight_update.jsonl"][0]["bitwise_equal"] is True
     assert records["cpu-dryrun-rl_iteration.jsonl"][0]["iteration_s"] > 0
     assert "one RL iteration" in summary and "train step" in summary
+
+
+def test_the_quick_plan_measures_the_same_figures_on_smaller_workloads():
+    full = {(s.name, s.label): s for s in gpu_check.plan(dry_run=False, gpus=1, with_vllm=False)}
+    quick = {(s.name, s.label): s for s in gpu_check.plan(dry_run=False, gpus=1, with_vllm=False, quick=True)}
+    assert quick.keys() == full.keys()
+    assert all(quick[k].timeout_s <= full[k].timeout_s for k in full)
+    argv = {k[0]: " ".join(s.argv) for k, s in quick.items()}
+    assert "--output-len 512" in argv["decode"] and "--tokens 8192" in argv["train_step"]
+    assert "--max-tokens 256" in argv["rl_iteration"] and "--gib 16" in argv["weight_update"]
+
+
+def test_a_step_past_its_limit_is_cut_with_its_children(tmp_path):
+    """A step whose child outlives it (a compile worker, Ray) must not hold the check past the step's limit:
+    the child keeps the output pipe open, and waiting for the pipe alone would wait for the child."""
+    import time
+
+    (tmp_path / "hangs.py").write_text("import subprocess, sys, time\nprint('started', flush=True)\n"
+                                       "subprocess.Popen(['sleep', '60'])\ntime.sleep(60)\n")
+    env = {**__import__("os").environ, "PYTHONPATH": str(tmp_path)}
+    t0 = time.monotonic()
+    [rec] = gpu_check.run_step(gpu_check.Step("hangs", "a step that hangs", ["hangs"], 3), env, tmp_path / "h.log")
+    assert time.monotonic() - t0 < 20
+    assert rec["status"] == "timeout" and "started" in (tmp_path / "h.log").read_text()
+
+
+def test_steps_run_in_the_order_asked_and_a_spent_deadline_skips_them(tmp_path):
+    status = gpu_check.main(["--dry-run", "--out", str(tmp_path), "--only", "train_step", "weight_update",
+                             "--deadline", "0"])
+    lines = (tmp_path / "cpu-dryrun-summary.md").read_text().splitlines()
+    steps = [x for x in lines if x.startswith("- ")]
+    assert status == 1 and len(steps) == 2
+    assert "train step" in steps[0] and "weight update" in steps[1] and all("(skipped" in x for x in steps)
