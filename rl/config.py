@@ -283,7 +283,9 @@ class AlgorithmConfig(Strict):
                                 "(DAPO's clip-higher, which keeps unlikely tokens able to gain probability)")
     overlong_buffer: int | None = Field(
         None, ge=0, description="dapo: L_c, the tokens before a response's budget over which its reward loses up to "
-                                "1 (0: off); None: a fifth of rollout.max_tokens")
+                                "1 (0: off); None: a fifth of rollout.max_tokens, DAPO's ratio. Meant for budgets "
+                                "far above the answers' length: with answers near max_tokens it teaches brevity "
+                                "over correctness (one transfer pair lost its whole gain), so set 0 there")
     kl_coef: float = Field(0.0, ge=0, description="grpo/dapo: β of GRPO's KL penalty against the reference policy "
                            "(the model the run started from; the trainer holds a second copy of it to score each "
                            "batch); 0, off: DAPO and most recent recipes leave it out, and the clip already bounds "
