@@ -118,8 +118,8 @@ class NodeBuffers:
             b.close()
 
 
-def free_port() -> int:
-    """A free TCP port on loopback, for a torch.distributed rendezvous."""
+def free_port(host: str = "127.0.0.1") -> int:
+    """A free TCP port on ``host`` (loopback: a torch.distributed rendezvous, a local service)."""
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]

@@ -387,24 +387,22 @@ def rl_update(engine: TrainingEngine, samples: Sequence[Sample], *, tau: float, 
     pre = Measures()
     recompute_old = recompute_old or correction is not None
     factor: dict[int, float] = {}
+    kept = [i for g in groups for i in by_group[g]]  # the samples trained on
+    samples = list(samples)
     if recompute_old and groups:
-        kept = [i for g in groups for i in by_group[g]]
         fresh = recompute_old_logprobs(engine, [samples[i] for i in kept], token_budget=token_budget, rank=rank,
                                        world=world, max_items=max_items, measures=pre)
         if correction is not None:
             fresh, factors, is_metrics = apply(fresh, [samples[i].old_logprobs for i in kept], correction)
             factor = dict(zip(kept, factors, strict=True))
             counts.update(is_metrics)
-        samples = list(samples)
         for i, s in zip(kept, fresh, strict=True):
             samples[i] = s
     if objective.kl_coef and groups:
         if reference is None:
             raise ValueError("a KL penalty (kl_coef) needs the reference policy's engine")
-        kept = [i for g in groups for i in by_group[g]]
         refs = score_samples(reference, [samples[i] for i in kept], token_budget=token_budget, rank=rank,
                              world=world, max_items=max_items)
-        samples = list(samples)
         for i, lp in zip(kept, refs, strict=True):
             samples[i] = replace(samples[i], ref_logprobs=lp)
     plan = _minibatches(groups, minibatches, random.Random(seed)) if groups else [[]] * min(minibatches, len(ptx))

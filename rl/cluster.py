@@ -18,6 +18,7 @@ from engines.inference.sampling import SamplingParams
 from rl.algorithm import PtxBatch, Sample
 from rl.config import Config
 from rl.errors import UserError
+from rl.memory import per_worker_ranks
 from rl.partial import Trajectory
 from rl.placement import probe_bundles, reachable_model_dirs, unplaceable, worker_bundle, worker_threads
 from rl.recovery import Restarts, WorkerFailed, gather, next_item
@@ -66,7 +67,7 @@ class Cluster:
         # worker's trainer is as many ranks, one on each of them (FSDP2 over every GPU of the run); otherwise one
         # trainer and one replica, half the bundle's GPUs each: Ray then shows both actors the same device(s)
         spans = cfg.rollout.tensor_parallel_size > 1 and gpus > 0
-        per = self.per = int(gpus) if spans else 1  # trainer ranks per worker
+        per = self.per = per_worker_ranks(cfg)  # trainer ranks per worker
         bundle = worker_bundle((1 + per) * ACTOR_CPUS, gpus)  # one worker slot each where the pods offer them
         self.pg = placement_group([bundle] * n, strategy="PACK")
         try:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -21,6 +20,7 @@ import threading
 import time
 from pathlib import Path
 
+from checkpoint_engine.topology import free_port
 from rl.errors import UserError
 from sandbox.options import SandboxOptions
 
@@ -34,17 +34,11 @@ MAX_RESTARTS = 20
 PARENT_ENV = "RL_SANDBOX_PARENT_PID"
 
 
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 class SandboxServiceProcess:
     """``rl sandbox serve`` for ``options`` in a child process on a free port, kept alive (see the module)."""
 
     def __init__(self, options: SandboxOptions, max_restarts: int = MAX_RESTARTS) -> None:
-        self.options = options.override(port=_free_port(options.host))
+        self.options = options.override(port=free_port(options.host))
         self.address = f"{self.options.host}:{self.options.port}"
         self.max_restarts, self.restarts = max_restarts, 0
         self.last_exit: str | None = None  # how the last death looked, e.g. "signal 9"
