@@ -18,9 +18,9 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 setup: system-deps $(VENV)/.installed $(BIN)/helm
 
 system-deps:
-	@{ command -v bwrap >/dev/null && /sbin/ldconfig -p | grep -q 'libseccomp\.so\.2'; } || { \
+	@{ command -v bwrap >/dev/null && /sbin/ldconfig -p | grep -q 'libseccomp\.so\.2' && command -v c++ >/dev/null; } || { \
 		$(SUDO) apt-get update -qq && \
-		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq bubblewrap libseccomp2 >/dev/null; }
+		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq bubblewrap libseccomp2 g++ >/dev/null; }
 
 # setup.py generates the sandbox's gRPC stubs from the .proto during the install.
 $(VENV)/.installed: pyproject.toml setup.py sandbox/proto/sandbox.proto Makefile

@@ -202,9 +202,11 @@ class RolloutConfig(Strict):
                                                     "sequences take blocks as they grow)")
     max_batch_tokens: int = Field(8192, ge=2, description="tokens one engine step computes: a token per decoding "
                                                          "sequence, the rest in prompt chunks")
-    attention: Literal["torch", "flex"] = Field(
-        "torch", description="paged attention of the inference engines: torch gathers each sequence's blocks; "
-                             "flex runs flex_attention through block masks (compiled on a GPU)")
+    attention: Literal["auto", "torch", "flex", "paged"] = Field(
+        "auto", description="paged attention of the native inference engines: torch gathers each sequence's "
+                            "blocks; flex runs flex_attention through block masks (compiled on a GPU); paged (CPU) "
+                            "decodes through a C++ kernel that reads the blocks in place, built on first use; auto: "
+                            "paged on CPU where the kernel builds, torch on a GPU")
     max_seq_len: int | None = Field(
         None, ge=2, description="tokens per sequence (prompt + response) the KV cache is sized for; None = the "
                                 "run's longest prompt + largest max_tokens (the model's context when prompts are "
@@ -404,6 +406,9 @@ class Config(Strict):
         if self.rollout.expert_parallel and tp < 2:
             raise ValueError("rollout.expert_parallel spreads experts over a replica's ranks: it needs "
                              "rollout.tensor_parallel_size of 2 or more")
+        if self.rollout.attention == "paged" and gpus > 0:
+            raise ValueError("rollout.attention: paged is the CPU decode kernel; with cluster.gpus_per_worker > 0 "
+                             "use auto, torch or flex")
         if tp > 1 and gpus > 0 and gpus != tp:
             raise ValueError(f"rollout.tensor_parallel_size={tp} spans the worker's GPUs: set "
                              f"cluster.gpus_per_worker={tp} (it is {gpus:g})")

@@ -199,7 +199,9 @@ def estimate(cfg: Config, arch: ModelConfig, max_seq_len: int) -> MemoryEstimate
     trainer = weights + grads + opt + (weights if cfg.algorithm.kl_coef > 0 else 0)
     level = cfg.rollout.sleep_level
     decode = 0
-    if cfg.rollout.attention == "torch" and cfg.rollout.engine != "vllm":  # flex reads the pool in place
+    # flex and the CPU kernel read the pool in place; auto is counted as torch, what it is on a GPU and where the
+    # CPU kernel cannot be built
+    if cfg.rollout.attention in ("auto", "torch") and cfg.rollout.engine != "vllm":
         # every row is gathered at the widest one's length, which the pool also bounds; each row holds a block
         tokens = kv // bytes_per_token(arch, rollout_dtype)
         width, rows = min(max_seq_len, tokens), min(cfg.rollout.max_batch, max(1, tokens // BLOCK_SIZE))
@@ -293,7 +295,7 @@ def check_fits(cfg: Config, est: MemoryEstimate) -> None:
         return
     parts = {"rollout.kv_cache_mb": est.kv_cache, "rollout.dtype": est.replica,
              "cluster.workers (shards the trainer)": est.trainer_weights + est.trainer_grads + est.optimizer,
-             "rollout.attention (flex reads the cache in place; torch gathers it)": est.decode_work}
+             "rollout.attention (flex and paged read the cache in place; torch gathers it)": est.decode_work}
     knob = max(parts, key=parts.get)
     raise UserError(f"a worker needs about {_gib(need)} but has {_gib(limit)} of {what}; the largest part is "
                     f"{_gib(parts[knob])} set by {knob} (activations come on top)")

@@ -219,7 +219,8 @@ def test_system_packages_for_the_sandbox_and_kuberay(image):
     kind, img = image
     pkgs = _apt_packages(img)
     # bubblewrap, libseccomp2: the local sandbox backend; bash and wget: KubeRay's `bash -c` commands and wget probes
-    needed = {"make", "bubblewrap", "libseccomp2", "bash", "wget"}
+    # g++: the native engine's CPU decode kernel, built on first use
+    needed = {"make", "bubblewrap", "libseccomp2", "bash", "wget", "g++"}
     assert needed <= pkgs, f"{kind}: missing {sorted(needed - pkgs)}"
     if not img.base.startswith("python:"):
         assert {"python3", "python3-venv"} <= pkgs, "`make setup` runs `python3 -m venv`"

@@ -221,6 +221,10 @@ def test_the_torch_decode_path_counts_its_gathered_keys_and_scores():
     assert torch_path.device_peak - flex.device_peak == by_hand
     cpu = estimate(parse_config({**base, "cluster": {"workers": 8}, "rollout": roll}), arch, 3000)
     assert cpu.decode_work == 256 * 3000 * 8 * 256 * 2 + 2 * 256 * 32 * 3000 * 4  # exact width on a CPU
+    # the CPU decode kernel reads the pool in place (auto counts the gather it falls back to)
+    kernel = estimate(parse_config({**base, "cluster": {"workers": 8}, "rollout": {**roll, "attention": "paged"}}),
+                      arch, 3000)
+    assert kernel.decode_work == 0
     # a 512 MiB pool holds 4096 tokens (128 KiB each): no row is wider, and at most 256 rows hold a block each
     small = estimate(parse_config({**base, "rollout": {**roll, "kv_cache_mb": 512, "max_seq_len": 131072}}), arch,
                      131072)

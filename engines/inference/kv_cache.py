@@ -9,10 +9,12 @@ through its block table, up to its own position (and within a sliding window whe
 Multi-head latent attention (DeepSeek-V3, Kimi K2) caches only its compressed latent and rotary key per
 token, one "head" whose first ``kv_lora_rank`` dimensions double as the values.
 
-Two ways to attend, same results: ``torch`` gathers each sequence's rows and runs two matmuls (every
-device; the reference), ``flex`` runs PyTorch's flex_attention over the whole pool with a block mask
+Three ways to attend, same results up to rounding: ``torch`` gathers each sequence's rows and runs two matmuls
+(every device; the reference), ``flex`` runs PyTorch's flex_attention over the whole pool with a block mask
 built from the block tables, so a query reads only its own blocks and nothing is gathered (the GPU
-path, compiled there; eager elsewhere, which the tests use to check it against ``torch``).
+path, compiled there; eager elsewhere, which the tests use to check it against ``torch``), and ``paged`` (CPU)
+runs decode queries through a C++ kernel that reads each sequence's blocks in place
+(``engines.inference.cpu_kernel``), prompt chunks as ``torch`` does.
 """
 
 from __future__ import annotations
@@ -23,11 +25,14 @@ from dataclasses import dataclass
 
 import torch
 
+from engines.inference import cpu_kernel
 from engines.inference.uploads import upload_rows
 from engines.model.arch import ModelConfig
 
 #: Tokens per block.
 BLOCK_SIZE = 16
+#: The ways to attend over the pool (see the module's docstring).
+BACKENDS = ("torch", "flex", "paged")
 
 
 def cache_dims(cfg: ModelConfig) -> tuple[int, int, int | None]:
@@ -135,23 +140,25 @@ class Ragged:
     q_pos: torch.Tensor
     table: torch.Tensor
     width: int
+    leading: bool = False  # one query per sequence, at the first S places of the flat token axis
+
 
     @classmethod
     def decode(cls, block_table: torch.Tensor, positions: torch.Tensor, width: int) -> Ragged:
         """One query per sequence at ``positions`` [n] (device ops only: a CUDA graph can capture it)."""
         q_index = torch.arange(positions.shape[0], device=positions.device)[:, None]
-        return cls(q_index, positions[:, None], block_table, width)
+        return cls(q_index, positions[:, None], block_table, width, leading=True)
 
 
 class PagedPass:
     """``AttentionCache`` of one engine step: ``write_rows`` [N] are the pool rows of the step's N new
     tokens; ``groups`` are the queries (decode rows, prefill chunks) and the keys each may see;
-    ``backend`` is "torch" or "flex" (see the module's docstring)."""
+    ``backend`` is "torch", "flex" or "paged" (see the module's docstring)."""
 
     def __init__(self, cache: PagedKVCache, write_rows: torch.Tensor, groups: list[Ragged],
                  backend: str = "torch") -> None:
-        if backend not in ("torch", "flex"):
-            raise ValueError(f"attention backend must be 'torch' or 'flex', got {backend!r}")
+        if backend not in BACKENDS:
+            raise ValueError(f"attention backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
         self.cache, self.write_rows, self.groups, self.backend = cache, write_rows, groups, backend
         self._memo: dict[tuple, object] = {}  # per group: masks or block masks, shared by every layer
 
@@ -167,6 +174,15 @@ class PagedPass:
         qf = q[0].transpose(0, 1)  # [N, H, D]
         out = qf.new_empty(qf.shape[0], qf.shape[1], c.value_dim)
         for i, g in enumerate(self.groups):
+            if g.leading:  # decode rows: their queries and outputs are the first S rows, no index needed
+                s = g.q_pos.shape[0]
+                if self.backend == "paged":
+                    out[:s] = cpu_kernel.paged_decode(qf[:s], c.k[layer], self._values(layer), g.table,
+                                                      g.q_pos[:, 0], c.block_size, scale, window)
+                else:
+                    attend = self._flex if self.backend == "flex" else self._torch
+                    out[:s] = attend(i, g, layer, qf[:s, None], scale, window)[:, 0]
+                continue
             attend = self._flex if self.backend == "flex" else self._torch
             res = attend(i, g, layer, qf[g.q_index], scale, window)  # [S, Q, H, Dv]
             # unmasked: a padding query wrote its real twin's values to its twin's place (see Ragged), and a

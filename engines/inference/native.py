@@ -23,11 +23,13 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 import torch
 
 from engines.device import host_buffer
+from engines.inference import cpu_kernel
 from engines.inference.arena import CudaError, adopt, new_arena
 from engines.inference.base import RolloutEngine
 from engines.inference.blocks import BlockAllocator
 from engines.inference.cuda_graphs import DecodeGraphs, graphs_supported
 from engines.inference.kv_cache import (
+    BACKENDS,
     BLOCK_SIZE,
     PagedKVCache,
     PagedPass,
@@ -53,7 +55,8 @@ from engines.inference.uploads import upload, upload_rows
 from engines.model.causal_lm import CausalLM
 from engines.model.layout import byte_placements, hub_state, model_tensors
 
-__all__ = ["Completion", "InferenceEngine", "InvalidRequestError", "SamplingParams", "fit_kv_budget", "token_logprobs"]
+__all__ = ["Completion", "InferenceEngine", "InvalidRequestError", "SamplingParams", "fit_kv_budget",
+           "resolve_attention", "token_logprobs"]
 
 log = logging.getLogger(__name__)
 
@@ -68,8 +71,10 @@ class InferenceEngine(RolloutEngine):
     hold at least one sequence of ``max_seq_len`` tokens (prompt + response, default the model's
     context). At most ``max_num_seqs`` sequences decode at once; a step computes at most
     ``max_batch_tokens`` tokens (decode rows first, then prompt chunks). ``detokenize`` turns token
-    ids into text; it is needed only for stop strings. ``attention``: "torch" (gathering, the default) or
-    "flex" (flex_attention through block masks, compiled on a GPU); see ``engines.inference.kv_cache``.
+    ids into text; it is needed only for stop strings. ``attention``: "torch" (gathering), "flex"
+    (flex_attention through block masks, compiled on a GPU), "paged" (a C++ decode kernel reading the blocks in
+    place, CPU only) or "auto"/None: paged on a CPU where the kernel builds, else torch; see
+    ``engines.inference.kv_cache``.
     ``kv_memory_fraction``: on a CUDA device, the KV budget is at most this fraction of the memory free
     when the engine is built (None: ``kv_cache_bytes`` as given, which must then fit).
     """
@@ -92,7 +97,7 @@ class InferenceEngine(RolloutEngine):
                              f"{cfg.max_position_embeddings}")
         p = next(model.parameters())
         self.dtype, self.device = p.dtype, p.device
-        self.attention = attention or "torch"
+        self.attention = resolve_attention(attention, self.device)
         # flex_attention reads the pool through block masks whose blocks should match its tiles
         self.block_size = block_size or (FLEX_BLOCK_SIZE if self.attention == "flex" else BLOCK_SIZE)
         self.max_blocks = -(-self.max_seq_len // self.block_size)  # block-table width
@@ -511,6 +516,18 @@ class InferenceEngine(RolloutEngine):
                   self.rows.temperature, self.rows.top_k, self.rows.top_p, self.rows.seed):
             t[dst] = t[src]
         self._tables_host[dst] = self._tables_host[src]
+
+
+def resolve_attention(attention: str | None, device: torch.device) -> str:
+    """The attention backend an engine on ``device`` runs for ``attention`` ("auto"/None picks): "paged" needs a
+    CPU and its kernel; where the kernel cannot be built it falls back to "torch" (one warning, at the build)."""
+    if attention not in (None, "auto", *BACKENDS):
+        raise ValueError(f"attention must be auto, {', '.join(BACKENDS)}; got {attention!r}")
+    if attention == "paged" and device.type != "cpu":
+        raise ValueError(f"attention 'paged' is the CPU decode kernel; on {device} use torch or flex")
+    if attention in (None, "auto", "paged"):
+        return "paged" if device.type == "cpu" and cpu_kernel.available() else "torch"
+    return attention
 
 
 def fit_kv_budget(requested: int, need: int, free: int, fraction: float, device: torch.device | str) -> int:
