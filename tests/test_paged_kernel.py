@@ -67,6 +67,29 @@ def test_kernel_equals_attention_per_sequence(heads, kv_heads, dim, value_dim, b
 
 
 @needs_kernel
+@pytest.mark.parametrize("latent", [False, True])
+def test_kernel_writes_each_sequences_new_key_and_value_before_attending(latent):
+    """The engine hands the step's keys/values to the kernel: each lands at its sequence's position, nowhere else,
+    and the attention sees it (MLA: the latent row is the key, its first dimensions the value)."""
+    q, keys, values, table, positions = pool_case(2, 9, 4, 2, 16, 16, 70, torch.float32, 8 if latent else None)
+    g = torch.Generator().manual_seed(3)
+    new_k = torch.randn(2, 9, 16, generator=g).transpose(0, 1)  # [S, KVH, D], strided as the engine's are
+    new_v = None if latent else torch.randn(2, 9, 16, generator=g).transpose(0, 1)
+    before_k, before_v = keys.clone(), values.clone()
+    got = cpu_kernel.paged_decode(q, keys, values, table, positions, 16, 0.25, None, new_k, new_v)
+    rows = table.gather(1, positions[:, None] // 16)[:, 0] * 16 + positions % 16
+    want_k = before_k.clone()
+    want_k[:, rows] = new_k.transpose(0, 1)
+    assert torch.equal(keys, want_k)
+    if not latent:
+        want_v = before_v.clone()
+        want_v[:, rows] = new_v.transpose(0, 1)
+        assert torch.equal(values, want_v)
+    want = by_sequence(q, want_k, want_k[..., :8] if latent else want_v, table, positions, 16, 0.25, None)
+    torch.testing.assert_close(got.double(), want, atol=2e-6, rtol=1e-5)
+
+
+@needs_kernel
 def test_kernel_in_bfloat16_rounds_like_its_inputs():
     q, keys, values, table, positions = pool_case(1, 16, 4, 2, 32, 16, 90, torch.bfloat16)
     got = cpu_kernel.paged_decode(q, keys, values, table, positions, 16, 32 ** -0.5, None)

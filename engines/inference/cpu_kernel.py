@@ -45,11 +45,15 @@ def available() -> bool:
 
 
 def paged_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, table: torch.Tensor,
-                 positions: torch.Tensor, block_size: int, scale: float, window: int | None) -> torch.Tensor:
+                 positions: torch.Tensor, block_size: int, scale: float, window: int | None,
+                 new_keys: torch.Tensor | None = None, new_values: torch.Tensor | None = None) -> torch.Tensor:
     """Attention [S, H, Dv] of one query per sequence, q [S, H, D], over one layer's pool: keys [KVH, rows, D],
     values [KVH, rows, Dv] (row-contiguous views, e.g. the keys' first Dv dimensions); ``table`` [S, B] block ids,
-    ``positions`` [S]: sequence s sees its keys 0..positions[s] (the last ``window`` of them when given)."""
+    ``positions`` [S]: sequence s sees its keys 0..positions[s] (the last ``window`` of them when given).
+    ``new_keys`` [S, KVH, D] / ``new_values`` [S, KVH, Dv]: each sequence's key/value at its position, written
+    into the pool first (values only where they have a pool of their own)."""
     mod = _module()
     if mod is None:
         raise RuntimeError("the CPU decode-attention kernel is not available (see the warning logged at its build)")
-    return mod.paged_decode(q.contiguous(), keys, values, table, positions, block_size, scale, window or 0)
+    return mod.paged_decode(q.contiguous(), keys, values, table, positions, block_size, scale, window or 0,
+                            new_keys, new_values)

@@ -168,17 +168,23 @@ class PagedPass:
         ``v`` None: the values are the first dimensions of the keys (MLA's latent)."""
         c = self.cache
         kc = c.k[layer]
-        kc.index_copy_(1, self.write_rows, k[0].to(kc.dtype))
-        if v is not None:
-            c.v[layer].index_copy_(1, self.write_rows, v[0].to(kc.dtype))
+        k, v = k[0].to(kc.dtype), None if v is None else v[0].to(kc.dtype)  # [KVH, N, D]
+        # the CPU kernel writes the decode rows' keys/values itself, next to its reads of their last blocks
+        fused = self.backend == "paged" and self.groups[0].leading
+        first = self.groups[0].q_pos.shape[0] if fused else 0
+        if first < self.write_rows.shape[0]:
+            kc.index_copy_(1, self.write_rows[first:], k[:, first:])
+            if v is not None:
+                c.v[layer].index_copy_(1, self.write_rows[first:], v[:, first:])
         qf = q[0].transpose(0, 1)  # [N, H, D]
         out = qf.new_empty(qf.shape[0], qf.shape[1], c.value_dim)
         for i, g in enumerate(self.groups):
             if g.leading:  # decode rows: their queries and outputs are the first S rows, no index needed
                 s = g.q_pos.shape[0]
                 if self.backend == "paged":
-                    out[:s] = cpu_kernel.paged_decode(qf[:s], c.k[layer], self._values(layer), g.table,
-                                                      g.q_pos[:, 0], c.block_size, scale, window)
+                    out[:s] = cpu_kernel.paged_decode(
+                        qf[:s], kc, self._values(layer), g.table, g.q_pos[:, 0], c.block_size, scale, window,
+                        k[:, :s].transpose(0, 1), None if v is None else v[:, :s].transpose(0, 1))
                 else:
                     attend = self._flex if self.backend == "flex" else self._torch
                     out[:s] = attend(i, g, layer, qf[:s, None], scale, window)[:, 0]

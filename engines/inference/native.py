@@ -470,16 +470,20 @@ class InferenceEngine(RolloutEngine):
         done = (torch.isin(tok, self._eos) & self.eos_stop[sl]) | (self.stop_ids[sl] == tok[:, None]).any(1)
         done |= gen + 1 >= self.max_gen[sl]
         # the one host transfer of the step: tokens, logprobs and finished flags together
-        host = torch.stack((tok.double(), lp.double(), done.double())).tolist()
+        toks, lps, dones = torch.stack((tok.double(), lp.double(), done.double())).tolist()
         self.generated += rows
         finished = []
-        for i, r in enumerate(reqs):
-            t = int(host[0][i])
-            if i < decoded:
-                self._written(r, r.context_len)  # the previous token's key/value went in this step
+        bs, alloc = self.block_size, self.sched.alloc
+        # a per-row loop on every step (512 rows at a time): kept to list operations, no method calls unless needed
+        for i, (r, t, lp_i, d) in enumerate(zip(reqs, map(int, toks), lps, dones, strict=True)):
+            if i < decoded:  # the previous token's key/value went in this step (what _written does, inlined)
+                seq = r.seq
+                seq.computed = n = len(r.prompt) + len(r.tokens)
+                if n // bs > len(seq.hashes):
+                    alloc.commit(seq, r.context, n)
             r.tokens.append(t)
-            r.logprobs.append(host[1][i])
-            if host[2][i] or (r.matcher is not None and _grammar_done(r.matcher, t)) or \
+            r.logprobs.append(lp_i)
+            if d or (r.matcher is not None and _grammar_done(r.matcher, t)) or \
                     (r.params.stop and self._stop_string(r) is not None):
                 finished.append(i)
         return finished

@@ -63,9 +63,14 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         """Reserve blocks for this step's tokens (preempting if need be) and choose the prefill chunks."""
         plan = StepPlan(decode=0)
+        bs, ref = self.alloc.block_size, self.alloc.ref
         i = 0
         while i < len(self.running):
             r = self.running[i]
+            c, blocks = r.seq.computed, r.seq.blocks
+            if c % bs and ref[blocks[c // bs]] == 1:  # the next position is in a block of its own: nothing to do
+                i += 1
+                continue
             before = len(r.seq.blocks)
             try:
                 copies = self.alloc.reserve(r.seq, r.seq.computed + 1)

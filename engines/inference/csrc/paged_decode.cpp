@@ -18,17 +18,23 @@ namespace {
 template <typename scalar_t>
 void decode(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values,
             const torch::Tensor& table, const torch::Tensor& pos, int64_t bs, float scale, int64_t window,
-            torch::Tensor& out) {
+            const c10::optional<torch::Tensor>& new_k, const c10::optional<torch::Tensor>& new_v, torch::Tensor& out) {
   const int64_t S = q.size(0), H = q.size(1), D = q.size(2), KVH = keys.size(0), DV = out.size(2);
   const int64_t G = H / KVH, B = table.size(1);
   const int64_t kh = keys.stride(0), kr = keys.stride(1), vh = values.stride(0), vr = values.stride(1);
   const scalar_t* Q = q.data_ptr<scalar_t>();
-  const scalar_t* K = keys.data_ptr<scalar_t>();
-  const scalar_t* V = values.data_ptr<scalar_t>();
+  scalar_t* K = keys.data_ptr<scalar_t>();
+  scalar_t* V = values.data_ptr<scalar_t>();
   const int64_t* T = table.data_ptr<int64_t>();
   const int64_t* P = pos.data_ptr<int64_t>();
   scalar_t* O = out.data_ptr<scalar_t>();
   const int64_t k_bytes = bs * kr * sizeof(scalar_t), v_bytes = bs * vr * sizeof(scalar_t);
+  // the step's own key/value of each sequence, [S, KVH, D] / [S, KVH, DV] (any strides), written at its position
+  const scalar_t* NK = new_k ? new_k->data_ptr<scalar_t>() : nullptr;
+  const scalar_t* NV = new_v ? new_v->data_ptr<scalar_t>() : nullptr;
+  const int64_t nks = NK ? new_k->stride(0) : 0, nkh = NK ? new_k->stride(1) : 0, nkd = NK ? new_k->stride(2) : 0;
+  const int64_t nvs = NV ? new_v->stride(0) : 0, nvh = NV ? new_v->stride(1) : 0, nvd = NV ? new_v->stride(2) : 0;
+  const int64_t DK = keys.size(2), DVP = values.size(2);
 #pragma omp parallel num_threads(at::get_num_threads())
   {
     std::vector<float> qf(G * D), acc(G * DV), sb(bs), mx(G), sum(G);
@@ -41,9 +47,15 @@ void decode(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tens
         for (int64_t d = 0; d < D; ++d) qf[g * D + d] = static_cast<float>(Q[(s * H + h * G + g) * D + d]) * scale;
       std::fill(acc.begin(), acc.end(), 0.f);
       std::fill(sum.begin(), sum.end(), 0.f);
-      const scalar_t* Kh = K + h * kh;
-      const scalar_t* Vh = V + h * vh;
+      scalar_t* Kh = K + h * kh;
+      scalar_t* Vh = V + h * vh;
       const int64_t* tab = T + s * B;
+      if (NK) {  // the row this step writes lies in the last block read below: written while it is near
+        const int64_t row = tab[(n - 1) / bs] * bs + (n - 1) % bs;
+        for (int64_t d = 0; d < DK; ++d) Kh[row * kr + d] = NK[s * nks + h * nkh + d * nkd];
+        if (NV)
+          for (int64_t d = 0; d < DVP; ++d) Vh[row * vr + d] = NV[s * nvs + h * nvh + d * nvd];
+      }
       for (int64_t t = lo; t < n;) {
         const int64_t cnt = std::min(n, (t / bs + 1) * bs) - t;  // this block's keys from position t on
         const int64_t row = tab[t / bs] * bs + t % bs;
@@ -100,9 +112,11 @@ void decode(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tens
 
 // q [S, H, D]; keys [KVH, rows, D] and values [KVH, rows, DV] (one layer's pool; values may be the keys' first DV
 // dimensions, MLA's latent); table [S, B] block ids; pos [S] each query's position (it sees keys 0..pos, or the last
-// `window` of them when window > 0). Returns [S, H, DV].
+// `window` of them when window > 0); new_k [S, KVH, D] / new_v [S, KVH, DV]: when given, each sequence's key/value
+// at its position, written into the pool first (new_v only where values have their own pool). Returns [S, H, DV].
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor keys, torch::Tensor values, torch::Tensor table,
-                           torch::Tensor pos, int64_t block_size, double scale, int64_t window) {
+                           torch::Tensor pos, int64_t block_size, double scale, int64_t window,
+                           c10::optional<torch::Tensor> new_k, c10::optional<torch::Tensor> new_v) {
   TORCH_CHECK(q.device().is_cpu() && keys.device().is_cpu(), "paged_decode runs on CPU tensors");
   TORCH_CHECK(q.dim() == 3 && keys.dim() == 3 && values.dim() == 3, "paged_decode: q, keys, values must be 3-D");
   TORCH_CHECK(q.is_contiguous() && keys.stride(2) == 1 && values.stride(2) == 1,
@@ -111,11 +125,18 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor keys, torch::Tensor va
   TORCH_CHECK(table.scalar_type() == torch::kLong && pos.scalar_type() == torch::kLong, "paged_decode: int64 indices");
   TORCH_CHECK(q.scalar_type() == keys.scalar_type() && keys.scalar_type() == values.scalar_type(),
               "paged_decode: one dtype");
+  TORCH_CHECK(!new_k || (new_k->dim() == 3 && new_k->size(0) == q.size(0) && new_k->size(1) == keys.size(0) &&
+                          new_k->size(2) == keys.size(2) && new_k->scalar_type() == keys.scalar_type()),
+              "paged_decode: new_k must be [S, KVH, D] in the pool's dtype");
+  TORCH_CHECK(!new_v || (new_k && new_v->dim() == 3 && new_v->size(0) == q.size(0) &&
+                          new_v->size(1) == values.size(0) && new_v->size(2) == values.size(2) &&
+                          new_v->scalar_type() == values.scalar_type()),
+              "paged_decode: new_v must be [S, KVH, DV] in the pool's dtype, with new_k");
   auto tab = table.contiguous();
   auto p = pos.contiguous();
   auto out = torch::empty({q.size(0), q.size(1), values.size(2)}, q.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
-    decode<scalar_t>(q, keys, values, tab, p, block_size, static_cast<float>(scale), window, out);
+    decode<scalar_t>(q, keys, values, tab, p, block_size, static_cast<float>(scale), window, new_k, new_v, out);
   });
   return out;
 }
