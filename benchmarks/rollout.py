@@ -68,12 +68,12 @@ def workload(n_prompts: int, prompt_len: int, vocab: int, seed: int = 0) -> list
 
 
 def run_engine(model: CausalLM, prompts, samples: int, output_len: int, temperature: float,
-               cuda_graphs: bool = True):
+               cuda_graphs: bool = True, attention: str = "auto"):
     seq, n = len(prompts[0]) + output_len, len(prompts) * samples
     p = next(model.parameters())
     per_seq = bytes_per_slot(model.config, seq, p.dtype)
     engine = InferenceEngine(model, eos_id=1, pad_id=0, max_seq_len=seq, max_num_seqs=n, kv_cache_bytes=per_seq * n,
-                             cuda_graphs=cuda_graphs, kv_memory_fraction=KV_MEMORY_FRACTION)
+                             cuda_graphs=cuda_graphs, kv_memory_fraction=KV_MEMORY_FRACTION, attention=attention)
     params = SamplingParams(temperature=temperature, max_tokens=output_len, ignore_eos=True)
     # warm-up: first-call allocations, and on a GPU the graphs of every batch size the run meets
     engine.generate([q for q in prompts for _ in range(samples)], replace(params, max_tokens=2))
@@ -84,7 +84,7 @@ def run_engine(model: CausalLM, prompts, samples: int, output_len: int, temperat
     synchronize(p.device)
     elapsed = time.perf_counter() - t0
     assert all(len(o.token_ids) == output_len for o in outs)
-    return elapsed, engine.kv_cache_bytes
+    return elapsed, engine.kv_cache_bytes, engine.attention
 
 
 def run_hf(model_dir: str, dtype: torch.dtype, prompts, samples: int, output_len: int, temperature: float,
@@ -108,7 +108,7 @@ def run_hf(model_dir: str, dtype: torch.dtype, prompts, samples: int, output_len
 
 def measure(model_name: str, prompts_n: int, samples: int, prompt_len: int, output_len: int, *,
             dtype: str = "float32", temperature: float = 1.0, threads: int | None = None,
-            skip_hf: bool = False, device: str = "cpu") -> dict:
+            skip_hf: bool = False, device: str = "cpu", attention: str = "auto") -> dict:
     """One benchmark record (also printed as the JSON line)."""
     torch.set_num_threads(threads or os.cpu_count() or 1)
     cfg = MODELS[model_name]
@@ -126,10 +126,11 @@ def measure(model_name: str, prompts_n: int, samples: int, prompt_len: int, outp
         save_pretrained(CausalLM(cfg), None, d)
         model = load_pretrained(d, tdtype).to(device)
         params = sum(p.numel() for p in model.parameters())
-        (engine_s, kv_bytes), engine_rss = peak_rss_growth(run_engine, model, prompts, samples, output_len,
-                                                           temperature)
+        (engine_s, kv_bytes, backend), engine_rss = peak_rss_growth(run_engine, model, prompts, samples,
+                                                                    output_len, temperature, True, attention)
         # on a GPU the same engine without CUDA graphs, as the graphs' peer
-        eager_s = run_engine(model, prompts, samples, output_len, temperature, False)[0] if device == "cuda" else None
+        eager_s = run_engine(model, prompts, samples, output_len, temperature, False, attention)[0] \
+            if device == "cuda" else None
         del model  # HF loads its own copy
         hf_s, hf_rss = (None, None) if skip_hf else peak_rss_growth(run_hf, d, tdtype, prompts, samples,
                                                                      output_len, temperature, device)
@@ -144,6 +145,7 @@ def measure(model_name: str, prompts_n: int, samples: int, prompt_len: int, outp
         "engine_peak_rss_mib_per_1k_tokens": round(engine_rss / 2**20 / (in_flight / 1000), 3),
         "hf_peak_rss_mib_per_1k_tokens": None if hf_rss is None else round(hf_rss / 2**20 / (in_flight / 1000), 3),
         "kv_cache_mib": round(kv_bytes / 2**20, 1),
+        "attention": backend,
         "prompts": prompts_n,
         "samples": samples,
         "prompt_len": prompt_len,
@@ -159,7 +161,7 @@ def measure(model_name: str, prompts_n: int, samples: int, prompt_len: int, outp
 
 
 def rl_record(model_name: str, prompts_n: int, samples: int, *, dtype: str = "float32", threads: int | None = None,
-              skip_hf: bool = False, device: str = "cpu", attention: str = "torch",
+              skip_hf: bool = False, device: str = "cpu", attention: str = "auto",
               longest: int | None = None) -> dict:
     """The RL-workload record (``benchmarks.rollout_rl``) of a random-weight model of ``model_name``."""
     torch.set_num_threads(threads or os.cpu_count() or 1)
@@ -217,8 +219,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--skip-hf", action="store_true", help="time only the engine")
     ap.add_argument("--device", default="cpu", help="cpu or cuda (on cuda the engine also runs without CUDA graphs)")
     ap.add_argument("--json", action="store_true", help="print only the JSON record")
-    ap.add_argument("--attention", choices=["torch", "flex"], default="torch",
-                    help="the native engine's attention over the paged KV cache (RL workload)")
+    ap.add_argument("--attention", choices=["auto", "torch", "flex", "paged"], default="auto",
+                    help="the native engine's attention over the paged KV cache (auto: the CPU kernel on a CPU)")
     ap.add_argument("--engine", choices=["native", "both"], default="native",
                     help="both: the RL workload on the native engine and on vLLM side by side (no HF generate)")
     a = ap.parse_args(argv)
@@ -243,7 +245,8 @@ def main(argv: list[str] | None = None) -> None:
         return
     plen, olen = DEFAULT_LENGTHS[a.model]
     rec = measure(a.model, a.prompts, a.samples, a.prompt_len or plen, a.output_len or olen, dtype=a.dtype,
-                  temperature=a.temperature, threads=a.threads, skip_hf=a.skip_hf, device=a.device)
+                  temperature=a.temperature, threads=a.threads, skip_hf=a.skip_hf, device=a.device,
+                  attention=a.attention)
     if not a.json:
         print(f"{a.model} model ({rec['params']:,} parameters), {a.prompts} prompts x {a.samples} samples, "
               f"{rec['prompt_len']} + {rec['output_len']} tokens, {a.dtype}")

@@ -62,7 +62,7 @@ def copy_bandwidth(device: torch.device, nbytes: int = 256 * 2**20, reps: int = 
 
 
 def run_engine_rl(model: CausalLM, prompts, lengths, kv_bytes: int, max_seq_len: int,
-                  cuda_graphs: bool = True, attention: str = "torch") -> tuple[float, list[list[int]], InferenceEngine]:
+                  cuda_graphs: bool = True, attention: str = "auto") -> tuple[float, list[list[int]], InferenceEngine]:
     """Engine wall time and outputs (in prompt-major order) of the workload."""
     engine = InferenceEngine(model, eos_id=1, pad_id=0, max_seq_len=max_seq_len, kv_cache_bytes=kv_bytes,
                              max_num_seqs=sum(map(len, lengths)), cuda_graphs=cuda_graphs,
@@ -157,11 +157,11 @@ def decode_bytes(model: CausalLM, prompts, lengths, steps: int) -> int:
 
 
 def measure_rl(model: CausalLM, model_dir: str, name: str, prompts_n: int, samples: int, *, dtype: torch.dtype,
-               device: str, skip_hf: bool = False, seed: int = 0, attention: str = "torch",
+               device: str, skip_hf: bool = False, seed: int = 0, attention: str = "auto",
                longest: int | None = None) -> dict:
     """The RL-workload record for ``model`` (already on ``device``), saved in ``model_dir`` for ``generate``;
-    ``attention``: the native engine's attention backend (torch or flex); ``longest``: the longest output
-    (default: the model's in ``RL_LENGTHS``)."""
+    ``attention``: the native engine's attention backend (auto, torch, flex or paged; the record names the one
+    run); ``longest``: the longest output (default: the model's in ``RL_LENGTHS``)."""
     lo, hi, default_longest = RL_LENGTHS[name]
     longest = longest or default_longest
     cfg = model.config
@@ -172,7 +172,7 @@ def measure_rl(model: CausalLM, model_dir: str, name: str, prompts_n: int, sampl
     # (on a GPU capped at a fraction of its free memory: the capacities below compare equal bytes either way)
     kv_bytes = bytes_per_slot(cfg, max_seq, dtype) * prompts_n * samples
     engine_s, engine_out, engine = run_engine_rl(model, prompts, lengths, kv_bytes, max_seq, attention=attention)
-    stats, kv_bytes = engine.run_stats, engine.kv_cache_bytes
+    stats, kv_bytes, backend = engine.run_stats, engine.kv_cache_bytes, engine.attention
     del engine  # its KV pool and graphs go back before the eager engine takes its own
     if device == "cuda":
         torch.cuda.empty_cache()
@@ -208,7 +208,7 @@ def measure_rl(model: CausalLM, model_dir: str, name: str, prompts_n: int, sampl
         "prefix_hit_rate": round(stats["prefix_hit_tokens"] / looked, 3) if looked else 0.0,
         "preemptions": stats["preemptions"],
         "engine_steps": stats["steps"],
-        "attention": attention,
+        "attention": backend,
         "cuda_graph_captures": stats.get("cuda_graph_captures", 0),
         "cuda_graphs_fallback": stats.get("cuda_graphs_fallback", 0),
         "copy_gb_s": round(bw / 1e9, 2),

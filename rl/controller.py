@@ -14,6 +14,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from engines.inference import cpu_kernel
 from engines.inference.sampling import SamplingParams
 from engines.model.hf_io import read_config
 from engines.model.tokenizer import TextTokenizer
@@ -94,6 +95,9 @@ def _run(cfg: Config, run_dir: Path, resume: bool, console: Console, restarts: R
         arch = read_config(start_dir)
         seq_len = rollout_seq_len(cfg, tasks, tok, arch.max_position_embeddings)
         check_fits(cfg, estimate(cfg, arch, seq_len))
+        if cfg.cluster.gpus_per_worker == 0 and cfg.rollout.engine != "vllm" and cfg.rollout.attention in ("auto",
+                                                                                                         "paged"):
+            cpu_kernel.available()  # the CPU decode kernel built here, once: the workers then only load it
         # a KL penalty's reference: the model the run started from, also after a resume (prepare_model: cached)
         reference = str(prepare_model(cfg, progress)) if cfg.algorithm.kl_coef > 0 and resume else None
         with Cluster(cfg, str(start_dir), seq_len, restarts, reference) as cluster:

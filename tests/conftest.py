@@ -51,6 +51,15 @@ def _isolated_cache(tmp_path_factory):
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _cpu_kernel_built():
+    """The CPU decode kernel built once, before any test starts engines in other processes (which then load it;
+    a worker killed by a fault test while building would leave the build's lock behind)."""
+    from engines.inference import cpu_kernel
+
+    cpu_kernel.available()
+
+
 @pytest.fixture(scope="session")
 def ray_cluster():
     import logging

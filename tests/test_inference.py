@@ -176,9 +176,10 @@ def test_latent_attention_caches_only_the_latent_and_rotary_key():
 
 
 @pytest.mark.parametrize("family", ["llama", "mistral", "deepseek_v3"])
-def test_flex_attention_path_gives_the_torch_paths_results(family):
-    """flex_attention over the pool through block masks (the GPU path, eager here) against the gathering
-    path, with prefill chunks, decode rows, shared prompt blocks, a sliding window and MLA's latent cache."""
+def test_flex_and_paged_paths_give_the_torch_paths_results(family):
+    """flex_attention over the pool through block masks (the GPU path, eager here) and the CPU decode kernel
+    against the gathering path, with prefill chunks, decode rows, shared prompt blocks, a sliding window and MLA's
+    latent cache."""
     kw = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=64)
     if family == "mistral":
@@ -191,13 +192,14 @@ def test_flex_attention_path_gives_the_torch_paths_results(family):
     prompts = [[3, 4, 5, 6, 7, 8, 9, 10, 11], [3, 4, 5, 6, 7, 8, 9, 10, 11], [12, 13], [20, 21, 22, 23, 24, 25]]
     params = [SamplingParams(1.0, 14, ignore_eos=True, seed=i) for i in range(4)]
     outs = {}
-    for backend in ("torch", "flex"):
+    for backend in ("torch", "flex", "paged"):
         eng = InferenceEngine(model, eos_id=None, max_seq_len=32, kv_cache_bytes=1 << 16, block_size=4,
                               max_batch_tokens=8, attention=backend)
-        outs[backend] = eng.generate(prompts, params)
-    for a, b in zip(outs["torch"], outs["flex"], strict=True):
-        assert a.token_ids == b.token_ids
-        torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
+        outs[eng.attention] = eng.generate(prompts, params)  # paged is torch where the kernel cannot be built
+    for other in ("flex", "paged"):
+        for a, b in zip(outs["torch"], outs.get(other, outs["torch"]), strict=True):
+            assert a.token_ids == b.token_ids
+            torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
 
 
 def test_stop_reasons(tiny_model, tokenizer):

@@ -101,7 +101,9 @@ def test_captured_decode_step_of_latent_attention_has_no_host_sync():
                       qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, n_routed_experts=0,
                       max_position_embeddings=64, first_k_dense_replace=2)
     torch.manual_seed(0)
-    eng = InferenceEngine(build_model(cfg, init=True, fused=True), eos_id=None, max_seq_len=64, kv_cache_bytes=1 << 16)
+    # the torch path: what a GPU captures (the CPU kernel is not a dispatched op)
+    eng = InferenceEngine(build_model(cfg, init=True, fused=True), eos_id=None, max_seq_len=64, kv_cache_bytes=1 << 16,
+                          attention="torch")
     eng = decoding_engine(eng, [[3, 4, 5, 6, 7], [8, 9]], [SamplingParams(1.0, 20, ignore_eos=True, seed=1)] * 2)
     with no_host_sync("cpu"):
         eng.decode_logits(2, MIN_WIDTH)
