@@ -50,9 +50,11 @@ def test_a_wrecking_learning_rate_is_rolled_back_to_the_best_weights_and_the_run
     evaluated = [summary["initial_accuracy"], *(r["accuracy"] for r in records)]
     best = json.loads((run / "best" / "best.json").read_text())
     assert best["accuracy"] == max(evaluated) and evaluated[best["iteration"] + 1] == best["accuracy"]
-    stepped = [r["iteration"] for r in records if r.get("optimizer_steps")]
     rolled = [r for r in records if r.get("rollback")]
-    assert rolled and rolled[0]["iteration"] == stepped[0]  # caught in the iteration that wrecked it
+    # caught in the iteration that wrecked it: the first whose evaluation fell far below the best before it (lr 2.0
+    # usually wrecks the first step; whether it does is chaotic, so the test finds the wreck in the records)
+    wrecked = next(r["iteration"] for r in records if r["accuracy"] < max(evaluated[: r["iteration"] + 1]) - 0.25)
+    assert rolled and rolled[0]["iteration"] == wrecked
     for r in rolled:  # each one judged against the best evaluation before it
         assert r["accuracy"] < max(evaluated[: r["iteration"] + 1]) - 0.1
     assert rolled[0]["lr_after_rollback"] == pytest.approx(2e-4)  # 2.0 x run.rollback_lr_factor

@@ -132,7 +132,7 @@ def test_auto_is_the_kernel_on_a_cpu_and_torch_without_it(monkeypatch, caplog):
     import torch.utils.cpp_extension as ext
 
     def no_compiler(*a, **k):
-        raise RuntimeError("Error building extension 'colocated_rl_paged_decode': c++: not found")
+        raise RuntimeError("Error building extension 'colocated_rl_paged_decode_avx512': c++: not found")
 
     cpu_kernel._module.cache_clear()
     monkeypatch.setattr(ext, "load", no_compiler)

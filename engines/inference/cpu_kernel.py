@@ -22,7 +22,12 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("csrc") / "paged_decode.cpp"
 #: -ffast-math lets the compiler vectorise the softmax's exp and the dot products' sums; the kernel is written
 #: without infinities, and only the compile step gets the flag (linking it would set flush-to-zero process-wide).
-CFLAGS = ["-O3", "-ffast-math", "-march=native", "-fopenmp"]
+CFLAGS = ["-O3", "-ffast-math", "-fopenmp"]
+#: Instruction sets by the CPU capability torch detects, named in the build's name: a cache directory shared by
+#: machines of different CPUs (a home on a network volume) never hands one a build it cannot run, as
+#: -march=native could.
+ISA_FLAGS = {"AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma"],
+             "AVX2": ["-mavx2", "-mfma"]}
 
 
 @cache
@@ -32,7 +37,9 @@ def _module() -> ModuleType | None:
     try:
         from torch.utils.cpp_extension import load
 
-        return load("colocated_rl_paged_decode", [str(SOURCE)], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"])
+        isa = torch.backends.cpu.get_cpu_capability()
+        return load(f"colocated_rl_paged_decode_{isa.lower()}", [str(SOURCE)],
+                    extra_cflags=CFLAGS + ISA_FLAGS.get(isa, []), extra_ldflags=["-fopenmp"])
     except Exception as e:  # no compiler, no headers, no ninja: decode still works, through the gather
         log.warning("the CPU decode-attention kernel could not be built (%s); decoding gathers each sequence's "
                     "blocks instead", str(e).splitlines()[0] if str(e) else type(e).__name__)
