@@ -142,7 +142,6 @@ class Ragged:
     width: int
     leading: bool = False  # one query per sequence, at the first S places of the flat token axis
 
-
     @classmethod
     def decode(cls, block_table: torch.Tensor, positions: torch.Tensor, width: int) -> Ragged:
         """One query per sequence at ``positions`` [n] (device ops only: a CUDA graph can capture it)."""
