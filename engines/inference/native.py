@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 import torch
 
 from engines.device import host_buffer
-from engines.inference import cpu_kernel
+from engines.inference import cpu_kernel, cpu_linear
 from engines.inference.arena import CudaError, adopt, new_arena
 from engines.inference.base import RolloutEngine
 from engines.inference.blocks import BlockAllocator
@@ -76,7 +76,9 @@ class InferenceEngine(RolloutEngine):
     place, CPU only) or "auto"/None: paged on a CPU where the kernel builds, else torch; see
     ``engines.inference.kv_cache``.
     ``kv_memory_fraction``: on a CUDA device, the KV budget is at most this fraction of the memory free
-    when the engine is built (None: ``kv_cache_bytes`` as given, which must then fit).
+    when the engine is built (None: ``kv_cache_bytes`` as given, which must then fit). ``onednn_linear``: on a CPU,
+    the model's linear layers compute through oneDNN (``engines.inference.cpu_linear``; the model is the
+    engine's from then on, inference only).
     """
 
     kind = "native"
@@ -85,7 +87,8 @@ class InferenceEngine(RolloutEngine):
                  max_seq_len: int | None = None, kv_cache_bytes: int = 512 * 2**20, max_num_seqs: int = 512,
                  max_batch_tokens: int = 8192, block_size: int | None = None, seed: int = 0,
                  detokenize: Callable[[list[int]], str] | None = None, cuda_graphs: bool = True,
-                 attention: str | None = None, kv_memory_fraction: float | None = None) -> None:
+                 attention: str | None = None, kv_memory_fraction: float | None = None,
+                 onednn_linear: bool = True) -> None:
         self.model = model.eval().requires_grad_(False)
         cfg = model.config
         # a model may end a turn with any of several tokens (Llama 3: <|eot_id|> and <|end_of_text|>)
@@ -98,6 +101,8 @@ class InferenceEngine(RolloutEngine):
         p = next(model.parameters())
         self.dtype, self.device = p.dtype, p.device
         self.attention = resolve_attention(attention, self.device)
+        # on a CPU the linear layers through oneDNN (engines.inference.cpu_linear): the model is the engine's now
+        self.onednn_linears = cpu_linear.route_linears(model) if onednn_linear and self.device.type == "cpu" else 0
         # flex_attention reads the pool through block masks whose blocks should match its tiles
         self.block_size = block_size or (FLEX_BLOCK_SIZE if self.attention == "flex" else BLOCK_SIZE)
         self.max_blocks = -(-self.max_seq_len // self.block_size)  # block-table width

@@ -1,0 +1,57 @@
+"""A CPU replica's linear layers through oneDNN's matmul instead of torch's default CPU GEMM.
+
+On this project's 2-core AMD EPYC machine ``F.linear`` in float32 runs at about half the speed of oneDNN's matmul
+on the same dense weight (128 x 768 x 768: 766 against 350 us; the decode step of an 88 M model 1.69x faster in
+all), which is what vLLM's CPU build uses. PyTorch exposes that matmul as ``torch.ops.mkldnn._linear_pointwise``
+(the op its own compiler emits for CPU linears); it reads the module's dense weight as it is, so a weight update
+written in place needs no re-packing. The op has no backward: a forward that records gradients (a model trained
+as well as served, as some tests do) takes ``F.linear``. Where the op is missing or disagrees with ``F.linear`` on
+a probe, nothing is changed.
+"""
+
+from __future__ import annotations
+
+import logging
+import types
+from functools import cache
+
+import torch
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+
+def _forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    if torch.is_grad_enabled() and (self.weight.requires_grad or x.requires_grad):
+        return nn.functional.linear(x, self.weight, self.bias)  # a model trained as well as served: autograd's path
+    return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+
+
+@cache
+def available() -> bool:
+    """Whether oneDNN's linear runs here and agrees with ``F.linear`` (float32, a bias, a strided input)."""
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
+        return False
+    try:
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(1, 12, 5, generator=g).transpose(1, 2)
+        w, b = torch.randn(7, 12, generator=g), torch.randn(7, generator=g)
+        got = torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
+        return bool(torch.allclose(got, nn.functional.linear(x, w, b), atol=1e-5, rtol=1e-5))
+    except Exception as e:  # a build without it: the default GEMM stays
+        log.info("oneDNN linear unavailable (%s)", e)
+        return False
+
+
+def route_linears(model: nn.Module) -> int:
+    """Make every plain ``nn.Linear`` of ``model`` (on CPU, float32 or bfloat16) compute through oneDNN; returns
+    how many. Only this model object changes (an instance attribute), so other models keep torch's GEMM."""
+    if not available():
+        return 0
+    n = 0
+    for m in model.modules():
+        if type(m) is nn.Linear and m.weight.device.type == "cpu" and m.weight.dtype in (torch.float32,
+                                                                                           torch.bfloat16):
+            m.forward = types.MethodType(_forward, m)
+            n += 1
+    return n

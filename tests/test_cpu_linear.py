@@ -1,0 +1,56 @@
+"""A CPU replica's linear layers through oneDNN (engines.inference.cpu_linear): the same outputs as torch's GEMM,
+gradients still correct when the served model is also trained, and no other model touched."""
+
+import copy
+
+import pytest
+import torch
+
+from engines.inference import cpu_linear
+from engines.inference.native import InferenceEngine
+from engines.inference.sampling import SamplingParams
+
+needs_onednn = pytest.mark.skipif(not cpu_linear.available(), reason="oneDNN's linear is not available here")
+
+
+def forward(model, ids):
+    return model(ids, torch.arange(ids.shape[1])[None])
+
+
+@needs_onednn
+def test_routed_linears_give_torchs_outputs_and_leave_other_models_alone(tiny_model):
+    plain = copy.deepcopy(tiny_model)
+    routed = copy.deepcopy(tiny_model)
+    linears = sum(type(m) is torch.nn.Linear for m in routed.modules())
+    assert cpu_linear.route_linears(routed) == linears > 0
+    assert all("forward" in vars(m) for m in routed.modules() if type(m) is torch.nn.Linear)
+    assert not any("forward" in vars(m) for m in plain.modules() if type(m) is torch.nn.Linear)
+    ids = torch.randint(2, 60, (1, 23))
+    with torch.no_grad():
+        torch.testing.assert_close(forward(routed, ids), forward(plain, ids), atol=1e-5, rtol=1e-5)
+
+
+@needs_onednn
+def test_a_routed_model_trained_as_well_gets_torchs_gradients(tiny_model):
+    plain = copy.deepcopy(tiny_model).train()
+    routed = copy.deepcopy(tiny_model).train()
+    cpu_linear.route_linears(routed)
+    ids = torch.randint(2, 60, (2, 11))
+    for m in (plain, routed):
+        forward(m, ids).logsumexp(-1).mean().backward()
+    for (name, a), b in zip(plain.named_parameters(), routed.parameters(), strict=True):
+        assert b.grad is not None, name
+        torch.testing.assert_close(b.grad, a.grad, atol=0, rtol=0)  # the same F.linear path when recording grads
+
+
+@needs_onednn
+def test_the_engine_routes_its_model_on_a_cpu_and_decodes_the_same(tiny_model, tokenizer):
+    prompts = [tokenizer.encode(t) for t in ("Question: Mia has 3 apples.", "Q")]
+    outs = {}
+    for onednn in (True, False):
+        eng = InferenceEngine(copy.deepcopy(tiny_model), tokenizer.eos_id, tokenizer.pad_id, onednn_linear=onednn)
+        assert (eng.onednn_linears > 0) == onednn
+        outs[onednn] = eng.generate(prompts * 2, SamplingParams(1.0, 16, seed=3))
+    for a, b in zip(outs[True], outs[False], strict=True):
+        assert a.token_ids == b.token_ids
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)
