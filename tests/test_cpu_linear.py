@@ -22,10 +22,11 @@ def test_routed_linears_give_torchs_outputs_and_leave_other_models_alone(tiny_mo
     plain = copy.deepcopy(tiny_model)
     routed = copy.deepcopy(tiny_model)
     linears = sum(type(m) is torch.nn.Linear for m in routed.modules())
-    assert cpu_linear.route_linears(routed) == linears > 0
+    assert cpu_linear.route_linears(routed, min_features=0) == linears > 0
+    assert cpu_linear.route_linears(copy.deepcopy(tiny_model)) == 0  # too narrow to gain (MIN_FEATURES)
     assert all("forward" in vars(m) for m in routed.modules() if type(m) is torch.nn.Linear)
     assert not any("forward" in vars(m) for m in plain.modules() if type(m) is torch.nn.Linear)
-    ids = torch.randint(2, 60, (1, 23))
+    ids = torch.randint(2, 60, (1, 100))  # 100 rows: padded to 128 for oneDNN
     with torch.no_grad():
         torch.testing.assert_close(forward(routed, ids), forward(plain, ids), atol=1e-5, rtol=1e-5)
 
@@ -34,8 +35,8 @@ def test_routed_linears_give_torchs_outputs_and_leave_other_models_alone(tiny_mo
 def test_a_routed_model_trained_as_well_gets_torchs_gradients(tiny_model):
     plain = copy.deepcopy(tiny_model).train()
     routed = copy.deepcopy(tiny_model).train()
-    cpu_linear.route_linears(routed)
-    ids = torch.randint(2, 60, (2, 11))
+    cpu_linear.route_linears(routed, min_features=0)
+    ids = torch.randint(2, 60, (2, 40))  # 80 rows: past MIN_ROWS, so the routed path would be taken
     for m in (plain, routed):
         forward(m, ids).logsumexp(-1).mean().backward()
     for (name, a), b in zip(plain.named_parameters(), routed.parameters(), strict=True):
@@ -44,13 +45,20 @@ def test_a_routed_model_trained_as_well_gets_torchs_gradients(tiny_model):
 
 
 @needs_onednn
-def test_the_engine_routes_its_model_on_a_cpu_and_decodes_the_same(tiny_model, tokenizer):
-    prompts = [tokenizer.encode(t) for t in ("Question: Mia has 3 apples.", "Q")]
+def test_the_engine_routes_a_wide_models_linears_on_a_cpu_and_decodes_the_same(tokenizer):
+    """A model as wide as MIN_FEATURES, 72 sequences (past MIN_ROWS, padded): the same tokens and logprobs as
+    torch's GEMM."""
+    from engines.model.causal_lm import CausalLM
+    from tests.conftest import tiny_config
+
+    torch.manual_seed(0)  # the usual init: logits of a real model's size (float32 rounding is relative to them)
+    wide = CausalLM(tiny_config(tokenizer.vocab_size, hidden_size=cpu_linear.MIN_FEATURES, intermediate_size=64))
+    prompts = [tokenizer.encode(f"Question: {i} apples.") for i in range(72)]
     outs = {}
     for onednn in (True, False):
-        eng = InferenceEngine(copy.deepcopy(tiny_model), tokenizer.eos_id, tokenizer.pad_id, onednn_linear=onednn)
+        eng = InferenceEngine(copy.deepcopy(wide), tokenizer.eos_id, tokenizer.pad_id, onednn_linear=onednn)
         assert (eng.onednn_linears > 0) == onednn
-        outs[onednn] = eng.generate(prompts * 2, SamplingParams(1.0, 16, seed=3))
+        outs[onednn] = eng.generate(prompts, SamplingParams(1.0, 8, seed=3))
     for a, b in zip(outs[True], outs[False], strict=True):
         assert a.token_ids == b.token_ids
         torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)
