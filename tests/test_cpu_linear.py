@@ -36,7 +36,7 @@ def test_a_routed_model_trained_as_well_gets_torchs_gradients(tiny_model):
     plain = copy.deepcopy(tiny_model).train()
     routed = copy.deepcopy(tiny_model).train()
     cpu_linear.route_linears(routed, min_features=0)
-    ids = torch.randint(2, 60, (2, 40))  # 80 rows: past MIN_ROWS, so the routed path would be taken
+    ids = torch.randint(2, 60, (2, 40))
     for m in (plain, routed):
         forward(m, ids).logsumexp(-1).mean().backward()
     for (name, a), b in zip(plain.named_parameters(), routed.parameters(), strict=True):
@@ -46,8 +46,8 @@ def test_a_routed_model_trained_as_well_gets_torchs_gradients(tiny_model):
 
 @needs_onednn
 def test_the_engine_routes_a_wide_models_linears_on_a_cpu_and_decodes_the_same(tokenizer):
-    """A model as wide as MIN_FEATURES, 72 sequences (past MIN_ROWS, padded): the same tokens and logprobs as
-    torch's GEMM."""
+    """A model as wide as MIN_FEATURES, 72 sequences (padded to 128 rows, then fewer as they finish): the same
+    tokens and logprobs as torch's GEMM."""
     from engines.model.causal_lm import CausalLM
     from tests.conftest import tiny_config
 
@@ -62,3 +62,12 @@ def test_the_engine_routes_a_wide_models_linears_on_a_cpu_and_decodes_the_same(t
     for a, b in zip(outs[True], outs[False], strict=True):
         assert a.token_ids == b.token_ids
         torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)
+
+
+def test_batches_are_padded_to_few_shapes():
+    """oneDNN builds a kernel per shape: every batch of an RL rollout maps onto a few dozen, never more than
+    twice its rows."""
+    shapes = {cpu_linear.padded_rows(r) for r in range(1, 8193)}
+    assert len(shapes) <= 40 and all(cpu_linear.padded_rows(r) >= r for r in range(1, 8193))
+    assert all(cpu_linear.padded_rows(r) < 2 * r for r in range(9, 8193))
+    assert [cpu_linear.padded_rows(r) for r in (1, 8, 9, 512, 513, 1025)] == [8, 8, 16, 512, 1024, 1280]
