@@ -60,9 +60,9 @@ def available() -> bool:
         return False
 
 
-#: Layers narrower than this keep F.linear: on the 0.92 M quick-start model (width 128) oneDNN's gain is within
-#: the noise and its per-shape kernels cost more than they save over an RL rollout; at width 768 (88 M) the
-#: rollout decodes 1.69x faster.
+#: Layers narrower than this keep F.linear: on the 0.92 M quick-start model (width 128) oneDNN won on a uniform
+#: batch (0.72 -> 0.59 s) but lost an RL rollout (0.29-0.31 -> 0.31-0.50 s) to its per-shape kernel builds; at
+#: width 768 (88 M) the RL rollout decodes 1.5x as fast.
 MIN_FEATURES = 512
 
 
