@@ -60,23 +60,23 @@ def available() -> bool:
         return False
 
 
-#: Layers narrower than this keep F.linear: on the 0.92 M quick-start model (width 128) oneDNN won on a uniform
+#: Layers with fewer inputs than this keep F.linear: on the 0.92 M quick-start model (width 128) oneDNN won on a uniform
 #: batch (0.72 -> 0.59 s) but lost an RL rollout (0.29-0.31 -> 0.31-0.50 s) to its per-shape kernel builds; at
 #: width 768 (88 M) the RL rollout decodes 1.5x as fast.
 MIN_FEATURES = 512
 
 
 def route_linears(model: nn.Module, min_features: int = MIN_FEATURES) -> int:
-    """Make every plain ``nn.Linear`` of ``model`` (on CPU, float32 or bfloat16, at least ``min_features`` wide on
-    input or output) compute through oneDNN; returns how many. Only this model object changes (an instance
-    attribute), so other models keep torch's GEMM."""
+    """Make every plain ``nn.Linear`` of ``model`` (on CPU, float32 or bfloat16, with at least ``min_features``
+    inputs) compute through oneDNN; returns how many. Only this model object changes (an instance attribute), so
+    other models keep torch's GEMM."""
     if not available():
         return 0
     n = 0
     for m in model.modules():
         if type(m) is nn.Linear and m.weight.device.type == "cpu" and m.weight.dtype in (torch.float32,
                                                                                            torch.bfloat16) \
-                and max(m.in_features, m.out_features) >= min_features:
+                and m.in_features >= min_features:
             m.forward = types.MethodType(_forward, m)
             n += 1
     return n
