@@ -451,8 +451,19 @@ def test_concurrent_fetches_of_one_source_download_it_once(s3, tmp_path):
     _upload(s3, "shared", files)
     lines: list[str] = []
     results: list[Path] = []
-    threads = [threading.Thread(target=lambda: results.append(fetch_model("s3://models/shared", tmp_path,
-                                                                             lines.append))) for _ in range(2)]
+    waiting = threading.Event()
+
+    def log(line: str) -> None:
+        # whichever fetch holds the lock downloads only once the other is waiting for it: without this, one
+        # thread could finish before the other starts, and the race this test is about would not happen
+        lines.append(line)
+        if "another process is fetching it" in line:
+            waiting.set()
+        if "downloading into" in line:
+            assert waiting.wait(30), "the second fetch never waited for the lock"
+
+    threads = [threading.Thread(target=lambda: results.append(fetch_model("s3://models/shared", tmp_path, log)))
+               for _ in range(2)]
     for t in threads:
         t.start()
     for t in threads:
