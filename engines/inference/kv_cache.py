@@ -177,6 +177,7 @@ class PagedPass:
                 c.v[layer].index_copy_(1, self.write_rows[first:], v[:, first:])
         qf = q[0].transpose(0, 1)  # [N, H, D]
         out = qf.new_empty(qf.shape[0], qf.shape[1], c.value_dim)
+        attend = self._flex if self.backend == "flex" else self._torch  # paged: prompt chunks go the torch way
         for i, g in enumerate(self.groups):
             if g.leading:  # decode rows: their queries and outputs are the first S rows, no index needed
                 s = g.q_pos.shape[0]
@@ -185,10 +186,8 @@ class PagedPass:
                         qf[:s], kc, self._values(layer), g.table, g.q_pos[:, 0], c.block_size, scale, window,
                         k[:, :s].transpose(0, 1), None if v is None else v[:, :s].transpose(0, 1))
                 else:
-                    attend = self._flex if self.backend == "flex" else self._torch
                     out[:s] = attend(i, g, layer, qf[:s, None], scale, window)[:, 0]
                 continue
-            attend = self._flex if self.backend == "flex" else self._torch
             res = attend(i, g, layer, qf[g.q_index], scale, window)  # [S, Q, H, Dv]
             # unmasked: a padding query wrote its real twin's values to its twin's place (see Ragged), and a
             # boolean mask would make the host wait on a nonzero, which a captured decode step cannot do

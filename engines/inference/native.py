@@ -478,14 +478,9 @@ class InferenceEngine(RolloutEngine):
         toks, lps, dones = torch.stack((tok.double(), lp.double(), done.double())).tolist()
         self.generated += rows
         finished = []
-        bs, alloc = self.block_size, self.sched.alloc
-        # a per-row loop on every step (512 rows at a time): kept to list operations, no method calls unless needed
         for i, (r, t, lp_i, d) in enumerate(zip(reqs, map(int, toks), lps, dones, strict=True)):
-            if i < decoded:  # the previous token's key/value went in this step (what _written does, inlined)
-                seq = r.seq
-                seq.computed = n = len(r.prompt) + len(r.tokens)
-                if n // bs > len(seq.hashes):
-                    alloc.commit(seq, r.context, n)
+            if i < decoded:
+                self._written(r, r.context_len)  # the previous token's key/value went in this step
             r.tokens.append(t)
             r.logprobs.append(lp_i)
             if d or (r.matcher is not None and _grammar_done(r.matcher, t)) or \
