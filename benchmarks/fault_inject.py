@@ -24,7 +24,9 @@ from pathlib import Path
 
 import psutil
 
-from rl.checkpoint import list_checkpoints  # imported here: the injector must not spend seconds importing at the point
+from rl.loop.checkpoint import (
+    list_checkpoints,  # imported here: the injector must not spend seconds importing at the point
+)
 
 #: a phase of an iteration, and the actor method that shows it ("reward": a command runs in the run's sandbox service)
 PHASES = {"rollout": ("RolloutWorker", "rollout"), "train": ("TrainerWorker", "train"),

@@ -171,13 +171,13 @@ class Run:
 
 
 def _checkpoints(run_dir: Path) -> list[Path]:
-    from rl.checkpoint import list_checkpoints
+    from rl.loop.checkpoint import list_checkpoints
 
     return list_checkpoints(run_dir) if (run_dir / "checkpoints").is_dir() else []
 
 
 def _corrupt(run_dir: Path) -> bool:
-    from rl.checkpoint import checkpoint_problem
+    from rl.loop.checkpoint import checkpoint_problem
 
     return any(checkpoint_problem(p) is not None for p in _checkpoints(run_dir))
 

@@ -27,7 +27,7 @@ from benchmarks.rollout import MODELS
 from engines.device import malloc_trim, synchronize
 from engines.model.causal_lm import CausalLM
 from engines.training.engine import TrainingEngine
-from rl.optim import build_optimizers
+from engines.training.optim import build_optimizers
 
 
 def rss_bytes() -> int:

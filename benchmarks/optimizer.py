@@ -28,8 +28,8 @@ from benchmarks.timing import best_seconds
 from engines.device import synchronize
 from engines.model.attention import Attention
 from engines.model.causal_lm import CausalLM
-from rl.optim import build_optimizers
-from rl.qk_clip import qk_clip
+from engines.training.optim import build_optimizers
+from engines.training.qk_clip import qk_clip
 
 TAU = 100.0
 DEFAULT_REPEATS = {"demo": 20, "100m": 5}

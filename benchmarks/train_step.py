@@ -35,9 +35,9 @@ from engines.inference.sampling import token_logprobs
 from engines.model.arch import make_config
 from engines.model.causal_lm import CausalLM, track_max_logits
 from engines.training.engine import TrainingEngine
+from engines.training.optim import build_optimizers
 from engines.training.packing import pack
-from rl.memory import ModelShape, activation_bytes, logprob_bytes
-from rl.optim import build_optimizers
+from rl.setup.memory import ModelShape, activation_bytes, logprob_bytes
 
 #: a Qwen3-shaped model of about 1 B parameters (Qwen3-1.7B's width, fewer layers), for the GPU case
 QWEN3_1B = make_config("qwen3", vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=16,

@@ -5,8 +5,8 @@
     rl plan-update --validate               # the published runs, measured vs predicted
     rl plan-update --dtype bf16 --tp 32 --nodes 64 --bucket-gib 4
 
-(the CLI lives in ``rl.update_plan``: the run's own memory, the trainer's shard and the KV cache, is
-the controller's model, ``rl.memory``; it reaches this planner as a ``Footprint`` of plain numbers).
+(the CLI lives in ``rl.setup.update_plan``: the run's own memory, the trainer's shard and the KV cache, is
+the controller's model, ``rl.setup.memory``; it reaches this planner as a ``Footprint`` of plain numbers).
 
 The cost model of the two-stage pipeline, for B bytes on W = nodes x G GPUs, TP GPUs per replica:
   h2d       B / W / PCIe                     stage 1: each GPU stages its share, synchronously

@@ -18,9 +18,9 @@ EXIT_FAILED = 1  # a command that failed at run time (a non-finite update, faili
 
 
 def _cmd_train(args: argparse.Namespace) -> None:
-    from rl.checkpoint import list_checkpoints, remove_stale
     from rl.config import load_config
-    from rl.controller import train
+    from rl.loop.checkpoint import list_checkpoints, remove_stale
+    from rl.loop.controller import train
 
     resume = bool(args.resume)
     if args.auto_resume and (args.resume or not args.config or not args.run_dir):
@@ -58,8 +58,8 @@ def _cmd_train(args: argparse.Namespace) -> None:
 
 def _cmd_check(args: argparse.Namespace) -> None:
     from rl.config import dump_config, load_config
-    from rl.memory import check_fits, estimate_run
-    from rl.warmstart import model_dir_here
+    from rl.setup.memory import check_fits, estimate_run
+    from rl.setup.warmstart import model_dir_here
 
     cfg = load_config(args.config, args.set)
     print(dump_config(cfg), end="")
@@ -86,7 +86,7 @@ def _cmd_fetch_model(args: argparse.Namespace) -> None:
     from engines.model.sources import FetchError, SourceError, fetch_model
 
     if args.cache is None:
-        from rl.warmstart import model_cache
+        from rl.setup.warmstart import model_cache
 
         args.cache = model_cache()
     try:
@@ -99,7 +99,7 @@ def _cmd_fetch_model(args: argparse.Namespace) -> None:
 
 def _cmd_memory_plan(args: argparse.Namespace) -> None:
     from engines.model.hf_io import ModelDirError, read_config
-    from rl.memory_plan import PRESETS, colocation_plan, preset
+    from rl.setup.memory_plan import PRESETS, colocation_plan, preset
 
     if args.model in PRESETS:
         arch = preset(args.model)
@@ -176,7 +176,7 @@ def _cmd_sandbox_serve(args: argparse.Namespace) -> None:
     # the sessions and removes the backend's directories, mounts and cgroups
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     parent = os.environ.get("RL_SANDBOX_PARENT_PID")
-    if parent:  # a run's own service: it ends with the run (rl.sandbox_service)
+    if parent:  # a run's own service: it ends with the run (rl.rollout.sandbox_service)
         threading.Thread(target=_end_with, args=(int(parent),), daemon=True).start()
     try:
         server.wait()
@@ -219,7 +219,7 @@ def _cmd_sandbox_run(args: argparse.Namespace) -> None:
 
 def _cmd_filter(args: argparse.Namespace) -> None:
     from rl.config import load_config
-    from rl.difficulty import filter_by_difficulty
+    from rl.setup.difficulty import filter_by_difficulty
 
     cfg = load_config(args.config, args.set)
     r = filter_by_difficulty(cfg, Path(args.out), k=args.k, min_pass=args.min_pass, max_pass=args.max_pass,
@@ -412,7 +412,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return generate(argv[1:])
     if argv[:1] == ["plan-update"]:  # its own parser, options included
-        from rl.update_plan import main as plan_update
+        from rl.setup.update_plan import main as plan_update
 
         plan_update(argv[1:])
         return 0

@@ -12,9 +12,9 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from engines.model.sources import parse_source
+from rl.algo.objectives import Objective
+from rl.algo.schedules import temperature_at
 from rl.errors import UserError
-from rl.objectives import Objective
-from rl.schedules import temperature_at
 from sandbox.options import KubernetesOptions, LimitsOptions, SandboxOptions
 
 # the sandbox section is sandbox.options' schema, embedded as is; these are the names rl.config has exported
@@ -42,7 +42,7 @@ class RunConfig(Strict):
                                       "episodes fails in its environment (the first error is named)")
     collapse_guard: bool = Field(True, description="roll back to the best evaluated weights (kept in best/ with "
                                  "their trainer state) when the run collapses: held-out accuracy collapse_drop below "
-                                 "the best, or the mean reward halving (rl.health)")
+                                 "the best, or the mean reward halving (rl.loop.health)")
     collapse_drop: float = Field(0.1, gt=0, le=1, description="held-out accuracy this far below the best so far "
                                  "counts as a collapse (or collapse_drop_relative of the best, if less)")
     collapse_drop_relative: float = Field(
@@ -257,7 +257,8 @@ class CriticTrainingConfig(Strict):
 
 
 class MismatchConfig(Strict):
-    """Train–inference mismatch correction (``rl.mismatch``): each sample reweighted by its ratio trainer/sampler."""
+    """Train–inference mismatch correction (``rl.algo.mismatch``): each sample reweighted by its ratio
+    trainer/sampler."""
 
     correction: Literal["auto", "none", "tis", "mis"] = Field(
         "auto", description="tis: truncated importance sampling; mis: masked importance sampling; none; auto: tis "
@@ -273,7 +274,7 @@ class AlgorithmConfig(Strict):
         "k15", description="k15: Kimi K1.5's squared-residual objective (the report's); grpo: group-normalised "
                            "advantages and a clipped per-token ratio, each response's tokens averaged; dapo: the "
                            "same with clip-higher, one token mean over the minibatch and overlong shaping "
-                           "(rl.objectives has the formulas)")
+                           "(rl.algo.objectives has the formulas)")
     tau: float = Field(1.0, gt=0, description="τ of the K1.5 objective: the weight of the log-ratio term that holds "
                        "each update near the sampling policy π_old (there is no KL to a reference model). 1.0, the "
                        "cautious end, is what the transfer suite ran on models it was not tuned on; the quick start "

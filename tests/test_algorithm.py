@@ -11,7 +11,8 @@ from engines.inference.native import InferenceEngine
 from engines.inference.sampling import SamplingParams
 from engines.model.attention import padded_causal_mask, positions_from_valid
 from engines.training.engine import TrainingEngine
-from rl.algorithm import (
+from engines.training.optim import build_optimizers
+from rl.algo.update import (
     PtxBatch,
     Sample,
     group_advantages,
@@ -22,7 +23,6 @@ from rl.algorithm import (
     recompute_old_logprobs,
     rl_update,
 )
-from rl.optim import build_optimizers
 
 
 def _reference_loss(model, samples, tau):

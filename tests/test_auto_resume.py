@@ -17,8 +17,8 @@ from pathlib import Path
 import ray
 import yaml
 
-from rl.checkpoint import CRASH_ENV, MARKER, list_checkpoints
 from rl.cli import main as rl_main
+from rl.loop.checkpoint import CRASH_ENV, MARKER, list_checkpoints
 from tests.test_run import TINY
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -2,7 +2,7 @@
 
 Tokenizers with the published chat templates of Qwen2.5, Qwen3, Llama 3.2 and Mistral v0.3
 (tests/data/chat_templates; no hub) are built locally. A SWE episode played through the rollout
-(``rl.multiturn.play_episodes``, scripted model turns written in the family's format, the real SWE environment
+(``rl.rollout.multiturn.play_episodes``, scripted model turns written in the family's format, the real SWE environment
 on the local sandbox) must be, token for token, ``apply_chat_template`` of its messages, and the calls the
 model wrote must be parsed back (the task gets solved; the turns re-render as the template's ``tool_calls``).
 """
@@ -27,8 +27,8 @@ from engines.model.conversation import Conversation
 from engines.model.tokenizer import TextTokenizer, train_tokenizer
 from envs.swe import TOOLS
 from rl.config import parse_config
-from rl.episodes import EpisodeRunner
-from rl.multiturn import episode_samples, play_episodes
+from rl.rollout.episodes import EpisodeRunner
+from rl.rollout.multiturn import episode_samples, play_episodes
 from tests.test_swe import calc_task
 
 TEMPLATES = Path(__file__).parent / "data" / "chat_templates"

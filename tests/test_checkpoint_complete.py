@@ -17,8 +17,10 @@ import pytest
 import torch
 
 from engines.model.causal_lm import CausalLM
+from engines.training.optim import build_optimizers
 from engines.training.trainer_state import load_trainer_state, save_trainer_state
-from rl.checkpoint import (
+from rl.errors import UserError
+from rl.loop.checkpoint import (
     CRASH_ENV,
     MARKER,
     LoopState,
@@ -28,8 +30,6 @@ from rl.checkpoint import (
     remove_stale,
     save_checkpoint,
 )
-from rl.errors import UserError
-from rl.optim import build_optimizers
 from tests.conftest import tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 from engines.model.hf_io import save_pretrained
 from engines.training.trainer_state import save_trainer_state
-from rl.checkpoint import LoopState, save_checkpoint
+from rl.loop.checkpoint import LoopState, save_checkpoint
 from tests.test_checkpoint_complete import build, step
 
 run, tok, crash_at = Path(sys.argv[1]), Path(sys.argv[2]), os.environ.get("CRASH_AT")

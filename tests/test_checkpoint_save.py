@@ -10,8 +10,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from rl.checkpoint import LoopState, SaveFailed, latest_checkpoint, list_checkpoints, save_checkpoint
 from rl.cli import main as rl_main
+from rl.loop.checkpoint import LoopState, SaveFailed, latest_checkpoint, list_checkpoints, save_checkpoint
 
 
 @pytest.fixture
@@ -57,7 +57,7 @@ def test_a_save_failure_reaches_the_command_line_as_one_line_with_exit_status_1(
     def full(*a, **k):
         raise SaveFailed("saving checkpoint X failed: no space left on the device (...)")
 
-    monkeypatch.setattr("rl.controller.train", full)  # the run itself: the failure it ends with
+    monkeypatch.setattr("rl.loop.controller.train", full)  # the run itself: the failure it ends with
     config = Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"
     status = rl_main(["train", str(config), "--run-dir", str(tmp_path / "r")])
     err = capsys.readouterr().err.strip().splitlines()

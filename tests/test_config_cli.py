@@ -46,7 +46,7 @@ def test_algorithm_sections_validate():
 
 
 def test_ptx_file_errors_name_the_line(tmp_path):
-    from rl.ptx import load_ptx
+    from rl.rollout.ptx import load_ptx
 
     good = {"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]}
     f = tmp_path / "ptx.jsonl"

@@ -5,10 +5,10 @@ import random
 import re
 
 from engines.inference.requests import Completion
-from rl.algorithm import Sample
+from rl.algo.update import Sample
 from rl.config import parse_config
-from rl.controller import train
-from rl.critic_loop import critic_pairs, critic_training_batch
+from rl.loop.controller import train
+from rl.rollout.critic_loop import critic_pairs, critic_training_batch
 from tests.test_difficulty import EvenLength  # noqa: F401  (registers "even-length-test")
 from tests.test_run import TINY
 

@@ -1,5 +1,5 @@
 """The Grafana dashboard helm/colocated-rl/dashboards/rl-run.json: well formed, and every metric its queries use is
-one the code exports, as read from ``rl.metrics.MetricsLog`` fed an iteration record with the controller's keys and
+one the code exports, as read from ``rl.loop.metrics.MetricsLog`` fed an iteration record with the controller's keys and
 from ``sandbox.metrics.SandboxMetrics`` (each in a registry of its own, so nothing touches the process-global one)."""
 
 from __future__ import annotations
@@ -15,14 +15,14 @@ import pytest
 from prometheus_client import CollectorRegistry
 from rich.console import Console
 
-import rl.controller
-import rl.critic_loop
-import rl.multiturn
-import rl.qk_clip
-import rl.rewards
-from rl.controller import step_metrics
-from rl.metrics import MetricsLog
-from rl.partial import PartialRolloutBuffer
+import engines.training.qk_clip
+import rl.loop.controller
+import rl.rollout.critic_loop
+import rl.rollout.multiturn
+import rl.rollout.rewards
+from rl.loop.controller import step_metrics
+from rl.loop.metrics import MetricsLog
+from rl.rollout.partial import PartialRolloutBuffer
 from sandbox.backend import Verdict
 from sandbox.metrics import SandboxMetrics
 
@@ -64,24 +64,25 @@ def _exprs(dashboard: dict) -> list[tuple[str, str]]:
 # --- what the code exports ------------------------------------------------------------------------------------------
 
 def _records() -> list[dict]:
-    """Iteration records with the keys ``rl.controller.iteration`` writes: the reward statistics of
-    ``rl.rewards.score`` (per type with several task types), multi-turn and critic statistics, held-out accuracy
-    overall and per type (``rl.rewards.evaluate``), the partial-rollout counters and the optimizer-step metrics
+    """Iteration records with the keys ``rl.loop.controller.iteration`` writes: the reward statistics of
+    ``rl.rollout.rewards.score`` (per type with several task types), multi-turn and critic statistics, held-out accuracy
+    overall and per type (``rl.rollout.rewards.evaluate``), the partial-rollout counters and the optimizer-step metrics
     (through the real ``PartialRolloutBuffer.stats`` and ``step_metrics``), and the phase times."""
     sources = {
-        rl.rewards: ["reward_mean", "response_len", "truncation_rate", "env_errors", "trained_samples",
+        rl.rollout.rewards: ["reward_mean", "response_len", "truncation_rate", "env_errors", "trained_samples",
                      "accuracy", "first_env_error"],
-        rl.multiturn: ["multi_turn_episodes", "multi_turn_errors", "multi_turn_turns", "multi_turn_truncated"],
-        rl.critic_loop: ["critic_prompts", "critic_agreement", "critic_unparseable", "critic_refused"],
-        rl.controller: ["iteration", "accuracy", "temperature", "rollout_tokens", "time_rollout", "time_reward",
+        rl.rollout.multiturn: ["multi_turn_episodes", "multi_turn_errors", "multi_turn_turns", "multi_turn_truncated"],
+        rl.rollout.critic_loop: ["critic_prompts", "critic_agreement", "critic_unparseable", "critic_refused"],
+        rl.loop.controller: ["iteration", "accuracy", "temperature", "rollout_tokens", "time_rollout", "time_reward",
                         "time_onload", "time_offload", "time_train", "time_weight_update", "time_eval"],
     }
     for module, keys in sources.items():  # the keys below are the code's own spelling
         text = Path(module.__file__).read_text()
         missing = [k for k in keys if f'"{k}"' not in text]
         assert not missing, f"{module.__name__} no longer writes {missing}: update this test and the dashboard"
-    per_type = {rl.rewards: ['f"truncation_rate/{ttype}"', 'f"reward_mean/{ttype}"', 'f"accuracy/{tt}"'],
-                rl.controller: ['f"temperature/{k}"', 'f"partial_{k}"'], rl.qk_clip: ['f"max_logit_layer{i}"']}
+    per_type = {rl.rollout.rewards: ['f"truncation_rate/{ttype}"', 'f"reward_mean/{ttype}"', 'f"accuracy/{tt}"'],
+                rl.loop.controller: ['f"temperature/{k}"', 'f"partial_{k}"'],
+                engines.training.qk_clip: ['f"max_logit_layer{i}"']}
     for module, snippets in per_type.items():
         text = Path(module.__file__).read_text()
         assert all(s in text for s in snippets), f"{module.__name__}: per-type/per-layer keys changed"

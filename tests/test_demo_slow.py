@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from rl.config import load_config
-from rl.controller import train
+from rl.loop.controller import train
 
 ROOT = Path(__file__).resolve().parents[1]
 

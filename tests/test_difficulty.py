@@ -10,8 +10,8 @@ from envs import Env, Task, register
 from envs.arithmetic import ArithmeticEnv
 from envs.tasks import load_tasks
 from rl.config import parse_config
-from rl.difficulty import filter_by_difficulty, pass_rates
-from rl.warmstart import prepare_model
+from rl.setup.difficulty import filter_by_difficulty, pass_rates
+from rl.setup.warmstart import prepare_model
 from tests.test_run import TINY
 
 

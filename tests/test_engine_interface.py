@@ -30,7 +30,7 @@ def test_the_controller_and_the_weight_path_use_only_the_interface():
     """The rollout worker and partial rollout call no engine method outside ``RolloutEngine``."""
     root = Path(__file__).resolve().parents[1]
     allowed = set(dir(RolloutEngine)) | set(RolloutEngine.__annotations__)
-    for f in ("rl/workers.py", "rl/partial.py"):
+    for f in ("rl/loop/workers.py", "rl/rollout/partial.py"):
         tree = ast.parse((root / f).read_text())
         for node in ast.walk(tree):
             chain = node

@@ -25,7 +25,7 @@ from benchmarks.faults import SANDBOXED, Run, run_config, same_run
 from envs.registry import register
 from rl.cli import main as rl_main
 from rl.config import parse_config
-from rl.controller import train
+from rl.loop.controller import train
 
 ITERATIONS = 2
 
@@ -150,7 +150,7 @@ def test_a_killed_sandbox_service_is_started_again_and_its_cut_off_commands_run_
     """SIGKILL of the run's own sandbox service while it runs iteration 1's reward programs: it is started again on
     the same port (one line), the commands it cut off are run once more (not counted as wrong answers, nor as
     environment errors), and the run ends with the uninterrupted run's weights and metrics, bit for bit."""
-    from rl.episodes import sandbox_restarts
+    from rl.rollout.episodes import sandbox_restarts
 
     run_dir, before = tmp_path / "run", sandbox_restarts()
     inj, _ = _faulted(_cfg(SANDBOXED), run_dir, Trigger("reward", 1), kill_sandbox_service)
@@ -165,8 +165,8 @@ def test_a_killed_sandbox_service_is_started_again_and_its_cut_off_commands_run_
 def test_run_max_restarts_bounds_the_recoveries_and_the_next_fault_stops_the_run_in_one_line():
     """Each recovery is one line; the one past run.max_restarts stops the run (TrainingStopped: exit status 1)
     naming the fault and the limit."""
-    from rl.guards import TrainingStopped
-    from rl.recovery import Restarts, WorkerFailed
+    from rl.loop.guards import TrainingStopped
+    from rl.loop.recovery import Restarts, WorkerFailed
 
     lines: list[str] = []
     restarts = Restarts(1, lines.append)
@@ -184,7 +184,7 @@ def test_run_max_restarts_bounds_the_recoveries_and_the_next_fault_stops_the_run
 def test_a_metrics_line_cut_short_by_a_full_disk_does_not_block_the_resume(tmp_path):
     """The disk filled while a record was appended (found by the suite's disk_full fault): the resumed run drops
     the partial line and keeps the records its checkpoint covers."""
-    from rl.metrics import MetricsLog
+    from rl.loop.metrics import MetricsLog
 
     whole = [{"iteration": 0, "reward_mean": 0.5}, {"iteration": 1, "reward_mean": 0.25}]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in whole) + '{"iteration": 2, "rew')

@@ -1,7 +1,7 @@
 """cluster.gpus_per_worker: each colocated worker's placement-group bundle takes its GPUs, and the
 worker's trainer and inference actors both see them (a replica that spans several GPUs has a trainer rank on each
 of them). Ray's GPU resources are declared on this CPU machine, so the placement is what is under test here, not
-CUDA: a worker given GPUs refuses to run without CUDA (``rl.workers.worker_device``), so each Ray worker process
+CUDA: a worker given GPUs refuses to run without CUDA (``rl.loop.workers.worker_device``), so each Ray worker process
 here is set up to compute on the CPU instead (the stand-in for the GPUs this machine does not have)."""
 
 from __future__ import annotations
@@ -17,19 +17,19 @@ ROOT = Path(__file__).resolve().parents[1]
 
 SCRIPT = """
 import json, logging, os, ray
-from rl.cluster import Cluster
-from rl.warmstart import prepare_model
+from rl.loop.cluster import Cluster
+from rl.setup.warmstart import prepare_model
 from tests.test_run import tiny
 
 def on_the_cpu():
-    import rl.workers
-    rl.workers.worker_device = lambda cfg: "cpu"
-    native = rl.workers.rollout_engine
+    import rl.loop.workers
+    rl.loop.workers.worker_device = lambda cfg: "cpu"
+    native = rl.loop.workers.rollout_engine
 
     def one_device(d, c, n):  # the native engine stands in for vLLM's tensor-parallel ranks
         r = c.rollout.model_copy(update={"engine": "native", "tensor_parallel_size": 1})
         return native(d, c.model_copy(update={"rollout": r}), n)
-    rl.workers.rollout_engine = one_device
+    rl.loop.workers.rollout_engine = one_device
 
 ray.init(num_cpus=4, num_gpus=4, include_dashboard=False, logging_level=logging.ERROR, log_to_driver=False,
          object_store_memory=200 * 2**20, runtime_env={"worker_process_setup_hook": on_the_cpu})
@@ -45,7 +45,7 @@ for tp in (1, 2):
 
         # a step on every rank, then an update: each engine then holds the trainers' weights
         from engines.inference.sampling import SamplingParams
-        from rl.algorithm import Sample
+        from rl.algo.update import Sample
         outs = cluster.generate([[5, 6, 7]] * 4, [SamplingParams(1.0, 8)] * 4, seed=0)
         cluster.sleep_rollouts()
         cluster.onload_trainers()

@@ -17,15 +17,15 @@ import yaml
 from rich.console import Console
 
 from engines.training.engine import NonFiniteError, TrainingEngine
+from engines.training.optim import build_optimizers
 from envs import register
 from envs.arithmetic import ArithmeticEnv
-from rl.checkpoint import latest_checkpoint
 from rl.cli import main as rl_main
 from rl.config import load_config, parse_config
-from rl.controller import train
 from rl.errors import UserError
-from rl.guards import Budget, TrainingStopped, check_cluster_fits, check_error_rate, check_reward, check_writable
-from rl.optim import build_optimizers
+from rl.loop.checkpoint import latest_checkpoint
+from rl.loop.controller import train
+from rl.loop.guards import Budget, TrainingStopped, check_cluster_fits, check_error_rate, check_reward, check_writable
 from tests.test_run import TINY, tiny
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -135,7 +135,7 @@ def test_more_workers_than_cores_is_refused_up_front(tmp_path):
 
 
 def test_workers_given_gpus_without_cuda_stop_instead_of_training_on_the_host(monkeypatch):
-    from rl.workers import worker_device
+    from rl.loop.workers import worker_device
 
     cfg = parse_config({**TINY, "cluster": {"workers": 1, "gpus_per_worker": 1}})
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a node whose driver is older than the wheel
@@ -199,8 +199,8 @@ def test_config_and_tokenizer_errors_are_one_line(tmp_path):
 
 
 def test_prompts_longer_than_the_context_are_refused_at_start(tmp_path):
-    from rl.data import load_task_sets, rollout_seq_len
-    from rl.warmstart import prepare_model
+    from rl.rollout.data import load_task_sets, rollout_seq_len
+    from rl.setup.warmstart import prepare_model
 
     tasks = tmp_path / "long.jsonl"
     rows = [{"id": f"t{i}", "prompt": "Question: " + "apples " * (5 if i else 400), "answer": "1"} for i in range(8)]
@@ -218,7 +218,7 @@ def test_prompts_longer_than_the_context_are_refused_at_start(tmp_path):
 
 def test_env_errors_and_slow_task_generation_show_on_the_console(tmp_path, monkeypatch):
     from rl import data
-    from rl.metrics import MetricsLog
+    from rl.loop.metrics import MetricsLog
 
     out = io.StringIO()
     log = MetricsLog(tmp_path, Console(file=out, width=300))

@@ -2,7 +2,7 @@
 
 import pytest
 
-from rl.health import CollapseGuard, HealthMonitor
+from rl.loop.health import CollapseGuard, HealthMonitor
 
 
 def _rec(it, reward, entropy=None, **kw):

@@ -15,9 +15,9 @@ from engines.model.tokenizer import train_tokenizer
 from envs.arithmetic import ArithmeticEnv
 from rl.cli import main
 from rl.config import load_config, parse_config
-from rl.data import load_task_sets, rollout_seq_len
 from rl.errors import UserError
-from rl.memory import check_fits, estimate
+from rl.rollout.data import load_task_sets, rollout_seq_len
+from rl.setup.memory import check_fits, estimate
 
 LLAMA8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072)
@@ -158,7 +158,7 @@ def _k2_params_by_hand(c: dict) -> int:
 
 
 def test_memory_plan_of_a_7b_dense_model_and_of_kimi_k2(capsys):
-    from rl.memory_plan import PRESETS, colocation_plan, preset
+    from rl.setup.memory_plan import PRESETS, colocation_plan, preset
 
     gib80 = 80 * 2**30
     llama = colocation_plan(preset("llama-7b"), gpus=8, gpu_bytes=gib80, name="llama-7b")
@@ -197,8 +197,8 @@ def test_gpu_runs_count_the_pinned_host_memory_and_refuse_more_than_the_ram(monk
                                                                                    "sleep_level": 2}}), arch, 4096)
     assert no_offload.host_pinned == gpu.replica  # the journal alone
     assert estimate(parse_config({**over, "cluster": {"workers": 8}}), arch, 4096).host_pinned == 0  # CPU
-    monkeypatch.setattr("rl.memory.torch.cuda.is_available", lambda: True)
-    monkeypatch.setattr("rl.memory.available_per_worker", lambda cfg: None)
+    monkeypatch.setattr("rl.setup.memory.torch.cuda.is_available", lambda: True)
+    monkeypatch.setattr("rl.setup.memory.available_per_worker", lambda cfg: None)
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     assert gpu.host_pinned * 8 > ram  # eight workers pin more than this machine has
     with pytest.raises(UserError, match=r"pins about .* of host memory .* trainer.offload: false") as err:
@@ -258,7 +258,7 @@ def test_vllm_memory_fraction_must_be_free_beside_a_resident_trainer(monkeypatch
     GPU with the trainer, which holds its shard there unless trainer.offload. By hand for Llama-8B on 8 workers of
     one 80 GiB GPU: the trainer shard is weights + gradients + optimizer state."""
     arch = make_config("llama", **LLAMA8B)
-    monkeypatch.setattr("rl.memory.available_per_worker", lambda cfg: (80 * 2**30, "GPU memory"))
+    monkeypatch.setattr("rl.setup.memory.available_per_worker", lambda cfg: (80 * 2**30, "GPU memory"))
     base = {"model": {"dtype": "bfloat16"}, "cluster": {"workers": 8, "gpus_per_worker": 1},
             "algorithm": {"micro_batch_tokens": 2048},  # a training phase that fits: the start check is at stake
             "rollout": {"engine": "vllm", "max_seq_len": 4096, "kv_cache_mb": 3000, "vllm_memory_fraction": 0.9}}

@@ -1,4 +1,4 @@
-"""Train–inference mismatch correction (rl.mismatch): TIS and MIS at sequence and token level, against
+"""Train–inference mismatch correction (rl.algo.mismatch): TIS and MIS at sequence and token level, against
 ratios computed here by hand, and in the update on a real model."""
 
 from __future__ import annotations
@@ -10,11 +10,11 @@ from dataclasses import replace
 import pytest
 
 from engines.training.engine import TrainingEngine
-from rl.algorithm import group_advantages, recompute_old_logprobs, rl_update
+from engines.training.optim import build_optimizers
+from rl.algo.mismatch import Correction, correct
+from rl.algo.update import group_advantages, recompute_old_logprobs, rl_update
 from rl.config import parse_config
-from rl.mismatch import Correction, correct
-from rl.optim import build_optimizers
-from rl.workers import mismatch_correction
+from rl.loop.workers import mismatch_correction
 from tests.test_algorithm import _random_samples
 
 # two sequences: the second has one token whose sampler probability is far below the trainer's

@@ -518,7 +518,7 @@ def test_check_config_says_a_remote_model_is_fetched_at_start_and_estimates_a_fe
 
 
 def test_the_run_resolves_a_remote_model_path_once_through_the_model_cache(mirror, tmp_path, monkeypatch):
-    from rl.warmstart import prepare_model
+    from rl.setup.warmstart import prepare_model
 
     monkeypatch.setenv("RL_MODEL_CACHE", str(tmp_path))
     cfg = parse_config({"model": {"path": "org/tiny"}})

@@ -7,10 +7,10 @@ import re
 from engines.inference.native import InferenceEngine
 from envs import Env, Task, register
 from rl.config import parse_config
-from rl.controller import train
-from rl.episodes import EpisodeRunner
-from rl.multiturn import episode_samples, play_episodes
-from rl.warmstart import prepare_model
+from rl.loop.controller import train
+from rl.rollout.episodes import EpisodeRunner
+from rl.rollout.multiturn import episode_samples, play_episodes
+from rl.setup.warmstart import prepare_model
 from tests.test_run import TINY
 
 NUDGE = " No. Another digit:"

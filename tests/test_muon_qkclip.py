@@ -20,9 +20,9 @@ from engines.model.attention import Attention, positions_from_valid
 from engines.model.causal_lm import CausalLM, track_max_logits
 from engines.model.document_mask import DocumentMask
 from engines.model.sharded import chunk_rows
-from rl.muon import ShardedMuon, assign_owners
-from rl.optim import build_optimizers
-from rl.qk_clip import qk_clip
+from engines.training.muon import ShardedMuon, assign_owners
+from engines.training.optim import build_optimizers
+from engines.training.qk_clip import qk_clip
 from tests.conftest import tiny_config
 from tests.ranks import rank_body, run_ranks
 

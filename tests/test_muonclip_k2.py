@@ -20,9 +20,9 @@ from engines.model.attention import LatentAttention, positions_from_valid
 from engines.model.causal_lm import CausalLM, track_max_logits
 from engines.model.document_mask import DocumentMask
 from engines.model.moe import Router
-from rl.muon import ShardedMuon
-from rl.optim import build_optimizers
-from rl.qk_clip import qk_clip
+from engines.training.muon import ShardedMuon
+from engines.training.optim import build_optimizers
+from engines.training.qk_clip import qk_clip
 from tests.ranks import rank_body, run_ranks
 
 TAU = 11.5  # between the heads' maxima (about 7 to 15.5): some heads clipped, some not

@@ -1,4 +1,4 @@
-"""GRPO and DAPO (rl.objectives) against the formulas computed by hand, one sequence and one token at a time."""
+"""GRPO and DAPO (rl.algo.objectives) against the formulas computed by hand, one sequence and one token at a time."""
 
 import math
 import random
@@ -10,9 +10,9 @@ import torch.nn.functional as F
 
 from engines.model.attention import padded_causal_mask, positions_from_valid
 from engines.training.engine import TrainingEngine
-from rl.algorithm import Sample, rl_update, shape_lengths, surrogate_backward
+from rl.algo.objectives import Objective, normalized_advantages, overlong_penalty
+from rl.algo.update import Sample, rl_update, shape_lengths, surrogate_backward
 from rl.config import parse_config
-from rl.objectives import Objective, normalized_advantages, overlong_penalty
 
 
 def _token_logprobs(model, s: Sample) -> list[torch.Tensor]:

@@ -11,7 +11,7 @@ from engines.inference.native import InferenceEngine
 from engines.inference.requests import Completion
 from engines.inference.sampling import SamplingParams
 from engines.training.engine import TrainingEngine
-from rl.partial import PartialRolloutBuffer, Trajectory, advance, generate_with_budget
+from rl.rollout.partial import PartialRolloutBuffer, Trajectory, advance, generate_with_budget
 
 TEXTS = ["Question: Mia has 3 apples.", "Q", "Answer: 1+2=3, 3*2=6. The", "Question: Leo has 5 pens."]
 

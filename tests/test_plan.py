@@ -23,11 +23,11 @@ from checkpoint_engine.plan import (
     predict,
 )
 from checkpoint_engine.plan import plan as plan_with
-from rl.update_plan import k2_footprint, main, run_config
+from rl.setup.update_plan import k2_footprint, main, run_config
 
 
 def plan(layout: Layout):
-    """The planner on the run K2 trains (``rl.update_plan``'s footprint)."""
+    """The planner on the run K2 trains (``rl.setup.update_plan``'s footprint)."""
     return plan_with(layout, k2_footprint)
 
 
@@ -106,7 +106,7 @@ def test_the_footprint_decides_what_shares_each_phase():
 def test_the_planned_trainer_keeps_bf16_master_weights_as_the_report_does():
     """The K2 run the planner sizes holds bf16 master weights (two bytes per parameter per shard), not the
     float32 that a run's default config would give."""
-    from rl.memory import estimate
+    from rl.setup.memory import estimate
 
     cfg = run_config()
     cfg = cfg.model_copy(update={"cluster": cfg.cluster.model_copy(update={"workers": 256})})

@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from benchmarks.ray_nodes import RayNodes
-from rl.placement import Site, cgroup_cpu_limit, worker_threads
+from rl.loop.placement import Site, cgroup_cpu_limit, worker_threads
 from tests.test_helm_chart import HELM, one, pod_templates, render, run_configmap
 from tests.test_run import TINY
 
@@ -123,14 +123,14 @@ def test_threads_are_the_pods_cpus_shared_by_its_workers(ray_cluster):
 def test_workers_that_cannot_be_placed_are_named(ray_cluster, monkeypatch):
     """More workers than the cluster can hold: a one-line error with what was asked and what there is (it was a
     bare GetTimeoutError after two minutes)."""
-    import rl.cluster
+    import rl.loop.cluster
     from rl.errors import UserError
-    from rl.warmstart import prepare_model
+    from rl.setup.warmstart import prepare_model
     from tests.test_run import tiny
 
-    monkeypatch.setattr(rl.cluster, "PLACEMENT_WAIT_S", 3)
+    monkeypatch.setattr(rl.loop.cluster, "PLACEMENT_WAIT_S", 3)
     cfg = tiny(cluster={"workers": 8})
     with pytest.raises(UserError, match=r"^cluster.workers=8: the Ray cluster could not place 8 workers of "
                                         r"\{'CPU': 1.0\} within 3 s; it has 2 CPU in all; no node offers the "
                                         r"rl_worker resource"):
-        rl.cluster.Cluster(cfg, str(prepare_model(cfg)))
+        rl.loop.cluster.Cluster(cfg, str(prepare_model(cfg)))

@@ -7,9 +7,9 @@ from engines.inference.sampling import SamplingParams
 from envs import Env, Task, register
 from envs.arithmetic import ArithmeticEnv
 from rl.config import parse_config
-from rl.data import TaskSets, sample_mix, sample_prompts
-from rl.partial import Trajectory
-from rl.rewards import score
+from rl.rollout.data import TaskSets, sample_mix, sample_prompts
+from rl.rollout.partial import Trajectory
+from rl.rollout.rewards import score
 
 
 class Flaky(Env):
@@ -124,7 +124,7 @@ def test_group_level_environment_gets_all_k_responses_and_the_critic(tokenizer):
     """A rubric task's K responses are judged together by the critic (here a stand-in that prefers the longer
     response), so the longest response gets the highest reward; verifiable tasks in the same batch are untouched."""
     from envs.rubric import parse_verdict
-    from rl.episodes import EpisodeRunner
+    from rl.rollout.episodes import EpisodeRunner
 
     def longer(prompts: list[str]) -> list[str]:
         outs = []

@@ -13,13 +13,13 @@ from torch.distributed.checkpoint import FileSystemReader
 from engines.inference.sampling import SamplingParams
 from engines.model.hf_io import read_config
 from envs.arithmetic import ArithmeticEnv
-from rl.algorithm import Sample
-from rl.checkpoint import LoopState, SaveFailed, latest_checkpoint, save_checkpoint
-from rl.cluster import Cluster
+from rl.algo.update import Sample
 from rl.config import parse_config
-from rl.controller import train
-from rl.memory import estimate
-from rl.warmstart import prepare_model
+from rl.loop.checkpoint import LoopState, SaveFailed, latest_checkpoint, save_checkpoint
+from rl.loop.cluster import Cluster
+from rl.loop.controller import train
+from rl.setup.memory import estimate
+from rl.setup.warmstart import prepare_model
 
 TINY = {
     "run": {"iterations": 4, "eval_every": 2, "save_every": 2},

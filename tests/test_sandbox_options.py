@@ -151,7 +151,7 @@ def test_a_run_without_a_sandbox_address_starts_its_service_from_its_own_section
     """An environment that runs code, in a run with no ``sandbox.address``, reaches a service started from
     the run's ``sandbox`` section: its default limits are the config's (a 1 s wall limit stops a 5 s
     program), not the service's built-in ones."""
-    from rl.episodes import make_env, sandbox_address
+    from rl.rollout.episodes import make_env, sandbox_address
     from sandbox.client import connect
 
     cfg = parse_config({"env": {"name": "code"}, "sandbox": {"limits": {"wall_s": 1}}})

@@ -12,20 +12,20 @@ from types import SimpleNamespace
 import pytest
 from rich.progress import Progress
 
-import rl.cluster
-import rl.controller
-import rl.recovery
+import rl.loop.cluster
+import rl.loop.controller
+import rl.loop.recovery
 from envs import Env, Task, register
 from envs.arithmetic import ArithmeticEnv
 from rl import seeds
-from rl.algorithm import Sample
+from rl.algo.update import Sample
 from rl.config import parse_config
-from rl.controller import iteration, new_groups
-from rl.data import TaskSets, sample_mix, sample_prompts
-from rl.multiturn import play_episodes
-from rl.partial import PartialRolloutBuffer
-from rl.ptx import PtxSample, ptx_batches
-from rl.rewards import episode_runner
+from rl.loop.controller import iteration, new_groups
+from rl.rollout.data import TaskSets, sample_mix, sample_prompts
+from rl.rollout.multiturn import play_episodes
+from rl.rollout.partial import PartialRolloutBuffer
+from rl.rollout.ptx import PtxSample, ptx_batches
+from rl.rollout.rewards import episode_runner
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN_SEEDS = [*range(-2, 12), 1_000_003, 2**31 - 1, 2**40 + 7]
@@ -182,8 +182,8 @@ def test_iteration_uses_episode_and_train_seeds(monkeypatch):
     tasks = ArithmeticEnv.generate_tasks(20, seed=0)
     sets = TaskSets(tasks, tasks[:2], cfg.env_entries, [0] * 20, [0, 0])
     played = []
-    monkeypatch.setattr(rl.controller, "play_episodes", lambda *a: played.append(a[6]) or [])
-    monkeypatch.setattr(rl.controller, "collect_samples", lambda *a: (
+    monkeypatch.setattr(rl.loop.controller, "play_episodes", lambda *a: played.append(a[6]) or [])
+    monkeypatch.setattr(rl.loop.controller, "collect_samples", lambda *a: (
         [Sample(0, [1], [2], [-1.0], 1.0)], {"env_errors": 0, "trained_samples": 1}))
     cluster = Recorder()
     with Progress(disable=True) as progress:
@@ -230,9 +230,9 @@ def test_cluster_chunks_use_chunk_seed(monkeypatch):
     worker = SimpleNamespace(generate=SimpleNamespace(remote=Ref))
     fake_ray = SimpleNamespace(wait=lambda pending, num_returns, timeout=None: (pending[:1], pending[1:]),
                                get=lambda ref: ref.value)
-    monkeypatch.setattr(rl.cluster, "ray", fake_ray)
-    monkeypatch.setattr(rl.recovery, "ray", fake_ray)
-    cluster = object.__new__(rl.cluster.Cluster)
+    monkeypatch.setattr(rl.loop.cluster, "ray", fake_ray)
+    monkeypatch.setattr(rl.loop.recovery, "ray", fake_ray)
+    cluster = object.__new__(rl.loop.cluster.Cluster)
     cluster.cfg, cluster.rollouts = parse_config({"rollout": {"max_batch": 2}}), [worker, worker]
     cluster.timeout = cluster.cfg.run.step_timeout_s
     cluster.generate([[1]] * 5, [None] * 5, seed=11)

@@ -13,7 +13,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 from engines.model.tokenizer import ChatTemplateError, TextTokenizer
 from envs import Task
 from envs.tasks import TaskFileError, load_tasks, save_tasks
-from rl.ptx import PtxSample, sample_ids
+from rl.rollout.ptx import PtxSample, sample_ids
 
 CORPUS = ["You are a helpful assistant. What is 12 + 30? The answer is 42.", "system user assistant tool hello world"]
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"

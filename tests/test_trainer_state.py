@@ -21,13 +21,13 @@ from engines.model.causal_lm import CausalLM
 from engines.model.sharded import full_state_dict
 from engines.training.distributed import init_distributed, shard_model
 from engines.training.engine import TrainingEngine
+from engines.training.optim import build_optimizers
 from engines.training.trainer_state import (
     TrainerStateError,
     collect_shard_sums,
     load_trainer_state,
     save_trainer_state,
 )
-from rl.optim import build_optimizers
 from tests.conftest import tiny_config
 from tests.ranks import rank_body, run_ranks
 

@@ -18,7 +18,7 @@ from engines.model.logprobs import selected_logprobs
 from engines.sync_check import HostSyncChecker, no_host_sync
 from engines.training.engine import TrainingEngine, inverse_temperatures
 from engines.training.packing import pack
-from rl.algorithm import k15_loss
+from rl.algo.update import k15_loss
 from tests.conftest import tiny_config
 
 VOCAB = 61

@@ -12,8 +12,8 @@ from engines.model.family_tokens import STYLES
 from engines.model.hf_io import read_config
 from engines.model.tokenizer import TextTokenizer
 from rl.config import parse_config
-from rl.controller import train
-from rl.warmstart import prepare_model
+from rl.loop.controller import train
+from rl.setup.warmstart import prepare_model
 
 SMALL = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2,
          "num_key_value_heads": 1}

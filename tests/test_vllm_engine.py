@@ -19,12 +19,12 @@ from engines.model.hf_io import load_pretrained, read_tensors, save_pretrained
 from engines.model.layout import hub_state
 from engines.model.tokenizer import TextTokenizer
 from engines.training.engine import TrainingEngine
-from rl.algorithm import Sample
-from rl.cluster import Cluster
+from rl.algo.update import Sample
 from rl.config import parse_config
-from rl.controller import train
-from rl.partial import generate_with_budget
-from rl.warmstart import prepare_model
+from rl.loop.cluster import Cluster
+from rl.loop.controller import train
+from rl.rollout.partial import generate_with_budget
+from rl.setup.warmstart import prepare_model
 from tests.conftest import sharp_model, tiny_config
 
 vllm_engine = pytest.importorskip("engines.inference.vllm_engine")

@@ -1,7 +1,7 @@
 """Attention of every family: grouped-query attention (Llama, Qwen, Mistral, Mixtral) and DeepSeek's
 multi-head latent attention (MLA), with per-head max-logit tracking and QK-Clip's weight scaling.
 
-Each attention module knows which rows of its weights belong to a head, so QK-Clip (``rl.qk_clip``)
+Each attention module knows which rows of its weights belong to a head, so QK-Clip (``engines.training.qk_clip``)
 asks the module to scale its own heads (``clip_heads``); each also says how its fused inference
 layout holds the checkpoint's tensors (``hub_placements``).
 """

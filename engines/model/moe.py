@@ -23,7 +23,7 @@ class Router(nn.Module):
     ``sigmoid`` (DeepSeek-V3, Kimi K2): sigmoid scores in float32; experts are chosen on scores +
     ``e_score_correction_bias`` within the ``topk_group`` groups whose two best such scores sum highest;
     weights are the uncorrected scores of the chosen, renormalised if ``norm_topk_prob``, times
-    ``routed_scaling_factor``. The bias only steers the choice and gets no gradient (see ``rl.optim``).
+    ``routed_scaling_factor``. The bias only steers the choice and gets no gradient (see ``engines.training.optim``).
     """
 
     def __init__(self, cfg: ModelConfig) -> None:

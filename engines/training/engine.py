@@ -1,7 +1,7 @@
 """The training engine: recomputes log-probabilities with gradients and steps the optimizers.
 
 It owns the trainable model (plain, or sharded with ``engines.training.distributed.shard_model``) and its
-optimizers; the RL algorithm (``rl.algorithm``) decides what loss to build from the
+optimizers; the RL algorithm (``rl.algo.update``) decides what loss to build from the
 log-probabilities it returns. Sequences are packed end to end with document masking
 (``engines.training.packing``), and only the response tokens' log-probabilities are scored, in vocabulary
 chunks (``engines.model.logprobs``). Between training phases ``offload`` moves the weights and optimizer

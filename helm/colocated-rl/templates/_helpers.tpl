@@ -151,7 +151,7 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end -}}
 
 {{/* Colocated workers of the run: the sum over the worker pods. */}}
-{{- define "rl.workers" -}}
+{{- define "rl.loop.workers" -}}
 {{- $n := 0 -}}
 {{- range .Values.workerGroups -}}
 {{- $n = add $n (mul .replicas (include "rl.podWorkers" (dict "root" $ "group" .) | int)) -}}
@@ -182,7 +182,7 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- define "rl.trainArgs" -}}
 {{- $tp := include "rl.gpusPerWorker" . | int -}}
 {{- $args := list "--set" "cluster.ray_address=auto"
-      "--set" (printf "cluster.workers=%s" (include "rl.workers" .))
+      "--set" (printf "cluster.workers=%s" (include "rl.loop.workers" .))
       "--set" (printf "cluster.gpus_per_worker=%d" $tp)
       "--set" (printf "metrics.prometheus_port=%v" .Values.run.metricsPort) -}}
 {{- if gt $tp 1 -}}{{/* a replica spans its worker's GPUs: vLLM's tensor parallelism and the trainer's mesh */}}

@@ -36,15 +36,15 @@ from engines.model.layout import hub_state
 from engines.model.tokenizer import TextTokenizer
 from engines.training import distributed
 from engines.training.engine import TrainingEngine
+from engines.training.optim import build_optimizers
+from engines.training.qk_clip import qk_clip
 from engines.training.trainer_state import has_trainer_state, load_trainer_state, save_trainer_state
-from rl.algorithm import PtxBatch, Sample, rl_update
+from rl.algo.mismatch import Correction
+from rl.algo.update import PtxBatch, Sample, rl_update
 from rl.config import Config
 from rl.errors import UserError
-from rl.mismatch import Correction
-from rl.optim import build_optimizers
-from rl.partial import Trajectory, advance
-from rl.qk_clip import qk_clip
-from rl.weight_sync import RayPacker, RayReloader
+from rl.loop.weight_sync import RayPacker, RayReloader
+from rl.rollout.partial import Trajectory, advance
 
 OPTIMIZER_FILE = "optimizer.pt"  # the earlier checkpoint format, still read
 
@@ -332,7 +332,7 @@ class RolloutWorker:
 
     def rollout(self, trajectories: list[Trajectory], token_budget: int | None,
                 version: int) -> tuple[list[Trajectory], dict[str, int]]:
-        """New and paused trajectories, until done or ``token_budget`` tokens (``rl.partial.advance``), and the
+        """New and paused trajectories, until done or ``token_budget`` tokens (``rl.rollout.partial.advance``), and the
         engine's counters over this call (prefix-cache tokens found and computed, preemptions, peak KV blocks)."""
         self._check_consistent()
         before = self.engine.stats()

@@ -19,13 +19,11 @@ from engines.inference.sampling import SamplingParams
 from engines.model.hf_io import read_config
 from engines.model.tokenizer import TextTokenizer
 from envs import Task
-from rl.checkpoint import LoopState, copy_tokenizer, latest_checkpoint, remove_stale, save_checkpoint, write_aside
-from rl.cluster import Cluster
 from rl.config import Config, EnvConfig, dump_config
-from rl.data import GROUPS_PER_ITERATION, check_renderable, load_task_sets, rollout_seq_len, sample_mix
-from rl.episodes import env_class, task_type_of
 from rl.errors import UserError
-from rl.guards import (
+from rl.loop.checkpoint import LoopState, copy_tokenizer, latest_checkpoint, remove_stale, save_checkpoint, write_aside
+from rl.loop.cluster import Cluster
+from rl.loop.guards import (
     Budget,
     TrainingStopped,
     check_cluster_fits,
@@ -34,16 +32,18 @@ from rl.guards import (
     check_sample_rewards,
     check_writable,
 )
-from rl.health import CollapseGuard, HealthMonitor
-from rl.memory import check_fits, estimate
-from rl.metrics import MetricsLog, plot_curves
-from rl.multiturn import play_episodes
-from rl.partial import PartialRolloutBuffer, Trajectory
-from rl.ptx import load_ptx, ptx_batches
-from rl.recovery import Restarts, WorkerFailed
-from rl.rewards import collect_samples, episode_runner, evaluate
+from rl.loop.health import CollapseGuard, HealthMonitor
+from rl.loop.metrics import MetricsLog, plot_curves
+from rl.loop.recovery import Restarts, WorkerFailed
+from rl.rollout.data import GROUPS_PER_ITERATION, check_renderable, load_task_sets, rollout_seq_len, sample_mix
+from rl.rollout.episodes import env_class, task_type_of
+from rl.rollout.multiturn import play_episodes
+from rl.rollout.partial import PartialRolloutBuffer, Trajectory
+from rl.rollout.ptx import load_ptx, ptx_batches
+from rl.rollout.rewards import collect_samples, episode_runner, evaluate
 from rl.seeds import episode_seed, sampling_seed, train_seed
-from rl.warmstart import prepare_model
+from rl.setup.memory import check_fits, estimate
+from rl.setup.warmstart import prepare_model
 
 
 def train(cfg: Config, run_dir: Path, resume: bool = False, console: Console | None = None) -> dict:
@@ -52,7 +52,7 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, console: Console | N
     A worker that fails and cannot be replaced in place (a trainer rank, a lost node) tears the workers down and
     the run goes on from the last complete checkpoint (from the start when there is none yet), at most
     ``run.max_restarts`` recoveries in all."""
-    from rl.checkpoint import list_checkpoints
+    from rl.loop.checkpoint import list_checkpoints
 
     console = console or Console()
     restarts = Restarts(cfg.run.max_restarts, lambda line: console.print(f"[bold yellow]{line}[/]"))

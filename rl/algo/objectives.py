@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from rl.algorithm import Sample
+    from rl.algo.update import Sample
 
 OBJECTIVES = ("k15", "grpo", "dapo")
 STD_EPS = 1e-6  # keeps Â finite for a group of nearly equal rewards

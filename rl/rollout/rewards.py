@@ -9,12 +9,12 @@ from rich.progress import Progress
 
 from engines.inference.sampling import SamplingParams
 from engines.model.tokenizer import TextTokenizer
-from rl.algorithm import Sample
+from rl.algo.update import Sample
 from rl.config import Config
-from rl.data import GROUPS_PER_ITERATION, TaskSets
-from rl.episodes import EpisodeRunner, env_class, is_group_level, sandbox_restarts, solved, task_type_of
-from rl.guards import check_reward
-from rl.partial import Trajectory
+from rl.loop.guards import check_reward
+from rl.rollout.data import GROUPS_PER_ITERATION, TaskSets
+from rl.rollout.episodes import EpisodeRunner, env_class, is_group_level, sandbox_restarts, solved, task_type_of
+from rl.rollout.partial import Trajectory
 from rl.seeds import critic_seed, eval_seed
 
 
@@ -164,8 +164,8 @@ def collect_samples(cluster, cfg: Config, tasks: TaskSets, tok: TextTokenizer, i
     """The iteration's training samples and reward metrics: the completed single-turn groups scored by their
     environments (the policy as critic where one judges), the multi-turn episodes the rollout played, and the
     critic's own judgments when closed-loop critic training is on."""
-    from rl.critic_loop import critic_training_batch
-    from rl.multiturn import episode_samples
+    from rl.rollout.critic_loop import critic_training_batch
+    from rl.rollout.multiturn import episode_samples
 
     samples, stats = score(completed, tasks, tok, cfg, runner)
     if episodes:

@@ -138,7 +138,7 @@ class _DirWriter:
     """Receives a directory's files in chunks on one node, in the node's own cache (``RL_CACHE_DIR``)."""
 
     def __init__(self, name: str) -> None:
-        from rl.warmstart import cache_root
+        from rl.setup.warmstart import cache_root
 
         self.dest = cache_root() / "shipped" / name
         self.tmp = self.dest.with_name(f"{name}.tmp-{uuid.uuid4().hex[:8]}")

@@ -20,11 +20,11 @@ from engines.model.tokenizer import TextTokenizer
 from envs import Task
 from envs.tasks import save_tasks
 from rl.config import Config
-from rl.data import load_task_sets
-from rl.episodes import EpisodeRunner, is_group_level, solved, task_type_of
 from rl.errors import UserError
+from rl.rollout.data import load_task_sets
+from rl.rollout.episodes import EpisodeRunner, is_group_level, solved, task_type_of
 from rl.seeds import difficulty_seed
-from rl.warmstart import prepare_model
+from rl.setup.warmstart import prepare_model
 
 
 def pass_rates(cfg: Config, model_dir: Path, tasks: list[Task], entries: list, k: int, seed: int = 0,

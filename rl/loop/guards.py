@@ -73,13 +73,13 @@ def check_cluster_fits(cfg: Config) -> None:
 
 def check_max_tokens(cfg: Config) -> None:
     """Refuse a response budget that leaves no room for a prompt in the model's context, before any warm start (the
-    prompts themselves are checked once the tokenizer exists: ``rl.data.rollout_seq_len``)."""
+    prompts themselves are checked once the tokenizer exists: ``rl.rollout.data.rollout_seq_len``)."""
     if cfg.model.path is not None:
         from engines.model.hf_io import ModelDirError, read_config
-        from rl.warmstart import model_dir_here
+        from rl.setup.warmstart import model_dir_here
 
         if (here := model_dir_here(cfg)) is None:
-            return  # a hub repository or bucket not fetched yet: rl.data.rollout_seq_len checks it once it is
+            return  # a hub repository or bucket not fetched yet: rl.rollout.data.rollout_seq_len checks it once it is
         try:
             context = read_config(here).max_position_embeddings
         except ModelDirError:

@@ -46,7 +46,7 @@ class ModelShape:
     @classmethod
     def of(cls, arch: ModelConfig) -> ModelShape:
         from engines.model.causal_lm import build_model
-        from rl.optim import muon_params
+        from engines.training.optim import muon_params
 
         model = build_model(arch, device="meta")  # shapes only: a 1 T-parameter config costs nothing here
         params = list(model.parameters())
@@ -183,7 +183,7 @@ def estimate(cfg: Config, arch: ModelConfig, max_seq_len: int) -> MemoryEstimate
     """Bytes per worker of a run of ``cfg`` on a model of ``arch`` with KV caches of ``max_seq_len`` tokens (per GPU
     where a worker's replica spans several: each holds a trainer rank and a replica rank)."""
     shape = ModelShape.of(arch)
-    # trainer ranks: one per worker, or one per GPU of a worker whose replica spans its GPUs (rl.cluster)
+    # trainer ranks: one per worker, or one per GPU of a worker whose replica spans its GPUs (rl.loop.cluster)
     workers = cfg.cluster.workers * per_worker_ranks(cfg)
     weights, grads, opt = trainer_bytes(shape, workers, cfg.trainer.master_dtype, cfg.optimizer.kind)
     sharded = workers > 1 or cfg.compute_dtype != cfg.trainer.master_dtype
@@ -228,8 +228,8 @@ def estimate_run(cfg: Config) -> MemoryEstimate:
     from engines.model.arch import make_config
     from engines.model.hf_io import ModelDirError, read_config
     from engines.model.tokenizer import TextTokenizer
-    from rl.data import load_task_sets, rollout_seq_len
-    from rl.warmstart import cache_root, model_dir_here, warmstart_key
+    from rl.rollout.data import load_task_sets, rollout_seq_len
+    from rl.setup.warmstart import cache_root, model_dir_here, warmstart_key
 
     model_dir = model_dir_here(cfg)
     if cfg.model.path is not None and model_dir is None:

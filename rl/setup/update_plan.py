@@ -1,7 +1,7 @@
 """`rl plan-update`: Kimi K2's weight-update time and memory on a GPU cluster, for the run K2 trains.
 
 The cost model and its calibration are ``checkpoint_engine.plan``'s; what the run around the update
-holds per GPU (the trainer's shard, the KV cache) is this package's memory model, ``rl.memory``.
+holds per GPU (the trainer's shard, the KV cache) is this package's memory model, ``rl.setup.memory``.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def run_config(overrides: dict | None = None) -> Config:
 
 @cache
 def _footprint(gpus: int, overrides_json: str) -> Footprint:
-    from rl.memory import estimate
+    from rl.setup.memory import estimate
 
     cfg = run_config(json.loads(overrides_json))
     cfg = cfg.model_copy(update={"cluster": cfg.cluster.model_copy(update={"workers": gpus})})
@@ -40,7 +40,7 @@ def _footprint(gpus: int, overrides_json: str) -> Footprint:
 
 def k2_footprint(gpus: int, overrides: dict | None = None) -> Footprint:
     """Per GPU, K2's trainer shard (weights, gradients, optimizer state) over ``gpus`` workers and the paged
-    cache's whole budget (``rl.memory.estimate`` of ``run_config(overrides)``)."""
+    cache's whole budget (``rl.setup.memory.estimate`` of ``run_config(overrides)``)."""
     return _footprint(gpus, json.dumps(overrides or {}, sort_keys=True))
 
 

@@ -27,10 +27,10 @@ from engines.model.chat_format import ChatFormatError, ToolFormat, detect_format
 from engines.model.conversation import Conversation
 from engines.model.tokenizer import TextTokenizer
 from envs import Env, Task
-from rl.algorithm import Sample
+from rl.algo.update import Sample
 from rl.config import Config, EnvConfig
-from rl.episodes import EpisodeRunner, task_type_of
 from rl.errors import UserError
+from rl.rollout.episodes import EpisodeRunner, task_type_of
 from rl.seeds import turn_seed
 
 

@@ -15,15 +15,15 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from engines.inference.requests import Completion
 from engines.inference.sampling import SamplingParams
-from rl.algorithm import PtxBatch, Sample
+from rl.algo.update import PtxBatch, Sample
 from rl.config import Config
 from rl.errors import UserError
-from rl.memory import per_worker_ranks
-from rl.partial import Trajectory
-from rl.placement import probe_bundles, reachable_model_dirs, unplaceable, worker_bundle, worker_threads
-from rl.recovery import Restarts, WorkerFailed, gather, next_item
+from rl.loop.placement import probe_bundles, reachable_model_dirs, unplaceable, worker_bundle, worker_threads
+from rl.loop.recovery import Restarts, WorkerFailed, gather, next_item
+from rl.loop.workers import RolloutWorker, TrainerWorker
+from rl.rollout.partial import Trajectory
 from rl.seeds import chunk_seed
-from rl.workers import RolloutWorker, TrainerWorker
+from rl.setup.memory import per_worker_ranks
 
 # Both actors of a worker share one bundle: they alternate, never compute at the same time.
 ACTOR_CPUS = 0.5
@@ -169,7 +169,7 @@ class Cluster:
                 on_worker: Callable[[int], None] | None = None) -> tuple[list[Trajectory], dict[str, float]]:
         """Run the iteration's trajectories (new and paused) on the inference engines, whole prompt
         groups per engine (they share a prefill); each engine gets an equal share of the token budget.
-        Returns them updated (``rl.partial.advance``), tagged with the current weights version, and the
+        Returns them updated (``rl.rollout.partial.advance``), tagged with the current weights version, and the
         engines' metrics: prefix-cache hit rate, preemptions, peak fraction of KV blocks held."""
         n = len(self.rollouts)
         groups = sorted({t.group for t in trajectories})
@@ -204,7 +204,7 @@ class Cluster:
               on_step: Callable[[dict], None] | None = None) -> list[dict[str, float]]:
         """One K1.5 update on every trainer rank; returns the metrics of each optimizer step."""
         from engines.training.engine import NonFiniteError
-        from rl.guards import TrainingStopped
+        from rl.loop.guards import TrainingStopped
 
         samples_ref, ptx_ref = ray.put(samples), ray.put(ptx)
         gens = [t.train.remote(samples_ref, ptx_ref, seed) for t in self.trainers]

@@ -17,7 +17,7 @@ from collections import defaultdict
 from engines.inference.sampling import SamplingParams
 from engines.model.tokenizer import TextTokenizer
 from envs.rubric import build_pair_prompt, load_rubrics, parse_verdict
-from rl.algorithm import Sample
+from rl.algo.update import Sample
 from rl.config import Config
 from rl.seeds import critic_training_seed
 

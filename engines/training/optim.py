@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from engines.model.moe import Router
-from rl.muon import ShardedMuon
+from engines.training.muon import ShardedMuon
 
 
 def muon_params(model: nn.Module) -> set[int]:

@@ -51,7 +51,7 @@ class LoopState:
     partial: dict[str, Any] = field(default_factory=dict)  # the partial-rollout buffer
     workers: int = 1            # trainer ranks that wrote the trainer state (any count may resume it)
     initial_accuracy_sampled: float | None = None
-    rollbacks: int = 0          # collapses rolled back so far (rl.health.CollapseGuard)
+    rollbacks: int = 0          # collapses rolled back so far (rl.loop.health.CollapseGuard)
     best_accuracy: float | None = None  # the best held-out accuracy so far (what best/ holds)
     layout: int = 1             # how the checkpoint was written: LAYOUT when sealed with complete.json
 

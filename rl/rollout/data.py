@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from envs import Task
 from envs.tasks import TaskFileError, load_tasks
 from rl.config import Config, EnvConfig
-from rl.episodes import env_class
 from rl.errors import UserError
+from rl.rollout.episodes import env_class
 from rl.seeds import prompt_seed, task_set_seed
 
 TRAIN_SEED, EVAL_SEED, SFT_SEED = task_set_seed("train"), task_set_seed("eval"), task_set_seed("sft")
@@ -103,7 +103,7 @@ def check_renderable(sets: TaskSets, tok, model_dir: str) -> None:
 
 def rollout_seq_len(cfg: Config, sets: TaskSets, tok, context: int) -> int:
     """Tokens per sequence the inference KV cache is sized for (``rollout.max_seq_len``, see its description)."""
-    from rl.episodes import is_group_level
+    from rl.rollout.episodes import is_group_level
 
     budget = max([cfg.rollout.max_tokens] + [t.max_tokens or 0 for t in cfg.rollout.task_types.values()])
     room = cfg.rollout.max_seq_len or context

@@ -3,7 +3,7 @@
 The trainer is this project's: FSDP2 over ``gpus`` ranks (master weights, gradients and optimizer state
 sharded), one decoder layer gathered at a time in the compute dtype (with ``expert_parallel`` > 1, as a
 plan only, each GPU would gather 1/e of a layer's routed experts), activations of one packed
-micro-batch (``rl.memory``). The inference side holds one replica per ``inference_gpus`` GPUs (1: a full
+micro-batch (``rl.setup.memory``). The inference side holds one replica per ``inference_gpus`` GPUs (1: a full
 replica on every GPU, what this project's engine does today; more: weights and KV cache split over a
 tensor- or expert-parallel group, which the engine does not do yet). Three phases take turns on each GPU:
 rollout (replica + KV cache, the trainer offloaded), training (trainer state + working set, the KV cache
@@ -20,7 +20,7 @@ import torch
 
 from engines.inference.kv_cache import bytes_per_token
 from engines.model.arch import ModelConfig, make_config
-from rl.memory import GiB, ModelShape, run_dir_bytes, trainer_bytes, training_working_set
+from rl.setup.memory import GiB, ModelShape, run_dir_bytes, trainer_bytes, training_working_set
 
 #: Model shapes by name, as their Hugging Face configs give them (random weights are never built).
 PRESETS = {

@@ -64,7 +64,7 @@ def sandbox_address(cfg: Config) -> str:
     backend, concurrency...) in a child process on a free port, started again if it dies, stopped at exit."""
     if cfg.sandbox.address:
         return cfg.sandbox.address
-    from rl.sandbox_service import SandboxServiceProcess
+    from rl.rollout.sandbox_service import SandboxServiceProcess
 
     key = cfg.sandbox.model_dump_json()
     with _services_lock:

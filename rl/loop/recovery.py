@@ -16,7 +16,7 @@ from typing import Any
 
 import ray
 
-from rl.guards import TrainingStopped
+from rl.loop.guards import TrainingStopped
 
 
 class WorkerFailed(Exception):

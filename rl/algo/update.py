@@ -1,4 +1,4 @@
-"""The K1.5 objective (report 3.2.3) and the update loops that apply it (GRPO and DAPO: ``rl.objectives``).
+"""The K1.5 objective (report 3.2.3) and the update loops that apply it (GRPO and DAPO: ``rl.algo.objectives``).
 
 For each prompt x with K samples: L = 1/K Σ_i (r_i − r̄ − τ·(log π_θ(y_i|x) − log π_old(y_i|x)))²,
 averaged over prompts; log π is the sum over the response's tokens. The SFT/PTX loss is the
@@ -20,8 +20,8 @@ import torch
 
 from engines.training.distributed import all_reduce_max, all_reduce_sum
 from engines.training.engine import TokenScores, TrainingEngine
-from rl.mismatch import Correction, apply
-from rl.objectives import (
+from rl.algo.mismatch import Correction, apply
+from rl.algo.objectives import (
     Objective,
     clip_fraction,
     clipped_surrogate,
@@ -260,7 +260,7 @@ def surrogate_backward(engine: TrainingEngine, samples: Sequence[Sample], advant
                        weights: Sequence[float], objective: Objective, *, total_tokens: int, token_budget: int,
                        rank: int = 0, world: int = 1, max_items: int | None = None,
                        measures: Measures | None = None, measure_tokens: bool = False) -> float:
-    """Accumulate the gradient of GRPO's or DAPO's clipped surrogate (``rl.objectives``) in micro-batches;
+    """Accumulate the gradient of GRPO's or DAPO's clipped surrogate (``rl.algo.objectives``) in micro-batches;
     returns this rank's loss. ``weights``: per response, 1/(K·G) (GRPO) or 1 (DAPO), times any mismatch
     correction; ``total_tokens``: the minibatch's own tokens over all ranks (DAPO's token mean)."""
     total = 0.0
@@ -370,8 +370,8 @@ def rl_update(engine: TrainingEngine, samples: Sequence[Sample], *, tau: float, 
     step's also carry the iteration's diagnostics (``Measures``). ``drop_equal_groups`` leaves groups
     whose rewards are all equal out; with none left (and no PTX) nothing is stepped at all.
     ``recompute_old`` replaces the sampler's log π_old by the trainer's before the first step; ``correction``
-    does too, then reweights (or masks) each sample by its ratio trainer/sampler (``rl.mismatch``).
-    ``objective``: K1.5 with ``tau`` (None, the default) or GRPO/DAPO (``rl.objectives``); with its ``kl_coef``,
+    does too, then reweights (or masks) each sample by its ratio trainer/sampler (``rl.algo.mismatch``).
+    ``objective``: K1.5 with ``tau`` (None, the default) or GRPO/DAPO (``rl.algo.objectives``); with its ``kl_coef``,
     ``reference`` (the reference policy's engine) scores the trained samples once, before the first step.
     """
     objective = objective or Objective("k15", tau=tau)

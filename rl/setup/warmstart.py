@@ -22,13 +22,13 @@ from engines.model.hf_io import ModelDirError, read_config, save_pretrained
 from engines.model.sources import FetchError, cached_dir, fetch_model, parse_source
 from engines.model.tokenizer import train_tokenizer
 from engines.training.engine import TrainingEngine
-from rl.algorithm import sft_update
+from engines.training.optim import build_optimizers
+from engines.training.qk_clip import qk_clip
+from rl.algo.update import sft_update
 from rl.config import Config
-from rl.data import SFT_SEED
-from rl.episodes import env_class
 from rl.errors import CommandFailed, UserError
-from rl.optim import build_optimizers
-from rl.qk_clip import qk_clip
+from rl.rollout.data import SFT_SEED
+from rl.rollout.episodes import env_class
 from rl.seeds import warmstart_seed
 
 FORMAT_VERSION = 2  # bump when the warm-start recipe changes, to invalidate caches
