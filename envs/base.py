@@ -8,7 +8,9 @@ next observation (tool results, a user turn) instead.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, ClassVar
 
 import gymnasium
@@ -39,6 +41,12 @@ class Env(gymnasium.Env):
     #: Multi-turn environments return the next observation from ``step`` until the episode ends; the RL loop
     #: then generates turn by turn and trains only on the model's own tokens.
     multi_turn: ClassVar[bool] = False
+    #: True: ``__init__`` takes ``sandbox_address`` (the run's sandbox service), to run code
+    uses_sandbox: ClassVar[bool] = False
+    #: True: rewards come per prompt group, ``score_group`` (e.g. a critic comparing the K responses)
+    group_level: ClassVar[bool] = False
+    #: True: the episode parses tool calls; the loop sets the model family's format (``set_tool_format``)
+    uses_tools: ClassVar[bool] = False
 
     def __init__(self, tasks: list[Task] | None = None) -> None:
         self.observation_space = gymnasium.spaces.Text(MAX_TEXT, charset=_CHARSET)
@@ -68,6 +76,24 @@ class Env(gymnasium.Env):
     def score(self, task: Task, response: str) -> tuple[float, dict[str, Any]]:
         """Reward of ``response`` on ``task`` and details for logging."""
         raise NotImplementedError
+
+    def score_group(self, task: Task, responses: Sequence[str]) -> tuple[list[float], dict[str, Any]]:
+        """Rewards of the K ``responses`` to ``task`` together (``group_level`` environments)."""
+        raise NotImplementedError(f"{type(self).__name__} rewards each response alone (group_level is False)")
+
+    def attach(self, critic: Callable[[list[str]], list[str]]) -> None:
+        """Take the policy as critic (prompts -> responses) where the environment judges with it; ignored here."""
+
+    def set_tool_format(self, fmt: Any) -> None:
+        """The tool-call format of the model family in training (``uses_tools`` environments parse calls in it)."""
+        self.tool_format = fmt
+
+    @classmethod
+    def load_tasks(cls, path: str | Path) -> list[Task]:
+        """The tasks of a task file; environments with records of their own override this."""
+        from envs.tasks import load_tasks
+
+        return load_tasks(path)
 
     @classmethod
     def generate_tasks(cls, n: int, seed: int) -> list[Task]:

@@ -340,6 +340,7 @@ class RubricEnv(Env):
     """
 
     task_type = "rubric"
+    group_level = True
 
     def __init__(self, tasks: list[Task] | None = None, *, generate: Callable[[list[str]], list[str]] | None = None,
                  rubrics: Sequence[str] = ("core", "prescriptive"), pairs_per_prompt: int | None = None,

@@ -213,6 +213,7 @@ class SWEEnv(Env):
     task_type = "swe"
     multi_turn = True
     uses_sandbox = True
+    uses_tools = True
     tools = TOOLS
     #: how the model writes calls; the rollout sets the model family's format (``chat_format.detect_format``)
     tool_format: ToolFormat = get_format("k2")

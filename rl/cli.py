@@ -74,7 +74,9 @@ def _cmd_check(args: argparse.Namespace) -> None:
         print(f"# memory per worker: not estimated, {cfg.model.path} is not on this machine "
               "(the run checks it at start)")
         return
-    est = estimate_run(cfg)
+    est, settings = estimate_run(cfg)
+    for key, value, why in settings.choices:
+        print(f"# {key}: {value} ({why})")
     print(f"# memory per worker ({cfg.cluster.workers} workers; activations estimated from the layer shapes):")
     print("\n".join(f"#{line}" for line in est.table().splitlines()))
     print(f"# run directory (the claim): {est.checkpoint / 2**30:.3f} GiB per checkpoint (model and trainer state), "

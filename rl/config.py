@@ -12,8 +12,6 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from engines.model.sources import parse_source
-from rl.algo.objectives import Objective
-from rl.algo.schedules import temperature_at
 from rl.errors import UserError
 from sandbox.options import KubernetesOptions, LimitsOptions, SandboxOptions
 
@@ -309,14 +307,6 @@ class AlgorithmConfig(Strict):
     critic_training: CriticTrainingConfig = CriticTrainingConfig()
     mismatch: MismatchConfig = MismatchConfig()
 
-    def objective_settings(self, max_tokens: int) -> Objective:
-        """The objective an update minimises, with its defaults resolved for a response budget of ``max_tokens``."""
-        dapo = self.objective == "dapo"
-        high = self.clip_high if self.clip_high is not None else 0.28 if dapo else self.clip_low
-        buffer = self.overlong_buffer if self.overlong_buffer is not None else max_tokens // 5 if dapo else 0
-        return Objective(self.objective, tau=self.tau, clip_low=self.clip_low, clip_high=high,
-                         overlong_buffer=buffer, max_tokens=max_tokens, kl_coef=self.kl_coef)
-
     @model_validator(mode="after")
     def _check(self) -> AlgorithmConfig:
         if self.ptx.coef > 0 and self.ptx.data is None:
@@ -425,13 +415,6 @@ class Config(Strict):
         """The trainer's forward/backward dtype."""
         return self.trainer.param_dtype or self.model.dtype
 
-    @property
-    def recompute_old_logprobs(self) -> bool:
-        """Whether the trainer recomputes π_old: on request, or (auto) when either engine computes in bfloat16,
-        where the sampler's log-probs differ from the trainer's by more than float32 rounding."""
-        r = self.algorithm.recompute_old_logprobs
-        return r if isinstance(r, bool) else "bfloat16" in (self.compute_dtype, self.rollout_dtype)
-
     def warnings(self) -> list[str]:
         """Settings that run but deserve a loud word at start (``rl train``, ``rl check-config``)."""
         out = []
@@ -447,19 +430,6 @@ class Config(Strict):
     def env_entries(self) -> list[EnvConfig]:
         """The environments of the run: the task mix, or the single ``env``."""
         return list(self.envs) or [self.env]
-
-    def temperature(self, task_type: str, it: int) -> float:
-        """Sampling temperature of a task type at iteration ``it`` (its schedule, or the default one)."""
-        sched = self.task_type(task_type)[2]
-        return temperature_at(sched.schedule, sched.start, sched.end, it, self.run.iterations)
-
-    def task_type(self, name: str) -> tuple[int, float, TemperatureConfig]:
-        """(token budget, truncation penalty, temperature schedule) of task type ``name``."""
-        r = self.rollout
-        t = r.task_types.get(name) or TaskTypeConfig()
-        return (t.max_tokens or r.max_tokens,
-                r.truncation_penalty if t.truncation_penalty is None else t.truncation_penalty,
-                t.temperature or r.temperature)
 
 
 def format_errors(e: ValidationError, source: str, prefix: str = "") -> str:

@@ -9,3 +9,7 @@ class UserError(Exception):
 class CommandFailed(Exception):
     """A correctly given command that failed at run time (a cluster unreachable, a run that does not exist, an
     install the cluster refused); the message says what failed and where. Exit code 1."""
+
+
+class TrainingStopped(CommandFailed):
+    """The run cannot go on: the message names the cause. The last checkpoint is left as it was."""

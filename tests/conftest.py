@@ -70,3 +70,28 @@ def ray_cluster():
              object_store_memory=200 * 2**20)
     yield
     ray.shutdown()
+
+
+_keys = iter(range(10**9))
+
+
+def make_sample(group: int, prompt: list[int], response: list[int], logprobs: list[float], reward: float,
+                temperature: float = 1.0, loss_mask: list[int] | None = None, multi_turn: bool | None = None):
+    """A finished ``rl.sample.Sample`` with the fields the trainer reads (a fresh key each)."""
+    from engines.inference.sampling import SamplingParams
+    from rl.algo.schedules import Schedule
+    from rl.sample import Sample, TaskType
+
+    kind = TaskType("text", max(len(response), 1), 0.0, Schedule("constant", temperature, temperature, 1))
+    return Sample(next(_keys), group, 0, kind, list(prompt), SamplingParams(temperature, max(len(response), 1)), 0,
+                  list(response), list(logprobs), loss_mask=loss_mask,
+                  multi_turn=loss_mask is not None if multi_turn is None else multi_turn, status="finished",
+                  reward=reward)
+
+
+def train_on(cluster, samples, seed: int = 0) -> list[dict]:
+    """One policy update of ``samples`` on a ``rl.loop.cluster.Cluster`` (planned as the controller plans it)."""
+    from rl.algo.plan import plan_update
+
+    batches = plan_update(samples, cluster.settings.update, len(cluster.trainers), seed)
+    return cluster.train(batches) if batches else []

@@ -12,17 +12,36 @@ from engines.inference.sampling import SamplingParams
 from engines.model.attention import padded_causal_mask, positions_from_valid
 from engines.training.engine import TrainingEngine
 from engines.training.optim import build_optimizers
-from rl.algo.update import (
-    PtxBatch,
-    Sample,
-    group_advantages,
-    informative_groups,
-    k15_backward,
-    plan_micro_batches,
-    ptx_backward,
-    recompute_old_logprobs,
-    rl_update,
-)
+from rl.algo.objectives import Objective, group_advantages
+from rl.algo.plan import PtxBatch, informative_groups, plan_micro_batches, plan_update, ptx_shares
+from rl.algo.update import Measures, accumulate, ptx_accumulate, rl_update, score_all, to_device
+from rl.settings import UpdateSettings
+from tests.conftest import make_sample
+
+
+def settings(tau: float = 1.0, minibatches: int = 1, token_budget: int = 4096, max_items: int | None = None,
+             drop_equal_groups: bool = True, recompute_old: bool = False, correction=None,
+             objective: Objective | None = None) -> UpdateSettings:
+    """An update's settings as a run resolves them (``rl.settings.UpdateSettings``)."""
+    return UpdateSettings(objective or Objective("k15", tau=tau), minibatches, token_budget, max_items,
+                          drop_equal_groups, recompute_old or correction is not None, correction, 0.0)
+
+
+def backward(engine, samples, s: UpdateSettings, world: int = 1) -> float:
+    """Accumulate the gradient of the first optimizer step's loss over every rank's share of ``samples`` in one
+    process (summed over ranks, as FSDP's reduce-scatter does); returns the loss."""
+    loss = 0.0
+    for batch in plan_update(samples, s, world, seed=0):
+        steps = to_device(engine, batch)
+        measures = Measures(engine.device)
+        accumulate(engine, steps[0], batch.passes[0], s.objective, batch.tokens[0], measures)
+        loss += measures.read()["loss"]
+    return loss
+
+
+def update(engine, samples, s: UpdateSettings, seed: int = 0) -> list[dict]:
+    """Every optimizer step of one update of ``samples`` on one rank (what ``rl_update`` yields)."""
+    return [m for batch in plan_update(samples, s, 1, seed) for m in rl_update(engine, batch, s)]
 
 
 def _reference_loss(model, samples, tau):
@@ -42,7 +61,7 @@ def _reference_loss(model, samples, tau):
             logp = F.log_softmax(logits.float() / s.temperature, dim=-1)
             mask = s.loss_mask or [1] * len(s.response_ids)  # multi-turn: only the model's own tokens count
             new = sum(logp[len(s.prompt_ids) - 1 + t, tok] for t, tok in enumerate(s.response_ids) if mask[t])
-            ratio = new - sum(lp for lp, m in zip(s.old_logprobs, mask, strict=True) if m)
+            ratio = new - sum(lp for lp, m in zip(s.logprobs, mask, strict=True) if m)
             terms.append((s.reward - mean_r - tau * ratio) ** 2)
         per_prompt.append(sum(terms) / len(terms))
     return sum(per_prompt) / len(per_prompt)
@@ -55,8 +74,9 @@ def _random_samples(rng, vocab, n_groups=3, k=4, masked=False):
         for _ in range(k - (g == 1)):  # one group with K-1 samples: weights must still be per prompt
             resp = [rng.randrange(2, vocab) for _ in range(rng.randint(1, 5))]
             mask = [1] + [int(rng.random() < 0.6) for _ in resp[1:]] if masked else None
-            samples.append(Sample(g, prompt, resp, [rng.uniform(-3, -0.1) for _ in resp], float(rng.random() < 0.5),
-                                  temperature=rng.choice([0.7, 1.0, 1.3]), loss_mask=mask))
+            samples.append(make_sample(g, prompt, resp, [rng.uniform(-3, -0.1) for _ in resp],
+                                       float(rng.random() < 0.5), temperature=rng.choice([0.7, 1.0, 1.3]),
+                                       loss_mask=mask))
     return samples
 
 
@@ -66,8 +86,7 @@ def test_k15_loss_and_gradient_match_reference(tiny_model, tokenizer, masked):
     samples = _random_samples(rng, tokenizer.vocab_size, masked=masked)
     if masked:  # environment tokens are context only: their sampler logprobs must not matter
         assert any(0 in s.loss_mask for s in samples)
-        samples = [replace(s, old_logprobs=[lp if m else 123.0
-                                            for lp, m in zip(s.old_logprobs, s.loss_mask, strict=True)])
+        samples = [replace(s, logprobs=[lp if m else 123.0 for lp, m in zip(s.logprobs, s.loss_mask, strict=True)])
                    for s in samples]
     tau = 0.3
 
@@ -78,10 +97,8 @@ def test_k15_loss_and_gradient_match_reference(tiny_model, tokenizer, masked):
 
     tiny_model.zero_grad()
     engine = TrainingEngine(tiny_model, [], tokenizer.pad_id)
-    adv = group_advantages(samples)
-    sizes = {g: sum(s.group == g for s in samples) for g in {s.group for s in samples}}
-    weights = [1.0 / (sizes[s.group] * len(sizes)) for s in samples]
-    loss = k15_backward(engine, samples, adv, weights, tau=tau, token_budget=24)
+    # the plan's weights: 1/(K_g · G), the mean over each prompt's samples, then over the prompts
+    loss = backward(engine, samples, settings(tau=tau, token_budget=24, drop_equal_groups=False))
 
     assert abs(loss - ref.item()) < 1e-5 * max(1.0, abs(ref.item()))
     for n, p in tiny_model.named_parameters():
@@ -99,9 +116,7 @@ def test_k15_update_on_cuda_matches_cpu(tiny_model, tokenizer):
     for device in ("cpu", "cuda"):
         model = copy.deepcopy(tiny_model).to(device)
         engine = TrainingEngine(model, [], tokenizer.pad_id)
-        adv = group_advantages(samples)
-        weights = [1.0 / len(samples)] * len(samples)
-        losses[device] = k15_backward(engine, samples, adv, weights, tau=0.3, token_budget=32)
+        losses[device] = backward(engine, samples, settings(tau=0.3, token_budget=32, drop_equal_groups=False))
         assert all(p.grad is not None and p.grad.device.type == device for p in model.parameters())
     assert losses["cuda"] == pytest.approx(losses["cpu"], rel=1e-3)
 
@@ -112,15 +127,13 @@ def test_gradient_does_not_depend_on_packing_or_rank_split(tiny_model, tokenizer
     flex_attention layout (one wide row of documents) where it can run here (no gradients on CPU: its
     log-probabilities must equal the dense path's)."""
     samples = _random_samples(random.Random(1), tokenizer.vocab_size)
-    adv, weights = group_advantages(samples), [1 / len(samples)] * len(samples)
     engine = TrainingEngine(tiny_model, [], tokenizer.pad_id)
     longest = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
     grads, losses = [], []
     for budget, world, cap in ((1, 1, None), (longest, 1, None), (2 * longest, 1, 3), (10_000, 1, None),
                                (longest, 2, None), (2 * longest, 3, None)):
         tiny_model.zero_grad()
-        loss = sum(k15_backward(engine, samples, adv, weights, tau=1.0, token_budget=budget, rank=rank, world=world,
-                                max_items=cap) for rank in range(world))
+        loss = backward(engine, samples, settings(token_budget=budget, max_items=cap, drop_equal_groups=False), world)
         losses.append(loss)
         grads.append([p.grad.clone() for p in tiny_model.parameters()])
     for loss, other in zip(losses[1:], grads[1:], strict=True):
@@ -157,7 +170,7 @@ def test_micro_batches_are_formed_by_tokens_and_every_rank_runs_as_many_passes()
 
 
 def test_advantage_is_reward_minus_group_mean():
-    s = [Sample(0, [1], [2], [0.0], r) for r in (1.0, 0.0, 0.0, 1.0)] + [Sample(1, [1], [2], [0.0], 1.0)]
+    s = [make_sample(0, [1], [2], [0.0], r) for r in (1.0, 0.0, 0.0, 1.0)] + [make_sample(1, [1], [2], [0.0], 1.0)]
     assert group_advantages(s) == [0.5, -0.5, -0.5, 0.5, 0.0]
 
 
@@ -180,11 +193,11 @@ def test_rl_update_raises_reward_on_a_toy_task(tiny_model, tokenizer):
     for it in range(12):
         inf = InferenceEngine(tiny_model, tokenizer.eos_id, tokenizer.pad_id, seed=it)
         outs = inf.generate([p for p in prompts for _ in range(8)], SamplingParams(1.0, 3))
-        samples = [Sample(j // 8, o.prompt_ids, o.token_ids, o.logprobs, float(o.token_ids[0] % 2 == 0))
+        samples = [make_sample(j // 8, o.prompt_ids, o.token_ids, o.logprobs, float(o.token_ids[0] % 2 == 0))
                    for j, o in enumerate(outs)]
         rates.append(sum(s.reward for s in samples) / len(samples))
         tiny_model.train().requires_grad_(True)
-        list(rl_update(engine, samples, tau=1.0, minibatches=2, token_budget=4096, seed=it))
+        update(engine, samples, settings(minibatches=2), seed=it)
     assert sum(rates[-3:]) / 3 > sum(rates[:3]) / 3 + 0.25, rates
 
 
@@ -206,8 +219,10 @@ def test_ptx_loss_is_token_mean_nll_whatever_the_split(tiny_model, tokenizer):
     engine = TrainingEngine(tiny_model, [], tokenizer.pad_id)
     for budget, world in ((1000, 1), (20, 2), (1, 3)):
         tiny_model.zero_grad()
-        loss = sum(ptx_backward(engine, PtxBatch(prompts, responses), 0.5, token_budget=budget, rank=r, world=world)
-                   for r in range(world))
+        measures = Measures(engine.device)
+        for share in ptx_shares(PtxBatch(prompts, responses), world, budget, None):
+            ptx_accumulate(engine, share, 0.5, measures)
+        loss = 0.5 * measures.read()["ptx_loss"]
         assert abs(loss - ref.item()) < 1e-5
         for a, b in zip(ref_grads, [p.grad for p in tiny_model.parameters()], strict=True):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
@@ -225,28 +240,28 @@ def test_groups_of_equal_rewards_are_left_out_and_nothing_left_takes_no_step(tin
     flat = [replace(s, reward=1.0) for s in samples]
     engine = TrainingEngine(tiny_model, build_optimizers(tiny_model, "muon", 1e-2, 0.0), tokenizer.pad_id)
     before = _snapshot(tiny_model)
-    assert list(rl_update(engine, flat, tau=1.0, minibatches=2, token_budget=4096, seed=0)) == []
+    assert update(engine, flat, settings(minibatches=2)) == []
     assert all(torch.equal(p, before[n]) for n, p in tiny_model.named_parameters())
     assert informative_groups(flat) == []
 
     mixed = [s if s.group == 2 else replace(s, reward=0.0) for s in samples]
     assert len({s.reward for s in mixed if s.group == 2}) > 1  # group 2 keeps its differing rewards
     assert informative_groups(mixed) == [2]
-    steps = list(rl_update(engine, mixed, tau=1.0, minibatches=2, token_budget=4096, seed=0))
+    steps = update(engine, mixed, settings(minibatches=2))
     assert len(steps) == 1 and steps[0]["groups_trained"] == 1 and steps[0]["groups_equal_reward"] == 3
     after_mixed = _snapshot(tiny_model)
     for n, p in tiny_model.named_parameters():  # back to the start, then train on group 2 alone
         p.data.copy_(before[n])
     engine = TrainingEngine(tiny_model, build_optimizers(tiny_model, "muon", 1e-2, 0.0), tokenizer.pad_id)
     alone = [s for s in mixed if s.group == 2]
-    list(rl_update(engine, alone, tau=1.0, minibatches=2, token_budget=4096, seed=0))
+    update(engine, alone, settings(minibatches=2))
     for n, p in tiny_model.named_parameters():
         assert not torch.equal(after_mixed[n], before[n]) or "norm" in n or "embed" in n, n
         torch.testing.assert_close(p.detach(), after_mixed[n], atol=1e-6, rtol=1e-5, msg=n)
     # kept on request: all four groups train (their zero-advantage terms included)
     for n, p in tiny_model.named_parameters():
         p.data.copy_(before[n])
-    steps = list(rl_update(engine, mixed, tau=1.0, minibatches=2, token_budget=4096, seed=0, drop_equal_groups=False))
+    steps = update(engine, mixed, settings(minibatches=2, drop_equal_groups=False))
     assert len(steps) == 2
 
 
@@ -266,12 +281,12 @@ def test_update_reports_health_diagnostics_against_independent_sums(tiny_model, 
                                  / s.temperature, -1)
             rows = [logp[len(s.prompt_ids) - 1 + t] for t in range(len(s.response_ids))]
             new = [float(r[tok]) for r, tok in zip(rows, s.response_ids, strict=True)]
-            diffs += [abs(n - o) for n, o in zip(new, s.old_logprobs, strict=True)]
+            diffs += [abs(n - o) for n, o in zip(new, s.logprobs, strict=True)]
             entropies += [float(-(r.exp() * r).sum()) for r in rows]
-            residuals.append(a - (sum(new) - sum(s.old_logprobs)))
+            residuals.append(a - (sum(new) - sum(s.logprobs)))
     before = _snapshot(model)
     engine = TrainingEngine(model, build_optimizers(model, "muon", 1e-2, 0.0), tokenizer.pad_id)
-    (step,) = rl_update(engine, samples, tau=1.0, minibatches=1, token_budget=4096, seed=0)
+    (step,) = update(engine, samples, settings())
     assert step["logprob_diff_mean"] == pytest.approx(sum(diffs) / len(diffs), rel=1e-5)
     assert step["logprob_diff_max"] == pytest.approx(max(diffs), rel=1e-5)
     assert step["entropy"] == pytest.approx(sum(entropies) / len(entropies), rel=1e-5)
@@ -291,17 +306,20 @@ def test_recomputed_old_logprobs_are_the_trainers_and_zero_the_first_log_ratio(t
     """With recompute, π_old is the trainer's own: the first step's residuals are the advantages exactly."""
     samples = _random_samples(random.Random(2), tokenizer.vocab_size, n_groups=3)
     engine = TrainingEngine(tiny_model, [], tokenizer.pad_id)
-    fresh = recompute_old_logprobs(engine, samples, token_budget=30)
+    (batch,) = plan_update(samples, settings(token_budget=30, drop_equal_groups=False), 1, seed=0)
+    steps = to_device(engine, batch)
+    score_all(engine, steps, batch.scoring_passes)
     with torch.no_grad():
-        lp, mask = engine.response_logprobs([s.prompt_ids for s in samples], [s.response_ids for s in samples],
-                                            [s.temperature for s in samples])
-    for i, s in enumerate(fresh):
-        torch.testing.assert_close(torch.tensor(s.old_logprobs, dtype=torch.float32), lp[i][mask[i]],
-                                   atol=1e-6, rtol=1e-6)
-        assert (s.prompt_ids, s.response_ids, s.reward) == (samples[i].prompt_ids, samples[i].response_ids,
-                                                            samples[i].reward)
+        lp, mask = engine.response_logprobs([s.prompt_ids for s in batch.samples],
+                                            [s.response_ids for s in batch.samples],
+                                            [s.temperature for s in batch.samples])
+    for micro in (m for step in steps for m in step):
+        for row, i in enumerate(micro.index):
+            n = len(batch.samples[i].response_ids)
+            torch.testing.assert_close(micro.old[row, :n], lp[i][mask[i]], atol=1e-6, rtol=1e-6)
+            torch.testing.assert_close(micro.old_seq[row], lp[i][mask[i]].sum(), atol=1e-5, rtol=1e-5)
     engine.optimizers = build_optimizers(tiny_model, "muon", 1e-2, 0.0)
     adv = group_advantages(samples)
-    (step,) = rl_update(engine, samples, tau=1.0, minibatches=1, token_budget=4096, seed=0, recompute_old=True)
+    (step,) = update(engine, samples, settings(recompute_old=True))
     assert step["k15_residual_absmax"] == pytest.approx(max(abs(a) for a in adv), rel=1e-5)
     assert step["logprob_diff_max"] > 0.1  # the sampler's numbers here are random: far from the trainer's

@@ -28,8 +28,20 @@ from engines.model.tokenizer import TextTokenizer, train_tokenizer
 from envs.swe import TOOLS
 from rl.config import parse_config
 from rl.rollout.episodes import EpisodeRunner
-from rl.rollout.multiturn import episode_samples, play_episodes
+from tests.test_multiturn import COUNTS, play_episodes
 from tests.test_swe import calc_task
+
+
+class Played:
+    """One ended episode: its sample (tokens, reward, error, status) and its conversation (driver side)."""
+
+    def __init__(self, sample, episode) -> None:
+        self.sample, self.conv = sample, episode.conv
+        self.prompt_ids, self.response_ids = sample.prompt_ids, sample.response_ids
+        self.error, self.reward, self.truncated = sample.error, sample.reward, sample.status == "truncated"
+
+    def __repr__(self) -> str:
+        return f"Played(status={self.sample.status!r}, error={self.error!r}, reward={self.reward!r})"
 
 TEMPLATES = Path(__file__).parent / "data" / "chat_templates"
 CORPUS = ["You are fixing an issue in the repository. def add(a, b): return a + b", "view_file edit_file submit "
@@ -73,18 +85,19 @@ def tools_openai() -> list[dict]:
 
 
 class ScriptedModel:
-    """The one call play_episodes makes of the cluster: turn k answers every episode with the k-th scripted
+    """The one call the rollout phase makes of the cluster: turn k answers every episode with the k-th scripted
     response (token ids + EOS); the prompts of the first episode are kept."""
 
     def __init__(self, tok: TextTokenizer, responses: list[str]):
         self.tok, self.responses, self.prompts = tok, responses, []
 
-    def generate(self, prompts, params, seed):
+    def rollout(self, samples, token_budget, on_worker=None):
         from engines.inference.requests import Completion
 
         ids = [*self.tok.encode(self.responses[len(self.prompts)]), self.tok.eos_id]
-        self.prompts.append(list(prompts[0]))
-        return [Completion(list(ids), [-0.5] * len(ids), "stop") for _ in prompts]
+        self.prompts.append(samples[0].request().prompt_ids)
+        return [s.extended(Completion(list(ids), [-0.5] * len(ids), "stop", request_id=s.key), 0)
+                for s in samples], [COUNTS]
 
 
 def agent_turns(family: str, fmt_name: str, bad_first: bool) -> list[str]:
@@ -109,11 +122,11 @@ def play_swe(tok: TextTokenizer, responses: list[str], tmp_path):
     model = ScriptedModel(tok, responses)
     runner = EpisodeRunner(cfg)
     try:
-        episodes = play_episodes(model, cfg, tok, runner, [(0, cfg.env, calc_task(tmp_path))], {"swe": 1.0},
-                                 seed=1, max_context=1 << 16)
+        samples, stats, played = play_episodes(model, cfg, tok, runner, [(0, cfg.env, calc_task(tmp_path))],
+                                               max_context=1 << 16)
     finally:
         runner.close()
-    samples, stats = episode_samples(episodes, cfg)
+    episodes = [Played(s, played.kept[s.key]) for s in played.ended]
     assert episodes[0].response_ids == episodes[1].response_ids
     return episodes[0], model, samples, stats
 

@@ -13,8 +13,8 @@ from safetensors.torch import load_file
 
 from envs import register
 from envs.arithmetic import ArithmeticEnv
+from rl.errors import TrainingStopped
 from rl.loop.controller import train
-from rl.loop.guards import TrainingStopped
 from rl.setup.warmstart import prepare_model
 from tests.test_run import tiny
 

@@ -10,6 +10,7 @@ import pytest
 
 from rl.config import load_config, parse_config
 from rl.errors import UserError
+from rl.settings import task_types
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -36,7 +37,8 @@ def test_algorithm_sections_validate():
                         "rollout": {"partial": {"token_budget": 5000, "max_age": 1},
                                     "task_types": {"math": {"max_tokens": 64}}}})
     assert cfg.cluster.workers == 2 and cfg.optimizer.qk_clip_tau is None
-    assert cfg.task_type("math")[0] == 64 and cfg.task_type("code")[0] == cfg.rollout.max_tokens
+    types = task_types(cfg)
+    assert types.get("math").max_tokens == 64 and types.get("code").max_tokens == cfg.rollout.max_tokens
     with pytest.raises(UserError, match=r"algorithm: Value error, ptx.coef > 0 needs ptx.data"):
         parse_config({"algorithm": {"ptx": {"coef": 0.1}}})
     with pytest.raises(UserError, match=r"rollout\.task_types\.math\.max_tokens: Input should be greater"):

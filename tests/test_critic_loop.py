@@ -5,16 +5,16 @@ import random
 import re
 
 from engines.inference.requests import Completion
-from rl.algo.update import Sample
 from rl.config import parse_config
 from rl.loop.controller import train
 from rl.rollout.critic_loop import critic_pairs, critic_training_batch
+from tests.conftest import make_sample
 from tests.test_difficulty import EvenLength  # noqa: F401  (registers "even-length-test")
 from tests.test_run import TINY
 
 
 def _s(group, reward, resp, mask=None):
-    return Sample(group, [5, 6], resp, [-1.0] * len(resp), reward, loss_mask=mask)
+    return make_sample(group, [5, 6], resp, [-1.0] * len(resp), reward, loss_mask=mask)
 
 
 def test_pairs_are_better_first_and_only_across_different_rewards():
@@ -40,9 +40,9 @@ def test_judgments_are_rewarded_by_agreement_with_verifiable_rewards(tokenizer):
     cfg = parse_config({"algorithm": {"critic_training": {"enabled": True, "pairs": 6, "samples": 2,
                                                           "rubrics": []}}})
     enc = tokenizer.encode
-    samples = [Sample(g, enc(f"Question {g}:"), enc(text), [-1.0] * len(enc(text)), r)
+    samples = [make_sample(g, enc(f"Question {g}:"), enc(text), [-1.0] * len(enc(text)), r)
                for g in range(6) for text, r in ((f" right {g}", 1.0), (f" wrong {g}", 0.0))]
-    out, stats = critic_training_batch(AlwaysA(tokenizer), tokenizer, cfg, samples, it=3, groups_per_iteration=10**6)
+    out, stats = critic_training_batch(AlwaysA(tokenizer), tokenizer, cfg, samples, it=3)
     assert stats["critic_prompts"] == 6 and len(out) == 12 and stats["critic_unparseable"] == 0
     for s in out:
         shown_a = re.search(r"## Response A\n(.*?)\n\n## Response B", tokenizer.decode(s.prompt_ids), re.S).group(1)

@@ -165,7 +165,7 @@ def test_a_killed_sandbox_service_is_started_again_and_its_cut_off_commands_run_
 def test_run_max_restarts_bounds_the_recoveries_and_the_next_fault_stops_the_run_in_one_line():
     """Each recovery is one line; the one past run.max_restarts stops the run (TrainingStopped: exit status 1)
     naming the fault and the limit."""
-    from rl.loop.guards import TrainingStopped
+    from rl.errors import TrainingStopped
     from rl.loop.recovery import Restarts, WorkerFailed
 
     lines: list[str] = []

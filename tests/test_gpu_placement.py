@@ -18,6 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = """
 import json, logging, os, ray
 from rl.loop.cluster import Cluster
+from rl.settings import for_model
 from rl.setup.warmstart import prepare_model
 from tests.test_run import tiny
 
@@ -36,7 +37,7 @@ ray.init(num_cpus=4, num_gpus=4, include_dashboard=False, logging_level=logging.
 for tp in (1, 2):
     cfg = tiny(cluster={"workers": 2, "gpus_per_worker": tp}, rollout={"engine": "vllm" if tp > 1 else "native",
                                                                         "tensor_parallel_size": tp})
-    with Cluster(cfg, str(prepare_model(cfg))) as cluster:
+    with Cluster(for_model(cfg, str(prepare_model(cfg))), str(prepare_model(cfg))) as cluster:
         def seen(actor):
             return ray.get(actor.__ray_call__.remote(lambda self: os.environ.get("CUDA_VISIBLE_DEVICES")))
 
@@ -45,12 +46,12 @@ for tp in (1, 2):
 
         # a step on every rank, then an update: each engine then holds the trainers' weights
         from engines.inference.sampling import SamplingParams
-        from rl.algo.update import Sample
+        from tests.conftest import make_sample, train_on
         outs = cluster.generate([[5, 6, 7]] * 4, [SamplingParams(1.0, 8)] * 4, seed=0)
         cluster.sleep_rollouts()
         cluster.onload_trainers()
-        cluster.train([Sample(0, o.prompt_ids, o.token_ids, o.logprobs, float(i % 2)) for i, o in enumerate(outs)],
-                      [], seed=0)
+        train_on(cluster, [make_sample(0, o.prompt_ids, o.token_ids, o.logprobs, float(i % 2))
+                           for i, o in enumerate(outs)])
         trained = ray.get([t.state_dict.remote() for t in cluster.trainers])[0]
         cluster.offload_trainers()
         cluster.wake_rollouts()

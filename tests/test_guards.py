@@ -22,10 +22,11 @@ from envs import register
 from envs.arithmetic import ArithmeticEnv
 from rl.cli import main as rl_main
 from rl.config import load_config, parse_config
-from rl.errors import UserError
+from rl.errors import TrainingStopped, UserError
 from rl.loop.checkpoint import latest_checkpoint
 from rl.loop.controller import train
-from rl.loop.guards import Budget, TrainingStopped, check_cluster_fits, check_error_rate, check_reward, check_writable
+from rl.loop.guards import Budget, check_cluster_fits, check_error_rate, check_writable
+from rl.rollout.rewards import check_reward
 from tests.test_run import TINY, tiny
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -136,12 +137,15 @@ def test_more_workers_than_cores_is_refused_up_front(tmp_path):
 
 def test_workers_given_gpus_without_cuda_stop_instead_of_training_on_the_host(monkeypatch):
     from rl.loop.workers import worker_device
+    from rl.settings import for_model
+    from rl.setup.warmstart import prepare_model
 
-    cfg = parse_config({**TINY, "cluster": {"workers": 1, "gpus_per_worker": 1}})
+    settings = for_model(parse_config({**TINY, "cluster": {"workers": 1, "gpus_per_worker": 1}}), prepare_model(
+        parse_config(TINY)))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a node whose driver is older than the wheel
     with pytest.raises(UserError, match=r"gpus_per_worker=1 but CUDA is not available.*driver"):
-        worker_device(cfg)
-    assert worker_device(parse_config({**TINY, "cluster": {"workers": 1}})) == "cpu"  # no GPUs asked: the host
+        worker_device(settings.trainer.device, settings.trainer.gpus)
+    assert worker_device("cpu", 0) == "cpu"  # no GPUs asked: the host
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounting a read-only or tiny file system for the test needs root")

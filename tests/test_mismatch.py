@@ -8,18 +8,39 @@ import random
 from dataclasses import replace
 
 import pytest
+import torch
 
 from engines.training.engine import TrainingEngine
 from engines.training.optim import build_optimizers
-from rl.algo.mismatch import Correction, correct
-from rl.algo.update import group_advantages, recompute_old_logprobs, rl_update
+from rl.algo.mismatch import Correction
+from rl.algo.mismatch import correct as correct_tensors
+from rl.algo.mismatch import metrics as correction_metrics
+from rl.algo.objectives import group_advantages
 from rl.config import parse_config
-from rl.loop.workers import mismatch_correction
-from tests.test_algorithm import _random_samples
+from rl.settings import resolve
+from tests.test_algorithm import _random_samples, settings, update
 
 # two sequences: the second has one token whose sampler probability is far below the trainer's
 OLD = [[-1.0, -2.0, -0.5], [-1.0, -0.2, -3.0]]
 SAMPLER = [[-1.1, -1.9, -0.5], [-1.0, -2.2, -3.0]]  # Δ: (0.1, -0.1, 0) and (0, 2.0, 0)
+
+
+def correct(old, sampler, masks, how):
+    """``rl.algo.mismatch.correct`` on rows given as lists (a mask None: every token is the model's own): the
+    factors, the masks after it (as given, unless token-level MIS rewrote them) and the metrics."""
+    own = torch.tensor([m if m is not None else [1] * len(o) for o, m in zip(old, masks, strict=True)]).bool()
+    factors, new_own, stats = correct_tensors(torch.tensor(old), torch.tensor(sampler), own, how)
+    token_mis = how.kind == "mis" and how.level == "token"
+    out = [row.int().tolist() if token_mis else m for m, row in zip(masks, new_own, strict=True)]
+    return factors.tolist(), out, correction_metrics(stats.tolist(), how)
+
+
+def trainer_logprobs(engine, samples) -> list[list[float]]:
+    """Each sample's per-token log-probs under ``engine``'s weights (its own computation, one batch)."""
+    with torch.no_grad():
+        lp, mask = engine.response_logprobs([s.prompt_ids for s in samples], [s.response_ids for s in samples],
+                                            [s.temperature for s in samples])
+    return [lp[i][mask[i]].tolist() for i in range(len(samples))]
 
 
 def test_sequence_tis_truncates_the_whole_ratio_at_the_cap():
@@ -66,41 +87,42 @@ def test_the_update_weights_each_sequence_by_its_corrected_ratio(tiny_model, tok
     rng = random.Random(5)
     samples = _random_samples(rng, tokenizer.vocab_size, n_groups=3)
     engine = TrainingEngine(tiny_model, [], tokenizer.pad_id)
-    trainer = recompute_old_logprobs(engine, samples, token_budget=4096)
+    trainer = trainer_logprobs(engine, samples)
     # a sampler close to the trainer except on a few sequences
-    sampler = [replace(s, old_logprobs=[x + (1.5 if i % 3 == 0 else 0.01) for x in t.old_logprobs])
+    sampler = [replace(s, logprobs=[x + (1.5 if i % 3 == 0 else 0.01) for x in t])
                for i, (s, t) in enumerate(zip(samples, trainer, strict=True))]
     adv = group_advantages(sampler)
     sizes = {g: sum(s.group == g for s in sampler) for g in {s.group for s in sampler}}
     want = 0.0
     for s, t, a in zip(sampler, trainer, adv, strict=True):
-        log_rho = sum(t.old_logprobs) - sum(s.old_logprobs)
+        log_rho = sum(t) - sum(s.logprobs)
         f = min(math.exp(log_rho), 2.0) if kind == "tis" else float(abs(log_rho) <= math.log(2.0))
         want += f * a * a / (sizes[s.group] * len(sizes))
     engine.optimizers = build_optimizers(tiny_model, "muon", 1e-2, 0.0)
-    (step,) = rl_update(engine, sampler, tau=1.0, minibatches=1, token_budget=4096, seed=0,
-                        correction=Correction(kind, "sequence", 2.0))
+    (step,) = update(engine, sampler, settings(correction=Correction(kind, "sequence", 2.0)))
     assert step["loss"] == pytest.approx(want, rel=1e-5)
-    assert any(sum(t.old_logprobs) - sum(s.old_logprobs) < -math.log(2) for s, t in zip(sampler, trainer,
-                                                                                         strict=True))
+    assert any(sum(t) - sum(s.logprobs) < -math.log(2) for s, t in zip(sampler, trainer, strict=True))
     assert step["is_ratio_min"] < 0.5 and ("is_truncated_share" in step) == (kind == "tis")
 
 
 def test_without_a_mismatch_the_correction_changes_nothing(tiny_model, tokenizer):
     samples = _random_samples(random.Random(6), tokenizer.vocab_size, n_groups=3)
     engine = TrainingEngine(tiny_model, [], tokenizer.pad_id)
-    exact = recompute_old_logprobs(engine, samples, token_budget=4096)  # the sampler is the trainer itself
+    exact = [replace(s, logprobs=lp) for s, lp in zip(samples, trainer_logprobs(engine, samples), strict=True)]
     losses = []
     for correction in (None, Correction("tis", "token", 2.0), Correction("mis", "token", 2.0)):
-        (step,) = rl_update(TrainingEngine(tiny_model, [], tokenizer.pad_id), exact, tau=1.0, minibatches=1,
-                            token_budget=4096, seed=0, correction=correction, recompute_old=True)
+        (step,) = update(TrainingEngine(tiny_model, [], tokenizer.pad_id), exact,
+                         settings(correction=correction, recompute_old=True))
         losses.append(step["loss"])
         if correction is not None:
             assert step["is_ratio_max"] == pytest.approx(1.0, abs=1e-5)
     assert losses == pytest.approx([losses[0]] * 3, rel=1e-6)
 
 
-def test_auto_corrects_with_vllm_only():
+def test_auto_corrects_with_vllm_only(tiny_model):
+    def mismatch_correction(cfg):
+        return resolve(cfg, tiny_model.config, "unused", 64).update.correction
+
     def cfg(**rollout):
         return parse_config({"rollout": rollout})
 

@@ -4,14 +4,59 @@
 import json
 import re
 
+from rich.progress import Progress
+
 from engines.inference.native import InferenceEngine
+from engines.inference.sampling import SamplingParams
 from envs import Env, Task, register
 from rl.config import parse_config
 from rl.loop.controller import train
+from rl.rollout.data import TaskSets
 from rl.rollout.episodes import EpisodeRunner
-from rl.rollout.multiturn import episode_samples, play_episodes
+from rl.rollout.multiturn import Episodes
+from rl.rollout.partial import PartialRolloutBuffer, advance
+from rl.rollout.phase import run_rollout
+from rl.rollout.rewards import settle
+from rl.sample import Sample
+from rl.settings import task_types
 from rl.setup.warmstart import prepare_model
 from tests.test_run import TINY
+
+#: an engine's counters as a rollout worker reports them (none counted here)
+COUNTS = {"prefix_hit_tokens": 0, "prefix_miss_tokens": 0, "preemptions": 0, "kv_blocks_peak": 0, "kv_blocks": 1,
+          "peak_bytes": 0}
+
+
+class KeptEpisodes(Episodes):
+    """The driver's episodes, each kept once it ends (a run closes and forgets them)."""
+
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
+        self.kept: dict[int, object] = {}
+
+    def close(self, keys: list[int]) -> None:
+        self.kept.update({k: self.live[k] for k in keys if k in self.live})
+        super().close(keys)
+
+
+def play_episodes(cluster, cfg, tok, runner, groups, it: int = 0, max_context: int = 128, budget=None):
+    """K episodes for each ``(group id, entry, task)`` through the rollout phase, as a run plays them (their turns
+    on ``cluster.rollout``) until they end or ``budget`` runs out; returns the groups that ended, settled (samples to
+    train on and the reward statistics), and the episodes (driver side, by key; ``.ended``: every sample that
+    ended, errors included)."""
+    types, k = task_types(cfg), cfg.rollout.samples_per_prompt
+    sets = TaskSets([t for _, _, t in groups], [], [e for _, e, _ in groups], list(range(len(groups))))
+    buffer = PartialRolloutBuffer(cfg.rollout.partial.max_age)
+    for i, (group, _, _) in enumerate(groups):
+        kind = types.get(sets.type_of(i))
+        buffer.add_group([Sample(key, group, i, kind, [], SamplingParams(kind.temperature.at(it), kind.max_tokens), it,
+                                 loss_mask=[], multi_turn=True) for key in range(group * k, group * k + k)])
+    episodes = KeptEpisodes(runner, tok, cfg.model.tool_format, cfg.rollout.max_turns, max_context, cfg.run.seed)
+    with Progress(disable=True) as progress:
+        run_rollout(cluster, buffer, episodes, sets, it, budget, progress)
+    episodes.ended = [s for g in buffer.pop_complete() for s in g]
+    samples, stats = settle(list(episodes.ended), sets, types, episodes.take_template_errors())
+    return samples, stats, episodes
 
 NUDGE = " No. Another digit:"
 
@@ -38,14 +83,14 @@ register("guess-test", GuessDigit)
 
 
 class EngineOnly:
-    """The one call play_episodes makes of the cluster, on a real in-process inference engine."""
+    """The one call the rollout phase makes of the cluster, on a real in-process inference engine."""
 
     def __init__(self, engine):
         self.engine, self.calls = engine, []
 
-    def generate(self, prompts, params, seed):
-        self.calls.append([list(p) for p in prompts])
-        return self.engine.generate(prompts, params, seed=seed)
+    def rollout(self, samples, token_budget, on_worker=None):
+        self.calls.append([s.request().prompt_ids for s in samples])
+        return advance(self.engine, samples, token_budget, 0), [COUNTS]
 
 
 def test_turns_append_observations_as_masked_context(tiny_model, tokenizer):
@@ -55,22 +100,21 @@ def test_turns_append_observations_as_masked_context(tiny_model, tokenizer):
     tasks = GuessDigit.generate_tasks(2, seed=0)
     runner = EpisodeRunner(cfg)
     try:
-        episodes = play_episodes(cluster, cfg, tokenizer, runner, [(7, cfg.env, tasks[0]), (8, cfg.env, tasks[1])],
-                                 {"guess": 1.0}, seed=3, max_context=128)
-        samples, stats = episode_samples(episodes, cfg)
+        samples, stats, _ = play_episodes(cluster, cfg, tokenizer, runner, [(7, cfg.env, tasks[0]),
+                                                                            (8, cfg.env, tasks[1])])
     finally:
         runner.close()
     assert stats["multi_turn_episodes"] == 6 and stats["multi_turn_errors"] == 0 and len(samples) == 6
     nudge = tokenizer.encode(NUDGE)
     for s in samples:
-        assert len(s.response_ids) == len(s.old_logprobs) == len(s.loss_mask)
+        assert len(s.response_ids) == len(s.logprobs) == len(s.loss_mask)
         # the response alternates model turns (mask 1) and nudges (mask 0) that are exactly the observation tokens
         spans, i = [], 0
         while i < len(s.loss_mask):
             j = i
             while j < len(s.loss_mask) and s.loss_mask[j] == s.loss_mask[i]:
                 j += 1
-            spans.append((s.loss_mask[i], s.response_ids[i:j], s.old_logprobs[i:j]))
+            spans.append((s.loss_mask[i], s.response_ids[i:j], s.logprobs[i:j]))
             i = j
         for m, ids, lps in spans:
             if m == 0:

@@ -3,6 +3,7 @@
 
 import copy
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -11,7 +12,11 @@ from engines.inference.native import InferenceEngine
 from engines.inference.requests import Completion
 from engines.inference.sampling import SamplingParams
 from engines.training.engine import TrainingEngine
-from rl.rollout.partial import PartialRolloutBuffer, Trajectory, advance, generate_with_budget
+from rl.algo.schedules import Schedule
+from rl.rollout.partial import PartialRolloutBuffer, advance, generate_with_budget
+from rl.sample import Sample, TaskType
+
+KIND = TaskType("text", 12, 0.0, Schedule("constant", 1.0, 1.0, 10))
 
 TEXTS = ["Question: Mia has 3 apples.", "Q", "Answer: 1+2=3, 3*2=6. The", "Question: Leo has 5 pens."]
 
@@ -93,8 +98,8 @@ def test_resume_with_unchanged_weights_equals_one_uninterrupted_run(tiny_model, 
 
 
 def trajectories(prompts, params, group_size, started=0):
-    return [Trajectory(key=i, group=i // group_size, task_index=i // group_size, prompt_ids=p, params=s,
-                       started=started) for i, (p, s) in enumerate(zip(prompts, params, strict=True))]
+    return [Sample(key=i, group=i // group_size, task_index=i // group_size, task_type=KIND, prompt_ids=p, params=s,
+                   started=started) for i, (p, s) in enumerate(zip(prompts, params, strict=True))]
 
 
 def test_resumed_segment_uses_the_new_weights(tiny_model, tokenizer):
@@ -107,10 +112,10 @@ def test_resumed_segment_uses_the_new_weights(tiny_model, tokenizer):
     eng = engine(tiny_model, tokenizer, max_num_seqs=2)
     run, _ = buf.pending(0)
     results = advance(eng, run, 4, version=0)
-    assert all(t.token_ids == [] for t in run)  # advance returns updated copies
-    buf.record(results, iteration=0)
-    prior = {t.key: len(t.token_ids) for t in trajs}
-    assert all(r.finish_reason is None for r in results) and sorted(prior.values()) == [0, 2, 2]
+    assert all(t.response_ids == [] for t in run)  # advance returns updated copies
+    buf.record(results)
+    prior = {t.key: len(t.response_ids) for t in trajs}
+    assert all(r.status == "paused" for r in results) and sorted(prior.values()) == [0, 2, 2]
     assert buf.stats() == {"paused": 3, "resumed": 0, "dropped": 0, "waiting_groups": 1}
     old_model = copy.deepcopy(tiny_model)
     with torch.no_grad():  # the update lands in place, as the checkpoint engine writes it
@@ -119,17 +124,17 @@ def test_resumed_segment_uses_the_new_weights(tiny_model, tokenizer):
     eng.weights_loaded()
     run, _ = buf.pending(1)
     results = advance(eng, run, None, version=1)
-    buf.record(results, iteration=1)
-    assert all(r.finish_reason == "length" for r in results)
+    buf.record(results)
+    assert all(r.status == "truncated" for r in results)
     assert buf.stats() == {"paused": 0, "resumed": 3, "dropped": 0, "waiting_groups": 1}
     (group,) = buf.pop_complete()
     assert group == trajs and buf.in_flight_groups() == 0
     for t in trajs:
-        assert len(t.token_ids) == len(t.logprobs) == 12 and t.finish_reason == "length"
+        assert len(t.response_ids) == len(t.logprobs) == 12 and t.status == "truncated"
         n = prior[t.key]
         assert t.segments == ([(0, 0), (2, 1)] if n else [(0, 1)])
-        old = recompute(old_model, t.prompt_ids, t.token_ids)
-        new = recompute(tiny_model, t.prompt_ids, t.token_ids)
+        old = recompute(old_model, t.prompt_ids, t.response_ids)
+        new = recompute(tiny_model, t.prompt_ids, t.response_ids)
         torch.testing.assert_close(torch.tensor(t.logprobs[:n]), old[:n], atol=1e-5, rtol=0)
         torch.testing.assert_close(torch.tensor(t.logprobs[n:]), new[n:], atol=1e-5, rtol=0)
         assert (new[n:] - old[n:]).abs().max() > 1e-3  # the update is large enough to tell them apart
@@ -176,7 +181,7 @@ def test_buffer_groups_age_stats_and_state_round_trip():
     assert [t.key for t in run] == [0, 1, 2, 3, 4] and dropped == []
     t = trajs
     buf.record([done(t[0], [5, 6], [-0.5, -0.25], "stop"), done(t[1], [7], [-1.5]), done(t[2], [8], [-0.1], "length"),
-                done(t[3], [], [], "error", "too long"), done(t[4], [], [])], iteration=0)
+                done(t[3], [], [], "error", "too long"), done(t[4], [], [])])
     assert [g[0].group for g in buf.pop_complete()] == [1]  # group 0 waits for key 1, group 2 for key 4
     assert buf.stats() == {"paused": 2, "resumed": 0, "dropped": 0, "waiting_groups": 2}
     assert trajs[3].error == "too long" and trajs[1].segments == [(0, 0)] and trajs[4].segments == []
@@ -184,25 +189,26 @@ def test_buffer_groups_age_stats_and_state_round_trip():
     run, dropped = buf.pending(1)
     assert [t.key for t in run] == [1, 4] and dropped == []
     # a resumed request returns its prior tokens in front of the new ones
-    buf.record([done(t[1], [7, 3], [-1.5, -0.75], version=4), done(t[4], [2], [-2.0], version=4)], iteration=1)
-    assert (trajs[1].token_ids, trajs[1].logprobs, trajs[1].segments) == ([7, 3], [-1.5, -0.75], [(0, 0), (1, 4)])
+    buf.record([done(t[1], [7, 3], [-1.5, -0.75], version=4), done(t[4], [2], [-2.0], version=4)])
+    assert (trajs[1].response_ids, trajs[1].logprobs, trajs[1].segments) == ([7, 3], [-1.5, -0.75],
+                                                                              [(0, 0), (1, 4)])
     assert trajs[4].segments == [(0, 4)]
     assert buf.pop_complete() == [] and buf.in_flight_groups() == 2
     assert buf.stats() == {"paused": 2, "resumed": 2, "dropped": 0, "waiting_groups": 2}
     with pytest.raises(ValueError, match="does not continue"):
         done(t[1], [6, 3, 1], [0.0] * 3)
-    stale = Trajectory(**{**t[1].to_dict(), "params": t[1].params, "token_ids": [6, 3, 1], "logprobs": [0.0] * 3})
+    stale = replace(t[1], response_ids=[6, 3, 1], logprobs=[0.0] * 3)
     with pytest.raises(ValueError, match="does not continue"):
-        buf.record([stale], iteration=1)
+        buf.record([stale])
     with pytest.raises(KeyError):
-        buf.record([done(t[3], [1], [0.0])], iteration=1)
+        buf.record([done(t[3], [1], [0.0])])
 
     state = json.loads(json.dumps(buf.state_dict()))
     copy_ = PartialRolloutBuffer(max_age=9)
     copy_.load_state_dict(state)
     assert copy_.state_dict() == buf.state_dict() and copy_.max_age == 1
     assert copy_.stats() == buf.stats()
-    assert copy_.pending(1) == buf.pending(1)  # equal Trajectory objects: params and segments rebuilt
+    assert copy_.pending(1) == buf.pending(1)  # equal Sample objects: task type, params and segments rebuilt
 
     for b in (buf, copy_):  # past max_age: key 1 is dropped, group 0 completes with key 0; group 2 is gone
         run, dropped = b.pending(2)

@@ -125,6 +125,7 @@ def test_workers_that_cannot_be_placed_are_named(ray_cluster, monkeypatch):
     bare GetTimeoutError after two minutes)."""
     import rl.loop.cluster
     from rl.errors import UserError
+    from rl.settings import for_model
     from rl.setup.warmstart import prepare_model
     from tests.test_run import tiny
 
@@ -133,4 +134,4 @@ def test_workers_that_cannot_be_placed_are_named(ray_cluster, monkeypatch):
     with pytest.raises(UserError, match=r"^cluster.workers=8: the Ray cluster could not place 8 workers of "
                                         r"\{'CPU': 1.0\} within 3 s; it has 2 CPU in all; no node offers the "
                                         r"rl_worker resource"):
-        rl.loop.cluster.Cluster(cfg, str(prepare_model(cfg)))
+        rl.loop.cluster.Cluster(for_model(cfg, str(prepare_model(cfg))), str(prepare_model(cfg)))

@@ -6,10 +6,32 @@ import threading
 from engines.inference.sampling import SamplingParams
 from envs import Env, Task, register
 from envs.arithmetic import ArithmeticEnv
+from rl.algo.schedules import Schedule
 from rl.config import parse_config
 from rl.rollout.data import TaskSets, sample_mix, sample_prompts
-from rl.rollout.partial import Trajectory
-from rl.rollout.rewards import score
+from rl.rollout.episodes import EpisodeRunner
+from rl.rollout.rewards import score as score_groups
+from rl.rollout.rewards import settle
+from rl.sample import Sample, TaskType
+from rl.settings import task_types
+
+STATUS = {"stop": "finished", "length": "truncated", "error": "error"}
+UNTYPED = TaskType("?", 40, 0.0, Schedule("constant", 1.0, 1.0, 1))
+
+
+def score(groups, sets, tok, cfg, runner=None):
+    """The reward phase on ``groups``: each sample typed as the draw types it, scored, settled."""
+    types = task_types(cfg)
+    for s in (s for g in groups for s in g):
+        s.task_type = types.get(sets.type_of(s.task_index))
+    own = runner is None
+    runner = runner or EpisodeRunner(cfg)
+    try:
+        score_groups(groups, sets, tok, runner)
+    finally:
+        if own:
+            runner.close()
+    return settle([s for g in groups for s in g], sets, types)
 
 
 class Flaky(Env):
@@ -31,9 +53,9 @@ def single(tasks, cfg) -> TaskSets:
 
 def _traj(tok, key, group, task_index, text, reason="stop", temperature=1.0):
     ids = tok.encode(text)
-    return Trajectory(key=key, group=group, task_index=task_index, prompt_ids=[1, 2],
-                      params=SamplingParams(temperature, 40), started=0, token_ids=ids,
-                      logprobs=[-0.5] * len(ids), segments=[(0, 0)], finish_reason=reason)
+    return Sample(key=key, group=group, task_index=task_index, task_type=UNTYPED, prompt_ids=[1, 2],
+                  params=SamplingParams(temperature, 40), started=0, response_ids=ids, logprobs=[-0.5] * len(ids),
+                  segments=[(0, 0)], status=STATUS[reason])
 
 
 def test_reward_truncation_and_errors(tokenizer):
@@ -61,9 +83,11 @@ def test_budget_and_penalty_per_task_type(tokenizer):
                                     "task_types": {"short": {"max_tokens": 8, "truncation_penalty": -1.0},
                                                    "long": {"temperature": {"schedule": "linear", "start": 1.2,
                                                                             "end": 0.6}}}}})
-    assert cfg.task_type("short")[:2] == (8, -1.0)
-    assert cfg.task_type("long")[:2] == (30, 0.0) and cfg.task_type("long")[2].start == 1.2
-    assert cfg.task_type("other")[:2] == (30, 0.0)
+    types = task_types(cfg)
+    assert (types.get("short").max_tokens, types.get("short").truncation_penalty) == (8, -1.0)
+    long = types.get("long")
+    assert (long.max_tokens, long.truncation_penalty) == (30, 0.0) and long.temperature.start == 1.2
+    assert (types.get("other").max_tokens, types.get("other").truncation_penalty) == (30, 0.0)
     groups = [[_traj(tokenizer, 0, 0, 0, "12+", "length"), _traj(tokenizer, 1, 0, 0, base[0].meta["solution"])],
               [_traj(tokenizer, 2, 1, 1, "1", "length"), _traj(tokenizer, 3, 1, 1, base[1].meta["solution"])],
               [_traj(tokenizer, 4, 2, 2, base[2].meta["solution"]), _traj(tokenizer, 5, 2, 2, "x")]]
@@ -124,7 +148,6 @@ def test_group_level_environment_gets_all_k_responses_and_the_critic(tokenizer):
     """A rubric task's K responses are judged together by the critic (here a stand-in that prefers the longer
     response), so the longest response gets the highest reward; verifiable tasks in the same batch are untouched."""
     from envs.rubric import parse_verdict
-    from rl.rollout.episodes import EpisodeRunner
 
     def longer(prompts: list[str]) -> list[str]:
         outs = []

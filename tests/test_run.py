@@ -13,13 +13,14 @@ from torch.distributed.checkpoint import FileSystemReader
 from engines.inference.sampling import SamplingParams
 from engines.model.hf_io import read_config
 from envs.arithmetic import ArithmeticEnv
-from rl.algo.update import Sample
 from rl.config import parse_config
 from rl.loop.checkpoint import LoopState, SaveFailed, latest_checkpoint, save_checkpoint
 from rl.loop.cluster import Cluster
 from rl.loop.controller import train
+from rl.settings import for_model
 from rl.setup.memory import estimate
 from rl.setup.warmstart import prepare_model
+from tests.conftest import make_sample, train_on
 
 TINY = {
     "run": {"iterations": 4, "eval_every": 2, "save_every": 2},
@@ -59,7 +60,7 @@ def test_weight_update_makes_inference_bitwise_equal(ray_cluster, sleep_level, w
     ws["architecture"].update(arch)
     cfg = tiny(rollout={"sleep_level": sleep_level, "dtype": dtype}, cluster={"workers": workers}, warmstart=ws)
     model_dir = prepare_model(cfg)
-    with Cluster(cfg, str(model_dir)) as cluster:
+    with Cluster(for_model(cfg, str(model_dir)), str(model_dir)) as cluster:
         assert cluster.num_buckets > 3
         before = ray.get(cluster.rollouts[0].state_dict.remote())
         prompts = [[5, 6, 7]] * 4
@@ -68,8 +69,8 @@ def test_weight_update_makes_inference_bitwise_equal(ray_cluster, sleep_level, w
         outs = cluster.generate(prompts, params, seed=0)
         cluster.sleep_rollouts()
         cluster.onload_trainers()
-        samples = [Sample(0, o.prompt_ids, o.token_ids, o.logprobs, float(i % 2)) for i, o in enumerate(outs)]
-        cluster.train(samples, [], seed=0)
+        samples = [make_sample(0, o.prompt_ids, o.token_ids, o.logprobs, float(i % 2)) for i, o in enumerate(outs)]
+        train_on(cluster, samples)
         cluster.offload_trainers()
         trained = ray.get([t.state_dict.remote() for t in cluster.trainers])[0]
         assert any(not torch.equal(trained[k], before[k]) for k in trained)
@@ -179,14 +180,15 @@ def test_failed_save_leaves_last_checkpoint_intact(tmp_path):
         save_file({"w": torch.ones(3)}, f"{d}/model.safetensors")
         open(f"{d}/config.json", "w").write("{}")
 
-    save_checkpoint(tmp_path, LoopState(4, 0.1, 1.0), good, tmp_path / "tok", keep=2)
+    save_checkpoint(tmp_path, LoopState(iteration=4, initial_accuracy=0.1, wall_s=1.0), good, tmp_path / "tok", keep=2)
 
     def broken(d):
         open(f"{d}/model.safetensors", "w").write("half")
         raise OSError("disk full")
 
     with pytest.raises(SaveFailed, match=r"iter_000009 failed: OSError: disk full .*iter_000004, is intact"):
-        save_checkpoint(tmp_path, LoopState(9, 0.1, 2.0), broken, tmp_path / "tok", keep=2)
+        save_checkpoint(tmp_path, LoopState(iteration=9, initial_accuracy=0.1, wall_s=2.0), broken, tmp_path / "tok",
+                        keep=2)
     assert not (tmp_path / "checkpoints" / "iter_000009.tmp").exists()  # what it wrote is gone
     ckpt, state = latest_checkpoint(tmp_path)
     assert state.iteration == 4 and torch.equal(load_file(str(ckpt / "model.safetensors"))["w"], torch.ones(3))
@@ -283,7 +285,7 @@ def test_fp8_checkpoint_is_read_once_and_fp8_updates_are_exact(ray_cluster, tmp_
     ws["architecture"].update(K2_TINY)
     cfg = tiny(rollout={"fp8": True, "dtype": "bfloat16"}, cluster={"workers": 2}, warmstart=ws)
     fp8_dir, stored = _fp8_copy(prepare_model(cfg), tmp_path, 32)
-    with Cluster(cfg, str(fp8_dir)) as cluster:
+    with Cluster(for_model(cfg, str(fp8_dir)), str(fp8_dir)) as cluster:
         reads = cluster.startup_reads
         assert set(reads[0]).isdisjoint(reads[1]) and set(reads[0]) | set(reads[1]) == {
             f.name for f in fp8_dir.glob("*.safetensors")}

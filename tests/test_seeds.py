@@ -15,17 +15,26 @@ from rich.progress import Progress
 import rl.loop.cluster
 import rl.loop.controller
 import rl.loop.recovery
+from engines.inference.requests import Completion
 from envs import Env, Task, register
 from envs.arithmetic import ArithmeticEnv
 from rl import seeds
-from rl.algo.update import Sample
 from rl.config import parse_config
-from rl.loop.controller import iteration, new_groups
+from rl.loop.controller import Run, iteration
 from rl.rollout.data import TaskSets, sample_mix, sample_prompts
-from rl.rollout.multiturn import play_episodes
+from rl.rollout.multiturn import Episodes
 from rl.rollout.partial import PartialRolloutBuffer
+from rl.rollout.phase import draw_groups
 from rl.rollout.ptx import PtxSample, ptx_batches
 from rl.rollout.rewards import episode_runner
+from rl.settings import resolve, task_types
+from tests.conftest import make_sample, tiny_config
+from tests.test_multiturn import COUNTS, play_episodes
+
+
+def run_settings(cfg):
+    """The run's settings for ``cfg`` on a tiny model (no model directory is read)."""
+    return resolve(cfg, tiny_config(64), "unused", 64)
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN_SEEDS = [*range(-2, 12), 1_000_003, 2**31 - 1, 2**40 + 7]
@@ -111,7 +120,7 @@ def test_new_rollout_groups_use_the_prompt_and_sampling_seeds():
     tasks = ArithmeticEnv.generate_tasks(40, seed=0)
     sets = TaskSets(tasks, [], cfg.env_entries, [0] * len(tasks))
     buffer = PartialRolloutBuffer(cfg.rollout.partial.max_age)
-    new_groups(cfg, sets, Tok(), 6, buffer)
+    draw_groups(buffer, sets, Tok(), run_settings(cfg).rollout, 6, cfg.run.seed)
     trajs, _ = buffer.pending(6)
     assert [t.task_index for t in trajs[::2]] == sample_prompts(40, 3, 5, 6)
     assert len(trajs) == 6 and all(t.params.seed == seeds.sampling_seed(5, 6, t.key) for t in trajs)
@@ -128,6 +137,8 @@ def test_ptx_batches_use_ptx_seed():
 class Judge(Env):
     """A group-level environment: the iteration's runner gets the policy attached as critic."""
 
+    group_level = True
+
     def score_group(self, task, responses):
         return [0.0] * len(responses), {}
 
@@ -140,7 +151,7 @@ class Recorder:
 
     def __init__(self):
         self.generate_seeds, self.train_seeds = [], []
-        self.num_buckets, self.max_context = 1, 128
+        self.num_buckets, self.max_context, self.trainers = 1, 128, [None]
 
     def generate(self, prompts, params, seed, on_chunk=None):
         self.generate_seeds.append(seed)
@@ -149,9 +160,14 @@ class Recorder:
     def rollout(self, pending, budget, on_worker=None):
         return [], {}
 
-    def train(self, samples, ptx, seed, on_step=None):
-        self.train_seeds.append(seed)
+    def train(self, batches, on_step=None):
         return []
+
+    def weights_version(self):
+        return 0
+
+    def update_weights(self, changed=True):
+        pass
 
     def onload_trainers(self):
         return {}
@@ -168,7 +184,7 @@ def test_policy_critic_uses_critic_seed():
     cfg = parse_config({"run": {"seed": 3}, "env": {"name": "seeds-judge-test"}})
     sets = TaskSets([Task("t", "q", "")], [], cfg.env_entries, [0])
     cluster = Recorder()
-    runner = episode_runner(cluster, cfg, sets, Tok(), 4)
+    runner = episode_runner(cluster, cfg, sets, Tok(), task_types(cfg), 4)
     try:
         runner.critic(["judge this"])
     finally:
@@ -182,12 +198,18 @@ def test_iteration_uses_episode_and_train_seeds(monkeypatch):
     tasks = ArithmeticEnv.generate_tasks(20, seed=0)
     sets = TaskSets(tasks, tasks[:2], cfg.env_entries, [0] * 20, [0, 0])
     played = []
-    monkeypatch.setattr(rl.loop.controller, "play_episodes", lambda *a: played.append(a[6]) or [])
-    monkeypatch.setattr(rl.loop.controller, "collect_samples", lambda *a: (
-        [Sample(0, [1], [2], [-1.0], 1.0)], {"env_errors": 0, "trained_samples": 1}))
+    monkeypatch.setattr(rl.loop.controller, "run_rollout",
+                        lambda c, b, episodes, t, it, *a: played.append(seeds.episode_seed(episodes.run_seed, it))
+                        or (0, {}))
+    monkeypatch.setattr(rl.loop.controller, "reward_phase", lambda *a: (
+        [make_sample(0, [1], [2], [-1.0], 1.0)], {"env_errors": 0, "trained_samples": 1}))
     cluster = Recorder()
+    monkeypatch.setattr(rl.loop.controller, "plan_update", lambda *a: cluster.train_seeds.append(a[3]) or [])
     with Progress(disable=True) as progress:
-        iteration(cluster, cfg, sets, Tok(), 7, progress, PartialRolloutBuffer(2), [])
+        settings = run_settings(cfg)
+        run = Run(cfg, settings, ROOT, ROOT, sets, Tok(), [], cluster, PartialRolloutBuffer(2),
+                  Episodes(None, Tok(), "auto", 8, 64, cfg.run.seed), progress, None)
+        iteration(run, 7)
     assert played == [seeds.episode_seed(9, 7)] and cluster.train_seeds == [seeds.train_seed(9, 7)]
 
 
@@ -210,12 +232,11 @@ def test_multi_turn_requests_use_turn_seed():
     got = []
 
     class Cluster:
-        def generate(self, prompts, params, seed):
-            got.extend(p.seed for p in params)
-            return [SimpleNamespace(token_ids=[65], logprobs=[-1.0], finish_reason="stop") for _ in prompts]
+        def rollout(self, samples, token_budget, on_worker=None):
+            got.extend(s.params.seed for s in samples)
+            return [s.extended(Completion([65], [-1.0], "stop", request_id=s.key), 0) for s in samples], [COUNTS]
 
-    play_episodes(Cluster(), cfg, Tok(), runner, [(3, cfg.env, Task("t", "q", ""))], {"text": 1.0},
-                  seed=seeds.episode_seed(0, 1), max_context=64)
+    play_episodes(Cluster(), cfg, Tok(), runner, [(3, cfg.env, Task("t", "q", ""))], it=1, max_context=64)
     assert got == [seeds.turn_seed(seeds.episode_seed(0, 1), key, turn) for turn in range(2) for key in (6, 7)]
 
 
@@ -233,8 +254,8 @@ def test_cluster_chunks_use_chunk_seed(monkeypatch):
     monkeypatch.setattr(rl.loop.cluster, "ray", fake_ray)
     monkeypatch.setattr(rl.loop.recovery, "ray", fake_ray)
     cluster = object.__new__(rl.loop.cluster.Cluster)
-    cluster.cfg, cluster.rollouts = parse_config({"rollout": {"max_batch": 2}}), [worker, worker]
-    cluster.timeout = cluster.cfg.run.step_timeout_s
+    cluster.settings, cluster.rollouts = run_settings(parse_config({"rollout": {"max_batch": 2}})), [worker, worker]
+    cluster.timeout = cluster.settings.cluster.step_timeout_s
     cluster.generate([[1]] * 5, [None] * 5, seed=11)
     assert sent == [seeds.chunk_seed(11, i) for i in range(3)]
 
@@ -245,7 +266,7 @@ def test_no_seed_arithmetic_left_in_rl():
     flagged controller, data, ptx, rewards, difficulty, multiturn, critic_loop and cluster)."""
     seeded = {"Random", "manual_seed", "default_rng", "RandomState", "SeedSequence"}  # a seed as 1st argument
     bad = []
-    for path in sorted((ROOT / "rl").glob("*.py")):
+    for path in sorted((ROOT / "rl").rglob("*.py")):
         if path.name == "seeds.py":
             continue
         for node in ast.walk(ast.parse(path.read_text())):

@@ -19,13 +19,13 @@ from engines.model.hf_io import load_pretrained, read_tensors, save_pretrained
 from engines.model.layout import hub_state
 from engines.model.tokenizer import TextTokenizer
 from engines.training.engine import TrainingEngine
-from rl.algo.update import Sample
 from rl.config import parse_config
 from rl.loop.cluster import Cluster
 from rl.loop.controller import train
 from rl.rollout.partial import generate_with_budget
+from rl.settings import for_model
 from rl.setup.warmstart import prepare_model
-from tests.conftest import sharp_model, tiny_config
+from tests.conftest import make_sample, sharp_model, tiny_config, train_on
 
 vllm_engine = pytest.importorskip("engines.inference.vllm_engine")
 if not vllm_engine.vllm_available():
@@ -323,7 +323,7 @@ def test_vllm_replica_gets_the_trainers_weights_through_the_checkpoint_engine(ra
     the native engine generates on them."""
     cfg = _vllm_run(rollout={"sleep_level": 2})
     model_dir = prepare_model(cfg)
-    with Cluster(cfg, str(model_dir)) as cluster:
+    with Cluster(for_model(cfg, str(model_dir)), str(model_dir)) as cluster:
         assert cluster.num_buckets > 3
         before = ray.get(cluster.rollouts[0].state_dict.remote())
         prompts, params = [[5, 6, 7]] * 4, [SamplingParams(1.0, 8)] * 4
@@ -331,8 +331,8 @@ def test_vllm_replica_gets_the_trainers_weights_through_the_checkpoint_engine(ra
         outs = cluster.generate(prompts, params, seed=0)
         cluster.sleep_rollouts()
         cluster.onload_trainers()
-        cluster.train([Sample(0, o.prompt_ids, o.token_ids, o.logprobs, float(i % 2)) for i, o in enumerate(outs)],
-                      [], seed=0)
+        train_on(cluster, [make_sample(0, o.prompt_ids, o.token_ids, o.logprobs, float(i % 2))
+                           for i, o in enumerate(outs)])
         cluster.offload_trainers()
         trained = ray.get(cluster.trainers[0].state_dict.remote())
         assert any(not torch.equal(trained[k], before[k]) for k in trained)

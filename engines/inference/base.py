@@ -23,6 +23,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import replace
+from typing import ClassVar, Literal
 
 import torch
 
@@ -35,6 +36,9 @@ class RolloutEngine(ABC):
 
     #: the engine's name in ``rollout.engine``
     kind: str
+    #: how an update reaches the served weights: "swap" (loaded aside by the receiver, served from ``swap_weights``
+    #: at commit) or "stream" (each bucket handed on as it arrives: ``begin``/``feed``/``commit``/``abort``)
+    weight_update: ClassVar[Literal["swap", "stream"]] = "swap"
     #: where the engine computes
     device: torch.device
     #: tokens sampled over the engine's life: the partial-rollout budget is counted in them

@@ -32,6 +32,10 @@ class DocumentMask:
         """[R, W] bool: the tokens that belong to a document (filler excluded)."""
         return self.doc >= 0
 
+    def clear_cache(self) -> None:
+        """Forget the masks built so far (a caller that keeps the packing but not its masks between passes)."""
+        self._cache.clear()
+
     def with_window(self, window: int | None) -> DocumentMask:
         """The same packing limited to a sliding window (shares the cached masks of this packing)."""
         if window == self.window:

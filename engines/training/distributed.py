@@ -78,6 +78,14 @@ def all_reduce_max(values: list[float]) -> list[float]:
     return _reduce(values, dist.ReduceOp.MAX)
 
 
+def all_reduce_tensor(t: torch.Tensor, op: str = "sum") -> torch.Tensor:
+    """``t`` reduced over all ranks in place ("sum" or "max"), on its own device (no host read); itself when not
+    distributed. Every rank passes a tensor of the same shape."""
+    if world_size() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
+    return t
+
+
 def is_sharded(model: nn.Module) -> bool:
     """Whether ``model`` went through ``fully_shard`` (its parameters are DTensors)."""
     return isinstance(model, FSDPModule)

@@ -32,6 +32,7 @@ from engines.model.sharded import local_shards, local_tensor
 from engines.training.distributed import all_reduce_sum, is_sharded, world_size
 from engines.training.offload import HostOffloader
 from engines.training.packing import PackedBatch, flex_row_width, pack
+from engines.training.qk_clip import qk_clip
 
 ATTENTION_BACKENDS = ("auto", "sdpa", "flex")
 
@@ -101,11 +102,14 @@ class TrainingEngine:
     ``attention``: "sdpa" (a dense document mask; the CPU path), "flex" (flex_attention block masks; the
     GPU path) or "auto" (``resolve_attention``: flex on CUDA when the head dimensions fit its kernel, sdpa
     otherwise). After every ``step`` ``update_rms`` holds the root mean square of the weight change per
-    optimizer ("muon", "adamw"), over all ranks.
+    optimizer ("muon", "adamw"), over all ranks. With ``qk_clip`` the step ends with QK-Clip
+    (``engines.training.qk_clip``: heads whose max logit exceeded ``qk_clip_tau`` rescaled; None only reports the
+    maxima); ``last_step`` holds the step's update RMS and QK-Clip metrics.
     """
 
     def __init__(self, model: CausalLM, optimizers: list[torch.optim.Optimizer], pad_id: int,
-                 max_grad_norm: float = 1.0, attention: str = "auto") -> None:
+                 max_grad_norm: float = 1.0, attention: str = "auto", qk_clip: bool = False,
+                 qk_clip_tau: float | None = None) -> None:
         self.model = model.train()
         self.optimizers = optimizers
         self.pad_id = pad_id if pad_id is not None else 0
@@ -113,6 +117,8 @@ class TrainingEngine:
         self.device = local_tensor(next(model.parameters())).device
         self.attention = resolve_attention(attention, self.device.type, model.config)
         self.update_rms: dict[str, float] = {}
+        self.qk_clip, self.qk_clip_tau = qk_clip, qk_clip_tau
+        self.last_step: dict[str, float] = {}
         self._offloader = HostOffloader()
         self._host_shards: dict[str, tuple[torch.Tensor, int]] = {}
 
@@ -198,10 +204,8 @@ class TrainingEngine:
         (lp.sum() * 0.0).backward()
 
     def step(self) -> float:
-        """Clip gradients, step every optimizer, zero gradients; returns the global pre-clip grad norm.
-
-        With a sharded model the norm is over all ranks' shards (a collective).
-        """
+        """Clip gradients, step every optimizer, zero gradients (and QK-Clip, with ``qk_clip``); returns the global
+        pre-clip grad norm. With a sharded model the norm is over all ranks' shards (a collective)."""
         self._check_onloaded()
         params = [p for p in self.model.parameters() if p.grad is not None]
         norm = torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm)
@@ -220,6 +224,9 @@ class TrainingEngine:
             sq, n = totals[2 * i], totals[2 * i + 1]
             if n:
                 self.update_rms[_kind(opt)] = (sq / n) ** 0.5
+        self.last_step = {f"update_rms/{k}": v for k, v in self.update_rms.items()}
+        if self.qk_clip:
+            self.last_step.update(qk_clip(self.model, self.qk_clip_tau))
         return grad_norm
 
     # ---- offload / onload -------------------------------------------------------------------

@@ -15,16 +15,20 @@ model's own tokens:
   (weight 0; sequence level), or a token whose exp Δ_t leaves [1/C, C] is left out of the sequence's
   log-probabilities, both π_θ's and π_old's (loss mask 0; token level).
 
-Ratios are computed in log space (a long response's ρ overflows a float). Every rank computes the same
-corrections from the same (all-reduced) recompute, so sharded training stays exact.
+Ratios are computed in log space (a long response's ρ overflows a float), on the device, for the samples a trainer
+rank holds: each rank corrects its own share, and the metrics are reduced over ranks.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Literal
+
+import torch
+
+#: the partial sums ``correct`` returns, in this order: Σρ, sequences, out-of-range units, units, min ρ, max ρ
+STAT_FIELDS = ("rho_sum", "sequences", "hit", "units", "rho_min", "rho_max")
 
 
 @dataclass(frozen=True)
@@ -40,57 +44,39 @@ class Correction:
             raise ValueError(f"the importance-ratio cap must be > 1, got {self.cap}")
 
 
-def own_log_ratios(old: Sequence[float], sampler: Sequence[float], mask: Sequence[int] | None) -> list[float]:
-    """Δ_t = log π_old,t − log π_s,t for each of the model's own tokens (``mask`` 1; None: every token)."""
-    own = mask if mask is not None else [1] * len(old)
-    return [o - s for o, s, m in zip(old, sampler, own, strict=True) if m]
-
-
-def correct(old: Sequence[Sequence[float]], sampler: Sequence[Sequence[float]],
-            masks: Sequence[Sequence[int] | None], how: Correction
-            ) -> tuple[list[float], list[Sequence[int] | None], dict[str, float]]:
-    """Per sequence: its loss-weight factor and its loss mask after the correction (token-level MIS masks
-    tokens out; otherwise the mask is as given), and the metrics: the sequence ratio's mean, min and max,
-    and the share of sequences (or tokens, at token level) truncated (TIS) or masked out (MIS)."""
+def correct(old: torch.Tensor, sampler: torch.Tensor, own: torch.Tensor, how: Correction
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per sequence of [B, T] per-token log-probs (the trainer's ``old``, the sampler's; ``own`` the model's own
+    tokens): its loss-weight factor [B] and its own-token mask after the correction (token-level MIS masks tokens
+    out; otherwise it is ``own``), and the partial sums of the metrics (``STAT_FIELDS``; ``metrics`` reads them
+    once reduced over ranks). Nothing here reads the device."""
     log_c = math.log(how.cap)
-    factors, new_masks, log_rhos = [], [], []
-    hit = units = 0
-    for o, s, m in zip(old, sampler, masks, strict=True):
-        deltas = own_log_ratios(o, s, m)
-        log_rho = sum(deltas)
-        log_rhos.append(log_rho)
-        if how.level == "sequence":
-            units += 1
-            out_of_range = log_rho > log_c if how.kind == "tis" else abs(log_rho) > log_c
-            hit += out_of_range
-            factor = math.exp(min(log_rho, log_c)) if how.kind == "tis" else float(not out_of_range)
-            factors.append(factor)
-            new_masks.append(m)
-            continue
-        units += len(deltas)
-        if how.kind == "tis":
-            hit += sum(d > log_c for d in deltas)
-            factors.append(math.exp(sum(min(d, log_c) for d in deltas)))
-            new_masks.append(m)
-        else:
-            row = list(m) if m is not None else [1] * len(o)
-            for t, (ot, st) in enumerate(zip(o, s, strict=True)):
-                if row[t] and abs(ot - st) > log_c:
-                    row[t] = 0
-                    hit += 1
-            factors.append(1.0)
-            new_masks.append(row)
-    rhos = [math.exp(min(x, 50.0)) for x in log_rhos]
-    metrics = {"is_ratio_mean": sum(rhos) / len(rhos), "is_ratio_min": min(rhos), "is_ratio_max": max(rhos),
-               f"is_{'truncated' if how.kind == 'tis' else 'masked'}_share": hit / max(units, 1)} if rhos else {}
-    return factors, new_masks, metrics
+    delta = torch.where(own, old.double() - sampler.double(), 0.0)  # Δ_t on the model's own tokens
+    log_rho = delta.sum(-1)
+    if how.level == "sequence":
+        out_of_range = log_rho > log_c if how.kind == "tis" else log_rho.abs() > log_c
+        hit, units = out_of_range.sum(), torch.tensor(float(len(log_rho)), device=old.device)
+        factor = torch.exp(log_rho.clamp(max=log_c)) if how.kind == "tis" else (~out_of_range).double()
+        new_own = own
+    elif how.kind == "tis":
+        hit, units = ((delta > log_c) & own).sum(), own.sum()
+        factor, new_own = torch.exp(delta.clamp(max=log_c).sum(-1)), own
+    else:
+        outside = (delta.abs() > log_c) & own
+        hit, units, factor, new_own = outside.sum(), own.sum(), torch.ones_like(log_rho), own & ~outside
+    rho = torch.exp(log_rho.clamp(max=50.0))
+    inf = torch.tensor(float("inf"), dtype=torch.float64, device=old.device)
+    stats = torch.stack([rho.sum(), torch.tensor(float(len(rho)), dtype=torch.float64, device=old.device),
+                         hit.double(), units.double(), rho.min() if len(rho) else inf,
+                         rho.max() if len(rho) else -inf])
+    return factor.float(), new_own, stats
 
 
-def apply(samples: Sequence, sampler: Sequence[Sequence[float]], how: Correction) -> tuple[list, list[float], dict]:
-    """``samples`` (their ``old_logprobs`` the trainer's recompute) with token-level MIS masks applied, each one's
-    loss-weight factor, and the metrics (``correct``); ``sampler`` is each sample's sampler log-probs."""
-    factors, masks, metrics = correct([s.old_logprobs for s in samples], sampler, [s.loss_mask for s in samples],
-                                      how)
-    if how.kind == "mis" and how.level == "token":
-        samples = [replace(s, loss_mask=m) for s, m in zip(samples, masks, strict=True)]
-    return list(samples), factors, metrics
+def metrics(stats: list[float], how: Correction) -> dict[str, float]:
+    """The correction's metrics from partial sums reduced over ranks: the sequence ratio's mean, min and max, and
+    the share of sequences (or tokens, at token level) truncated (TIS) or masked out (MIS)."""
+    rho_sum, n, hit, units, rho_min, rho_max = stats
+    if not n:
+        return {}
+    return {"is_ratio_mean": rho_sum / n, "is_ratio_min": rho_min, "is_ratio_max": rho_max,
+            f"is_{'truncated' if how.kind == 'tis' else 'masked'}_share": hit / max(units, 1)}

@@ -1,4 +1,8 @@
-"""The policy objectives beside K1.5: GRPO and DAPO, clipped per-token surrogates (``algorithm.objective``).
+"""The policy objectives (``algorithm.objective``): Kimi K1.5's squared residual (report 3.2.3), GRPO and DAPO.
+
+K1.5, for each prompt x with K samples: L = 1/K Σ_i (r_i − r̄ − τ·(log π_θ(y_i|x) − log π_old(y_i|x)))², averaged over
+prompts; log π is the sum over the response's (own) tokens, r̄ the mean reward of the K samples. There is no KL to a
+reference model: the τ term holds each update near the sampling policy.
 
 Both score each response token against the sampler's (or the trainer's recomputed) log π_old with the ratio
 ρ_{i,t} = π_θ(y_{i,t} | x, y_{i,<t}) / π_old(y_{i,t} | x, y_{i,<t}), and a group-normalised advantage
@@ -32,7 +36,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from rl.algo.update import Sample
+    from rl.sample import Sample
 
 OBJECTIVES = ("k15", "grpo", "dapo")
 STD_EPS = 1e-6  # keeps Â finite for a group of nearly equal rewards
@@ -69,10 +73,22 @@ def group_stats(samples: Sequence[Sample]) -> dict[int, tuple[float, float]]:
     return stats
 
 
+def group_advantages(samples: Sequence[Sample]) -> list[float]:
+    """K1.5's r − r̄(x): each reward minus the mean reward of its prompt's samples."""
+    stats = group_stats(samples)
+    return [s.reward - stats[s.group][0] for s in samples]
+
+
 def normalized_advantages(samples: Sequence[Sample]) -> list[float]:
     """Â = (r − mean) / (std + ε) within each prompt's group (population std, as GRPO's reference code)."""
     stats = group_stats(samples)
     return [(s.reward - stats[s.group][0]) / (stats[s.group][1] + STD_EPS) for s in samples]
+
+
+def k15_loss(new_logp: torch.Tensor, old_logp: torch.Tensor, advantage: torch.Tensor,
+             weight: torch.Tensor, tau: float) -> torch.Tensor:
+    """Σ_i w_i (A_i − τ(log π_θ − log π_old)_i)² over sequences; w sums to 1 over a minibatch."""
+    return (weight * (advantage - tau * (new_logp - old_logp)) ** 2).sum()
 
 
 def overlong_penalty(length: int, max_tokens: int, buffer: int) -> float:
@@ -84,14 +100,17 @@ def overlong_penalty(length: int, max_tokens: int, buffer: int) -> float:
     return -1.0
 
 
-def token_weights(kind: str, own: torch.Tensor, seq_weights: torch.Tensor, total_tokens: int) -> torch.Tensor:
+def token_weights(kind: str, own: torch.Tensor, seq_weights: torch.Tensor,
+                  total_tokens: torch.Tensor | int) -> torch.Tensor:
     """c_{i,t} [B, T] such that the loss is −Σ c·min(...), over the model's own tokens (``own``). GRPO: each
     response's tokens averaged, times ``seq_weights`` (1/(K·G), times any mismatch correction). DAPO: every own
-    token of the minibatch (``total_tokens``, all ranks) alike, times ``seq_weights`` (the correction alone)."""
+    token of the minibatch (``total_tokens``, all ranks; a device tensor or a number) alike, times ``seq_weights``
+    (the correction alone)."""
     own = own.float()
     if kind == "grpo":
         return own * (seq_weights / own.sum(-1).clamp(min=1))[:, None]
-    return own * (seq_weights / max(total_tokens, 1))[:, None]
+    total = total_tokens.clamp(min=1) if isinstance(total_tokens, torch.Tensor) else max(total_tokens, 1)
+    return own * (seq_weights / total)[:, None]
 
 
 def clipped_surrogate(new: torch.Tensor, old: torch.Tensor, advantage: torch.Tensor, coef: torch.Tensor,
@@ -104,12 +123,12 @@ def clipped_surrogate(new: torch.Tensor, old: torch.Tensor, advantage: torch.Ten
 
 
 def clip_fraction(new: torch.Tensor, old: torch.Tensor, advantage: torch.Tensor, own: torch.Tensor,
-                  clip_low: float, clip_high: float) -> tuple[float, float]:
-    """(tokens whose gradient the clip stopped, own tokens): the share PPO-style runs watch."""
+                  clip_low: float, clip_high: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens whose gradient the clip stopped, own tokens), on the device: the share PPO-style runs watch."""
     ratio = torch.exp(new.detach() - old)
     a = advantage[:, None]
     clipped = ((ratio > 1 + clip_high) & (a > 0)) | ((ratio < 1 - clip_low) & (a < 0))
-    return float((clipped & own).sum()), float(own.sum())
+    return (clipped & own).sum(), own.sum()
 
 
 def kl_to_reference(new: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Literal
 
 
 def temperature_at(schedule: str, start: float, end: float, iteration: int, total: int) -> float:
@@ -17,3 +19,17 @@ def temperature_at(schedule: str, start: float, end: float, iteration: int, tota
     if schedule == "exponential":
         return start * (end / start) ** frac
     raise ValueError(f"unknown temperature schedule {schedule!r}")
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """A temperature schedule over a run of ``iterations``."""
+
+    kind: Literal["constant", "linear", "cosine", "exponential"]
+    start: float
+    end: float
+    iterations: int
+
+    def at(self, iteration: int) -> float:
+        """The temperature of ``iteration``."""
+        return temperature_at(self.kind, self.start, self.end, iteration, self.iterations)

@@ -8,6 +8,7 @@ import os
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import replace
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
@@ -15,15 +16,14 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from engines.inference.requests import Completion
 from engines.inference.sampling import SamplingParams
-from rl.algo.update import PtxBatch, Sample
-from rl.config import Config
+from rl.algo.plan import RankBatch
 from rl.errors import UserError
 from rl.loop.placement import probe_bundles, reachable_model_dirs, unplaceable, worker_bundle, worker_threads
 from rl.loop.recovery import Restarts, WorkerFailed, gather, next_item
 from rl.loop.workers import RolloutWorker, TrainerWorker
-from rl.rollout.partial import Trajectory
+from rl.sample import Sample
 from rl.seeds import chunk_seed
-from rl.setup.memory import per_worker_ranks
+from rl.settings import RunSettings
 
 # Both actors of a worker share one bundle: they alternate, never compute at the same time.
 ACTOR_CPUS = 0.5
@@ -34,40 +34,33 @@ class Cluster:
     """Colocated workers: per placement-group bundle one inference actor and one trainer rank, or, where the replica
     spans the bundle's GPUs (tensor parallel), one trainer rank per GPU."""
 
-    def __init__(self, cfg: Config, model_dir: str, max_seq_len: int | None = None,
-                 restarts: Restarts | None = None, reference_dir: str | None = None) -> None:
-        """``max_seq_len``: tokens per sequence of the inference KV caches (default: ``rollout.max_seq_len``,
-        else the model's context); ``restarts``: the run's recoveries so far (an inference engine that dies or
-        stalls is replaced in place, counted there); ``reference_dir``: the model the run started from, the
-        reference policy of a KL penalty (``algorithm.kl_coef``; default ``model_dir``)."""
-        from engines.model.hf_io import read_config
-
-        context = read_config(model_dir).max_position_embeddings
-        self.max_context = max_seq_len or cfg.rollout.max_seq_len or context
-        if self.max_context > context:
-            raise UserError(f"rollout.max_seq_len {self.max_context} exceeds the model's context of {context} tokens")
-        self.cfg = cfg
-        self.timeout = cfg.run.step_timeout_s
-        self.restarts = restarts or Restarts(cfg.run.max_restarts)
+    def __init__(self, settings: RunSettings, model_dir: str, restarts: Restarts | None = None,
+                 reference_dir: str | None = None) -> None:
+        """``settings``: the run's, resolved (``rl.settings``); ``restarts``: the run's recoveries so far (an
+        inference engine that dies or stalls is replaced in place, counted there); ``reference_dir``: the model the
+        run started from, the reference policy of a KL penalty (``algorithm.kl_coef``; default ``model_dir``)."""
+        self.settings, c = settings, settings.cluster
+        self.timeout = c.step_timeout_s
+        self.restarts = restarts or Restarts(c.max_restarts)
         self.broken = False  # a worker failed: close() does not wait on the workers
         self._stale: set[int] = set()  # engines replaced while asleep: filled at wake-up
         self._own_ray = not ray.is_initialized()
         if self._own_ray:
             os.environ.setdefault("RAY_AUTH_MODE", "disabled")
             ray.init(
-                address=cfg.cluster.ray_address,
-                num_cpus=None if cfg.cluster.ray_address else max(2, os.cpu_count() or 2),
+                address=c.ray_address,
+                num_cpus=None if c.ray_address else max(2, os.cpu_count() or 2),
                 include_dashboard=False,
                 logging_level=logging.ERROR,
                 log_to_driver=False,
-                object_store_memory=None if cfg.cluster.ray_address else 256 * 2**20,
+                object_store_memory=None if c.ray_address else 256 * 2**20,
             )
-        n, gpus = cfg.cluster.workers, cfg.cluster.gpus_per_worker
+        n, gpus = c.workers, c.gpus_per_worker
         # a tensor-parallel replica holds all of its bundle's GPUs (Ray hands out whole GPUs above one), and the
         # worker's trainer is as many ranks, one on each of them (FSDP2 over every GPU of the run); otherwise one
         # trainer and one replica, half the bundle's GPUs each: Ray then shows both actors the same device(s)
-        spans = cfg.rollout.tensor_parallel_size > 1 and gpus > 0
-        per = self.per = per_worker_ranks(cfg)  # trainer ranks per worker
+        spans = settings.rollout.engine.tensor_parallel_size > 1 and gpus > 0
+        per = self.per = c.ranks_per_worker
         bundle = worker_bundle((1 + per) * ACTOR_CPUS, gpus)  # one worker slot each where the pods offer them
         self.pg = placement_group([bundle] * n, strategy="PACK")
         try:
@@ -78,7 +71,7 @@ class Cluster:
         prefix = f"rl-{uuid.uuid4().hex[:8]}"
         # each worker's threads from its own pod's CPUs, and the model where its node can read it
         sites = probe_bundles(self.pg, n, model_dir)
-        threads, dirs = worker_threads(sites, cfg.cluster.threads_per_worker), reachable_model_dirs(model_dir, sites)
+        threads, dirs = worker_threads(sites, c.threads_per_worker), reachable_model_dirs(model_dir, sites)
 
         def placed(cls, i):
             strategy = PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i)
@@ -86,13 +79,14 @@ class Cluster:
             return ray.remote(num_cpus=ACTOR_CPUS, num_gpus=share, scheduling_strategy=strategy)(cls)
 
         self._placed = placed
-        self._rollout_args = [(dirs[i], cfg, threads[i], self.max_context) for i in range(n)]
+        self._rollout_args = [(replace(settings.rollout.engine, model_dir=dirs[i]), threads[i], gpus) for i in range(n)]
         self.rollouts = [placed(RolloutWorker, i).remote(*self._rollout_args[i]) for i in range(n)]
         devices = ray.get([r.visible_devices.remote() for r in self.rollouts]) if spans else [None] * n
         # trainer rank r: worker r // per, on the (r % per)-th GPU of that worker's replica
         self.trainers = [placed(TrainerWorker, r // per).remote(
-            cfg, threads[r // per], devices[r // per].split(",")[r % per] if spans else None) for r in range(n * per)]
-        address = ray.get(self.trainers[0].rendezvous.remote())
+            settings.trainer, settings.update, threads[r // per], devices[r // per].split(",")[r % per] if spans
+            else None) for r in range(n * per)]
+        address = ray.get(self.trainers[0].rendezvous.remote(c.ray_address is None))
         ray.get([t.setup.remote(dirs[r // per], r, n * per, address, f"{prefix}-w{r}")
                  for r, t in enumerate(self.trainers)])
         # one plan for all (every rank computed the same); each replica maps its worker's first rank's IPC buffers,
@@ -103,9 +97,8 @@ class Cluster:
         ray.get([t.connect.remote([self.rollouts[r // per]] if r % per == 0 else [])
                  for r, t in enumerate(self.trainers)])
         self.num_buckets = len(plans[0][0].buckets)
-        self.weights_version = 0
         self._startup([dirs[r // per] for r in range(n * per)])
-        if cfg.algorithm.kl_coef > 0:  # the reference policy: one more collective read, of the starting model
+        if settings.trainer.reference:  # the reference policy: one more collective read, of the starting model
             refs = reachable_model_dirs(reference_dir or model_dir, sites)
             ray.get([t.load_reference.remote(refs[r // per]) for r, t in enumerate(self.trainers)])
 
@@ -131,7 +124,7 @@ class Cluster:
     def generate(self, prompts: list[list[int]], params: list[SamplingParams], seed: int,
                  on_chunk: Callable[[int], None] | None = None) -> list[Completion]:
         """Spread requests over the inference engines in chunks; results keep the prompts' order."""
-        size = self.cfg.rollout.max_batch
+        size = self.settings.rollout.chunk
         chunks = [range(i, min(i + size, len(prompts))) for i in range(0, len(prompts), size)]
         n = len(self.rollouts)
 
@@ -165,49 +158,44 @@ class Cluster:
         k = refs.index(done[0])
         return refs[k], gather([refs[k]], "inference engine", phase, self.timeout, [workers[k]])[0]
 
-    def rollout(self, trajectories: list[Trajectory], token_budget: int | None,
-                on_worker: Callable[[int], None] | None = None) -> tuple[list[Trajectory], dict[str, float]]:
-        """Run the iteration's trajectories (new and paused) on the inference engines, whole prompt
-        groups per engine (they share a prefill); each engine gets an equal share of the token budget.
-        Returns them updated (``rl.rollout.partial.advance``), tagged with the current weights version, and the
-        engines' metrics: prefix-cache hit rate, preemptions, peak fraction of KV blocks held."""
+    def rollout(self, samples: list[Sample], token_budget: int | None,
+                on_worker: Callable[[int], None] | None = None) -> tuple[list[Sample], list[dict[str, int]]]:
+        """Run the current turn of ``samples`` (new and paused) on the inference engines, whole prompt groups per
+        engine (they share a prefill); each engine gets an equal share of the token budget. Returns them updated
+        (``rl.rollout.partial.advance``: the new tokens tagged with the version of the weights each replica holds)
+        and each engine's counters (``rl.rollout.phase.engine_metrics`` sums them)."""
         n = len(self.rollouts)
-        groups = sorted({t.group for t in trajectories})
+        groups = sorted({s.group for s in samples})
         worker_of = {g: i % n for i, g in enumerate(groups)}
-        shares: list[list[Trajectory]] = [[] for _ in range(n)]
-        for t in trajectories:
-            shares[worker_of[t.group]].append(t)
+        shares: list[list[Sample]] = [[] for _ in range(n)]
+        for s in samples:
+            shares[worker_of[s.group]].append(s)
         budget = None if token_budget is None else max(1, token_budget // n)
-        pending = {self.rollouts[i].rollout.remote(shares[i], budget, self.weights_version): i for i in range(n)}
-        out: list[Trajectory] = []
+        pending = {self.rollouts[i].rollout.remote(shares[i], budget): i for i in range(n)}
+        out: list[Sample] = []
         counts: list[dict[str, int]] = []
         while pending:
             try:
                 ref, (got, stats) = self._first(list(pending), list(pending.values()), "rollout")
-            except WorkerFailed as f:  # its groups are generated again, with their seeds: the same trajectories
+            except WorkerFailed as f:  # its groups are generated again, with their seeds: the same samples
                 self.replace_rollout(f)
                 pending = {r: i for r, i in pending.items() if i != f.index}
-                pending[self.rollouts[f.index].rollout.remote(shares[f.index], budget, self.weights_version)] = f.index
+                pending[self.rollouts[f.index].rollout.remote(shares[f.index], budget)] = f.index
                 continue
             del pending[ref]
             out += got
             counts.append(stats)
             if on_worker:
                 on_worker(len(got))
-        hits, misses = (sum(c[k] for c in counts) for k in ("prefix_hit_tokens", "prefix_miss_tokens"))
-        return out, {"prefix_hit_rate": round(hits / (hits + misses), 4) if hits + misses else 0.0,
-                     "preemptions": sum(c["preemptions"] for c in counts),
-                     "kv_usage_peak": round(max(c["kv_blocks_peak"] / max(c["kv_blocks"], 1) for c in counts), 4),
-                     "mem_rollout_peak_gib": round(max(c["peak_bytes"] for c in counts) / 2**30, 3)}
+        return out, counts
 
-    def train(self, samples: list[Sample], ptx: list[PtxBatch], seed: int,
-              on_step: Callable[[dict], None] | None = None) -> list[dict[str, float]]:
-        """One K1.5 update on every trainer rank; returns the metrics of each optimizer step."""
+    def train(self, batches: list[RankBatch], on_step: Callable[[dict], None] | None = None) -> list[dict[str, float]]:
+        """One policy update (K1.5, GRPO or DAPO; + PTX): each trainer rank gets its own share (one object each,
+        ``rl.algo.plan``); returns the metrics of each optimizer step (reduced over the ranks)."""
         from engines.training.engine import NonFiniteError
-        from rl.loop.guards import TrainingStopped
+        from rl.errors import TrainingStopped
 
-        samples_ref, ptx_ref = ray.put(samples), ray.put(ptx)
-        gens = [t.train.remote(samples_ref, ptx_ref, seed) for t in self.trainers]
+        gens = [t.train.remote(ray.put(b)) for t, b in zip(self.trainers, batches, strict=True)]
         steps = []
         try:
             while True:
@@ -291,7 +279,8 @@ class Cluster:
 
     def _refill(self) -> None:
         """Every inference engine gets the trainers' current weights again (collective, same version)."""
-        self._trainers([t.update_weights.remote(self.weights_version) for t in self.trainers], "weight update")
+        version = self.weights_version()
+        self._trainers([t.update_weights.remote(version) for t in self.trainers], "weight update")
 
     def train_peak_gib(self) -> float:
         """The largest trainer process's peak memory over its last training phase (GiB)."""
@@ -304,13 +293,9 @@ class Cluster:
     def onload_trainers(self) -> dict:
         return self._trainers([t.onload.remote() for t in self.trainers], "onload")[0]
 
-    def engine_kind(self) -> str:
-        """The rollout engine the workers run (``rollout.engine``, auto resolved on a worker, where the GPU is)."""
-        return ray.get(self.rollouts[0].engine_kind.remote())
-
     def sleep_rollouts(self) -> None:
         """Free inference memory (per ``rollout.sleep_level``) before the trainer runs."""
-        self._rollouts(lambda r: r.sleep.remote(self.cfg.rollout.sleep_level), "sleep")
+        self._rollouts(lambda r: r.sleep.remote(self.settings.rollout.sleep_level), "sleep")
 
     def wake_rollouts(self) -> None:
         """Reallocate the engines' memory; engines replaced while asleep get the current weights."""
@@ -318,16 +303,29 @@ class Cluster:
         if self._stale:
             stale, self._stale = self._stale, set()
             live = [j for j in range(len(self.rollouts)) if j not in stale]
-            if live and self.cfg.rollout.sleep_level < 2:  # a peer that kept its weights serves them
+            if live and self.settings.rollout.sleep_level < 2:  # a peer that kept its weights serves them
                 for i in sorted(stale):
                     self._catch_up(i, live[0])
             else:
                 self._refill()
 
-    def update_weights(self) -> None:
-        """Checkpoint-engine update of every inference engine from the trainers."""
-        self.weights_version += 1
-        self._trainers([t.update_weights.remote(self.weights_version) for t in self.trainers], "weight update")
+    def weights_version(self) -> int:
+        """The version of the weights the replicas hold: their receivers' count of updates (the one owner)."""
+        return max(self._rollouts(lambda r: r.weights_version.remote(), "weights version"))
+
+    def adopt_version(self, version: int) -> None:
+        """A resumed run: the replicas' start-up weights are the checkpoint's, of ``version``."""
+        self._rollouts(lambda r: r.adopt_version.remote(version), "weights version")
+
+    def update_weights(self, changed: bool = True) -> None:
+        """Checkpoint-engine update of every inference engine from the trainers: new weights (``changed``), or,
+        where the replicas discarded theirs to sleep (level 2), the same ones again."""
+        if not changed:
+            if self.settings.rollout.sleep_level == 2:
+                self._refill()
+            return
+        version = self.weights_version() + 1
+        self._trainers([t.update_weights.remote(version) for t in self.trainers], "weight update")
 
     def restart_rollout(self, i: int, source: int) -> float:
         """Replace inference engine ``i`` by a fresh one that copies engine ``source``'s weights point to

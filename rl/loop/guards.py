@@ -1,46 +1,21 @@
 """Checks that stop a run with one clear line instead of letting it carry on wrong, and the wall-clock budget.
 
-Before the run: the machine can hold the workers, the run directory can be written. During the run: a non-finite
-reward stops the update and names the environment and task; an iteration whose episodes mostly failed stops the run
-with the first error; ``run.max_minutes`` ends it after the iteration that reaches it. (Non-finite losses and
-gradients are caught in the trainer's optimizer step: ``engines.training.engine.NonFiniteError``.)
+Before the run: the machine can hold the workers, the run directory can be written. During the run: an iteration
+whose episodes mostly failed stops the run with the first error; ``run.max_minutes`` ends it after the iteration that
+reaches it. (A non-finite reward is stopped in the reward phase, ``rl.rollout.rewards.check_reward``; non-finite
+losses and gradients in the trainer's optimizer step, ``engines.training.engine.NonFiniteError``.)
 """
 
 from __future__ import annotations
 
-import math
 import os
 import time
 import uuid
 from pathlib import Path
 
 from rl.config import Config
-from rl.errors import CommandFailed, UserError
-
-
-class TrainingStopped(CommandFailed):
-    """The run cannot go on: the message names the cause. The last checkpoint is left as it was."""
-
-
-def check_reward(reward: float, env_name: str, task_id: str) -> float:
-    """``reward`` as a float, or TrainingStopped naming the environment and task when it is NaN or infinite."""
-    try:
-        value = float(reward)
-    except (TypeError, ValueError):
-        raise TrainingStopped(f"environment {env_name!r} returned a reward that is not a number ({reward!r}) "
-                              f"for task {task_id}; the update was not applied") from None
-    if not math.isfinite(value):
-        raise TrainingStopped(f"environment {env_name!r} returned a non-finite reward ({value}) for task {task_id}; "
-                              "the update was not applied")
-    return value
-
-
-def check_sample_rewards(samples) -> None:
-    """A last check over every sample of the update (multi-turn episodes, critic judgments included)."""
-    for s in samples:
-        if not math.isfinite(s.reward):
-            raise TrainingStopped(f"a non-finite reward ({s.reward}) in prompt group {s.group} (a multi-turn or "
-                                  "critic episode); the update was not applied")
+from rl.errors import TrainingStopped, UserError
+from rl.settings import check_context, task_types
 
 
 def check_error_rate(stats: dict, max_rate: float) -> None:
@@ -86,10 +61,7 @@ def check_max_tokens(cfg: Config) -> None:
             return  # named by prepare_model
     else:
         context = cfg.warmstart.architecture.max_position_embeddings
-    budget = max([cfg.rollout.max_tokens] + [t.max_tokens or 0 for t in cfg.rollout.task_types.values()])
-    if budget >= context:
-        raise UserError(f"max_tokens {budget} (rollout.max_tokens or a task type's) leaves no room for a prompt in "
-                        f"the model's context of {context} tokens; lower it below {context}")
+    check_context(task_types(cfg).max_tokens, context, f"the model's context of {context} tokens")
 
 
 def check_writable(run_dir: Path) -> None:

@@ -23,28 +23,24 @@ from checkpoint_engine.model_plan import ModelSender
 from checkpoint_engine.topology import free_port
 from checkpoint_engine.transfer import WeightReceiver
 from engines.device import peak_memory_bytes, reset_peak_memory
-from engines.inference.base import RolloutEngine
-from engines.inference.native import InferenceEngine
+from engines.inference.factory import EngineSettings, build_engine, replica_model
 from engines.inference.requests import Completion
 from engines.inference.sampling import SamplingParams
-from engines.inference.vllm_engine import VllmEngine, vllm_available
 from engines.model import sharded
 from engines.model.causal_lm import build_model, track_max_logits
-from engines.model.fp8 import BLOCK, checkpoint_block, to_fp8
 from engines.model.hf_io import read_config, save_pretrained
 from engines.model.layout import hub_state
-from engines.model.tokenizer import TextTokenizer
 from engines.training import distributed
 from engines.training.engine import TrainingEngine
 from engines.training.optim import build_optimizers
-from engines.training.qk_clip import qk_clip
 from engines.training.trainer_state import has_trainer_state, load_trainer_state, save_trainer_state
-from rl.algo.mismatch import Correction
-from rl.algo.update import PtxBatch, Sample, rl_update
-from rl.config import Config
+from rl.algo.plan import RankBatch
+from rl.algo.update import rl_update
 from rl.errors import UserError
 from rl.loop.weight_sync import RayPacker, RayReloader
-from rl.rollout.partial import Trajectory, advance
+from rl.rollout.partial import advance
+from rl.sample import Sample
+from rl.settings import TrainerSettings, UpdateSettings
 
 OPTIMIZER_FILE = "optimizer.pt"  # the earlier checkpoint format, still read
 
@@ -53,16 +49,14 @@ def _set_threads(threads: int) -> None:
     torch.set_num_threads(max(1, threads))
 
 
-def worker_device(cfg: Config) -> str:
-    """"cuda" when the run gives its workers GPUs, else "cpu"; a worker that was given GPUs and cannot use them
-    stops the run instead of training on the host while holding them."""
-    if cfg.cluster.gpus_per_worker <= 0:
-        return "cpu"
-    if not torch.cuda.is_available():
-        raise UserError(f"cluster.gpus_per_worker={cfg.cluster.gpus_per_worker:g} but CUDA is not available in this "
-                        f"worker (torch {torch.__version__}, built for CUDA {torch.version.cuda or 'none'}): the "
-                        f"node's driver may be older than this CUDA needs, or the pod lacks the NVIDIA runtime")
-    return "cuda"
+def worker_device(device: str, gpus: float) -> str:
+    """``device`` ("cuda" when the run gives its workers ``gpus``, else "cpu") as this worker can use it: a worker
+    given GPUs that cannot use them stops the run instead of training on the host while holding them."""
+    if device == "cuda" and not torch.cuda.is_available():
+        raise UserError(f"cluster.gpus_per_worker={gpus:g} but CUDA is not available in this worker (torch "
+                        f"{torch.__version__}, built for CUDA {torch.version.cuda or 'none'}): the node's driver may "
+                        "be older than this CUDA needs, or the pod lacks the NVIDIA runtime")
+    return device
 
 
 def _host_ip() -> str:
@@ -75,54 +69,55 @@ def _host_ip() -> str:
 class TrainerWorker:
     """Holds one rank of the (sharded) training engine and the sending end of the checkpoint engine."""
 
-    def __init__(self, cfg: Config, threads: int, devices: str | None = None) -> None:
+    def __init__(self, trainer: TrainerSettings, update: UpdateSettings, threads: int,
+                 devices: str | None = None) -> None:
         """``devices``: the GPU of this rank's worker's tensor-parallel replica it computes on (its
         CUDA_VISIBLE_DEVICES: Ray assigned the worker's GPUs to the replica; the worker has a rank on each)."""
         _set_threads(threads)
         if devices is not None:  # before anything initialises CUDA in this process
             os.environ["CUDA_VISIBLE_DEVICES"] = devices
-        self.cfg = cfg
+        self.settings, self.update = trainer, update
         self.reloader: RayReloader | None = None
-        # resolved once, on the worker (rollout.engine auto looks for vLLM and a GPU here, beside the rollout actor)
-        self.correction = mismatch_correction(cfg)
 
-    def rendezvous(self) -> str:
-        """The torch.distributed address of this worker (asked of rank 0 only)."""
-        ip = "127.0.0.1" if self.cfg.cluster.ray_address is None else _host_ip()
+    def rendezvous(self, local: bool) -> str:
+        """The torch.distributed address of this worker (asked of rank 0 only); ``local``: a cluster on one host."""
+        ip = "127.0.0.1" if local else _host_ip()
         return f"tcp://{ip}:{free_port()}"
+
+    def _model(self, arch, shard: bool, device: str):
+        """An empty model of ``arch`` in the master dtype, sharded over the group when ``shard`` (FSDP2, compute in
+        the compute dtype), for ``startup`` (or the reference's read) to fill."""
+        t = self.settings
+        model = build_model(arch, device="meta" if shard else device, dtype=getattr(torch, t.master_dtype))
+        return distributed.shard_model(model, param_dtype=t.compute_dtype, device=device) if shard else model
 
     def setup(self, model_dir: str, rank: int, world: int, init_method: str, shm_prefix: str) -> None:
         """Join the group, build the model on the meta device and shard it (``startup`` fills it), build
         the optimizers and the checkpoint engine."""
-        cfg, o = self.cfg, self.cfg.optimizer
+        t, o = self.settings, self.settings.optimizer
         self.rank, self.world = rank, world
-        device = worker_device(cfg)
+        device = worker_device(t.device, t.gpus)
         distributed.init_distributed(rank, world, init_method, device=device)
         arch = read_config(model_dir)
-        master, compute = cfg.trainer.master_dtype, cfg.compute_dtype
-        shard = world > 1 or compute != master
         # master weights (and optimizer state) in trainer.master_dtype, compute in bf16 through FSDP's mixed
         # precision; replicas get rollout.dtype (cast per bucket)
-        model = build_model(arch, device="meta" if shard else device, dtype=getattr(torch, master))
-        if shard:
-            model = distributed.shard_model(model, param_dtype=compute, device=device)
+        shard = world > 1 or t.compute_dtype != t.master_dtype
+        model = self._model(arch, shard, device)
         track_max_logits(model, True)
-        model.activation_checkpointing = cfg.trainer.activation_checkpointing
+        model.activation_checkpointing = t.activation_checkpointing
         opts = build_optimizers(model, o.kind, o.lr, o.weight_decay, o.momentum)
         # any id will do for filler: filler positions are masked out of attention and of the loss
         pad = arch.pad_token_id if arch.pad_token_id is not None else 0
-        self.engine = TrainingEngine(model, opts, pad, o.max_grad_norm, attention=cfg.trainer.attention)
+        self.engine = TrainingEngine(model, opts, pad, o.max_grad_norm, attention=t.attention, qk_clip=True,
+                                     qk_clip_tau=o.qk_clip_tau)
         # GRPO's KL penalty: the reference policy, sharded as the policy is, filled by load_reference
         self.reference: TrainingEngine | None = None
-        if cfg.algorithm.kl_coef > 0:
-            ref = build_model(arch, device="meta" if shard else device, dtype=getattr(torch, master))
-            if shard:
-                ref = distributed.shard_model(ref, param_dtype=compute, device=device)
-            self.reference = TrainingEngine(ref.requires_grad_(False), [], pad, attention=cfg.trainer.attention)
-        replica = replica_model(arch, cfg, device="meta")
-        self.sender = ModelSender(model, replica, cfg.checkpoint_engine.bucket_bytes)
-        self.ckpt = CheckpointEngine(rank, world, init_method, cfg.checkpoint_engine.bucket_bytes, shm_prefix,
-                                     device=device)
+        if t.reference:
+            self.reference = TrainingEngine(self._model(arch, shard, device).requires_grad_(False), [], pad,
+                                            attention=t.attention)
+        self.sender = ModelSender(model, replica_model(arch, t.replica_dtype, t.replica_fp8, device="meta"),
+                                  t.bucket_bytes)
+        self.ckpt = CheckpointEngine(rank, world, init_method, t.bucket_bytes, shm_prefix, device=device)
 
     def weight_plan(self):
         """The bucket plan and the IPC buffer handles the inference engines map."""
@@ -142,9 +137,9 @@ class TrainerWorker:
         """Fill the reference policy (kl_coef) from ``model_dir``, the model the run started from, in one collective
         read as ``startup`` does; the inference engines are not touched."""
         assert self.reference is not None
-        replica = replica_model(read_config(model_dir), self.cfg, device="meta")
-        ModelSender(self.reference.model, replica, self.cfg.checkpoint_engine.bucket_bytes).startup(
-            self.ckpt, model_dir, None)
+        t = self.settings
+        replica = replica_model(read_config(model_dir), t.replica_dtype, t.replica_fp8, device="meta")
+        ModelSender(self.reference.model, replica, t.bucket_bytes).startup(self.ckpt, model_dir, None)
 
     def connect(self, rollouts: list) -> None:
         """The local inference engines that this worker's checkpoint engine updates."""
@@ -167,22 +162,11 @@ class TrainerWorker:
         tensors, offsets = self.sender.sources(shards)
         self.ckpt.update(self.sender.plan, tensors, version, self.reloader, offsets=offsets)
 
-    def train(self, samples: list[Sample], ptx: list[PtxBatch], seed: int) -> Iterator[dict[str, float]]:
-        """Run the policy update (K1.5, GRPO or DAPO; + PTX) on a rollout batch; yields metrics after each step."""
-        a, model = self.cfg.algorithm, self.engine.model
+    def train(self, batch: RankBatch) -> Iterator[dict[str, float]]:
+        """Run this rank's share of the policy update (K1.5, GRPO or DAPO; + PTX); yields each step's metrics,
+        reduced over all ranks, as it completes."""
         reset_peak_memory(self.engine.device)
-        tau_qk = self.cfg.optimizer.qk_clip_tau
-        for m in rl_update(self.engine, samples, tau=a.tau, minibatches=a.minibatches,
-                           token_budget=a.micro_batch_tokens, max_items=a.micro_batch, seed=seed, ptx=ptx,
-                           ptx_coef=a.ptx.coef, rank=self.rank, world=self.world,
-                           drop_equal_groups=a.drop_equal_reward_groups,
-                           recompute_old=self.cfg.recompute_old_logprobs, correction=self.correction,
-                           objective=a.objective_settings(self.cfg.rollout.max_tokens),
-                           after_step=lambda: qk_clip(model, tau_qk), reference=self.reference):
-            for k in ("loss", "ptx_loss"):  # each rank's share of the minibatch
-                if k in m:
-                    m[k] = distributed.global_sum(m[k])
-            yield m
+        yield from rl_update(self.engine, batch, self.update, reference=self.reference)
 
     def peak_memory(self) -> int:
         """Peak bytes of this process since its last ``train`` began (device memory on a GPU, RSS on CPU)."""
@@ -191,7 +175,7 @@ class TrainerWorker:
     def offload(self) -> dict:
         """Parameters, gradients and optimizer state to host memory while the inference engine runs (and the
         reference policy's parameters, where there is one)."""
-        if not self.cfg.trainer.offload or self.engine.offloaded:
+        if not self.settings.offload or self.engine.offloaded:
             return {}
         if self.reference is not None and not self.reference.offloaded:
             self.reference.offload()
@@ -262,22 +246,32 @@ class TrainerWorker:
 class RolloutWorker:
     """Holds the inference engine and the receiving end of the checkpoint engine."""
 
-    def __init__(self, model_dir: str, cfg: Config, threads: int, max_seq_len: int | None = None) -> None:
+    def __init__(self, engine: EngineSettings, threads: int, gpus: float = 0) -> None:
+        """``engine``: the replica (``engines.inference.factory``); on the ``gpus`` Ray gave this worker's bundle
+        (shared with its trainer), empty: the trainers' start-up read fills it (or their first update does)."""
         _set_threads(threads)
-        # on the GPU Ray gave this worker's bundle (shared with its trainer), in the fused inference layout;
-        # empty: the trainers' start-up read fills it (or their first update does)
-        self.engine = rollout_engine(model_dir, cfg, max_seq_len)
+        worker_device(engine.device, gpus)
+        self.engine = build_engine(engine)
         self.receiver: WeightReceiver | None = None
         self._ipc: tuple | None = None
 
     def attach(self, plan, handles: list) -> None:
         """Map the checkpoint engine's IPC buffers; checks the plan against this engine's tensors."""
         self._ipc = (plan, handles)
-        if getattr(self.engine, "streams_weights", False):  # vLLM: each bucket goes on into its running reload
+        if self.engine.weight_update == "stream":  # vLLM: each bucket goes on into its running reload
             self.receiver = WeightReceiver(plan, handles, self.engine.named_tensors(), stream=self.engine)
             return
         self.receiver = WeightReceiver(plan, handles, self.engine.named_tensors(), on_commit=self.engine.swap_weights,
                                        placements=self.engine.weight_placements() or None)
+
+    def weights_version(self) -> int:
+        """The version of the weights this replica holds (its receiver's: updates since the run began)."""
+        return 0 if self.receiver is None or self.receiver.version is None else self.receiver.version
+
+    def adopt_version(self, version: int) -> None:
+        """The weights the start-up read of a checkpoint loaded are that checkpoint's ``version`` (a resumed run)."""
+        assert self.receiver is not None, "attach() first"
+        self.receiver.version = version
 
     def use_plan(self, plan=None) -> None:
         """Load the buckets of ``plan`` from now on (the start-up's), or again those of the updates (None)."""
@@ -287,10 +281,6 @@ class RolloutWorker:
     def visible_devices(self) -> str | None:
         """The GPUs Ray gave this worker (CUDA_VISIBLE_DEVICES), which its trainer shares."""
         return os.environ.get("CUDA_VISIBLE_DEVICES")
-
-    def engine_kind(self) -> str:
-        """Which rollout engine this worker runs (``rollout.engine``, auto resolved here, where the GPU is)."""
-        return self.engine.kind
 
     def pack_bucket(self, bucket: int, buffer: int) -> int:
         """Write bucket ``bucket`` of the weights this engine serves into IPC buffer ``buffer`` (a restarted
@@ -302,8 +292,8 @@ class RolloutWorker:
         """Free the KV cache (1) and the weights (2) while the trainer uses the device."""
         if level:
             self.engine.sleep(level)
-            if level == 2:
-                self.receiver = None  # its spare copy goes too; a new one is made at wake-up
+            if level == 2:  # its spare copy goes too; a new one is made at wake-up, holding the same version
+                self._version, self.receiver = self.weights_version(), None
 
     def wake_up(self) -> None:
         """Reallocate; after a level-2 sleep the next weight update refills the weights."""
@@ -311,6 +301,7 @@ class RolloutWorker:
             self.engine.wake_up()
             if self.receiver is None and self._ipc is not None:
                 self.attach(*self._ipc)
+                self.receiver.version = self._version
 
     def load_bucket(self, bucket: int, buffer: int, version: int) -> None:
         assert self.receiver is not None, "attach() before load_bucket()"
@@ -330,15 +321,15 @@ class RolloutWorker:
         self._check_consistent()
         return self.engine.generate(prompts, params, seed=seed)
 
-    def rollout(self, trajectories: list[Trajectory], token_budget: int | None,
-                version: int) -> tuple[list[Trajectory], dict[str, int]]:
-        """New and paused trajectories, until done or ``token_budget`` tokens (``rl.rollout.partial.advance``), and the
+    def rollout(self, samples: list[Sample], token_budget: int | None) -> tuple[list[Sample], dict[str, int]]:
+        """The current turn of new and paused samples, until it ends or ``token_budget`` tokens
+        (``rl.rollout.partial.advance``; the new tokens tagged with the version of the weights served), and the
         engine's counters over this call (prefix-cache tokens found and computed, preemptions, peak KV blocks)."""
         self._check_consistent()
         before = self.engine.stats()
         self.engine.reset_peaks()
         reset_peak_memory(self.engine.device)
-        out = advance(self.engine, trajectories, token_budget, version)
+        out = advance(self.engine, samples, token_budget, self.weights_version())
         after = self.engine.stats()
         counts = {k: after[k] - before[k] for k in ("prefix_hit_tokens", "prefix_miss_tokens", "preemptions")}
         return out, {**counts, "kv_blocks_peak": after["kv_blocks_peak"], "kv_blocks": after["kv_blocks"],
@@ -349,49 +340,3 @@ class RolloutWorker:
         how Ray can carry them."""
         return {k: (v.view(torch.uint8) if v.dtype == torch.float8_e4m3fn else v).clone()
                 for k, v in self.engine.served_weights().items()}
-
-
-def engine_kind(cfg: Config) -> str:
-    """The rollout engine a run uses: ``rollout.engine``, with auto resolved (vLLM where it is installed and a
-    GPU is present, else native)."""
-    kind = cfg.rollout.engine
-    if kind == "auto":
-        kind = "vllm" if torch.cuda.is_available() and vllm_available() else "native"
-    if kind == "native" and cfg.rollout.tensor_parallel_size > 1:
-        raise UserError(f"rollout.tensor_parallel_size={cfg.rollout.tensor_parallel_size} needs vLLM, and "
-                        "rollout.engine auto found no vLLM or no GPU here; set rollout.engine: vllm")
-    if kind == "vllm" and cfg.rollout.fp8:
-        raise UserError("rollout.fp8 is served by the native engine only; set rollout.engine: native")
-    return kind
-
-
-def mismatch_correction(cfg: Config) -> Correction | None:
-    """The run's train–inference mismatch correction (``algorithm.mismatch``; auto: TIS with vLLM, else none)."""
-    m = cfg.algorithm.mismatch
-    kind = m.correction if m.correction != "auto" else "tis" if engine_kind(cfg) == "vllm" else "none"
-    return None if kind == "none" else Correction(kind, m.level, m.cap)
-
-
-def rollout_engine(model_dir: str, cfg: Config, max_seq_len: int | None) -> RolloutEngine:
-    """This worker's inference engine, of ``engine_kind(cfg)``, for the model in ``model_dir``."""
-    r, tok = cfg.rollout, TextTokenizer.load(model_dir)  # the same stop ids as the controller's
-    if engine_kind(cfg) == "vllm":
-        return VllmEngine(model_dir, tok.eos_ids, max_seq_len=max_seq_len, max_num_seqs=r.max_batch,
-                          dtype=cfg.rollout_dtype, seed=cfg.run.seed, kv_cache_bytes=r.kv_cache_mb << 20,
-                          memory_fraction=r.vllm_memory_fraction, tensor_parallel_size=r.tensor_parallel_size,
-                          expert_parallel=r.expert_parallel)
-    # on the GPU Ray gave this worker's bundle (shared with its trainer), in the fused inference layout;
-    # empty: the trainers' start-up read fills it (or their first update does)
-    device = worker_device(cfg)
-    model = replica_model(read_config(model_dir), cfg, device=device)
-    return InferenceEngine(model, tok.eos_ids, tok.pad_id, max_num_seqs=r.max_batch, max_seq_len=max_seq_len,
-                           kv_cache_bytes=r.kv_cache_mb << 20, max_batch_tokens=r.max_batch_tokens,
-                           attention=r.attention)
-
-
-def replica_model(arch, cfg: Config, device: str = "cpu"):
-    """An empty inference model in the fused layout and rollout dtype, block-FP8 with ``rollout.fp8``
-    (blocks as the checkpoint's when it is FP8, else 128)."""
-    model = build_model(arch, device=device, dtype=getattr(torch, cfg.rollout_dtype), fused=True)
-    return to_fp8(model, checkpoint_block(arch) or BLOCK) if cfg.rollout.fp8 else model
-

@@ -17,8 +17,10 @@ from collections import defaultdict
 from engines.inference.sampling import SamplingParams
 from engines.model.tokenizer import TextTokenizer
 from envs.rubric import build_pair_prompt, load_rubrics, parse_verdict
-from rl.algo.update import Sample
+from rl.algo.schedules import Schedule
 from rl.config import Config
+from rl.rollout.data import GROUPS_PER_ITERATION
+from rl.sample import Sample, TaskType
 from rl.seeds import critic_training_seed
 
 CRITIC_GROUP_OFFSET = 500_000  # critic groups of iteration it: it * GROUPS_PER_ITERATION + this + index
@@ -28,7 +30,7 @@ def critic_pairs(samples: list[Sample], n: int, rng: random.Random) -> list[tupl
     """Up to ``n`` (better, worse) pairs of responses to the same prompt with different verifiable rewards."""
     by_group: dict[int, list[Sample]] = defaultdict(list)
     for s in samples:
-        if s.loss_mask is None:  # single-turn responses only: a conversation is not one response
+        if not s.multi_turn:  # single-turn responses only: a conversation is not one response
             by_group[s.group].append(s)
     candidates = []
     for members in by_group.values():
@@ -40,8 +42,8 @@ def critic_pairs(samples: list[Sample], n: int, rng: random.Random) -> list[tupl
     return candidates[:n]
 
 
-def critic_training_batch(cluster, tok: TextTokenizer, cfg: Config, samples: list[Sample], it: int,
-                          groups_per_iteration: int) -> tuple[list[Sample], dict[str, float]]:
+def critic_training_batch(cluster, tok: TextTokenizer, cfg: Config, samples: list[Sample],
+                          it: int) -> tuple[list[Sample], dict[str, float]]:
     """Critic samples for this iteration and the critic's agreement with the verifiable rewards."""
     c = cfg.algorithm.critic_training
     rng = random.Random(critic_training_seed(cfg.run.seed, it))
@@ -57,8 +59,10 @@ def critic_training_batch(cluster, tok: TextTokenizer, cfg: Config, samples: lis
                                          tok.decode(b.response_ids), rubrics))
         better_is_a.append(not swap)
     ids = [tok.encode(p) for p in prompts]
-    params = [SamplingParams(c.temperature, c.max_tokens) for _ in prompts for _ in range(c.samples)]
-    outs = cluster.generate([p for p in ids for _ in range(c.samples)], params, seed=rng.randrange(2**31))
+    params = SamplingParams(c.temperature, c.max_tokens)
+    outs = cluster.generate([p for p in ids for _ in range(c.samples)], [params] * (len(ids) * c.samples),
+                            seed=rng.randrange(2**31))
+    kind = TaskType("critic_training", c.max_tokens, 0.0, Schedule("constant", c.temperature, c.temperature, 1))
     out, refused, unparseable = [], 0, 0
     for n, comp in enumerate(outs):
         p = n // c.samples
@@ -68,8 +72,10 @@ def critic_training_batch(cluster, tok: TextTokenizer, cfg: Config, samples: lis
         verdict = parse_verdict(tok.decode(comp.token_ids))
         unparseable += verdict is None
         right = "A" if better_is_a[p] else "B"
-        out.append(Sample(it * groups_per_iteration + CRITIC_GROUP_OFFSET + p, ids[p], comp.token_ids,
-                          comp.logprobs, float(verdict == right), temperature=c.temperature))
+        group = it * GROUPS_PER_ITERATION + CRITIC_GROUP_OFFSET + p
+        out.append(Sample(group * c.samples + n % c.samples, group, -1, kind, ids[p], params, it,
+                          list(comp.token_ids), list(comp.logprobs), status="finished",
+                          reward=float(verdict == right)))
     stats = {"critic_prompts": len(pairs), "critic_agreement": sum(s.reward for s in out) / max(1, len(out)),
              "critic_unparseable": unparseable / max(1, len(out)), "critic_refused": refused}
     return out, stats

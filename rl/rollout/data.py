@@ -11,11 +11,12 @@ import time
 from dataclasses import dataclass, field
 
 from envs import Task
-from envs.tasks import TaskFileError, load_tasks
+from envs.tasks import TaskFileError
 from rl.config import Config, EnvConfig
 from rl.errors import UserError
 from rl.rollout.episodes import env_class
 from rl.seeds import prompt_seed, task_set_seed
+from rl.settings import check_context, task_types
 
 TRAIN_SEED, EVAL_SEED, SFT_SEED = task_set_seed("train"), task_set_seed("eval"), task_set_seed("sft")
 GROUPS_PER_ITERATION = 1_000_000  # group ids are it * this + index: unique across the run
@@ -38,6 +39,18 @@ class TaskSets:
         """The environment entry of held-out task ``index``."""
         return self.entries[self.eval_env[index]]
 
+    def type_of(self, index: int, held_out: bool = False) -> str:
+        """The task type of training (or held-out) task ``index`` (``type_name``)."""
+        if held_out:
+            return type_name(self.eval[index], self.eval_entry(index))
+        return type_name(self.train[index], self.train_entry(index))
+
+
+def type_name(task: Task, entry: EnvConfig) -> str:
+    """A task's type: its ``meta.task_type``, else its entry's ``task_type``, else its environment's
+    (``rl.settings.TaskTypes`` gives what the type gets: budget, truncation penalty, temperature)."""
+    return str(task.meta.get("task_type") or entry.task_type or env_class(entry).task_type)
+
 
 def _entry_sets(entry: EnvConfig, where: str, console=None) -> tuple[list[Task], list[Task]]:
     cls = env_class(entry)
@@ -55,7 +68,7 @@ def _entry_sets(entry: EnvConfig, where: str, console=None) -> tuple[list[Task],
     def get(path, n, seed, what):
         try:
             if path is not None:  # an environment with its own record schema reads its files itself
-                return getattr(cls, "load_tasks", load_tasks)(path)
+                return cls.load_tasks(path)
             return generate(n, seed, what)
         except TaskFileError as err:
             raise UserError(str(err)) from None
@@ -102,15 +115,14 @@ def check_renderable(sets: TaskSets, tok, model_dir: str) -> None:
 
 
 def rollout_seq_len(cfg: Config, sets: TaskSets, tok, context: int) -> int:
-    """Tokens per sequence the inference KV cache is sized for (``rollout.max_seq_len``, see its description)."""
-    from rl.rollout.episodes import is_group_level
-
-    budget = max([cfg.rollout.max_tokens] + [t.max_tokens or 0 for t in cfg.rollout.task_types.values()])
+    """Tokens per sequence the replicas hold: the run's one context budget (``rollout.max_seq_len``, see its
+    description), checked against the model's ``context`` and every prompt known up front."""
+    budget = task_types(cfg).max_tokens
     room = cfg.rollout.max_seq_len or context
+    if room > context:
+        raise UserError(f"rollout.max_seq_len {room} exceeds the model's context of {context} tokens")
     what = f"rollout.max_seq_len {room}" if cfg.rollout.max_seq_len else f"the model's context of {context} tokens"
-    if budget >= room:
-        raise UserError(f"max_tokens {budget} (rollout.max_tokens or a task type's) leaves no room for a prompt in "
-                        f"{what}; lower it below {room}")
+    check_context(budget, room, what)
     # every prompt known up front must fit with its budget: a prompt that does not is refused episode by episode
     # and the run would train on nothing (multi-turn prompts are made by their environment at reset)
     single = [(t, sets.entries[e]) for tasks, envs in ((sets.train, sets.train_env), (sets.eval, sets.eval_env))
@@ -129,7 +141,7 @@ def rollout_seq_len(cfg: Config, sets: TaskSets, tok, context: int) -> int:
                         "rollout.max_tokens, drop the long prompts, or use a model with a longer context")
     if cfg.rollout.max_seq_len is not None:
         return cfg.rollout.max_seq_len
-    if cfg.algorithm.critic_training.enabled or any(env_class(e).multi_turn or is_group_level(e)
+    if cfg.algorithm.critic_training.enabled or any(env_class(e).multi_turn or env_class(e).group_level
                                                      for e in sets.entries):
         return context
     return longest + budget

@@ -50,7 +50,7 @@ def make_env(entry: EnvConfig, cfg: Config) -> Env:
     """A fresh environment of ``entry``; environments that run code get the run's sandbox service address."""
     cls = env_class(entry)
     kwargs = dict(entry.kwargs)
-    if getattr(cls, "uses_sandbox", False):
+    if cls.uses_sandbox:
         kwargs.setdefault("sandbox_address", sandbox_address(cfg))
     return cls(**kwargs)
 
@@ -79,11 +79,6 @@ def sandbox_restarts() -> int:
     return sum(s.restarts for s in list(_services.values()))
 
 
-def task_type_of(task: Task, entry: EnvConfig) -> str:
-    """A task's type: its ``meta.task_type``, else its entry's ``task_type``, else the environment's."""
-    return str(task.meta.get("task_type") or entry.task_type or env_class(entry).task_type)
-
-
 def run_episode(env: Env, task: Task, text: str) -> tuple[float, dict[str, Any]]:
     """One single-turn episode: reset on the task, step the response."""
     try:
@@ -94,19 +89,14 @@ def run_episode(env: Env, task: Task, text: str) -> tuple[float, dict[str, Any]]
     return float(reward), info
 
 
-def is_group_level(entry: EnvConfig) -> bool:
-    """Whether the environment rewards the K responses of a prompt together (``score_group``), e.g. a critic."""
-    return callable(getattr(env_class(entry), "score_group", None))
-
-
 Critic = Callable[[list[str]], list[str]]
 
 
 class EpisodeRunner:
     """Runs episodes on a thread pool; each ``map*`` returns one result per job, in order.
 
-    ``critic`` (prompts -> outputs, usually the policy on the shared inference engine) is attached to
-    environments that take one (``attach``), such as the rubric environment.
+    ``critic`` (prompts -> outputs, usually the policy on the shared inference engine) is attached to every
+    environment (``Env.attach``: those that judge with it, such as the rubric environment, take it).
     """
 
     def __init__(self, cfg: Config, workers: int | None = None, critic: Critic | None = None):
@@ -116,7 +106,7 @@ class EpisodeRunner:
     def make_env(self, entry: EnvConfig) -> Env:
         """A fresh environment of ``entry``, with the critic attached where it takes one."""
         env = make_env(entry, self.cfg)
-        if self.critic is not None and callable(getattr(env, "attach", None)):
+        if self.critic is not None:
             env.attach(self.critic)
         return env
 

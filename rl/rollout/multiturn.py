@@ -1,25 +1,23 @@
-"""Multi-turn episodes in the RL loop: generate a turn, step the environment, append its observation, repeat.
+"""Multi-turn episodes: the environment between the model's turns, kept on the driver.
 
-The rollout phase plays the episodes (``play_episodes``); the reward phase turns them into training
-samples (``episode_samples``). All active episodes of the iteration generate their next turn in one
-batch on the inference engines;
-the environments then step concurrently (a sandbox command, a tool call) within their entry's
-``timeout_s``. The trained sequence is the whole conversation after the first prompt: the model's
-tokens (loss mask 1, with the sampler's log-probs) and the environment's observations (loss mask 0,
-context only). An environment that gives its conversation as chat messages (``info["messages"]``, e.g. the
-tool-using SWE environment) is rendered with the tokenizer's own chat template (``engines.model.conversation``:
-observations are the template's text between the model's turns) and parses calls in the model family's
-format (``model.tool_format``, detected from the template); a turn the template cannot render ends the
-episode there as truncated. An episode ends when the environment says so, after ``rollout.max_turns`` turns
-(truncated: its task type's truncation penalty), or when the conversation no longer fits the model's
-context; an environment error drops that trajectory and is counted. Multi-turn groups are not paused
-by partial rollout: they finish within their iteration.
+A multi-turn sample is an ordinary ``rl.sample.Sample`` whose turns are engine requests of the same rollout
+(``rl.rollout.phase``): each turn is generated with the others of the iteration under its token budget, then its
+environment steps (a sandbox command, a tool call) within its entry's ``timeout_s``, concurrently with the other
+episodes; the observation is appended (loss mask 0, context only) and the next turn is generated, until the
+episode ends. The trained sequence is the whole conversation after the first prompt: the model's tokens (loss
+mask 1, with the sampler's log-probs) and the environment's observations. An environment that gives its
+conversation as chat messages (``info["messages"]``, e.g. the tool-using SWE environment) is rendered with the
+tokenizer's own chat template (``engines.model.conversation``: observations are the template's text between the
+model's turns) and parses calls in the model family's format (``model.tool_format``, detected from the template);
+a turn the template cannot render ends the episode there as truncated. An episode ends when the environment says
+so, after ``rollout.max_turns`` turns (truncated: its task type's truncation penalty), or when the conversation no
+longer fits the context; an environment error drops that sample and is counted. The environments live here, not
+in the sample: a paused episode waits in the partial-rollout buffer with its environment kept here.
 """
 
 from __future__ import annotations
 
-from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from engines.inference.sampling import SamplingParams
@@ -27,143 +25,137 @@ from engines.model.chat_format import ChatFormatError, ToolFormat, detect_format
 from engines.model.conversation import Conversation
 from engines.model.tokenizer import TextTokenizer
 from envs import Env, Task
-from rl.algo.update import Sample
-from rl.config import Config, EnvConfig
+from rl.config import EnvConfig
 from rl.errors import UserError
-from rl.rollout.episodes import EpisodeRunner, task_type_of
-from rl.seeds import turn_seed
+from rl.rollout.episodes import EpisodeRunner
+from rl.sample import Sample
+from rl.seeds import episode_seed, turn_seed
 
 
 @dataclass
 class Episode:
-    group: int
-    key: int
+    """The driver's side of one multi-turn sample: its environment and, for chat environments, its conversation."""
+
     entry: EnvConfig
     task: Task
     env: Env
-    prompt_ids: list[int]
-    response_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    loss_mask: list[int] = field(default_factory=list)
-    temperature: float = 1.0
-    turns: int = 0
-    reward: float = 0.0
-    done: bool = False
-    truncated: bool = False
-    error: str | None = None
-    conv: Conversation | None = None  # set when the environment gives chat messages (rendered by the template)
-    template_error: str | None = None
+    conv: Conversation | None = None
 
 
-def _reset(env: Env, task: Task, fmt: ToolFormat | None) -> tuple[str, dict]:
-    if fmt is not None and hasattr(env, "tool_format"):
-        env.tool_format = fmt
-    return env.reset(options={"task": task})
+class Episodes:
+    """The multi-turn samples' environments, by sample key; ``start`` them, ``step`` them after each turn."""
 
+    def __init__(self, runner: EpisodeRunner, tok: TextTokenizer, tool_format: str, max_turns: int, context: int,
+                 run_seed: int) -> None:
+        self.runner, self.tok, self.tool_format_name = runner, tok, tool_format
+        self.max_turns, self.context, self.run_seed = max_turns, context, run_seed
+        self.live: dict[int, Episode] = {}
+        self._format: ToolFormat | None = None
+        self.template_errors = 0  # episodes ended because the template could not render a turn
 
-def _start(e: Episode, tok: TextTokenizer, obs: str, info: dict, fmt: ToolFormat | None) -> list[int]:
-    """The first prompt's ids; a chat-message environment's conversation starts here."""
-    if info.get("messages") and tok.has_chat_template:
-        e.conv = Conversation(tok, info["messages"], info.get("tools"), fmt)
-        return e.conv.prompt_ids
-    return tok.prompt_ids(e.task) if e.task.messages else tok.encode(obs)
+    def _tool_format(self) -> ToolFormat:
+        if self._format is None:
+            try:
+                self._format = detect_format(self.tok, self.tool_format_name)
+            except ChatFormatError as err:
+                raise UserError(f"model.tool_format: {err}") from None
+        return self._format
 
+    def _params(self, s: Sample) -> SamplingParams:
+        """The next turn's sampling: the sample's temperature, its task type's budget within what the context leaves,
+        the turn's own seed (from the iteration it was drawn in)."""
+        room = self.context - len(s.prompt_ids) - len(s.response_ids)
+        seed = turn_seed(episode_seed(self.run_seed, s.started), s.key, s.turns)
+        return SamplingParams(s.temperature, max(min(s.task_type.max_tokens, room), 1), seed=seed)
 
-def play_episodes(cluster, cfg: Config, tok: TextTokenizer, runner: EpisodeRunner,
-                  groups: list[tuple[int, EnvConfig, Task]], temperatures: dict[str, float], seed: int,
-                  max_context: int) -> list[Episode]:
-    """Play K episodes for each ``(group id, entry, task)`` to their end; each keeps its environment's final
-    reward (or its error)."""
-    k = cfg.rollout.samples_per_prompt
-    episodes: list[Episode] = []
-    for group, entry, task in groups:
-        for j in range(k):
-            episodes.append(Episode(group, group * k + j, entry, task, runner.make_env(entry), []))
-    fmt = None
-    if any(hasattr(e.env, "tool_format") for e in episodes):
-        try:
-            fmt = detect_format(tok, cfg.model.tool_format)
-        except ChatFormatError as err:
-            raise UserError(f"model.tool_format: {err}") from None
-    firsts = runner.run_calls([(lambda e=e: _reset(e.env, e.task, fmt), e.entry.timeout_s) for e in episodes])
-    for e, (out, err) in zip(episodes, firsts, strict=True):
-        e.prompt_ids = _start(e, tok, *out, fmt) if err is None else []
-        e.error, e.done = err, err is not None
-    for turn in range(cfg.rollout.max_turns):
-        active = [e for e in episodes if not e.done]
-        if not active:
-            break
-        params = []
-        for e in active:
-            ttype = task_type_of(e.task, e.entry)
-            e.temperature = temperatures[ttype]
-            budget = min(cfg.task_type(ttype)[0], max_context - len(e.prompt_ids) - len(e.response_ids))
-            params.append(SamplingParams(e.temperature, max(budget, 1),
-                                         seed=turn_seed(seed, e.key, turn)))
-        outs = cluster.generate([e.prompt_ids + e.response_ids for e in active], params, seed=seed)
-        steps = runner.run_calls([(lambda e=e, c=c: e.env.step(tok.decode(c.token_ids)), e.entry.timeout_s)
-                                  for e, c in zip(active, outs, strict=True)])
-        for e, c, (result, err) in zip(active, outs, steps, strict=True):
-            e.turns += 1
-            if c.finish_reason == "error":
-                e.error, e.done = f"the inference engine refused the request: {c.error}", True
-                continue
-            e.response_ids += c.token_ids
-            e.logprobs += c.logprobs
-            e.loss_mask += [1] * len(c.token_ids)
+    def start(self, samples: list[Sample], entries: list[EnvConfig], tasks: list[Task]) -> None:
+        """Reset a fresh environment for each new sample (``entries[i]``, ``tasks[i]``): its first observation becomes
+        the prompt; a reset that fails ends the sample with its error."""
+        eps = [Episode(e, t, self.runner.make_env(e)) for e, t in zip(entries, tasks, strict=True)]
+        fmt = self._tool_format() if any(ep.env.uses_tools for ep in eps) else None
+
+        def reset(ep: Episode) -> tuple[str, dict]:
+            if fmt is not None and ep.env.uses_tools:
+                ep.env.set_tool_format(fmt)
+            return ep.env.reset(options={"task": ep.task})
+
+        firsts = self.runner.run_calls([(lambda ep=ep: reset(ep), ep.entry.timeout_s) for ep in eps])
+        for s, ep, (out, err) in zip(samples, eps, firsts, strict=True):
+            self.live[s.key] = ep
             if err is not None:
-                e.error, e.done = err, True
+                s.status, s.error = "error", err
                 continue
-            obs, reward, terminated, truncated, info = result
-            if terminated or truncated:
-                e.reward, e.done, e.truncated = float(reward), True, bool(truncated)
-                if e.conv is not None:
-                    e.conv.finish(c.token_ids, (info or {}).get("calls"))
-                continue
-            if e.conv is not None:
-                try:
-                    obs_ids = e.conv.add_turn(c.token_ids, (info or {}).get("messages")
-                                              or [{"role": "user", "content": obs}], (info or {}).get("calls"))
-                except ChatFormatError as err:  # the template cannot go on: the episode ends at this turn
-                    e.done, e.truncated, e.template_error = True, True, str(err)
-                    continue
+            obs, info = out
+            if info.get("messages") and self.tok.has_chat_template:
+                ep.conv = Conversation(self.tok, info["messages"], info.get("tools"), fmt)
+                s.prompt_ids = ep.conv.prompt_ids
             else:
-                obs_ids = tok.encode(obs)
-            if len(e.prompt_ids) + len(e.response_ids) + len(obs_ids) + 1 >= max_context:
-                e.done, e.truncated = True, True  # no room for another turn
+                s.prompt_ids = self.tok.prompt_ids(ep.task) if ep.task.messages else self.tok.encode(obs)
+            s.params = self._params(s)
+        self.close([s.key for s in samples if s.done])
+
+    def step(self, samples: list[Sample]) -> None:
+        """Step each sample's environment with the turn it just generated: the episode ends (its reward, or
+        truncated), or the observation is appended and the sample runs again with its next turn's sampling."""
+        def step(s: Sample) -> Any:
+            return self.live[s.key].env.step(self.tok.decode(s.response_ids[s.turn_start:]))
+
+        stepping = [s for s in samples if s.status != "error"]
+        outs = dict(zip((s.key for s in stepping), self.runner.run_calls(
+            [(lambda s=s: step(s), self.live[s.key].entry.timeout_s) for s in stepping]), strict=True))
+        for s in samples:
+            s.turns += 1
+            if s.status == "error":
+                s.error = f"the inference engine refused the request: {s.error}"
                 continue
-            e.response_ids += obs_ids
-            e.logprobs += [0.0] * len(obs_ids)
-            e.loss_mask += [0] * len(obs_ids)
-    for e in episodes:
-        if not e.done:
-            e.done, e.truncated = True, True  # out of turns
-    runner.run_calls([(e.env.close, 10.0) for e in episodes])
-    return episodes
+            result, err = outs[s.key]
+            if err is not None:
+                s.status, s.error = "error", err
+                continue
+            self._advance(s, *result)
+        self.close([s.key for s in samples if s.done])
 
+    def _advance(self, s: Sample, obs: str, reward: float, terminated: bool, truncated: bool, info: dict) -> None:
+        ep, info = self.live[s.key], info or {}
+        turn = s.response_ids[s.turn_start:]
+        if terminated or truncated:
+            s.reward, s.status = float(reward), "truncated" if truncated else "finished"
+            if ep.conv is not None:
+                ep.conv.finish(turn, info.get("calls"))
+            return
+        if s.turns >= self.max_turns:
+            s.status = "truncated"  # out of turns
+            return
+        if ep.conv is not None:
+            try:
+                obs_ids = ep.conv.add_turn(turn, info.get("messages") or [{"role": "user", "content": obs}],
+                                           info.get("calls"))
+            except ChatFormatError:  # the template cannot go on: the episode ends at this turn
+                s.status = "truncated"
+                self.template_errors += 1
+                return
+        else:
+            obs_ids = self.tok.encode(obs)
+        if len(s.prompt_ids) + len(s.response_ids) + len(obs_ids) + 1 >= self.context:
+            s.status = "truncated"  # no room for another turn
+            return
+        s.response_ids = [*s.response_ids, *obs_ids]
+        s.logprobs = [*s.logprobs, *[0.0] * len(obs_ids)]
+        s.loss_mask = [*(s.loss_mask or []), *[0] * len(obs_ids)]
+        s.turn_start, s.status = len(s.response_ids), "running"
+        s.params = self._params(s)
 
-def episode_samples(episodes: list[Episode], cfg: Config) -> tuple[list[Sample], dict[str, Any]]:
-    """Training samples of finished episodes (truncated ones take their task type's penalty) and stats."""
-    samples, errors, first_error = [], 0, None
-    reward_sum: Counter[str] = Counter()
-    n_type: Counter[str] = Counter()
-    for e in episodes:
-        ttype = task_type_of(e.task, e.entry)
-        n_type[ttype] += 1
-        if e.error or not e.loss_mask:
-            errors += 1
-            first_error = first_error or f"task {e.task.id}: {e.error or 'no tokens generated'}"
-            continue
-        reward = cfg.task_type(ttype)[1] if e.truncated else e.reward
-        reward_sum[ttype] += reward
-        samples.append(Sample(e.group, e.prompt_ids, e.response_ids, e.logprobs, reward,
-                              temperature=e.temperature, loss_mask=e.loss_mask))
-    stats: dict[str, Any] = {"multi_turn_episodes": len(episodes), "multi_turn_errors": errors,
-                             "multi_turn_turns": sum(e.turns for e in episodes) / max(1, len(episodes)),
-                             "multi_turn_truncated": sum(e.truncated for e in episodes),
-                             "multi_turn_template_errors": sum(e.template_error is not None for e in episodes)}
-    for ttype, count in n_type.items():
-        stats[f"reward_mean/{ttype}"] = reward_sum[ttype] / count
-    if first_error:
-        stats["first_multi_turn_error"] = first_error
-    return samples, stats
+    def close(self, keys: list[int]) -> None:
+        """Close the environments of the samples ``keys`` (ended or dropped); None of the others."""
+        eps = [self.live.pop(k) for k in keys if k in self.live]
+        if eps:
+            self.runner.run_calls([(ep.env.close, 10.0) for ep in eps])
+
+    def close_all(self) -> None:
+        """Close every environment still open (the run, or the iteration's runner, ends)."""
+        self.close(list(self.live))
+
+    def take_template_errors(self) -> int:
+        """Episodes ended since the last call because the chat template could not render a turn."""
+        n, self.template_errors = self.template_errors, 0
+        return n

@@ -4,19 +4,21 @@ Trajectories still generating when the budget is spent are paused with their tok
 per-token logprobs, and continue in the next iteration under the new weights; each stretch of
 tokens is a segment tagged with the weights version that sampled it, so π_old of every token is
 the policy that actually drew it. Trajectories older than ``max_age`` iterations are dropped, and
-a prompt group is handed to the trainer once every remaining sample of it has finished.
+a prompt group is handed to the trainer once every remaining sample of it has finished. Samples are
+``rl.sample.Sample`` records; a multi-turn episode's turns go through the same buffer and budget (its
+environment stays with the driver, ``rl.rollout.multiturn``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field, replace
 
 from engines.inference.base import RolloutEngine
 from engines.inference.requests import Completion
 from engines.inference.sampling import InvalidRequestError, SamplingParams
+from rl.sample import Sample, TaskType
 
-__all__ = ["PartialRolloutBuffer", "Trajectory", "advance", "generate_with_budget"]
+__all__ = ["PartialRolloutBuffer", "advance", "generate_with_budget"]
 
 
 def generate_with_budget(engine: RolloutEngine, requests: Sequence[tuple[list[int], SamplingParams, int]],
@@ -74,174 +76,155 @@ def generate_with_budget(engine: RolloutEngine, requests: Sequence[tuple[list[in
     return finished, engine.pause()
 
 
-@dataclass
-class Trajectory:
-    """One sample of a prompt group, possibly generated over several iterations (segments)."""
-
-    key: int                    # unique id, also the engine request id
-    group: int                  # unique id of its prompt group (the K samples of one prompt share it)
-    task_index: int             # index of its task in the caller's task list
-    prompt_ids: list[int]
-    params: SamplingParams
-    started: int                # iteration in which it was first sampled
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)  # per token, from the weights of its segment
-    segments: list[tuple[int, int]] = field(default_factory=list)  # (first token index, weights version)
-    finish_reason: str | None = None  # None while unfinished; "error" when the engine refused it
-    error: str | None = None
-
-    def extended(self, c: Completion, version: int) -> Trajectory:
-        """A copy carrying the engine's result ``c`` for it (its tokens so far, a resumed request's earlier ones
-        first): the new tokens become a segment of weights ``version``; finish state from ``c``."""
-        n = len(self.token_ids)
-        if c.finish_reason != "error" and (len(c.token_ids) < n or c.token_ids[:n] != self.token_ids):
-            raise ValueError(f"result {c.request_id} does not continue trajectory {self.key}'s tokens")
-        t = replace(self, segments=list(self.segments), finish_reason=c.finish_reason, error=c.error)
-        if c.finish_reason != "error" and len(c.token_ids) > n:
-            t.token_ids, t.logprobs = list(c.token_ids), list(c.logprobs)
-            t.segments.append((n, version))
-        return t
-
-    def to_dict(self) -> dict:
-        """JSON-serialisable form (SamplingParams as a dict)."""
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> Trajectory:
-        """Inverse of ``to_dict`` (also after a JSON round trip)."""
-        d = dict(d)
-        d["params"] = SamplingParams(**d["params"])
-        d["segments"] = [(int(a), int(b)) for a, b in d["segments"]]
-        return cls(**d)
-
-
-def advance(engine: RolloutEngine, trajectories: Sequence[Trajectory], token_budget: int | None,
-            version: int) -> list[Trajectory]:
-    """Generate for ``trajectories`` (paused ones first: they are older) until each finishes or ``token_budget``
-    tokens were generated; returns them, updated: the tokens generated here are one more segment, of weights
-    ``version``, and ``finish_reason`` is None for those paused again. The inputs are not modified."""
-    partials = [Completion(list(t.token_ids), list(t.logprobs), None, list(t.prompt_ids), request_id=t.key,
-                           params=t.params) for t in trajectories if t.token_ids]
-    requests = [(list(t.prompt_ids), t.params, t.key) for t in trajectories if not t.token_ids]
+def advance(engine: RolloutEngine, samples: Sequence[Sample], token_budget: int | None,
+            version: int) -> list[Sample]:
+    """Generate the current turn of ``samples`` (those paused mid-turn first: they are older) until each turn ends
+    or ``token_budget`` tokens were generated; returns them, updated (``Sample.extended``: the tokens generated
+    here are one more segment, of weights ``version``; status "paused" for those paused again). The inputs are not
+    modified."""
+    asked = [s.request() for s in samples]
+    partials = [c for c in asked if c.token_ids]
+    requests = [(c.prompt_ids, c.params, c.request_id) for c in asked if not c.token_ids]
     finished, paused = generate_with_budget(engine, requests, partials, token_budget)
-    held = {t.key: t for t in trajectories}
+    held = {s.key: s for s in samples}
     return [held[c.request_id].extended(c, version) for c in finished + paused]
 
 
-_STAT_KEYS = ("paused", "resumed", "dropped")
+_STAT_KEYS = ("resumed", "dropped")
 
 
 class PartialRolloutBuffer:
-    """The trajectories of prompt groups that are not complete yet, across iterations.
+    """The samples of prompt groups that are not complete yet, across iterations.
 
-    Per iteration: ``pending(it)`` (drops the too old, lists what to run), generate, ``record``
-    the results, ``pop_complete()`` the groups to train on. Counters for ``stats()`` are reset by
-    the first ``pending`` call of each new iteration.
+    Per iteration: ``pending(it)`` (drops the too old, lists what to run), generate, ``record`` the results,
+    ``pop_complete()`` the groups to train on. Counters for ``stats()`` are reset by the first ``pending`` call of
+    each new iteration. Multi-turn samples between turns are held here too; their environments are not (they live
+    with the driver's episode runner), so a checkpoint cannot carry them: ``drop_in_flight_episodes`` ends them
+    before a save, in every run alike, which keeps a resumed run exact.
     """
 
     def __init__(self, max_age: int) -> None:
         if max_age < 0:
             raise ValueError(f"max_age must be >= 0, got {max_age}")
         self.max_age = max_age
-        self._groups: dict[int, list[Trajectory]] = {}
-        self._by_key: dict[int, Trajectory] = {}
+        self._groups: dict[int, list[Sample]] = {}
+        self._by_key: dict[int, Sample] = {}
         self._counts = dict.fromkeys(_STAT_KEYS, 0)
         self._iteration: int | None = None  # iteration the counters belong to
 
-    def add_group(self, trajs: Sequence[Trajectory]) -> None:
-        """Register the new trajectories of one prompt group."""
-        if not trajs:
-            raise ValueError("a group needs at least one trajectory")
-        group = trajs[0].group
-        keys = [t.key for t in trajs]
-        if any(t.group != group for t in trajs):
-            raise ValueError(f"trajectories of one group must share its id; got {sorted({t.group for t in trajs})}")
+    def add_group(self, samples: Sequence[Sample]) -> None:
+        """Register the new samples of one prompt group."""
+        if not samples:
+            raise ValueError("a group needs at least one sample")
+        group = samples[0].group
+        keys = [s.key for s in samples]
+        if any(s.group != group for s in samples):
+            raise ValueError(f"samples of one group must share its id; got {sorted({s.group for s in samples})}")
         if group in self._groups:
             raise ValueError(f"group {group} is already in the buffer")
         if len(set(keys)) != len(keys) or any(k in self._by_key for k in keys):
-            raise ValueError(f"trajectory keys must be unique: {keys}")
-        self._groups[group] = list(trajs)
-        self._by_key.update((t.key, t) for t in trajs)
+            raise ValueError(f"sample keys must be unique: {keys}")
+        self._groups[group] = list(samples)
+        self._by_key.update((s.key, s) for s in samples)
 
-    def pending(self, iteration: int) -> tuple[list[Trajectory], list[Trajectory]]:
-        """(to run, dropped): unfinished trajectories, oldest first, and those removed because
+    def _drop(self, keys: set[int]) -> list[Sample]:
+        """Remove the samples ``keys``; a group goes on with its other samples, or is gone if none is left."""
+        dropped = [self._by_key.pop(k) for k in sorted(keys)]
+        for g in {s.group for s in dropped}:
+            keep = [s for s in self._groups[g] if s.key not in keys]
+            if keep:
+                self._groups[g] = keep
+            else:
+                del self._groups[g]
+        self._counts["dropped"] += len(dropped)
+        return dropped
+
+    def pending(self, iteration: int) -> tuple[list[Sample], list[Sample]]:
+        """(to run, dropped): unfinished samples, oldest first, and those removed because
         ``iteration - started > max_age``. Starts the counters of ``iteration`` if new."""
         if iteration != self._iteration:
             self._iteration = iteration
             self._counts = dict.fromkeys(_STAT_KEYS, 0)
-        run, dropped = [], []
-        for g in sorted(self._groups):
-            members = self._groups[g]
-            unfinished = [t for t in members if t.finish_reason is None]
-            old = {t.key for t in unfinished if iteration - t.started > self.max_age}
-            run += [t for t in unfinished if t.key not in old]
-            if old:
-                dropped += [t for t in unfinished if t.key in old]
-                for k in old:
-                    del self._by_key[k]
-                # the group goes on with its other samples, or is gone if none is left
-                keep = [t for t in members if t.key not in old]
-                if keep:
-                    self._groups[g] = keep
-                else:
-                    del self._groups[g]
-        self._counts["dropped"] += len(dropped)
-        run.sort(key=lambda t: (t.started, t.key))
+        unfinished = [s for g in sorted(self._groups) for s in self._groups[g] if not s.done]
+        dropped = self._drop({s.key for s in unfinished if iteration - s.started > self.max_age})
+        gone = {s.key for s in dropped}
+        run = sorted((s for s in unfinished if s.key not in gone), key=lambda s: (s.started, s.key))
+        self._counts["resumed"] += sum(s.started < iteration for s in run)
         return run, dropped
 
-    def record(self, results: Sequence[Trajectory], iteration: int) -> None:
-        """Take generated trajectories back (matched by key; see ``advance``): each must continue the held
-        one's tokens. ``iteration`` is for the counters."""
+    def record(self, results: Sequence[Sample]) -> None:
+        """Take generated samples back (matched by key; see ``advance``): each must continue the held one's tokens
+        and segments, which the held sample then takes (in place: the buffer's samples are the records)."""
         for r in results:
-            t = self._by_key.get(r.key)
-            if t is None:
-                raise KeyError(f"no trajectory with key {r.key} in the buffer")
-            if t.finish_reason is not None:
-                raise ValueError(f"trajectory {t.key} already finished ({t.finish_reason})")
-            if len(r.logprobs) != len(r.token_ids):
-                raise ValueError(f"result {r.key} has {len(r.token_ids)} tokens, {len(r.logprobs)} logprobs")
-            n = len(t.token_ids)
-            if r.finish_reason != "error" and (r.token_ids[:n] != t.token_ids or r.segments[:len(t.segments)]
-                                               != t.segments):
-                raise ValueError(f"result {r.key} does not continue trajectory {t.key}'s tokens")
-            t.token_ids, t.logprobs, t.segments = list(r.token_ids), list(r.logprobs), list(r.segments)
-            t.finish_reason, t.error = r.finish_reason, r.error
-            if t.started < iteration:
-                self._counts["resumed"] += 1
-            if r.finish_reason is None:
-                self._counts["paused"] += 1
+            s = self._by_key.get(r.key)
+            if s is None:
+                raise KeyError(f"no sample with key {r.key} in the buffer")
+            if s.done:
+                raise ValueError(f"sample {s.key} already ended ({s.status})")
+            if len(r.logprobs) != len(r.response_ids):
+                raise ValueError(f"result {r.key} has {len(r.response_ids)} tokens, {len(r.logprobs)} logprobs")
+            n = len(s.response_ids)
+            if r.status != "error" and (r.response_ids[:n] != s.response_ids or
+                                        r.segments[:len(s.segments)] != s.segments):
+                raise ValueError(f"result {r.key} does not continue sample {s.key}'s tokens")
+            s.response_ids, s.logprobs, s.segments = list(r.response_ids), list(r.logprobs), list(r.segments)
+            s.loss_mask = None if r.loss_mask is None else list(r.loss_mask)
+            s.status, s.error = r.status, r.error
 
-    def pop_complete(self) -> list[list[Trajectory]]:
-        """Remove and return the groups whose every remaining trajectory has finished, by group id."""
+    def get(self, key: int) -> Sample:
+        """The sample ``key`` as held now."""
+        return self._by_key[key]
+
+    def pop_complete(self) -> list[list[Sample]]:
+        """Remove and return the groups whose every remaining sample has ended, by group id."""
         out = []
         for g in sorted(self._groups):
-            if all(t.finish_reason is not None for t in self._groups[g]):
+            if all(s.done for s in self._groups[g]):
                 members = self._groups.pop(g)
-                for t in members:
-                    del self._by_key[t.key]
+                for s in members:
+                    del self._by_key[s.key]
                 out.append(members)
         return out
+
+    def drop_in_flight_episodes(self) -> list[Sample]:
+        """Remove the multi-turn samples not yet ended (their environments cannot be saved); returns them."""
+        return self._drop({k for k, s in self._by_key.items() if s.multi_turn and not s.done})
 
     def in_flight_groups(self) -> int:
         """Groups held: some sample still unfinished, or complete but not yet popped."""
         return len(self._groups)
 
     def stats(self) -> dict[str, int]:
-        """Counters of the current iteration (reset by its first ``pending``): ``paused`` results
-        left unfinished, ``resumed`` results of trajectories started in an earlier iteration, ``dropped``
-        for age; plus ``waiting_groups``, the groups held right now (call after ``pop_complete``)."""
-        return {**self._counts, "waiting_groups": len(self._groups)}
+        """The current iteration's counters (reset by its first ``pending``): ``resumed`` samples drawn in an
+        earlier iteration that ran in this one, ``dropped`` for age or a checkpoint; and, now: ``paused``, the
+        samples waiting for the next iteration (mid-turn, or a multi-turn episode between turns), and
+        ``waiting_groups`` (call after ``pop_complete``)."""
+        paused = sum(not s.done for s in self._by_key.values())
+        return {"paused": paused, **self._counts, "waiting_groups": len(self._groups)}
 
     def state_dict(self) -> dict:
         """JSON-serialisable state, for checkpoints."""
         return {"max_age": self.max_age, "iteration": self._iteration, "counts": dict(self._counts),
-                "groups": [[t.to_dict() for t in self._groups[g]] for g in sorted(self._groups)]}
+                "groups": [[s.to_dict() for s in self._groups[g]] for g in sorted(self._groups)]}
 
-    def load_state_dict(self, state: dict) -> None:
-        """Replace this buffer's contents with a ``state_dict`` (also after a JSON round trip)."""
+    def load_state_dict(self, state: dict, type_of: Callable[[int], TaskType] | None = None) -> None:
+        """Replace this buffer's contents with a ``state_dict`` (also after a JSON round trip). Checkpoints written
+        before samples carried their task type hold trajectories; ``type_of(task_index)`` types them."""
         self.max_age = int(state["max_age"])
         self._iteration = state["iteration"]
-        self._counts = {k: int(state["counts"][k]) for k in _STAT_KEYS}
+        self._counts = {k: int(state["counts"].get(k, 0)) for k in _STAT_KEYS}
         self._groups, self._by_key = {}, {}
         for members in state["groups"]:
-            self.add_group([Trajectory.from_dict(d) for d in members])
+            self.add_group([Sample.from_dict(d) if "task_type" in d else _from_trajectory(d, type_of)
+                            for d in members])
+
+
+def _from_trajectory(d: dict, type_of: Callable[[int], TaskType] | None) -> Sample:
+    """A paused trajectory of an earlier checkpoint format as a sample."""
+    if type_of is None:
+        raise ValueError("a checkpoint of the earlier format needs type_of to give its trajectories a task type")
+    status = "paused" if d["finish_reason"] is None else "error" if d["finish_reason"] == "error" else \
+        "truncated" if d["finish_reason"] == "length" else "finished"
+    return Sample(d["key"], d["group"], d["task_index"], type_of(d["task_index"]), list(d["prompt_ids"]),
+                  SamplingParams(**d["params"]), d["started"], list(d["token_ids"]), list(d["logprobs"]),
+                  segments=[(int(a), int(b)) for a, b in d["segments"]], status=status, error=d.get("error"))

@@ -13,17 +13,17 @@ from pathlib import Path
 
 import torch
 
-from engines.inference.native import InferenceEngine
+from engines.inference.factory import EngineSettings, build_engine, decode_attention
 from engines.inference.sampling import SamplingParams
-from engines.model.hf_io import load_pretrained
 from engines.model.tokenizer import TextTokenizer
 from envs import Task
 from envs.tasks import save_tasks
 from rl.config import Config
 from rl.errors import UserError
-from rl.rollout.data import load_task_sets
-from rl.rollout.episodes import EpisodeRunner, is_group_level, solved, task_type_of
+from rl.rollout.data import load_task_sets, type_name
+from rl.rollout.episodes import EpisodeRunner, env_class, solved
 from rl.seeds import difficulty_seed
+from rl.settings import task_types
 from rl.setup.warmstart import prepare_model
 
 
@@ -32,21 +32,22 @@ def pass_rates(cfg: Config, model_dir: Path, tasks: list[Task], entries: list, k
     """Fraction of ``k`` samples of each task whose reward is 1, with the model in ``model_dir``."""
     torch.manual_seed(difficulty_seed(seed, batch=-1))  # any random init while the model loads
     tok = TextTokenizer.load(model_dir, cfg.model.chat_template)
-    engine = InferenceEngine(load_pretrained(model_dir).eval(), tok.eos_ids, tok.pad_id,
-                             max_num_seqs=cfg.rollout.max_batch, kv_cache_bytes=cfg.rollout.kv_cache_mb << 20)
-    runner = EpisodeRunner(cfg)
+    r = cfg.rollout
+    engine = build_engine(EngineSettings("native", str(model_dir), "cpu", cfg.rollout_dtype, False, None, r.max_batch,
+                                         r.kv_cache_mb << 20, r.max_batch_tokens,
+                                         decode_attention(r.attention, "cpu"), seed), load=True)
+    runner, types = EpisodeRunner(cfg), task_types(cfg)
     rates = []
     try:
         for lo in range(0, len(tasks), batch):
             chunk = list(zip(tasks[lo:lo + batch], entries[lo:lo + batch], strict=True))
             prompts, params, jobs_meta = [], [], []
             for task, entry in chunk:
-                ttype = task_type_of(task, entry)
-                max_tokens, t0 = cfg.task_type(ttype)[0], cfg.temperature(ttype, 0)
+                kind = types.get(type_name(task, entry))
                 ids = tok.prompt_ids(task)
                 for _ in range(k):
                     prompts.append(ids)
-                    params.append(SamplingParams(t0, max_tokens))
+                    params.append(SamplingParams(kind.temperature.at(0), kind.max_tokens))
                     jobs_meta.append((entry, task))
             outs = engine.generate(prompts, params, seed=difficulty_seed(seed, lo // batch))
             results = runner.map([(e, t, tok.decode(c.token_ids)) for (e, t), c in zip(jobs_meta, outs, strict=True)])
@@ -64,7 +65,7 @@ def filter_by_difficulty(cfg: Config, out: Path, k: int = 8, min_pass: float = 0
     if not 0 <= min_pass <= max_pass <= 1:
         raise UserError(f"need 0 <= min_pass ({min_pass}) <= max_pass ({max_pass}) <= 1")
     sets = load_task_sets(cfg)
-    idx = [i for i in range(len(sets.train)) if not is_group_level(sets.train_entry(i))][:limit]
+    idx = [i for i in range(len(sets.train)) if not env_class(sets.train_entry(i)).group_level][:limit]
     tasks, entries = [sets.train[i] for i in idx], [sets.train_entry(i) for i in idx]
     rates = pass_rates(cfg, prepare_model(cfg), tasks, entries, k, seed)
     kept = [replace(t, meta={**t.meta, "pass_rate": r}) for t, r in zip(tasks, rates, strict=True)

@@ -21,10 +21,12 @@ from dataclasses import dataclass
 
 import torch
 
+from engines.inference.factory import EngineSettings
 from engines.inference.kv_cache import BLOCK_SIZE, bytes_per_slot, bytes_per_token, gather_bytes, paged_pool
 from engines.model.arch import ModelConfig
 from rl.config import Config
 from rl.errors import UserError
+from rl.settings import RunSettings, ranks_per_worker, resolve
 
 GiB = 2**30
 
@@ -115,6 +117,7 @@ class MemoryEstimate:
     decode_work: int = 0   # the torch attention path's gathered keys/values and scores of the widest decode step
     checkpoint: int = 0    # one checkpoint on disk (model and trainer state)
     run_dir: int = 0       # the run directory at its fullest (see run_dir_bytes)
+    engine: str = "native"  # the rollout engine counted ("auto": not resolved, counted as native)
 
     def table(self) -> str:
         rows = [("parameters", f"{self.params / 1e6:,.1f} M"),
@@ -173,25 +176,22 @@ def training_working_set(shape: ModelShape, tokens: int, compute_dtype: str, che
     return activation_bytes(shape, tokens, cb, checkpointing) + logprob_bytes(tokens, shape.vocab) + gathered
 
 
-def per_worker_ranks(cfg: Config) -> int:
-    """Trainer ranks of one worker: one per GPU where its replica spans them (tensor parallel), else one."""
-    gpus = cfg.cluster.gpus_per_worker
-    return int(gpus) if cfg.rollout.tensor_parallel_size > 1 and gpus > 0 else 1
-
-
-def estimate(cfg: Config, arch: ModelConfig, max_seq_len: int) -> MemoryEstimate:
+def estimate(cfg: Config, arch: ModelConfig, max_seq_len: int, engine: EngineSettings | None = None) -> MemoryEstimate:
     """Bytes per worker of a run of ``cfg`` on a model of ``arch`` with KV caches of ``max_seq_len`` tokens (per GPU
-    where a worker's replica spans several: each holds a trainer rank and a replica rank)."""
+    where a worker's replica spans several: each holds a trainer rank and a replica rank). ``engine``: the run's
+    replica as resolved (``rl.settings``); without it the config is read as written, "auto" counted as the native
+    engine's torch attention path (the largest decode working set)."""
     shape = ModelShape.of(arch)
     # trainer ranks: one per worker, or one per GPU of a worker whose replica spans its GPUs (rl.loop.cluster)
-    workers = cfg.cluster.workers * per_worker_ranks(cfg)
+    workers = cfg.cluster.workers * ranks_per_worker(cfg)
+    compute_dtype, rollout_dtype_name = cfg.compute_dtype, cfg.rollout_dtype
     weights, grads, opt = trainer_bytes(shape, workers, cfg.trainer.master_dtype, cfg.optimizer.kind)
-    sharded = workers > 1 or cfg.compute_dtype != cfg.trainer.master_dtype
-    work = training_working_set(shape, cfg.algorithm.micro_batch_tokens, cfg.compute_dtype,
+    sharded = workers > 1 or compute_dtype != cfg.trainer.master_dtype
+    work = training_working_set(shape, cfg.algorithm.micro_batch_tokens, compute_dtype,
                                 cfg.trainer.activation_checkpointing, sharded)
     # per device: a tensor-parallel replica's ranks hold a shard each (and a KV cache of rollout.kv_cache_mb each)
-    replica = shape.params * _itemsize(cfg.rollout_dtype) // cfg.rollout.tensor_parallel_size
-    rollout_dtype = getattr(torch, cfg.rollout_dtype)
+    replica = shape.params * _itemsize(rollout_dtype_name) // cfg.rollout.tensor_parallel_size
+    rollout_dtype = getattr(torch, rollout_dtype_name)
     per_seq = bytes_per_slot(arch, max_seq_len, rollout_dtype)
     _, kv = paged_pool(arch, cfg.rollout.kv_cache_mb << 20, rollout_dtype)  # the engine takes the whole budget
     seqs = min(cfg.rollout.max_batch, kv // per_seq)  # sequences of the full max_seq_len it holds at least
@@ -199,9 +199,10 @@ def estimate(cfg: Config, arch: ModelConfig, max_seq_len: int) -> MemoryEstimate
     trainer = weights + grads + opt + (weights if cfg.algorithm.kl_coef > 0 else 0)
     level = cfg.rollout.sleep_level
     decode = 0
-    # flex and the CPU kernel read the pool in place; auto is counted as torch, what it is on a GPU and where the
-    # CPU kernel cannot be built
-    if cfg.rollout.attention in ("auto", "torch") and cfg.rollout.engine != "vllm":
+    kind = engine.kind if engine is not None else cfg.rollout.engine
+    attention = engine.attention if engine is not None else cfg.rollout.attention
+    # flex and the CPU kernel read the pool in place, and vLLM reads its own; unresolved, auto is counted as torch
+    if attention in ("auto", "torch") and kind != "vllm":
         # every row is gathered at the widest one's length, which the pool also bounds; each row holds a block
         tokens = kv // bytes_per_token(arch, rollout_dtype)
         width, rows = min(max_seq_len, tokens), min(cfg.rollout.max_batch, max(1, tokens // BLOCK_SIZE))
@@ -217,12 +218,13 @@ def estimate(cfg: Config, arch: ModelConfig, max_seq_len: int) -> MemoryEstimate
                                         cfg.run.keep_checkpoints)
     return MemoryEstimate(shape.params, weights, grads, opt, replica, kv, seqs, per_seq, max_seq_len,
                           max(rollout_phase, train_phase), trainer + work + replica + kv + decode, work,
-                          pinned if cfg.cluster.gpus_per_worker > 0 else 0, decode, checkpoint, run_dir)
+                          pinned if cfg.cluster.gpus_per_worker > 0 else 0, decode, checkpoint, run_dir, kind)
 
 
-def estimate_run(cfg: Config) -> MemoryEstimate:
+def estimate_run(cfg: Config) -> tuple[MemoryEstimate, RunSettings]:
     """The estimate for ``cfg`` as ``rl train`` would start it: the model of ``model.path`` (or the warm
-    start's architecture) and the KV length the run's prompts need (see ``rollout.max_seq_len``)."""
+    start's architecture) and the KV length the run's prompts need (see ``rollout.max_seq_len``); and the run's
+    settings as resolved for it."""
     from pathlib import Path
 
     from engines.model.arch import make_config
@@ -243,12 +245,15 @@ def estimate_run(cfg: Config) -> MemoryEstimate:
         a = cfg.warmstart.architecture  # not built yet: its architecture, and the model's context as KV length
         arch = make_config(a.family, vocab_size=cfg.warmstart.vocab_size, bos_token_id=None, eos_token_id=None,
                            pad_token_id=None, **a.hf_kwargs())
-        return estimate(cfg, arch, cfg.rollout.max_seq_len or arch.max_position_embeddings)
-    seq = cfg.rollout.max_seq_len
-    if seq is None and (Path(model_dir) / "tokenizer.json").is_file():
-        tok = TextTokenizer.load(model_dir, cfg.model.chat_template)
-        seq = rollout_seq_len(cfg, load_task_sets(cfg), tok, arch.max_position_embeddings)
-    return estimate(cfg, arch, seq or arch.max_position_embeddings)
+        seq = cfg.rollout.max_seq_len or arch.max_position_embeddings
+    else:
+        seq = cfg.rollout.max_seq_len
+        if seq is None and (Path(model_dir) / "tokenizer.json").is_file():
+            tok = TextTokenizer.load(model_dir, cfg.model.chat_template)
+            seq = rollout_seq_len(cfg, load_task_sets(cfg), tok, arch.max_position_embeddings)
+        seq = seq or arch.max_position_embeddings
+    settings = resolve(cfg, arch, str(model_dir), seq)
+    return estimate(cfg, arch, seq, settings.rollout.engine), settings
 
 
 def _ram() -> int:
@@ -286,10 +291,10 @@ def check_fits(cfg: Config, est: MemoryEstimate) -> None:
     if have is None:
         return
     limit, what = have
-    if cfg.cluster.gpus_per_worker > 0 and cfg.rollout.engine == "vllm":
+    if cfg.cluster.gpus_per_worker > 0 and est.engine == "vllm":
         _check_vllm_start(cfg, est, limit // cfg.cluster.gpus_per_worker)
-    if per_worker_ranks(cfg) > 1:  # the estimate is of one GPU of the worker's
-        limit, what = limit // per_worker_ranks(cfg), "memory on each of its GPUs"
+    if ranks_per_worker(cfg) > 1:  # the estimate is of one GPU of the worker's
+        limit, what = limit // ranks_per_worker(cfg), "memory on each of its GPUs"
     need = est.device_peak if cfg.cluster.gpus_per_worker > 0 else est.host_total
     if need <= limit:
         return

@@ -23,7 +23,6 @@ from engines.model.sources import FetchError, cached_dir, fetch_model, parse_sou
 from engines.model.tokenizer import train_tokenizer
 from engines.training.engine import TrainingEngine
 from engines.training.optim import build_optimizers
-from engines.training.qk_clip import qk_clip
 from rl.algo.update import sft_update
 from rl.config import Config
 from rl.errors import CommandFailed, UserError
@@ -105,8 +104,9 @@ def build_warmstart(cfg: Config, target: Path, progress: Progress | None = None)
     arch = make_config(a.family, vocab_size=tok.vocab_size, eos_token_id=tok.eos_id, pad_token_id=tok.pad_id,
                        bos_token_id=None, tie_word_embeddings=False, **a.hf_kwargs())
     model = CausalLM(arch)
-    engine = TrainingEngine(model, build_optimizers(model, "muon", ws.lr, 0.0), tok.pad_id)
     tau = cfg.optimizer.qk_clip_tau
+    engine = TrainingEngine(model, build_optimizers(model, "muon", ws.lr, 0.0), tok.pad_id, qk_clip=tau is not None,
+                            qk_clip_tau=tau)
     track_max_logits(model, tau is not None)
     prompts = [tok.prompt_ids(t) for t in tasks] if tok.chat_prompts else [tok.encode(t.prompt) for t in tasks]
     responses = [[*tok.encode(t.meta["solution"]), tok.eos_id] for t in tasks]
@@ -114,8 +114,6 @@ def build_warmstart(cfg: Config, target: Path, progress: Progress | None = None)
     for _ in range(ws.steps):
         idx = rng.sample(range(len(tasks)), min(ws.batch_size, len(tasks)))
         m = sft_update(engine, [prompts[i] for i in idx], [responses[i] for i in idx], ws.batch_size)
-        if tau is not None:
-            qk_clip(model, tau)
         if progress is not None:
             progress.update(bar, advance=1, description=f"warm start (SFT) loss {m['loss']:.3f}")
     track_max_logits(model, False)

@@ -1,0 +1,250 @@
+"""The run, resolved once: every ``auto`` decided, the context budget computed, each component given its part.
+
+``resolve`` turns the validated ``Config`` into frozen ``RunSettings`` on the driver, before any worker starts.
+The workers receive only their part (``RolloutSettings``' engine, ``TrainerSettings``, ``UpdateSettings``) and
+never read the config again; ``RunSettings.choices`` says what each ``auto`` became and why (``rl train`` logs
+it, ``rl check-config`` prints it). Task types (``TaskType``) are resolved here too: a response's budget,
+truncation penalty and temperature schedule, looked up by name wherever a sample is made.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from engines.inference.factory import EngineSettings, decode_attention, vllm_installed
+from engines.model.arch import ModelConfig
+from engines.training.engine import resolve_attention as train_attention
+from rl.algo.mismatch import Correction
+from rl.algo.objectives import Objective
+from rl.algo.schedules import Schedule
+from rl.config import Config, TemperatureConfig
+from rl.errors import UserError
+from rl.sample import TaskType
+
+
+# ---- task types ------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TaskTypes:
+    """The run's task types: those ``rollout.task_types`` names, and the defaults for any other (a response's
+    budget, truncation penalty and temperature schedule, resolved once: ``rl.sample.TaskType``)."""
+
+    named: dict[str, TaskType]
+    default: TaskType
+
+    def get(self, name: str) -> TaskType:
+        """Task type ``name`` (the defaults under that name when the config does not set it)."""
+        t = self.named.get(name)
+        return t if t is not None else TaskType(name, self.default.max_tokens, self.default.truncation_penalty,
+                                                self.default.temperature)
+
+    @property
+    def max_tokens(self) -> int:
+        """The largest response budget of any task type."""
+        return max([self.default.max_tokens] + [t.max_tokens for t in self.named.values()])
+
+
+def task_types(cfg: Config) -> TaskTypes:
+    """The run's task types from ``rollout`` (budget, penalty, temperature) and its ``task_types`` overrides."""
+    r, n = cfg.rollout, cfg.run.iterations
+
+    def schedule(t: TemperatureConfig) -> Schedule:
+        return Schedule(t.schedule, t.start, t.end, n)
+
+    named = {name: TaskType(name, t.max_tokens or r.max_tokens,
+                            r.truncation_penalty if t.truncation_penalty is None else t.truncation_penalty,
+                            schedule(t.temperature or r.temperature)) for name, t in r.task_types.items()}
+    return TaskTypes(named, TaskType("default", r.max_tokens, r.truncation_penalty, schedule(r.temperature)))
+
+
+def check_context(budget: int, room: int, what: str) -> None:
+    """A response budget must leave room for a prompt in ``room`` tokens (``what`` names where the room comes from)."""
+    if budget >= room:
+        raise UserError(f"max_tokens {budget} (rollout.max_tokens or a task type's) leaves no room for a prompt in "
+                        f"{what}; lower it below {room}")
+
+
+# ---- the components' parts ---------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class RolloutSettings:
+    """The rollout phase: the replicas' engine, the groups drawn per iteration, the token budget, task types."""
+
+    engine: EngineSettings
+    prompts_per_iteration: int
+    samples_per_prompt: int
+    token_budget: int | None      # tokens generated per iteration, all workers (partial rollout); None: no cap
+    max_age: int                  # iterations a paused sample may wait
+    max_turns: int
+    env_workers: int
+    chunk: int                    # most requests sent to one engine at once (held-out evaluation, critics)
+    sleep_level: int
+    task_types: TaskTypes
+    tool_format: str
+
+
+@dataclass(frozen=True)
+class OptimizerSettings:
+    kind: Literal["muon", "adamw"]
+    lr: float
+    weight_decay: float
+    momentum: float
+    max_grad_norm: float
+    qk_clip_tau: float | None
+
+
+@dataclass(frozen=True)
+class TrainerSettings:
+    """One trainer rank: where and in what dtypes it computes, its optimizer, what it sends the replicas."""
+
+    device: str                   # "cpu" or "cuda"
+    gpus: float                   # of the worker (cluster.gpus_per_worker)
+    master_dtype: str
+    compute_dtype: str
+    offload: bool
+    activation_checkpointing: bool
+    attention: str                # resolved: "sdpa" or "flex"
+    optimizer: OptimizerSettings
+    reference: bool               # holds the reference policy (a KL penalty)
+    bucket_bytes: int
+    replica_dtype: str
+    replica_fp8: bool
+
+
+@dataclass(frozen=True)
+class UpdateSettings:
+    """What one policy update does with a rollout batch (``rl.algo``)."""
+
+    objective: Objective
+    minibatches: int
+    micro_batch_tokens: int
+    micro_batch: int | None
+    drop_equal_groups: bool
+    recompute_old: bool           # the trainer recomputes log π_old before the first step
+    correction: Correction | None
+    ptx_coef: float
+
+
+@dataclass(frozen=True)
+class ClusterSettings:
+    workers: int
+    ranks_per_worker: int         # trainer ranks of a worker: one per GPU of a tensor-parallel replica, else one
+    gpus_per_worker: float
+    ray_address: str | None
+    threads_per_worker: int | None
+    step_timeout_s: float
+    max_restarts: int
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """Everything a run's components need, resolved; ``choices``: (setting, value, why) of each ``auto``."""
+
+    cluster: ClusterSettings
+    rollout: RolloutSettings
+    trainer: TrainerSettings
+    update: UpdateSettings
+    context: int                  # tokens per sequence (prompt + response) the replicas hold
+    choices: tuple[tuple[str, str, str], ...] = field(default=())
+
+
+# ---- resolution ------------------------------------------------------------------------------------------------
+
+def ranks_per_worker(cfg: Config) -> int:
+    """Trainer ranks of one worker: one per GPU where its replica spans them (tensor parallel), else one."""
+    gpus = cfg.cluster.gpus_per_worker
+    return int(gpus) if cfg.rollout.tensor_parallel_size > 1 and gpus > 0 else 1
+
+
+def objective_of(cfg: Config) -> Objective:
+    """The objective an update minimises, its defaults resolved: DAPO's clip-higher (0.28) and overlong buffer (a
+    fifth of ``rollout.max_tokens``); GRPO's upper clip as its lower."""
+    a, dapo = cfg.algorithm, cfg.algorithm.objective == "dapo"
+    return Objective(a.objective, tau=a.tau, clip_low=a.clip_low,
+                     clip_high=a.clip_high if a.clip_high is not None else 0.28 if dapo else a.clip_low,
+                     overlong_buffer=a.overlong_buffer if a.overlong_buffer is not None else
+                     cfg.rollout.max_tokens // 5 if dapo else 0, max_tokens=cfg.rollout.max_tokens, kl_coef=a.kl_coef)
+
+
+def engine_kind(cfg: Config) -> tuple[str, str]:
+    """The rollout engine and why: ``rollout.engine``, auto = vLLM where the workers have GPUs and vLLM is
+    installed (found without importing it), else native."""
+    kind, gpus = cfg.rollout.engine, cfg.cluster.gpus_per_worker
+    why = "set in rollout.engine"
+    if kind == "auto":
+        vllm = vllm_installed()
+        kind = "vllm" if gpus > 0 and vllm else "native"
+        why = ("auto: GPU workers and vLLM installed" if kind == "vllm" else
+               "auto: CPU workers (vLLM runs where the workers have GPUs)" if gpus <= 0 else
+               "auto: vLLM is not installed")
+    if kind == "native" and cfg.rollout.tensor_parallel_size > 1:
+        raise UserError(f"rollout.tensor_parallel_size={cfg.rollout.tensor_parallel_size} needs vLLM, and "
+                        f"rollout.engine resolved to native ({why}); set rollout.engine: vllm and install vLLM")
+    if kind == "vllm" and cfg.rollout.fp8:
+        raise UserError("rollout.fp8 is served by the native engine only; set rollout.engine: native")
+    return kind, why
+
+
+def resolve(cfg: Config, arch: ModelConfig, model_dir: str, context: int) -> RunSettings:
+    """The settings of a run of ``cfg`` on the model in ``model_dir`` (its normalised ``arch``) whose sequences hold
+    ``context`` tokens (``rl.rollout.data.rollout_seq_len``)."""
+    r, a, o, t = cfg.rollout, cfg.algorithm, cfg.optimizer, cfg.trainer
+    device = "cuda" if cfg.cluster.gpus_per_worker > 0 else "cpu"
+    rollout_dtype, compute_dtype = cfg.rollout_dtype, cfg.compute_dtype
+    choices: list[tuple[str, str, str]] = []
+    kind, why = engine_kind(cfg)
+    choices.append(("rollout.engine", kind, why))
+    attention = "torch" if kind == "vllm" else decode_attention(r.attention, device)
+    if r.attention == "auto" and kind == "native":
+        choices.append(("rollout.attention", attention, "auto: the CPU decode kernel" if attention == "paged" else
+                        f"auto: gathered blocks on {device}" + (" (the CPU kernel could not be built)"
+                                                                 if device == "cpu" else "")))
+    trainer_attention = train_attention(t.attention, device, arch)
+    if t.attention == "auto":
+        choices.append(("trainer.attention", trainer_attention, f"auto on {device}"))
+    m = a.mismatch
+    correction_kind = m.correction
+    if correction_kind == "auto":
+        correction_kind = "tis" if kind == "vllm" else "none"
+        choices.append(("algorithm.mismatch.correction", correction_kind,
+                        "auto: vLLM's kernels differ from the trainer's" if kind == "vllm" else
+                        "auto: the native engine computes what the trainer does"))
+    correction = None if correction_kind == "none" else Correction(correction_kind, m.level, m.cap)
+    recompute = a.recompute_old_logprobs
+    if recompute == "auto":
+        recompute = "bfloat16" in (compute_dtype, rollout_dtype)
+        choices.append(("algorithm.recompute_old_logprobs", str(recompute).lower(),
+                        "auto: bfloat16 compute" if recompute else "auto: float32 on both engines"))
+    types = task_types(cfg)
+    engine = EngineSettings(kind, model_dir, device, rollout_dtype, r.fp8, context, r.max_batch, r.kv_cache_mb << 20,
+                            r.max_batch_tokens, attention, cfg.run.seed, r.tensor_parallel_size, r.expert_parallel,
+                            r.vllm_memory_fraction)
+    c = cfg.cluster
+    return RunSettings(
+        cluster=ClusterSettings(c.workers, ranks_per_worker(cfg), c.gpus_per_worker, c.ray_address,
+                                c.threads_per_worker, cfg.run.step_timeout_s, cfg.run.max_restarts),
+        rollout=RolloutSettings(engine, r.prompts_per_iteration, r.samples_per_prompt, r.partial.token_budget,
+                                r.partial.max_age, r.max_turns, r.env_workers, r.max_batch, r.sleep_level, types,
+                                cfg.model.tool_format),
+        trainer=TrainerSettings(device, c.gpus_per_worker, t.master_dtype, compute_dtype, t.offload,
+                                t.activation_checkpointing, trainer_attention,
+                                OptimizerSettings(o.kind, o.lr, o.weight_decay, o.momentum, o.max_grad_norm,
+                                                  o.qk_clip_tau),
+                                a.kl_coef > 0, cfg.checkpoint_engine.bucket_bytes, rollout_dtype, r.fp8),
+        update=UpdateSettings(objective_of(cfg), a.minibatches, a.micro_batch_tokens, a.micro_batch,
+                              a.drop_equal_reward_groups, bool(recompute) or correction is not None, correction,
+                              a.ptx.coef),
+        context=context, choices=tuple(choices))
+
+
+def for_model(cfg: Config, model_dir: str, context: int | None = None) -> RunSettings:
+    """The settings of a run of ``cfg`` on the model in ``model_dir`` whose sequences hold ``context`` tokens
+    (default: ``rollout.max_seq_len``, else the model's context), without reading its task sets."""
+    from engines.model.hf_io import read_config
+
+    arch = read_config(model_dir)
+    room = context or cfg.rollout.max_seq_len or arch.max_position_embeddings
+    if room > arch.max_position_embeddings:
+        raise UserError(f"rollout.max_seq_len {room} exceeds the model's context of {arch.max_position_embeddings} "
+                        "tokens")
+    return resolve(cfg, arch, str(model_dir), room)
