@@ -18,7 +18,8 @@ from engines.model.logprobs import selected_logprobs
 from engines.sync_check import HostSyncChecker, no_host_sync
 from engines.training.engine import TrainingEngine, inverse_temperatures
 from engines.training.packing import pack
-from rl.algo.update import k15_loss
+from rl.algo.objectives import k15_loss
+from rl.algo.update import rl_update
 from tests.conftest import tiny_config
 
 VOCAB = 61
@@ -92,3 +93,38 @@ def test_optimizer_step_reads_the_device_twice_not_once_per_parameter():
     reads = [f.op for f in checker.found if f.op in READS]
     assert len(params) > 10 and len(reads) == 2, reads
     assert set(engine.update_rms) == {"sgd"} and engine.update_rms["sgd"] > 0
+
+
+def _update_reads(model, samples, token_budget: int, **kw) -> tuple[int, list[str]]:
+    """Run the real update loop (``rl.algo.update.rl_update`` on a planned share) on a CPU standing in for the
+    device; returns its micro-batches and the host reads it made."""
+    from rl.algo.plan import plan_update
+    from tests.test_algorithm import settings
+
+    s = settings(minibatches=2, token_budget=token_budget, drop_equal_groups=False, **kw)
+    engine = TrainingEngine(model, [torch.optim.SGD(list(model.parameters()), lr=1e-2)], 0, qk_clip=True,
+                            qk_clip_tau=100.0)
+    (batch,) = plan_update(samples, s, 1, seed=0)
+    with HostSyncChecker(compute_device="cpu") as checker:
+        steps = list(rl_update(engine, batch, s))
+    assert len(steps) == 2
+    return sum(len(parts) for parts in batch.steps), [f.op for f in checker.found if f.op in READS]
+
+
+def test_the_update_loop_reads_the_device_a_fixed_number_of_times_per_step_not_per_micro_batch():
+    """The trainer's batch lives on the device: losses and diagnostics accumulate there and are read once per
+    optimizer step (with the step's gradient norm, update sums and QK-Clip maxima), however many micro-batches the
+    step has; with the π_old recompute and a mismatch correction too. A read per micro-batch (``float(loss)``, a
+    diagnostic's ``.item()``) makes the counts differ."""
+    from rl.algo.mismatch import Correction
+    from tests.conftest import make_sample
+
+    rng = random.Random(4)
+    samples = [make_sample(g, [rng.randrange(2, VOCAB) for _ in range(4)], [rng.randrange(2, VOCAB) for _ in range(5)],
+                           [-1.0] * 5, float(k % 2), temperature=0.9) for g in range(4) for k in range(4)]
+    for extra in ({}, {"recompute_old": True, "correction": Correction("tis", "sequence", 2.0)}):
+        few, reads_few = _update_reads(_model(), samples, 10_000, **extra)
+        many, reads_many = _update_reads(_model(), samples, 9, **extra)
+        assert few == 2 and many == 16, (few, many)  # one micro-batch per step, against one per sample
+        assert reads_few == reads_many, (reads_few, reads_many)
+        assert len(reads_few) <= 2 * (3 + 2 * 2), reads_few  # per step: metrics, grad norm, update sums, QK-Clip
