@@ -29,33 +29,17 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from checkpoint_engine.buckets import ALIGN, BucketPlan, as_bytes
+from checkpoint_engine.buckets import BucketPlan, as_bytes
 from checkpoint_engine.quantize import OwnerQuantizer
 from checkpoint_engine.topology import NodeBuffers
+from checkpoint_engine.trailer import ABORT, TRAILER, read_trailer, write_trailer
 from checkpoint_engine.wire import Wire
 
-TRAILER = ALIGN  # bytes after a bucket's data: int64 version, bucket index, checksum
-ABORT = -1       # bucket index in a trailer whose owner failed to stage it
 CAST_CHUNK = 64 << 20  # device bytes of host source staged at a time when a piece changes dtype on the way
 
 
 class UpdateError(RuntimeError):
     """A weight update failed; the message names the worker, the bucket and its parameters."""
-
-
-def checksum(data: torch.Tensor) -> int:
-    """Wrapping sum of the bytes as int64 words (data length is a multiple of ``ALIGN``)."""
-    return int(data.view(torch.int64).sum())
-
-
-def write_trailer(buf: torch.Tensor, used: int, version: int, bucket: int) -> None:
-    words = torch.tensor([version, bucket, checksum(buf[:used])], dtype=torch.int64, device=buf.device)
-    buf[used : used + TRAILER].view(torch.int64)[:3] = words
-
-
-def read_trailer(buf: torch.Tensor, used: int) -> tuple[int, int, int]:
-    v, b, c = buf[used : used + TRAILER].view(torch.int64)[:3].tolist()
-    return v, b, c
 
 
 def copy_cast(dst: torch.Tensor, src: torch.Tensor, scratch: torch.Tensor | None = None) -> None:

@@ -28,8 +28,8 @@ from typing import Protocol
 import torch
 
 from checkpoint_engine.buckets import BucketPlan, Piece, as_bytes, spec_of
-from checkpoint_engine.engine import ABORT, checksum, read_trailer, write_trailer
 from checkpoint_engine.shm import SharedBuffer
+from checkpoint_engine.trailer import ABORT, checksum, read_trailer, write_trailer
 from engines.device import host_buffer
 
 

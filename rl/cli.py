@@ -101,7 +101,7 @@ def _cmd_fetch_model(args: argparse.Namespace) -> None:
 
 def _cmd_memory_plan(args: argparse.Namespace) -> None:
     from engines.model.hf_io import ModelDirError, read_config
-    from rl.setup.memory_plan import PRESETS, colocation_plan, preset
+    from rl.setup.colocation import PRESETS, Colocation, colocation_plan, preset
 
     if args.model in PRESETS:
         arch = preset(args.model)
@@ -112,12 +112,13 @@ def _cmd_memory_plan(args: argparse.Namespace) -> None:
             raise UserError(f"rl memory-plan: {args.model} is neither a preset ({', '.join(PRESETS)}) nor a model "
                             f"directory: {e}") from None
     try:
-        plan = colocation_plan(arch, gpus=args.gpus, gpu_bytes=int(args.gpu_gib * 2**30),
-                               inference_gpus=args.inference_gpus, name=args.model, master_dtype=args.master_dtype,
-                               compute_dtype=args.compute_dtype, rollout_dtype=args.rollout_dtype,
-                               micro_batch_tokens=args.micro_batch_tokens,
-                               activation_checkpointing=not args.no_activation_checkpointing,
-                               sleep_level=args.sleep_level, expert_parallel=args.expert_parallel)
+        plan = colocation_plan(arch, Colocation(gpus=args.gpus, gpu_bytes=int(args.gpu_gib * 2**30),
+                                                inference_gpus=args.inference_gpus, master_dtype=args.master_dtype,
+                                                compute_dtype=args.compute_dtype, rollout_dtype=args.rollout_dtype,
+                                                micro_batch_tokens=args.micro_batch_tokens,
+                                                activation_checkpointing=not args.no_activation_checkpointing,
+                                                sleep_level=args.sleep_level, expert_parallel=args.expert_parallel),
+                               name=args.model)
     except ValueError as e:
         raise UserError(f"rl memory-plan: {e}") from None
     print(plan.table())
@@ -414,7 +415,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return generate(argv[1:])
     if argv[:1] == ["plan-update"]:  # its own parser, options included
-        from rl.setup.update_plan import main as plan_update
+        from rl.setup.update_cost import main as plan_update
 
         plan_update(argv[1:])
         return 0

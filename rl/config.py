@@ -128,7 +128,9 @@ class WarmStartConfig(Strict):
     seed: int = 0
 
 
-class ModelConfig(Strict):
+class PolicyModelConfig(Strict):
+    """The model the run trains (the policy): where it comes from, its dtype, its chat and tool-call format."""
+
     path: str | None = Field(None, description="Hugging Face model directory, or where to download one from: a hub "
                                                "id (org/name, hf://org/name@revision), s3://bucket/prefix or "
                                                "gs://bucket/prefix, fetched once into $RL_MODEL_CACHE when the run "
@@ -370,7 +372,7 @@ class MetricsConfig(Strict):
 class Config(Strict):
     run: RunConfig = RunConfig()
     cluster: ClusterConfig = ClusterConfig()
-    model: ModelConfig = ModelConfig()
+    model: PolicyModelConfig = PolicyModelConfig()
     warmstart: WarmStartConfig = WarmStartConfig()
     env: EnvConfig = EnvConfig()
     envs: list[EnvConfig] = Field([], description="task mix: several environments drawn by weight; "

@@ -91,7 +91,7 @@ def make_sample(group: int, prompt: list[int], response: list[int], logprobs: li
 
 def train_on(cluster, samples, seed: int = 0) -> list[dict]:
     """One policy update of ``samples`` on a ``rl.loop.cluster.Cluster`` (planned as the controller plans it)."""
-    from rl.algo.plan import plan_update
+    from rl.algo.batches import plan_update
 
     batches = plan_update(samples, cluster.settings.update, len(cluster.trainers), seed)
     return cluster.train(batches) if batches else []

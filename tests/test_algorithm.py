@@ -12,8 +12,8 @@ from engines.inference.sampling import SamplingParams
 from engines.model.attention import padded_causal_mask, positions_from_valid
 from engines.training.engine import TrainingEngine
 from engines.training.optim import build_optimizers
+from rl.algo.batches import PtxBatch, informative_groups, plan_micro_batches, plan_update, ptx_shares
 from rl.algo.objectives import Objective, group_advantages
-from rl.algo.plan import PtxBatch, informative_groups, plan_micro_batches, plan_update, ptx_shares
 from rl.algo.update import Measures, accumulate, ptx_accumulate, rl_update, score_all, to_device
 from rl.settings import UpdateSettings
 from tests.conftest import make_sample

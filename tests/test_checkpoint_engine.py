@@ -15,7 +15,6 @@ import pytest
 import torch
 
 from checkpoint_engine.buckets import ALIGN, TensorSpec, plan_buckets, spec_of
-from checkpoint_engine.engine import write_trailer
 from checkpoint_engine.local import (
     Sharding,
     Step,
@@ -28,6 +27,7 @@ from checkpoint_engine.local import (
     synthetic_params,
 )
 from checkpoint_engine.shm import SharedBuffer
+from checkpoint_engine.trailer import write_trailer
 from checkpoint_engine.transfer import CorruptUpdateError, PlanMismatchError, WeightReceiver
 from engines.model.sharded import chunk_rows
 

@@ -67,3 +67,64 @@ def test_the_checker_sees_a_local_import(tmp_path):
     f = tmp_path / "m.py"
     f.write_text("def f():\n    from rl.config import Config\n    return Config\n")
     assert _imports(f) == [(2, "rl.config")]
+
+
+#: the rooms of rl/ -> the parts of rl they may import besides themselves: the shared vocabulary at the root
+#: (config, errors, seeds, sample, settings), then each room only those below it; the loop (and the front door:
+#: cli, launch, the package) sits on top. The vocabulary itself may import only the algorithm's pure formulas.
+VOCABULARY = {"rl.config", "rl.errors", "rl.seeds", "rl.sample", "rl.settings"}
+RL_ROOMS = {
+    "rl/algo": VOCABULARY,
+    "rl/rollout": VOCABULARY | {"rl.algo"},
+    "rl/setup": VOCABULARY | {"rl.algo", "rl.rollout"},
+}
+
+
+def _rl_violations(room: str, allowed: set[str]) -> list[str]:
+    own = room.replace("/", ".")
+    bad = []
+    paths = sorted((ROOT / room).rglob("*.py")) if (ROOT / room).is_dir() else [ROOT / f"{room}.py"]
+    for path in paths:
+        for line, name in _imports(path):
+            if name.split(".")[0] != "rl" or name == own or name.startswith(own + "."):
+                continue
+            if not any(name == a or name.startswith(a + ".") for a in allowed):
+                bad.append(f"{path.relative_to(ROOT)}:{line} imports {name}")
+    return bad
+
+
+@pytest.mark.parametrize("room", sorted(RL_ROOMS))
+def test_rooms_of_rl_import_only_what_is_below_them(room):
+    assert _rl_violations(room, RL_ROOMS[room]) == []
+
+
+@pytest.mark.parametrize("module", sorted(VOCABULARY))
+def test_the_vocabulary_of_rl_imports_only_the_algorithms_formulas(module):
+    allowed = (VOCABULARY - {module}) | {"rl.algo.objectives", "rl.algo.mismatch", "rl.algo.schedules"}
+    assert _rl_violations(module.replace(".", "/"), allowed) == []
+
+
+def test_rl_has_few_modules_at_its_top_and_no_long_signatures():
+    """The front door and shared vocabulary at the root, the rest in rooms (at most 12 modules); no function in
+    rl/ takes more than 8 parameters (a bundle of settings says what it takes)."""
+    assert len(list((ROOT / "rl").glob("*.py"))) <= 12
+    long = []
+    for path in sorted((ROOT / "rl").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                a = node.args
+                names = [x.arg for x in a.posonlyargs + a.args + a.kwonlyargs if x.arg not in ("self", "cls")]
+                if len(names) + bool(a.vararg) + bool(a.kwarg) > 8:
+                    long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}")
+    assert long == []
+
+
+def test_rl_finds_no_capability_by_probing():
+    """Environments and engines declare what they can do (``envs.base.Env``, ``RolloutEngine``); rl/ reads the
+    declarations instead of asking ``getattr``/``hasattr`` of an environment or an engine."""
+    import re
+
+    probe = re.compile(r"(getattr|hasattr)\((env|self\.env|engine|self\.engine|cls)\b")
+    found = [f"{p.relative_to(ROOT)}:{i}" for p in sorted((ROOT / "rl").rglob("*.py"))
+             for i, line in enumerate(p.read_text().splitlines(), 1) if probe.search(line)]
+    assert found == []

@@ -158,10 +158,10 @@ def _k2_params_by_hand(c: dict) -> int:
 
 
 def test_memory_plan_of_a_7b_dense_model_and_of_kimi_k2(capsys):
-    from rl.setup.memory_plan import PRESETS, colocation_plan, preset
+    from rl.setup.colocation import PRESETS, Colocation, colocation_plan, preset
 
     gib80 = 80 * 2**30
-    llama = colocation_plan(preset("llama-7b"), gpus=8, gpu_bytes=gib80, name="llama-7b")
+    llama = colocation_plan(preset("llama-7b"), Colocation(gpus=8, gpu_bytes=gib80), name="llama-7b")
     with torch.device("meta"):
         n = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**PRESETS["llama-7b"][1])) \
             .num_parameters()
@@ -171,12 +171,13 @@ def test_memory_plan_of_a_7b_dense_model_and_of_kimi_k2(capsys):
     assert llama.fits and llama.kv_tokens > 100_000
     assert llama.phases["rollout"] <= 0.9 * gib80
 
-    k2 = colocation_plan(preset("kimi-k2"), gpus=256, gpu_bytes=gib80, name="kimi-k2", inference_gpus=32,
-                         expert_parallel=32, micro_batch_tokens=4096)
+    k2 = colocation_plan(preset("kimi-k2"), Colocation(gpus=256, gpu_bytes=gib80, inference_gpus=32, expert_parallel=32,
+                                                       micro_batch_tokens=4096), name="kimi-k2")
     assert k2.params == _k2_params_by_hand(PRESETS["kimi-k2"][1]) and 1.0e12 < k2.params < 1.05e12
     assert k2.fits
     # as the trainer is today (FSDP2 gathers a whole layer of 384 experts) and with a replica per GPU, it does not
-    today = colocation_plan(preset("kimi-k2"), gpus=256, gpu_bytes=gib80, name="kimi-k2", micro_batch_tokens=4096)
+    today = colocation_plan(preset("kimi-k2"), Colocation(gpus=256, gpu_bytes=gib80, micro_batch_tokens=4096),
+                            name="kimi-k2")
     assert not today.fits and today.parts["inference replica (share)"] == k2.params * 2
     assert main(["memory-plan", "llama-7b", "--gpus", "8"]) == 0
     assert "fits" in capsys.readouterr().out

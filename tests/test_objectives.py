@@ -10,8 +10,8 @@ import torch.nn.functional as F
 
 from engines.model.attention import padded_causal_mask, positions_from_valid
 from engines.training.engine import TrainingEngine
+from rl.algo.batches import RankBatch, plan_micro_batches, plan_update, shape_lengths
 from rl.algo.objectives import Objective, normalized_advantages, overlong_penalty
-from rl.algo.plan import RankBatch, plan_micro_batches, plan_update, shape_lengths
 from rl.algo.update import Measures, accumulate, rl_update, to_device
 from rl.config import parse_config
 from rl.sample import Sample

@@ -6,13 +6,13 @@ import sys
 
 import pytest
 
-from checkpoint_engine.plan import (
+from checkpoint_engine.cost_model import (
     GPUS,
     K2_BYTES,
     PUBLISHED,
     Calibration,
-    Cluster,
     Footprint,
+    GpuCluster,
     Layout,
     Run,
     calibrate,
@@ -22,12 +22,12 @@ from checkpoint_engine.plan import (
     model_bytes,
     predict,
 )
-from checkpoint_engine.plan import plan as plan_with
-from rl.setup.update_plan import k2_footprint, main, run_config
+from checkpoint_engine.cost_model import plan as plan_with
+from rl.setup.update_cost import k2_footprint, main, run_config
 
 
 def plan(layout: Layout):
-    """The planner on the run K2 trains (``rl.setup.update_plan``'s footprint)."""
+    """The planner on the run K2 trains (``rl.setup.update_cost``'s footprint)."""
     return plan_with(layout, k2_footprint)
 
 
@@ -60,9 +60,9 @@ def test_k2_bytes_are_its_architectures():
 
 def test_slow_links_or_tiny_buckets_change_the_bound():
     cal = Calibration(80.0, 1e-4, "test")
-    slow_nic = predict(1e12, Cluster(GPUS["H800"], nic_gbps=5), 16, 8 * 2**30, cal)
+    slow_nic = predict(1e12, GpuCluster(GPUS["H800"], nic_gbps=5), 16, 8 * 2**30, cal)
     assert slow_nic.bound == "the NICs"
-    tiny = predict(1e12, Cluster(GPUS["H800"]), 16, 2**26, cal)
+    tiny = predict(1e12, GpuCluster(GPUS["H800"]), 16, 2**26, cal)
     assert tiny.bound == "broadcast latency"
 
 
@@ -90,7 +90,7 @@ def test_k2_fp8_on_256_h800_meets_the_targets():
 def test_the_footprint_decides_what_shares_each_phase():
     """The trainer's shard joins the rollout phase only when it is not offloaded; the replica's shard and
     the KV cache join the training phase by sleep level: the planner takes these as plain numbers."""
-    lay, cluster = Layout("fp8", 32), Cluster(GPUS["H800"])
+    lay, cluster = Layout("fp8", 32), GpuCluster(GPUS["H800"])
     base = dict(trainer_bytes=40 * 2**30, kv_cache_bytes=8 * 2**30)
     parts = lambda **kw: memory(lay, cluster, 2**30, Footprint(**base, **kw)).parts  # noqa: E731
     assert parts(offload=True, sleep_level=2)["trainer shard"] == 40 and "replica shard" not in parts()
@@ -98,7 +98,7 @@ def test_the_footprint_decides_what_shares_each_phase():
                                                         "trainer shard"}
     assert set(parts(offload=True, sleep_level=0)) == {"trainer shard", "engine buffers (H2D + 2 IPC)",
                                                        "replica shard", "KV cache"}
-    old = subprocess.run([sys.executable, "-m", "checkpoint_engine.plan"], capture_output=True, text=True)
+    old = subprocess.run([sys.executable, "-m", "checkpoint_engine.cost_model"], capture_output=True, text=True)
     assert old.returncode == 1
     assert old.stderr.strip() == "error: the planner's command is now `rl plan-update` (same flags)"
 

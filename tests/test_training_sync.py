@@ -98,7 +98,7 @@ def test_optimizer_step_reads_the_device_twice_not_once_per_parameter():
 def _update_reads(model, samples, token_budget: int, **kw) -> tuple[int, list[str]]:
     """Run the real update loop (``rl.algo.update.rl_update`` on a planned share) on a CPU standing in for the
     device; returns its micro-batches and the host reads it made."""
-    from rl.algo.plan import plan_update
+    from rl.algo.batches import plan_update
     from tests.test_algorithm import settings
 
     s = settings(minibatches=2, token_budget=token_budget, drop_equal_groups=False, **kw)

@@ -1,7 +1,7 @@
 """The policy update on one trainer rank: its share of the batch as device tensors, scored, corrected, stepped.
 
 The objective (K1.5 by default, or GRPO/DAPO) is in ``rl.algo.objectives``; the driver has planned the update
-(``rl.algo.plan``: advantages, weights, minibatches, micro-batches). Here a rank turns its samples into tensors once
+(``rl.algo.batches``: advantages, weights, minibatches, micro-batches). Here a rank turns its samples into tensors once
 (``to_device``: each micro-batch packed and uploaded, with its own-token mask, the sampler's log-probs, π_old,
 advantages and weights), optionally recomputes π_old with the trainer's weights and corrects the train–inference
 mismatch (``rl.algo.mismatch``), scores the reference policy once (a KL penalty), then runs one optimizer step per
@@ -22,10 +22,10 @@ from engines.device import to_device as upload
 from engines.training.distributed import all_reduce_tensor
 from engines.training.engine import TokenScores, TrainingEngine, inverse_temperatures
 from engines.training.packing import PackedBatch, pack
+from rl.algo.batches import PtxShare, RankBatch
 from rl.algo.mismatch import correct
 from rl.algo.mismatch import metrics as correction_metrics
 from rl.algo.objectives import Objective, clip_fraction, clipped_surrogate, k15_loss, kl_to_reference, token_weights
-from rl.algo.plan import PtxShare, RankBatch
 from rl.settings import UpdateSettings
 
 
@@ -237,7 +237,7 @@ def ptx_accumulate(engine: TrainingEngine, share: PtxShare, coef: float, measure
 
 def rl_update(engine: TrainingEngine, batch: RankBatch, settings: UpdateSettings,
               reference: TrainingEngine | None = None) -> Iterator[dict[str, float]]:
-    """Several optimizer steps on this rank's share of one rollout batch (``rl.algo.plan.plan_update``), one per
+    """Several optimizer steps on this rank's share of one rollout batch (``rl.algo.batches.plan_update``), one per
     minibatch of whole prompt groups; yields each step's metrics, reduced over ranks, as it completes (the first
     step's also carry the iteration's diagnostics and counts). ``recompute_old`` replaces the sampler's log π_old by
     the trainer's before the first step; a ``correction`` then reweights (or masks) each sample by its ratio

@@ -16,7 +16,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from engines.inference.requests import Completion
 from engines.inference.sampling import SamplingParams
-from rl.algo.plan import RankBatch
+from rl.algo.batches import RankBatch
 from rl.errors import UserError
 from rl.loop.placement import probe_bundles, reachable_model_dirs, unplaceable, worker_bundle, worker_threads
 from rl.loop.recovery import Restarts, WorkerFailed, gather, next_item
@@ -191,7 +191,7 @@ class Cluster:
 
     def train(self, batches: list[RankBatch], on_step: Callable[[dict], None] | None = None) -> list[dict[str, float]]:
         """One policy update (K1.5, GRPO or DAPO; + PTX): each trainer rank gets its own share (one object each,
-        ``rl.algo.plan``); returns the metrics of each optimizer step (reduced over the ranks)."""
+        ``rl.algo.batches``); returns the metrics of each optimizer step (reduced over the ranks)."""
         from engines.training.engine import NonFiniteError
         from rl.errors import TrainingStopped
 

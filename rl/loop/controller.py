@@ -20,7 +20,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from engines.inference import cpu_kernel
 from engines.model.hf_io import read_config
 from engines.model.tokenizer import TextTokenizer
-from rl.algo.plan import plan_update
+from rl.algo.batches import plan_update
 from rl.config import Config, dump_config
 from rl.errors import TrainingStopped, UserError
 from rl.loop.checkpoint import (
@@ -37,6 +37,7 @@ from rl.loop.guards import Budget, check_cluster_fits, check_error_rate, check_m
 from rl.loop.health import CollapseGuard, HealthMonitor
 from rl.loop.metrics import MetricsLog, plot_curves
 from rl.loop.recovery import Restarts, WorkerFailed
+from rl.rollout.critic_loop import critic_training_batch
 from rl.rollout.data import TaskSets, check_renderable, load_task_sets, rollout_seq_len
 from rl.rollout.episodes import env_class
 from rl.rollout.evaluate import evaluate
@@ -212,8 +213,12 @@ def iteration(run: Run, it: int) -> dict:
             generated, engine_stats = run_rollout(cluster, run.buffer, run.episodes, run.tasks, it,
                                                   s.rollout.token_budget, run.progress)
         with timed(times, "reward"):  # the engines sleep only after rewards: a critic may run the policy on them
-            samples, stats = reward_phase(cluster, cfg, run.tasks, run.tok, s.rollout.task_types, it,
-                                          run.buffer.pop_complete(), runner, run.episodes.take_template_errors())
+            samples, stats = reward_phase(run.buffer.pop_complete(), run.tasks, run.tok, s.rollout.task_types, runner,
+                                          run.episodes.take_template_errors())
+            if cfg.algorithm.critic_training.enabled:  # the policy's own judgments of verifiable pairs
+                judged, critic_stats = critic_training_batch(cluster, run.tok, cfg, samples, it)
+                samples += judged
+                stats.update(critic_stats, trained_samples=len(samples))
     finally:
         runner.close()
     check_error_rate(stats, cfg.run.max_env_error_rate)

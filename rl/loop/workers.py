@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch.utils._pytree import tree_map_only
 
 from checkpoint_engine.engine import CheckpointEngine
-from checkpoint_engine.model_plan import ModelSender
+from checkpoint_engine.model_sender import ModelSender
 from checkpoint_engine.topology import free_port
 from checkpoint_engine.transfer import WeightReceiver
 from engines.device import peak_memory_bytes, reset_peak_memory
@@ -34,7 +34,7 @@ from engines.training import distributed
 from engines.training.engine import TrainingEngine
 from engines.training.optim import build_optimizers
 from engines.training.trainer_state import has_trainer_state, load_trainer_state, save_trainer_state
-from rl.algo.plan import RankBatch
+from rl.algo.batches import RankBatch
 from rl.algo.update import rl_update
 from rl.errors import UserError
 from rl.loop.weight_sync import RayPacker, RayReloader

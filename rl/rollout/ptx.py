@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from envs.tasks import TaskFileError, read_jsonl
-from rl.algo.plan import PtxBatch
+from rl.algo.batches import PtxBatch
 from rl.errors import UserError
 from rl.seeds import ptx_seed
 

@@ -152,18 +152,8 @@ def episode_runner(cluster, cfg: Config, tasks: TaskSets, tok: TextTokenizer, ty
     return EpisodeRunner(cfg, critic=critic)
 
 
-def reward_phase(cluster, cfg: Config, tasks: TaskSets, tok: TextTokenizer, types: TaskTypes, it: int,
-                 groups: list[list[Sample]], runner: EpisodeRunner, template_errors: int = 0
-                 ) -> tuple[list[Sample], dict[str, Any]]:
-    """The iteration's training samples and reward metrics: the completed groups scored and settled, and the
-    critic's own judgments when closed-loop critic training is on (``rl.rollout.critic_loop``)."""
-    from rl.rollout.critic_loop import critic_training_batch
-
+def reward_phase(groups: list[list[Sample]], tasks: TaskSets, tok: TextTokenizer, types: TaskTypes,
+                 runner: EpisodeRunner, template_errors: int = 0) -> tuple[list[Sample], dict[str, Any]]:
+    """The iteration's training samples and reward metrics: the completed groups scored and settled."""
     score(groups, tasks, tok, runner)
-    samples, stats = settle([s for g in groups for s in g], tasks, types, template_errors)
-    if cfg.algorithm.critic_training.enabled:
-        judged, critic_stats = critic_training_batch(cluster, tok, cfg, samples, it)
-        samples += judged
-        stats.update(critic_stats)
-        stats["trained_samples"] = len(samples)
-    return samples, stats
+    return settle([s for g in groups for s in g], tasks, types, template_errors)

@@ -5,7 +5,7 @@
     rl plan-update --validate               # the published runs, measured vs predicted
     rl plan-update --dtype bf16 --tp 32 --nodes 64 --bucket-gib 4
 
-(the CLI lives in ``rl.setup.update_plan``: the run's own memory, the trainer's shard and the KV cache, is
+(the CLI lives in ``rl.setup.update_cost``: the run's own memory, the trainer's shard and the KV cache, is
 the controller's model, ``rl.setup.memory``; it reaches this planner as a ``Footprint`` of plain numbers).
 
 The cost model of the two-stage pipeline, for B bytes on W = nodes x G GPUs, TP GPUs per replica:
@@ -59,7 +59,7 @@ GPUS = {
 
 
 @dataclass(frozen=True)
-class Cluster:
+class GpuCluster:
     gpu: Gpu
     nodes: int = 32
     gpus_per_node: int = 8
@@ -90,7 +90,7 @@ class Prediction:
     bound: str
 
 
-def predict(nbytes: float, cluster: Cluster, tp: int, bucket_bytes: float, cal: Calibration) -> Prediction:
+def predict(nbytes: float, cluster: GpuCluster, tp: int, bucket_bytes: float, cal: Calibration) -> Prediction:
     """The pipeline's cost model (see the module docstring)."""
     w, g = cluster.gpus, cluster.gpu
     h2d = nbytes / w / (g.pcie_gbps * GB)
@@ -120,7 +120,7 @@ class Run:
     seconds: float
 
     def predicted(self, cal: Calibration) -> Prediction:
-        return predict(self.nbytes, Cluster(GPUS[self.gpu], self.gpus // 8), self.tp, self.bucket_gib * GiB, cal)
+        return predict(self.nbytes, GpuCluster(GPUS[self.gpu], self.gpus // 8), self.tp, self.bucket_gib * GiB, cal)
 
 
 #: Bytes: Kimi K2 from its config (``model_bytes``; FP8 matrices, their scales, bf16 embeddings);
@@ -238,7 +238,7 @@ class Footprint:
 FootprintOf = Callable[[int], Footprint]
 
 
-def memory(layout: Layout, cluster: Cluster, bucket_bytes: float, run: Footprint,
+def memory(layout: Layout, cluster: GpuCluster, bucket_bytes: float, run: Footprint,
            model: dict[str, float] = K2_BYTES) -> Memory:
     """Memory per GPU of ``model`` in ``layout``: the larger of the rollout phase (replica shard, KV cache
     and the engine's buffers, during which updates happen) and the training phase. The replica's shard
@@ -264,7 +264,7 @@ def plan(layout: Layout, footprint: FootprintOf, gpu: str = "H800", cal: Calibra
     a run of ``footprint(gpus)``.
     Without a bucket size the largest that fits is taken (at most 8 GiB, in steps of 1/4 GiB): fewer
     broadcasts, less latency."""
-    cluster = Cluster(GPUS[gpu], layout.nodes)
+    cluster = GpuCluster(GPUS[gpu], layout.nodes)
     cal = cal or k2_calibration()
     run = footprint(cluster.gpus)
     if layout.bucket_gib:

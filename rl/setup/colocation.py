@@ -82,22 +82,43 @@ class ColocationPlan:
         return "\n".join(lines)
 
 
-def colocation_plan(arch: ModelConfig, *, gpus: int, gpu_bytes: int, inference_gpus: int = 1, name: str = "model",
-                    master_dtype: str = "float32", compute_dtype: str = "bfloat16", rollout_dtype: str = "bfloat16",
-                    optimizer: str = "muon", micro_batch_tokens: int = 16384, activation_checkpointing: bool = True,
-                    offload: bool = True, sleep_level: int = 2, bucket_bytes: int = 512 << 20,
-                    expert_parallel: int = 1, shape: ModelShape | None = None) -> ColocationPlan:
+@dataclass(frozen=True)
+class Colocation:
+    """How a run colocates training and inference on its GPUs (what ``rl memory-plan`` asks)."""
+
+    gpus: int
+    gpu_bytes: int
+    inference_gpus: int = 1
+    master_dtype: str = "float32"
+    compute_dtype: str = "bfloat16"
+    rollout_dtype: str = "bfloat16"
+    optimizer: str = "muon"
+    micro_batch_tokens: int = 16384
+    activation_checkpointing: bool = True
+    offload: bool = True
+    sleep_level: int = 2
+    bucket_bytes: int = 512 << 20
+    expert_parallel: int = 1
+
+
+def colocation_plan(arch: ModelConfig, setup: Colocation, name: str = "model",
+                    shape: ModelShape | None = None) -> ColocationPlan:
     """The per-GPU memory of each phase of a colocated run of ``arch`` (see the module's docstring)."""
+    gpus, gpu_bytes, inference_gpus, expert_parallel = setup.gpus, setup.gpu_bytes, setup.inference_gpus, \
+        setup.expert_parallel
+    master_dtype, compute_dtype, rollout_dtype = setup.master_dtype, setup.compute_dtype, setup.rollout_dtype
+    optimizer, micro_batch_tokens, offload, sleep_level = setup.optimizer, setup.micro_batch_tokens, setup.offload, \
+        setup.sleep_level
     if gpus % inference_gpus or gpus % expert_parallel:
         raise ValueError(f"{gpus} GPUs do not split into groups of {inference_gpus} (inference) and "
                          f"{expert_parallel} (expert parallel)")
     shape = shape or ModelShape.of(arch)
     weights, grads, opt = trainer_bytes(shape, gpus, master_dtype, optimizer)
-    work = training_working_set(shape, micro_batch_tokens, compute_dtype, activation_checkpointing, gpus > 1,
+    work = training_working_set(shape, micro_batch_tokens, compute_dtype, setup.activation_checkpointing, gpus > 1,
                                 expert_parallel)
     replica = -(-shape.params * getattr(torch, rollout_dtype).itemsize // inference_gpus)
     trainer = weights + grads + opt
-    buffers = 3 * bucket_bytes
+    buffers = 3 * setup.bucket_bytes
     usable = int(USABLE * gpu_bytes)
     kv_room = max(0, usable - replica - buffers - (0 if offload else trainer))
     per_token = -(-bytes_per_token(arch, getattr(torch, rollout_dtype)) // inference_gpus)

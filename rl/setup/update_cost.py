@@ -1,6 +1,6 @@
 """`rl plan-update`: Kimi K2's weight-update time and memory on a GPU cluster, for the run K2 trains.
 
-The cost model and its calibration are ``checkpoint_engine.plan``'s; what the run around the update
+The cost model and its calibration are ``checkpoint_engine.cost_model``'s; what the run around the update
 holds per GPU (the trainer's shard, the KV cache) is this package's memory model, ``rl.setup.memory``.
 """
 
@@ -11,7 +11,7 @@ import json
 from dataclasses import asdict, replace
 from functools import cache
 
-from checkpoint_engine.plan import GPUS, Footprint, GiB, Layout, k2_arch, k2_calibration, plan, table, validation
+from checkpoint_engine.cost_model import GPUS, Footprint, GiB, Layout, k2_arch, k2_calibration, plan, table, validation
 from rl.config import Config, parse_config
 
 
