@@ -70,11 +70,17 @@ class SaveFailed(CommandFailed):
     """A checkpoint could not be written (a full or failing disk); the last complete one is untouched."""
 
 
-def _disk_full(err: BaseException) -> bool:
-    """Whether ``err`` (possibly raised in a worker and passed on by Ray) is a full disk or quota."""
+#: free bytes below which a failed write is taken for a full disk, whatever the writer said (torch's zip writer says
+#: "[enforce fail at inline_container.cc] unexpected pos", nothing about space)
+FULL_BYTES = 1 << 20
+
+
+def _disk_full(err: BaseException, free: int) -> bool:
+    """Whether ``err`` (possibly raised in a worker and passed on by Ray) is a full disk or quota, the file system
+    having ``free`` bytes left when it was raised."""
     chain = [err, err.__cause__, getattr(err, "cause", None)]
     return any(getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT) for e in chain if e is not None) or \
-        "No space left on device" in str(err) or "Disk quota exceeded" in str(err)
+        "No space left on device" in str(err) or "Disk quota exceeded" in str(err) or free < FULL_BYTES
 
 
 def _tree_bytes(path: Path) -> int:
@@ -131,12 +137,12 @@ def _seal(final: Path, files: dict[str, dict]) -> None:
 
 
 def write_aside(final: Path, fill: Callable[[Path], None], noun: str, kept: Path | None, kept_as: str,
-                resume: str) -> Path:
+                resume: str, need: int | None = None) -> Path:
     """Fill directory ``final`` (a ``noun``) by ``fill(tmp)`` beside it, check its trainer shards, fsync it, rename
     it into place (a directory already there is swapped out and removed once the new one is sealed) and seal it
     (``complete.json``, last). A failure removes what it wrote and raises ``SaveFailed`` in one line: why, about
-    how many bytes ``kept`` (the copy still in place, described as ``kept_as``; ``resume`` says how to use it)
-    takes, and what is free."""
+    how many bytes one takes (``kept``'s, the copy still in place, described as ``kept_as``; else ``need``, the
+    estimate; ``resume`` says how to use it), and what is free."""
     tmp, old = final.with_name(final.name + ".tmp"), final.with_name(final.name + ".old")
     placed = False
     try:
@@ -155,27 +161,29 @@ def write_aside(final: Path, fill: Callable[[Path], None], noun: str, kept: Path
         _crash_point("renamed", final)
         _seal(final, files)
     except Exception as e:
+        full = _disk_full(e, shutil.disk_usage(final.parent).free if final.parent.exists() else 0)
         written = _tree_bytes(final if placed else tmp)
         shutil.rmtree(final if placed else tmp, ignore_errors=True)
         if old.exists() and not final.exists():
             old.rename(final)
-        if not isinstance(e, (OSError, TrainerStateError)) and not _disk_full(e):
+        if not isinstance(e, (OSError, TrainerStateError)) and not full:
             raise
         last = f"{kept_as}, {kept}, is intact{resume}" if kept else f"no earlier {noun} exists"
-        need = _tree_bytes(kept) if kept else 0
+        need = _tree_bytes(kept) if kept else need or 0
         size = f"a {noun} takes about {need:,} bytes" if need else f"{written:,} bytes written before it failed"
-        why = "no space left on the device" if _disk_full(e) else \
-            f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
+        why = "no space left on the device" if full else f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
         free = shutil.disk_usage(final.parent).free if final.parent.exists() else 0
         raise SaveFailed(f"saving {noun} {final} failed: {why} ({size}, {free:,} free); {last}") from None
     shutil.rmtree(old, ignore_errors=True)
     return final
 
 
-def save_checkpoint(run_dir: Path, state: LoopState, write_weights, tokenizer_dir: Path, keep: int) -> Path:
+def save_checkpoint(run_dir: Path, state: LoopState, write_weights, tokenizer_dir: Path, keep: int,
+                    need: int | None = None) -> Path:
     """``write_weights(dir)`` writes model and optimizer; then state; then ``write_aside`` checks, fsyncs, renames
     and seals it. Older checkpoints beyond ``keep`` are deleted only after that. A save that fails removes what it
-    wrote and raises ``SaveFailed`` in one line (the bytes a checkpoint needs, the last one kept)."""
+    wrote and raises ``SaveFailed`` in one line (the bytes a checkpoint needs: the last one's, else ``need``, the
+    estimate; the last one kept)."""
     def fill(tmp: Path) -> None:
         write_weights(str(tmp))
         copy_tokenizer(tokenizer_dir, tmp)
@@ -183,7 +191,7 @@ def save_checkpoint(run_dir: Path, state: LoopState, write_weights, tokenizer_di
 
     previous = list_checkpoints(run_dir)
     final = write_aside(checkpoint_dir(run_dir, state.iteration), fill, "checkpoint",
-                        previous[-1] if previous else None, "the last checkpoint", f" (--resume {run_dir})")
+                        previous[-1] if previous else None, "the last checkpoint", f" (--resume {run_dir})", need)
     for old in list_checkpoints(run_dir)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final

@@ -70,6 +70,7 @@ class Run:
     episodes: Episodes
     progress: Progress
     console: Console
+    checkpoint_bytes: int = 0  # what one checkpoint takes, estimated (a first save onto a full disk says it)
 
 
 def train(cfg: Config, run_dir: Path, resume: bool = False, console: Console | None = None) -> dict:
@@ -117,7 +118,8 @@ def _attempt(cfg: Config, run_dir: Path, resume: bool, console: Console, restart
                 cfg.rollout.engine != "vllm":
             cpu_kernel.available()  # the CPU decode kernel built here, once: the workers then only load it
         settings = resolve(cfg, arch, str(start_dir), rollout_seq_len(cfg, tasks, tok, arch.max_position_embeddings))
-        check_fits(cfg, estimate(cfg, arch, settings.context, settings.rollout.engine))
+        est = estimate(cfg, arch, settings.context, settings.rollout.engine)
+        check_fits(cfg, est)
         kind = settings.rollout.engine.kind
         console.print(f"rollout engine: {kind}" + (" (rollout.engine: auto)" if cfg.rollout.engine == "auto" else ""))
         # a KL penalty's reference: the model the run started from, also after a resume (prepare_model: cached)
@@ -126,7 +128,7 @@ def _attempt(cfg: Config, run_dir: Path, resume: bool, console: Console, restart
             r = settings.rollout
             episodes = Episodes(None, tok, r.tool_format, r.max_turns, settings.context, cfg.run.seed)
             run = Run(cfg, settings, run_dir, start_dir, tasks, tok, ptx, cluster, PartialRolloutBuffer(r.max_age),
-                      episodes, progress, console)
+                      episodes, progress, console, est.checkpoint)
             try:
                 return _loop(run, state, restarts)
             finally:
@@ -183,7 +185,8 @@ def _loop(run: Run, state: LoopState | None, restarts: Restarts) -> dict:
                              weights_version=cluster.weights_version(), partial=run.buffer.state_dict(),
                              workers=cfg.cluster.workers, initial_accuracy_sampled=initial_sampled,
                              rollbacks=rollbacks, best_accuracy=guard and guard.best)
-            save_checkpoint(run.run_dir, loop, cluster.save, run.start_dir, cfg.run.keep_checkpoints)
+            save_checkpoint(run.run_dir, loop, cluster.save, run.start_dir, cfg.run.keep_checkpoints,
+                            run.checkpoint_bytes)
         if stopped:
             console.print(f"run.max_minutes={cfg.run.max_minutes:g} reached after iteration {it} "
                           f"({budget.elapsed() / 60:.1f} min): checkpoint, final model and summary saved")
@@ -283,7 +286,7 @@ def save_best(run: Run, it: int, accuracy: float) -> None:
 
     best = run.run_dir / BEST_DIR
     write_aside(best, fill, "best model", best if (best / "best.json").is_file() else None, "the previous best",
-                "")
+                "", run.checkpoint_bytes)
 
 
 def roll_back(run: Run, it: int, why: str, done: int) -> tuple[int, float]:
