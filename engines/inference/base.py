@@ -16,6 +16,17 @@ Contract every implementation keeps:
   again before generating;
 - after weights change (in place or swapped), ``weights_loaded`` drops what was computed with the
   old ones (cached prefixes).
+
+How an update from the checkpoint engine reaches the engine is the class's ``weight_update``, declared, never
+probed:
+- ``"swap"`` (the native engine): the receiver loads every bucket aside, into the tensors ``named_tensors`` and
+  ``weight_placements`` address (or a spare set of them), and hands the complete update over at the commit with
+  ``swap_weights``; the engine serves the old weights until then, and a failed update never reaches it.
+- ``"stream"`` (vLLM): the engine takes the update as it arrives, one bucket at a time, into a load already
+  running: ``begin(version)``, one ``feed(version, bucket, tensors)`` per completed bucket (host tensors it may
+  keep until the update ends), then ``commit(version, tensors)`` (serve the whole update from now on) or
+  ``abort()`` (serve the weights served before it again). ``named_tensors`` is then the host copy the receiver
+  fills. These four methods are part of the interface for "stream" engines; a "swap" engine refuses them.
 """
 
 from __future__ import annotations
@@ -23,6 +34,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import replace
+from typing import ClassVar, Literal
 
 import torch
 
@@ -35,6 +47,8 @@ class RolloutEngine(ABC):
 
     #: the engine's name in ``rollout.engine``
     kind: str
+    #: how a weight update reaches it: loaded aside then ``swap_weights``, or streamed by ``begin``/``feed``/``commit``
+    weight_update: ClassVar[Literal["swap", "stream"]]
     #: where the engine computes
     device: torch.device
     #: tokens sampled over the engine's life: the partial-rollout budget is counted in them
@@ -148,6 +162,29 @@ class RolloutEngine(ABC):
     @abstractmethod
     def served_weights(self) -> dict[str, torch.Tensor]:
         """The weights being served, under the checkpoint's names (what a restarted replica catches up to)."""
+
+    # --- a streamed update (weight_update "stream") ---------------------------------------------
+
+    def begin(self, version: int) -> None:
+        """Start taking update ``version`` as its buckets arrive."""
+        self._not_streaming("begin")
+
+    def feed(self, version: int, bucket: int, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Take the tensors bucket ``bucket`` of update ``version`` completed (host tensors, untouched until the
+        update ends); a failed load is rolled back, then raised."""
+        self._not_streaming("feed")
+
+    def commit(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
+        """End update ``version``: serve ``tensors`` (every weight, the update's) from now on."""
+        self._not_streaming("commit")
+
+    def abort(self) -> None:
+        """Drop the update streaming in, if any, and serve the weights served before it."""
+        self._not_streaming("abort")
+
+    def _not_streaming(self, method: str) -> None:
+        raise NotImplementedError(f"{type(self).__name__} takes weight updates by {self.weight_update!r}, not by "
+                                  f"stream: it has no {method}()")
 
     # --- counters -------------------------------------------------------------------------
 

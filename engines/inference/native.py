@@ -71,7 +71,7 @@ class InferenceEngine(RolloutEngine):
     """
 
     kind = "native"
-    weight_update = "swap"
+    weight_update = "swap"  # an update is loaded aside, then swapped in at its commit (swap_weights)
 
     def __init__(self, model: CausalLM, eos_id: int | Sequence[int] | None, pad_id: int | None = None, *,
                  max_seq_len: int | None = None, kv_cache_bytes: int = 512 * 2**20, max_num_seqs: int = 512,

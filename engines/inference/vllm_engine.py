@@ -118,6 +118,7 @@ class VllmEngine(RolloutEngine):
     """
 
     kind = "vllm"
+    weight_update = "stream"  # each bucket goes on into a running reload (begin/feed/commit/abort)
 
     def __init__(self, model_dir: str | Path, eos_ids: Sequence[int], *, max_seq_len: int | None = None,
                  max_num_seqs: int = 256, dtype: str = "auto", seed: int = 0, kv_cache_bytes: int | None = None,
@@ -342,8 +343,6 @@ class VllmEngine(RolloutEngine):
         self.weights_loaded()
 
     # --- a streamed update (the checkpoint engine receiver's WeightStream) ----------------------
-
-    streams_weights = True
 
     def begin(self, version: int) -> None:
         """Start update ``version`` in each vLLM worker (a reload's iterator, or direct loads, fed by the buckets)."""
