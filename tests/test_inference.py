@@ -9,8 +9,8 @@ import struct
 import pytest
 import torch
 
-from engines.inference.kv_cache import bytes_per_token
 from engines.inference.colocation import fit_kv_budget
+from engines.inference.kv_cache import bytes_per_token
 from engines.inference.native import InferenceEngine
 from engines.inference.sampling import InvalidRequestError, RowParams, SamplingParams, sample
 from engines.model.arch import make_config
