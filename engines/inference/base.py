@@ -32,13 +32,13 @@ probed:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import replace
 from typing import ClassVar, Literal
 
 import torch
 
-from engines.inference.requests import Completion
+from engines.inference.requests import Completion, TokenLogprob
 from engines.inference.sampling import InvalidRequestError, SamplingParams
 
 
@@ -77,6 +77,17 @@ class RolloutEngine(ABC):
     @abstractmethod
     def pause(self) -> list[Completion]:
         """Stop every unfinished request and return it with its tokens so far (finish_reason None)."""
+
+    @abstractmethod
+    def progress(self, request_ids: Collection[int]) -> dict[int, tuple[list[int], list[float]]]:
+        """The tokens and log-probs generated so far by each unfinished request among ``request_ids`` (what a
+        server streams between steps)."""
+
+    @abstractmethod
+    def prompt_logprobs(self, token_ids: Sequence[int], top: int = 0) -> list[TokenLogprob | None]:
+        """Each token's log-probability under the served model given the ones before it (None for the first,
+        which has nothing before it), with the ``top`` most likely tokens at each position: a prompt scored, not
+        generated from. Raises InvalidRequestError when the tokens cannot be read."""
 
     def request_seed(self, params: SamplingParams, request_id: int) -> int:
         """The request's own seed, or one derived from the engine's and the request id: the same rule in every

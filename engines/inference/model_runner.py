@@ -19,11 +19,15 @@ from engines.device import host_buffer
 from engines.inference.colocation import EngineMemory
 from engines.inference.cuda_graphs import DecodeGraphs
 from engines.inference.kv_cache import PagedKVCache, PagedPass, Ragged, rows_of
-from engines.inference.requests import MAX_STOP_IDS
+from engines.inference.requests import MAX_STOP_IDS, TokenLogprob
 from engines.inference.sampling import RowParams, mask_logits, sample
 from engines.inference.scheduler import RowStart, StepPlan
 from engines.inference.uploads import upload, upload_rows
+from engines.model.attention import padded_causal_mask, positions_from_valid
 from engines.model.causal_lm import CausalLM
+
+#: Positions whose float log-softmax over the vocabulary is taken at once when a sequence is scored.
+SCORE_ROWS = 1024
 
 
 @dataclass(frozen=True)
@@ -95,6 +99,26 @@ class ModelRunner:
         write = rows_of(table, pos[:, None], self.block_size)[:, 0]
         step = PagedPass(self.cache(), write, [Ragged.decode(table, pos, width)], self.attention)
         return self.model(self.last[None, :rows], pos[None], cache=step)[0]
+
+    def score(self, token_ids: list[int], top: int) -> list[TokenLogprob | None]:
+        """Each token's log-probability given those before it (None for the first) and the ``top`` likeliest
+        tokens at its position, from one forward of the whole sequence outside the KV cache."""
+        ids = upload([token_ids], self.device)
+        valid = torch.ones_like(ids, dtype=torch.bool)
+        with torch.no_grad():
+            logits = self.model(ids, positions_from_valid(valid), padded_causal_mask(valid))[0, :-1]
+        out: list[TokenLogprob | None] = [None]
+        targets = ids[0, 1:, None]
+        for a in range(0, len(token_ids) - 1, SCORE_ROWS):  # the float log-softmax a slice of positions at a time
+            lp = torch.log_softmax(logits[a: a + SCORE_ROWS].float(), dim=-1)
+            chosen = lp.gather(1, targets[a: a + SCORE_ROWS])[:, 0].tolist()
+            if top:
+                values, indices = lp.topk(min(top, lp.shape[-1]), dim=-1)
+                tops = [list(zip(i, v, strict=True)) for i, v in zip(indices.tolist(), values.tolist(), strict=True)]
+            else:
+                tops = [[] for _ in chosen]
+            out += [TokenLogprob(c, t) for c, t in zip(chosen, tops, strict=True)]
+        return out
 
     def cache(self) -> PagedKVCache:
         """The KV pool, laid out again after a sleep dropped it."""

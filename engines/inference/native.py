@@ -22,7 +22,7 @@ grammars checked, finished requests released.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 
 import torch
 
@@ -33,7 +33,7 @@ from engines.inference.colocation import EngineMemory, fit_kv_budget, free_devic
 from engines.inference.cuda_graphs import graphs_supported
 from engines.inference.kv_cache import BLOCK_SIZE, PagedKVCache, bytes_per_token, decode_attention, paged_pool
 from engines.inference.model_runner import ModelRunner, StepOutput
-from engines.inference.requests import Completion, Request, check_request
+from engines.inference.requests import Completion, Request, TokenLogprob, check_prompt, check_request
 from engines.inference.sampling import (
     InvalidRequestError,
     SamplingParams,
@@ -183,6 +183,19 @@ class InferenceEngine(RolloutEngine):
         """Stop every unfinished request; returns them (finish_reason None) with tokens so far. Their full
         blocks stay cached, so resuming before the weights change recomputes little."""
         return [r.completion(None) for r in self.sched.clear()]
+
+    def progress(self, request_ids: Collection[int]) -> dict[int, tuple[list[int], list[float]]]:
+        """The tokens and log-probs generated so far by each unfinished request among ``request_ids``."""
+        want = set(request_ids)
+        return {r.id: (list(r.tokens), list(r.logprobs)) for r in (*self.running, *self.waiting) if r.id in want}
+
+    def prompt_logprobs(self, token_ids: Sequence[int], top: int = 0) -> list[TokenLogprob | None]:
+        """Each token's log-probability given the ones before it (None for the first) and the ``top`` most likely
+        tokens at its position: one forward of the sequence, outside the KV cache and the running batch."""
+        self._check_awake()
+        cfg = self.model.config
+        return self.runner.score(check_prompt(token_ids, vocab=cfg.vocab_size, context=cfg.max_position_embeddings),
+                                 top)
 
     def decode_logits(self, rows: int, width: int | None = None) -> torch.Tensor:
         """Next-token logits [rows, V] of decoding rows 0..rows-1 from their last token, writing its key/value
