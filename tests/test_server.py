@@ -1,5 +1,7 @@
-"""The OpenAI-compatible server, driven by the official ``openai`` client over loopback HTTP."""
+"""The OpenAI-compatible server, driven by the official ``openai`` client and lm-eval over loopback HTTP: one
+server per model for the whole module."""
 
+import contextlib
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -7,33 +9,47 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
+import torch
 import uvicorn
 
 from checkpoint_engine.topology import free_port
 from engines.inference.native import InferenceEngine
 from engines.inference.sampling import SamplingParams
 from engines.inference.server import ServedModel, build_app
+from engines.model.attention import padded_causal_mask, positions_from_valid
 from engines.model.hf_io import save_pretrained
 from rl.cli import main as rl_main
+from tests.conftest import sharp_model, tiny_config
 
 
-@pytest.fixture
-def server(tiny_model, tokenizer, tmp_path):
-    save_pretrained(tiny_model, tokenizer, tmp_path / "tiny")
-    served = ServedModel(tmp_path / "tiny", max_num_seqs=4)
+@contextlib.contextmanager
+def running(served: ServedModel):
+    """``served`` over HTTP on a free port of loopback, until the block ends: (openai client, port)."""
     port = free_port()
     srv = uvicorn.Server(uvicorn.Config(build_app(served), host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()
-    deadline = time.time() + 30
-    while not srv.started:
-        assert time.time() < deadline and thread.is_alive(), "server did not start"
-        time.sleep(0.05)
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
-    yield served, client, port
-    srv.should_exit = True
-    thread.join(timeout=10)
-    served.loop.close()
+    try:
+        deadline = time.time() + 60
+        while not srv.started:
+            assert time.time() < deadline and thread.is_alive(), "server did not start"
+            time.sleep(0.05)
+        yield openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0), port
+    finally:
+        srv.should_exit = True
+        thread.join(timeout=10)
+        served.close()
+
+
+@pytest.fixture(scope="module")
+def server(tokenizer, tmp_path_factory):
+    """The conftest's tiny model (the same weights as its ``tiny_model``) served by the native engine."""
+    model = sharp_model(tiny_config(tokenizer.vocab_size, eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.pad_id))
+    d = tmp_path_factory.mktemp("served") / "tiny"
+    save_pretrained(model, tokenizer, d)
+    served = ServedModel(d, max_num_seqs=4)
+    with running(served) as (client, port):
+        yield served, client, port
 
 
 def test_completions_match_the_engine(server, tiny_model, tokenizer):
@@ -81,8 +97,10 @@ def test_bad_requests_get_400_while_others_finish(server):
 def test_unsupported_and_malformed_bodies(server):
     _, _, port = server
     url = f"http://127.0.0.1:{port}/v1"
-    r = httpx.post(f"{url}/completions", json={"prompt": "Q", "stream": True})
-    assert r.status_code == 400 and "stream" in r.json()["error"]["message"]
+    # streaming is served (it was refused before): events, then [DONE]
+    r = httpx.post(f"{url}/completions", json={"prompt": "Q", "stream": True, "max_tokens": 2})
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    assert r.text.rstrip().endswith("data: [DONE]")
     r = httpx.post(f"{url}/chat/completions", json={"messages": []})
     assert r.status_code == 400 and "messages" in r.json()["error"]["message"]
 
@@ -176,3 +194,146 @@ def test_vllm_serve_answers_as_the_native_engine_over_the_same_api(tokenizer, tm
         thread.join(timeout=10)
         served.loop.close()
         served.engine.close()
+
+
+# --- streaming, echo and max_tokens ------------------------------------------------------------
+
+
+def _joined(chunks, index: int) -> dict:
+    """One choice of a streamed completion, its chunks put together."""
+    out = {"text": "", "tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": [], "finish": None,
+           "pieces": 0}
+    for ch in chunks:
+        for c in ch.choices:
+            if c.index != index:
+                continue
+            out["pieces"] += 1
+            out["text"] += c.text
+            if c.logprobs is not None:
+                for key in ("tokens", "token_logprobs", "text_offset"):
+                    out[key] += getattr(c.logprobs, key)
+                out["top_logprobs"] += c.logprobs.top_logprobs or []
+            out["finish"] = c.finish_reason or out["finish"]
+    return out
+
+
+def _same_tops(got: list, want: list | None) -> None:
+    """Top alternatives alike: the same tokens, log-probs to rounding (each chunk scores its own prefix)."""
+    want = want or []
+    assert len(got) == len(want)
+    for g, w in zip(got, want, strict=True):
+        assert (g is None) == (w is None)
+        if w is not None:
+            assert g.keys() == w.keys() and list(g.values()) == pytest.approx(list(w.values()), abs=1e-5)
+
+
+@pytest.mark.parametrize("kw", [dict(temperature=0, logprobs=2), dict(temperature=1.0, seed=5, n=2, logprobs=0),
+                                dict(temperature=0, echo=True, logprobs=1), dict(temperature=0.8, seed=3)],
+                         ids=["greedy-top2", "sampled-n2", "echo", "plain"])
+def test_streamed_completions_add_up_to_the_unstreamed_ones(server, kw):
+    _, client, _ = server
+    prompt = "Question: Mia has 3 apples."
+    whole = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, **kw)
+    chunks = list(client.completions.create(model="tiny", prompt=prompt, max_tokens=12, stream=True,
+                                            stream_options={"include_usage": True}, **kw))
+    for c in whole.choices:
+        got = _joined(chunks, c.index)
+        assert got["pieces"] > 2  # streamed as it was generated, not in one piece at the end
+        assert got["text"] == c.text and got["finish"] == c.finish_reason
+        if c.logprobs is None:
+            assert got["tokens"] == []
+            continue
+        assert got["tokens"] == c.logprobs.tokens and got["text_offset"] == c.logprobs.text_offset
+        assert got["token_logprobs"] == c.logprobs.token_logprobs
+        _same_tops(got["top_logprobs"], c.logprobs.top_logprobs)
+    assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
+    assert all(ch.usage is None for ch in chunks[:-1])
+
+
+def test_streamed_text_holds_back_a_stop_string(server):
+    """A stop string arrives over several tokens: what was streamed before it was cut is still the final text."""
+    _, client, _ = server
+    prompt = "Question: Mia has 3 apples."
+    text = client.completions.create(model="tiny", prompt=prompt, max_tokens=16, temperature=0).choices[0].text
+    for stop in (text[len(text) // 2:][:3], text[len(text) // 3:][:2]):
+        assert stop.strip(), text
+        whole = client.completions.create(model="tiny", prompt=prompt, max_tokens=16, temperature=0, stop=stop)
+        chunks = list(client.completions.create(model="tiny", prompt=prompt, max_tokens=16, temperature=0,
+                                                stop=stop, stream=True))
+        got = _joined(chunks, 0)
+        assert whole.choices[0].finish_reason == "stop" and stop not in whole.choices[0].text
+        assert got["text"] == whole.choices[0].text and got["finish"] == "stop"
+
+
+def test_streamed_chat_adds_up_to_the_unstreamed_one(server):
+    _, client, _ = server
+    msgs = [{"role": "user", "content": "Question: Leo has 5 pens."}]
+    kw = dict(model="tiny", messages=msgs, max_tokens=10, temperature=0, logprobs=True, top_logprobs=2, n=2)
+    whole = client.chat.completions.create(**kw)
+    chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
+    for c in whole.choices:
+        mine = [x for ch in chunks for x in ch.choices if x.index == c.index]
+        assert mine[0].delta.role == "assistant" and len(mine) > 3
+        assert "".join(x.delta.content or "" for x in mine) == c.message.content
+        assert [x.finish_reason for x in mine][-1] == c.finish_reason
+        content = [e for x in mine if x.logprobs is not None for e in x.logprobs.content]
+        assert [(e.token, e.logprob) for e in content] == [(e.token, e.logprob) for e in c.logprobs.content]
+        for e, w in zip(content, c.logprobs.content, strict=True):
+            assert [t.token for t in e.top_logprobs] == [t.token for t in w.top_logprobs]
+
+
+def _prompt_logprobs(model, ids: list[int]) -> torch.Tensor:
+    """log p(ids[i] | ids[:i]) for i >= 1, from a plain forward of the project's model (no engine)."""
+    x = torch.tensor([ids])
+    valid = torch.ones_like(x, dtype=torch.bool)
+    with torch.no_grad():
+        logits = model(x, positions_from_valid(valid), padded_causal_mask(valid))[0, :-1]
+    return torch.log_softmax(logits.float(), -1).gather(1, x[0, 1:, None])[:, 0]
+
+
+def test_echo_scores_the_prompt_and_offsets_count_in_the_echoed_text(server, tiny_model, tokenizer):
+    served, client, _ = server
+    prompt = "Question: Leo has 5 pens and 2 more."
+    ids = tokenizer.encode(prompt)
+    only = client.completions.create(model="tiny", prompt=prompt, echo=True, logprobs=1, max_tokens=0)
+    c, lp = only.choices[0], only.choices[0].logprobs
+    assert c.text == served.decode(ids) and c.finish_reason == "length" and only.usage.completion_tokens == 0
+    assert lp.tokens == [served.decode([t]) for t in ids]
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None  # the first token has nothing before it
+    ref = _prompt_logprobs(tiny_model.eval(), ids)
+    assert lp.token_logprobs[1:] == pytest.approx(ref.tolist(), abs=1e-5)
+    assert all(len(top) == 1 and max(top.values()) >= v - 1e-6 for top, v in
+               zip(lp.top_logprobs[1:], lp.token_logprobs[1:], strict=True))
+    assert lp.text_offset[0] == 0 and all(c.text[o:].startswith(t) for o, t in zip(lp.text_offset, lp.tokens,
+                                                                                      strict=True))
+    # with tokens generated after it: the prompt's entries, then the completion's own, offsets going on
+    echo = client.completions.create(model="tiny", prompt=prompt, echo=True, logprobs=1, max_tokens=4,
+                                     temperature=0).choices[0]
+    plain = client.completions.create(model="tiny", prompt=prompt, logprobs=1, max_tokens=4,
+                                      temperature=0).choices[0]
+    assert echo.text == c.text + plain.text and echo.logprobs.tokens == lp.tokens + plain.logprobs.tokens
+    assert echo.logprobs.token_logprobs[0] is None
+    assert echo.logprobs.token_logprobs[1:len(ids)] == pytest.approx(lp.token_logprobs[1:], abs=1e-6)
+    assert echo.logprobs.token_logprobs[len(ids):] == plain.logprobs.token_logprobs
+    assert echo.logprobs.text_offset[len(ids)] == len(c.text)
+    assert all(echo.text[o:].startswith(t) for o, t in zip(echo.logprobs.text_offset, echo.logprobs.tokens,
+                                                           strict=True))
+
+
+def test_max_tokens_rules(server, tokenizer):
+    """0 only with echo, negative refused, None the context's room (the tiny model's 128 tokens)."""
+    _, client, _ = server
+    prompt = "Question: Mia has 3 apples."
+    with pytest.raises(openai.BadRequestError, match="echo"):
+        client.completions.create(model="tiny", prompt=prompt, max_tokens=0)
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        client.completions.create(model="tiny", prompt=prompt, max_tokens=-3)
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": prompt}], max_tokens=0)
+    room = client.completions.create(model="tiny", prompt=prompt, temperature=0, extra_body={"ignore_eos": True})
+    assert room.usage.completion_tokens == 128 - len(tokenizer.encode(prompt))
+    assert room.choices[0].finish_reason == "length"
+    full = tokenizer.encode("apples and pears " * 60)[:128]
+    with pytest.raises(openai.BadRequestError, match="no room"):
+        client.completions.create(model="tiny", prompt=full)

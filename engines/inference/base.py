@@ -51,6 +51,8 @@ class RolloutEngine(ABC):
     weight_update: ClassVar[Literal["swap", "stream"]]
     #: where the engine computes
     device: torch.device
+    #: tokens one sequence may hold, prompt and response together
+    max_seq_len: int
     #: tokens sampled over the engine's life: the partial-rollout budget is counted in them
     generated: int
     #: request ids handed out when the caller gives none
@@ -210,3 +212,7 @@ class RolloutEngine(ABC):
     @abstractmethod
     def mapped_bytes(self) -> int:
         """Device bytes held outside torch's caching allocator, which its peak counters do not see."""
+
+    def close(self) -> None:
+        """Release what the engine holds beyond Python objects (processes, threads); nothing by default."""
+        return None
