@@ -156,7 +156,8 @@ def test_saved_weights_have_the_usual_file_mode(tiny_model, tokenizer, tmp_path)
 
 def test_vllm_serve_answers_as_the_native_engine_over_the_same_api(tokenizer, tmp_path):
     """`rl serve --engine vllm`: the OpenAI-compatible server on vLLM gives the native engine's greedy text and
-    token log-probs for a completion, cuts stop strings, and answers chat through the model's template."""
+    token log-probs for a completion, cuts stop strings, answers chat through the model's template, streams what
+    it answers unstreamed, and scores an echoed prompt as the model does."""
     from tests.test_vllm_engine import _model
 
     vllm_engine = pytest.importorskip("engines.inference.vllm_engine")
@@ -165,16 +166,7 @@ def test_vllm_serve_answers_as_the_native_engine_over_the_same_api(tokenizer, tm
     model = _model(tokenizer, 0)
     save_pretrained(model, tokenizer, tmp_path / "m")
     served = ServedModel(tmp_path / "m", max_num_seqs=4, kv_cache_bytes=32 << 20, engine="vllm")
-    port = free_port()
-    srv = uvicorn.Server(uvicorn.Config(build_app(served), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    try:
-        deadline = time.time() + 60
-        while not srv.started:
-            assert time.time() < deadline and thread.is_alive(), "server did not start"
-            time.sleep(0.05)
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+    with running(served) as (client, _):
         prompt = "Question: Mia has 3 apples."
         r = client.completions.create(model="m", prompt=prompt, max_tokens=12, temperature=0, logprobs=0)
         ref = InferenceEngine(model.eval(), tokenizer.eos_ids).generate([tokenizer.encode(prompt)],
@@ -189,11 +181,19 @@ def test_vllm_serve_answers_as_the_native_engine_over_the_same_api(tokenizer, tm
         chat = client.chat.completions.create(model="m", messages=[{"role": "user", "content": prompt}],
                                               max_tokens=6, temperature=0)
         assert chat.choices[0].message.role == "assistant"
-    finally:
-        srv.should_exit = True
-        thread.join(timeout=10)
-        served.loop.close()
-        served.engine.close()
+        chunks = list(client.completions.create(model="m", prompt=prompt, max_tokens=12, temperature=0, logprobs=2,
+                                                stream=True))
+        whole = client.completions.create(model="m", prompt=prompt, max_tokens=12, temperature=0, logprobs=2)
+        got = _joined(chunks, 0)
+        assert got["pieces"] > 2 and got["text"] == whole.choices[0].text == text
+        assert got["token_logprobs"] == whole.choices[0].logprobs.token_logprobs
+        _same_tops(got["top_logprobs"], whole.choices[0].logprobs.top_logprobs)
+        ids = tokenizer.encode(prompt)
+        echo = client.completions.create(model="m", prompt=prompt, echo=True, logprobs=1, max_tokens=0).choices[0]
+        assert echo.text == served.decode(ids) and echo.logprobs.token_logprobs[0] is None
+        assert echo.logprobs.token_logprobs[1:] == pytest.approx(_prompt_logprobs(model.eval(), ids).tolist(),
+                                                                 abs=1e-4)
+        assert echo.logprobs.text_offset[0] == 0 and len(echo.logprobs.tokens) == len(ids)
 
 
 # --- streaming, echo and max_tokens ------------------------------------------------------------
@@ -337,3 +337,97 @@ def test_max_tokens_rules(server, tokenizer):
     full = tokenizer.encode("apples and pears " * 60)[:128]
     with pytest.raises(openai.BadRequestError, match="no room"):
         client.completions.create(model="tiny", prompt=full)
+
+
+# --- lm-eval's local-completions on a transformers-made model ---------------------------------
+
+MC_DOCS = [
+    {"question": "Mia has 3 apples and buys 2 more. How many apples?", "choices": ["5", "6", "32"], "answer": 0},
+    {"question": "Leo has 5 pens and gives 1 away. How many pens?", "choices": ["4", "six", "1 5"], "answer": 0},
+    {"question": "What is 2*3+1?", "choices": ["7", "61", "8", "0"], "answer": 0},
+]
+MC_TASK = """task: colocated_rl_tiny_mc
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "Question: {{{{question}}}}\\nAnswer:"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: answer
+metric_list:
+  - metric: acc
+"""
+
+
+@pytest.fixture(scope="module")
+def hf_model_server(tokenizer, tmp_path_factory):
+    """A Llama made with transformers' own classes (random weights) and saved by transformers, served natively."""
+    import transformers
+
+    cfg = transformers.LlamaConfig(vocab_size=tokenizer.vocab_size, hidden_size=64, intermediate_size=128,
+                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                   max_position_embeddings=256, initializer_range=0.2, tie_word_embeddings=False,
+                                   eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.pad_id, bos_token_id=None)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    d = tmp_path_factory.mktemp("hf") / "llama"
+    model.save_pretrained(d)
+    tokenizer.save(d)
+    with running(ServedModel(d, max_num_seqs=4)) as (_, port):
+        yield model, d, port
+
+
+def test_lm_eval_loglikelihoods_equal_transformers(hf_model_server, tmp_path, monkeypatch):
+    """lm-eval's local-completions (echo, logprobs=1, max_tokens=1) on a multiple-choice task made of local files:
+    every choice's log-likelihood and greedy flag as transformers computes them on the same weights."""
+    import json
+
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+    from transformers import AutoTokenizer
+
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    model, d, port = hf_model_server
+    # one choice that is the model's own greedy next token, so that lm-eval's greedy flag is seen true too: the first
+    # question whose argmax token is a space and a word that tokenizes back to itself after the context
+    tok = AutoTokenizer.from_pretrained(d)
+    extra = None
+    for n in range(2, 60):
+        ctx = tok(f"Question: What is {n}+{n}?\nAnswer:", add_special_tokens=False).input_ids
+        with torch.no_grad():
+            best = int(model(torch.tensor([ctx])).logits[0, -1].argmax())
+        text = tok.decode([best])
+        if text.startswith(" ") and text[1:].isprintable() and text.strip() and \
+                tok(tok.decode(ctx) + text, add_special_tokens=False).input_ids == [*ctx, best]:
+            extra = {"question": f"What is {n}+{n}?", "choices": [text[1:], "9"], "answer": 0}
+            break
+    assert extra is not None, "no question has a greedy next token that round-trips"
+    docs = [*MC_DOCS, extra]
+    data = tmp_path / "docs.jsonl"
+    data.write_text("".join(json.dumps(doc) + "\n" for doc in docs))
+    (tmp_path / "tasks").mkdir()
+    (tmp_path / "tasks" / "tiny_mc.yaml").write_text(MC_TASK.format(data=data))
+    out = simple_evaluate(model="local-completions", tasks=["colocated_rl_tiny_mc"], log_samples=True,
+                          task_manager=TaskManager(include_path=str(tmp_path / "tasks"), include_defaults=False),
+                          model_args=f"model=llama,base_url=http://127.0.0.1:{port}/v1/completions,tokenizer={d},"
+                                     "tokenizer_backend=huggingface,max_retries=1")
+    samples = out["samples"]["colocated_rl_tiny_mc"]
+    assert len(samples) == len(docs)
+    checked, greedy_seen = 0, 0
+    for s in samples:
+        for args, resp in zip(s["arguments"], s["resps"], strict=True):
+            context, continuation = args[0], args[1]
+            ctx = tok(context, add_special_tokens=False).input_ids
+            whole = tok(context + continuation, add_special_tokens=False).input_ids
+            with torch.no_grad():
+                lp = torch.log_softmax(model(torch.tensor([whole])).logits[0, :-1].float(), -1)
+            targets = torch.tensor(whole[len(ctx):])
+            mine = lp[len(ctx) - 1:].gather(1, targets[:, None])[:, 0]
+            ll, greedy = resp[0]
+            assert ll == pytest.approx(mine.sum().item(), abs=1e-4), (context, continuation)
+            assert greedy == bool((lp[len(ctx) - 1:].argmax(-1) == targets).all())
+            checked, greedy_seen = checked + 1, greedy_seen + greedy
+    assert checked == sum(len(doc["choices"]) for doc in docs) and greedy_seen >= 1
