@@ -110,6 +110,14 @@ def test_serve_cli_names_a_missing_model(tmp_path, capsys):
     assert "does not exist" in capsys.readouterr().err
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
+def test_serve_cli_names_a_device_it_does_not_have(tiny_model, tokenizer, tmp_path, capsys):
+    save_pretrained(tiny_model, tokenizer, tmp_path / "m")
+    assert rl_main(["serve", str(tmp_path / "m"), "--device", "cuda"]) == 2
+    err = capsys.readouterr().err
+    assert "CUDA is not available" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
 def test_top_logprobs_usage_and_model_name(server, tiny_model, tokenizer):
     """top_logprobs are the model's own top alternatives (the sampled token's log-prob among them at temperature
     0), usage counts the prompt once whatever n is, and an unknown model name is refused."""

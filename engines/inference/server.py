@@ -58,6 +58,8 @@ class ServedModel:
         read_config(model_dir)  # a missing or unreadable model directory is named before its tokenizer
         self.tokenizer = TextTokenizer.load(model_dir)
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        if device == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device cuda: CUDA is not available here (torch {torch.__version__}); use cpu")
         attention = decode_attention("auto", device) if engine == "native" else "torch"
         self.engine = build_engine(EngineSettings(
             kind=engine, model_dir=str(model_dir), device=device, dtype=dtype, fp8=False, max_seq_len=max_seq_len,
