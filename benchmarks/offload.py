@@ -57,7 +57,7 @@ def copy_seconds(nbytes: int, src_device: torch.device, dst_device: torch.device
     return statistics.median(times[1:])
 
 
-def build_engine(model_name: str, device: torch.device, seed: int = 0) -> TrainingEngine:
+def build_trainer(model_name: str, device: torch.device, seed: int = 0) -> TrainingEngine:
     """The model of ``model_name`` with Muon+AdamW state after one optimizer step on random tokens."""
     torch.manual_seed(seed)
     cfg = MODELS[model_name]
@@ -74,7 +74,7 @@ def build_engine(model_name: str, device: torch.device, seed: int = 0) -> Traini
 def measure(model_name: str, repeats: int = 5, device: str | None = None) -> dict:
     """One benchmark record."""
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    engine = build_engine(model_name, dev)
+    engine = build_trainer(model_name, dev)
     engine.offload()  # warm-up: first-time allocations (and, on CUDA, pinning the host buffer)
     engine.onload()
     off, on, freed = [], [], []

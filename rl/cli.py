@@ -141,7 +141,7 @@ def _cmd_serve(args: argparse.Namespace) -> None:
     try:
         serve(args.model_dir, host=args.host, port=args.port, name=args.served_model_name, dtype=args.dtype,
               max_num_seqs=args.max_num_seqs, kv_cache_bytes=args.kv_cache_mb << 20, engine=args.engine,
-              tensor_parallel_size=args.tensor_parallel_size)
+              tensor_parallel_size=args.tensor_parallel_size, device=args.device, max_seq_len=args.max_seq_len)
     except (ModelDirError, FileNotFoundError, ValueError, VllmUnavailableError) as e:
         raise UserError(f"rl serve: {e}") from None
 
@@ -321,6 +321,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--kv-cache-mb", type=int, default=512, help="KV-cache memory budget in MiB")
     s.add_argument("--engine", default="native", choices=["native", "vllm"], help="inference engine")
     s.add_argument("--tensor-parallel-size", type=int, default=1, help="devices per replica (vllm)")
+    s.add_argument("--device", choices=["cpu", "cuda"], help="where the native engine runs (default: cuda if present)")
+    s.add_argument("--max-seq-len", type=int, help="prompt + completion tokens per sequence (default: the model's "
+                                                   "context); a request without max_tokens gets the room left")
     s.set_defaults(func=_cmd_serve)
 
     f = sub.add_parser("filter-tasks", help="keep the training prompts of moderate difficulty for the current model "

@@ -79,3 +79,22 @@ def test_swapped_weights_are_served_and_packed_and_placements_address_them(tiny_
         got = torch.empty(0, dtype=want.dtype).set_(t.untyped_storage(), (start - t.untyped_storage().data_ptr())
                                                      // want.element_size(), want.shape)
         torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_each_engine_declares_how_it_takes_a_weight_update(tiny_model, tokenizer):
+    """The weight-update mode is a declared class attribute, not a probed one: the native engine swaps an update
+    in at its commit and refuses the stream methods; vLLM streams it, with the interface's stream signatures."""
+    import pytest
+
+    from engines.inference.vllm_engine import VllmEngine
+
+    assert InferenceEngine.weight_update == "swap" and VllmEngine.weight_update == "stream"
+    assert "weight_update" in RolloutEngine.__annotations__
+    for name in ("begin", "feed", "commit", "abort"):
+        want, got = getattr(RolloutEngine, name), getattr(VllmEngine, name)
+        assert got is not want, name  # vLLM implements each one itself
+        assert list(inspect.signature(got).parameters) == list(inspect.signature(want).parameters), name
+    assert not any(hasattr(cls, "streams_weights") for cls in (RolloutEngine, InferenceEngine, VllmEngine))
+    eng = InferenceEngine(tiny_model, tokenizer.eos_id, tokenizer.pad_id, kv_cache_bytes=1 << 20)
+    with pytest.raises(NotImplementedError, match="'swap', not by stream: it has no begin"):
+        eng.begin(1)

@@ -9,8 +9,9 @@ import struct
 import pytest
 import torch
 
+from engines.inference.colocation import fit_kv_budget
 from engines.inference.kv_cache import bytes_per_token
-from engines.inference.native import InferenceEngine, fit_kv_budget
+from engines.inference.native import InferenceEngine
 from engines.inference.sampling import InvalidRequestError, RowParams, SamplingParams, sample
 from engines.model.arch import make_config
 from engines.model.attention import padded_causal_mask, positions_from_valid
@@ -372,8 +373,8 @@ def test_sleep_gives_memory_back_and_keeps_addresses(tiny_model, tokenizer):
     weights = {k: v.detach().clone() for k, v in eng.named_tensors().items()}
     where = {k: v.data_ptr() for k, v in eng.named_tensors().items()}
     pool = eng.kv.k.data_ptr()
-    kv_at = (eng._kv_arena.base, eng._kv_arena.nbytes)
-    w_at = (eng._weight_arena.base, eng._weight_arena.nbytes)
+    kv_at = (eng.memory.kv_arena.base, eng.memory.kv_arena.nbytes)
+    w_at = (eng.memory.weight_arena.base, eng.memory.weight_arena.nbytes)
     eng.kv.k.fill_(1.0)  # every page of the keys in memory
     assert resident_bytes(*kv_at) >= eng.kv.k.nbytes and resident_bytes(*w_at) >= w_at[1] - mmap.PAGESIZE
     held = resident_bytes(*w_at)
@@ -411,7 +412,7 @@ def test_sleep_after_weights_moved_out_of_the_arena_frees_them_as_before(tiny_mo
         t.data = t.data.clone()  # what WeightReceiver's swap commit does
     eng.sleep(2)
     assert all(t.numel() == 0 for t in eng.named_tensors().values())
-    assert eng._weight_arena.mapped  # the spare in the arena is the receiver's, not freed
+    assert eng.memory.weight_arena.mapped  # the spare in the arena is the receiver's, not freed
     eng.wake_up()
     eng.load_weights(weights.items())
     assert [c.token_ids for c in eng.generate(prompts, params)] == [c.token_ids for c in ref]
@@ -500,7 +501,7 @@ def test_cuda_engine_matches_trainer_and_sleeps(tiny_model, tokenizer):
     torch.cuda.synchronize()
     free = torch.cuda.mem_get_info()[0]
     eng.sleep(1)  # weights to host memory, pool and weights given back to the device
-    assert torch.cuda.mem_get_info()[0] - free >= eng._weight_arena.nbytes + eng._kv_arena.nbytes
+    assert torch.cuda.mem_get_info()[0] - free >= eng.memory.weight_arena.nbytes + eng.memory.kv_arena.nbytes
     eng.wake_up()
     assert [c.token_ids for c in eng.generate(prompts, SamplingParams(1.0, 16, seed=1))] == [c.token_ids for c in outs]
 
@@ -513,17 +514,17 @@ def test_cuda_graph_decode_matches_eager_decode(tiny_model, tokenizer):
     prompts = [tokenizer.encode(t) for t in TEXTS] * 3  # 12 sequences
     params = [SamplingParams(1.0, 4 + 3 * i, seed=i, ignore_eos=True) for i in range(len(prompts))]
     eager = engine(model, tokenizer, cuda_graphs=False)
-    assert eager.graphs is None
+    assert eager.runner.graphs is None
     want = eager.generate(prompts, params)
     graphed = engine(copy.deepcopy(model), tokenizer)
     got = graphed.generate(prompts, params)
     assert [c.token_ids for c in got] == [c.token_ids for c in want]
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(torch.tensor(g.logprobs), torch.tensor(w.logprobs), atol=1e-4, rtol=0)
-    first = graphed.graphs.captures
+    first = graphed.runner.graphs.captures
     assert first >= 4  # 12 rows shrinking one by one: buckets 16, 8, 4, 2, 1
     assert graphed.stats()["cuda_graphs_fallback"] == 0 and graphed.stats()["cuda_graph_captures"] == first
-    graphs = dict(graphed.graphs.graphs)
+    graphs = dict(graphed.runner.graphs.graphs)
     for level in (1, 2):
         weights = {k: v.clone() for k, v in graphed.named_tensors().items()}
         graphed.sleep(level)
@@ -531,8 +532,8 @@ def test_cuda_graph_decode_matches_eager_decode(tiny_model, tokenizer):
         if level == 2:
             graphed.load_weights(weights.items())
         assert [c.token_ids for c in graphed.generate(prompts, params)] == [c.token_ids for c in want]
-        assert graphed.graphs.captures == first
-        assert all(graphed.graphs.graphs[k][0] is g for k, (g, _) in graphs.items())
+        assert graphed.runner.graphs.captures == first
+        assert all(graphed.runner.graphs.graphs[k][0] is g for k, (g, _) in graphs.items())
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -547,5 +548,5 @@ def test_cuda_graph_padding_rows_never_write_into_live_blocks(tiny_model, tokeni
     want = engine(model, tokenizer, cuda_graphs=False, **small).generate(prompts, params)
     graphed = engine(copy.deepcopy(model), tokenizer, **small)
     got = graphed.generate(prompts, params)
-    assert graphed.graphs.captures > 0
+    assert graphed.runner.graphs.captures > 0
     assert [c.token_ids for c in got] == [c.token_ids for c in want]

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from engines.inference import cpu_kernel
-from engines.inference.native import InferenceEngine, resolve_attention
+from engines.inference.kv_cache import decode_attention
+from engines.inference.native import InferenceEngine
 from engines.inference.sampling import SamplingParams
 from rl.config import parse_config
 from rl.errors import UserError
@@ -122,12 +123,12 @@ def test_engine_decodes_the_same_through_the_kernel_and_the_gather(tiny_model, t
 
 def test_auto_is_the_kernel_on_a_cpu_and_torch_without_it(monkeypatch, caplog):
     cpu = torch.device("cpu")
-    assert resolve_attention("auto", cpu) == ("paged" if cpu_kernel.available() else "torch")
-    assert resolve_attention("flex", cpu) == "flex"
+    assert decode_attention("auto", cpu) == ("paged" if cpu_kernel.available() else "torch")
+    assert decode_attention("flex", cpu) == "flex"
     with pytest.raises(ValueError, match="CPU decode kernel"):
-        resolve_attention("paged", torch.device("cuda", 0))
+        decode_attention("paged", torch.device("cuda", 0))
     with pytest.raises(ValueError, match="attention must be"):
-        resolve_attention("gather", cpu)
+        decode_attention("gather", cpu)
     # a machine without a compiler: one warning, and the engines gather instead
     import torch.utils.cpp_extension as ext
 
@@ -138,7 +139,7 @@ def test_auto_is_the_kernel_on_a_cpu_and_torch_without_it(monkeypatch, caplog):
     monkeypatch.setattr(ext, "load", no_compiler)
     try:
         with caplog.at_level(logging.WARNING, logger="engines.inference.cpu_kernel"):
-            assert resolve_attention("auto", cpu) == "torch" and resolve_attention("paged", cpu) == "torch"
+            assert decode_attention("auto", cpu) == "torch" and decode_attention("paged", cpu) == "torch"
         warnings = [r for r in caplog.records if "could not be built" in r.getMessage()]
         assert len(warnings) == 1 and "c++: not found" in warnings[0].getMessage()
         with pytest.raises(RuntimeError, match="not available"):

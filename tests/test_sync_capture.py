@@ -154,7 +154,7 @@ def test_failed_capture_falls_back_to_eager_decoding_with_one_warning(tiny_model
     monkeypatch.setattr(native, "graphs_supported", lambda device, cfg: True)  # as on a GPU
     monkeypatch.setattr(DecodeGraphs, "_capture", _capture_fails)
     eng = engine(tiny_model, tokenizer)
-    assert eng.graphs is not None and eng.stats()["cuda_graphs_fallback"] == 0
+    assert eng.runner.graphs is not None and eng.stats()["cuda_graphs_fallback"] == 0
     with caplog.at_level(logging.WARNING):
         got = eng.generate(prompts, params)
         again = eng.generate(prompts, params)
@@ -175,7 +175,7 @@ def test_captured_decode_step_and_sampler_have_no_host_sync_on_cuda(tiny_model, 
     n = len(eng.running)
     with no_host_sync():
         logits = eng.decode_logits(bucket(n, eng.max_num_seqs), MIN_WIDTH)[:n]
-        sample(logits, eng.rows[:n], eng.gen[:n].clone(), [r.filter_kind for r in eng.running])
+        sample(logits, eng.runner.rows[:n], eng.runner.gen[:n].clone(), [r.filter_kind for r in eng.running])
 
 
 def test_captured_graphs_are_dropped_when_an_fp8_weight_buffer_moves(tokenizer):
@@ -191,7 +191,7 @@ def test_captured_graphs_are_dropped_when_an_fp8_weight_buffer_moves(tokenizer):
     model = to_fp8(build_model(tiny_config(tokenizer.vocab_size, hidden_size=64, num_attention_heads=2,
                                            num_key_value_heads=1, intermediate_size=128)), block=32)
     eng = engine(model, tokenizer)
-    graphs = DecodeGraphs(eng)
+    graphs = DecodeGraphs(eng.runner)
     before = graphs._addresses()
     fp8 = next(name for name, b in model.named_buffers() if b.dtype == torch.float8_e4m3fn)
     owner, attr = model.get_submodule(fp8.rpartition(".")[0]), fp8.rpartition(".")[2]

@@ -16,18 +16,29 @@ Contract every implementation keeps:
   again before generating;
 - after weights change (in place or swapped), ``weights_loaded`` drops what was computed with the
   old ones (cached prefixes).
+
+How an update from the checkpoint engine reaches the engine is the class's ``weight_update``, declared, never
+probed:
+- ``"swap"`` (the native engine): the receiver loads every bucket aside, into the tensors ``named_tensors`` and
+  ``weight_placements`` address (or a spare set of them), and hands the complete update over at the commit with
+  ``swap_weights``; the engine serves the old weights until then, and a failed update never reaches it.
+- ``"stream"`` (vLLM): the engine takes the update as it arrives, one bucket at a time, into a load already
+  running: ``begin(version)``, one ``feed(version, bucket, tensors)`` per completed bucket (host tensors it may
+  keep until the update ends), then ``commit(version, tensors)`` (serve the whole update from now on) or
+  ``abort()`` (serve the weights served before it again). ``named_tensors`` is then the host copy the receiver
+  fills. These four methods are part of the interface for "stream" engines; a "swap" engine refuses them.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import replace
 from typing import ClassVar, Literal
 
 import torch
 
-from engines.inference.requests import Completion
+from engines.inference.requests import Completion, TokenLogprob
 from engines.inference.sampling import InvalidRequestError, SamplingParams
 
 
@@ -36,11 +47,12 @@ class RolloutEngine(ABC):
 
     #: the engine's name in ``rollout.engine``
     kind: str
-    #: how an update reaches the served weights: "swap" (loaded aside by the receiver, served from ``swap_weights``
-    #: at commit) or "stream" (each bucket handed on as it arrives: ``begin``/``feed``/``commit``/``abort``)
-    weight_update: ClassVar[Literal["swap", "stream"]] = "swap"
+    #: how a weight update reaches it: loaded aside then ``swap_weights``, or streamed by ``begin``/``feed``/``commit``
+    weight_update: ClassVar[Literal["swap", "stream"]]
     #: where the engine computes
     device: torch.device
+    #: tokens one sequence may hold, prompt and response together
+    max_seq_len: int
     #: tokens sampled over the engine's life: the partial-rollout budget is counted in them
     generated: int
     #: request ids handed out when the caller gives none
@@ -67,6 +79,17 @@ class RolloutEngine(ABC):
     @abstractmethod
     def pause(self) -> list[Completion]:
         """Stop every unfinished request and return it with its tokens so far (finish_reason None)."""
+
+    @abstractmethod
+    def progress(self, request_ids: Collection[int]) -> dict[int, tuple[list[int], list[float]]]:
+        """The tokens and log-probs generated so far by each unfinished request among ``request_ids`` (what a
+        server streams between steps)."""
+
+    @abstractmethod
+    def prompt_logprobs(self, token_ids: Sequence[int], top: int = 0) -> list[TokenLogprob | None]:
+        """Each token's log-probability under the served model given the ones before it (None for the first,
+        which has nothing before it), with the ``top`` most likely tokens at each position: a prompt scored, not
+        generated from. Raises InvalidRequestError when the tokens cannot be read."""
 
     def request_seed(self, params: SamplingParams, request_id: int) -> int:
         """The request's own seed, or one derived from the engine's and the request id: the same rule in every
@@ -153,6 +176,29 @@ class RolloutEngine(ABC):
     def served_weights(self) -> dict[str, torch.Tensor]:
         """The weights being served, under the checkpoint's names (what a restarted replica catches up to)."""
 
+    # --- a streamed update (weight_update "stream") ---------------------------------------------
+
+    def begin(self, version: int) -> None:
+        """Start taking update ``version`` as its buckets arrive."""
+        self._not_streaming("begin")
+
+    def feed(self, version: int, bucket: int, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Take the tensors bucket ``bucket`` of update ``version`` completed (host tensors, untouched until the
+        update ends); a failed load is rolled back, then raised."""
+        self._not_streaming("feed")
+
+    def commit(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
+        """End update ``version``: serve ``tensors`` (every weight, the update's) from now on."""
+        self._not_streaming("commit")
+
+    def abort(self) -> None:
+        """Drop the update streaming in, if any, and serve the weights served before it."""
+        self._not_streaming("abort")
+
+    def _not_streaming(self, method: str) -> None:
+        raise NotImplementedError(f"{type(self).__name__} takes weight updates by {self.weight_update!r}, not by "
+                                  f"stream: it has no {method}()")
+
     # --- counters -------------------------------------------------------------------------
 
     @abstractmethod
@@ -166,3 +212,7 @@ class RolloutEngine(ABC):
     @abstractmethod
     def mapped_bytes(self) -> int:
         """Device bytes held outside torch's caching allocator, which its peak counters do not see."""
+
+    def close(self) -> None:
+        """Release what the engine holds beyond Python objects (processes, threads); nothing by default."""
+        return None

@@ -3,8 +3,9 @@
 Each decoding sequence's keys and values are read in place through its block table (see the C++ file), which on
 a CPU is about 1.5x faster than the torch path's gather and matmuls over one decode step of the quick-start model
 and removes the gather's scratch buffers. The kernel is compiled once per machine by PyTorch's extension loader
-(a C++ compiler, the Python headers and ninja; cached under ``TORCH_EXTENSIONS_DIR``). Where it cannot be built
-the engines fall back to the torch path after one warning; ``COLOCATED_RL_CPU_KERNEL=0`` turns it off.
+(a C++ compiler, the Python headers and ninja; cached under ``TORCH_EXTENSIONS_DIR``), under a lock that a killed
+build cannot leave behind (``engines.inference.extension_build``). Where it cannot be built the engines fall back
+to the torch path after one warning; ``COLOCATED_RL_CPU_KERNEL=0`` turns it off.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from pathlib import Path
 from types import ModuleType
 
 import torch
+
+from engines.inference.extension_build import load_extension
 
 log = logging.getLogger(__name__)
 
@@ -35,11 +38,9 @@ def _module() -> ModuleType | None:
     if os.environ.get("COLOCATED_RL_CPU_KERNEL", "1") == "0":
         return None
     try:
-        from torch.utils.cpp_extension import load
-
         isa = torch.backends.cpu.get_cpu_capability()
-        return load(f"colocated_rl_paged_decode_{isa.lower()}", [str(SOURCE)],
-                    extra_cflags=CFLAGS + ISA_FLAGS.get(isa, []), extra_ldflags=["-fopenmp"])
+        return load_extension(f"colocated_rl_paged_decode_{isa.lower()}", SOURCE, CFLAGS + ISA_FLAGS.get(isa, []),
+                              ["-fopenmp"])
     except Exception as e:  # no compiler, no headers, no ninja: decode still works, through the gather
         log.warning("the CPU decode-attention kernel could not be built (%s); decoding gathers each sequence's "
                     "blocks instead", str(e).splitlines()[0] if str(e) else type(e).__name__)

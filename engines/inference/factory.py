@@ -1,7 +1,15 @@
-"""Building a rollout engine from its settings, so the controller never imports a concrete engine.
+"""Build a rollout engine from resolved settings, so callers name an engine kind instead of importing engines.
 
-``EngineSettings`` holds every choice already made (no "auto"); ``build_engine`` makes the native engine (an
-empty replica in the fused inference layout, filled by the checkpoint engine) or vLLM from them.
+``EngineSettings`` holds every choice already made (no "auto" left: the caller resolves the engine kind, the
+device and the decode attention, e.g. with ``decode_attention``); ``build_engine`` loads the model directory's
+tokenizer (EOS and pad ids, and the text of stop strings) and builds the native engine over an empty replica in
+the fused inference layout, or a vLLM engine over the directory. ``replica_model`` is that empty replica, which
+the trainer side also builds on the meta device to plan the weight update.
+
+    settings = EngineSettings(kind="native", model_dir="runs/demo/warmstart", device="cpu", dtype="float32",
+                              fp8=False, max_seq_len=None, max_num_seqs=64, kv_cache_bytes=64 << 20,
+                              max_batch_tokens=8192, attention=decode_attention("auto", "cpu"), seed=0)
+    engine = build_engine(settings, load_checkpoint=True)
 """
 
 from __future__ import annotations
@@ -13,57 +21,102 @@ from typing import Literal
 import torch
 
 from engines.inference.base import RolloutEngine
-from engines.inference.native import resolve_attention
+from engines.inference.kv_cache import BACKENDS, decode_attention
+from engines.inference.vllm_engine import vllm_available
 from engines.model.arch import ModelConfig
 from engines.model.causal_lm import CausalLM, build_model
 from engines.model.fp8 import BLOCK, checkpoint_block, to_fp8
-from engines.model.hf_io import read_config, read_tensors
+from engines.model.hf_io import load_pretrained, read_config
 from engines.model.tokenizer import TextTokenizer
+
+__all__ = ["DTYPES", "EngineSettings", "build_engine", "decode_attention", "replica_model", "vllm_available",
+           "vllm_installed"]
+
+#: The weight dtypes a replica may have, by their torch names.
+DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclass(frozen=True)
 class EngineSettings:
-    """One rollout replica, every choice resolved."""
+    """One rollout replica, every choice resolved.
+
+    ``kind``: the engine; ``model_dir``: a Hugging Face-format directory (config, tokenizer, and for vLLM or
+    ``load_checkpoint`` the weights); ``device``: "cpu" or "cuda"; ``dtype``: the replica's weights (a torch
+    dtype name), block-FP8 with ``fp8`` (native only); ``max_seq_len``: prompt + response tokens one sequence may
+    hold (None: the model's context); at most ``max_num_seqs`` sequences decode at once, and a native step
+    computes at most ``max_batch_tokens`` tokens; ``kv_cache_bytes``: the KV cache's budget; ``attention``: the
+    native decode backend ("torch", "flex" or "paged"; ``decode_attention`` resolves "auto"); ``seed``: what
+    requests without a seed derive theirs from; ``tensor_parallel_size``, ``expert_parallel`` and
+    ``memory_fraction`` (of device memory vLLM may take) are vLLM's.
+    """
 
     kind: Literal["native", "vllm"]
     model_dir: str
-    device: str                  # "cpu" or "cuda"
-    dtype: str                   # the replica's weights
+    device: str
+    dtype: str
     fp8: bool
     max_seq_len: int | None
     max_num_seqs: int
     kv_cache_bytes: int
     max_batch_tokens: int
-    attention: str               # the native engine's decode attention: "torch", "flex" or "paged"
+    attention: str
     seed: int
     tensor_parallel_size: int = 1
     expert_parallel: bool = False
     memory_fraction: float = 0.2
 
+    def __post_init__(self) -> None:
+        problems = []
+        if self.kind not in ("native", "vllm"):
+            problems.append(f"kind must be native or vllm, got {self.kind!r}")
+        if self.device not in ("cpu", "cuda"):
+            problems.append(f"device must be cpu or cuda, got {self.device!r}")
+        if self.dtype not in DTYPES:
+            problems.append(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.attention not in BACKENDS:
+            problems.append(f"attention must be resolved to one of {', '.join(BACKENDS)} (decode_attention picks "
+                            f"for auto), got {self.attention!r}")
+        elif self.attention == "paged" and self.device != "cpu":
+            problems.append(f"attention 'paged' is the CPU decode kernel; on {self.device} use torch or flex")
+        for name in ("max_num_seqs", "kv_cache_bytes", "max_batch_tokens", "tensor_parallel_size"):
+            if getattr(self, name) < 1:
+                problems.append(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.max_seq_len is not None and self.max_seq_len < 1:
+            problems.append(f"max_seq_len must be at least 1 or None, got {self.max_seq_len}")
+        if not 0 < self.memory_fraction <= 1:
+            problems.append(f"memory_fraction must be in (0, 1], got {self.memory_fraction}")
+        if self.kind == "native" and (self.tensor_parallel_size > 1 or self.expert_parallel):
+            problems.append("tensor and expert parallel replicas need the vllm engine")
+        if self.kind == "vllm" and self.fp8:
+            problems.append("fp8 replicas are served by the native engine only")
+        if problems:
+            raise ValueError("engine settings: " + "; ".join(problems))
+
 
 def vllm_installed() -> bool:
-    """Whether vLLM can be imported here, found without importing it (its import sets process-wide state)."""
+    """Whether vLLM is installed here, found without importing it (its import sets process-wide state, such as
+    single-threaded inductor compiles, in a process that may only train)."""
     return importlib.util.find_spec("vllm") is not None
 
 
-def decode_attention(requested: str, device: str) -> str:
-    """The native engine's decode attention for ``requested`` on ``device`` (auto: paged on a CPU where the kernel
-    builds, else torch)."""
-    return resolve_attention(requested, torch.device(device))
-
-
-def replica_model(arch: ModelConfig, dtype: str, fp8: bool, device: str = "cpu") -> CausalLM:
-    """An empty inference model in the fused layout and ``dtype``, block-FP8 with ``fp8`` (blocks as the
-    checkpoint's when it is FP8, else 128)."""
-    model = build_model(arch, device=device, dtype=getattr(torch, dtype), fused=True)
+def replica_model(arch: ModelConfig, dtype: str | torch.dtype, fp8: bool, device: str | torch.device) -> CausalLM:
+    """An empty inference model of ``arch`` in the fused layout and ``dtype`` on ``device`` ("meta": no memory),
+    block-FP8 with ``fp8`` (blocks as the checkpoint's when it is FP8, else 128)."""
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    model = build_model(arch, device=device, dtype=dtype, fused=True)
     return to_fp8(model, checkpoint_block(arch) or BLOCK) if fp8 else model
 
 
-def build_engine(settings: EngineSettings, load: bool = False) -> RolloutEngine:
-    """The rollout engine ``settings`` describe, for the model in ``settings.model_dir``: a native replica is empty
-    (the checkpoint engine fills it) unless ``load``, which reads the directory's weights into it."""
+def build_engine(settings: EngineSettings, *, load_checkpoint: bool = False) -> RolloutEngine:
+    """The rollout engine ``settings`` describe. A native one starts from an empty replica (the trainers' start-up
+    read or the first update fills it) unless ``load_checkpoint`` reads ``model_dir``'s weights into it; vLLM
+    always loads them from ``model_dir``."""
     s = settings
     tok = TextTokenizer.load(s.model_dir)  # the same stop ids as the controller's
+
+    def detokenize(ids: list[int]) -> str:
+        return tok.hf.decode(ids, skip_special_tokens=True)
+
     if s.kind == "vllm":
         from engines.inference.vllm_engine import VllmEngine
 
@@ -73,11 +126,10 @@ def build_engine(settings: EngineSettings, load: bool = False) -> RolloutEngine:
                           expert_parallel=s.expert_parallel)
     from engines.inference.native import InferenceEngine
 
-    model = replica_model(read_config(s.model_dir), s.dtype, s.fp8, device=s.device)
-    engine = InferenceEngine(model, tok.eos_ids, tok.pad_id, max_num_seqs=s.max_num_seqs, max_seq_len=s.max_seq_len,
-                             kv_cache_bytes=s.kv_cache_bytes, max_batch_tokens=s.max_batch_tokens,
-                             attention=s.attention)
-    if load:
-        engine.load_weights(read_tensors(s.model_dir).items())
-        engine.weights_loaded()
-    return engine
+    if load_checkpoint:  # the same replica, filled (an FP8 one quantised from a checkpoint that is not)
+        model = load_pretrained(s.model_dir, getattr(torch, s.dtype), s.device, fused=True, fp8=s.fp8)
+    else:
+        model = replica_model(read_config(s.model_dir), s.dtype, s.fp8, s.device)
+    return InferenceEngine(model, tok.eos_ids, tok.pad_id, max_num_seqs=s.max_num_seqs, max_seq_len=s.max_seq_len,
+                           kv_cache_bytes=s.kv_cache_bytes, max_batch_tokens=s.max_batch_tokens, seed=s.seed,
+                           detokenize=detokenize, attention=s.attention)

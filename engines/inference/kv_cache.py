@@ -35,6 +35,20 @@ BLOCK_SIZE = 16
 BACKENDS = ("torch", "flex", "paged")
 
 
+def decode_attention(attention: str | None, device: torch.device | str) -> str:
+    """The backend a native engine on ``device`` attends with for ``attention`` ("auto"/None picks): "paged"
+    needs a CPU and its kernel; where the kernel cannot be built it falls back to "torch" (one warning, at the
+    build)."""
+    device = torch.device(device)
+    if attention not in (None, "auto", *BACKENDS):
+        raise ValueError(f"attention must be auto, {', '.join(BACKENDS)}; got {attention!r}")
+    if attention == "paged" and device.type != "cpu":
+        raise ValueError(f"attention 'paged' is the CPU decode kernel; on {device} use torch or flex")
+    if attention in (None, "auto", "paged"):
+        return "paged" if device.type == "cpu" and cpu_kernel.available() else "torch"
+    return attention
+
+
 def cache_dims(cfg: ModelConfig) -> tuple[int, int, int | None]:
     """(heads, key dim, value dim) cached per token and layer; value dim None when the values are the
     first dimensions of the keys (MLA's latent: kv_lora_rank + rope dims, values = the latent part)."""

@@ -9,56 +9,45 @@ Returned logprobs are log softmax(logits / T) of the sampled tokens: the π_old 
 ``pause``/``resume`` carry unfinished requests across a weight update (partial rollout); while the
 weights are unchanged a resumed request finds its full blocks still cached. ``sleep``/``wake_up``
 free the KV cache and weights while the trainer runs on the same device; both live in arenas
-(``engines.inference.arena``) whose addresses survive the sleep, so captured CUDA graphs are kept. An update of
-the weights must be declared (``weights_loaded``) so cached prefixes computed with the old weights are
+(``engines.inference.colocation``) whose addresses survive the sleep, so captured CUDA graphs are kept. An update
+of the weights must be declared (``weights_loaded``) so cached prefixes computed with the old weights are
 dropped.
+
+A step goes one way, as in vLLM's engine core: the scheduler plans it (``StepPlan``), the model runner
+(``engines.inference.model_runner``) executes the plan and returns the sampled tokens (``StepOutput``), and this
+engine records them: tokens and log-probs onto the requests, blocks into the prefix cache, stop strings and
+grammars checked, finished requests released.
 """
 
 from __future__ import annotations
 
 import itertools
-import logging
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 
 import torch
 
-from engines.device import host_buffer
-from engines.inference import cpu_kernel, cpu_linear
-from engines.inference.arena import CudaError, adopt, new_arena
+from engines.inference import cpu_linear
 from engines.inference.base import RolloutEngine
 from engines.inference.blocks import BlockAllocator
-from engines.inference.cuda_graphs import DecodeGraphs, graphs_supported
-from engines.inference.kv_cache import (
-    BACKENDS,
-    BLOCK_SIZE,
-    PagedKVCache,
-    PagedPass,
-    Ragged,
-    bytes_per_token,
-    paged_pool,
-    rows_of,
-)
-from engines.inference.requests import MAX_STOP_IDS, Completion, Request, check_request
+from engines.inference.colocation import EngineMemory, fit_kv_budget, free_device_bytes
+from engines.inference.cuda_graphs import graphs_supported
+from engines.inference.kv_cache import BLOCK_SIZE, PagedKVCache, bytes_per_token, decode_attention, paged_pool
+from engines.inference.model_runner import ModelRunner, StepOutput
+from engines.inference.requests import Completion, Request, TokenLogprob, check_prompt, check_request
 from engines.inference.sampling import (
     InvalidRequestError,
-    RowParams,
     SamplingParams,
     advance_matchers,
     filter_kind,
-    mask_logits,
     new_matcher,
-    sample,
     token_logprobs,
 )
 from engines.inference.scheduler import Scheduler, StepPlan
-from engines.inference.uploads import upload, upload_rows
 from engines.model.causal_lm import CausalLM
 from engines.model.layout import byte_placements, hub_state, model_tensors
 
 __all__ = ["Completion", "InferenceEngine", "InvalidRequestError", "SamplingParams", "fit_kv_budget",
-           "resolve_attention", "token_logprobs"]
-
-log = logging.getLogger(__name__)
+           "token_logprobs"]
 
 #: Tokens per KV block with flex attention (its block masks work in tiles of this size).
 FLEX_BLOCK_SIZE = 128
@@ -82,6 +71,7 @@ class InferenceEngine(RolloutEngine):
     """
 
     kind = "native"
+    weight_update = "swap"  # an update is loaded aside, then swapped in at its commit (swap_weights)
 
     def __init__(self, model: CausalLM, eos_id: int | Sequence[int] | None, pad_id: int | None = None, *,
                  max_seq_len: int | None = None, kv_cache_bytes: int = 512 * 2**20, max_num_seqs: int = 512,
@@ -100,7 +90,7 @@ class InferenceEngine(RolloutEngine):
                              f"{cfg.max_position_embeddings}")
         p = next(model.parameters())
         self.dtype, self.device = p.dtype, p.device
-        self.attention = resolve_attention(attention, self.device)
+        self.attention = decode_attention(attention, self.device)
         # on a CPU the linear layers through oneDNN (engines.inference.cpu_linear): the model is the engine's now
         self.onednn_linears = cpu_linear.route_linears(model) if onednn_linear and self.device.type == "cpu" else 0
         # flex_attention reads the pool through block masks whose blocks should match its tiles
@@ -115,7 +105,7 @@ class InferenceEngine(RolloutEngine):
                              "max_seq_len")
         budget = kv_cache_bytes
         if kv_memory_fraction is not None and self.device.type == "cuda":
-            budget = fit_kv_budget(budget, need, _free_device_bytes(self.device), kv_memory_fraction, self.device)
+            budget = fit_kv_budget(budget, need, free_device_bytes(self.device), kv_memory_fraction, self.device)
         self.num_blocks, self.kv_cache_bytes = paged_pool(cfg, budget, self.dtype, self.block_size)
         # a graph's padding rows write their keys somewhere: into the last block, which no sequence gets
         self.scratch_block = self.num_blocks - 1 if use_graphs else None
@@ -124,27 +114,24 @@ class InferenceEngine(RolloutEngine):
         self.detokenize = detokenize
         self._seed = seed
         self._ids = itertools.count()
-        self.kv: PagedKVCache | None = None
         self.sched = self._new_scheduler()
-        self._sleep_level = 0
         self._weights_loaded = True
-        # weights and KV pool at addresses that survive sleep (None where no arena can be had: freed instead)
-        self._weight_arena = adopt(self.named_tensors(), self.device)
-        self._kv_arena = new_arena(self.kv_cache_bytes, self.device, mapped=False)
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()  # the weights' first copies, now in the arena
-        self._host_arena: torch.Tensor | None = None  # the weight arena's host copy, pinned once
-        self._host_weights: dict[str, torch.Tensor] = {}  # pinned once, reused by every sleep
-        self._offloaded: dict[str, tuple[torch.Size, int]] = {}  # emptied by sleep: shape, level
+        self.memory = EngineMemory(self.named_tensors(), self.kv_cache_bytes, self.device)
         self.generated = 0  # tokens sampled over the engine's life
         self.steps = 0  # forwards run over the engine's life
         self.peak_blocks = 0  # most KV blocks held at once (callers may reset it)
-        self.graphs = DecodeGraphs(self) if use_graphs else None
-        self._alloc_state()
+        self.runner = ModelRunner(model, self.memory, self.eos_ids, attention=self.attention,
+                                  block_size=self.block_size, max_blocks=self.max_blocks, num_blocks=self.num_blocks,
+                                  max_num_seqs=max_num_seqs, scratch_block=self.scratch_block, cuda_graphs=use_graphs)
 
     def _new_scheduler(self) -> Scheduler:
         blocks = self.num_blocks - (self.scratch_block is not None)
         return Scheduler(BlockAllocator(blocks, self.block_size), self.max_num_seqs, self.max_batch_tokens)
+
+    @property
+    def kv(self) -> PagedKVCache | None:
+        """The KV pool (None while asleep, until the next step lays it out again)."""
+        return self.runner.kv
 
     # --- requests -------------------------------------------------------------------------
 
@@ -184,40 +171,43 @@ class InferenceEngine(RolloutEngine):
         """One forward: a token for every decoding request, the next chunk of prefills; returns the
         requests that finished."""
         self._check_awake()
-        cache = self._cache()
         plan = self.sched.schedule()
         self.peak_blocks = max(self.peak_blocks, self.sched.alloc.used())
-        for src, dst in plan.moves:
-            self._move(src, dst)
-        cache.copy_blocks(plan.copies)
-        n = plan.decode
-        if n == 0 and not plan.chunks:
+        out = self.runner.execute(plan)
+        if out is None:
             return []
-        self._sync_tables(n, plan.dirty)
-        logits = self._forward(n, plan)
         self.steps += 1
-        # prefills that reached their last token start decoding: rows for them and the samples sharing them
-        src, placed = list(range(n)), []
-        for j, (r, _, end) in enumerate(plan.chunks):
-            self._written(r, end)
-            if end == r.context_len:
-                for row in self.sched.place(r):
-                    placed.append(row)
-                    src.append(n + j)
-        if placed:
-            self._set_rows(placed)
-            logits = logits[upload(src, self.device)]
-        return self._release(self._commit(len(src), logits[: len(src)], n))
+        return self._record(plan, out)
 
     def pause(self) -> list[Completion]:
         """Stop every unfinished request; returns them (finish_reason None) with tokens so far. Their full
         blocks stay cached, so resuming before the weights change recomputes little."""
         return [r.completion(None) for r in self.sched.clear()]
 
+    def progress(self, request_ids: Collection[int]) -> dict[int, tuple[list[int], list[float]]]:
+        """The tokens and log-probs generated so far by each unfinished request among ``request_ids``."""
+        want = set(request_ids)
+        return {r.id: (list(r.tokens), list(r.logprobs)) for r in (*self.running, *self.waiting) if r.id in want}
+
+    def prompt_logprobs(self, token_ids: Sequence[int], top: int = 0) -> list[TokenLogprob | None]:
+        """Each token's log-probability given the ones before it (None for the first) and the ``top`` most likely
+        tokens at its position: one forward of the sequence, outside the KV cache and the running batch."""
+        self._check_awake()
+        cfg = self.model.config
+        return self.runner.score(check_prompt(token_ids, vocab=cfg.vocab_size, context=cfg.max_position_embeddings),
+                                 top)
+
+    def decode_logits(self, rows: int, width: int | None = None) -> torch.Tensor:
+        """Next-token logits [rows, V] of decoding rows 0..rows-1 from their last token, writing its key/value
+        into the cache; ``width`` (≥ every position + 1, default the longest row's) fixes the attention span, as
+        CUDA graphs need."""
+        width = width if width is not None else max(r.context_len for r in self.running[:rows])
+        return self.runner.decode_logits(rows, width)
+
     def stats(self) -> dict[str, float]:
         """Counters: prompt tokens found in the prefix cache and computed, blocks, preemptions, tokens, steps,
         CUDA graphs captured and whether their capture failed (1: decoding eagerly instead)."""
-        a, g = self.sched.alloc, self.graphs
+        a, g = self.sched.alloc, self.runner.graphs
         looked = a.hits + a.misses
         return {"prefix_hit_tokens": a.hits, "prefix_miss_tokens": a.misses,
                 "prefix_hit_rate": a.hits / looked if looked else 0.0, "kv_blocks": a.num_blocks,
@@ -241,64 +231,28 @@ class InferenceEngine(RolloutEngine):
         if self.has_unfinished():
             raise RuntimeError(f"{len(self.running) + len(self.waiting)} requests unfinished; pause() them "
                                "before sleep()")
-        self.kv = None
+        self.runner.drop_cache()
         self.sched = self._new_scheduler()  # a fresh pool: nothing cached survives
-        if self._kv_arena is not None:
-            self._kv_arena.unmap()
-        tensors = {k: t for k, t in self.named_tensors().items() if t.numel()}
-        w = self._weight_arena
-        # an update that swapped in other tensors (rollback "swap") leaves the arena to the receiver's spare
-        in_arena = w is not None and all(w.holds(t) for t in tensors.values())
-        if self.graphs is not None and not (in_arena and self._kv_arena is not None):
-            self.graphs.clear()  # their memory pool goes too: the addresses they read will move
-        if in_arena:
-            tensors = {}
-            if level == 1 and self.device.type != "cpu":
-                if self._host_arena is None:
-                    self._host_arena = host_buffer(w.nbytes)
-                self._host_arena.copy_(w.bytes)
-            if level == 2 or self.device.type != "cpu":
-                w.unmap()
-        for name, t in tensors.items():
-            if level == 1 and t.device.type == "cpu":
-                continue  # already where it would go
-            if level == 1:
-                host = self._host_weights.get(name)
-                if host is None or host.shape != t.shape or host.dtype != t.dtype:
-                    host = self._host_weights[name] = host_buffer(t.nbytes).view(t.dtype).view(t.shape)
-                host.copy_(t.data)
-            self._offloaded[name] = (t.shape, level)
-            t.data = torch.empty(0, dtype=t.dtype, device=t.device)
-        self._sleep_level = level
+        kept = self.memory.sleep(level, self.named_tensors())
+        if self.runner.graphs is not None and not kept:
+            self.runner.graphs.clear()  # their memory pool goes too: the addresses they read will move
         if level == 2:
             self._weights_loaded = False
 
     def wake_up(self) -> None:
         """Reallocate what ``sleep`` freed (level-2 weights come back as zeros, or uninitialised where they
         could not live in an arena)."""
-        w = self._weight_arena
-        if w is not None and not w.mapped:  # only sleep unmaps it
-            w.map()
-            if self._sleep_level == 1:
-                w.bytes.copy_(self._host_arena, non_blocking=True)
-        for name, t in self.named_tensors().items():
-            if name in self._offloaded:
-                shape, level = self._offloaded.pop(name)
-                t.data = self._host_weights[name].to(self.device, non_blocking=True) if level == 1 else \
-                    torch.empty(shape, dtype=t.dtype, device=self.device)
-        self._sleep_level = 0
+        self.memory.wake(self.named_tensors())
 
     def mapped_bytes(self) -> int:
         """Device bytes mapped in the engine's arenas now: the weights and pool, which a CUDA caching
         allocator's counters do not see (on the host they are in the resident set already)."""
-        if self.device.type == "cpu":
-            return 0
-        return sum(a.nbytes for a in (self._weight_arena, self._kv_arena) if a is not None and a.mapped)
+        return self.memory.mapped_bytes()
 
     @property
     def sleeping(self) -> int:
         """0 when awake, else the level of the last ``sleep``."""
-        return self._sleep_level
+        return self.memory.level
 
     def weights_loaded(self) -> None:
         """Declare the weights changed and valid (a complete update arrived, in place or not): cached
@@ -336,157 +290,32 @@ class InferenceEngine(RolloutEngine):
             mine[name].copy_(t)
         self.weights_loaded()
 
-    # --- internals ------------------------------------------------------------------------
+    # --- recording a step -----------------------------------------------------------------
 
     def _check_awake(self) -> None:
-        if self._sleep_level:
+        if self.memory.level:
             raise RuntimeError("inference engine is asleep; call wake_up() first")
         if not self._weights_loaded:
             raise RuntimeError("weights were discarded by sleep(level=2); load weights before generating")
 
-    def _alloc_state(self) -> None:
-        # allocated once and kept through sleep: graphs read these addresses, and the host table stays pinned
-        s, dev = self.max_num_seqs, self.device
-        z = dict(dtype=torch.long, device=dev)
-        self.pos, self.last, self.gen, self.max_gen = (torch.zeros(s, **z) for _ in range(4))
-        self.stop_ids = torch.full((s, MAX_STOP_IDS), -1, **z)
-        self.eos_stop = torch.zeros(s, dtype=torch.bool, device=dev)
-        self._eos = torch.tensor(self.eos_ids, **z)
-        self.rows = RowParams(torch.zeros(s, device=dev), torch.zeros(s, **z), torch.ones(s, device=dev),
-                              torch.zeros(s, **z))
-        self.block_table = torch.zeros(s, self.max_blocks, **z)
-        # pinned on a GPU, so that its copies to the device need not wait
-        self._tables_host = host_buffer(s * self.max_blocks * 8, pinned=dev.type == "cuda").view(torch.long).view(
-            s, self.max_blocks)
-        self._tables_host.zero_()
-
-    def _cache(self) -> PagedKVCache:
-        if self.kv is None:
-            storage = None
-            if self._kv_arena is not None:
-                try:
-                    self._kv_arena.map()
-                except CudaError as e:
-                    free = _free_device_bytes(self.device)
-                    raise torch.OutOfMemoryError(
-                        f"the KV cache ({self.kv_cache_bytes / 2**20:.0f} MiB) does not fit on {self.device}: "
-                        f"{free / 2**20:.0f} MiB free; lower kv_cache_bytes (rollout.kv_cache_mb) or pass "
-                        f"kv_memory_fraction ({e})") from e
-                storage = self._kv_arena.bytes
-            self.kv = PagedKVCache(self.model.config, self.num_blocks, self.block_size, self.dtype, self.device,
-                                   storage)
-        return self.kv
-
-    def _sync_tables(self, n: int, dirty: set[int]) -> None:
-        """Bring the device block table of rows 0..n-1 up to date with the host's."""
-        for row in sorted(d for d in dirty if d < n):
-            blocks = self.running[row].seq.blocks
-            self._tables_host[row, : len(blocks)] = torch.tensor(blocks)
-        if n:
-            self.block_table[:n].copy_(self._tables_host[:n], non_blocking=True)
-
-    def decode_logits(self, rows: int, width: int | None = None) -> torch.Tensor:
-        """Next-token logits [rows, V] of rows 0..rows-1 from their last token, writing its key/value
-        into the cache; ``width`` (≥ every position + 1) fixes the attention span, as CUDA graphs need."""
-        pos = self.pos[:rows]
-        width = width if width is not None else self._width(rows)
-        table = self.block_table[:rows]
-        write = rows_of(table, pos[:, None], self.block_size)[:, 0]
-        step = PagedPass(self._cache(), write, [Ragged.decode(table, pos, width)], self.attention)
-        return self.model(self.last[None, :rows], pos[None], cache=step)[0]
-
-    def _width(self, rows: int) -> int:
-        return max(r.context_len for r in self.running[:rows])
-
-    def _written(self, r: Request, computed: int) -> None:
-        """Positions up to ``computed`` of ``r`` now have their keys/values; full blocks get registered."""
-        seq = r.seq
-        seq.computed = computed
-        if computed // self.block_size > len(seq.hashes):
-            self.sched.alloc.commit(seq, r.context, computed)
-
-    def _forward(self, n: int, plan: StepPlan) -> torch.Tensor:
-        """Logits of the decode rows, then of the last token of each prefill chunk."""
-        if not plan.chunks:
-            if self.graphs is not None and self.graphs.failed is None:
-                return self.graphs.logits(n, self._width(n))
-            return self.decode_logits(n)
-        bs, dev = self.block_size, self.device
-        ids, positions, write, last, q_index, q_pos, tables = [], [], [], [], [], [], []
-        offset = n
-        for r, start, end in plan.chunks:
-            ctx, blocks = r.context, r.seq.blocks
-            ids += ctx[start:end]
-            positions += range(start, end)
-            write += [blocks[p // bs] * bs + p % bs for p in range(start, end)]
-            q_index.append(list(range(offset, offset + end - start)))
-            q_pos.append(list(range(start, end)))
-            tables.append(blocks)
-            offset += end - start
-            last.append(offset - 1)
-        # padding repeats a chunk's last query (see Ragged); everything goes to the device in one copy
-        flat_ids, flat_pos, flat_write, sel, qi, qp, tab = upload_rows(
-            [ids, positions, write, last], [_pad(q_index), _pad(q_pos), _pad(tables)], dev)
-        groups = [Ragged(qi, qp, tab, max(end for _, _, end in plan.chunks))]
-        if n:
-            table, pos = self.block_table[:n], self.pos[:n]
-            groups.insert(0, Ragged.decode(table, pos, self._width(n)))
-            flat_ids = torch.cat((self.last[:n], flat_ids))
-            flat_pos = torch.cat((pos, flat_pos))
-            flat_write = torch.cat((rows_of(table, pos[:, None], bs)[:, 0], flat_write))
-        select = torch.cat((torch.arange(n, device=dev), sel))
-        step = PagedPass(self._cache(), flat_write, groups, self.attention)
-        return self.model(flat_ids[None], flat_pos[None], cache=step, select=select)
-
-    def _set_rows(self, rows: list[int]) -> None:
-        """Per-row state of requests that start decoding in ``rows``: one upload for all of them, not a
-        device write per field and row."""
-        ints, floats = [], []
-        for row in rows:
-            r = self.running[row]
-            p, blocks = r.params, r.seq.blocks
-            table = blocks + [0] * (self.max_blocks - len(blocks))  # unused entries: any valid block
-            self._tables_host[row] = torch.tensor(table)
-            stops = list(p.stop_token_ids) + [-1] * (MAX_STOP_IDS - len(p.stop_token_ids))
-            ints.append([len(r.context), len(r.tokens), p.max_tokens, int(not p.ignore_eos), p.top_k, r.seed,
-                         *stops, *table])
-            floats.append([p.temperature, p.top_p])
-        idx, v = upload_rows([rows], [ints], self.device)
-        f = upload(floats, self.device, torch.float32)
-        for j, t in enumerate((self.pos, self.gen, self.max_gen, self.eos_stop, self.rows.top_k, self.rows.seed)):
-            t.index_copy_(0, idx, v[:, j].to(t.dtype))
-        self.stop_ids.index_copy_(0, idx, v[:, 6: 6 + MAX_STOP_IDS])
-        self.block_table.index_copy_(0, idx, v[:, 6 + MAX_STOP_IDS:])
-        self.rows.temperature.index_copy_(0, idx, f[:, 0])
-        self.rows.top_p.index_copy_(0, idx, f[:, 1])
-
-    def _commit(self, rows: int, logits: torch.Tensor, decoded: int) -> list[int]:
-        """Sample the next token of rows 0..rows-1 from ``logits``; rows below ``decoded`` wrote their last
-        token's key/value this step. Returns the rows that finished."""
-        sl, reqs = slice(0, rows), self.running[:rows]
-        gen = self.gen[sl].clone()  # a copy: the counters advance below
-        if any(r.matcher is not None for r in reqs):
-            # logprobs are then those of the masked distribution, the one the tokens are drawn from
-            logits = mask_logits(logits, [r.matcher for r in reqs])
-        tok, lp = sample(logits, self.rows[sl], gen, [r.filter_kind for r in reqs])
-        self.last[sl] = tok
-        self.gen[sl] = gen + 1
-        self.pos[:decoded] += 1
-        done = (torch.isin(tok, self._eos) & self.eos_stop[sl]) | (self.stop_ids[sl] == tok[:, None]).any(1)
-        done |= gen + 1 >= self.max_gen[sl]
-        # the one host transfer of the step: tokens, logprobs and finished flags together
-        toks, lps, dones = torch.stack((tok.double(), lp.double(), done.double())).tolist()
-        self.generated += rows
+    def _record(self, plan: StepPlan, out: StepOutput) -> list[Completion]:
+        """The step's output update: prefills that ended take their rows (with the samples sharing them), every
+        sampled request gets its token, and the finished ones are released."""
+        for c in plan.chunks:
+            self.sched.written(c.request, c.end)
+            if c.last:
+                self.sched.place(c.request)
         finished = []
-        for i, (r, t, lp_i, d) in enumerate(zip(reqs, map(int, toks), lps, dones, strict=True)):
-            if i < decoded:
-                self._written(r, r.context_len)  # the previous token's key/value went in this step
+        for i, (r, t, lp, d) in enumerate(zip(plan.sampled, out.tokens, out.logprobs, out.done, strict=True)):
+            if i < plan.decode:
+                self.sched.written(r, r.context_len)  # the previous token's key/value went in this step
             r.tokens.append(t)
-            r.logprobs.append(lp_i)
+            r.logprobs.append(lp)
             if d or (r.matcher is not None and _grammar_done(r.matcher, t)) or \
                     (r.params.stop and self._stop_string(r) is not None):
                 finished.append(i)
-        return finished
+        self.generated += len(plan.sampled)
+        return self._release(finished)
 
     def _stop_string(self, r: Request) -> str | None:
         longest = max(map(len, r.params.stop))
@@ -509,58 +338,8 @@ class InferenceEngine(RolloutEngine):
             r = self.running[row]
             why = self._stop_reason(r)
             out.append(r.completion("length" if why is None else "stop", why))
-            move = self.sched.release(row)
-            if move is not None:
-                self._move(*move)
+            self.sched.release(row)  # the row move it makes reaches the runner with the next plan
         return out[::-1]
-
-    def _move(self, src: int, dst: int) -> None:
-        """Copy row ``src``'s per-row state to row ``dst`` (the scheduler already moved the request)."""
-        for t in (self.pos, self.last, self.gen, self.max_gen, self.stop_ids, self.eos_stop, self.block_table,
-                  self.rows.temperature, self.rows.top_k, self.rows.top_p, self.rows.seed):
-            t[dst] = t[src]
-        self._tables_host[dst] = self._tables_host[src]
-
-
-def resolve_attention(attention: str | None, device: torch.device) -> str:
-    """The attention backend an engine on ``device`` runs for ``attention`` ("auto"/None picks): "paged" needs a
-    CPU and its kernel; where the kernel cannot be built it falls back to "torch" (one warning, at the build)."""
-    if attention not in (None, "auto", *BACKENDS):
-        raise ValueError(f"attention must be auto, {', '.join(BACKENDS)}; got {attention!r}")
-    if attention == "paged" and device.type != "cpu":
-        raise ValueError(f"attention 'paged' is the CPU decode kernel; on {device} use torch or flex")
-    if attention in (None, "auto", "paged"):
-        return "paged" if device.type == "cpu" and cpu_kernel.available() else "torch"
-    return attention
-
-
-def fit_kv_budget(requested: int, need: int, free: int, fraction: float, device: torch.device | str) -> int:
-    """The KV budget on a device with ``free`` bytes free: ``requested``, capped at ``fraction`` of them (the
-    rest is for activations and graphs, as vLLM's gpu_memory_utilization keeps); ``need`` is the least that
-    serves one sequence, and a cap below it is an error."""
-    if not 0 < fraction <= 1:
-        raise ValueError(f"kv_memory_fraction must be in (0, 1], got {fraction}")
-    cap = int(free * fraction)
-    if cap < need:
-        raise ValueError(f"the KV cache needs at least {need / 2**20:.0f} MiB (one full-length sequence) but "
-                         f"{fraction:g} of the {free / 2**20:.0f} MiB free on {device} is {cap / 2**20:.0f} MiB; "
-                         "free device memory or lower max_seq_len")
-    if requested > cap:
-        log.info("KV cache budget %d MiB capped at %d MiB (%g of the memory free on %s)", requested >> 20,
-                 cap >> 20, fraction, device)
-    return min(requested, cap)
-
-
-def _free_device_bytes(device: torch.device) -> int:
-    """Bytes free on a CUDA device, counting the caching allocator's unused blocks (``empty_cache`` frees them)."""
-    free = torch.cuda.mem_get_info(device)[0]
-    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-
-
-def _pad(rows: list[list[int]]) -> list[list[int]]:
-    """Rows of unequal length made equal by repeating each one's last entry."""
-    width = max(map(len, rows))
-    return [x + [x[-1]] * (width - len(x)) for x in rows]
 
 
 def _grammar_done(matcher, token: int) -> bool:

@@ -25,6 +25,15 @@ class Completion:
     params: SamplingParams | None = None
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A token's log-probability under the model (temperature 1, no filters) given the tokens before it, and the
+    ``top`` most likely tokens at its position as (id, log-prob), best first."""
+
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
 @dataclass(eq=False)
 class Request:
     """A request inside the engine. ``tokens``/``logprobs`` are everything generated so far (a resumed
@@ -62,6 +71,16 @@ class Request:
 MAX_STOP_IDS = 16
 
 
+def check_prompt(prompt_ids: Sequence[int], *, vocab: int, context: int) -> list[int]:
+    """The prompt as ints, or InvalidRequestError naming why it cannot be read (empty, ids outside the
+    vocabulary, longer than the context)."""
+    prompt = _token_ids(prompt_ids, vocab)
+    if len(prompt) > context:
+        raise InvalidRequestError(f"prompt has {len(prompt)} tokens; it exceeds the model's context of {context} "
+                                  "tokens")
+    return prompt
+
+
 def check_request(prompt_ids: Sequence[int], params: SamplingParams, prior: Sequence[int],
                   prior_logprobs: Sequence[float], *, vocab: int, context: int, max_seq_len: int,
                   detokenizes: bool) -> list[int]:
@@ -69,12 +88,7 @@ def check_request(prompt_ids: Sequence[int], params: SamplingParams, prior: Sequ
     rules for every engine, so a request refused by one is refused by the other)."""
     if not isinstance(params, SamplingParams):
         raise InvalidRequestError(f"params must be SamplingParams, got {type(params).__name__}")
-    prompt = [int(t) for t in prompt_ids]
-    if not prompt:
-        raise InvalidRequestError("prompt is empty")
-    bad = [t for t in prompt if not 0 <= t < vocab]
-    if bad:
-        raise InvalidRequestError(f"prompt has token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+    prompt = _token_ids(prompt_ids, vocab)
     if len(prompt) + params.max_tokens > context:
         raise InvalidRequestError(f"prompt has {len(prompt)} tokens; with max_tokens={params.max_tokens} it "
                                   f"exceeds the model's context of {context} tokens")
@@ -89,4 +103,14 @@ def check_request(prompt_ids: Sequence[int], params: SamplingParams, prior: Sequ
         raise InvalidRequestError("stop strings need an engine built with a detokenize function")
     if len(params.stop_token_ids) > MAX_STOP_IDS:
         raise InvalidRequestError(f"at most {MAX_STOP_IDS} stop_token_ids, got {len(params.stop_token_ids)}")
+    return prompt
+
+
+def _token_ids(prompt_ids: Sequence[int], vocab: int) -> list[int]:
+    prompt = [int(t) for t in prompt_ids]
+    if not prompt:
+        raise InvalidRequestError("prompt is empty")
+    bad = [t for t in prompt if not 0 <= t < vocab]
+    if bad:
+        raise InvalidRequestError(f"prompt has token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
     return prompt

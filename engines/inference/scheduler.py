@@ -12,6 +12,11 @@ preempted request is refilled by moving the last row into it (``moves`` tell the
 decoding request needs a block and none is left, the newest request is preempted: its blocks are
 released (their full blocks stay cached) and it goes back to the front of the queue with the tokens
 it has, to be recomputed when blocks free up.
+
+The hand-off to the model runner is one way: ``schedule`` returns a ``StepPlan`` (what to compute and where,
+including the rows whose prefill ends this step and which start decoding), the runner executes it and
+returns the step's tokens, and the engine then records them (``written``, ``place``, ``release``). Row moves
+made while recording (a finished request's row refilled) reach the runner with the next plan.
 """
 
 from __future__ import annotations
@@ -24,18 +29,51 @@ from engines.inference.blocks import BlockAllocator, OutOfBlocks
 from engines.inference.requests import Request
 
 
+@dataclass(frozen=True)
+class Chunk:
+    """Positions [start, end) of ``request``'s sequence, prefilled this step; ``last``: the prefill ends here."""
+
+    request: Request
+    start: int
+    end: int
+    last: bool
+
+
+@dataclass(frozen=True)
+class RowStart:
+    """A request whose prefill ends this step: it decodes in ``row`` from now on, and its first token is sampled
+    from the logits of the last position of ``chunk`` (an index into the plan's chunks). ``blocks`` is its block
+    table (the samples sharing a prefill share its blocks)."""
+
+    row: int
+    chunk: int
+    request: Request
+    blocks: list[int]
+
+
 @dataclass
 class StepPlan:
-    """One step: rows 0..decode-1 decode a token; ``chunks`` (request, start, end) prefill those positions
-    of their sequence. ``copies`` (source, destination) blocks must be copied and ``moves`` (source,
-    destination) rows moved, in order, before the forward; ``dirty`` rows have new block tables."""
+    """One step, for the model runner: rows 0..decode-1 decode a token (the longest of their sequences has
+    ``width`` tokens); ``chunks`` prefill positions of their sequences; ``starts`` are rows that begin decoding
+    with this step's sample. ``moves`` (source, destination) rows must be moved and ``copies`` (source,
+    destination) blocks copied, in order, before the forward; ``tables`` are the new block tables of decoding
+    rows. ``sampled`` lists the requests that get a token this step, in row order (decode rows, then starts).
+    The runner reads the requests and never changes them."""
 
     decode: int
-    chunks: list[tuple[Request, int, int]] = field(default_factory=list)
+    width: int = 0
+    chunks: list[Chunk] = field(default_factory=list)
+    starts: list[RowStart] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)
     moves: list[tuple[int, int]] = field(default_factory=list)
-    dirty: set[int] = field(default_factory=set)
+    tables: dict[int, list[int]] = field(default_factory=dict)
+    sampled: list[Request] = field(default_factory=list)
     preempted: int = 0
+
+    @property
+    def computes(self) -> bool:
+        """Whether the step has tokens to compute (else only its moves and copies are made)."""
+        return self.decode > 0 or bool(self.chunks)
 
 
 class Scheduler:
@@ -47,6 +85,7 @@ class Scheduler:
         self.prefilling: list[Request] = []  # admitted, prefill under way (leaders; followers ride along)
         self.running: list[Request] = []     # decoding, running[i] in row i
         self._order = itertools.count()
+        self._moves: list[tuple[int, int]] = []  # row moves the runner has not been told of yet, in order
         self.preemptions = 0
 
     # ---- queues ---------------------------------------------------------------------------
@@ -62,7 +101,7 @@ class Scheduler:
 
     def schedule(self) -> StepPlan:
         """Reserve blocks for this step's tokens (preempting if need be) and choose the prefill chunks."""
-        plan = StepPlan(decode=0)
+        plan, dirty = StepPlan(decode=0), set()
         bs, ref = self.alloc.block_size, self.alloc.ref
         i = 0
         while i < len(self.running):
@@ -75,11 +114,11 @@ class Scheduler:
             try:
                 copies = self.alloc.reserve(r.seq, r.seq.computed + 1)
             except OutOfBlocks:
-                self._preempt_newest(plan)
+                self._preempt_newest(plan, dirty)
                 i = 0  # rows moved; reserving is idempotent, so start over
                 continue
             if copies or len(r.seq.blocks) != before:
-                plan.dirty.add(i)
+                dirty.add(i)
             plan.copies += copies
             i += 1
         plan.decode = len(self.running)
@@ -90,6 +129,22 @@ class Scheduler:
             budget -= self._chunk(plan, r, budget)
         while budget > 0 and self._admit():
             budget -= self._chunk(plan, self.prefilling[-1], budget)
+        return self._finish(plan, dirty)
+
+    def _finish(self, plan: StepPlan, dirty: set[int]) -> StepPlan:
+        """Fill in what the runner reads besides the chunks: moves, tables, width, the rows that start."""
+        n = plan.decode
+        plan.moves, self._moves = self._moves, []  # the last record's, then this plan's preemptions
+        plan.tables = {row: self.running[row].seq.blocks for row in sorted(dirty) if row < n}
+        plan.width = max((r.context_len for r in self.running), default=0)
+        plan.sampled = self.running[:n]
+        row = n
+        for j, c in enumerate(plan.chunks):
+            if c.last:
+                for r in (c.request, *c.request.followers):
+                    plan.starts.append(RowStart(row, j, r, c.request.seq.blocks))
+                    plan.sampled.append(r)
+                    row += 1
         return plan
 
     def _chunk(self, plan: StepPlan, r: Request, budget: int) -> int:
@@ -100,7 +155,7 @@ class Scheduler:
             plan.copies += self.alloc.reserve(r.seq, end)
         except OutOfBlocks:
             return budget  # nothing more fits this step
-        plan.chunks.append((r, start, end))
+        plan.chunks.append(Chunk(r, start, end, end == r.context_len))
         return end - start
 
     def _admit(self) -> bool:
@@ -133,7 +188,14 @@ class Scheduler:
         self.prefilling.append(head)
         return True
 
-    # ---- rows -----------------------------------------------------------------------------
+    # ---- recording a step ----------------------------------------------------------------
+
+    def written(self, r: Request, computed: int) -> None:
+        """Positions up to ``computed`` of ``r`` now have their keys/values; full blocks get registered."""
+        seq = r.seq
+        seq.computed = computed
+        if computed // self.alloc.block_size > len(seq.hashes):
+            self.alloc.commit(seq, r.context, computed)
 
     def place(self, leader: Request) -> list[int]:
         """A finished prefill: rows for the leader and its followers, which share its blocks."""
@@ -150,19 +212,22 @@ class Scheduler:
 
     def release(self, row: int) -> tuple[int, int] | None:
         """Free row ``row``'s request and its blocks; returns the (source, destination) row move that keeps
-        the rows contiguous, or None."""
+        the rows contiguous, or None (the next plan carries it to the runner)."""
         self._free(self.running[row])
         last = len(self.running) - 1
         self.running[row] = self.running[last]
         self.running.pop()
-        return (last, row) if last != row else None
+        if last == row:
+            return None
+        self._moves.append((last, row))
+        return last, row
 
     def _free(self, r: Request) -> None:
         """Give ``r``'s blocks back (its full blocks stay in the prefix cache)."""
         self.alloc.free(r.seq)
         r.seq = None
 
-    def _preempt_newest(self, plan: StepPlan) -> None:
+    def _preempt_newest(self, plan: StepPlan, dirty: set[int]) -> None:
         """Put the most recently admitted request back at the front of the queue, freeing its blocks."""
         candidates = self.running + self.prefilling
         if len(candidates) <= 1 and not self.prefilling:
@@ -176,8 +241,7 @@ class Scheduler:
         else:
             move = self.release(self.running.index(victim))
             if move is not None:
-                plan.moves.append(move)
-                plan.dirty.add(move[1])
+                dirty.add(move[1])
         self.waiting.appendleft(victim)
         self.preemptions += 1
         plan.preempted += 1
@@ -193,6 +257,6 @@ class Scheduler:
             out += [p, *p.followers]
             p.followers = []
         out += self.waiting
-        self.running, self.prefilling = [], []
+        self.running, self.prefilling, self._moves = [], [], []
         self.waiting.clear()
         return out

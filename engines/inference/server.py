@@ -1,172 +1,70 @@
-"""An OpenAI-compatible HTTP server over the inference engine (``rl serve MODEL_DIR``).
+"""An OpenAI-compatible HTTP server over a rollout engine (``rl serve MODEL_DIR``).
 
-``/v1/completions``, ``/v1/chat/completions`` and ``/v1/models``, so a checkpoint can be evaluated
-with the usual clients (the ``openai`` package, lm-eval's ``local-completions``...). One thread owns
-the engine and steps it while requests are pending; concurrent HTTP requests join the same running
-batch (continuous batching) and the ``n`` samples of one request share their prompt's prefill.
-A request the engine cannot serve gets a 400 with the reason; the others are not affected.
+``/v1/completions``, ``/v1/chat/completions`` and ``/v1/models``, so a checkpoint can be evaluated with the usual
+clients (the ``openai`` package, lm-eval's ``local-completions``...), on the native engine or vLLM. One thread
+owns the engine and steps it while requests are pending (``engines.inference.engine_loop``); concurrent HTTP
+requests join the same running batch and the ``n`` samples of one request share their prompt's prefill. A request
+the engine cannot serve gets a 400 with the reason; the others are not affected.
+
+- ``stream=true`` sends server-sent events as tokens are generated, on both endpoints, and the pieces add up to
+  the text (and log-probs) of the same request without streaming: text that could still turn out to be the start
+  of a stop string is held back until it cannot. ``stream_options.include_usage`` adds a last chunk with the
+  usage.
+- ``echo=true`` puts the prompt before the completion's text, and with ``logprobs`` each prompt token's log-prob
+  under the model (None for the first, which has nothing before it) before the generated tokens', with
+  ``text_offset`` counted in the echoed text. ``max_tokens: 0`` with ``echo`` scores the prompt and generates
+  nothing: what lm-eval's loglikelihood requests need.
+- ``max_tokens``: None is the room the context leaves after the prompt; 0 only with ``echo``; negative refused.
+- ``logprobs`` (completions) / ``top_logprobs`` (chat) above 0: the most likely tokens at each position under the
+  model's own distribution (temperature 1), from a scoring forward.
 """
 
 from __future__ import annotations
 
 import asyncio
-import queue
-import threading
+import itertools
+import json
 import time
 import uuid
-from concurrent.futures import Future
-from dataclasses import replace
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from fastapi.responses import JSONResponse, StreamingResponse
 
-from engines.inference.base import RolloutEngine
-from engines.inference.native import InferenceEngine
-from engines.inference.requests import Completion
+from engines.inference.engine_loop import EngineLoop, Submitted
+from engines.inference.factory import EngineSettings, build_engine, decode_attention
+from engines.inference.openai_schema import ChatMessage, ChatRequest, CompletionRequest, SamplingFields, error
+from engines.inference.requests import Completion, TokenLogprob
 from engines.inference.sampling import InvalidRequestError, SamplingParams
-from engines.model.attention import padded_causal_mask, positions_from_valid
-from engines.model.hf_io import load_pretrained, read_config
+from engines.model.hf_io import read_config
 from engines.model.tokenizer import TextTokenizer
-
-MAX_TOP_LOGPROBS = 20
-
-
-class _Sampling(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # unknown OpenAI fields (user, presence_penalty=0...) are ignored
-
-    model: str | None = None
-    max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    n: int = Field(1, ge=1, le=256)
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    stream: bool = False
-    ignore_eos: bool = False
-
-
-class CompletionRequest(_Sampling):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # also the number of top alternatives
-    echo: bool = False
-
-
-class ChatMessage(BaseModel):
-    role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str
-
-
-class ChatRequest(_Sampling):
-    messages: list[ChatMessage] = Field(min_length=1)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    max_completion_tokens: int | None = None
-
-
-def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": "invalid_request_error", "param": param,
-                                   "code": None}}, status_code=status)
-
-
-class EngineLoop:
-    """Owns the engine on one thread; ``submit`` is safe from any thread."""
-
-    def __init__(self, engine: RolloutEngine) -> None:
-        self.engine = engine
-        self._inbox: queue.Queue = queue.Queue()
-        self._futures: dict[int, Future] = {}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
-        self._thread.start()
-
-    def submit(self, prompt: list[int], params: SamplingParams) -> Future:
-        fut: Future = Future()
-        self._inbox.put((prompt, params, fut))
-        return fut
-
-    def call(self, fn) -> Future:
-        """Run ``fn()`` on the engine's thread between steps (the model is never used by two threads at once)."""
-        fut: Future = Future()
-        self._inbox.put((fn, None, fut))
-        return fut
-
-    def close(self) -> None:
-        self._stop.set()
-        self._inbox.put(None)
-        self._thread.join(timeout=10)
-
-    def _take(self, block: bool) -> None:
-        while True:
-            try:
-                item = self._inbox.get(block=block, timeout=0.5 if block else None)
-            except queue.Empty:
-                return
-            block = False
-            if item is None:
-                return
-            prompt, params, fut = item
-            if params is None:  # a function to run here (top log-probabilities)
-                try:
-                    fut.set_result(prompt())
-                except Exception as e:
-                    fut.set_exception(e)
-                continue
-            try:
-                self._futures[self.engine.add_request(prompt, params)] = fut
-            except InvalidRequestError as e:
-                fut.set_exception(e)
-
-    def _run(self) -> None:
-        # a new thread's current CUDA device is the first one, not necessarily the engine's
-        if self.engine.device.type == "cuda":
-            torch.cuda.set_device(self.engine.device)
-        while not self._stop.is_set():
-            self._take(block=not self.engine.has_unfinished())
-            if not self.engine.has_unfinished():
-                continue
-            try:
-                done = self.engine.step()
-            except Exception as e:  # a failing step fails its requests, not the server
-                for c in self.engine.pause():
-                    self._futures.pop(c.request_id).set_exception(e)
-                continue
-            for c in done:
-                self._futures.pop(c.request_id).set_result(c)
 
 
 class ServedModel:
-    """The engine and its tokenizer (chat template included), as the HTTP handlers need them."""
+    """The engine, its loop thread and its tokenizer (chat template included), as the HTTP handlers need them."""
 
     def __init__(self, model_dir: str | Path, name: str | None = None, dtype: str = "float32",
                  max_num_seqs: int = 256, kv_cache_bytes: int = 512 * 2**20, engine: str = "native",
-                 tensor_parallel_size: int = 1) -> None:
-        """``engine``: native (this project's) or vllm (``tensor_parallel_size`` devices per replica)."""
+                 tensor_parallel_size: int = 1, device: str | None = None, max_seq_len: int | None = None,
+                 seed: int = 0) -> None:
+        """``engine``: native (this project's) or vllm (``tensor_parallel_size`` devices per replica); ``device``
+        (native): cpu or cuda, by default cuda where there is one."""
         self.name = name or Path(model_dir).name
         read_config(model_dir)  # a missing or unreadable model directory is named before its tokenizer
         self.tokenizer = TextTokenizer.load(model_dir)
-        if engine == "vllm":
-            from engines.inference.vllm_engine import VllmEngine
-
-            self.engine = VllmEngine(model_dir, self.tokenizer.eos_ids, dtype=dtype, max_num_seqs=max_num_seqs,
-                                     kv_cache_bytes=kv_cache_bytes, tensor_parallel_size=tensor_parallel_size)
-            self.device = self.engine.device
-        elif engine == "native":
-            if tensor_parallel_size != 1:
-                raise ValueError(f"tensor parallel size {tensor_parallel_size} needs the vllm engine")
-            model = load_pretrained(model_dir, getattr(torch, dtype))
-            self.device = next(model.parameters()).device
-            self.engine = InferenceEngine(model, self.tokenizer.eos_ids, self.tokenizer.pad_id,
-                                          max_num_seqs=max_num_seqs, kv_cache_bytes=kv_cache_bytes,
-                                          detokenize=self.decode)
-        else:
-            raise ValueError(f"engine must be native or vllm, got {engine!r}")
-        self.default_max_tokens = 16
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        if device == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device cuda: CUDA is not available here (torch {torch.__version__}); use cpu")
+        attention = decode_attention("auto", device) if engine == "native" else "torch"
+        self.engine = build_engine(EngineSettings(
+            kind=engine, model_dir=str(model_dir), device=device, dtype=dtype, fp8=False, max_seq_len=max_seq_len,
+            max_num_seqs=max_num_seqs, kv_cache_bytes=kv_cache_bytes, max_batch_tokens=8192, attention=attention,
+            seed=seed, tensor_parallel_size=tensor_parallel_size), load_checkpoint=True)
         self.loop = EngineLoop(self.engine)
 
     def encode(self, text: str) -> list[int]:
@@ -182,11 +80,78 @@ class ServedModel:
         # no template shipped: plain role-prefixed turns, ending with the assistant's turn
         return self.encode("".join(f"{m.role.capitalize()}: {m.content}\n" for m in messages) + "Assistant:")
 
+    def close(self) -> None:
+        """Stop the loop thread and the engine."""
+        self.loop.close()
+        self.engine.close()
 
-def _params(req: _Sampling, served: ServedModel, max_tokens: int | None) -> SamplingParams:
+
+@dataclass
+class Choice:
+    """One choice of a response: its prompt and sampling parameters (``max_tokens`` 0: the prompt only)."""
+
+    index: int
+    prompt: list[int]
+    params: SamplingParams
+    max_tokens: int
+    job: Submitted | None = None
+
+
+# --- requests --------------------------------------------------------------------------------
+
+
+def _prompts(served: ServedModel, raw: str | list) -> list[list[int]]:
+    if isinstance(raw, str):
+        return [served.encode(raw)]
+    if raw and all(isinstance(x, int) for x in raw):
+        return [list(raw)]
+    return [served.encode(x) if isinstance(x, str) else list(x) for x in raw]
+
+
+def _choices(served: ServedModel, req: SamplingFields, prompts: list[list[int]], max_tokens: int | None,
+             echo: bool) -> list[Choice]:
+    """The request's choices, ``n`` per prompt (seeded requests get seed, seed+1, ... per sample)."""
+    if max_tokens == 0 and not echo:
+        raise InvalidRequestError("max_tokens=0 generates nothing; it is allowed with echo=true, to score the prompt")
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
-    return SamplingParams(temperature=req.temperature, max_tokens=max_tokens or served.default_max_tokens,
-                          top_p=req.top_p, top_k=req.top_k, stop=stop, seed=req.seed, ignore_eos=req.ignore_eos)
+    out = []
+    for prompt in prompts:
+        budget = max_tokens
+        if budget is None:  # the context's room
+            budget = served.engine.max_seq_len - len(prompt)
+            if budget < 1:
+                raise InvalidRequestError(f"prompt has {len(prompt)} tokens and the model serves "
+                                          f"{served.engine.max_seq_len} per sequence: no room for a completion")
+        params = SamplingParams(temperature=req.temperature, max_tokens=max(budget, 1), top_p=req.top_p,
+                                top_k=req.top_k, stop=stop, seed=req.seed, ignore_eos=req.ignore_eos)
+        for i in range(req.n):
+            p = params if params.seed is None else replace(params, seed=params.seed + i)
+            out.append(Choice(len(out), prompt, p, budget))
+    return out
+
+
+async def _submit(served: ServedModel, choices: list[Choice],
+                  on_tokens: Callable[[int], Callable[[list[int], list[float]], None]] | None = None) -> None:
+    """Hand every choice that generates to the engine; returns once the engine took them (raising the
+    InvalidRequestError of one it refused)."""
+    for c in choices:
+        if c.max_tokens:
+            c.job = served.loop.submit(c.prompt, c.params, on_tokens(c.index) if on_tokens else None)
+    for c in choices:
+        if c.job is not None:
+            await asyncio.wrap_future(c.job.accepted)
+
+
+async def _completion(served: ServedModel, c: Choice) -> Completion:
+    """The choice's completion (an empty one for the prompt alone)."""
+    if c.job is None:
+        return Completion([], [], "length", c.prompt, request_id=-1, params=c.params)
+    return await asyncio.wrap_future(c.job.done)
+
+
+async def _score(served: ServedModel, ids: list[int], top: int) -> list[TokenLogprob | None]:
+    """Prompt log-probs of ``ids`` on the engine's thread (between steps)."""
+    return await asyncio.wrap_future(served.loop.call(lambda: served.engine.prompt_logprobs(ids, top)))
 
 
 def _trim(served: ServedModel, c: Completion) -> Completion:
@@ -203,40 +168,168 @@ def _trim(served: ServedModel, c: Completion) -> Completion:
     return replace(c, token_ids=c.token_ids[:keep], logprobs=c.logprobs[:keep])
 
 
-def _top_logprobs(served: ServedModel, c: Completion, k: int) -> list[list[tuple[int, float]]]:
-    """The ``k`` most likely tokens and their log-probabilities at each position of the completion (the model's
-    own distribution, before temperature), from one forward pass on the engine's thread."""
-    if not k or not c.token_ids:
-        return [[] for _ in c.token_ids]
-    if served.engine.kind != "native":
-        raise InvalidRequestError("top_logprobs: served by the native engine only (rl serve --engine native)")
-
-    def score() -> list[list[tuple[int, float]]]:
-        ids = torch.tensor([c.prompt_ids + c.token_ids], device=served.device)
-        valid = torch.ones_like(ids, dtype=torch.bool)
-        with torch.no_grad():
-            logits = served.engine.model(ids, positions_from_valid(valid), padded_causal_mask(valid))
-        lp = torch.log_softmax(logits[0, len(c.prompt_ids) - 1:-1].float(), dim=-1)
-        values, indices = lp.topk(min(k, lp.shape[-1]), dim=-1)
-        return [list(zip(i.tolist(), v.tolist(), strict=True)) for i, v in zip(indices, values, strict=True)]
-
-    return served.loop.call(score).result()
-
-
-async def _run_all(served: ServedModel, prompts: list[list[int]], params: SamplingParams, n: int) -> list[Completion]:
-    """Submit n samples of each prompt (seeded requests get seed, seed+1, ... per sample)."""
-    futs = []
-    for prompt in prompts:
-        for i in range(n):
-            p = params if params.seed is None else replace(params, seed=params.seed + i)
-            futs.append(asyncio.wrap_future(served.loop.submit(prompt, p)))
-    return list(await asyncio.gather(*futs))
-
-
-def _usage(prompts: list[list[int]], outs: list[Completion]) -> dict[str, int]:
-    p = sum(len(x) for x in prompts)  # each prompt once, however many samples it has (as OpenAI counts)
+def _usage(prompt_tokens: int, outs: list[Completion]) -> dict[str, int]:
+    """Usage of a response: its prompts, each counted once however many samples it has (as OpenAI counts), and
+    every generated token (those of a stop string included)."""
     c = sum(len(o.token_ids) for o in outs)
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": c, "total_tokens": prompt_tokens + c}
+
+
+# --- log-probs -------------------------------------------------------------------------------
+
+
+@dataclass
+class Piece:
+    """Tokens of one choice with their log-probs (None: a first prompt token) and, when asked, the most likely
+    tokens at each position (None where there is nothing before it)."""
+
+    ids: list[int]
+    values: list[float | None]
+    tops: list[list[tuple[int, float]] | None] | None
+
+
+async def _piece(served: ServedModel, prompt: list[int], tokens: list[int], logprobs: list[float], start: int,
+                 top: int, echo: bool = False) -> Piece:
+    """Tokens ``start:`` of a completion with their log-probs (the sampler's) and, when ``top`` > 0, the ``top``
+    alternatives at each position (a scoring forward of prompt and tokens); with ``echo`` the prompt's tokens
+    first, with their log-probs under the model (a forward of the prompt alone, so they are the same whatever
+    follows it, streamed or not)."""
+    tops = None
+    if top:
+        scores = await _score(served, prompt + tokens, top) if len(tokens) > start else []
+        tops = [s.top for s in scores[len(prompt) + start:]]
+    piece = Piece(tokens[start:], logprobs[start:], tops)
+    if not echo:
+        return piece
+    head = await _score(served, prompt, top)
+    return Piece(prompt + piece.ids, [None if s is None else s.logprob for s in head] + piece.values,
+                 None if tops is None else [None if s is None else s.top for s in head] + tops)
+
+
+def _legacy(served: ServedModel, piece: Piece, offset: int) -> dict[str, Any]:
+    """A completion's ``logprobs``: token texts, their log-probs, top alternatives and where each token's text
+    begins in the choice's text (the first at ``offset``)."""
+    tokens = [served.decode([t]) for t in piece.ids]
+    tops = None if piece.tops is None else [
+        None if alts is None else {served.decode([t]): v for t, v in alts} for alts in piece.tops]
+    offsets = list(itertools.accumulate((len(x) for x in tokens[:-1]), initial=offset)) if tokens else []
+    return {"tokens": tokens, "token_logprobs": piece.values, "top_logprobs": tops, "text_offset": offsets}
+
+
+def _chat_logprobs(served: ServedModel, piece: Piece) -> dict[str, Any]:
+    def entry(t: int, v: float) -> dict[str, Any]:
+        text = served.decode([t])
+        return {"token": text, "logprob": v, "bytes": list(text.encode())}
+
+    tops = piece.tops or [[] for _ in piece.ids]
+    return {"content": [{**entry(t, v), "top_logprobs": [entry(a, w) for a, w in alts or []]}
+                        for t, v, alts in zip(piece.ids, piece.values, tops, strict=True)]}
+
+
+# --- streaming -------------------------------------------------------------------------------
+
+
+class TextStream:
+    """What of one choice's tokens may be sent so far: whole tokens whose text can no longer turn into part of a
+    stop string (the last ``hold`` characters wait) nor is a character cut in two, so that the pieces sent add up
+    to the final, stop-string-trimmed text."""
+
+    def __init__(self, served: ServedModel, stop: tuple[str, ...]) -> None:
+        self.served = served
+        self.hold = max(map(len, stop), default=1) - 1
+        self.tokens = 0  # tokens sent
+        self.text = ""  # their text
+
+    def ready(self, tokens: list[int]) -> int:
+        """How many leading tokens of ``tokens`` (all generated so far) may be sent now."""
+        limit = len(self.served.decode(tokens)) - self.hold
+        m = len(tokens)
+        while m > self.tokens:
+            text = self.served.decode(tokens[:m])
+            if len(text) <= limit and not text.endswith("\ufffd"):
+                break
+            m -= 1
+        return m
+
+    def advance(self, tokens: list[int]) -> str:
+        """Record ``tokens`` (a longer prefix of the completion) as sent; returns their new text."""
+        text = self.served.decode(tokens)
+        delta = text[len(self.text):]
+        self.tokens, self.text = len(tokens), text
+        return delta
+
+
+def _events(served: ServedModel, choices: list[Choice]) -> tuple[asyncio.Queue, Callable]:
+    """A queue of (choice index, tokens, log-probs, None) as a choice generates and (index, None, None, done
+    future) when it ends, and the ``on_tokens`` maker that fills it from the engine's thread."""
+    events: asyncio.Queue = asyncio.Queue()
+    aloop = asyncio.get_running_loop()
+
+    def on_tokens(index: int):
+        return lambda tokens, logprobs: aloop.call_soon_threadsafe(events.put_nowait, (index, tokens, logprobs, None))
+
+    return events, on_tokens
+
+
+def _watch_done(choices: list[Choice], events: asyncio.Queue) -> None:
+    aloop = asyncio.get_running_loop()
+    for c in choices:
+        if c.job is not None:
+            c.job.done.add_done_callback(
+                lambda f, i=c.index: aloop.call_soon_threadsafe(events.put_nowait, (i, None, None, f)))
+
+
+def _sse(obj: dict[str, Any]) -> str:
+    return f"data: {json.dumps(obj)}\n\n"
+
+
+Render = Callable[[Choice, int, str, "Piece | None", "str | None"], dict[str, Any]]
+
+
+async def _stream(served: ServedModel, choices: list[Choice], events: asyncio.Queue, top: int | None,
+                  render: Render, head: Callable[[Choice], AsyncIterator[dict[str, Any]]],
+                  frame: Callable[[list, Any], dict], usage: bool, prompt_tokens: int) -> AsyncIterator[str]:
+    """The server-sent events of a streamed response: ``head`` chunks of each choice, then each choice's pieces as
+    it generates (``render``: choice, length of its text sent before, the new text, its tokens' log-probs when
+    asked, finish reason), the usage chunk when asked, ``[DONE]``."""
+    streams = {c.index: TextStream(served, c.params.stop) for c in choices}
+    outs: list[Completion] = []
+    for c in choices:
+        async for chunk in head(c):
+            yield _sse(frame([chunk], None))
+    pending = {c.index for c in choices if c.job is not None}
+    by_index = {c.index: c for c in choices}
+    while pending:
+        index, tokens, logprobs, done = await events.get()
+        c, s = by_index[index], streams[index]
+        if done is None:
+            if index not in pending:
+                continue
+            m = s.ready(tokens)
+            if m > s.tokens:
+                piece = None if top is None else await _piece(served, c.prompt, tokens[:m], logprobs[:m], s.tokens,
+                                                               top)
+                before = len(s.text)
+                yield _sse(frame([render(c, before, s.advance(tokens[:m]), piece, None)], None))
+            continue
+        pending.discard(index)
+        try:
+            out = done.result()
+        except Exception as e:  # the engine failed mid-way: say so in the stream, the others go on
+            yield _sse({"error": {"message": f"generation failed: {e}", "type": "server_error", "param": None,
+                                  "code": None}})
+            continue
+        outs.append(out)
+        out = _trim(served, out)
+        piece = None if top is None else await _piece(served, c.prompt, out.token_ids, out.logprobs, s.tokens, top)
+        before = len(s.text)
+        yield _sse(frame([render(c, before, s.advance(out.token_ids), piece, out.finish_reason)], None))
+    if usage:
+        yield _sse(frame([], _usage(prompt_tokens, outs)))
+    yield "data: [DONE]\n\n"
+
+
+# --- the application -------------------------------------------------------------------------
 
 
 def build_app(served: ServedModel) -> FastAPI:
@@ -247,11 +340,11 @@ def build_app(served: ServedModel) -> FastAPI:
     async def _bad_body(request: Request, exc: RequestValidationError):
         first = exc.errors()[0] if exc.errors() else {}
         where = ".".join(str(x) for x in first.get("loc", ())[1:]) or None
-        return _error(400, f"{where}: {first.get('msg', 'invalid request')}" if where else str(exc), where)
+        return error(400, f"{where}: {first.get('msg', 'invalid request')}" if where else str(exc), where)
 
     @app.exception_handler(InvalidRequestError)
     async def _bad_request(request: Request, exc: InvalidRequestError):
-        return _error(400, str(exc))
+        return error(400, str(exc))
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -265,69 +358,105 @@ def build_app(served: ServedModel) -> FastAPI:
     def unknown_model(name: str | None) -> JSONResponse | None:
         if name is None or name == served.name:
             return None
-        return _error(404, f"the model {name!r} does not exist; this server serves {served.name!r}", "model")
+        return error(404, f"the model {name!r} does not exist; this server serves {served.name!r}", "model")
+
+    def framer(kind: str, include_usage: bool) -> Callable[[list, Any], dict]:
+        """Wraps a streamed response's choices (and, when asked, its usage: None until the last chunk)."""
+        rid = f"{'chatcmpl' if kind.startswith('chat') else 'cmpl'}-{uuid.uuid4().hex}"
+        created = int(time.time())
+
+        def frame(choices: list, usage: Any) -> dict:
+            body = {"id": rid, "object": kind, "created": created, "model": served.name, "choices": choices}
+            if include_usage:
+                body["usage"] = usage
+            return body
+
+        return frame
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest):
         if (bad := unknown_model(req.model)) is not None:
             return bad
+        prompts = _prompts(served, req.prompt)
+        choices = _choices(served, req, prompts, req.max_tokens, req.echo)
+        k = req.logprobs
+        prompt_tokens = sum(len(x) for x in prompts)
         if req.stream:
-            return _error(400, "stream=true is not supported; send the request without streaming", "stream")
-        raw = req.prompt
-        if isinstance(raw, str):
-            prompts = [served.encode(raw)]
-        elif raw and all(isinstance(x, int) for x in raw):
-            prompts = [list(raw)]  # type: ignore[arg-type]
-        else:
-            prompts = [served.encode(x) if isinstance(x, str) else list(x) for x in raw]  # type: ignore[union-attr]
-        outs = await _run_all(served, prompts, _params(req, served, req.max_tokens), req.n)
-        choices = []
-        for i, o in enumerate(outs):
-            o = _trim(served, o)
-            text = served.decode(o.token_ids)
-            choice: dict[str, Any] = {"index": i, "text": (served.decode(o.prompt_ids) + text) if req.echo else text,
-                                      "finish_reason": o.finish_reason, "logprobs": None}
-            if req.logprobs is not None:
-                tokens = [served.decode([t]) for t in o.token_ids]
-                top = None
-                if req.logprobs > 0:
-                    top = [{served.decode([t]): v for t, v in alts}
-                           for alts in await asyncio.to_thread(_top_logprobs, served, o, req.logprobs)]
-                offsets = [sum(len(x) for x in tokens[:j]) for j in range(len(tokens))]
-                choice["logprobs"] = {"tokens": tokens, "token_logprobs": o.logprobs, "top_logprobs": top,
-                                      "text_offset": offsets}
-            choices.append(choice)
+            events, on_tokens = _events(served, choices)
+            await _submit(served, choices, on_tokens)
+            _watch_done(choices, events)
+            echoes = {id(p): await _piece(served, p, [], [], 0, k, echo=True) for p in prompts} \
+                if req.echo and k is not None else {}
+
+            async def head(c: Choice) -> AsyncIterator[dict[str, Any]]:
+                if req.echo:
+                    yield {"index": c.index, "text": served.decode(c.prompt),
+                           "logprobs": _legacy(served, echoes[id(c.prompt)], 0) if k is not None else None,
+                           "finish_reason": None if c.job is not None else "length"}
+
+            def render(c: Choice, before: int, text: str, piece: Piece | None, finish: str | None) -> dict[str, Any]:
+                # text_offset counts in the whole choice's text: the echoed prompt, then what was sent before
+                offset = (len(served.decode(c.prompt)) if req.echo else 0) + before
+                return {"index": c.index, "text": text, "finish_reason": finish,
+                        "logprobs": None if piece is None else _legacy(served, piece, offset)}
+
+            return StreamingResponse(
+                _stream(served, choices, events, k, render, head, framer("text_completion", req.include_usage),
+                        req.include_usage, prompt_tokens), media_type="text/event-stream")
+        await _submit(served, choices)
+        outs = [await _completion(served, c) for c in choices]
+        body = []
+        for c, o in zip(choices, outs, strict=True):
+            t = _trim(served, o)
+            lp = None
+            if k is not None:
+                lp = _legacy(served, await _piece(served, c.prompt, t.token_ids, t.logprobs, 0, k, req.echo), 0)
+            body.append({"index": c.index, "finish_reason": t.finish_reason, "logprobs": lp,
+                         "text": (served.decode(c.prompt) if req.echo else "") + served.decode(t.token_ids)})
         return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-                "model": served.name, "choices": choices, "usage": _usage(prompts, outs)}
+                "model": served.name, "choices": body, "usage": _usage(prompt_tokens, outs)}
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatRequest):
         if (bad := unknown_model(req.model)) is not None:
             return bad
         if req.top_logprobs and not req.logprobs:
-            return _error(400, "top_logprobs needs logprobs=true", "top_logprobs")
-        if req.stream:
-            return _error(400, "stream=true is not supported; send the request without streaming", "stream")
+            return error(400, "top_logprobs needs logprobs=true", "top_logprobs")
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        if max_tokens == 0:
+            return error(400, "max_tokens must be at least 1 (a chat completion has no echo)", "max_tokens")
         prompt = served.chat_ids(req.messages)
-        outs = await _run_all(served, [prompt], _params(req, served, req.max_completion_tokens or req.max_tokens),
-                              req.n)
-        choices = []
-        for i, o in enumerate(outs):
-            o = _trim(served, o)
+        choices = _choices(served, req, [prompt], max_tokens, echo=False)
+        top = (req.top_logprobs or 0) if req.logprobs else None
+        if req.stream:
+            events, on_tokens = _events(served, choices)
+            await _submit(served, choices, on_tokens)
+            _watch_done(choices, events)
+
+            async def head(c: Choice) -> AsyncIterator[dict[str, Any]]:
+                yield {"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                       "finish_reason": None}
+
+            def render(c: Choice, before: int, text: str, piece: Piece | None, finish: str | None) -> dict[str, Any]:
+                return {"index": c.index, "delta": {"content": text} if text or finish is None else {},
+                        "logprobs": None if piece is None else _chat_logprobs(served, piece), "finish_reason": finish}
+
+            return StreamingResponse(
+                _stream(served, choices, events, top, render, head, framer("chat.completion.chunk",
+                                                                           req.include_usage),
+                        req.include_usage, len(prompt)), media_type="text/event-stream")
+        await _submit(served, choices)
+        outs = [await _completion(served, c) for c in choices]
+        body = []
+        for c, o in zip(choices, outs, strict=True):
+            t = _trim(served, o)
             lp = None
-            if req.logprobs:
-                top = await asyncio.to_thread(_top_logprobs, served, o, req.top_logprobs or 0)
-
-                def entry(t: int, v: float) -> dict[str, Any]:
-                    text = served.decode([t])
-                    return {"token": text, "logprob": v, "bytes": list(text.encode())}
-
-                lp = {"content": [{**entry(t, v), "top_logprobs": [entry(a, w) for a, w in alts]}
-                                  for t, v, alts in zip(o.token_ids, o.logprobs, top, strict=True)]}
-            choices.append({"index": i, "message": {"role": "assistant", "content": served.decode(o.token_ids)},
-                            "finish_reason": o.finish_reason, "logprobs": lp})
+            if top is not None:
+                lp = _chat_logprobs(served, await _piece(served, c.prompt, t.token_ids, t.logprobs, 0, top))
+            body.append({"index": c.index, "message": {"role": "assistant", "content": served.decode(t.token_ids)},
+                         "finish_reason": t.finish_reason, "logprobs": lp})
         return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-                "model": served.name, "choices": choices, "usage": _usage([prompt], outs)}
+                "model": served.name, "choices": body, "usage": _usage(len(prompt), outs)}
 
     return app
 
@@ -340,6 +469,4 @@ def serve(model_dir: str, host: str = "127.0.0.1", port: int = 8000, **kw: Any) 
     try:
         uvicorn.run(build_app(served), host=host, port=port, log_level="info")
     finally:
-        served.loop.close()
-        if hasattr(served.engine, "close"):
-            served.engine.close()
+        served.close()

@@ -35,14 +35,14 @@ from __future__ import annotations
 
 import itertools
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from engines.inference.base import RolloutEngine
-from engines.inference.requests import Completion, check_request
+from engines.inference.requests import Completion, TokenLogprob, check_prompt, check_request
 from engines.inference.sampling import InvalidRequestError, SamplingParams
 from engines.inference.vllm_worker import UpdateAbortedError
 from engines.model.hf_io import read_tensors
@@ -118,7 +118,7 @@ class VllmEngine(RolloutEngine):
     """
 
     kind = "vllm"
-    weight_update = "stream"
+    weight_update = "stream"  # each bucket goes on into a running reload (begin/feed/commit/abort)
 
     def __init__(self, model_dir: str | Path, eos_ids: Sequence[int], *, max_seq_len: int | None = None,
                  max_num_seqs: int = 256, dtype: str = "auto", seed: int = 0, kv_cache_bytes: int | None = None,
@@ -175,6 +175,8 @@ class VllmEngine(RolloutEngine):
         self._seed, self._detokenizes = seed, tokenizer
         self._ids = itertools.count()
         self._live: dict[str, _Live] = {}
+        self._finished: list[Completion] = []  # finished while a prompt was scored, returned by the next step
+        self._scores = itertools.count()  # ids of scoring requests
         self._sleep_level = 0
         self._weights_valid = True
         self._served: dict[str, torch.Tensor] | None = None  # host copy in checkpoint names, made on demand
@@ -226,16 +228,22 @@ class VllmEngine(RolloutEngine):
         return rid
 
     def has_unfinished(self) -> bool:
-        return bool(self._live)
+        return bool(self._live or self._finished)
 
     def step(self) -> list[Completion]:
-        """One engine step; returns the requests that finished."""
+        """One engine step; returns the requests that finished (and those that finished while a prompt was
+        scored)."""
         self._check_awake()
-        finished = []
+        finished, self._finished = self._finished, []
         self.peak_running = max(self.peak_running, len(self._live))
         outs = self.engine.step()
         if self._blocks is not None:
             self.peak_blocks = max(self.peak_blocks, self._blocks.num_gpu_blocks - self._blocks.get_num_free_blocks())
+        return finished + self._record(outs)
+
+    def _record(self, outs) -> list[Completion]:
+        """Add a step's new tokens to their requests; returns those that finished."""
+        finished = []
         for out in outs:
             live = self._live.get(out.request_id)
             if live is None:
@@ -249,6 +257,35 @@ class VllmEngine(RolloutEngine):
                 reason = "length" if c.finish_reason == "length" else "stop"
                 finished.append(live.completion(reason, c.stop_reason if reason == "stop" else None))
         return finished
+
+    def progress(self, request_ids: Collection[int]) -> dict[int, tuple[list[int], list[float]]]:
+        """The tokens and log-probs generated so far by each unfinished request among ``request_ids``."""
+        live = ((rid, self._live.get(str(rid))) for rid in request_ids)
+        return {rid: (x.prior + x.tokens, x.prior_logprobs + x.logprobs) for rid, x in live if x is not None}
+
+    def prompt_logprobs(self, token_ids: Sequence[int], top: int = 0) -> list[TokenLogprob | None]:
+        """Each token's log-probability given the ones before it (None for the first) and the ``top`` most likely
+        tokens at its position: vLLM's prompt log-probs of a one-token request. The engine steps until it is
+        done; requests finishing meanwhile are returned by the next ``step``."""
+        self._check_awake()
+        ids = check_prompt(token_ids, vocab=self.vocab_size, context=self.context)
+        if len(ids) >= self.max_seq_len:  # vLLM scores a prompt with a request that needs room for one token
+            raise InvalidRequestError(f"prompt has {len(ids)} tokens; vLLM scores at most {self.max_seq_len - 1} "
+                                      f"(max_seq_len {self.max_seq_len} less one)")
+        rid = f"score-{next(self._scores)}"
+        sp = self._vllm.SamplingParams(temperature=1.0, max_tokens=1, prompt_logprobs=top, detokenize=False,
+                                       output_kind=self._vllm.sampling_params.RequestOutputKind.FINAL_ONLY)
+        self.engine.add_request(rid, {"prompt_token_ids": ids}, sp)
+        done = None
+        while done is None:
+            outs = self.engine.step()
+            done = next((o for o in outs if o.request_id == rid and o.finished), None)
+            self._finished += self._record(o for o in outs if o.request_id != rid)
+        scores: list[TokenLogprob | None] = [None]
+        for t, d in zip(ids[1:], done.prompt_logprobs[1:], strict=True):
+            best = sorted(((k, v.logprob) for k, v in d.items() if v.rank <= top), key=lambda kv: -kv[1])
+            scores.append(TokenLogprob(d[t].logprob, best[:top]))
+        return scores
 
     def pause(self) -> list[Completion]:
         """Stop every unfinished request; returns each with its tokens so far (finish_reason None)."""

@@ -35,7 +35,7 @@ def pass_rates(cfg: Config, model_dir: Path, tasks: list[Task], entries: list, k
     r = cfg.rollout
     engine = build_engine(EngineSettings("native", str(model_dir), "cpu", cfg.rollout_dtype, False, None, r.max_batch,
                                          r.kv_cache_mb << 20, r.max_batch_tokens,
-                                         decode_attention(r.attention, "cpu"), seed), load=True)
+                                         decode_attention(r.attention, "cpu"), seed), load_checkpoint=True)
     runner, types = EpisodeRunner(cfg), task_types(cfg)
     rates = []
     try:

@@ -1,0 +1,231 @@
+"""The native engine's model runner: the device side of a step, executed from the scheduler's plan.
+
+The runner owns the per-row state on the device (each decoding row's last token, position, counters, stop ids,
+sampling parameters and block table), the KV pool, and the CUDA graphs of decode steps. ``execute`` takes one
+``StepPlan`` (``engines.inference.scheduler``): it moves rows and copies blocks as the plan says, runs one
+forward over the decode rows and the prefill chunks, sets up the rows that start decoding, and samples a token
+for every row. It returns the tokens, their log-probs and which rows hit a stop the device can see (EOS, a stop
+id, the token budget) in one ``StepOutput``: the step's one read of the device. It reads the plan's requests and
+never changes them nor calls back: recording the step is the engine's (``engines.inference.native``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engines.device import host_buffer
+from engines.inference.colocation import EngineMemory
+from engines.inference.cuda_graphs import DecodeGraphs
+from engines.inference.kv_cache import PagedKVCache, PagedPass, Ragged, rows_of
+from engines.inference.requests import MAX_STOP_IDS, TokenLogprob
+from engines.inference.sampling import RowParams, mask_logits, sample
+from engines.inference.scheduler import RowStart, StepPlan
+from engines.inference.uploads import upload, upload_rows
+from engines.model.attention import padded_causal_mask, positions_from_valid
+from engines.model.causal_lm import CausalLM
+
+#: Positions whose float log-softmax over the vocabulary is taken at once when a sequence is scored.
+SCORE_ROWS = 1024
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """What one step sampled, per row of the plan's ``sampled`` requests: the token, its log-prob and whether
+    the row hit EOS, a stop token id or its token budget."""
+
+    tokens: list[int]
+    logprobs: list[float]
+    done: list[bool]
+
+
+class ModelRunner:
+    """Forward, sampling, per-row state and CUDA graphs of one engine's model.
+
+    ``attention`` is the resolved decode backend ("torch", "flex" or "paged"); the pool has ``num_blocks`` blocks
+    of ``block_size`` tokens (laid in ``memory``'s KV arena where it has one), a block table holds ``max_blocks``
+    of them, and at most ``max_num_seqs`` rows decode at once. ``scratch_block`` (a block no sequence gets) is
+    where the padding rows of a captured graph write; with ``cuda_graphs`` decode-only steps replay graphs."""
+
+    def __init__(self, model: CausalLM, memory: EngineMemory, eos_ids: list[int], *, attention: str,
+                 block_size: int, max_blocks: int, num_blocks: int, max_num_seqs: int, scratch_block: int | None,
+                 cuda_graphs: bool) -> None:
+        self.model, self.memory = model, memory
+        p = next(model.parameters())
+        self.dtype, self.device = p.dtype, p.device
+        self.attention, self.block_size, self.max_blocks = attention, block_size, max_blocks
+        self.num_blocks, self.max_num_seqs, self.scratch_block = num_blocks, max_num_seqs, scratch_block
+        self.kv: PagedKVCache | None = None
+        self.graphs = DecodeGraphs(self) if cuda_graphs else None
+        # allocated once and kept through sleep: graphs read these addresses, and the host table stays pinned
+        s, dev = max_num_seqs, self.device
+        z = dict(dtype=torch.long, device=dev)
+        self.pos, self.last, self.gen, self.max_gen = (torch.zeros(s, **z) for _ in range(4))
+        self.stop_ids = torch.full((s, MAX_STOP_IDS), -1, **z)
+        self.eos_stop = torch.zeros(s, dtype=torch.bool, device=dev)
+        self._eos = torch.tensor(eos_ids, **z)
+        self.rows = RowParams(torch.zeros(s, device=dev), torch.zeros(s, **z), torch.ones(s, device=dev),
+                              torch.zeros(s, **z))
+        self.block_table = torch.zeros(s, max_blocks, **z)
+        # pinned on a GPU, so that its copies to the device need not wait
+        self._tables_host = host_buffer(s * max_blocks * 8, pinned=dev.type == "cuda").view(torch.long).view(
+            s, max_blocks)
+        self._tables_host.zero_()
+
+    # --- the step -------------------------------------------------------------------------
+
+    def execute(self, plan: StepPlan) -> StepOutput | None:
+        """Run ``plan``: its moves and copies, then (if it computes anything) the forward and the sampling."""
+        cache = self.cache()
+        for src, dst in plan.moves:
+            self._move(src, dst)
+        cache.copy_blocks(plan.copies)
+        if not plan.computes:
+            return None
+        n = plan.decode
+        self._sync_tables(n, plan.tables)
+        logits = self._forward(plan)
+        if plan.starts:  # prefills that reached their last token: their rows sample from their last chunk's logits
+            self._set_rows(plan.starts)
+            logits = logits[upload([*range(n), *(n + s.chunk for s in plan.starts)], self.device)]
+        return self._sample(plan, logits[: len(plan.sampled)])
+
+    def decode_logits(self, rows: int, width: int) -> torch.Tensor:
+        """Next-token logits [rows, V] of rows 0..rows-1 from their last token, writing its key/value into the
+        cache; ``width`` (≥ every position + 1) is the attention span (fixed per graph when captured)."""
+        pos = self.pos[:rows]
+        table = self.block_table[:rows]
+        write = rows_of(table, pos[:, None], self.block_size)[:, 0]
+        step = PagedPass(self.cache(), write, [Ragged.decode(table, pos, width)], self.attention)
+        return self.model(self.last[None, :rows], pos[None], cache=step)[0]
+
+    def score(self, token_ids: list[int], top: int) -> list[TokenLogprob | None]:
+        """Each token's log-probability given those before it (None for the first) and the ``top`` likeliest
+        tokens at its position, from one forward of the whole sequence outside the KV cache."""
+        ids = upload([token_ids], self.device)
+        valid = torch.ones_like(ids, dtype=torch.bool)
+        with torch.no_grad():
+            logits = self.model(ids, positions_from_valid(valid), padded_causal_mask(valid))[0, :-1]
+        out: list[TokenLogprob | None] = [None]
+        targets = ids[0, 1:, None]
+        for a in range(0, len(token_ids) - 1, SCORE_ROWS):  # the float log-softmax a slice of positions at a time
+            lp = torch.log_softmax(logits[a: a + SCORE_ROWS].float(), dim=-1)
+            chosen = lp.gather(1, targets[a: a + SCORE_ROWS])[:, 0].tolist()
+            if top:
+                values, indices = lp.topk(min(top, lp.shape[-1]), dim=-1)
+                tops = [list(zip(i, v, strict=True)) for i, v in zip(indices.tolist(), values.tolist(), strict=True)]
+            else:
+                tops = [[] for _ in chosen]
+            out += [TokenLogprob(c, t) for c, t in zip(chosen, tops, strict=True)]
+        return out
+
+    def cache(self) -> PagedKVCache:
+        """The KV pool, laid out again after a sleep dropped it."""
+        if self.kv is None:
+            self.kv = PagedKVCache(self.model.config, self.num_blocks, self.block_size, self.dtype, self.device,
+                                   self.memory.kv_storage())
+        return self.kv
+
+    def drop_cache(self) -> None:
+        """Forget the pool's tensors (the engine is going to sleep and gives the memory back)."""
+        self.kv = None
+
+    # --- internals ------------------------------------------------------------------------
+
+    def _sync_tables(self, n: int, tables: dict[int, list[int]]) -> None:
+        """Bring the device block table of rows 0..n-1 up to date with the plan's new tables."""
+        for row, blocks in tables.items():
+            self._tables_host[row, : len(blocks)] = torch.tensor(blocks)
+        if n:
+            self.block_table[:n].copy_(self._tables_host[:n], non_blocking=True)
+
+    def _forward(self, plan: StepPlan) -> torch.Tensor:
+        """Logits of the decode rows, then of the last token of each prefill chunk."""
+        n = plan.decode
+        if not plan.chunks:
+            if self.graphs is not None and self.graphs.failed is None:
+                return self.graphs.logits(n, plan.width)
+            return self.decode_logits(n, plan.width)
+        bs, dev = self.block_size, self.device
+        ids, positions, write, last, q_index, q_pos, tables = [], [], [], [], [], [], []
+        offset = n
+        for c in plan.chunks:
+            start, end = c.start, c.end
+            ctx, blocks = c.request.context, c.request.seq.blocks
+            ids += ctx[start:end]
+            positions += range(start, end)
+            write += [blocks[p // bs] * bs + p % bs for p in range(start, end)]
+            q_index.append(list(range(offset, offset + end - start)))
+            q_pos.append(list(range(start, end)))
+            tables.append(blocks)
+            offset += end - start
+            last.append(offset - 1)
+        # padding repeats a chunk's last query (see Ragged); everything goes to the device in one copy
+        flat_ids, flat_pos, flat_write, sel, qi, qp, tab = upload_rows(
+            [ids, positions, write, last], [_pad(q_index), _pad(q_pos), _pad(tables)], dev)
+        groups = [Ragged(qi, qp, tab, max(c.end for c in plan.chunks))]
+        if n:
+            table, pos = self.block_table[:n], self.pos[:n]
+            groups.insert(0, Ragged.decode(table, pos, plan.width))
+            flat_ids = torch.cat((self.last[:n], flat_ids))
+            flat_pos = torch.cat((pos, flat_pos))
+            flat_write = torch.cat((rows_of(table, pos[:, None], bs)[:, 0], flat_write))
+        select = torch.cat((torch.arange(n, device=dev), sel))
+        step = PagedPass(self.cache(), flat_write, groups, self.attention)
+        return self.model(flat_ids[None], flat_pos[None], cache=step, select=select)
+
+    def _set_rows(self, starts: list[RowStart]) -> None:
+        """Per-row state of requests that start decoding: one upload for all of them, not a device write per
+        field and row."""
+        ints, floats, rows = [], [], []
+        for s in starts:
+            r, row = s.request, s.row
+            p = r.params
+            table = s.blocks + [0] * (self.max_blocks - len(s.blocks))  # unused entries: any valid block
+            self._tables_host[row] = torch.tensor(table)
+            stops = list(p.stop_token_ids) + [-1] * (MAX_STOP_IDS - len(p.stop_token_ids))
+            ints.append([r.context_len, len(r.tokens), p.max_tokens, int(not p.ignore_eos), p.top_k, r.seed,
+                         *stops, *table])
+            floats.append([p.temperature, p.top_p])
+            rows.append(row)
+        idx, v = upload_rows([rows], [ints], self.device)
+        f = upload(floats, self.device, torch.float32)
+        for j, t in enumerate((self.pos, self.gen, self.max_gen, self.eos_stop, self.rows.top_k, self.rows.seed)):
+            t.index_copy_(0, idx, v[:, j].to(t.dtype))
+        self.stop_ids.index_copy_(0, idx, v[:, 6: 6 + MAX_STOP_IDS])
+        self.block_table.index_copy_(0, idx, v[:, 6 + MAX_STOP_IDS:])
+        self.rows.temperature.index_copy_(0, idx, f[:, 0])
+        self.rows.top_p.index_copy_(0, idx, f[:, 1])
+
+    def _sample(self, plan: StepPlan, logits: torch.Tensor) -> StepOutput:
+        """The next token of every sampled row from ``logits``; the decode rows wrote their last token's
+        key/value this step, so their positions advance."""
+        reqs = plan.sampled
+        sl = slice(0, len(reqs))
+        gen = self.gen[sl].clone()  # a copy: the counters advance below
+        if any(r.matcher is not None for r in reqs):
+            # logprobs are then those of the masked distribution, the one the tokens are drawn from
+            logits = mask_logits(logits, [r.matcher for r in reqs])
+        tok, lp = sample(logits, self.rows[sl], gen, [r.filter_kind for r in reqs])
+        self.last[sl] = tok
+        self.gen[sl] = gen + 1
+        self.pos[: plan.decode] += 1
+        done = (torch.isin(tok, self._eos) & self.eos_stop[sl]) | (self.stop_ids[sl] == tok[:, None]).any(1)
+        done |= gen + 1 >= self.max_gen[sl]
+        # the one host transfer of the step: tokens, logprobs and finished flags together
+        toks, lps, dones = torch.stack((tok.double(), lp.double(), done.double())).tolist()
+        return StepOutput([int(t) for t in toks], lps, [bool(d) for d in dones])
+
+    def _move(self, src: int, dst: int) -> None:
+        """Copy row ``src``'s per-row state to row ``dst`` (the scheduler already moved the request)."""
+        for t in (self.pos, self.last, self.gen, self.max_gen, self.stop_ids, self.eos_stop, self.block_table,
+                  self.rows.temperature, self.rows.top_k, self.rows.top_p, self.rows.seed):
+            t[dst] = t[src]
+        self._tables_host[dst] = self._tables_host[src]
+
+
+def _pad(rows: list[list[int]]) -> list[list[int]]:
+    """Rows of unequal length made equal by repeating each one's last entry."""
+    width = max(map(len, rows))
+    return [x + [x[-1]] * (width - len(x)) for x in rows]
