@@ -108,11 +108,11 @@ def _layout(rec: dict[str, Any], columns: Mapping[str, str] | None) -> tuple[dic
     if isinstance(rec.get("prompt"), list) and rec.get("messages") is None:  # verl, slime: the prompt as messages
         rec["messages"] = rec.pop("prompt")
         origin["messages"] = origin.pop("prompt", "prompt")
-    if rec.get("answer") is None:
+    if rec.get("answer") is None and "answer" not in origin:
         truth = rec.get("reward_model")
-        if isinstance(truth, Mapping) and truth.get("ground_truth") is not None:  # verl
+        if isinstance(truth, Mapping) and "ground_truth" in truth:  # verl
             rec["answer"], origin["answer"] = truth["ground_truth"], "reward_model.ground_truth"
-        elif rec.get("label") is not None:  # slime
+        elif "label" in rec:  # slime
             rec["answer"], origin["answer"] = rec.pop("label"), "label"
     return rec, origin
 
