@@ -217,6 +217,7 @@ class FunctionEnv(Env):
 class GroupFunctionEnv(FunctionEnv):
     """Per group: one Python function call rewards a prompt's K responses together (TRL's reward functions)."""
 
+    task_type = "group_function"
     group_level = True
 
     def score_group(self, task: Task, responses: Sequence[str]) -> tuple[list[float], dict[str, Any]]:

@@ -122,10 +122,18 @@ def read_hub(source: str) -> Iterator[tuple[str, int, dict]]:
     yield from _rows(ds, source)
 
 
+def hub_source(path: str | Path) -> str | None:
+    """``path`` as an ``hf://`` source, or None; ``Path("hf://org/name")`` (which reads ``hf:/org/name``) too."""
+    text = str(path)
+    if text.startswith("hf:/"):
+        return HUB_SCHEME + text[len("hf:/"):].lstrip("/")
+    return None
+
+
 def read_records(path: str | Path) -> tuple[Iterator[tuple[str, int, dict]], str]:
     """The records of any task source and the stem that default task ids start with."""
-    text = str(path)
-    if text.startswith(HUB_SCHEME):
+    text = hub_source(path)
+    if text is not None:
         repo, _ = parse_hub_source(text)
         return read_hub(text), repo.rsplit("/", 1)[-1]
     p = Path(path)

@@ -174,3 +174,12 @@ def test_hub_errors_are_one_line(hub_loads):
             r"^hf://org/qa\?config=hard: cannot load org/qa .*'hard' not found",
             r"^hf://org/qa\?splitt=train: unknown option 'splitt'"], strict=True):
         assert isinstance(text, str) and "\n" not in text and re.search(message, text), text
+
+
+def test_a_hub_source_survives_pathlib():
+    # a config field typed Path turns hf://org/qa into hf:/org/qa
+    from envs.task_sources import hub_source, parse_hub_source
+
+    assert hub_source(Path("hf://org/qa?split=test&config=easy")) == "hf://org/qa?split=test&config=easy"
+    assert parse_hub_source(hub_source("hf://qa")) == ("qa", {"split": "train"})
+    assert hub_source("data/hf_tasks.jsonl") is None
