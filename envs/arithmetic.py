@@ -73,9 +73,10 @@ class ArithmeticEnv(Env):
     task_type = "arithmetic"
 
     def __init__(self, tasks: list[Task] | None = None, *, max_operand: int = 60, max_steps: int = 2) -> None:
-        # a run config passes one kwargs dict to both __init__ and generate_tasks: the generation options are
-        # accepted here and play no part in scoring
+        # a run config passes one kwargs dict to both __init__ and generate_tasks: the generation options play no
+        # part in scoring, only in the tasks reset() generates when it has none
         super().__init__(tasks)
+        self.generate_options = {"max_operand": max_operand, "max_steps": max_steps}
 
     def score(self, task: Task, response: str) -> tuple[float, dict[str, Any]]:
         got = extract_answer(response)

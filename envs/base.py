@@ -4,6 +4,10 @@ A rollout calls ``reset(options={"task": task})`` to get the first observation (
 ``step(response)`` with each model response until ``terminated`` or ``truncated``. The reward comes
 from ``step``. Single-turn environments terminate on the first step; multi-turn ones return the
 next observation (tool results, a user turn) instead.
+
+The RL loop reads an environment's optional capabilities from the class attributes and methods declared
+below with their defaults (``uses_sandbox``, ``group_level``/``score_group``, ``attach``, ``uses_tools``/
+``set_tool_format``, ``load_tasks``, ``generate_tasks``); a plug-in overrides only what it uses.
 """
 
 from __future__ import annotations
@@ -11,12 +15,27 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import gymnasium
 
-MAX_TEXT = 1 << 16
+if TYPE_CHECKING:
+    from engines.model.chat_format import ToolFormat
+
+MAX_TEXT = 1 << 16  # an action (a model response) is at most this many characters
+MAX_OBSERVATION = 1 << 20  # a prompt or a tool result: SWE problem statements and outputs run long
 _CHARSET = frozenset(chr(i) for i in range(32, 127)) | frozenset("\n\t")
+
+
+class AnyText(gymnasium.spaces.Text):
+    """Text of any Unicode characters, as prompts and model responses are; ``sample`` draws printable ASCII.
+
+    gymnasium's ``Text`` holds only the characters of its ``charset``; a prompt with "×" or a response with an
+    emoji would fall outside it, so membership here checks the type and the length alone.
+    """
+
+    def contains(self, x: Any) -> bool:
+        return isinstance(x, str) and self.min_length <= len(x) <= self.max_length
 
 
 @dataclass(frozen=True)
@@ -33,7 +52,7 @@ class Task:
 
 
 class Env(gymnasium.Env):
-    """Base class of text environments; subclasses implement ``score`` or override ``step``."""
+    """Base class of text environments; subclasses implement ``score`` (or ``score_group``) or override ``step``."""
 
     metadata: ClassVar[dict[str, Any]] = {"render_modes": []}
     #: Short name of the task type, used for per-task budgets and metrics.
@@ -41,33 +60,62 @@ class Env(gymnasium.Env):
     #: Multi-turn environments return the next observation from ``step`` until the episode ends; the RL loop
     #: then generates turn by turn and trains only on the model's own tokens.
     multi_turn: ClassVar[bool] = False
-    #: True: ``__init__`` takes ``sandbox_address`` (the run's sandbox service), to run code
+    #: True: the environment runs code in the sandbox service, and ``__init__`` accepts ``sandbox_address: str``
+    #: (the run's service, ``host:port``), which the RL loop passes.
     uses_sandbox: ClassVar[bool] = False
-    #: True: rewards come per prompt group, ``score_group`` (e.g. a critic comparing the K responses)
+    #: True: rewards exist only for a prompt's whole group of responses (a critic comparing them); the RL loop
+    #: calls ``score_group`` once per group instead of ``step`` per response, and leaves the environment out of
+    #: held-out accuracy (there is no right answer to count). A subclass that defines ``score_group`` and does
+    #: not set it is taken as group-level (plug-ins written before it was declared keep working).
     group_level: ClassVar[bool] = False
-    #: True: the episode parses tool calls; the loop sets the model family's format (``set_tool_format``)
+    #: True: the model calls tools; the RL loop calls ``set_tool_format`` with the model family's tool-call format
+    #: before each episode's ``reset``.
     uses_tools: ClassVar[bool] = False
+    #: ``reset()`` with no task and no task list draws a task from ``generate_tasks`` (seeded by reset's seed)
+    #: when the class overrides it; False where generating is too slow for a reset.
+    generate_on_reset: ClassVar[bool] = True
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "score_group" in vars(cls) and "group_level" not in vars(cls):
+            cls.group_level = True
 
     def __init__(self, tasks: list[Task] | None = None) -> None:
-        self.observation_space = gymnasium.spaces.Text(MAX_TEXT, charset=_CHARSET)
-        self.action_space = gymnasium.spaces.Text(MAX_TEXT, charset=_CHARSET)
+        self.observation_space = AnyText(MAX_OBSERVATION, min_length=0, charset=_CHARSET)
+        self.action_space = AnyText(MAX_TEXT, min_length=0, charset=_CHARSET)
         self.tasks = tasks or []
         self.task: Task | None = None
+        #: keyword arguments of ``generate_tasks`` for the tasks ``reset()`` generates (set by subclasses)
+        self.generate_options: dict[str, Any] = {}
+        #: what the last reset or step measured that differs from run to run (timings, sandbox ids): kept out of
+        #: ``info`` so that ``info`` depends only on the seed and the action, as gymnasium's checker requires
+        self.diagnostics: dict[str, Any] = {}
 
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
-        """Start an episode on ``options["task"]``, or on a task drawn from ``self.tasks``."""
+        """Start an episode on ``options["task"]``, else on a task drawn from ``self.tasks``, else on one made by
+        ``generate_tasks``; the draw follows ``seed``."""
         super().reset(seed=seed)
         options = options or {}
+        self.diagnostics = {}
         if "task" in options:
             self.task = options["task"]
         elif self.tasks:
             self.task = self.tasks[int(self.np_random.integers(len(self.tasks)))]
+        elif self._generates():
+            task_seed = int(self.np_random.integers(2**31 - 1))
+            self.task = type(self).generate_tasks(1, task_seed, **self.generate_options)[0]
         else:
             raise ValueError(f"{type(self).__name__}.reset needs options['task'] or a task list")
         return self.task.prompt, {"task_id": self.task.id}
 
+    @classmethod
+    def _generates(cls) -> bool:
+        own = getattr(cls.generate_tasks, "__func__", None) is not Env.generate_tasks.__func__
+        return cls.generate_on_reset and own
+
     def step(self, action: str):
-        """Grade a single-turn response: (observation, reward, terminated, truncated, info)."""
+        """Grade a single-turn response: (observation, reward, terminated, truncated, info); the episode ends
+        with the empty observation."""
         if self.task is None:
             raise RuntimeError("step() called before reset()")
         reward, info = self.score(self.task, action)
@@ -78,22 +126,26 @@ class Env(gymnasium.Env):
         raise NotImplementedError
 
     def score_group(self, task: Task, responses: Sequence[str]) -> tuple[list[float], dict[str, Any]]:
-        """Rewards of the K ``responses`` to ``task`` together (``group_level`` environments)."""
-        raise NotImplementedError(f"{type(self).__name__} rewards each response alone (group_level is False)")
+        """Rewards of all K ``responses`` to ``task`` (one per response, in order) and details for logging; only
+        ``group_level`` environments implement it. An exception costs the whole group (counted as errors)."""
+        raise NotImplementedError(f"{type(self).__name__} rewards responses one by one (group_level is False)")
 
     def attach(self, critic: Callable[[list[str]], list[str]]) -> None:
-        """Take the policy as critic (prompts -> responses) where the environment judges with it; ignored here."""
+        """Receive the policy as a critic (prompts -> completions on the shared inference engine), attached by the
+        RL loop to every environment it makes; the default ignores it (the rubric environment uses it)."""
 
-    def set_tool_format(self, fmt: Any) -> None:
-        """The tool-call format of the model family in training (``uses_tools`` environments parse calls in it)."""
+    def set_tool_format(self, fmt: ToolFormat) -> None:
+        """Use ``fmt`` (the model family's tool-call format, ``engines.model.chat_format``) to render and parse
+        tool calls; called by the RL loop on ``uses_tools`` environments. The default stores it."""
         self.tool_format = fmt
 
     @classmethod
-    def load_tasks(cls, path: str | Path) -> list[Task]:
-        """The tasks of a task file; environments with records of their own override this."""
+    def load_tasks(cls, path: str | Path, *, columns: dict[str, str] | None = None) -> list[Task]:
+        """The tasks of a task file or dataset (``envs.tasks.load_tasks``); an environment with its own record
+        schema overrides this. ``columns`` maps the task fields to the dataset's column names."""
         from envs.tasks import load_tasks
 
-        return load_tasks(path)
+        return load_tasks(path, columns=columns)
 
     @classmethod
     def generate_tasks(cls, n: int, seed: int) -> list[Task]:

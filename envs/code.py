@@ -35,7 +35,7 @@ from typing import Any
 
 from envs.base import Env, Task
 from envs.registry import register
-from envs.tasks import TaskFileError, read_jsonl, read_parquet, record_to_task
+from envs.tasks import TaskFileError, apply_columns, check_columns, read_records, record_to_task
 from sandbox.backend import Limits, Verdict
 
 INSTRUCTION = ("Complete the following Python function. Reply with the whole function (with its imports) in one "
@@ -87,14 +87,15 @@ def build_tests(task: Task) -> str:
     return tests
 
 
-def _code_task(where: str, n: int, rec: dict[str, Any], stem: str) -> Task:
+def _code_task(where: str, n: int, rec: dict[str, Any], stem: str,
+               columns: dict[str, str] | None = None) -> Task:
     """A validated code task from a record in the module docstring's schema (errors name ``where``)."""
-    rec = dict(rec)
+    rec = apply_columns(rec, columns or {})
     if rec.get("id") is None and rec.get("task_id") is not None:
         rec["id"] = rec.pop("task_id")
     if rec.get("answer") is None and rec.get("canonical_solution") is not None:
         rec["answer"] = rec.pop("canonical_solution")
-    task = record_to_task(where, n, rec, stem, require_answer=False)
+    task = record_to_task(where, n, rec, stem, require_answer=False, columns=columns)
     meta = dict(task.meta)
     if "tests" not in meta and "test" in meta:
         meta["tests"] = meta.pop("test")
@@ -141,8 +142,8 @@ class CodeEnv(Env):
         if result.verdict in _INFRASTRUCTURE:
             raise RuntimeError(f"sandbox {result.verdict.value} on task {task.id}: {result.detail}")
         info = {"verdict": result.verdict.value, "detail": result.detail, "exit_code": result.exit_code,
-                "program": how, "stderr": result.stderr[-500:].decode(errors="replace"),
-                "wall_s": round(result.wall_s, 3)}
+                "program": how, "stderr": result.stderr[-500:].decode(errors="replace")}
+        self.diagnostics["wall_s"] = round(result.wall_s, 3)  # a timing: not in info, which must be deterministic
         return (1.0 if result.verdict is Verdict.OK else 0.0), info
 
     @classmethod
@@ -171,13 +172,14 @@ class CodeEnv(Env):
         return [_code_task(f"{source} record {n}", n, rec, source) for n, rec in enumerate(records, 1)]
 
     @classmethod
-    def load_tasks(cls, path: str | Path) -> list[Task]:
-        """Code tasks from a JSONL or Parquet file in the module docstring's schema."""
-        p = Path(path)
-        rows = read_parquet(p) if p.suffix == ".parquet" else read_jsonl(p)
-        tasks = [_code_task(where, n, rec, p.stem) for where, n, rec in rows]
+    def load_tasks(cls, path: str | Path, *, columns: dict[str, str] | None = None) -> list[Task]:
+        """Code tasks from any task source ``envs.tasks`` reads, in the module docstring's schema (``columns``
+        maps task fields to the source's column names)."""
+        columns = check_columns(columns)
+        rows, stem = read_records(path)
+        tasks = [_code_task(where, n, rec, stem, columns) for where, n, rec in rows]
         if not tasks:
-            raise TaskFileError(f"task file {p} has no records")
+            raise TaskFileError(f"task file {path} has no records")
         return tasks
 
 

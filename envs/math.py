@@ -223,6 +223,7 @@ class MathEnv(Env):
         _check_options(options, _GEN_OPTIONS, "MathEnv()")
         super().__init__(tasks)
         self.max_answer_chars, self.verify_timeout_s, self.isolate = max_answer_chars, verify_timeout_s, isolate
+        self.generate_options = dict(options)  # the tasks reset() generates when it has none
 
     def score(self, task: Task, response: str) -> tuple[float, dict[str, Any]]:
         answer = extract_answer(response)

@@ -120,6 +120,7 @@ class ReasoningGymEnv(Env):
         _options(options, set(self._GEN_OPTIONS), "ReasoningGymEnv()")
         super().__init__(tasks)
         self.max_answer_chars = max_answer_chars
+        self.generate_options = dict(options)  # the tasks reset() generates when it has none
 
     def score(self, task: Task, response: str) -> tuple[float, dict[str, Any]]:
         meta = task.meta

@@ -337,6 +337,8 @@ class RubricEnv(Env):
 
     ``generate`` (critic prompts -> critic outputs) is usually attached after construction with
     ``attach``, since configs cannot carry callables. Per-prompt rubrics: ``task.meta["rubrics"]``.
+    ``step`` (one response, as a Gym user steps it) needs a reference response in the task's answer: the critic
+    compares the two, and the reward is 1 when the response wins, 0.5 for a tie, 0 when it loses.
     """
 
     task_type = "rubric"
@@ -353,16 +355,40 @@ class RubricEnv(Env):
         if generate is not None:
             self.attach(generate)
 
+    @classmethod
+    def load_tasks(cls, path: str | Path, *, columns: dict[str, str] | None = None) -> list[Task]:
+        """Prompts, with optional reference answers and ``meta.rubrics`` (``envs.tasks.load_tasks``)."""
+        from envs.tasks import load_tasks
+
+        return load_tasks(path, require_answer=False, columns=columns)
+
     def attach(self, generate: Callable[[list[str]], list[str]]) -> PairwiseCritic:
         """Use ``generate`` as the critic (typically the policy on the shared inference engine)."""
         self.critic = PairwiseCritic(generate, self.rubrics, **self.critic_options)
         return self.critic
 
     def score(self, task: Task, response: str) -> tuple[float, dict[str, Any]]:
-        raise GroupLevelRewardError(
-            "rubric rewards are group-level: the critic compares all K responses of a prompt with each "
-            "other, so one response has no reward on its own; call RubricEnv.score_group(task, responses)"
-        )
+        """``response`` against the task's reference answer, shown in an order drawn from the episode's seed."""
+        if not task.answer:
+            raise GroupLevelRewardError(
+                "rubric rewards are group-level: the critic compares all K responses of a prompt with each "
+                "other, so one response has no reward on its own; call RubricEnv.score_group(task, responses), "
+                "or give the task a reference answer to compare a single response with"
+            )
+        if self.critic is None:
+            raise RuntimeError("RubricEnv has no critic: pass generate= or call attach(generate) first")
+        swapped = bool(self.np_random.random() < 0.5)  # against position bias, reproducible from reset's seed
+        a, b = (task.answer, response) if swapped else (response, task.answer)
+        extra = task.meta.get("rubrics", ())
+        if isinstance(extra, str | dict | Rubric):  # one rubric, not an iterable of them
+            extra = [extra]
+        rubrics = self.rubrics + [_rubric(e, f"prompt_{k}") for k, e in enumerate(extra)]
+        output = self.critic.generate([build_pair_prompt(task.prompt, a, b, rubrics)])[0]
+        verdict = parse_verdict(output)
+        if verdict is None:
+            raise ValueError(f"the critic's verdict on task {task.id} is unparseable: {output[-200:]!r}")
+        won = {"A": not swapped, "B": swapped}.get(verdict)
+        return (0.5 if won is None else float(won)), {"verdict": verdict, "shown_swapped": swapped}
 
     def score_group(self, task: Task, responses: Sequence[str]) -> tuple[list[float], dict[str, Any]]:
         """Rewards in [0, 1] for all K responses to ``task`` and the critic's details for logging."""

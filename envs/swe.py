@@ -35,6 +35,7 @@ must run pytest). A sandbox failure ends the episode with reward 0 and ``info["s
 
 from __future__ import annotations
 
+import copy
 import difflib
 import json
 import logging
@@ -247,7 +248,7 @@ class SWEEnv(Env):
             self._close_session()
             info["sandbox_error"] = self._error
         info["messages"] = [{"role": "user", "content": self.user_prompt(self.task)}]
-        info["tools"] = [t.to_openai() for t in self.tools]
+        info["tools"] = copy.deepcopy([t.to_openai() for t in self.tools])  # the caller's own copy to change
         return self.prompt(self.task), info
 
     def prompt(self, task: Task) -> str:

@@ -135,9 +135,8 @@ def test_ptx_batches_use_ptx_seed():
 
 
 class Judge(Env):
-    """A group-level environment: the iteration's runner gets the policy attached as critic."""
-
-    group_level = True
+    """A group-level environment (it defines score_group): the iteration's runner gets the policy attached as
+    critic."""
 
     def score_group(self, task, responses):
         return [0.0] * len(responses), {}

@@ -17,6 +17,8 @@ class ReverseEnv(Env):
     def __init__(self, tasks: list[Task] | None = None, min_len: int = 3, max_len: int = 6) -> None:
         super().__init__(tasks)
         self.min_len, self.max_len = min_len, max_len
+        # what reset() passes to generate_tasks when it is called without a task (gymnasium.make("rl/reverse"))
+        self.generate_options = {"min_len": min_len, "max_len": max_len}
 
     def score(self, task: Task, response: str) -> tuple[float, dict[str, Any]]:
         words = response.split()
