@@ -20,15 +20,21 @@ ALTERNATING = ["sliding_attention", "full_attention"] * 2
 #: model_type -> (what it exercises, config overrides)
 FAMILIES: dict[str, tuple[str, dict]] = {
     "gpt_oss": ("MoE, attention sinks, alternating sliding window, biases",
+                # its own YaRN RoPE (factor 32 over 4096 positions), which vLLM's implementation requires
                 dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW, layer_types=ALTERNATING,
-                     rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
+                     max_position_embeddings=131072)),
     "gemma3_text": ("local/global layers, q/k norm, sandwich norms, scaled embeddings",
                     dict(sliding_window=WINDOW, layer_types=ALTERNATING, query_pre_attn_scalar=32)),
+    "gemma2": ("soft-capped attention and final logits, local/global layers",
+               dict(sliding_window=WINDOW, layer_types=ALTERNATING, query_pre_attn_scalar=32,
+                    attn_logit_softcapping=4.0, final_logit_softcapping=3.0)),
     "qwen3_next": ("hybrid Gated DeltaNet / gated attention, MoE with a shared expert",
                    dict(layer_types=["linear_attention", "full_attention"] * 2, num_experts=4, num_experts_per_tok=2,
                         moe_intermediate_size=32, shared_expert_intermediate_size=32, linear_num_value_heads=2,
                         linear_num_key_heads=1, linear_key_head_dim=32, linear_value_head_dim=32)),
-    "lfm2": ("hybrid short convolutions / attention", dict(layer_types=["conv", "full_attention"] * 2)),
+    # conv_dim and block_dim: fields of LiquidAI's config.json that vLLM reads (transformers ignores them)
+    "lfm2": ("hybrid short convolutions / attention",
+             dict(layer_types=["conv", "full_attention"] * 2, conv_dim=64, block_dim=64, tie_word_embeddings=True)),
     "nemotron_h": ("hybrid Mamba-2 / attention / MLP / MoE layers",
                    dict(hybrid_override_pattern="M*-E", n_routed_experts=4, num_experts_per_tok=2,
                         moe_intermediate_size=32, moe_shared_expert_intermediate_size=32, mamba_num_heads=4,
@@ -45,13 +51,21 @@ FAMILIES: dict[str, tuple[str, dict]] = {
                       n_group=1, topk_group=1, use_qk_norm=True)),
 }
 
+#: Other layouts of a family: name -> (model_type, overrides on top of the family's)
+VARIANTS: dict[str, tuple[str, dict]] = {
+    "nemotron_h-dense": ("nemotron_h", dict(hybrid_override_pattern="M*-M")),  # Nemotron-H 8B's kinds, no MoE
+}
 
-def hf_config(model_type: str, **overrides):
-    """transformers' config of the tiny ``model_type`` model (``overrides`` on top)."""
+
+def hf_config(name: str, **overrides):
+    """transformers' config of the tiny model ``name`` (a model_type of ``FAMILIES``, a ``VARIANTS`` name, or
+    any other model_type with ``BASE``), ``overrides`` on top."""
     from transformers import CONFIG_MAPPING
 
+    model_type, extra = VARIANTS.get(name, (name, {}))
     kw = dict(BASE)
     kw.update(FAMILIES[model_type][1] if model_type in FAMILIES else {})
+    kw.update(extra)
     kw.update(overrides)
     return CONFIG_MAPPING[model_type](**kw)
 

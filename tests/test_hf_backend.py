@@ -14,6 +14,7 @@ from engines.model.arch import UnsupportedModelError
 from engines.model.causal_lm import track_max_logits
 from engines.model.hf_backend import build_hf_model
 from engines.model.hf_spec import describe
+from engines.model.logprobs import selected_logprobs
 from engines.training.packing import pack
 from rl.qk_clip import qk_clip
 from tests.conftest import sharp_model, tiny_config
@@ -22,7 +23,8 @@ from tests.hf_families import FAMILIES, WINDOW, documents, hf_config, reference_
 TEMPERATURE = 0.7
 #: per family, the QK-Clip layouts of its layers (engines.model.qk_clip_plan)
 LAYOUTS = {
-    "gpt_oss": {"sinks"}, "gemma3_text": {"qk_norm"}, "qwen3_next": {"no_softmax_attention", "qk_norm"},
+    "gpt_oss": {"sinks"}, "gemma2": {"gqa"}, "gemma3_text": {"qk_norm"},
+    "qwen3_next": {"no_softmax_attention", "qk_norm"},
     "lfm2": {"no_softmax_attention", "qk_norm"}, "nemotron_h": {"no_softmax_attention", "gqa"}, "phi3": {"mha"},
     "granite": {"gqa"}, "olmo2": {"norm_gain"}, "smollm3": {"gqa"}, "exaone4": {"qk_norm"}, "glm4_moe": {"qk_norm"},
 }
@@ -149,7 +151,7 @@ def test_tracked_max_logits_are_the_written_out_maxima_over_each_documents_pairs
     assert len(got) == len(ref_modules) > 0
     for m, r in zip(got, ref_modules, strict=True):
         torch.testing.assert_close(m.max_logits.double(), want[id(r)], atol=1e-4, rtol=1e-5)
-    if name in ("gpt_oss", "gemma3_text", "exaone4"):
+    if name in ("gpt_oss", "gemma2", "gemma3_text", "exaone4"):
         assert any(w == WINDOW for *_, w in _captured), "the windowed layers must pass their window"
 
 
@@ -261,3 +263,22 @@ def test_a_config_without_a_causal_lm_is_refused_in_one_line():
     with pytest.raises(UnsupportedModelError, match="no causal language model class") as err:
         build_hf_model(CONFIG_MAPPING["vit"]())
     assert "\n" not in str(err.value)
+
+
+def test_chunked_logprobs_with_a_softcap_equal_the_full_logits():
+    """Gemma 2's cap·tanh(logits / cap) before the temperature: values, entropies and both gradients."""
+    torch.manual_seed(0)
+    hidden, weight = torch.randn(10, 16, requires_grad=True), torch.randn(300, 16, requires_grad=True)
+    targets, inv = torch.randint(0, 300, (10,)), torch.rand(10) + 0.5
+    coef = torch.randn(10)
+    lp, ent = selected_logprobs(hidden, weight, targets, inv, chunk=64, softcap=3.0)
+    (lp * coef).sum().backward()
+    got = hidden.grad.clone(), weight.grad.clone()
+    hidden.grad = weight.grad = None
+    full = (torch.tanh(hidden @ weight.T / 3.0) * 3.0 * inv[:, None]).log_softmax(-1)
+    want = full.gather(1, targets[:, None])[:, 0]
+    (want * coef).sum().backward()
+    torch.testing.assert_close(lp, want.detach(), atol=1e-6, rtol=0)
+    torch.testing.assert_close(ent, -(full.exp() * full).sum(-1).detach(), atol=1e-5, rtol=0)
+    torch.testing.assert_close(got[0], hidden.grad, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(got[1], weight.grad, atol=1e-6, rtol=1e-5)
