@@ -27,7 +27,7 @@ FAMILIES: dict[str, tuple[str, dict]] = {
                     dict(sliding_window=WINDOW, layer_types=ALTERNATING, query_pre_attn_scalar=32)),
     "gemma2": ("soft-capped attention and final logits, local/global layers",
                dict(sliding_window=WINDOW, layer_types=ALTERNATING, query_pre_attn_scalar=32,
-                    attn_logit_softcapping=4.0, final_logit_softcapping=3.0)),
+                    attn_logit_softcapping=4.0, final_logit_softcapping=3.0, tie_word_embeddings=True)),
     "qwen3_next": ("hybrid Gated DeltaNet / gated attention, MoE with a shared expert",
                    dict(layer_types=["linear_attention", "full_attention"] * 2, num_experts=4, num_experts_per_tok=2,
                         moe_intermediate_size=32, shared_expert_intermediate_size=32, linear_num_value_heads=2,
@@ -54,6 +54,8 @@ FAMILIES: dict[str, tuple[str, dict]] = {
 #: Other layouts of a family: name -> (model_type, overrides on top of the family's)
 VARIANTS: dict[str, tuple[str, dict]] = {
     "nemotron_h-dense": ("nemotron_h", dict(hybrid_override_pattern="M*-M")),  # Nemotron-H 8B's kinds, no MoE
+    # Qwen3-Next's own linear-attention head size (vLLM's CPU Gated DeltaNet kernel takes no head of 32)
+    "qwen3_next-128": ("qwen3_next", dict(linear_key_head_dim=128, linear_value_head_dim=128)),
 }
 
 

@@ -282,3 +282,29 @@ def test_chunked_logprobs_with_a_softcap_equal_the_full_logits():
     torch.testing.assert_close(ent, -(full.exp() * full).sum(-1).detach(), atol=1e-5, rtol=0)
     torch.testing.assert_close(got[0], hidden.grad, atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(got[1], weight.grad, atol=1e-6, rtol=1e-5)
+
+
+def test_the_training_engine_scores_and_steps_a_transformers_model():
+    """TrainingEngine runs the backend as it runs the native model: packed scoring, Muon (by role) + AdamW step."""
+    from engines.training.engine import TrainingEngine
+    from engines.training.param_roles import muon_params
+    from rl.muon import ShardedMuon
+
+    torch.manual_seed(0)
+    model = sharpen(build_hf_model(hf_config("gpt_oss")))
+    muon = muon_params(model)
+    opts = [ShardedMuon([p for p in model.parameters() if id(p) in muon], lr=1e-2, adjust_lr_fn="match_rms_adamw"),
+            torch.optim.AdamW([p for p in model.parameters() if id(p) not in muon], lr=1e-2)]
+    engine = TrainingEngine(model, opts, pad_id=0, attention="auto")
+    prompts, responses = documents()
+    scores = engine.score(prompts, responses, TEMPERATURE)
+    want, _, _ = _packed(model, prompts, responses)  # rows of another width: the same to rounding
+    torch.testing.assert_close(scores.logprobs, want, atol=1e-5, rtol=0)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    (-(scores.logprobs * scores.mask).sum()).backward()
+    assert engine.step() > 0
+    assert set(engine.update_rms) == {"muon", "adamw"}
+    moved = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
+    assert "model.layers.0.mlp.experts.gate_up_proj" in moved and "model.layers.0.self_attn.sinks" in moved
+    after = engine.score(prompts, responses, TEMPERATURE)
+    assert float((after.logprobs * after.mask).sum()) > float((scores.logprobs * scores.mask).sum())

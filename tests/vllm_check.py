@@ -150,10 +150,11 @@ def _one_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {' / '.join(lines[:2])}"[:300]
 
 
-def run_family(family: str, tokenizer=None) -> VllmCheck:
-    """Save ``family``'s tiny model and check it, retrying with the settings ``RETRIES`` names for its error."""
+def run_family(family: str, tokenizer=None, settings: dict | None = None) -> VllmCheck:
+    """Save ``family``'s tiny model and check it (``settings``: VllmEngine arguments to start with), retrying with
+    the settings ``RETRIES`` names for its error."""
     tok = tokenizer or project_tokenizer()
-    settings: dict = {}
+    settings = dict(settings or {})
     while True:
         dtype = torch.bfloat16 if settings.get("dtype") == "bfloat16" else torch.float32
         with tempfile.TemporaryDirectory(prefix=f"vllm_check_{family}_") as d:
