@@ -91,13 +91,3 @@ def documents(seed: int = 0, lengths=((5, 7), (3, 6), (9, 2), (4, 10))) -> tuple
     responses = [torch.randint(3, VOCAB, (r,), generator=g).tolist() for _, r in lengths]
     return prompts, responses
 
-
-@torch.no_grad()
-def reference_logprobs(hf_model, prompts, responses, temperature: float = 1.0) -> list[torch.Tensor]:
-    """Each response token's log-prob from transformers' own forward (full logits, its ``attn_implementation``)
-    on each document alone: log softmax(logits / T)[token]."""
-    out = []
-    for p, r in zip(prompts, responses, strict=True):
-        logits = hf_model(input_ids=torch.tensor([p + r])).logits[0].float() / temperature
-        out.append(logits[len(p) - 1:-1].log_softmax(-1).gather(1, torch.tensor(r)[:, None])[:, 0])
-    return out

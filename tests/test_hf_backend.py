@@ -13,12 +13,12 @@ from transformers.masking_utils import AttentionMaskInterface, eager_mask
 from engines.model.arch import UnsupportedModelError
 from engines.model.causal_lm import track_max_logits
 from engines.model.hf_backend import build_hf_model
-from engines.model.hf_spec import describe
+from engines.model.hf_spec import decoder_layers, describe
 from engines.model.logprobs import selected_logprobs
 from engines.training.packing import pack
 from rl.qk_clip import qk_clip
 from tests.conftest import sharp_model, tiny_config
-from tests.hf_families import FAMILIES, WINDOW, documents, hf_config, reference_logprobs, sharpen
+from tests.hf_families import FAMILIES, WINDOW, documents, hf_config, sharpen
 
 TEMPERATURE = 0.7
 #: per family, the QK-Clip layouts of its layers (engines.model.qk_clip_plan)
@@ -49,19 +49,6 @@ def _packed(model, prompts, responses, temperature=TEMPERATURE):
     lp, ent = model(batch.ids, batch.positions, batch.mask, select=batch.target_flat, targets=batch.targets,
                     inv_temp=inv)
     return batch.per_sequence(lp), batch.per_sequence(ent), batch
-
-
-def test_packed_logprobs_equal_transformers_on_each_document_alone(family):
-    name, model, ref = family
-    prompts, responses = documents()
-    with torch.no_grad():
-        lp, _, batch = _packed(model, prompts, responses)
-    assert batch.ids.shape[0] < len(prompts), "the rows must hold several documents"
-    want = reference_logprobs(ref, prompts, responses, TEMPERATURE)
-    for i, w in enumerate(want):
-        torch.testing.assert_close(lp[i, :len(w)], w, atol=1e-5, rtol=0)
-    assert float(torch.cat(want).std()) > 0.5, "the weights must make the log-probs far from uniform"
-    assert model.config.packable == (name not in STATEFUL)
 
 
 def _grads(model, prompts, responses, checkpointing: bool):
@@ -111,30 +98,37 @@ def _capture(module, query, key, value, attention_mask, scaling=None, sliding_wi
     return eager(module, query, key, value, attention_mask, scaling=scaling, sliding_window=sliding_window, **kwargs)
 
 
-def _reference_maxima(ref, prompts, responses) -> dict[int, torch.Tensor]:
-    """Per attention module id, the per-head max of scale·q·k over each document's causal (windowed) pairs."""
+def _reference(ref, prompts, responses):
+    """transformers' eager forward of each document alone: (log-prob of each response token at TEMPERATURE, per
+    attention module id the per-head max of scale·q·k over the document's causal (windowed) pairs, the windows
+    its layers passed)."""
     AttentionInterface.register("test_capture", _capture)
     AttentionMaskInterface.register("test_capture", eager_mask)
     ref.set_attn_implementation("test_capture")
-    out: dict[int, torch.Tensor] = {}
+    logprobs, maxima, windows = [], {}, set()
     try:
         for p, r in zip(prompts, responses, strict=True):
             _captured.clear()
             with torch.no_grad():
-                ref(input_ids=torch.tensor([p + r]))
+                logits = ref(input_ids=torch.tensor([p + r])).logits[0].float() / TEMPERATURE
+            logprobs.append(logits[len(p) - 1:-1].log_softmax(-1).gather(1, torch.tensor(r)[:, None])[:, 0])
             for module, q, k, scale, window in _captured:
                 h, t, kv = q.shape[1], q.shape[2], k.shape[1]
                 logits = q[0].double() @ k[0].double().repeat_interleave(h // kv, dim=0).transpose(1, 2) * scale
                 i, j = torch.arange(t)[:, None], torch.arange(t)[None, :]
                 allowed = (j <= i) if window is None else (j <= i) & (i - j < window)
                 best = logits.masked_fill(~allowed, float("-inf")).amax(dim=(1, 2))
-                out[id(module)] = best if id(module) not in out else torch.maximum(out[id(module)], best)
+                maxima[id(module)] = torch.maximum(maxima.get(id(module), best), best)
+                windows.add(window)
     finally:
         ref.set_attn_implementation("eager")
-    return out
+    return logprobs, maxima, windows
 
 
-def test_tracked_max_logits_are_the_written_out_maxima_over_each_documents_pairs(family):
+def test_packed_rows_give_transformers_logprobs_and_maxima_of_each_document_alone(family):
+    """Several documents per row: each response token's log-prob equals transformers' eager forward on its document
+    alone (float32, 1e-5), and the tracked S_max equal the maxima written out from the q and k transformers hands
+    its attention."""
     name, model, ref = family
     prompts, responses = documents()
     track_max_logits(model, True)
@@ -142,23 +136,22 @@ def test_tracked_max_logits_are_the_written_out_maxima_over_each_documents_pairs
         m.max_logits = None
     try:
         with torch.no_grad():
-            _packed(model, prompts, responses)
+            lp, _, batch = _packed(model, prompts, responses)
     finally:
         track_max_logits(model, False)
-    want = _reference_maxima(ref, prompts, responses)
-    ref_modules = [m for layer in _layers_of(ref) for m in layer.modules() if id(m) in want]
+    assert batch.ids.shape[0] < len(prompts), "the rows must hold several documents"
+    want, maxima, windows = _reference(ref, prompts, responses)
+    for i, w in enumerate(want):
+        torch.testing.assert_close(lp[i, :len(w)], w, atol=1e-5, rtol=0)
+    assert float(torch.cat(want).std()) > 0.5, "the weights must make the log-probs far from uniform"
+    assert model.config.packable == (name not in STATEFUL)
+    ref_modules = [m for layer in decoder_layers(ref) for m in layer.modules() if id(m) in maxima]
     got = model.attention_modules()
     assert len(got) == len(ref_modules) > 0
     for m, r in zip(got, ref_modules, strict=True):
-        torch.testing.assert_close(m.max_logits.double(), want[id(r)], atol=1e-4, rtol=1e-5)
+        torch.testing.assert_close(m.max_logits.double(), maxima[id(r)], atol=1e-4, rtol=1e-5)
     if name in ("gpt_oss", "gemma2", "gemma3_text", "exaone4"):
-        assert any(w == WINDOW for *_, w in _captured), "the windowed layers must pass their window"
-
-
-def _layers_of(ref):
-    from engines.model.hf_spec import decoder_layers
-
-    return decoder_layers(ref)
+        assert WINDOW in windows, "the windowed layers must pass their window"
 
 
 # ---- QK-Clip rules ----------------------------------------------------------------------------------------------
@@ -306,5 +299,6 @@ def test_the_training_engine_scores_and_steps_a_transformers_model():
     assert set(engine.update_rms) == {"muon", "adamw"}
     moved = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
     assert "model.layers.0.mlp.experts.gate_up_proj" in moved and "model.layers.0.self_attn.sinks" in moved
-    after = engine.score(prompts, responses, TEMPERATURE)
-    assert float((after.logprobs * after.mask).sum()) > float((scores.logprobs * scores.mask).sum())
+    with torch.no_grad():
+        after = engine.score(prompts, responses, TEMPERATURE)
+    assert float((after.logprobs * after.mask).sum()) > float((scores.logprobs * scores.mask).sum().detach())
