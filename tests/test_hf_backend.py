@@ -302,3 +302,19 @@ def test_the_training_engine_scores_and_steps_a_transformers_model():
     with torch.no_grad():
         after = engine.score(prompts, responses, TEMPERATURE)
     assert float((after.logprobs * after.mask).sum()) > float((scores.logprobs * scores.mask).sum().detach())
+
+
+@pytest.mark.parametrize("auto_map, match", [({"AutoModelForCausalLM": "modeling_x.XForCausalLM"}, "trust_remote_code"),
+                                             (None, "not known to transformers")])
+def test_a_model_type_transformers_lacks_is_refused_in_one_line(tmp_path, auto_map, match):
+    import json
+
+    from engines.model.hf_backend import load_hf_model
+
+    cfg = {"model_type": "my_new_arch", "hidden_size": 64}
+    if auto_map:
+        cfg["auto_map"] = auto_map
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UnsupportedModelError, match=match) as err:
+        load_hf_model(tmp_path)
+    assert "\n" not in str(err.value) and "my_new_arch" in str(err.value)

@@ -37,7 +37,7 @@ from engines.model.hf_spec import check_supported, decoder_layers, describe
 from engines.model.logprobs import selected_logprobs
 from engines.model.qk_clip_plan import QKClipRule, qk_clip_plan
 
-__all__ = ["HFCausalLM", "build_hf_model", "decoder_layers", "load_hf_model"]
+__all__ = ["HFCausalLM", "build_hf_model", "check_loadable", "decoder_layers", "load_hf_model"]
 
 
 def _without_dropout(hf_config):
@@ -202,12 +202,36 @@ def build_hf_model(hf_config, device: torch.device | str = "cpu", dtype: torch.d
     return HFCausalLM(hf)
 
 
+def check_loadable(path: str | Path, trust_remote_code: bool = False) -> None:
+    """Raise UnsupportedModelError (one line) when the directory's ``config.json`` names a model type transformers
+    does not know: one that needs the checkpoint's own code without ``trust_remote_code``, or an unknown one."""
+    import json
+
+    from transformers import CONFIG_MAPPING
+
+    file = Path(path) / "config.json"
+    if not file.is_file():
+        return  # a hub id: transformers resolves it and says what is missing
+    d = json.loads(file.read_text())
+    model_type = d.get("model_type")
+    if model_type in CONFIG_MAPPING:
+        return
+    if d.get("auto_map"):
+        if not trust_remote_code:
+            raise UnsupportedModelError(f"model_type {model_type!r} needs the checkpoint's own code (auto_map): "
+                                        "set model.trust_remote_code: true to run it")
+        return
+    raise UnsupportedModelError(f"model_type {model_type!r} is not known to transformers "
+                                f"{__import__('transformers').__version__} and the checkpoint brings no code")
+
+
 def load_hf_model(path: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
                   trust_remote_code: bool = False) -> HFCausalLM:
     """The model saved in the Hugging Face directory ``path``, on ``device`` in ``dtype``; a model that needs
     remote code is refused (one line) unless ``trust_remote_code``."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    check_loadable(path, trust_remote_code)
     cfg = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     check_supported(cfg)
     register()
