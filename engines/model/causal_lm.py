@@ -172,7 +172,10 @@ def build_model(cfg: ModelConfig, device: torch.device | str = "cpu", dtype: tor
 
 
 def attention_layers(model: nn.Module) -> list[nn.Module]:
-    """The attention modules of ``model``, in layer order."""
+    """The attention modules of ``model``, in layer order (a transformers-backed model lists its own:
+    ``HFCausalLM.attention_modules``)."""
+    if hasattr(model, "attention_modules"):
+        return model.attention_modules()
     return [m for m in model.modules() if isinstance(m, ATTENTION_TYPES)]
 
 

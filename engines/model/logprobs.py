@@ -33,7 +33,7 @@ def _in_chunk(targets: torch.Tensor, lo: int, width: int) -> tuple[torch.Tensor,
 
 class _SelectedLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, inv_temp, chunk):
+    def forward(ctx, hidden, weight, targets, inv_temp, chunk, softcap):
         n, vocab = hidden.shape[0], weight.shape[0]
         dev = hidden.device
         best = torch.full((n,), float("-inf"), device=dev)
@@ -42,7 +42,7 @@ class _SelectedLogprobs(torch.autograd.Function):
         chosen = torch.zeros(n, device=dev)
         scale = inv_temp[:, None]
         for lo in range(0, vocab, chunk):
-            z = (hidden @ weight[lo:lo + chunk].T).float() * scale
+            z = _capped((hidden @ weight[lo:lo + chunk].T).float(), softcap) * scale
             inside, col = _in_chunk(targets, lo, z.shape[1])
             chosen = torch.where(inside, z.gather(1, col).squeeze(1), chosen)
             new_best = torch.maximum(best, z.amax(dim=-1))
@@ -53,7 +53,7 @@ class _SelectedLogprobs(torch.autograd.Function):
             best = new_best
         lse = best + total.log()
         ctx.save_for_backward(hidden, weight, targets, inv_temp, lse)
-        ctx.chunk = chunk
+        ctx.chunk, ctx.softcap = chunk, softcap
         entropy = lse - weighted / total
         ctx.mark_non_differentiable(entropy)
         return chosen - lse, entropy
@@ -61,7 +61,7 @@ class _SelectedLogprobs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_logp, _grad_entropy):
         hidden, weight, targets, inv_temp, lse = ctx.saved_tensors
-        chunk, vocab = ctx.chunk, weight.shape[0]
+        chunk, softcap, vocab = ctx.chunk, ctx.softcap, weight.shape[0]
         # d log p(y) / d z_v = 1[v = y] − p_v, and z = inv_temp · h·wᵀ
         g = (grad_logp.float() * inv_temp)[:, None]
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
@@ -69,27 +69,36 @@ class _SelectedLogprobs(torch.autograd.Function):
         grad_w = torch.empty_like(weight) if need_w else None
         for lo in range(0, vocab, chunk):
             w = weight[lo:lo + chunk]
-            z = (hidden @ w.T).float() * inv_temp[:, None]
+            raw = (hidden @ w.T).float()
+            z = _capped(raw, softcap) * inv_temp[:, None]
             coef = torch.exp(z - lse[:, None]).mul_(-g)
             inside, col = _in_chunk(targets, lo, w.shape[0])
             coef.scatter_add_(1, col, g * inside[:, None])  # adds 0 where the target is in another chunk
+            if softcap is not None:  # d cap·tanh(x / cap) / dx = 1 − tanh²(x / cap)
+                coef.mul_(1 - torch.tanh(raw / softcap).square())
             coef = coef.to(hidden.dtype)
             if need_h:
                 grad_h += (coef @ w).float()
             if need_w:
                 grad_w[lo:lo + chunk] = coef.T @ hidden
-        return (grad_h.to(hidden.dtype) if need_h else None), grad_w, None, None, None
+        return (grad_h.to(hidden.dtype) if need_h else None), grad_w, None, None, None, None
+
+
+def _capped(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """Gemma 2's soft-capped logits cap·tanh(logits / cap), or ``logits`` (no cap)."""
+    return logits if softcap is None else torch.tanh(logits / softcap) * softcap
 
 
 def selected_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                       inv_temp: torch.Tensor | float = 1.0,
-                      chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                      chunk: int | None = None, softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(log-prob of ``targets`` [N] float32, entropy [N] float32 without gradient) under
-    softmax(hidden·weightᵀ·inv_temp) for hidden [N, D], weight [V, D]; ``inv_temp`` one number or [N]."""
+    softmax(hidden·weightᵀ·inv_temp) for hidden [N, D], weight [V, D]; ``inv_temp`` one number or [N].
+    ``softcap``: the logits are soft-capped, cap·tanh(hidden·weightᵀ / cap), before the temperature."""
     n = hidden.shape[0]
     if isinstance(inv_temp, torch.Tensor):
         inv = inv_temp.to(device=hidden.device, dtype=torch.float32).expand(n).contiguous()
     else:  # filled on the device: no copy of a Python number
         inv = torch.full((n,), float(inv_temp), dtype=torch.float32, device=hidden.device)
     chunk = chunk or vocab_chunk(n, weight.shape[0])
-    return _SelectedLogprobs.apply(hidden, weight, targets, inv, chunk)
+    return _SelectedLogprobs.apply(hidden, weight, targets, inv, chunk, softcap)

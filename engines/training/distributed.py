@@ -17,6 +17,8 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from engines.model.hf_spec import decoder_layers
+
 if TYPE_CHECKING:
     from engines.model.causal_lm import CausalLM
 
@@ -111,7 +113,7 @@ def shard_model(model: CausalLM, param_dtype: str = "float32", device: torch.dev
         dev = torch.device(device)
     mesh = init_device_mesh(dev.type, (dist.get_world_size(),))
     policy = MixedPrecisionPolicy(param_dtype=PARAM_DTYPES[param_dtype], reduce_dtype=torch.float32)
-    for layer in model.model.layers:
+    for layer in decoder_layers(model):  # the native model's layers, or a transformers model's _no_split_modules
         fully_shard(layer, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
     for m in model.modules():

@@ -1,0 +1,241 @@
+"""The transformers backend: any causal LM that transformers implements, under the native model's forward contract.
+
+``HFCausalLM`` wraps transformers' own modeling code (``AutoModelForCausalLM``) so that the training engine runs it
+as it runs ``engines.model.causal_lm.CausalLM``: ``model(ids, positions, DocumentMask, select=, targets=,
+inv_temp=)`` returns each target's (log-prob, entropy) from the chunked vocabulary scoring
+(``engines.model.logprobs``), never the full logits; ``model.config`` describes the model
+(``engines.model.hf_spec.ModelDescription``); ``model.activation_checkpointing`` recomputes each decoder layer
+in the backward; the decoder layers FSDP2 shards are ``decoder_layers(model)``; the attention modules keep
+``max_logits`` per head for QK-Clip (``attention_modules()``, each with ``clip_heads`` from
+``engines.model.qk_clip_plan``). Parameter names are transformers' own (``model.layers.0.self_attn.q_proj.weight``,
+``lm_head.weight``), so the state dict is the checkpoint's.
+
+Packed rows: every softmax-attention layer attends through ``engines.model.hf_attention.document_attention`` over
+the batch's ``DocumentMask`` (sliding windows, sinks and soft-capping as the layer passes them). Families whose
+layers carry state along the sequence (linear attention, state-space, short convolutions: Qwen3-Next / Qwen3.5,
+Nemotron-H, LFM2) cannot stop that state at a document's end, so their packed rows are unpacked: each document
+runs in a row of its own (right-padded, which leaves its tokens exact: every mixer is causal) and the hidden
+states are put back where the packing had them.
+
+The wrapped model always runs with its modules in eval mode, whatever ``train()`` says: dropout and router noise
+stay off, so the trainer scores tokens exactly as the rollout engine sampled them.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from engines.model.arch import UnsupportedModelError
+from engines.model.document_mask import DocumentMask
+from engines.model.hf_attention import IMPLEMENTATION, PACKED_KWARG, PackedAttention, recomputing, register
+from engines.model.hf_spec import check_supported, decoder_layers, describe
+from engines.model.logprobs import selected_logprobs
+from engines.model.qk_clip_plan import QKClipRule, qk_clip_plan
+
+__all__ = ["HFCausalLM", "build_hf_model", "check_loadable", "decoder_layers", "load_hf_model"]
+
+
+def _without_dropout(hf_config):
+    """A copy of ``hf_config`` with every dropout probability and router noise at 0 (RL scores deterministically)."""
+    cfg = copy.deepcopy(hf_config)
+    for c in {id(cfg): cfg, id(t := cfg.get_text_config()): t}.values() if hasattr(cfg, "get_text_config") else [cfg]:
+        for key, value in c.to_dict().items():
+            if isinstance(value, float) and ("dropout" in key or "pdrop" in key or key == "router_jitter_noise"):
+                setattr(c, key, 0.0)
+    return cfg
+
+
+class HFCausalLM(nn.Module):
+    """A transformers causal LM behind the native forward contract (see the module docstring)."""
+
+    def __init__(self, hf_model: nn.Module) -> None:
+        super().__init__()
+        register()
+        if hf_model.config._attn_implementation != IMPLEMENTATION:
+            hf_model.set_attn_implementation(IMPLEMENTATION)
+        if any(True for _ in hf_model.named_parameters(recurse=False)):
+            raise UnsupportedModelError(f"{type(hf_model).__name__} holds parameters outside its sub-modules")
+        self.hf_config = hf_model.config
+        self.config = describe(hf_model.config, hf_model)
+        # the causal LM's children become ours (the names stay transformers'); the causal LM itself is kept
+        # outside the module tree: its forward (full logits) is never run
+        for name, child in hf_model.named_children():
+            self.add_module(name, child)
+        object.__setattr__(self, "hf_model", hf_model)
+        self._base = next(n for n, c in hf_model.named_children() if c is hf_model.get_decoder()) \
+            if hasattr(hf_model, "get_decoder") else hf_model.base_model_prefix
+        head = hf_model.get_output_embeddings()
+        self._head = next(n for n, c in hf_model.named_children() if c is head)
+        self._no_split_modules = hf_model._no_split_modules
+        self.layers = decoder_layers(self)
+        self.qk_clip_rules: list[QKClipRule] = qk_clip_plan(self.layers, self.hf_config)
+        for rule in self.qk_clip_rules:
+            if rule.module is not None:
+                rule.module.track_logits, rule.module.max_logits = False, None
+                if not hasattr(rule.module, "num_heads"):
+                    rule.module.num_heads = rule.num_heads
+                rule.module.clip_heads = rule.clip
+        self._checkpointing = False
+        self.train()
+
+    # ---- the module tree ------------------------------------------------------------------------
+
+    def train(self, mode: bool = True) -> HFCausalLM:
+        """``training`` is recorded, the wrapped modules stay in eval mode (no dropout, no router noise);
+        a decoder layer is "training" only to let transformers' checkpointing wrapper run."""
+        super().train(mode)
+        for m in self.modules():
+            m.training = False
+        self.training = mode
+        for layer in self.layers:
+            layer.training = mode and self._checkpointing
+        return self
+
+    @property
+    def activation_checkpointing(self) -> bool:
+        """Keep only each decoder layer's input in training forwards, recomputing the rest in the backward."""
+        return self._checkpointing
+
+    @activation_checkpointing.setter
+    def activation_checkpointing(self, on: bool) -> None:
+        from transformers.modeling_layers import GradientCheckpointingLayer
+
+        if on and not all(isinstance(layer, GradientCheckpointingLayer) for layer in self.layers):
+            raise UnsupportedModelError(f"{type(self.layers[0]).__name__} does not support activation checkpointing")
+        self._checkpointing = bool(on)
+        for layer in self.layers:
+            layer.gradient_checkpointing = self._checkpointing
+            layer._gradient_checkpointing_func = _checkpoint
+        self.train(self.training)
+
+    def attention_modules(self) -> list[nn.Module]:
+        """The softmax attention modules, in layer order (each has ``max_logits``, ``num_heads``, ``clip_heads``)."""
+        return [r.module for r in self.qk_clip_rules if r.module is not None]
+
+    # ---- forward --------------------------------------------------------------------------------
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, mask: DocumentMask | None = None,
+                cache=None, select: torch.Tensor | None = None, *, targets: torch.Tensor | None = None,
+                inv_temp: torch.Tensor | float = 1.0) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """As ``CausalLM.forward`` without a cache: logits [B, T, V] (or [M, V] at ``select``) for tokens [B, T]
+        at positions [B, T] under ``mask`` (None: each row one document), or with ``targets`` the (log-prob,
+        entropy) [N] of each target under softmax(logits · ``inv_temp``), scored in vocabulary chunks."""
+        if cache is not None:
+            raise ValueError("the transformers backend trains and scores; it has no decoding cache")
+        if mask is None:
+            mask = DocumentMask.from_padded(torch.ones_like(input_ids, dtype=torch.bool))
+        elif not isinstance(mask, DocumentMask):
+            raise TypeError(f"the transformers backend takes a DocumentMask, not {type(mask).__name__}")
+        hidden = self.hidden_states(input_ids, positions, mask)
+        weight = getattr(self, self._head).weight
+        cap, scale = self.config.final_logit_softcapping, self.config.logit_scale
+        if targets is not None:
+            if select is None:
+                select = (targets >= 0).flatten().nonzero().squeeze(1)
+            h, chosen = hidden.flatten(0, 1)[select], targets.flatten()[select]
+            return selected_logprobs(h, weight, chosen, inv_temp * scale if scale != 1.0 else inv_temp, softcap=cap)
+        if select is not None:
+            hidden = hidden.flatten(0, 1)[select]
+        logits = getattr(self, self._head)(hidden) * scale
+        return logits if cap is None else torch.tanh(logits / cap) * cap
+
+    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, mask: DocumentMask) -> torch.Tensor:
+        """The base model's last hidden states [B, T, D] (after its final norm) for packed rows."""
+        if self.config.packable or not bool((mask.doc >= 0).any()):
+            return self._run(input_ids, positions, mask)
+        return self._unpacked(input_ids, mask)
+
+    def _run(self, input_ids, positions, mask: DocumentMask) -> torch.Tensor:
+        base = getattr(self, self._base)
+        out = base(input_ids=input_ids, position_ids=positions, use_cache=False,
+                   **{PACKED_KWARG: PackedAttention(mask)})
+        return out.last_hidden_state
+
+    def _unpacked(self, input_ids, mask: DocumentMask) -> torch.Tensor:
+        """One row per document (right-padded), the hidden states put back at the packed positions; filler
+        positions get zeros (they are never scored)."""
+        valid = mask.doc >= 0
+        _, row_of = torch.unique(mask.doc[valid], return_inverse=True)
+        pos = mask.positions[valid]
+        n, width = int(row_of.max()) + 1, int(pos.max()) + 1
+        ids = input_ids.new_zeros((n, width))
+        ids[row_of, pos] = input_ids[valid]
+        present = torch.zeros((n, width), dtype=torch.bool, device=input_ids.device)
+        present[row_of, pos] = True
+        positions = torch.arange(width, device=input_ids.device).expand(n, width)
+        hidden = self._run(ids, positions, DocumentMask.from_padded(present, mask.backend))
+        out = hidden.new_zeros((*input_ids.shape, hidden.shape[-1]))
+        return out.index_put((valid.nonzero(as_tuple=True)), hidden[row_of, pos])
+
+
+def _checkpoint(run_layer, *args):
+    """transformers' checkpointing hook for one decoder layer: non-reentrant, and the recompute in the backward
+    does not fold its (identical) attention logits into the tracked maxima again."""
+    calls = [0]
+
+    def run(*a):
+        calls[0] += 1
+        token = recomputing.set(calls[0] > 1)
+        try:
+            return run_layer(*a)
+        finally:
+            recomputing.reset(token)
+
+    return checkpoint(run, *args, use_reentrant=False)
+
+
+def build_hf_model(hf_config, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                   trust_remote_code: bool = False) -> HFCausalLM:
+    """A randomly initialised (transformers' own init) model of ``hf_config`` on ``device`` in ``dtype``."""
+    from transformers import AutoModelForCausalLM
+
+    check_supported(hf_config)
+    register()
+    with torch.device(device):
+        hf = AutoModelForCausalLM.from_config(_without_dropout(hf_config), attn_implementation=IMPLEMENTATION,
+                                              dtype=dtype, trust_remote_code=trust_remote_code)
+    return HFCausalLM(hf)
+
+
+def check_loadable(path: str | Path, trust_remote_code: bool = False) -> None:
+    """Raise UnsupportedModelError (one line) when the directory's ``config.json`` names a model type transformers
+    does not know: one that needs the checkpoint's own code without ``trust_remote_code``, or an unknown one."""
+    import json
+
+    from transformers import CONFIG_MAPPING
+
+    file = Path(path) / "config.json"
+    if not file.is_file():
+        return  # a hub id: transformers resolves it and says what is missing
+    d = json.loads(file.read_text())
+    model_type = d.get("model_type")
+    if model_type in CONFIG_MAPPING:
+        return
+    if d.get("auto_map"):
+        if not trust_remote_code:
+            raise UnsupportedModelError(f"model_type {model_type!r} needs the checkpoint's own code (auto_map): "
+                                        "set model.trust_remote_code: true to run it")
+        return
+    raise UnsupportedModelError(f"model_type {model_type!r} is not known to transformers "
+                                f"{__import__('transformers').__version__} and the checkpoint brings no code")
+
+
+def load_hf_model(path: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                  trust_remote_code: bool = False) -> HFCausalLM:
+    """The model saved in the Hugging Face directory ``path``, on ``device`` in ``dtype``; a model that needs
+    remote code is refused (one line) unless ``trust_remote_code``."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    check_loadable(path, trust_remote_code)
+    cfg = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    check_supported(cfg)
+    register()
+    hf = AutoModelForCausalLM.from_pretrained(path, config=_without_dropout(cfg), attn_implementation=IMPLEMENTATION,
+                                              dtype=dtype, device_map=None, trust_remote_code=trust_remote_code)
+    return HFCausalLM(hf.to(device))
+
