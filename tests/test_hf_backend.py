@@ -16,7 +16,7 @@ from engines.model.hf_backend import build_hf_model
 from engines.model.hf_spec import decoder_layers, describe
 from engines.model.logprobs import selected_logprobs
 from engines.training.packing import pack
-from rl.qk_clip import qk_clip
+from engines.training.qk_clip import qk_clip
 from tests.conftest import sharp_model, tiny_config
 from tests.hf_families import FAMILIES, WINDOW, documents, hf_config, sharpen
 
@@ -280,8 +280,8 @@ def test_chunked_logprobs_with_a_softcap_equal_the_full_logits():
 def test_the_training_engine_scores_and_steps_a_transformers_model():
     """TrainingEngine runs the backend as it runs the native model: packed scoring, Muon (by role) + AdamW step."""
     from engines.training.engine import TrainingEngine
+    from engines.training.muon import ShardedMuon
     from engines.training.param_roles import muon_params
-    from rl.muon import ShardedMuon
 
     torch.manual_seed(0)
     model = sharpen(build_hf_model(hf_config("gpt_oss")))

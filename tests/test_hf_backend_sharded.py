@@ -26,7 +26,7 @@ def _model(name: str):
 def _step(model, prompts, responses, tau: float | None):
     """Forward/backward of the documents' summed log-probs; then QK-Clip at ``tau`` (None: no clip)."""
     from engines.training.packing import pack
-    from rl.qk_clip import qk_clip
+    from engines.training.qk_clip import qk_clip
 
     batch = pack(prompts, responses, 0, "sdpa", width=24)
     track_max_logits(model, True)

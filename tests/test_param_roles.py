@@ -9,13 +9,21 @@ import torch
 from engines.model.arch import make_config
 from engines.model.causal_lm import build_model
 from engines.model.hf_spec import meta_model
+from engines.model.moe import Router
 from engines.training.param_roles import MUON_ROLES, muon_params, param_roles
-from rl.optim import muon_params as native_muon_params
 from tests.hf_families import FAMILIES, hf_config
 from tests.test_families import BASE as NATIVE_BASE
 from tests.test_families import FAMILIES as NATIVE_FAMILIES
 
 NATIVE = sorted(name for name in NATIVE_FAMILIES if "-rope-" not in name)
+
+
+def native_muon_params(model) -> set[int]:
+    """The rule the native families had before roles (an independent reference): 2-D and stacked 3-D weights inside
+    the decoder layers, routers excepted."""
+    routers = {id(p) for m in model.modules() if isinstance(m, Router) for p in m.parameters()}
+    return {id(p) for n, p in model.named_parameters()
+            if p.ndim in (2, 3) and ".layers." in f".{n}" and id(p) not in routers}
 
 
 def _native_config(name: str):

@@ -14,16 +14,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engines.model.moe import Router
 from engines.training.muon import ShardedMuon
-
-
-def muon_params(model: nn.Module) -> set[int]:
-    """ids of the parameters Muon optimises: 2-D and stacked 3-D weights inside the decoder layers,
-    routers excepted."""
-    routers = {id(p) for m in model.modules() if isinstance(m, Router) for p in m.parameters()}
-    return {id(p) for n, p in model.named_parameters()
-            if p.ndim in (2, 3) and ".layers." in f".{n}" and id(p) not in routers}
+from engines.training.param_roles import muon_params
 
 
 def build_optimizers(model: nn.Module, kind: str, lr: float, weight_decay: float,

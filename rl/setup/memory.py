@@ -48,7 +48,7 @@ class ModelShape:
     @classmethod
     def of(cls, arch: ModelConfig) -> ModelShape:
         from engines.model.causal_lm import build_model
-        from engines.training.optim import muon_params
+        from engines.training.param_roles import muon_params
 
         model = build_model(arch, device="meta")  # shapes only: a 1 T-parameter config costs nothing here
         params = list(model.parameters())
