@@ -34,8 +34,8 @@ import time
 
 import torch
 
-from checkpoint_engine.local import Sharding, Step, run_scenario, shard_digests, synthetic_params
-from checkpoint_engine.synthetic import SyntheticModel
+from benchmarks.harness.ranks import Sharding, Step, run_scenario, shard_digests, synthetic_params
+from benchmarks.harness.synthetic import SyntheticModel
 from engines.model.fp8 import quantize
 
 

@@ -36,10 +36,10 @@ import torch
 import torch.multiprocessing as mp
 
 from benchmarks import timing
+from benchmarks.harness.ranks import PipeReloader, answer_load, digest, synthetic_params
+from benchmarks.harness.synthetic import SyntheticModel
 from checkpoint_engine.buckets import ALIGN, TensorSpec
 from checkpoint_engine.engine import CheckpointEngine
-from checkpoint_engine.local import PipeReloader, answer_load, digest, synthetic_params
-from checkpoint_engine.synthetic import SyntheticModel
 from checkpoint_engine.topology import free_port
 from checkpoint_engine.transfer import WeightReceiver
 from engines.device import host_buffer

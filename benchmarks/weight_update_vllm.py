@@ -1,7 +1,7 @@
 """Weight update into vLLM through the checkpoint engine (``python -m benchmarks.weight_update --engine vllm``).
 
 The replica is a ``VllmEngine`` (in this process) on a random-weight model saved as a Hugging Face
-directory; a checkpoint-engine worker in a child process (``checkpoint_engine.child_sender``) sends each
+directory; a checkpoint-engine worker in a child process (``benchmarks.harness.child_sender``) sends each
 update from another saved checkpoint through shared memory, bucket by bucket, and the engine streams the
 buckets into vLLM as they arrive. ``update_s`` is the median over ``--repeats`` updates after a cold one,
 from the sender's first bucket to the last acknowledgement (vLLM serves the new weights by then), in the
@@ -25,9 +25,9 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.harness.child_sender import ChildSender
 from benchmarks.weight_update import copy_seconds
 from checkpoint_engine.buckets import spec_of
-from checkpoint_engine.child_sender import ChildSender
 from engines.inference.native import InferenceEngine
 from engines.inference.sampling import SamplingParams
 from engines.model.arch import ModelConfig

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from benchmarks.harness.ranks import ShardedWeights, Sharding, SyntheticModel, digest, expected_digests, run_ranks
 from checkpoint_engine.buckets import TensorSpec
-from checkpoint_engine.local import ShardedWeights, Sharding, SyntheticModel, digest, expected_digests, run_ranks
 from checkpoint_engine.topology import free_port
 
 ROOT = Path(__file__).resolve().parents[1]

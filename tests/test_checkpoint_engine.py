@@ -14,8 +14,7 @@ from itertools import pairwise
 import pytest
 import torch
 
-from checkpoint_engine.buckets import ALIGN, TensorSpec, plan_buckets, spec_of
-from checkpoint_engine.local import (
+from benchmarks.harness.ranks import (
     Sharding,
     Step,
     digest,
@@ -26,6 +25,7 @@ from checkpoint_engine.local import (
     shard_digests,
     synthetic_params,
 )
+from checkpoint_engine.buckets import ALIGN, TensorSpec, plan_buckets, spec_of
 from checkpoint_engine.shm import SharedBuffer
 from checkpoint_engine.trailer import write_trailer
 from checkpoint_engine.transfer import CorruptUpdateError, PlanMismatchError, WeightReceiver
@@ -194,7 +194,7 @@ def test_fp8_update_equals_the_reference_quantisation(split_rows, nodes, shard):
     """Owners quantise their rows bucket by bucket (an FSDP-like split cuts blocks between workers, whose
     maxima are combined): every replica holds exactly ``engines.model.fp8.quantize`` of the trainer's weights,
     and the wire carries about a byte per element instead of two (or four)."""
-    from checkpoint_engine.synthetic import SyntheticModel
+    from benchmarks.harness.synthetic import SyntheticModel
 
     model = SyntheticModel(tuple(FP8_SPECS), 3, split_rows, fp8=True, block=32)
     plan = model.plan(4096)
@@ -212,7 +212,7 @@ def test_fp8_update_equals_the_reference_quantisation(split_rows, nodes, shard):
 def test_fp8_checkpoint_starts_replicas_as_stored_and_trainers_dequantised(tmp_path):
     """A block-FP8 checkpoint (F8_E4M3 matrices, float32 ``_scale_inv``) is read once: FP8 replicas get
     its bytes, each worker's trainer rows (starting inside a block) get them dequantised."""
-    from checkpoint_engine.synthetic import SyntheticModel
+    from benchmarks.harness.synthetic import SyntheticModel
     from engines.model.fp8 import dequantize
 
     save_checkpoint(FP8_SPECS, 5, tmp_path, files=2, fp8=True, block=32)
@@ -431,7 +431,7 @@ def test_cuda_fp32_master_is_cast_on_the_gpu_bitwise_as_the_host_casts(monkeypat
 def test_fp8_quantised_on_the_gpu_equals_the_reference():
     """The owner quantises on the device (source rows copied there, scales and FP8 bytes computed there):
     the receiver holds the CPU reference quantisation bit for bit."""
-    from checkpoint_engine.synthetic import SyntheticModel
+    from benchmarks.harness.synthetic import SyntheticModel
 
     model = SyntheticModel(tuple(FP8_SPECS), 1, fp8=True, block=32)
     plan = model.plan(4096)

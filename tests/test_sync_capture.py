@@ -2,7 +2,7 @@
 
 The decode step ``DecodeGraphs`` captures must make no op that needs the host (a capture fails on the
 first one), the sampler and the rest of a step read the device once per step, and a capture that fails
-anyway leaves the engine decoding eagerly with the same tokens. ``engines.sync_check`` sees the ops at
+anyway leaves the engine decoding eagerly with the same tokens. ``tests.sync_check`` sees the ops at
 the dispatcher, so a CPU run finds what a GPU run would trip over.
 """
 
@@ -17,7 +17,7 @@ from engines.inference.native import InferenceEngine
 from engines.inference.sampling import RowParams, SamplingParams, filter_kind, sample
 from engines.model.arch import make_config
 from engines.model.causal_lm import build_model
-from engines.sync_check import HostSyncChecker, HostSyncError, no_host_sync, unwatched
+from tests.sync_check import HostSyncChecker, HostSyncError, no_host_sync, unwatched
 
 TEXTS = ["Question: Mia has 3 apples.", "Q", "Answer: 1+2=3, 3*2=6. The", "Question: Leo has 5 pens."]
 

@@ -1,7 +1,7 @@
 """The training micro-step never makes the host wait for the device: log-probabilities scored in vocabulary
 chunks, the packed forward, the loss and its backward, and the optimizer step's bookkeeping.
 
-A ``TorchDispatchMode`` checker (``engines.sync_check``) sees every op a CPU run dispatches; an op whose
+A ``TorchDispatchMode`` checker (``tests.sync_check``) sees every op a CPU run dispatches; an op whose
 output size depends on the data (``nonzero``, boolean-mask indexing, ``masked_select``, ``unique``) or that
 reads a value back (``.item()``, ``.tolist()``) would stall a GPU's queue just the same. Work ``pack`` does
 on the host before uploading is outside what is checked.
@@ -15,12 +15,12 @@ import torch
 
 from engines.model.causal_lm import CausalLM, track_max_logits
 from engines.model.logprobs import selected_logprobs
-from engines.sync_check import HostSyncChecker, no_host_sync
 from engines.training.engine import TrainingEngine, inverse_temperatures
 from engines.training.packing import pack
 from rl.algo.objectives import k15_loss
 from rl.algo.update import rl_update
 from tests.conftest import tiny_config
+from tests.sync_check import HostSyncChecker, no_host_sync
 
 VOCAB = 61
 #: Ops that read device values back on the host.

@@ -10,8 +10,8 @@ import pytest
 import ray
 import torch
 
+from benchmarks.harness.child_sender import ChildSender
 from checkpoint_engine.buckets import spec_of
-from checkpoint_engine.child_sender import ChildSender
 from engines.inference.native import InferenceEngine
 from engines.inference.sampling import SamplingParams
 from engines.model.causal_lm import CausalLM

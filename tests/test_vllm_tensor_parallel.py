@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
+from benchmarks.harness.child_sender import ChildSender
 from checkpoint_engine.buckets import spec_of
-from checkpoint_engine.child_sender import ChildSender
 from engines.inference.native import InferenceEngine
 from engines.inference.sampling import SamplingParams
 from engines.model.hf_io import save_pretrained

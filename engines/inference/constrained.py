@@ -265,15 +265,3 @@ class ConstraintCompiler:
         names = ", ".join(t.name for t in tools)
         return GrammarConstraint(compiled, self.vocab_size, f"tool calls to {names} ({tool_choice})",
                                  ("structural_tag", tag.model_dump_json()))
-
-    def json_schema(self, schema: dict) -> GrammarConstraint:
-        """A constraint for one compact JSON value valid for ``schema``."""
-        ebnf = _arguments_grammar(Tool("json", "", schema))
-        compiled = self._compiler.compile_grammar(xgr.Grammar.from_ebnf(ebnf))
-        return GrammarConstraint(compiled, self.vocab_size, "json schema", ("grammar", ebnf))
-
-
-def tool_call_constraint(tools: Sequence[Tool], tokenizer: TextTokenizer | Tokenizer, vocab_size: int | None = None,
-                         **options) -> GrammarConstraint:
-    """One-off ``ConstraintCompiler(tokenizer, vocab_size).tool_calls(tools, **options)``."""
-    return ConstraintCompiler(tokenizer, vocab_size).tool_calls(tools, **options)

@@ -188,11 +188,6 @@ class ModelConfig:
             return layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
         return True
 
-    @property
-    def eos_token_ids(self) -> list[int]:
-        e = self.eos_token_id
-        return [] if e is None else [e] if isinstance(e, int) else list(e)
-
     def num_parameters(self) -> int:
         """Parameter count (tied embeddings counted once), from shapes alone."""
         from engines.model.causal_lm import build_model

@@ -70,11 +70,6 @@ class ModelDescription:
         return self.num_experts > 0
 
     @property
-    def eos_token_ids(self) -> list[int]:
-        e = self.eos_token_id
-        return [] if e is None else [e] if isinstance(e, int) else list(e)
-
-    @property
     def qk_head_dim(self) -> int:
         return self.qk_nope_head_dim + self.qk_rope_head_dim if self.is_mla else self.head_dim
 

@@ -18,10 +18,7 @@ from pathlib import Path
 
 import torch
 
-from checkpoint_engine.buckets import BucketPlan, TensorSpec
-from checkpoint_engine.engine import CheckpointEngine
-from checkpoint_engine.startup import SafetensorsShare, ShardSink, plan_startup
-from checkpoint_engine.synthetic import (  # noqa: F401  (the harness's public names)
+from benchmarks.harness.synthetic import (  # noqa: F401  (the harness's public names)
     ShardedWeights,
     Sharding,
     SyntheticModel,
@@ -32,6 +29,9 @@ from checkpoint_engine.synthetic import (  # noqa: F401  (the harness's public n
     shard_digests,
     synthetic_params,
 )
+from checkpoint_engine.buckets import BucketPlan, TensorSpec
+from checkpoint_engine.engine import CheckpointEngine
+from checkpoint_engine.startup import SafetensorsShare, ShardSink, plan_startup
 from checkpoint_engine.topology import free_port
 from checkpoint_engine.transfer import WeightReceiver
 

@@ -4,7 +4,7 @@
 each update it reads the new weights from a directory of safetensors files and sends them through the
 checkpoint engine's shared-memory IPC buffers, bucket by bucket, with its two-stage pipeline; this process
 holds the inference engine and its ``WeightReceiver`` and answers each bucket as a rollout worker does.
-``checkpoint_engine.local`` is the other way round (the replicas in child processes); this one serves
+``benchmarks.harness.ranks`` is the other way round (the replicas in child processes); this one serves
 an engine whose start-up is slow (vLLM) and that a test or benchmark keeps for many updates. Faults are
 injected in the child, after a bucket is staged: a flipped byte, or another version than the staged one.
 """
@@ -18,9 +18,9 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.harness.ranks import PipeReloader, answer_load
 from checkpoint_engine.buckets import BucketPlan, TensorSpec, plan_buckets
 from checkpoint_engine.engine import CheckpointEngine
-from checkpoint_engine.local import PipeReloader, answer_load
 from checkpoint_engine.topology import free_port
 from checkpoint_engine.transfer import WeightReceiver
 from engines.model.hf_io import read_tensors
