@@ -42,7 +42,8 @@ def check_reward(reward: Any, env_name: str, task_id: str) -> float:
 
 def score(groups: list[list[Sample]], tasks: TaskSets, tok: TextTokenizer, runner: EpisodeRunner) -> None:
     """Set the reward of every single-turn sample of ``groups`` that ended on its own or at its budget (a truncated
-    one only where its environment judges the group together: its penalty replaces any reward), or its error."""
+    one's penalty replaces its reward in ``settle``, but its environment still sees it: an environment that fails on
+    it fails there), or its error."""
     for s in (s for g in groups for s in g if not s.multi_turn and s.status == "error"):
         s.error = f"the inference engine refused the request: {s.error}"
     grouped = [[s for s in g if s.status != "error"] for g in groups
@@ -57,7 +58,7 @@ def score(groups: list[list[Sample]], tasks: TaskSets, tok: TextTokenizer, runne
             else:
                 s.reward = rewards[j]
     judged = {s.key for g in grouped for s in g}
-    single = [s for g in groups for s in g if not s.multi_turn and s.status == "finished" and s.key not in judged]
+    single = [s for g in groups for s in g if not s.multi_turn and s.status != "error" and s.key not in judged]
     results = runner.map([(tasks.train_entry(s.task_index), tasks.train[s.task_index], tok.decode(s.response_ids))
                           for s in single])
     for s, r in zip(single, results, strict=True):
@@ -89,11 +90,11 @@ def settle(samples: list[Sample], tasks: TaskSets, types: TaskTypes, template_er
             multi_errors += s.multi_turn
             first_error = first_error or f"env {entry.name!r}, task {task.id}: {error}"
             continue
+        if s.reward is not None or s.status != "truncated":  # an episode cut off by its turns may have none
+            reward = check_reward(s.reward, entry.name, task.id)
         if s.status == "truncated":
             truncated[name] += 1
             reward = s.task_type.truncation_penalty
-        else:
-            reward = check_reward(s.reward, entry.name, task.id)
         s.reward = reward
         reward_sum[name] += reward
         trained.append(s)
