@@ -287,18 +287,56 @@ class KubernetesBackend:
             self._delete_pod(session.pod.name)
 
     def _ensure_network_policy(self) -> None:
-        """Create the namespace's egress ban once per backend (it is shared: AlreadyExists is fine)."""
+        """Make sure, once per backend, that a NetworkPolicy of the namespace denies its session pods all egress: one
+        there already (the Helm chart's, whose Role lets the service read policies but make none), else this
+        backend's own (``deny_egress_policy``; AlreadyExists is fine). No pod is started without one."""
         with self._policy_lock:
             if self._policy_ready:
                 return
             try:
-                self.net.create_namespaced_network_policy(self.namespace, self._policy,
-                                                          _request_timeout=API_TIMEOUT_S)
+                found = self._denying_policy()
+                if found is None:
+                    self.net.create_namespaced_network_policy(self.namespace, self._policy,
+                                                              _request_timeout=API_TIMEOUT_S)
+                    found = m.POLICY_NAME
             except ApiException as e:
                 if e.status != 409:
-                    raise SandboxError(f"creating NetworkPolicy {self.namespace}/{m.POLICY_NAME}: HTTP {e.status} "
-                                       f"{e.reason}; sandboxes are not started without it", "UNAVAILABLE") from None
+                    raise SandboxError(f"no NetworkPolicy in {self.namespace} denies the session pods' egress, and "
+                                       f"creating {m.POLICY_NAME} failed: HTTP {e.status} {e.reason}; sandboxes are "
+                                       "not started without one", "UNAVAILABLE") from None
+                found = m.POLICY_NAME
+            log.info("session pods in %s: egress denied by NetworkPolicy %s", self.namespace, found)
             self._policy_ready = True
+
+    def _denying_policy(self) -> str | None:
+        """The name of a NetworkPolicy of the namespace that selects session pods and allows them no egress, or None
+        (also when this service may not list policies). Policies that allow session pods egress are warned of: they
+        add up with a denying one."""
+        try:
+            resp = self.net.list_namespaced_network_policy(self.namespace, _preload_content=False,
+                                                           _request_timeout=API_TIMEOUT_S)
+        except ApiException as e:
+            if e.status in (403, 404):
+                return None
+            raise
+        labels = {m.MANAGED_BY_LABEL: m.MANAGED_BY, m.SESSION_LABEL: "x", m.OWNER_LABEL: self.owner,
+                  **self.options.labels}
+        denying, opening = None, []
+        for policy in json.loads(resp.data).get("items") or []:
+            spec = policy.get("spec") or {}
+            if not m.selects(spec.get("podSelector") or {}, labels):
+                continue
+            types = spec.get("policyTypes") or (["Ingress", "Egress"] if "egress" in spec else ["Ingress"])
+            if "Egress" not in types:
+                continue
+            if spec.get("egress"):
+                opening.append(policy["metadata"]["name"])
+            elif denying is None:
+                denying = policy["metadata"]["name"]
+        if opening:
+            log.warning("NetworkPolicies %s in %s allow session pods egress: policies add up, so the sandboxes can "
+                        "connect where they say", ", ".join(opening), self.namespace)
+        return denying
 
     def _start_pod(self, image: str) -> _Pod:
         """Create a pod, wait until it runs and its agent answers; on any failure delete it (UNAVAILABLE)."""
