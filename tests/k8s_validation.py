@@ -6,10 +6,13 @@ each document's ``# Source:`` file too. ``helm_binary()`` finds the helm that ``
 
 - Built-in kinds are validated by ``kubernetes_validate`` in strict mode (an unknown field is an error) against the
   schemas of the newest Kubernetes it ships, or of ``version``. It reports only the first schema error of an object.
-- Custom resources are validated against the CRDs in ``tests/data/crds`` (RayJob, ServiceMonitor, PodMonitor; written
-  for this project, see their headers), with every object closed unless the CRD says otherwise, so a misspelt field is
-  an error. All their schema errors are reported. The core objects a custom resource embeds (a RayJob's pod templates,
-  head Service and autoscaler container) are then validated as their core kind, and its metadata as an ObjectMeta.
+- Custom resources are validated against the CRDs in ``tests/data/crds``: KubeRay's own RayJob CRDs of the oldest and
+  newest release the chart supports (``kuberay/v1.2.2``, ``kuberay/v1.7.0``; a RayJob is checked against each, and a
+  finding of one release only names it), ServiceMonitor and PodMonitor (written for this project, see their headers),
+  with every object closed unless the CRD says otherwise, so a misspelt field is an error. All their schema errors are
+  reported, and what KubeRay's operator refuses beyond its schema (``tests/kuberay_rules.py``). The core objects a
+  custom resource embeds (a RayJob's pod templates, head Service and autoscaler container) are then validated as their
+  core kind, and its metadata as an ObjectMeta.
 - A kind that neither knows is an error, never a silent pass.
 - On top of the schemas, rules the API server enforces that the published schemas do not express: duplicate YAML keys;
   object names (DNS-1123 subdomain, or the stricter rule of Services, Namespaces, CronJobs, and of RayJobs, which
