@@ -192,6 +192,18 @@ def selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
     return True
 
 
+def egress_policies(policies: list[dict[str, Any]], labels: dict[str, str]) -> tuple[list[str], list[str]]:
+    """(names of the policies that select a pod of ``labels`` and allow it no egress, names of those that select it
+    and allow it some egress) among NetworkPolicy objects."""
+    denying, opening = [], []
+    for policy in policies:
+        spec = policy.get("spec") or {}
+        types = spec.get("policyTypes") or (["Ingress", "Egress"] if "egress" in spec else ["Ingress"])
+        if "Egress" in types and selects(spec.get("podSelector") or {}, labels):
+            (opening if spec.get("egress") else denying).append(policy["metadata"]["name"])
+    return denying, opening
+
+
 def pod_problem(pod: dict[str, Any]) -> str | None:
     """Why a pod will never run (failed phase or a fatal container state), or None."""
     st = pod.get("status") or {}

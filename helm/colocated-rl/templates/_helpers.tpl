@@ -4,16 +4,6 @@
 {{- .Release.Name | trunc 40 | trimSuffix "-" -}}
 {{- end -}}
 
-{{/* KubeRay names the Ray cluster's Services after the RayJob: a DNS-1035 label (a letter first). */}}
-{{- define "rl.checkName" -}}
-{{- if not (regexMatch "^[a-z]([-a-z0-9]*[a-z0-9])?$" .Release.Name) -}}
-{{- fail (printf "release name %q: must start with a lower-case letter and hold only a-z, 0-9 and '-' (KubeRay names the RayJob's Services after it, and Service names are DNS-1035 labels); rl launch --name NAME picks another" .Release.Name) -}}
-{{- end -}}
-{{- if gt (len .Release.Name) 40 -}}
-{{- fail (printf "release name %q: at most 40 characters (KubeRay adds suffixes to the RayJob's name)" .Release.Name) -}}
-{{- end -}}
-{{- end -}}
-
 {{- define "rl.runName" -}}
 {{- default .Release.Name .Values.run.name -}}
 {{- end -}}
@@ -61,37 +51,6 @@ colocated-rl/run: {{ .Release.Name }}
 {{- define "rl.millicores" -}}
 {{- $q := toString . -}}
 {{- ternary (trimSuffix "m" $q | float64) (mulf (float64 $q) 1000) (hasSuffix "m" $q) | floor | int64 -}}
-{{- end -}}
-
-{{/* /dev/shm is memory-backed and counts against the pod's memory limit. */}}
-{{- define "rl.checkShm" -}}
-{{- if ge (include "rl.bytes" .shm | int64) (include "rl.bytes" .memory | int64) -}}
-{{- fail (printf "%s.shmSize %s must be less than %s.memory %s: /dev/shm is memory-backed and counts against the pod's memory limit" .where .shm .where .memory) -}}
-{{- end -}}
-{{- end -}}
-
-{{/* ReadWriteOnce storage is attached to one node: every Ray pod must be able to go to the head's, and one node
-     holds at most one GPU pod's worth of GPUs (the head itself is a CPU pod and may land on a CPU node). */}}
-{{- define "rl.checkStorage" -}}
-{{- if eq .Values.storage.accessMode "ReadWriteOnce" -}}
-{{- $gpuPods := 0 -}}
-{{- range .Values.workerGroups -}}
-{{- if gt (int .gpus) 0 }}{{ $gpuPods = add $gpuPods .replicas }}{{ end -}}
-{{- end -}}
-{{- if gt (int $gpuPods) 1 -}}
-{{- fail (printf "storage.accessMode ReadWriteOnce attaches the run volume to one node, so all %d GPU worker pods would have to share the head's node and all but one stay Pending: set storage.accessMode=ReadWriteMany with a storageClassName (or existingClaim) that offers it (NFS, EFS, Filestore, Azure Files, CephFS, Lustre)" (int $gpuPods)) -}}
-{{- end -}}
-{{- range $i, $g := .Values.workerGroups -}}
-{{- range $t := $g.tolerations -}}
-{{- if not (has $t ($.Values.head.tolerations | default list)) -}}
-{{- fail (printf "storage.accessMode ReadWriteOnce puts every Ray pod on the head's node (the volume attaches to one node), but workerGroups[%d] tolerates the taint %s and the head does not: the head stays off those nodes and the worker Pending. Give head.tolerations (and head.nodeSelector) the group's, so the head goes to its node, or set storage.accessMode=ReadWriteMany" $i (toJson $t)) -}}
-{{- end -}}
-{{- end -}}
-{{- if not (deepEqual ($g.nodeSelector | default dict) ($.Values.head.nodeSelector | default dict)) -}}
-{{- fail (printf "storage.accessMode ReadWriteOnce puts every Ray pod on the head's node (the volume attaches to one node), but workerGroups[%d].nodeSelector %s differs from head.nodeSelector %s: set storage.accessMode=ReadWriteMany with a storage class or existingClaim that offers it (NFS, EFS, Filestore, Azure Files, CephFS)" $i (toJson ($g.nodeSelector | default dict)) (toJson ($.Values.head.nodeSelector | default dict))) -}}
-{{- end -}}
-{{- end -}}
-{{- end -}}
 {{- end -}}
 
 {{/* A worker group's affinity: its own, plus (ReadWriteOnce storage) the head's node. */}}
@@ -148,20 +107,6 @@ cluster-autoscaler.kubernetes.io/safe-to-evict: "false"
 {{- end }}
 {{- end -}}
 
-{{/* A Ray pod's preStop: on SIGTERM while the run lives (launch.sh's <run dir>/.running), ask the run for a checkpoint
-     (<run dir>/stop-requested) and wait until it answers by removing the file, the run ends, or the grace period
-     (less 10 s) is spent. */}}
-{{- define "rl.preStop" -}}
-{{- $dir := include "rl.runDir" . -}}
-{{- $wait := sub (int .Values.disruption.terminationGracePeriodSeconds) 10 -}}
-preStop:
-  exec:
-    command:
-      - sh
-      - -c
-      - {{ printf `d=%s; [ -e "$d/.running" ] || exit 0; echo "$(hostname) $(date +%%s)" >> "$d/stop-requested"; t=0; while [ -e "$d/stop-requested" ] && [ -e "$d/.running" ] && [ $t -lt %d ]; do sleep 1; t=$((t+1)); done` ($dir | squote) $wait | quote }}
-{{- end -}}
-
 {{/* Colocated workers one worker pod holds: its GPUs / run.gpusPerWorker (a tensor-parallel replica spans
      gpusPerWorker GPUs of one pod); a pod without GPUs holds one CPU worker. */}}
 {{- define "rl.podWorkers" -}}
@@ -204,51 +149,6 @@ preStop:
 {{- include "rl.imageRef" $a -}}
 {{- else -}}
 {{- include "rl.image" . -}}
-{{- end -}}
-{{- end -}}
-
-
-{{/* Values that render but cannot work, or are unsafe: refused here, naming the value and the fix. */}}
-{{- define "rl.checkValues" -}}
-{{- $v := .Values -}}
-{{- if and (eq $v.image.pullPolicy "Always") (not $v.image.digest) -}}
-{{- fail (printf "image.pullPolicy Always with tag %q and no image.digest: each pod of the run, its retries and the sandbox pull whatever the tag points at when they start, so one run can mix builds; set image.digest to the build's (sha256:..., docker push prints it), or pullPolicy IfNotPresent with a tag you never reuse" $v.image.tag) -}}
-{{- end -}}
-{{- $a := $v.sandbox.pods.agentImage -}}
-{{- if and $a.repository (not (or $a.tag $a.digest)) -}}
-{{- fail "sandbox.pods.agentImage.repository needs a tag or a digest" -}}
-{{- end -}}
-{{- $np := $v.head.networkPolicy -}}
-{{- if and $np.enabled $np.dashboardCIDRs (not $v.rayJob.authToken) -}}
-{{- fail (printf "head.networkPolicy.dashboardCIDRs %s opens the Ray dashboard and Jobs API (8265: it runs any code it is sent, with the run's GPUs and tokens) to those addresses without authentication: set rayJob.authToken=true (KubeRay >= 1.6, Ray >= 2.52), or drop them and use kubectl port-forward" (toJson $np.dashboardCIDRs)) -}}
-{{- end -}}
-{{- if $v.rayJob.authToken -}}
-{{- $ray := regexFind `^[0-9]+\.[0-9]+(\.[0-9]+)?` ($v.rayJob.rayVersion | default "") -}}
-{{- if or (not $ray) (semverCompare "<2.52.0" $ray) -}}
-{{- fail (printf "rayJob.authToken needs rayJob.rayVersion 2.52.0 or newer (KubeRay refuses token authentication otherwise), got %q" $v.rayJob.rayVersion) -}}
-{{- end -}}
-{{- end -}}
-{{- $policies := or $np.enabled $v.networkPolicy.workers $v.networkPolicy.egress.enabled -}}
-{{- range $i, $g := $v.workerGroups -}}
-{{- if and $g.hostNetwork $policies (not $v.networkPolicy.nodeCIDRs) -}}
-{{- fail (printf "workerGroups[%d].hostNetwork: its traffic comes from the node's address, which the chart's NetworkPolicies (pod selectors) do not admit, so it could not reach the head or the other workers: set networkPolicy.nodeCIDRs to the nodes' addresses (e.g. [10.0.0.0/16]), or turn hostNetwork off" $i) -}}
-{{- end -}}
-{{- if and $g.capabilities (ne ($g.memlock | default "") "root") -}}
-{{- fail (printf "workerGroups[%d].capabilities %s: a capability added to a container is lost at the first execve of a non-root process (kubernetes#56374), and the workers run as uid 1000, so it would only put the pod at the privileged level; for RDMA set workerGroups[%d].memlock=node (the nodes' runtime gives RLIMIT_MEMLOCK unlimited: no capability needed) or memlock=root (the worker runs as root, keeping IPC_LOCK)" $i (toJson $g.capabilities) $i) -}}
-{{- end -}}
-{{- end -}}
-{{- if and $v.networkPolicy.egress.enabled (not $v.networkPolicy.egress.apiServerCIDRs) -}}
-{{- fail "networkPolicy.egress.enabled: networkPolicy.egress.apiServerCIDRs must name the API server's addresses (kubectl get endpoints kubernetes -n default): the head reaches it (rl sandbox release, the run's deadline) and so does the sandbox service (session pods)" -}}
-{{- end -}}
-{{- if and $v.scheduling.queueName (not $v.rayJob.shutdownAfterJobFinishes) -}}
-{{- fail (printf "scheduling.queueName %q: Kueue admits a RayJob by suspending and resuming it, and KubeRay refuses to suspend one with rayJob.shutdownAfterJobFinishes false" $v.scheduling.queueName) -}}
-{{- end -}}
-{{- if and $v.sandbox.enabled (eq $v.sandbox.backend "kubernetes") (not $a.repository) -}}
-{{- range $v.workerGroups -}}
-{{- if gt (int .gpus) 0 -}}
-{{- fail (printf "sandbox.pods.agentImage: every session pod's init container pulls it to copy the sandbox agent, and by default it is the run's image %s, a GPU run's several-GB CUDA build: build docker/Dockerfile.agent (the sandbox package on python:3.12-slim) and set sandbox.pods.agentImage.repository and .tag (or .digest)" (include "rl.image" $)) -}}
-{{- end -}}
-{{- end -}}
 {{- end -}}
 {{- end -}}
 
@@ -485,7 +385,6 @@ ports:
   - {protocol: TCP, port: 53}
 {{- end -}}
 
-
 {{/* The Ray pods' and the submitter's service account: the one named in scheduling.serviceAccountName, else, with a
      sandbox, the chart's own (its only right: scaling the sandbox's Deployment at the run's end), else none (the
      namespace's default). */}}
@@ -495,129 +394,4 @@ ports:
 {{- else if or .Values.sandbox.enabled (gt (int .Values.rayJob.activeDeadlineSeconds) 0) -}}
 {{- printf "%s-run" (include "rl.fullname" .) -}}
 {{- end -}}
-{{- end -}}
-
-{{/* The head's init containers, in order: the image's Ray against rayJob.rayVersion; the run volume's owner (with
-     storage.fixOwnership) and whether uid 1000 may write it; the model download (model.source). */}}
-{{- define "rl.headInitContainers" -}}
-{{- $v := .Values -}}
-{{- $mount := dict "name" "data" "mountPath" $v.storage.mountPath -}}
-{{- $small := dict "requests" (dict "cpu" "10m" "memory" "64Mi") "limits" (dict "memory" "256Mi") -}}
-{{- with $v.rayJob.rayVersion }}
-# KubeRay decides the head's probes and commands by rayVersion: it must be the image's Ray
-- name: check-image
-  image: {{ include "rl.image" $ }}
-  imagePullPolicy: {{ $v.image.pullPolicy }}
-  command:
-    - python3
-    - -c
-    - {{ printf `import sys, ray; sys.exit(None if ray.__version__ == %s else "the image %s has Ray " + ray.__version__ + ", rayJob.rayVersion says %s: set rayJob.rayVersion to the image's")` (. | squote) (include "rl.image" $) . | quote }}
-  resources: {{ toJson $small }}
-  securityContext:
-    {{- include "rl.containerSecurityContext" list | nindent 4 }}
-{{- end }}
-{{- if $v.storage.fixOwnership }}
-# storage.fixOwnership: the storage class ignores fsGroup; give the volume's root to uid 1000 once (not recursive)
-- name: volume-owner
-  image: {{ include "rl.image" $ }}
-  imagePullPolicy: {{ $v.image.pullPolicy }}
-  command: [sh, -c, {{ printf "chown 1000:1000 %s && chmod u+rwx %s" $v.storage.mountPath $v.storage.mountPath | quote }}]
-  resources: {{ toJson $small }}
-  securityContext:
-    runAsUser: 0
-    runAsNonRoot: false
-    allowPrivilegeEscalation: false
-    capabilities: {drop: [ALL], add: [CHOWN, FOWNER]}
-  volumeMounts: [{{ toJson $mount }}]
-{{- end }}
-# the first write of the run (the model download, checkpoints) fails otherwise, later and less clearly
-- name: check-volume
-  image: {{ include "rl.image" $ }}
-  imagePullPolicy: {{ $v.image.pullPolicy }}
-  command:
-    - sh
-    - -c
-    - {{ printf `test -w %s || { echo "the run volume %s is not writable by uid $(id -u) (owner: $(stat -c %%u:%%g %s)): its storage class ignores fsGroup; set storage.fixOwnership=true, or give the volume to uid 1000 (an EFS access point, the NFS export's owner)" >&2; exit 1; }` $v.storage.mountPath $v.storage.mountPath $v.storage.mountPath | quote }}
-  resources: {{ toJson $small }}
-  securityContext:
-    {{- include "rl.containerSecurityContext" list | nindent 4 }}
-  volumeMounts: [{{ toJson $mount }}]
-{{- with $v.model.source }}
-# downloads model.source once (resumably, checksummed) into the run storage; a retry finds it there
-- name: fetch-model
-  image: {{ include "rl.image" $ }}
-  imagePullPolicy: {{ $v.image.pullPolicy }}
-  command: [rl, fetch-model, {{ . | quote }}, --cache, {{ include "rl.modelCache" $ | quote }}]
-  {{- with $v.model.credentialsSecret }}
-  envFrom:
-    - secretRef: {name: {{ . }}}  # HF_TOKEN, AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_ENDPOINT_URL, ...
-  {{- end }}
-  resources:
-    requests: {cpu: {{ $v.head.cpu | quote }}, memory: {{ $v.head.memory | quote }}}
-    limits: {memory: {{ $v.head.memory | quote }}}
-  securityContext:
-    {{- include "rl.containerSecurityContext" list | nindent 4 }}
-  volumeMounts: [{{ toJson $mount }}]
-{{- end }}
-{{- end -}}
-
-
-{{/* The run's ConfigMap: named after its content (config.yaml and launch.sh), so that a changed release makes a new
-     one instead of changing the files of a running attempt. */}}
-{{- define "rl.configName" -}}
-{{- printf "%s-config-%s" (include "rl.fullname" .) (printf "%s\n---\n%s" .Values.runConfig (include "rl.launchScript" .) | sha256sum | trunc 10) -}}
-{{- end -}}
-
-{{/* launch.sh: one run directory per run (its .owner), each attempt's console on the claim, the preStop's marker
-     (.running), the whole run's deadline, `rl train --auto-resume`, the exports, the sandbox's release. */}}
-{{- define "rl.launchScript" -}}
-{{- $v := .Values -}}
-{{- $limit := int $v.rayJob.activeDeadlineSeconds -}}
-{{- $export := $v.storage.export -}}
-{{- $creds := ternary " --credentials-dir /var/run/rl-export" "" (not (empty $v.model.credentialsSecret)) -}}
-{{- $train := printf "rl train %s --run-dir \"$run_dir\" --auto-resume%s" (printf "%s/config.yaml" $v.run.configMountPath | squote) (include "rl.trainArgs" .) -}}
-set -e
-run_dir={{ include "rl.runDir" . | squote }}
-owner={{ printf "%s/%s" .Release.Namespace .Release.Name | squote }}
-mkdir -p "$run_dir/logs"
-# One run per directory: a run of another release (here or in another namespace) would resume from this one's saves.
-if [ -s "$run_dir/.owner" ] && [ "$(cat "$run_dir/.owner")" != "$owner" ]; then
-  echo "error: run directory $run_dir belongs to run $(cat "$run_dir/.owner") (its .owner file), not $owner: give this run another run.name, or delete that file to take the directory over" >&2
-  exit 1
-fi
-echo "$owner" > "$run_dir/.owner"
-# This attempt's console, also on the claim: KubeRay deletes a failed attempt's submitter pod, and its log, to retry.
-exec > >(tee -a "$run_dir/logs/attempt-$(date -u +%Y%m%dT%H%M%SZ).log") 2>&1
-# While .running exists, a Ray pod's preStop asks the run for a checkpoint (stop-requested) and waits for it.
-rm -f "$run_dir/stop-requested"
-touch "$run_dir/.running"
-trap 'rm -f "$run_dir/.running"' EXIT
-{{- if $limit }}
-# rayJob.activeDeadlineSeconds holds for the whole run, from its first attempt (KubeRay's restarts at each retry).
-left=$(python3 -m rl.launch deadline {{ .Release.Name }} --namespace {{ .Release.Namespace }} --limit {{ $limit }} --run-dir "$run_dir") || {
-  echo "warning: the run's deadline could not be read from the Kubernetes API; this attempt gets {{ $limit }} s" >&2
-  left={{ $limit }}
-}
-if [ "$left" -le 0 ]; then
-  echo "error: the run's deadline (rayJob.activeDeadlineSeconds {{ $limit }} s from its first attempt) has passed" >&2
-  exit 1
-fi
-{{- end }}
-status=0
-{{ if $limit }}timeout --signal=TERM --kill-after=60 "$left" {{ end }}{{ $train }} || status=$?
-{{- if $export.uri }}
-{{- if $export.checkpoints }}
-# the newest complete checkpoint of this attempt, whatever its outcome
-python3 -m engines.model.uploads --newest-checkpoint "$run_dir/checkpoints" {{ printf "%s/checkpoints" (trimSuffix "/" $export.uri) | squote }}{{ $creds }} || echo "warning: the newest checkpoint was not uploaded (above); it stays on the claim" >&2
-{{- end }}
-if [ "$status" = 0 ]; then
-  python3 -m engines.model.uploads "$run_dir/final" {{ printf "%s/final" (trimSuffix "/" $export.uri) | squote }}{{ $creds }} || status=$?
-fi
-{{- end }}
-{{- if $v.sandbox.enabled }}
-if [ "$status" = 0 ]; then
-  rl sandbox release {{ include "rl.fullname" . }}-sandbox --namespace {{ .Release.Namespace }} || echo "warning: the sandbox service was not released; rl delete {{ .Release.Name }} removes it"
-fi
-{{- end }}
-exit "$status"
 {{- end -}}
