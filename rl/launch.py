@@ -4,6 +4,7 @@ with kubectl's configuration)."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import shutil
@@ -19,6 +20,7 @@ from rl.errors import CommandFailed, UserError
 
 CHART = Path(__file__).resolve().parents[1] / "helm" / "colocated-rl"
 RUN_LABEL = "colocated-rl/run"  # on every object of a run, and on the sandbox's session pods
+RUN_NAMESPACE_LABEL = "colocated-rl/run-namespace"  # on session pods: runs of one name in two namespaces differ by it
 SESSION_MANAGER = "app.kubernetes.io/managed-by=rl-sandbox"  # the label selector of session pods
 COMPONENT_LABEL = "app.kubernetes.io/component"
 RAYJOB = ("ray.io", "v1", "rayjobs")
@@ -138,23 +140,39 @@ def release_sandbox(deployment: str, *, namespace: str | None = None, kube: Kube
           flush=True)
 
 
-def session_pods(kube: Kube, name: str) -> list[tuple[str, Any]]:
-    """(namespace, pod) of run ``name``'s sandbox session pods outside the run's namespace: every namespace is
-    searched where the caller may list pods cluster-wide, else the chart's default session namespace."""
+def session_pods(kube: Kube, name: str, namespaces: list[str] = ()) -> list[tuple[str, Any]]:
+    """(namespace, pod) of the sandbox session pods of run ``name`` of ``kube``'s namespace (by the run's name and
+    namespace: another namespace may hold a run of the same name), outside the run's namespace: in every namespace
+    where the caller may list pods cluster-wide, else in ``namespaces`` (the release's, see ``release_namespaces``)
+    or the chart's default session namespace."""
     from kubernetes.client.exceptions import ApiException
 
-    selector = f"{RUN_LABEL}={name},{SESSION_MANAGER}"
+    selector = f"{RUN_LABEL}={name},{RUN_NAMESPACE_LABEL}={kube.namespace},{SESSION_MANAGER}"
     try:
         pods = kube.core.list_pod_for_all_namespaces(label_selector=selector, _request_timeout=30).items
     except ApiException as e:
         if e.status != 403:
             raise CommandFailed(f"listing the session pods of run {name}: HTTP {e.status} {e.reason}") from None
-        # the chart's default (rl.sessionNamespace)
-        default = f"{kube.namespace}-{name[:40].rstrip('-')}-sandbox"[:63].rstrip("-")
-        pods = kube.call(f"listing the session pods of run {name} in {default}", kube.core.list_namespaced_pod,
-                         default, label_selector=selector, missing_ok=True)
-        pods = pods.items if pods is not None else []
+        default = f"{kube.namespace}-{name[:40].rstrip('-')}-sandbox"[:63].rstrip("-")  # rl.sessionNamespace's
+        pods = []
+        for where in [n for n in namespaces if n != kube.namespace] or [default]:
+            found = kube.call(f"listing the session pods of run {name} in {where}", kube.core.list_namespaced_pod,
+                              where, label_selector=selector, missing_ok=True)
+            pods += found.items if found is not None else []
     return [(p.metadata.namespace, p) for p in pods if p.metadata.namespace != kube.namespace]
+
+
+def release_namespaces(name: str, namespace: str) -> list[str]:
+    """The namespaces release ``name`` (of ``namespace``) has objects in besides its own, from its manifest (the
+    sandbox's session namespace); empty where helm knows no such release."""
+    import yaml
+
+    proc = subprocess.run([find_tool("helm"), "get", "manifest", name, "--namespace", namespace],
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        return []
+    found = {(d.get("metadata") or {}).get("namespace") for d in yaml.safe_load_all(proc.stdout) if d}
+    return sorted(n for n in found if n and n != namespace)
 
 
 def _api_message(e: Any) -> str:
@@ -208,6 +226,7 @@ def launch(config: str, *, values: list[str] = (), sets: list[str] = (), name: s
     if dry_run:
         return rendered.stdout
     kube = kube or Kube(namespace)
+    check_operator_namespace(rendered.stdout, kube, out)
     existing = kube.rayjob(release)
     if existing is not None:
         if not replace:
@@ -233,7 +252,71 @@ def launch(config: str, *, values: list[str] = (), sets: list[str] = (), name: s
     return proc.stdout
 
 
-KEPT_KINDS = ("RayJob", "PersistentVolumeClaim", "Namespace")  # the owner; the checkpoints; cluster-scoped
+def check_operator_namespace(manifests: str, kube: Kube, out: TextIO) -> None:
+    """Refuse a release whose head admits the KubeRay operator from a namespace it does not run in (the run would
+    wait forever for its job's status), where the operator's pods can be seen: those the head's NetworkPolicy
+    selects by label, in any namespace. Says so, and goes on, where they cannot be listed."""
+    import urllib3
+    import yaml
+    from kubernetes.client.exceptions import ApiException
+
+    policy = next((d for d in yaml.safe_load_all(manifests) if d and d.get("kind") == "NetworkPolicy"
+                   and d["metadata"]["name"].endswith("-ray-head")), None)
+    peers = [peer for rule in (policy or {}).get("spec", {}).get("ingress", []) for peer in rule.get("from", [])
+             if "namespaceSelector" in peer and "podSelector" in peer]
+    if not peers:
+        return  # no head policy (head.networkPolicy.enabled false): the operator reaches the head anyway
+    wanted = peers[0]["namespaceSelector"]["matchLabels"]["kubernetes.io/metadata.name"]
+    labels = peers[0]["podSelector"].get("matchLabels") or {}
+    selector = ",".join(f"{k}={v}" for k, v in labels.items())
+    try:
+        pods = kube.core.list_pod_for_all_namespaces(label_selector=selector, _request_timeout=30).items
+    except ApiException as e:
+        if e.status not in (401, 403):
+            raise CommandFailed(f"looking for the KubeRay operator's pods: HTTP {e.status} {e.reason} from the "
+                                f"Kubernetes API at {kube.host}") from None
+        print(f"note: cannot list pods cluster-wide (HTTP {e.status}) to check that the KubeRay operator ({selector})"
+              f" runs in namespace {wanted} (head.networkPolicy.operatorNamespace)", file=out, flush=True)
+        return
+    except (urllib3.exceptions.HTTPError, OSError) as e:
+        raise CommandFailed(f"looking for the KubeRay operator's pods: cannot reach the Kubernetes API at {kube.host} "
+                            f"({type(e).__name__}: {str(e)[:300]}); is kubectl's context the cluster?") from None
+    found = sorted({p.metadata.namespace for p in pods})
+    if found and wanted not in found:
+        raise UserError(f"head.networkPolicy.operatorNamespace is {wanted}, but the KubeRay operator's pods "
+                        f"({selector}) run in {', '.join(found)}: its status polls of the Ray head (port 8265) would "
+                        f"be refused and the run would never finish; --set head.networkPolicy.operatorNamespace=NS "
+                        "naming the operator's namespace")
+    if not found:
+        print(f"warning: no pod labelled {selector} in any namespace: is the KubeRay operator installed?", file=out,
+              flush=True)
+
+
+def seconds_left(name: str, limit_s: float, run_dir: str | Path, *, namespace: str | None = None,
+                 kube: Kube | None = None, now: float | None = None) -> int:
+    """Seconds run ``name`` has left of ``limit_s`` counted from the start of its first attempt, which the first
+    call records in ``run_dir`` under the RayJob's uid (a RayJob made anew, by rl launch --replace, starts afresh;
+    retries of one do not)."""
+    kube = kube or Kube(namespace)
+    job = kube.rayjob(name)
+    if job is None:
+        raise CommandFailed(f"no RayJob {kube.namespace}/{name}: its deadline cannot be counted")
+    now = time.time() if now is None else now
+    record = Path(run_dir) / f".started-{job['metadata']['uid']}"
+    try:
+        started = float(record.read_text())
+    except (OSError, ValueError):
+        started = now
+        tmp = record.with_name(record.name + ".tmp")
+        tmp.write_text(f"{started}\n")
+        tmp.replace(record)
+    return int(started + limit_s - now)
+
+
+# the owner; the checkpoints; cluster-scoped kinds (an owner reference to a namespaced owner would make the garbage
+# collector delete them at once)
+KEPT_KINDS = ("RayJob", "PersistentVolumeClaim", "Namespace", "ValidatingAdmissionPolicy",
+              "ValidatingAdmissionPolicyBinding", "ClusterRole", "ClusterRoleBinding", "PriorityClass")
 
 
 def owned_by_rayjob(manifests: str, namespace: str) -> list[dict[str, Any]]:
@@ -284,6 +367,7 @@ def delete(name: str, *, namespace: str | None = None, delete_data: bool = False
     gone, so the name can be launched again."""
     kube, out = kube or Kube(namespace), out or sys.stdout
     ns = kube.namespace
+    elsewhere = release_namespaces(name, ns)  # read before the uninstall forgets the release
     proc = subprocess.run([find_tool("helm"), "uninstall", name, "--namespace", ns, "--wait", "--timeout",
                            f"{int(wait_s)}s"], capture_output=True, text=True)
     if proc.returncode == 0:
@@ -295,7 +379,7 @@ def delete(name: str, *, namespace: str | None = None, delete_data: bool = False
                   RAYJOB[2], name, propagation_policy="Foreground", missing_ok=True)
     # the run's pods left behind, here and in the sandbox's session namespace (its service is gone, so nothing else
     # deletes them now; a namespace the release made went with it, one that existed before stays)
-    left = [(ns, p) for p in kube.run_pods(name)] + session_pods(kube, name)
+    left = [(ns, p) for p in kube.run_pods(name)] + session_pods(kube, name, elsewhere)
     for where, pod in left:
         kube.call(f"deleting pod {where}/{pod.metadata.name}", kube.core.delete_namespaced_pod, pod.metadata.name,
                   where, grace_period_seconds=0, missing_ok=True)
@@ -398,3 +482,27 @@ def logs(name: str, namespace: str | None = None, follow: bool = False, kube: Ku
         raise CommandFailed(f"the log of pod {kube.namespace}/{pod} broke off: {e}") from None
     finally:
         resp.release_conn()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m rl.launch deadline NAME --limit S --run-dir DIR``: what a run's launch.sh asks on the head (the
+    seconds the run has left of its rayJob.activeDeadlineSeconds); prints the number, or one line and exits 1."""
+    parser = argparse.ArgumentParser(prog="python -m rl.launch")
+    sub = parser.add_subparsers(dest="command", required=True)
+    d = sub.add_parser("deadline", help="seconds left of a run's limit, counted from its first attempt")
+    d.add_argument("name")
+    d.add_argument("--namespace", "-n")
+    d.add_argument("--limit", type=float, required=True, help="the run's limit in seconds")
+    d.add_argument("--run-dir", required=True)
+    args = parser.parse_args(argv)
+    try:
+        print(seconds_left(args.name, args.limit, args.run_dir, namespace=args.namespace))
+    except (UserError, CommandFailed, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+

@@ -178,6 +178,32 @@ def deny_egress_policy(namespace: str, *, port: int = 8000, name: str = POLICY_N
     }
 
 
+def selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    """Whether a label selector (matchLabels and matchExpressions: In, NotIn, Exists, DoesNotExist) matches
+    ``labels``; the empty selector matches everything."""
+    if any(labels.get(k) != v for k, v in (selector.get("matchLabels") or {}).items()):
+        return False
+    for e in selector.get("matchExpressions") or []:
+        key, op, values = e.get("key"), e.get("operator"), e.get("values") or []
+        present = key in labels
+        if not {"In": present and labels.get(key) in values, "NotIn": not present or labels.get(key) not in values,
+                "Exists": present, "DoesNotExist": not present}.get(op, False):
+            return False
+    return True
+
+
+def egress_policies(policies: list[dict[str, Any]], labels: dict[str, str]) -> tuple[list[str], list[str]]:
+    """(names of the policies that select a pod of ``labels`` and allow it no egress, names of those that select it
+    and allow it some egress) among NetworkPolicy objects."""
+    denying, opening = [], []
+    for policy in policies:
+        spec = policy.get("spec") or {}
+        types = spec.get("policyTypes") or (["Ingress", "Egress"] if "egress" in spec else ["Ingress"])
+        if "Egress" in types and selects(spec.get("podSelector") or {}, labels):
+            (opening if spec.get("egress") else denying).append(policy["metadata"]["name"])
+    return denying, opening
+
+
 def pod_problem(pod: dict[str, Any]) -> str | None:
     """Why a pod will never run (failed phase or a fatal container state), or None."""
     st = pod.get("status") or {}

@@ -14,7 +14,6 @@ import secrets
 import threading
 import time
 import uuid
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +25,7 @@ from sandbox import k8s_manifests as m
 from sandbox.agent import AgentClient
 from sandbox.backend import ExecResult, Limits, SandboxError, check_relative_path
 from sandbox.k8s_leases import OwnerLease
+from sandbox.k8s_rate import TokenBucket
 from sandbox.options import KubernetesOptions
 from sandbox.requests import check_image_allowed
 
@@ -37,31 +37,6 @@ SESSION_NAMESPACE_ENV = "RL_SANDBOX_SESSION_NAMESPACE"
 POD_NAME_ENV, POD_UID_ENV, POD_NAMESPACE_ENV = "POD_NAME", "POD_UID", "POD_NAMESPACE"
 _SA_NAMESPACE_FILE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
 WATCH_CHUNK_S = 15  # a start's watch is renewed (from its last resourceVersion) this often, to notice close()
-
-
-class TokenBucket:
-    """A client-side rate limit: ``acquire`` blocks so that calls average ``rate`` per second, bursts ≤ ``burst``."""
-
-    def __init__(self, rate: float, burst: float | None = None, clock: Callable[[], float] = time.monotonic,
-                 sleep: Callable[[float], None] = time.sleep):
-        if rate <= 0:
-            raise ValueError("rate must be positive")
-        self.rate, self.burst = float(rate), float(burst if burst is not None else max(1.0, rate))
-        self._clock, self._sleep = clock, sleep
-        self._tokens, self._last = self.burst, clock()
-        self._lock = threading.Lock()
-
-    def acquire(self) -> float:
-        """Take one token, waiting for it if needed; returns the seconds waited."""
-        with self._lock:
-            now = self._clock()
-            self._tokens = min(self.burst, self._tokens + (now - self._last) * self.rate)
-            self._last = now
-            self._tokens -= 1  # a reservation: waiters queue up behind each other instead of racing
-            wait = -self._tokens / self.rate if self._tokens < 0 else 0.0
-        if wait > 0:
-            self._sleep(wait)
-        return wait
 
 
 @dataclass
@@ -287,18 +262,44 @@ class KubernetesBackend:
             self._delete_pod(session.pod.name)
 
     def _ensure_network_policy(self) -> None:
-        """Create the namespace's egress ban once per backend (it is shared: AlreadyExists is fine)."""
+        """Make sure, once per backend, that a NetworkPolicy of the namespace denies its session pods all egress: one
+        there already (the Helm chart's, whose Role lets the service read policies but make none), else this
+        backend's own (``deny_egress_policy``; AlreadyExists is fine). No pod is started without one."""
         with self._policy_lock:
             if self._policy_ready:
                 return
             try:
-                self.net.create_namespaced_network_policy(self.namespace, self._policy,
-                                                          _request_timeout=API_TIMEOUT_S)
+                found = self._denying_policy()
+                if found is None:
+                    self.net.create_namespaced_network_policy(self.namespace, self._policy,
+                                                              _request_timeout=API_TIMEOUT_S)
+                    found = m.POLICY_NAME
             except ApiException as e:
                 if e.status != 409:
-                    raise SandboxError(f"creating NetworkPolicy {self.namespace}/{m.POLICY_NAME}: HTTP {e.status} "
-                                       f"{e.reason}; sandboxes are not started without it", "UNAVAILABLE") from None
+                    raise SandboxError(f"no NetworkPolicy in {self.namespace} denies the session pods' egress, and "
+                                       f"creating {m.POLICY_NAME} failed: HTTP {e.status} {e.reason}; sandboxes are "
+                                       "not started without one", "UNAVAILABLE") from None
+                found = m.POLICY_NAME
+            log.info("session pods in %s: egress denied by NetworkPolicy %s", self.namespace, found)
             self._policy_ready = True
+
+    def _denying_policy(self) -> str | None:
+        """The name of a NetworkPolicy of the namespace that denies session pods all egress, or None (also when this
+        service may not list policies); those that allow them some are warned of (policies add up)."""
+        try:
+            resp = self.net.list_namespaced_network_policy(self.namespace, _preload_content=False,
+                                                           _request_timeout=API_TIMEOUT_S)
+        except ApiException as e:
+            if e.status in (403, 404):
+                return None
+            raise
+        labels = {m.MANAGED_BY_LABEL: m.MANAGED_BY, m.SESSION_LABEL: "x", m.OWNER_LABEL: self.owner,
+                  **self.options.labels}
+        denying, opening = m.egress_policies(json.loads(resp.data).get("items") or [], labels)
+        if opening:
+            log.warning("NetworkPolicies %s in %s allow session pods egress: policies add up, so the sandboxes can "
+                        "connect where they say", ", ".join(opening), self.namespace)
+        return denying[0] if denying else None
 
     def _start_pod(self, image: str) -> _Pod:
         """Create a pod, wait until it runs and its agent answers; on any failure delete it (UNAVAILABLE)."""

@@ -6,10 +6,13 @@ each document's ``# Source:`` file too. ``helm_binary()`` finds the helm that ``
 
 - Built-in kinds are validated by ``kubernetes_validate`` in strict mode (an unknown field is an error) against the
   schemas of the newest Kubernetes it ships, or of ``version``. It reports only the first schema error of an object.
-- Custom resources are validated against the CRDs in ``tests/data/crds`` (RayJob, ServiceMonitor, PodMonitor; written
-  for this project, see their headers), with every object closed unless the CRD says otherwise, so a misspelt field is
-  an error. All their schema errors are reported. The core objects a custom resource embeds (a RayJob's pod templates,
-  head Service and autoscaler container) are then validated as their core kind, and its metadata as an ObjectMeta.
+- Custom resources are validated against the CRDs in ``tests/data/crds``: KubeRay's own RayJob CRDs of the oldest and
+  newest release the chart supports (``kuberay/v1.2.2``, ``kuberay/v1.7.0``; a RayJob is checked against each, and a
+  finding of one release only names it), ServiceMonitor and PodMonitor (written for this project, see their headers),
+  with every object closed unless the CRD says otherwise, so a misspelt field is an error. All their schema errors are
+  reported, and what KubeRay's operator refuses beyond its schema (``tests/kuberay_rules.py``). The core objects a
+  custom resource embeds (a RayJob's pod templates, head Service and autoscaler container) are then validated as their
+  core kind, and its metadata as an ObjectMeta.
 - A kind that neither knows is an error, never a silent pass.
 - On top of the schemas, rules the API server enforces that the published schemas do not express: duplicate YAML keys;
   object names (DNS-1123 subdomain, or the stricter rule of Services, Namespaces, CronJobs, and of RayJobs, which
@@ -39,6 +42,7 @@ from kubernetes_validate.utils import InvalidSchemaError, SchemaNotFoundError, l
 
 from rl.errors import UserError
 from rl.launch import find_tool
+from tests.kuberay_rules import kuberay_findings
 
 CRD_DIR = Path(__file__).resolve().parent / "data" / "crds"
 
@@ -267,18 +271,24 @@ def _enum_findings(obj: dict) -> Iterator[Finding]:
 
 
 @functools.cache
-def custom_resource_schemas() -> dict[tuple[str, str], dict]:
-    """(apiVersion, kind) -> the JSON Schema of each custom resource version defined in tests/data/crds."""
-    schemas: dict[tuple[str, str], dict] = {}
-    for path in sorted(CRD_DIR.glob("*.yaml")):
-        for crd in yaml.safe_load_all(path.read_text()):
+def custom_resource_schemas() -> dict[tuple[str, str], list[tuple[str | None, dict]]]:
+    """(apiVersion, kind) -> [(release, JSON Schema)] of each custom resource version defined in tests/data/crds. A
+    CRD in a folder of its own (``kuberay/v1.2.2``) is one release of its project, named after that folder; a kind
+    defined by several releases is checked against each of them."""
+    schemas: dict[tuple[str, str], list[tuple[str | None, dict]]] = {}
+    for path in sorted(CRD_DIR.rglob("*.yaml")):
+        release = None if path.parent == CRD_DIR else f"{path.parent.parent.name} {path.parent.name}"
+        with path.open() as f:  # KubeRay's CRDs are over a megabyte: the C loader reads them in a second
+            documents = list(yaml.load_all(f, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader)))
+        for crd in documents:
             if not crd:
                 continue
             spec = crd["spec"]
             for version in spec["versions"]:
                 schema = _to_json_schema(version["schema"]["openAPIV3Schema"])
                 schema.setdefault("properties", {})["metadata"] = {"type": "object"}  # checked as an ObjectMeta
-                schemas[(f"{spec['group']}/{version['name']}", spec["names"]["kind"])] = schema
+                schemas.setdefault((f"{spec['group']}/{version['name']}", spec["names"]["kind"]), []).append(
+                    (release, schema))
     return schemas
 
 
@@ -318,8 +328,9 @@ _FORMATS.checks("int64")(lambda v: not isinstance(v, int) or -(2**63) <= v < 2**
 
 
 @functools.cache
-def _custom_resource_validator(api_version: str, kind: str) -> jsonschema.Draft202012Validator:
-    return jsonschema.Draft202012Validator(custom_resource_schemas()[(api_version, kind)], format_checker=_FORMATS)
+def _custom_resource_validators(api_version: str, kind: str) -> list[tuple[str | None, jsonschema.Validator]]:
+    return [(release, jsonschema.Draft202012Validator(schema, format_checker=_FORMATS))
+            for release, schema in custom_resource_schemas()[(api_version, kind)]]
 
 
 # Core objects that custom resources embed, validated as that core kind: paths ("*": every item of a list) -> kind.
@@ -363,9 +374,17 @@ def _find(node: Any, pattern: FieldPath, at: FieldPath = ()) -> Iterator[tuple[F
 
 
 def _custom_resource_findings(obj: dict, api_version: str, kind: str, version: str) -> list[Finding]:
-    validator = _custom_resource_validator(api_version, kind)
-    findings = [f for error in sorted(validator.iter_errors(obj), key=lambda e: format_path(e.path))
-                for f in _describe(error)]
+    validators = _custom_resource_validators(api_version, kind)
+    per_release = [(release, [f for error in sorted(validator.iter_errors(obj), key=lambda e: format_path(e.path))
+                              for f in _describe(error)]) for release, validator in validators]
+    findings: list[Finding] = []
+    for _, found in per_release:  # a finding of every release once; one of some releases names them
+        for path, message in found:
+            where = [r for r, other in per_release if (path, message) in other]
+            tag = "" if len(where) == len(per_release) else f" (the {', '.join(map(str, where))} CRD)"
+            if (path, message + tag) not in findings:
+                findings.append((path, message + tag))
+    findings += kuberay_findings(obj) if (api_version, kind) == ("ray.io/v1", "RayJob") else []
     embedded = [(("metadata",), "ObjectMeta"), *_EMBEDDED.get((api_version, kind), ())]
     for pattern, core_kind in embedded:
         for at, value in _find(obj, pattern):

@@ -2,9 +2,10 @@
 
 It is an HTTP server on 127.0.0.1 that implements only what ``sandbox.kubernetes`` uses, answering with
 Kubernetes-shaped JSON so that the real ``kubernetes`` client parses it: pods (create, get, list and watch with
-labelSelector/fieldSelector, delete; a list over every namespace), NetworkPolicies (create, get), Leases (create,
-list, merge-patch, delete) and a Deployment's scale. It records every request, so tests can assert what an API
-server would see.
+labelSelector/fieldSelector, delete; a list over every namespace), NetworkPolicies (create, get, list), Leases
+(create, list, merge-patch, delete) and a Deployment's scale. It records every request, so tests can assert what an
+API server would see. ``forbidden`` holds (method, resource) pairs it refuses with 403, as RBAC would (e.g.
+("POST", "networkpolicies") for a Role without create on them).
 
 A created pod is run for real: its main container's command starts as a local subprocess (``python3`` replaced by this
 interpreter, PYTHONPATH = the repository root instead of the init container's emptyDir, the container's working
@@ -111,6 +112,7 @@ class KubeApiStandIn:
         self.pods: dict[tuple[str, str], dict[str, Any]] = {}
         self.policies: dict[tuple[str, str], dict[str, Any]] = {}
         self.failures: dict[str, str] = {}
+        self.forbidden: set[tuple[str, str]] = set()  # (method, resource) refused with 403, as RBAC would
         # the cluster's RuntimeClasses: a pod naming another is refused, as the RuntimeClass admission plug-in does
         self.runtime_classes: set[str] = {"gvisor"}
         self.objects: dict[tuple[str, str, str], dict[str, Any]] = {}  # (collection path, namespace, name)
@@ -448,6 +450,8 @@ class _Handler(BaseHTTPRequestHandler):
         body = json.loads(raw) if raw else None
         s = self.standin
         s.requests.append(Recorded(method, url.path, query, body))
+        if (method, s.requests[-1].resource) in s.forbidden:
+            return self._json(403, _status(403, "Forbidden", f"{method} {url.path} is forbidden to this account"))
         parts = url.path.strip("/").split("/")
         ns = parts[parts.index("namespaces") + 1] if "namespaces" in parts else ""
         name = parts[-1] if len(parts) in (6, 7) and parts[-2] in ("pods", "networkpolicies") else ""
@@ -488,6 +492,11 @@ class _Handler(BaseHTTPRequestHandler):
                 s.policies[key] = {**body, "metadata": {**body["metadata"], "namespace": ns, "uid": str(uuid.uuid4()),
                                                         "resourceVersion": "1", "creationTimestamp": _now()}}
             return self._json(201, s.policies[key])
+        if url.path == _NP_PATH.format(ns=ns) and method == "GET":
+            with s._cond:
+                items = [copy.deepcopy(p) for (p_ns, _), p in s.policies.items() if p_ns == ns]
+            return self._json(200, {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicyList",
+                                    "metadata": {"resourceVersion": "1"}, "items": items})
         if url.path == f"{_NP_PATH.format(ns=ns)}/{name}" and method == "GET":
             pol = s.policies.get((ns, name))
             return self._json(200, pol) if pol else self._json(404, _status(404, "NotFound", "not found", name))

@@ -23,6 +23,7 @@ from tests.test_helm_chart import (
     one,
     pod_templates,
     render,
+    run_configmap,
     sandbox_role,
     train_command,
 )
@@ -34,7 +35,15 @@ ALL = [None, *EXAMPLES]
 ids = [v.name if v else "defaults" for v in ALL]
 
 
+# A run with GPU workers names a sandbox agent image of its own: the CUDA run image is several GB, and every session
+# pod would pull it (issue 44, D8)
+AGENT = {"repository": "registry.example.com/colocated-rl-agent", "tag": "0.1.0"}
+
+
 def values_file(tmp_path: Path, values: dict) -> Path:
+    if any(g.get("gpus") for g in values.get("workerGroups", [])):
+        sandbox = values.get("sandbox", {})
+        values = {**values, "sandbox": {**sandbox, "pods": {**sandbox.get("pods", {}), "agentImage": AGENT}}}
     f = tmp_path / "values.yaml"
     f.write_text(yaml.safe_dump(values))
     return f
@@ -50,7 +59,7 @@ def refused(*args: str) -> str:
 
 def command(docs: list[dict]) -> list[str]:
     """launch.sh's one command line (split as bash would)."""
-    script = next(d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"].endswith("-config"))
+    script = run_configmap(docs)
     return train_command(script["data"]["launch.sh"])
 
 
@@ -150,23 +159,33 @@ def test_1_the_gpu_example_has_storage_every_node_mounts_sized_for_the_model():
 # --- 2: RDMA for NCCL -------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize(("fabric", "group"), [
-    ("infiniband-multus", {"extraResources": {"rdma/rdma_shared_device_a": 1}, "capabilities": ["IPC_LOCK"],
+    ("infiniband-multus", {"extraResources": {"rdma/rdma_shared_device_a": 1}, "memlock": "node",
                            "annotations": {"k8s.v1.cni.cncf.io/networks": "rl/ib-ipoib"},
                            "env": [{"name": "NCCL_IB_HCA", "value": "mlx5"}]}),
-    ("efa", {"extraResources": {"vpc.amazonaws.com/efa": 32}, "capabilities": ["IPC_LOCK"],
+    ("efa", {"extraResources": {"vpc.amazonaws.com/efa": 32}, "memlock": "node",
              "env": [{"name": "FI_PROVIDER", "value": "efa"}]}),
-    ("roce-host-network", {"extraResources": {"rdma/roce": "1"}, "capabilities": ["IPC_LOCK"], "hostNetwork": True,
-                           "runtimeClassName": "nvidia", "env": [{"name": "NCCL_IB_GID_INDEX", "value": "3"}]}),
+    ("roce-host-network", {"extraResources": {"rdma/roce": "1"}, "memlock": "root", "capabilities": ["IPC_LOCK"],
+                           "hostNetwork": True, "runtimeClassName": "nvidia",
+                           "env": [{"name": "NCCL_IB_GID_INDEX", "value": "3"}]}),
 ])
 def test_2_worker_groups_take_what_nccl_needs_for_rdma(tmp_path, fabric, group):
-    """The schema rejected every one of these fields; now each reaches the worker pods (and only them)."""
+    """The schema rejected every one of these fields; now each reaches the worker pods (and only them). RDMA's
+    memory pinning is the nodes' (memlock: node, checked by an init container) or a root worker's with IPC_LOCK
+    (memlock: root): a capability added to the uid-1000 worker would be lost at its first execve (issue 44, D2)."""
     docs = render(values_file(tmp_path, {"workerGroups": [gpu_group(**group)],
-                                         "storage": {"accessMode": "ReadWriteMany"}}))
+                                         "storage": {"accessMode": "ReadWriteMany"},
+                                         "networkPolicy": {"nodeCIDRs": ["10.0.0.0/16"]}}))
     head, worker = pod_templates(one(docs, "RayJob"))
     spec, c = worker["spec"], worker["spec"]["containers"][0]
     for name, n in group["extraResources"].items():
         assert c["resources"]["requests"][name] == c["resources"]["limits"][name] == str(n)
-    assert c["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["IPC_LOCK"]}
+    if group["memlock"] == "root":
+        assert c["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["IPC_LOCK"]}
+        assert spec["securityContext"]["runAsUser"] == c["securityContext"]["runAsUser"] == 0
+    else:
+        assert c["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+        assert [i["name"] for i in spec["initContainers"]] == ["check-memlock"]
+        assert spec["securityContext"]["runAsUser"] == 1000
     assert spec.get("runtimeClassName") == group.get("runtimeClassName")
     assert spec.get("hostNetwork", False) == group.get("hostNetwork", False)
     if group.get("hostNetwork"):  # the cluster's DNS stays reachable
@@ -178,10 +197,13 @@ def test_2_worker_groups_take_what_nccl_needs_for_rdma(tmp_path, fabric, group):
 
 
 def test_2_the_gpu_example_carries_the_rdma_and_nccl_knobs():
+    """Non-root workers on nodes whose runtime lets them pin memory, checked before Ray starts (was IPC_LOCK on a
+    uid-1000 container, lost at its first execve: issue 44, D2)."""
     worker = pod_templates(one(render(GPU, config=GPU_CONFIG), "RayJob"))[1]
     c = worker["spec"]["containers"][0]
     assert any(r.startswith("rdma/") for r in c["resources"]["limits"])
-    assert c["securityContext"]["capabilities"]["add"] == ["IPC_LOCK"]
+    assert "add" not in c["securityContext"]["capabilities"] and worker["spec"]["securityContext"]["runAsUser"] == 1000
+    assert [i["name"] for i in worker["spec"]["initContainers"]] == ["check-memlock"]
     assert "k8s.v1.cni.cncf.io/networks" in worker["metadata"]["annotations"]
     assert {"NCCL_IB_HCA", "NCCL_SOCKET_IFNAME"} <= {e["name"] for e in c["env"]}
 
@@ -214,7 +236,7 @@ def test_5_14_every_attempt_runs_one_command_that_resumes_from_a_complete_checkp
     checkpoints/ existed) then failed on every retry. Now each attempt runs the same `rl train --auto-resume`, and
     retries are on by default."""
     docs = render(*([values] if values else []))
-    script = next(d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "myrun-config")
+    script = run_configmap(docs)
     text = script["data"]["launch.sh"]
     assert "checkpoints" not in text and "--resume" not in text.replace("--auto-resume", "")
     argv = command(docs)
@@ -326,31 +348,41 @@ def test_9_the_ray_cluster_and_its_gpus_go_minutes_after_the_run(values):
 
 def test_9_a_run_that_succeeded_releases_its_sandbox_fleet(tmp_path):
     """The RayJob (and the fleet it owns) stays after the run, for its status: a run that succeeded, and so will not
-    be retried, scales its sandbox service to zero itself (launch.sh, through the Ray pods' own account, whose one
-    right is that Deployment's scale); a failed attempt keeps it for the retry. Run here with bash, rl train and
-    rl sandbox release replaced by stand-ins that record their calls."""
-    docs = render(GPU, config=GPU_CONFIG)
+    be retried, scales its sandbox service to zero itself (launch.sh, through the Ray pods' own account, whose rights
+    are that Deployment's scale and reading its RayJob for the run's deadline); a failed attempt keeps it for the
+    retry. Run here with bash, rl and python3 replaced by stand-ins that record their calls (the deadline's answers
+    100000 s); the run storage is a directory of the test."""
+    data = tmp_path / "data"
+    docs = render(GPU, config=GPU_CONFIG, sets=(f"storage.mountPath={data}",))
     role = next(d for d in docs if d["kind"] == "Role" and d["metadata"]["name"] == "myrun-run")
     assert role["metadata"].get("namespace", "rl") == "rl" and role["rules"] == [
         {"apiGroups": ["apps"], "resources": ["deployments/scale"], "resourceNames": ["myrun-sandbox"],
-         "verbs": ["get", "patch"]}]
+         "verbs": ["get", "patch"]},
+        {"apiGroups": ["ray.io"], "resources": ["rayjobs"], "resourceNames": ["myrun"], "verbs": ["get"]}]
     binding = next(d for d in docs if d["kind"] == "RoleBinding" and d["metadata"]["name"] == "myrun-run")
     for t in pod_templates(one(docs, "RayJob")):
         assert t["spec"]["serviceAccountName"] == binding["subjects"][0]["name"] == "myrun-run"
-    script = next(d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "myrun-config")
+    script = run_configmap(docs)
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "rl").write_text('#!/bin/bash\necho "$@" >> "$CALLS"\n[ "$1" = train ] && exit "$TRAIN_STATUS"\n'
                                 'exit 0\n')
-    (bin_dir / "rl").chmod(0o755)
+    (bin_dir / "python3").write_text('#!/bin/bash\necho "python3 $*" >> "$CALLS"\n'
+                                     '[ "$3" = deadline ] && echo 100000\nexit 0\n')
+    for tool in ("rl", "python3"):
+        (bin_dir / tool).chmod(0o755)
+    run_dir = data / "runs" / "myrun"
     for status in (0, 1):
         calls = tmp_path / f"calls-{status}"
         env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "CALLS": str(calls), "TRAIN_STATUS": str(status)}
         proc = subprocess.run(["bash", "-c", script["data"]["launch.sh"]], env=env, capture_output=True, text=True)
         assert proc.returncode == status, proc.stderr
         lines = calls.read_text().splitlines()
-        assert lines[0].startswith("train /etc/rl/config.yaml --run-dir")
-        assert lines[1:] == (["sandbox release myrun-sandbox --namespace rl"] if status == 0 else [])
+        assert lines[0] == f"python3 -m rl.launch deadline myrun --namespace rl --limit 172800 --run-dir {run_dir}"
+        assert lines[1].startswith("train /etc/rl/config.yaml --run-dir")
+        assert lines[2:] == ([f"python3 -m engines.model.uploads {run_dir}/final s3://rl-results/qwen3-8b-math/final "
+                              "--credentials-dir /var/run/rl-export",
+                              "sandbox release myrun-sandbox --namespace rl"] if status == 0 else [])
 
 
 # --- 10: sessions kept alive ------------------------------------------------------------------------------------------
@@ -386,7 +418,7 @@ def test_11_fsgroup_changes_ownership_only_on_a_root_mismatch(values):
 def test_12_a_model_source_is_downloaded_once_by_the_head_and_found_by_every_pod(source):
     docs = render(sets=(f"model.source={source}", "model.credentialsSecret=model-credentials"))
     head, worker = pod_templates(one(docs, "RayJob"))
-    [init] = head["spec"]["initContainers"]
+    [init] = [i for i in head["spec"]["initContainers"] if i["name"] == "fetch-model"]
     assert init["command"] == ["rl", "fetch-model", source, "--cache", "/data/models"]
     assert init["envFrom"] == [{"secretRef": {"name": "model-credentials"}}]
     assert {"name": "data", "mountPath": "/data"} in init["volumeMounts"]
@@ -395,7 +427,7 @@ def test_12_a_model_source_is_downloaded_once_by_the_head_and_found_by_every_pod
         assert {"name": "RL_MODEL_CACHE", "value": "/data/models"} in c["env"] and "envFrom" not in c
     assert "initContainers" not in worker["spec"]
     assert sets(command(docs))["model.path"] == source
-    assert "initContainers" not in pod_templates(one(render(), "RayJob"))[0]["spec"]
+    assert "fetch-model" not in str(pod_templates(one(render(), "RayJob"))[0]["spec"]["initContainers"])
     err = refused("--set", f"model.source={source}", "--set", "model.path=/models/x")
     assert "set one" in err
 
@@ -426,8 +458,9 @@ def test_15_workers_admit_each_other_for_nccl_and_only_the_runs_pods():
     head, worker = (t["metadata"]["labels"] for t in pod_templates(job))
     policy = next(d for d in docs if d["metadata"]["name"] == "myrun-ray-workers")["spec"]
     assert matches(policy["podSelector"], worker) and not matches(policy["podSelector"], head)
-    [rule] = policy["ingress"]
+    rule, metrics = policy["ingress"]
     assert "ports" not in rule  # NCCL picks its ports
+    assert metrics["ports"] == [{"protocol": "TCP", "port": 8080}]  # Ray's metrics, for Prometheus (issue 44, D10)
     peer = rule["from"][0]["podSelector"]
     assert matches(peer, worker) and matches(peer, head)
     sandbox = one(docs, "Deployment")["spec"]["template"]["metadata"]["labels"]
@@ -444,7 +477,8 @@ def test_15_egress_rules_for_a_namespace_that_denies_egress():
         [job["spec"]["submitterPodTemplate"]["metadata"]["labels"]]
     ray = next(d for d in docs if d["metadata"]["name"] == "myrun-ray-egress")["spec"]
     assert all(matches(ray["podSelector"], x) for x in labels) and ray["policyTypes"] == ["Egress"]
-    own, dns, sandbox, world = ray["egress"]
+    own, dns, sandbox, api, world = ray["egress"]
+    assert api["to"] == [{"ipBlock": {"cidr": "10.0.0.1/32"}}]  # rl sandbox release, the deadline (issue 44, D16)
     assert all(matches(own["to"][0]["podSelector"], x) for x in labels)
     assert {p["port"] for p in dns["ports"]} == {53}
     service = one(docs, "Deployment")["spec"]["template"]["metadata"]["labels"]
@@ -459,13 +493,15 @@ def test_15_egress_rules_for_a_namespace_that_denies_egress():
 
 def test_15_the_operator_selector_is_the_operators_own(tmp_path):
     """An operator installed with other labels (or in a known namespace): the labels given replace the default
-    (they were merged with it, so no pod matched), and its namespace can be named."""
+    (they were merged with it, so no pod matched), and its namespace is named. The default was any namespace, where
+    anyone who may create a pod could label it as the operator (issue 44, D1): now KubeRay's own default install
+    namespace, by the name label the API server sets."""
     policy = next(d for d in render() if d["metadata"]["name"] == "myrun-ray-head")["spec"]
-    assert policy["ingress"][1]["from"] == [{"namespaceSelector": {}, "podSelector": {
-        "matchLabels": {"app.kubernetes.io/name": "kuberay-operator"}}}]
+    assert policy["ingress"][1]["from"] == [{
+        "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "default"}},
+        "podSelector": {"matchLabels": {"app.kubernetes.io/name": "kuberay-operator"}}}]
     f = values_file(tmp_path, {"head": {"networkPolicy": {
-        "operatorPodLabels": {"app": "ray-operator"},
-        "operatorNamespaceLabels": {"kubernetes.io/metadata.name": "kuberay"}}}})
+        "operatorPodLabels": {"app": "ray-operator"}, "operatorNamespace": "kuberay"}}})
     policy = next(d for d in render(f) if d["metadata"]["name"] == "myrun-ray-head")["spec"]
     [peer] = policy["ingress"][1]["from"]
     assert peer["namespaceSelector"] == {"matchLabels": {"kubernetes.io/metadata.name": "kuberay"}}

@@ -71,7 +71,7 @@ def test_3_a_private_registry_reaches_the_submitter_and_the_session_pods():
     submitter = job["spec"]["submitterPodTemplate"]["spec"]
     assert submitter["imagePullSecrets"] == head["imagePullSecrets"] == [{"name": "registry-credentials"}]
     container = submitter["containers"][0]
-    assert container["image"] == head["containers"][0]["image"] == "registry.example.com/colocated-rl:cuda"
+    assert container["image"] == head["containers"][0]["image"] == "registry.example.com/colocated-rl:0.1.0-cuda"
     assert "command" not in container and submitter["restartPolicy"] == "Never"  # KubeRay supplies `ray job submit`
     assert one(docs, "Deployment")["spec"]["template"]["spec"]["imagePullSecrets"] == head["imagePullSecrets"]
     # the session pods: the service's own flags -> its config -> the pod backend -> the pod it would create
@@ -91,7 +91,8 @@ def test_3_a_private_registry_reaches_the_submitter_and_the_session_pods():
             backend.close()
     assert pod["spec"]["imagePullSecrets"] == [{"name": "registry-credentials"}]
     assert pod["metadata"]["labels"]["colocated-rl/run"] == "myrun"  # rl delete finds them by it
-    assert pod["spec"]["priorityClassName"] == "rl-training" and pod["spec"]["runtimeClassName"] == "gvisor"
+    # sessions take no part of the training's priority (issue 44, D7): sandbox.pods.priorityClassName, unset here
+    assert "priorityClassName" not in pod["spec"] and pod["spec"]["runtimeClassName"] == "gvisor"
     assert validate_manifest(pod) == []
 
 
@@ -242,15 +243,18 @@ def test_10_the_ray_dashboard_is_reachable_only_from_the_run_and_the_operator():
     spec = policy["spec"]
     assert matches(spec["podSelector"], head) and not matches(spec["podSelector"], worker)
     assert spec["policyTypes"] == ["Ingress"]
-    own, operator, cidrs, metrics = spec["ingress"]
+    # the example no longer opens 8265 to a /16 without Ray's token authentication, and the operator is admitted from
+    # its own namespace only (issue 44, D1); the metrics ports admit the example's Prometheus (D10)
+    own, operator, metrics = spec["ingress"]
     peer = own["from"][0]["podSelector"]
     assert "ports" not in own and all(matches(peer, x) for x in (head, worker, submitter))
     assert not matches(peer, sandbox) and not matches(peer, session)  # untrusted code never reaches the Jobs API
     assert not matches(peer, {**worker, "colocated-rl/run": "otherrun"})
-    assert operator["from"] == [{"namespaceSelector": {},
+    in_its_namespace = {"matchLabels": {"kubernetes.io/metadata.name": "kuberay-system"}}
+    assert operator["from"] == [{"namespaceSelector": in_its_namespace,
                                  "podSelector": {"matchLabels": {"app.kubernetes.io/name": "kuberay-operator"}}}]
-    assert operator["ports"] == cidrs["ports"] == [{"protocol": "TCP", "port": 8265}]
-    assert cidrs["from"] == [{"ipBlock": {"cidr": "10.8.0.0/16"}}]
-    assert metrics == {"ports": [{"protocol": "TCP", "port": 9090}]}
+    assert operator["ports"] == [{"protocol": "TCP", "port": 8265}]
+    assert metrics["ports"] == [{"protocol": "TCP", "port": 9090}, {"protocol": "TCP", "port": 8080}]
+    assert metrics["from"][0]["namespaceSelector"] == {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}
     off = render(GPU, sets=("head.networkPolicy.enabled=false",))
     assert not [d for d in off if d["metadata"]["name"] == "myrun-ray-head"]

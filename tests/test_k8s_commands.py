@@ -12,7 +12,7 @@ import yaml
 
 from rl.cli import main as rl_main
 from rl.errors import CommandFailed
-from rl.launch import CHART, RUN_LABEL, Kube, own_by_rayjob
+from rl.launch import CHART, RUN_LABEL, RUN_NAMESPACE_LABEL, Kube, own_by_rayjob
 from tests.k8s_validation import helm_binary
 from tests.kube_standin import KubeApiStandIn
 
@@ -141,17 +141,24 @@ def test_usage_errors_exit_2_and_version_exits_0(capsys):
 def test_delete_removes_the_run_and_what_its_sandbox_left(api, capsys):
     """helm finds no release here (the stand-in keeps none): the run's RayJob and session pods are deleted through
     the API all the same, also those in the sandbox's session namespace (one the release did not make, so nothing
-    else removes them); the claim only with --delete-data, and only the one the chart made for this run."""
+    else removes them); the claim only with --delete-data, and only the one the chart made for this run. Session
+    pods are the run's by its name and namespace: those of a run of the same name in another namespace stay (they
+    went too, issue 44, D4)."""
     seed_run(api)
-    for ns, run in (("sessions", "quickstart"), ("sessions", "other"), ("elsewhere", "quickstart")):
-        session = pod(f"rl-sbx-{ns}-{run}", run, None)
+    for ns, run, run_ns in (("sessions", "quickstart", NS), ("sessions", "other", NS),
+                            ("elsewhere", "quickstart", NS), ("sessions", "quickstart", "team-b")):
+        session = pod(f"rl-sbx-{ns}-{run}-{run_ns}", run, None)
         session["metadata"]["namespace"] = ns
+        session["metadata"]["labels"][RUN_NAMESPACE_LABEL] = run_ns
         api.seed(PODS, session)
     api.seed(CLAIMS, {"apiVersion": "v1", "kind": "PersistentVolumeClaim",
                       "metadata": {"name": "quickstart-data", "namespace": NS, "labels": {RUN_LABEL: "quickstart"}}})
     assert rl_main(["delete", "quickstart"]) == 0
     assert (RAYJOBS, NS, "quickstart") not in api.objects
-    assert {n for (_, n) in api.pods} == {"other-head", "rl-sbx-sessions-other"}
+    assert {n for (_, n) in api.pods} == {"other-head", "rl-sbx-sessions-other-rl", "rl-sbx-sessions-quickstart-team-b"}
+    [listing] = [r for r in api.requests if r.path == "/api/v1/pods"]
+    assert listing.query["labelSelector"] == (f"{RUN_LABEL}=quickstart,{RUN_NAMESPACE_LABEL}={NS},"
+                                              "app.kubernetes.io/managed-by=rl-sandbox")
     assert (CLAIMS, NS, "quickstart-data") in api.objects  # checkpoints stay by default
     assert "deleted 8 pod(s) of run quickstart (namespace elsewhere, rl, sessions)" in capsys.readouterr().out
     helm = [r for r in api.requests if "secrets" in r.path]
@@ -194,25 +201,30 @@ def test_the_rayjob_owns_the_sandbox_fleet_and_takes_it_along(api, capsys):
                                 "--set-file", f"runConfig={QUICKSTART}"], capture_output=True, text=True,
                                check=True).stdout
     stored = {}
-    for d in (d for d in yaml.safe_load_all(manifests) if d and d["kind"] != "Namespace"):  # namespaced ones
+    cluster_scoped = ("Namespace", "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding")
+    for d in (d for d in yaml.safe_load_all(manifests) if d and d["kind"] not in cluster_scoped):  # namespaced ones
         group = "api/v1" if d["apiVersion"] == "v1" else f"apis/{d['apiVersion']}"
         plural = d["kind"].lower()[:-1] + "ies" if d["kind"].endswith("y") else d["kind"].lower() + "s"
         d["metadata"].setdefault("namespace", NS)
         stored[d["kind"], d["metadata"]["name"]] = api.seed(f"{group}/{plural}", d)
     uid = stored["RayJob", "quickstart"]["metadata"]["uid"]
 
-    assert own_by_rayjob("quickstart", Kube(NS), manifests) == 12
+    assert own_by_rayjob("quickstart", Kube(NS), manifests) == 13
     owned = {(c.rsplit("/", 1)[1], name) for (c, ns, name), o in api.objects.items()
              if o["metadata"].get("ownerReferences") == [{"apiVersion": "ray.io/v1", "kind": "RayJob",
                                                            "name": "quickstart", "uid": uid}]}
+    config = next(d["metadata"]["name"] for d in yaml.safe_load_all(manifests) if d and d["kind"] == "ConfigMap")
     assert owned == {("deployments", "quickstart-sandbox"), ("services", "quickstart-sandbox"),
                      ("horizontalpodautoscalers", "quickstart-sandbox"), ("secrets", "quickstart-sandbox-token"),
-                     ("serviceaccounts", "quickstart-sandbox"), ("configmaps", "quickstart-config"),
+                     ("serviceaccounts", "quickstart-sandbox"), ("configmaps", config),
+                     ("poddisruptionbudgets", "quickstart-ray"),
                      ("networkpolicies", "quickstart-sandbox-ingress"), ("networkpolicies", "quickstart-ray-head"),
                      ("networkpolicies", "quickstart-ray-workers"), ("serviceaccounts", "quickstart-run"),
                      ("roles", "quickstart-run"), ("rolebindings", "quickstart-run")}
     patched = [r.path for r in api.requests if r.method == "PATCH"]
-    assert len(patched) == 12 and all(f"/namespaces/{NS}/" in p for p in patched)
+    # cluster-scoped objects (the admission policy and its binding) are never given a namespaced owner: the garbage
+    # collector would delete them at once
+    assert len(patched) == 13 and all(f"/namespaces/{NS}/" in p for p in patched)
 
     api.requests.clear()
     Kube(NS).custom.delete_namespaced_custom_object("ray.io", "v1", NS, "rayjobs", "quickstart")

@@ -117,7 +117,8 @@ def test_a_valid_rayjob_passes():
      "spec.rayClusterSpec.headGroupSpec.rayStartParams.num-gpus: 0 is not of type 'string'"),
     (("spec", "rayClusterSpec", "headGroupSpec", "template"), _DELETE,
      "spec.rayClusterSpec.headGroupSpec.template: required field is missing"),
-    (("spec", "ttlSecondsAfterFinished"), -1, "spec.ttlSecondsAfterFinished: -1 is less than the minimum of 0"),
+    (("spec", "ttlSecondsAfterFinished"), -1,
+     "spec.ttlSecondsAfterFinished: -1: KubeRay requires a non-negative integer"),
     (("spec", "status"), {}, "spec.status: unknown field"),
     ((*_WORKER_CONTAINER, "imagePullPolice"), "Always",
      "spec.rayClusterSpec.workerGroupSpecs[0].template.spec.containers[0].imagePullPolice: unknown field "
@@ -148,17 +149,66 @@ def test_a_broken_rayjob_fails_naming_the_field(path, value, expected):
     assert all(e.startswith("RayJob/") for e in errors), errors
 
 
+_HEAD = ("spec", "rayClusterSpec", "headGroupSpec")
+_QUEUE = ("metadata", "labels", "kueue.x-k8s.io/queue-name")
+
+
+@pytest.mark.parametrize("changes, expected", [
+    ({("spec", "activeDeadlineSeconds"): 0}, "spec.activeDeadlineSeconds: 0: KubeRay requires a positive integer"),
+    ({("spec", "backoffLimit"): -1}, "spec.backoffLimit: -1: KubeRay requires a non-negative integer"),
+    ({("spec", "submissionMode"): "SidecarMode"}, "'SidecarMode' needs KubeRay >= 1.5"),
+    ({("spec", "submissionMode"): "InteractiveMode", ("spec", "backoffLimit"): 2},
+     "spec.backoffLimit: KubeRay refuses retries (backoffLimit > 0) in InteractiveMode"),
+    ({_QUEUE: "gpu", ("spec", "shutdownAfterJobFinishes"): False},
+     "spec.shutdownAfterJobFinishes: must be true: Kueue suspends it"),
+    ({("spec", "suspend"): True, ("spec", "shutdownAfterJobFinishes"): False},
+     "spec.shutdownAfterJobFinishes: must be true: suspend is true"),
+    ({_QUEUE: "gpu", ("spec", "rayClusterSpec", "enableInTreeAutoscaling"): True},
+     "Kueue refuses a RayJob it queues that autoscales"),
+    ({("spec", "runtimeEnvYAML"): "env_vars: [unclosed"}, "spec.runtimeEnvYAML: KubeRay cannot read it"),
+    ({(*_WORKER, "maxReplicas"): -1}, "maxReplicas: -1: KubeRay refuses a negative maxReplicas"),
+    ({(*_WORKER, "minReplicas"): 3}, "minReplicas: 3 is greater than maxReplicas 2"),
+    ({(*_WORKER, "rayStartParams"): {"labels": "zone=a"}}, "KubeRay refuses rayStartParams labels"),
+    ({(*_WORKER, "rayStartParams"): {"num-gpus": "1"}, (*_WORKER, "resources"): {"GPU": "1"}},
+     "KubeRay refuses resources in both rayStartParams"),
+    ({("spec", "rayClusterSpec", "authOptions"): {"mode": "token"}},
+     "spec.rayClusterSpec.rayVersion: authOptions.mode token needs rayVersion >= 2.52.0 (KubeRay), got '2.49.0'"),
+    ({(*_HEAD_CONTAINER, "env"): [{"name": "RAY_REDIS_ADDRESS", "value": "redis:6379"}]},
+     "RAY_REDIS_ADDRESS without gcsFaultToleranceOptions"),
+    ({("spec", "submitterPodTemplate", "spec", "containers"): []}, "KubeRay takes the first container"),
+    ({("spec", "submitterPodTemplate", "spec", "restartPolicy"): "Always"}, "the submitter is a Job's pod"),
+    ({(*_HEAD, "template", "spec", "containers"): []}, "KubeRay needs a head container"),
+])
+def test_what_kuberay_refuses_beyond_its_crd(changes, expected):
+    """KubeRay's operator validates a RayJob when it reconciles it (the CRD has no enums or bounds for these); a job
+    that breaks a rule is marked Failed without a Ray cluster. The checks say so at render time."""
+    job = _rayjob()
+    for path, value in changes.items():
+        if path[:2] == ("metadata", "labels"):
+            job["metadata"]["labels"][path[2]] = value
+        else:
+            _set(job, path, value)
+    errors = validate_manifest(job)
+    assert any(expected in e for e in errors), errors
+    # the CRD schemas alone let every one of these through (a finding of the rules names KubeRay or Kueue)
+    assert all("KubeRay" in e or "Kueue" in e or "kuberay v1.2.2 CRD" in e for e in errors), errors
+
+
 def test_rayjob_reports_all_its_schema_errors_and_the_version_applies():
     job = _rayjob()
     job["spec"]["entrypointNumGpus"] = "one"
-    job["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["numOfHosts"] = 0
+    job["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["numOfHosts"] = "two"
     errors = validate_manifest(job)
     assert any("spec.entrypointNumGpus" in e for e in errors) and any("numOfHosts" in e for e in errors), errors
     # A built-in field of a newer Kubernetes (pod-level resources, 1.32+) is unknown to an older schema set.
     job = _rayjob()
     job["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]["resources"] = {"limits": {"cpu": "2"}}
-    assert validate_manifest(job, latest_version()) == []
-    assert any("template.spec.resources: unknown field" in e for e in validate_manifest(job, "1.30"))
+    # KubeRay 1.2.2's CRD embeds an older pod schema, which lacks it too: its API server would drop it.
+    assert validate_manifest(job, latest_version()) == [
+        "RayJob/grpo-train: spec.rayClusterSpec.headGroupSpec.template.spec.resources: unknown field (did you mean "
+        "'resourceClaims'?) (the kuberay v1.2.2 CRD)"]
+    assert any("template.spec.resources: unknown field" in e and "CRD" not in e
+               for e in validate_manifest(job, "1.30"))
 
 
 def _deployment() -> dict:
@@ -233,8 +283,9 @@ def test_service_monitor_and_pod_monitor():
 def test_unknown_kinds_and_malformed_objects_fail():
     [error] = validate_manifest({"apiVersion": "example.com/v1", "kind": "Widget", "metadata": {"name": "w"}})
     assert error.startswith("Widget/w: <root>: no schema for apiVersion 'example.com/v1' kind 'Widget'")
-    # A known custom kind under a version that the CRDs do not define is unknown too.
-    assert "no schema" in validate_manifest({**_rayjob(), "apiVersion": "ray.io/v1alpha1"})[0]
+    # A known custom kind under a version that the CRDs do not define is unknown too (KubeRay's define v1 and
+    # v1alpha1).
+    assert "no schema" in validate_manifest({**_rayjob(), "apiVersion": "ray.io/v2"})[0]
     assert validate_manifest({"kind": "ConfigMap", "metadata": {"name": "x"}}) == [
         "ConfigMap/x: apiVersion and kind must be non-empty strings"]
     assert validate_manifest(["not", "a", "mapping"]) == ["<no kind>/<no name>: a manifest must be a mapping, not list"]
@@ -285,21 +336,38 @@ def test_validate_documents_reads_helm_template_output():
     assert validate_documents("a: [1") == ["YAML: expected ',' or ']', but got '<stream end>' at line 1 of the input"]
 
 
-def _crd_documents() -> list[tuple[str, dict]]:
-    return [(path.name, doc) for path in sorted(CRD_DIR.glob("*.yaml"))
-            for doc in yaml.safe_load_all(path.read_text()) if doc]
+def _crd_documents() -> list[tuple[Path, dict]]:
+    return [(path, doc) for path in sorted(CRD_DIR.rglob("*.yaml"))
+            for doc in yaml.load_all(path.read_text(), Loader=yaml.CSafeLoader) if doc]
 
 
-def test_crd_files_are_valid_structural_crds_written_for_the_project():
+KUBERAY = CRD_DIR / "kuberay"
+
+
+def test_crd_files_are_valid_structural_crds():
+    """The Prometheus operator's CRDs are written for the project (their headers say so); KubeRay's RayJob CRDs are
+    KubeRay's own, of the oldest and newest release the chart supports, unmodified (their git blob ids are KubeRay's,
+    as its NOTICE beside them says) and under its licence."""
     documents = _crd_documents()
-    assert {doc["spec"]["names"]["kind"] for _, doc in documents} == {"RayJob", "ServiceMonitor", "PodMonitor"}
-    assert set(custom_resource_schemas()) == {("ray.io/v1", "RayJob"), ("monitoring.coreos.com/v1", "ServiceMonitor"),
+    assert sorted((doc["spec"]["names"]["kind"], path.parent.name) for path, doc in documents) == [
+        ("PodMonitor", "crds"), ("RayJob", "v1.2.2"), ("RayJob", "v1.7.0"), ("ServiceMonitor", "crds")]
+    assert set(custom_resource_schemas()) == {("ray.io/v1", "RayJob"), ("ray.io/v1alpha1", "RayJob"),
+                                              ("monitoring.coreos.com/v1", "ServiceMonitor"),
                                               ("monitoring.coreos.com/v1", "PodMonitor")}
-    for name, crd in documents:
-        assert "not a copy" in (CRD_DIR / name).read_text().split("apiVersion:")[0], name  # the header says so
+    assert [release for release, _ in custom_resource_schemas()[("ray.io/v1", "RayJob")]] == [
+        "kuberay v1.2.2", "kuberay v1.7.0"]
+    notice = (KUBERAY / "NOTICE").read_text()
+    assert "Apache License, Version 2.0" in (KUBERAY / "LICENSE").read_text()
+    for path, crd in documents:
+        if path.is_relative_to(KUBERAY):
+            blob = subprocess.run(["git", "hash-object", str(path)], capture_output=True, text=True, check=True)
+            assert f"{path.relative_to(KUBERAY)}  github.com/ray-project/kuberay, tag {path.parent.name}" in notice
+            assert f"git blob {blob.stdout.strip()}" in notice, path
+        else:
+            assert "not a copy" in path.read_text().split("apiVersion:")[0], path  # the header says so
         kubernetes_validate.validate(crd, latest_version(), strict=True)
         for version in crd["spec"]["versions"]:
-            _assert_structural(version["schema"]["openAPIV3Schema"], f"{name}:{version['name']}")
+            _assert_structural(version["schema"]["openAPIV3Schema"], f"{path.name}:{version['name']}")
 
 
 def _assert_structural(node: dict, where: str) -> None:
@@ -310,7 +378,7 @@ def _assert_structural(node: dict, where: str) -> None:
         return
     assert "type" in node, where
     if node["type"] == "object" and not node.get("x-kubernetes-preserve-unknown-fields") and where.count("/") > 0 \
-            and not where.endswith(":v1/metadata"):  # the root metadata: the API server's ObjectMeta
+            and where.split("/")[1:] != ["metadata"]:  # the root metadata: the API server's ObjectMeta
         assert "properties" in node or "additionalProperties" in node, where
     for key, sub in node.get("properties", {}).items():
         _assert_structural(sub, f"{where}/{key}")

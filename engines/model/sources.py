@@ -275,8 +275,8 @@ def _hub_checksum(f) -> str:
 # ---- S3 and GCS (its S3-compatible XML API) ---------------------------------------------------------------------
 
 
-def _client(src: Source):
-    """A boto3 S3 client for ``src``'s store, configured from the environment."""
+def store_client(src: Source):
+    """A boto3 S3 client for ``src``'s store (S3, or GCS's XML API), configured from the environment."""
     try:
         import boto3
         from botocore.config import Config
@@ -304,7 +304,7 @@ def _fetch_store(src: Source, dest: Path, log: Log) -> dict[str, dict]:
     """Download every object under ``src``'s prefix into ``dest``, in parallel, each checked; see ``_get_object``."""
     from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
 
-    client = _client(src)
+    client = store_client(src)
     prefix = f"{src.ref}/" if src.ref else ""
     try:
         objects = {}

@@ -4,16 +4,6 @@
 {{- .Release.Name | trunc 40 | trimSuffix "-" -}}
 {{- end -}}
 
-{{/* KubeRay names the Ray cluster's Services after the RayJob: a DNS-1035 label (a letter first). */}}
-{{- define "rl.checkName" -}}
-{{- if not (regexMatch "^[a-z]([-a-z0-9]*[a-z0-9])?$" .Release.Name) -}}
-{{- fail (printf "release name %q: must start with a lower-case letter and hold only a-z, 0-9 and '-' (KubeRay names the RayJob's Services after it, and Service names are DNS-1035 labels); rl launch --name NAME picks another" .Release.Name) -}}
-{{- end -}}
-{{- if gt (len .Release.Name) 40 -}}
-{{- fail (printf "release name %q: at most 40 characters (KubeRay adds suffixes to the RayJob's name)" .Release.Name) -}}
-{{- end -}}
-{{- end -}}
-
 {{- define "rl.runName" -}}
 {{- default .Release.Name .Values.run.name -}}
 {{- end -}}
@@ -57,30 +47,10 @@ colocated-rl/run: {{ .Release.Name }}
 {{- max 1 (floor $n | int) -}}
 {{- end -}}
 
-{{/* /dev/shm is memory-backed and counts against the pod's memory limit. */}}
-{{- define "rl.checkShm" -}}
-{{- if ge (include "rl.bytes" .shm | int64) (include "rl.bytes" .memory | int64) -}}
-{{- fail (printf "%s.shmSize %s must be less than %s.memory %s: /dev/shm is memory-backed and counts against the pod's memory limit" .where .shm .where .memory) -}}
-{{- end -}}
-{{- end -}}
-
-{{/* ReadWriteOnce storage is attached to one node: every Ray pod must be able to go to the head's, and one node
-     holds at most one GPU pod's worth of GPUs (the head itself is a CPU pod and may land on a CPU node). */}}
-{{- define "rl.checkStorage" -}}
-{{- if eq .Values.storage.accessMode "ReadWriteOnce" -}}
-{{- $gpuPods := 0 -}}
-{{- range .Values.workerGroups -}}
-{{- if gt (int .gpus) 0 }}{{ $gpuPods = add $gpuPods .replicas }}{{ end -}}
-{{- end -}}
-{{- if gt (int $gpuPods) 1 -}}
-{{- fail (printf "storage.accessMode ReadWriteOnce attaches the run volume to one node, so all %d GPU worker pods would have to share the head's node and all but one stay Pending: set storage.accessMode=ReadWriteMany with a storageClassName (or existingClaim) that offers it (NFS, EFS, Filestore, Azure Files, CephFS, Lustre)" (int $gpuPods)) -}}
-{{- end -}}
-{{- range $i, $g := .Values.workerGroups -}}
-{{- if not (deepEqual ($g.nodeSelector | default dict) ($.Values.head.nodeSelector | default dict)) -}}
-{{- fail (printf "storage.accessMode ReadWriteOnce puts every Ray pod on the head's node (the volume attaches to one node), but workerGroups[%d].nodeSelector %s differs from head.nodeSelector %s: set storage.accessMode=ReadWriteMany with a storage class or existingClaim that offers it (NFS, EFS, Filestore, Azure Files, CephFS)" $i (toJson ($g.nodeSelector | default dict)) (toJson ($.Values.head.nodeSelector | default dict))) -}}
-{{- end -}}
-{{- end -}}
-{{- end -}}
+{{/* A CPU quantity ("2", "500m", "1.5") in millicores. */}}
+{{- define "rl.millicores" -}}
+{{- $q := toString . -}}
+{{- ternary (trimSuffix "m" $q | float64) (mulf (float64 $q) 1000) (hasSuffix "m" $q) | floor | int64 -}}
 {{- end -}}
 
 {{/* A worker group's affinity: its own, plus (ReadWriteOnce storage) the head's node. */}}
@@ -93,6 +63,13 @@ colocated-rl/run: {{ .Release.Name }}
 {{- $term := dict "topologyKey" "kubernetes.io/hostname" "labelSelector" (dict "matchLabels" $head) -}}
 {{- $_ := set $pa "requiredDuringSchedulingIgnoredDuringExecution" (append $req $term) -}}
 {{- $_ = set $aff "podAffinity" $pa -}}
+{{- end -}}
+{{- if .group.hostNetwork -}}{{/* Ray's fixed ports on the node's network: one such pod per node, of any run */}}
+{{- $pa := get $aff "podAntiAffinity" | default dict -}}
+{{- $req := get $pa "requiredDuringSchedulingIgnoredDuringExecution" | default list -}}
+{{- $term := dict "topologyKey" "kubernetes.io/hostname" "namespaceSelector" dict "labelSelector" (dict "matchLabels" (dict "colocated-rl/host-network" "true")) -}}
+{{- $_ := set $pa "requiredDuringSchedulingIgnoredDuringExecution" (append $req $term) -}}
+{{- $_ = set $aff "podAntiAffinity" $pa -}}
 {{- end -}}
 {{- if $aff }}{{ toYaml $aff }}{{ end -}}
 {{- end -}}
@@ -108,6 +85,25 @@ serviceAccountName: {{ . }}
 {{- end }}
 {{- with .Values.scheduling.priorityClassName }}
 priorityClassName: {{ . }}
+{{- end }}
+{{- with .Values.scheduling.schedulerName }}
+schedulerName: {{ . }}
+{{- end }}
+{{- end -}}
+
+{{/* Annotations of every Ray pod: Karpenter and the cluster autoscaler leave its node alone while the run lives
+     (a drain or consolidation would stop all of it), and scrape annotations for the given port. Called with root
+     and port. */}}
+{{- define "rl.rayPodAnnotations" -}}
+{{- $v := .root.Values -}}
+{{- if $v.metrics.scrapeAnnotations }}
+prometheus.io/scrape: "true"
+prometheus.io/port: {{ .port | quote }}
+prometheus.io/path: /metrics
+{{- end }}
+{{- if $v.disruption.doNotDisrupt }}
+karpenter.sh/do-not-disrupt: "true"
+cluster-autoscaler.kubernetes.io/safe-to-evict: "false"
 {{- end }}
 {{- end -}}
 
@@ -131,8 +127,29 @@ priorityClassName: {{ . }}
 {{- printf "\"{\\\"rl_worker\\\": %s}\"" (include "rl.podWorkers" .) -}}
 {{- end -}}
 
+{{/* An image reference: repository@digest where a digest is given (the build itself, whatever its tag points at
+     later), else repository:tag. Called with a dict of repository, tag, digest. */}}
+{{- define "rl.imageRef" -}}
+{{- if .digest -}}
+{{- printf "%s@%s" .repository .digest -}}
+{{- else -}}
+{{- printf "%s:%s" .repository .tag -}}
+{{- end -}}
+{{- end -}}
+
 {{- define "rl.image" -}}
-{{- printf "%s:%s" .Values.image.repository .Values.image.tag -}}
+{{- include "rl.imageRef" .Values.image -}}
+{{- end -}}
+
+{{/* The image whose init container copies the sandbox agent into every session pod, and its pull policy: its own
+     (sandbox.pods.agentImage) or the run's. */}}
+{{- define "rl.agentImage" -}}
+{{- $a := .Values.sandbox.pods.agentImage -}}
+{{- if $a.repository -}}
+{{- include "rl.imageRef" $a -}}
+{{- else -}}
+{{- include "rl.image" . -}}
+{{- end -}}
 {{- end -}}
 
 {{/* The sandbox service's pods carry the label its pod backend's NetworkPolicy admits. */}}
@@ -210,13 +227,17 @@ app.kubernetes.io/instance: {{ .Release.Name }}
   value: {{ printf "%s/cache" $v.storage.mountPath | quote }}
 - name: RL_WORKER_SLOTS  # place workers by the pods' rl_worker slots, also while worker pods are still joining
   value: "1"
+{{- if $v.logging.rayToStderr }}
+- name: RAY_LOG_TO_STDERR  # Ray's own logs to the container's stderr: the cluster's log collector ships them
+  value: "1"
+{{- end }}
 {{- if $v.model.source }}
 - name: RL_MODEL_CACHE  # the head's init container downloaded model.source here
   value: {{ include "rl.modelCache" .root | quote }}
 {{- end }}
 {{- if $v.sandbox.enabled }}
 - name: RL_SANDBOX_TOKEN  # the sandbox service admits only calls that carry it
-  valueFrom: {secretKeyRef: {name: {{ include "rl.sandboxTokenSecret" .root }}, key: token}}
+  valueFrom: {secretKeyRef: {name: {{ $v.sandbox.tokenSecret | default (include "rl.sandboxTokenSecret" .root) }}, key: token}}
 {{- end }}
 {{- with $v.run.env }}
 {{ toYaml . }}
@@ -248,6 +269,12 @@ capabilities:
   {{- end }}
 {{- end -}}
 
+{{/* The labels the service puts on its session pods (and owner leases): the run's name and namespace. */}}
+{{- define "rl.sessionLabels" -}}
+colocated-rl/run: {{ .Release.Name }}
+colocated-rl/run-namespace: {{ .Release.Namespace }}
+{{- end -}}
+
 {{- define "rl.sandboxTokenSecret" -}}
 {{- printf "%s-sandbox-token" (include "rl.fullname" .) -}}
 {{- end -}}
@@ -271,11 +298,38 @@ podSelector:
     - {key: app.kubernetes.io/component, operator: In, values: [ray-head, ray-worker, ray-submitter]}
 {{- end -}}
 
+{{/* Whether a worker group uses the node's network. */}}
+{{- define "rl.hostNetwork" -}}
+{{- $any := false -}}
+{{- range .Values.workerGroups }}{{ if .hostNetwork }}{{ $any = true }}{{ end }}{{ end -}}
+{{- if $any }}true{{ end -}}
+{{- end -}}
+
+{{/* A rule's `from` (or `to`) items for the nodes' addresses, where hostNetwork workers' traffic comes from. */}}
+{{- define "rl.nodePeers" -}}
+{{- range .Values.networkPolicy.nodeCIDRs }}
+- ipBlock: {cidr: {{ . }}}
+{{- end }}
+{{- end -}}
+
+{{/* An ingress rule admitting metrics.scrapeFrom (any source where empty) to the given ports. Called with root and
+     ports. */}}
+{{- define "rl.metricsIngress" -}}
+- ports:
+    {{- range .ports }}
+    - {protocol: TCP, port: {{ . }}}
+    {{- end }}
+  {{- with .root.Values.metrics.scrapeFrom }}
+  from:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+{{- end -}}
+
 {{/* Volumes every Ray pod mounts: the run config, the run storage, /dev/shm, the model claim. */}}
 {{- define "rl.rayVolumes" -}}
 - name: run-config
   configMap:
-    name: {{ include "rl.fullname" .root }}-config
+    name: {{ include "rl.configName" .root }}
 - name: data
   persistentVolumeClaim:
     claimName: {{ include "rl.claimName" .root }}
@@ -331,14 +385,13 @@ ports:
   - {protocol: TCP, port: 53}
 {{- end -}}
 
-
 {{/* The Ray pods' and the submitter's service account: the one named in scheduling.serviceAccountName, else, with a
      sandbox, the chart's own (its only right: scaling the sandbox's Deployment at the run's end), else none (the
      namespace's default). */}}
 {{- define "rl.runServiceAccount" -}}
 {{- if .Values.scheduling.serviceAccountName -}}
 {{- .Values.scheduling.serviceAccountName -}}
-{{- else if .Values.sandbox.enabled -}}
+{{- else if or .Values.sandbox.enabled (gt (int .Values.rayJob.activeDeadlineSeconds) 0) -}}
 {{- printf "%s-run" (include "rl.fullname" .) -}}
 {{- end -}}
 {{- end -}}

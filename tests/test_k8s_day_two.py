@@ -1,0 +1,337 @@
+"""What the chart's pods run on day two (issue 44), run here: launch.sh under bash (rl and python3 replaced by
+stand-ins that record their calls), the init containers' and preStop's shell commands, the image check with this
+machine's Ray, the run's deadline and `rl launch`'s operator check against ``KubeApiStandIn`` (a test double of the
+Kubernetes API server, since none can run here), the pod backend's NetworkPolicy check and owner leases, and the
+session namespace's ValidatingAdmissionPolicy evaluated by a CEL interpreter (cel-python) on the pods the real pod
+backend builds."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import celpy
+import pytest
+import ray
+import yaml
+
+from rl.cli import main as rl_main
+from rl.errors import CommandFailed
+from rl.launch import CHART, Kube, seconds_left
+from sandbox import k8s_manifests as m
+from sandbox.backend import Limits, SandboxError
+from sandbox.k8s_leases import OwnerLease
+from sandbox.kubernetes import KubernetesBackend
+from sandbox.options import KubernetesOptions
+from tests.k8s_policy import pod_templates
+from tests.kube_standin import KubeApiStandIn
+from tests.test_helm_chart import HELM, QUICKSTART, helm, one, render, run_configmap
+from tests.test_k8s_commands import kubeconfig, rayjob
+
+pytestmark = pytest.mark.skipif(HELM is None, reason="helm is not installed (make setup installs it)")
+ROOT = Path(__file__).resolve().parents[1]
+RAYJOBS = "apis/ray.io/v1/rayjobs"
+
+
+def head_spec(docs: list[dict]) -> dict:
+    return dict(pod_templates(docs))["ray-head"]["spec"]
+
+
+def init_command(docs: list[dict], name: str, where: str = "ray-head") -> list[str]:
+    spec = dict(pod_templates(docs))[where]["spec"]
+    return next(i["command"] for i in spec["initContainers"] if i["name"] == name)
+
+
+def stand_ins(tmp_path: Path, deadline: int = 100000) -> tuple[dict, Path]:
+    """A PATH whose rl and python3 record their calls in CALLS (rl train prints a line and exits TRAIN_STATUS; the
+    deadline answers ``deadline``)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    (bin_dir / "rl").write_text('#!/bin/bash\necho "rl $*" >> "$CALLS"\n[ "$1" = train ] && '
+                                '{ echo "iter 0 reward 0.25"; exit "${TRAIN_STATUS:-0}"; }\nexit 0\n')
+    (bin_dir / "python3").write_text(f'#!/bin/bash\necho "python3 $*" >> "$CALLS"\n'
+                                     f'[ "$3" = deadline ] && echo {deadline}\nexit 0\n')
+    for tool in ("rl", "python3"):
+        (bin_dir / tool).chmod(0o755)
+    calls = tmp_path / "calls"
+    return {"PATH": f"{bin_dir}:/usr/bin:/bin", "CALLS": str(calls)}, calls
+
+
+def bash(script: str, env: dict, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, timeout=timeout)
+
+
+# --- launch.sh ------------------------------------------------------------------------------------------------------
+
+def test_d15_d6_launch_sh_guards_its_run_directory_and_keeps_each_attempts_console(tmp_path):
+    """Two releases given one run directory (the example's fixed run.name): the second is refused before it trains,
+    naming the first. Each attempt's console is kept on the claim; a stale stop request and the .running marker go."""
+    data = tmp_path / "data"
+    script = run_configmap(render(sets=(f"storage.mountPath={data}", "run.name=shared")))["data"]["launch.sh"]
+    env, calls = stand_ins(tmp_path)
+    run_dir = data / "runs" / "shared"
+    run_dir.mkdir(parents=True)
+    (run_dir / "stop-requested").write_text("left by a pod of an earlier attempt\n")
+    proc = bash(script, env)
+    assert proc.returncode == 0, proc.stderr
+    assert (run_dir / ".owner").read_text() == "rl/myrun\n"
+    [log] = (run_dir / "logs").glob("attempt-*.log")
+    assert "iter 0 reward 0.25" in log.read_text()
+    assert not (run_dir / "stop-requested").exists() and not (run_dir / ".running").exists()
+    other = helm("template", "other", str(CHART), "-n", "rl", "--set-file", f"runConfig={QUICKSTART}", "--set",
+                 f"storage.mountPath={data}", "--set", "run.name=shared").stdout
+    script = next(d for d in yaml.safe_load_all(other) if d and d["kind"] == "ConfigMap")
+    calls.unlink()
+    proc = bash(script["data"]["launch.sh"], env)
+    assert proc.returncode == 1 and f"run directory {run_dir} belongs to run rl/myrun" in proc.stderr
+    assert not calls.exists()  # nothing ran
+    assert bash(run_configmap(render(sets=(f"storage.mountPath={data}", "run.name=shared")))["data"]["launch.sh"],
+                env).returncode == 0  # its own run again (a retry, rl launch --replace)
+
+
+def test_d18_launch_sh_stops_a_run_past_its_deadline_and_bounds_the_attempt(tmp_path):
+    data = tmp_path / "data"
+    script = run_configmap(render(sets=(f"storage.mountPath={data}", "rayJob.activeDeadlineSeconds=600",
+                                        "sandbox.enabled=false")))["data"]["launch.sh"]
+    env, calls = stand_ins(tmp_path, deadline=-5)
+    proc = bash(script, env)  # its messages go to the attempt's console: the job's log, and the log on the claim
+    assert proc.returncode == 1 and "deadline (rayJob.activeDeadlineSeconds 600 s from its first attempt) has passed" \
+        in proc.stdout
+    assert calls.read_text().splitlines() == [
+        f"python3 -m rl.launch deadline myrun --namespace rl --limit 600 --run-dir {data}/runs/myrun"]
+    env, calls = stand_ins(tmp_path, deadline=1)
+    (tmp_path / "bin" / "rl").write_text("#!/bin/bash\nexec sleep 30\n")  # a run that would outlive its deadline
+    t0 = time.monotonic()
+    proc = bash(script, env)
+    assert proc.returncode == 124 and time.monotonic() - t0 < 20  # timeout's status: the attempt failed
+
+
+def test_d11_launch_sh_uploads_the_newest_checkpoint_always_and_final_on_success(tmp_path):
+    data = tmp_path / "data"
+    sets = (f"storage.mountPath={data}", "storage.export.uri=gs://results/run", "storage.export.checkpoints=true",
+            "model.credentialsSecret=creds", "sandbox.enabled=false")
+    script = run_configmap(render(sets=sets))["data"]["launch.sh"]
+    run_dir = data / "runs" / "myrun"
+    for status in (0, 1):
+        env, calls = stand_ins(tmp_path)
+        calls.unlink(missing_ok=True)
+        assert bash(script, {**env, "TRAIN_STATUS": str(status)}).returncode == status
+        ckpt = (f"python3 -m engines.model.uploads --newest-checkpoint {run_dir}/checkpoints gs://results/run/checkpoints"
+                " --credentials-dir /var/run/rl-export")
+        final = f"python3 -m engines.model.uploads {run_dir}/final gs://results/run/final --credentials-dir " \
+                "/var/run/rl-export"
+        assert calls.read_text().splitlines()[1:] == [ckpt, *([final] if status == 0 else [])]
+
+
+# --- the pods' shell commands ---------------------------------------------------------------------------------------
+
+def test_d2_a_worker_whose_memlock_is_not_unlimited_stops_with_one_line():
+    docs = render(sets=("workerGroups[0].name=w", "workerGroups[0].replicas=1", "workerGroups[0].cpu=2000m",
+                        "workerGroups[0].memory=16Gi", "workerGroups[0].memlock=node"))
+    cmd = init_command(docs, "check-memlock", "ray-worker w")
+    proc = subprocess.run(["sh", "-c", f"ulimit -l 64; exec {shlex.join(cmd)}"], capture_output=True,
+                          text=True, env={"PATH": "/usr/bin:/bin", "NODE_NAME": "gpu-3"})
+    assert proc.returncode == 1 and proc.stderr.count("\n") == 1
+    assert "RLIMIT_MEMLOCK is 64 KiB on node gpu-3, not unlimited" in proc.stderr
+    assert "LimitMEMLOCK=infinity" in proc.stderr
+
+
+def test_d12_the_head_stops_on_a_volume_uid_1000_cannot_write():
+    if os.geteuid() != 0 or shutil.which("setpriv") is None:
+        pytest.skip("needs root and setpriv to try the check as another uid")
+    base = Path(tempfile.mkdtemp(prefix="rl-k8s-volume-", dir="/tmp"))
+    try:
+        base.chmod(0o755)
+        volume = base / "data"
+        volume.mkdir(mode=0o755)  # root's, as an NFS export that ignores fsGroup
+        cmd = init_command(render(sets=(f"storage.mountPath={volume}",)), "check-volume")
+        as_nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", *cmd]
+        proc = subprocess.run(as_nobody, capture_output=True, text=True)
+        assert proc.returncode == 1 and "not writable by uid 65534 (owner: 0:0)" in proc.stderr
+        assert "set storage.fixOwnership=true" in proc.stderr and proc.stderr.count("\n") == 1
+        os.chown(volume, 65534, 65534)  # what the volume-owner init container does for uid 1000
+        assert subprocess.run(as_nobody, capture_output=True, text=True).returncode == 0
+    finally:
+        shutil.rmtree(base)
+
+
+def test_d9_the_head_stops_when_the_image_has_another_ray_than_ray_version():
+    for version, status in ((ray.__version__, 0), ("2.49.0", 1)):
+        cmd = init_command(render(sets=(f"rayJob.rayVersion={version}",)), "check-image")
+        proc = subprocess.run([sys.executable, *cmd[1:]], capture_output=True, text=True)
+        assert proc.returncode == status, proc.stderr
+    assert f"the image colocated-rl:cpu has Ray {ray.__version__}, rayJob.rayVersion says 2.49.0" in proc.stderr
+
+
+def test_d6_prestop_asks_the_run_for_a_checkpoint_and_waits_while_it_lives(tmp_path):
+    data = tmp_path / "data"
+    cmd = head_spec(render(sets=(f"storage.mountPath={data}",)))["containers"][0]["lifecycle"]["preStop"]["exec"][
+        "command"]
+    run_dir = data / "runs" / "myrun"
+    run_dir.mkdir(parents=True)
+    t0 = time.monotonic()
+    assert subprocess.run(cmd, timeout=30).returncode == 0 and time.monotonic() - t0 < 5
+    assert not (run_dir / "stop-requested").exists()  # no run: nothing asked, nothing waited for
+    for answer in ("stop-requested", ".running"):  # the run checkpointed and answered, or it ended
+        (run_dir / ".running").touch()
+
+        def run_answers(name: str = answer) -> None:
+            while not (run_dir / "stop-requested").exists():
+                time.sleep(0.05)
+            request = (run_dir / "stop-requested").read_text()
+            assert request.split()[0] == os.uname().nodename
+            time.sleep(1)
+            (run_dir / name).unlink()
+
+        thread = threading.Thread(target=run_answers)
+        thread.start()
+        t0 = time.monotonic()
+        assert subprocess.run(cmd, timeout=60).returncode == 0
+        thread.join()
+        assert 1 <= time.monotonic() - t0 < 10
+        (run_dir / "stop-requested").unlink(missing_ok=True)
+        (run_dir / ".running").unlink(missing_ok=True)
+
+
+# --- the API: deadline, operator, backend ---------------------------------------------------------------------------
+
+@pytest.fixture
+def api(tmp_path, monkeypatch):
+    with KubeApiStandIn() as standin:
+        kubeconfig(tmp_path, monkeypatch, standin.url)
+        yield standin
+
+
+def test_d18_the_deadline_counts_from_the_first_attempt_of_a_rayjob(api, tmp_path):
+    api.seed(RAYJOBS, rayjob("quickstart"))
+    kube = Kube("rl")
+    assert seconds_left("quickstart", 600, tmp_path, kube=kube, now=1000.0) == 600
+    assert seconds_left("quickstart", 600, tmp_path, kube=kube, now=1450.0) == 150  # a retry: the same origin
+    api.objects.pop((RAYJOBS, "rl", "quickstart"))
+    with pytest.raises(CommandFailed, match="no RayJob rl/quickstart"):
+        seconds_left("quickstart", 600, tmp_path, kube=kube)
+    api.seed(RAYJOBS, rayjob("quickstart"))  # rl launch --replace: a new RayJob, a new uid, a fresh limit
+    assert seconds_left("quickstart", 600, tmp_path, kube=kube, now=5000.0) == 600
+    proc = subprocess.run([sys.executable, "-m", "rl.launch", "deadline", "quickstart", "-n", "rl", "--limit", "600",
+                           "--run-dir", str(tmp_path)], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0 and int(proc.stdout) < -3000  # counted from 5000 s after the epoch
+    proc = subprocess.run([sys.executable, "-m", "rl.launch", "deadline", "gone", "--limit", "60", "--run-dir",
+                           str(tmp_path)], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 1 and proc.stderr.startswith("error: no RayJob rl/gone")
+
+
+def test_d1_rl_launch_refuses_an_operator_namespace_where_no_operator_runs(api, capsys):
+    """The head admits the operator from head.networkPolicy.operatorNamespace only; one named wrong would leave the
+    RayJob without a status: rl launch looks where the operator's pods are."""
+    labels = {"app.kubernetes.io/name": "kuberay-operator"}
+    operator = {"apiVersion": "v1", "kind": "Pod",
+                "metadata": {"name": "kuberay-operator-0", "namespace": "kuberay", "labels": labels},
+                "spec": {"containers": [{"name": "c", "image": "i"}]}, "status": {"phase": "Running"}}
+    api.seed("api/v1/pods", operator)
+    assert rl_main(["launch", "--k8s", str(QUICKSTART), "-n", "rl"]) == 2
+    err = capsys.readouterr().err
+    assert "head.networkPolicy.operatorNamespace is default, but the KubeRay operator's pods" in err
+    assert "run in kuberay" in err and (RAYJOBS, "rl", "quickstart") not in api.objects
+
+
+def _session_backend(api: KubeApiStandIn, namespace: str) -> KubernetesBackend:
+    options = KubernetesOptions(namespace=namespace, agent_image="rl-runtime:test", default_image="task:default",
+                                runtime_class="none", labels={"colocated-rl/run": "myrun",
+                                                              "colocated-rl/run-namespace": "rl"})
+    return KubernetesBackend(options=options, api_client=api.api_client(), reap_interval_s=0, ready_timeout_s=20)
+
+
+def test_d5_the_backend_runs_sessions_under_the_charts_policy_and_makes_none(api):
+    """The chart's Role lets the service read NetworkPolicies, not make them: the backend finds the chart's and
+    starts sessions; with none there, it starts none."""
+    docs = render()
+    [policy] = [d for d in docs if d["kind"] == "NetworkPolicy" and d["metadata"].get("namespace")]
+    api.forbidden.add(("POST", "networkpolicies"))
+    backend = _session_backend(api, policy["metadata"]["namespace"])
+    try:
+        with pytest.raises(SandboxError, match="no NetworkPolicy in rl-myrun-sandbox denies"):
+            backend.create_session()
+        assert api.count("POST") == 0  # no pod without the policy
+        api.policies[(policy["metadata"]["namespace"], policy["metadata"]["name"])] = policy
+        session = backend.create_session()
+        assert session.exec(["echo", "ok"], Limits()).stdout == b"ok\n"
+        assert api.count("POST") == 1 and [r.method for r in api.requests if r.resource == "networkpolicies"] == [
+            "GET", "POST", "GET"]  # listed, the create refused (403), listed again: found
+    finally:
+        backend.close()
+
+
+def test_d4_an_expired_lease_is_collected_only_by_replicas_of_the_same_run(api):
+    """Leases (and the pods they stand for) of a run of the same name in another namespace are not its own."""
+    labels = {"colocated-rl/run": "myrun"}
+    dead = OwnerLease(api.api_client(), "sessions", "a-0", {**labels, "colocated-rl/run-namespace": "team-a"}, 1)
+    dead.renew()
+    time.sleep(2.2)
+    collected: list[str] = []
+    other = OwnerLease(api.api_client(), "sessions", "b-0", {**labels, "colocated-rl/run-namespace": "team-b"}, 60)
+    assert other.collect_orphans(lambda owner: collected.append(owner) or 0) == 0 and collected == []
+    mate = OwnerLease(api.api_client(), "sessions", "a-1", {**labels, "colocated-rl/run-namespace": "team-a"}, 60)
+    mate.collect_orphans(lambda owner: collected.append(owner) or 3)
+    assert collected == ["a-0"]
+
+
+# --- the admission policy -------------------------------------------------------------------------------------------
+
+def _admits(vap: dict, pod: dict, user: str) -> list[str]:
+    """The messages of the policy's validations that ``pod`` fails when ``user`` creates it ([] : admitted, or not
+    matched), evaluated as the API server does: match conditions, then variables, then validations."""
+    env = celpy.Environment()
+    spec = vap["spec"]
+    activation = {"object": celpy.json_to_cel(pod), "request": celpy.json_to_cel({"userInfo": {"username": user}})}
+    if not all(env.program(env.compile(c["expression"])).evaluate(activation) for c in spec["matchConditions"]):
+        return []
+    variables = {}
+    for v in spec.get("variables", []):
+        variables[v["name"]] = env.program(env.compile(v["expression"])).evaluate(
+            {**activation, "variables": celpy.json_to_cel(variables)})
+    activation["variables"] = celpy.celtypes.MapType({celpy.celtypes.StringType(k): v for k, v in variables.items()})
+    return [v["message"] for v in spec["validations"]
+            if not env.program(env.compile(v["expression"])).evaluate(activation)]
+
+
+def test_d5_the_admission_policy_admits_the_backends_pods_and_nothing_that_reaches_a_secret():
+    docs = render()
+    vap = one(docs, "ValidatingAdmissionPolicy")
+    args = one(docs, "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
+    given = dict(a.removeprefix("--set=sandbox.kubernetes.").split("=", 1) for a in args
+                 if a.startswith("--set=sandbox.kubernetes."))
+    pod = m.sandbox_pod(name="rl-sbx-1", namespace=given["namespace"], session_id="s1", owner="myrun-sandbox-0",
+                        image="python:3.11-slim", agent_image=given["agent_image"], token="t",
+                        labels=json.loads(given["labels"]), runtime_class=given["runtime_class"])
+    service = "system:serviceaccount:rl:myrun-sandbox"
+    assert _admits(vap, pod, service) == []
+    secret_volume = {"name": "s", "secret": {"secretName": "registry-credentials"}}
+    token_volume = {"name": "t", "projected": {"sources": [{"serviceAccountToken": {"path": "token"}}]}}
+    bad = {
+        "a Secret volume": lambda p: p["spec"]["volumes"].append(secret_volume),
+        "a projected token": lambda p: p["spec"]["volumes"].append(token_volume),
+        "a service-account token": lambda p: p["spec"].pop("automountServiceAccountToken"),
+        "another service account": lambda p: p["spec"].update(serviceAccountName="builder"),
+        "a Secret in envFrom": lambda p: p["spec"]["containers"][0].update(envFrom=[{"secretRef": {"name": "x"}}]),
+        "a Secret in env": lambda p: p["spec"]["initContainers"][0].update(
+            env=[{"name": "T", "valueFrom": {"secretKeyRef": {"name": "x", "key": "k"}}}]),
+        "no session label": lambda p: p["metadata"]["labels"].pop(m.MANAGED_BY_LABEL),
+        "privileged": lambda p: p["spec"]["containers"][0]["securityContext"].update(privileged=True),
+        "the node's network": lambda p: p["spec"].update(hostNetwork=True),
+        "the node's kernel": lambda p: p["spec"].pop("runtimeClassName"),
+    }
+    for what, change in bad.items():
+        evil = json.loads(json.dumps(pod))
+        change(evil)
+        assert len(_admits(vap, evil, service)) == 1, what
+        assert _admits(vap, evil, "system:serviceaccount:rl-myrun-sandbox:default") == [], what  # not the service's

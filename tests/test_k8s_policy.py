@@ -1,0 +1,260 @@
+"""The chart's render read as a cluster would enforce it (tests/k8s_policy.py): who may connect to whom under its
+NetworkPolicies, what its Roles grant, which capabilities and images its pods run with, and the disruption budget
+and quota it makes. Every example is checked, and the variants of values that change the policies (egress denied,
+hostNetwork workers). The session pods are the ones the real pod backend builds from the service's arguments."""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import pytest
+
+from rl.launch import CHART
+from sandbox import k8s_manifests as m
+from tests.k8s_policy import Cluster, Endpoint, capability_problems, images, pod_templates, rbac_problems
+from tests.test_helm_chart import EXAMPLES, HELM, QUICKSTART, helm, render
+
+pytestmark = pytest.mark.skipif(HELM is None, reason="helm is not installed (make setup installs it)")
+GPU = CHART / "examples" / "gpu-cluster.yaml"
+GPU_CONFIG = QUICKSTART.parent / "qwen3-8b-gpu.yaml"
+NS = "rl"
+EGRESS = ("networkPolicy.egress.enabled=true", "networkPolicy.egress.apiServerCIDRs={10.0.0.1/32}",
+          "networkPolicy.egress.cidrs={52.216.0.0/15}")
+HOST_NETWORK = ("storage.accessMode=ReadWriteMany", "workerGroups[0].name=workers", "workerGroups[0].replicas=2",
+                "workerGroups[0].cpu=4000m", "workerGroups[0].memory=16Gi", "workerGroups[0].hostNetwork=true",
+                "networkPolicy.nodeCIDRs={10.0.0.0/16}")
+CASES = {
+    "defaults": ((), ()),
+    **{v.stem: ((v,), ()) for v in EXAMPLES},
+    "defaults+egress": ((), EGRESS),
+    "gpu-cluster+egress": ((GPU,), EGRESS),
+    "defaults+hostNetwork": ((), HOST_NETWORK),
+    "defaults+hostNetwork+egress": ((), HOST_NETWORK + EGRESS),
+}
+
+
+@functools.cache
+def _docs(case: str) -> tuple[str, ...]:
+    values, sets = CASES[case]
+    return tuple(json.dumps(d) for d in render(*values, config=GPU_CONFIG if GPU in values else QUICKSTART,
+                                               sets=sets))
+
+
+def docs_of(case: str) -> list[dict]:
+    return [json.loads(d) for d in _docs(case)]
+
+
+def _ports(template: dict) -> dict[str, int]:
+    return {p["name"]: p["containerPort"] for c in template["spec"]["containers"] for p in c.get("ports", [])
+            if "name" in p}
+
+
+class World:
+    """The endpoints of one render: the run's pods as the chart templates them, a session pod as the pod backend
+    builds it, and the others a cluster holds (the KubeRay operator and a pod imitating it, Prometheus, DNS, another
+    run, the API server, the cloud's metadata service, a bucket)."""
+
+    def __init__(self, docs: list[dict]):
+        values_ns = next(d for d in docs if d["kind"] == "NetworkPolicy" and d["metadata"]["name"] == "myrun-ray-head"
+                         ) if any(d["metadata"]["name"] == "myrun-ray-head" for d in docs) else None
+        operator_ns = (values_ns["spec"]["ingress"][1]["from"][0]["namespaceSelector"]["matchLabels"]
+                       ["kubernetes.io/metadata.name"]) if values_ns else "default"
+        self.cluster = Cluster(docs, NS, {"monitoring": {"team": "observability"}})
+        ray = {where: t for where, t in pod_templates(docs) if where.startswith("ray-")}
+        ip = iter(f"10.244.{i}.{j}" for i in range(1, 9) for j in range(2, 250))
+        self.head = self._pod("head", ray["ray-head"], next(ip))
+        self.workers = [self._pod(where, t, f"10.0.1.{i + 5}" if t["spec"].get("hostNetwork") else next(ip))
+                        for i, (where, t) in enumerate(sorted(ray.items())) if where.startswith("ray-worker")]
+        self.submitter = self._pod("submitter", ray["ray-submitter"], next(ip)) if "ray-submitter" in ray else None
+        service = next((d for d in docs if d["kind"] == "Deployment"), None)
+        self.sandbox = self._pod("sandbox", service["spec"]["template"], next(ip)) if service else None
+        args = service["spec"]["template"]["spec"]["containers"][0]["args"] if service else []
+        given = dict(a.removeprefix("--set=sandbox.kubernetes.").split("=", 1) for a in args
+                     if a.startswith("--set=sandbox.kubernetes."))
+        session_ns, labels = given.get("namespace"), json.loads(given.get("labels", "{}"))
+        self.session = self.stray = None
+        if session_ns:
+            pod = m.sandbox_pod(name="rl-sbx-1", namespace=session_ns, session_id="s1", owner="myrun-sandbox-0",
+                                image="python:3.11-slim", agent_image="agent:1", labels=labels)
+            self.session = Endpoint("session", session_ns, next(ip), pod["metadata"]["labels"], ports={"agent": 8000})
+            self.stray = Endpoint("unlabelled pod in the session namespace", session_ns, next(ip), {})
+        operator = {"app.kubernetes.io/name": "kuberay-operator"}
+        self.operator = Endpoint("kuberay operator", operator_ns, next(ip), operator)
+        self.spoofed = Endpoint("a tenant's pod labelled as the operator", "tenant", next(ip), operator)
+        self.prometheus = Endpoint("prometheus", "monitoring", next(ip), {"app.kubernetes.io/name": "prometheus"})
+        self.stranger = Endpoint("a tenant's pod", "tenant", next(ip), {"app": "x"})
+        self.dns = Endpoint("kube-dns", "kube-system", next(ip), {"k8s-app": "kube-dns"})
+        other = dict(self.workers[0].labels, **{"colocated-rl/run": "other", "app.kubernetes.io/instance": "other"})
+        self.other_run = Endpoint("another run's worker", NS, next(ip), other)
+        self.api = Endpoint("API server", None, "10.0.0.1")
+        self.metadata = Endpoint("cloud metadata service", None, "169.254.169.254")
+        self.bucket = Endpoint("a bucket", None, "52.216.8.8")
+
+    @staticmethod
+    def _pod(name: str, template: dict, ip: str) -> Endpoint:
+        return Endpoint(name, NS, ip, template["metadata"]["labels"], bool(template["spec"].get("hostNetwork")),
+                        _ports(template))
+
+    def ray_pods(self) -> list[Endpoint]:
+        return [self.head, *self.workers, *([self.submitter] if self.submitter else [])]
+
+    def ok(self, src: Endpoint, dst: Endpoint, port: int | str, protocol: str = "TCP") -> bool:
+        return self.cluster.allowed(src, dst, port, protocol)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_jobs_api_admits_the_run_and_the_operator_in_its_namespace_only(case):
+    """D1: 8265 runs any code it is sent. A pod labelled as the KubeRay operator in another namespace is refused (a
+    label is set by whoever makes the pod; a namespace's name label by the API server)."""
+    w = World(docs_of(case))
+    assert w.ok(w.operator, w.head, "dashboard")
+    for stranger in (w.spoofed, w.stranger, w.other_run, *filter(None, (w.sandbox, w.session, w.stray))):
+        assert not w.ok(stranger, w.head, "dashboard"), stranger.name
+        assert not w.ok(stranger, w.head, "gcs"), stranger.name
+    for pod in w.ray_pods():
+        assert w.ok(pod, w.head, "gcs") and w.ok(pod, w.head, "dashboard"), pod.name
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_prometheus_reaches_every_scrape_target(case):
+    """D10: the controller's metrics, Ray's own on every Ray pod (they were blocked by the chart's own policies), the
+    sandbox's; with metrics.scrapeFrom, Prometheus only."""
+    docs = docs_of(case)
+    w = World(docs)
+    targets = [(w.head, "rl-metrics"), *((p, "metrics") for p in [w.head, *w.workers])]
+    targets += [(w.sandbox, "metrics")] if w.sandbox else []
+    restricted = bool(CASES[case][0] and CASES[case][0][0] == GPU)  # the GPU example names Prometheus's namespace
+    for pod, port in targets:
+        assert w.ok(w.prometheus, pod, port), (pod.name, port)
+        assert w.ok(w.stranger, pod, port) is not restricted, (pod.name, port)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if "local-sandbox" not in c])
+def test_nothing_in_the_session_namespace_opens_a_connection(case):
+    """D5: the deny-all policy selects every pod of the session namespace, the backend's label or not."""
+    w = World(docs_of(case))
+    for pod in (w.session, w.stray):
+        for dst, port in ((w.head, "dashboard"), (w.head, "gcs"), (w.workers[0], 6379), (w.api, 443),
+                          (w.metadata, 80), (w.bucket, 443), (w.sandbox, "grpc"), (w.stranger, 80)):
+            assert not w.ok(pod, dst, port), (pod.name, dst.name)
+        assert not w.ok(pod, w.dns, 53, "UDP"), pod.name
+    assert w.ok(w.sandbox, w.session, "agent")  # the service drives its sessions
+    assert not w.ok(w.head, w.session, "agent") and not w.ok(w.stranger, w.session, "agent")
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_run_reaches_itself_and_its_sandbox_and_nobody_else_does(case):
+    w = World(docs_of(case))
+    for src in w.ray_pods():
+        for dst in [w.head, *w.workers]:
+            assert w.ok(src, dst, 29500), (src.name, dst.name)  # NCCL (and Ray) pick any port
+    for pod in [w.head, *w.workers]:
+        assert w.ok(pod, w.sandbox, "grpc") if w.sandbox else True
+    if w.sandbox:
+        assert not w.ok(w.other_run, w.sandbox, "grpc") and not w.ok(w.stranger, w.sandbox, "grpc")
+    for worker in w.workers:  # a hostNetwork worker is outside every NetworkPolicy (docs/gpu-cluster.md, section 4)
+        assert w.ok(w.stranger, worker, 29500) is worker.host_network
+        assert w.ok(w.other_run, worker, 29500) is worker.host_network
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if "egress" in c])
+def test_in_egress_mode_the_ray_pods_reach_the_api_server_dns_and_their_bucket(case):
+    """D16: `rl sandbox release` and the run's deadline go through the API server; nothing else leaves."""
+    w = World(docs_of(case))
+    for pod in w.ray_pods():
+        if pod.host_network:
+            continue  # not isolated at all
+        assert w.ok(pod, w.api, 443) and w.ok(pod, w.dns, 53, "UDP") and w.ok(pod, w.bucket, 443), pod.name
+        assert not w.ok(pod, w.metadata, 80) and not w.ok(pod, w.stranger, 80), pod.name
+    assert w.ok(w.sandbox, w.api, 443) and w.ok(w.sandbox, w.session, "agent")
+    assert not w.ok(w.sandbox, w.bucket, 443)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if "hostNetwork" in c])
+def test_host_network_workers_reach_the_head_and_are_reached(case):
+    """D3: their traffic comes from the node's address: admitted by networkPolicy.nodeCIDRs."""
+    w = World(docs_of(case))
+    [worker] = w.workers
+    assert worker.host_network and worker.ip.startswith("10.0.")
+    assert w.ok(worker, w.head, "gcs") and w.ok(w.head, worker, 6380) and w.ok(worker, w.sandbox, "grpc")
+
+
+def test_host_network_is_refused_where_the_policies_would_cut_it():
+    """D3: without networkPolicy.nodeCIDRs the head's and the workers' policies would drop it."""
+    args = ["template", "myrun", str(CHART), "-n", NS, "--set-file", f"runConfig={QUICKSTART}"]
+    for sets in (HOST_NETWORK[:-1], (*HOST_NETWORK[:-1], "head.networkPolicy.enabled=false")):
+        proc = helm(*args, *[x for s in sets for x in ("--set", s)], check=False)
+        assert proc.returncode != 0 and "set networkPolicy.nodeCIDRs" in proc.stderr, proc.stderr
+    off = ("head.networkPolicy.enabled=false", "networkPolicy.workers=false", "sandbox.networkPolicy.enabled=false")
+    assert helm(*args, *[x for s in (*HOST_NETWORK[:-1], *off) for x in ("--set", s)]).returncode == 0
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_rbac_grants_no_wildcard_no_secrets_and_no_network_policy_changes(case):
+    """D5: the session Role could create NetworkPolicies (which add up: egress could be reopened)."""
+    docs = docs_of(case)
+    assert rbac_problems(docs) == []
+    assert not [d for d in docs if d["kind"] in ("ClusterRole", "ClusterRoleBinding")]
+
+
+def test_the_rbac_check_catches_what_it_names():
+    role = {"kind": "Role", "metadata": {"name": "r"}, "rules": [
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["*"]},
+        {"apiGroups": [""], "resources": ["secrets"], "verbs": ["get"]},
+        {"apiGroups": ["networking.k8s.io"], "resources": ["networkpolicies"], "verbs": ["create", "get"]},
+        {"apiGroups": [""], "resources": ["pods/exec"], "verbs": ["create"]},
+        {"apiGroups": ["rbac.authorization.k8s.io"], "resources": ["roles"], "verbs": ["bind"]}]}
+    assert [p.split(": ")[1].split(" ")[0] for p in rbac_problems([role])] == [
+        "a", "Secrets", "changes", "['pods/exec']", "['bind']"]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_no_container_adds_capabilities_it_would_lose(case):
+    """D2: a capability added to a non-root container is gone after its first execve."""
+    for where, t in pod_templates(docs_of(case)):
+        assert capability_problems(t["spec"]) == [], where
+
+
+DIGEST = "sha256:" + "ab" * 32
+AGENT_DIGEST = "sha256:" + "cd" * 32
+
+
+@pytest.mark.parametrize("values", [None, *EXAMPLES], ids=lambda v: v.stem if v else "defaults")
+def test_every_image_is_pinned_by_its_digest_when_one_is_given(values):
+    """D9: the run's pods, its retries, the sandbox service and each session pod's agent run one build."""
+    sets = (f"image.digest={DIGEST}", "sandbox.pods.agentImage.repository=registry.example.com/agent",
+            f"sandbox.pods.agentImage.digest={AGENT_DIGEST}")
+    docs = render(*([values] if values else []), config=GPU_CONFIG if values == GPU else QUICKSTART, sets=sets)
+    found = images(docs)
+    assert found and all(image.endswith("@" + DIGEST) for _, image in found), found
+    service = [d for d in docs if d["kind"] == "Deployment"]
+    args = service[0]["spec"]["template"]["spec"]["containers"][0]["args"] if service else []
+    agent = [a for a in args if a.startswith("--set=sandbox.kubernetes.agent_image=")]
+    assert agent == ([f"--set=sandbox.kubernetes.agent_image=registry.example.com/agent@{AGENT_DIGEST}"]
+                     if "--backend=kubernetes" in args else [])
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_disruption_budget_and_the_session_quota_are_there_when_enabled(case):
+    """D6, D7: a drain waits for the run; the session namespace holds at most the quota's pods."""
+    docs = docs_of(case)
+    w = World(docs)
+    [pdb] = [d for d in docs if d["kind"] == "PodDisruptionBudget"]
+    assert pdb["spec"]["maxUnavailable"] == 0
+    selector = pdb["spec"]["selector"]
+    from sandbox.k8s_manifests import selects
+
+    assert all(selects(selector, p.labels) for p in [w.head, *w.workers])
+    assert not selects(selector, w.sandbox.labels) and not selects(selector, w.other_run.labels)
+    quotas = [d for d in docs if d["kind"] == "ResourceQuota"]
+    if w.session is None:
+        assert quotas == []
+        return
+    [quota] = quotas
+    assert quota["metadata"]["namespace"] == w.session.namespace and int(quota["spec"]["hard"]["pods"]) > 0
+
+
+def test_without_them_when_disabled():
+    off = render(sets=("disruption.podDisruptionBudget=false", "sandbox.pods.quota.enabled=false"))
+    assert not [d for d in off if d["kind"] in ("PodDisruptionBudget", "ResourceQuota")]
