@@ -12,7 +12,8 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -201,9 +202,21 @@ def helm_command(config: Path, release: str, *, namespace: str | None = None, va
     return cmd
 
 
-def launch(config: str, *, values: list[str] = (), sets: list[str] = (), name: str | None = None,
-           namespace: str | None = None, dry_run: bool = False, replace: bool = False, chart: Path = CHART,
-           kube: Kube | None = None, out: TextIO | None = None) -> str:
+@dataclass(frozen=True)
+class LaunchOptions:
+    """What ``rl launch`` is asked besides the run config: values files and ``--set`` overrides of the chart, the
+    release's name and namespace, a dry run (print the manifests), whether to replace a run of the same name."""
+
+    values: Sequence[str] = ()
+    sets: Sequence[str] = ()
+    name: str | None = None
+    namespace: str | None = None
+    dry_run: bool = False
+    replace: bool = False
+
+
+def launch(config: str, options: LaunchOptions | None = None, *, chart: Path = CHART, kube: Kube | None = None,
+           out: TextIO | None = None) -> str:
     """Validate the run config and the chart values, then install the chart (or print it); returns helm's output.
 
     A name whose RayJob exists is refused (KubeRay would not run it again), unless ``replace``: then the old run
@@ -211,25 +224,26 @@ def launch(config: str, *, values: list[str] = (), sets: list[str] = (), name: s
     entrypoint runs ``rl train --auto-resume``, which names it in the run's log)."""
     from rl.config import load_config
 
-    out = out or sys.stdout
+    out, options = out or sys.stdout, options or LaunchOptions()
+    values, sets, namespace = list(options.values), list(options.sets), options.namespace
     cfg = load_config(config)  # a bad config fails here, naming the field, before anything reaches the cluster
     for v in values:
         if not Path(v).is_file():
             raise UserError(f"--values {v}: no such file")
     if not (chart / "Chart.yaml").is_file():
         raise UserError(f"no Helm chart at {chart} (rl launch runs from a source checkout or the runtime image)")
-    release = check_name(name) if name else release_name(cfg.run.name)
+    release = check_name(options.name) if options.name else release_name(cfg.run.name)
     rendered = subprocess.run(helm_command(Path(config), release, namespace=namespace, values=values, sets=sets,
                                            dry_run=True, chart=chart), capture_output=True, text=True)
     if rendered.returncode != 0:  # values that fail the schema or the chart's checks: the user's to fix
         raise UserError(f"helm template failed:\n{rendered.stderr.strip()}")
-    if dry_run:
+    if options.dry_run:
         return rendered.stdout
     kube = kube or Kube(namespace)
     check_operator_namespace(rendered.stdout, kube, out)
     existing = kube.rayjob(release)
     if existing is not None:
-        if not replace:
+        if not options.replace:
             state = describe_rayjob(existing).splitlines()[0].split(": ", 1)[1]
             raise CommandFailed(f"run {release} exists already in namespace {kube.namespace} ({state}); KubeRay "
                                 f"would not run it again. rl launch --replace deletes it and launches anew "
