@@ -56,6 +56,21 @@ class RunConfig(Strict):
                                   "last checkpoint")
     max_restarts: int = Field(3, ge=0, description="recoveries from worker faults (an inference engine replaced in "
                               "place, the workers restarted from the last checkpoint) before the run stops")
+    checkpoint_on_stop: bool = Field(True, description="a stop request (the file stop-requested in the run directory, "
+                                     "which the chart's preStop writes when a pod of the run is going away) is "
+                                     "answered after the iteration: a checkpoint is saved, the file removed and the "
+                                     "run ends with exit status 1, so its retry resumes from that checkpoint")
+    export_uri: str | None = Field(None, description="s3://bucket/prefix or gs://bucket/prefix: the final model goes "
+                                   "to <uri>/final when the run ends (the credentials the model download uses)")
+    export_checkpoints: bool = Field(False, description="with export_uri, every checkpoint also goes to "
+                                     "<uri>/checkpoints/iter_N once it is sealed")
+
+    @field_validator("export_uri")
+    @classmethod
+    def _bucket(cls, v: str | None) -> str | None:
+        if v is not None and not v.startswith(("s3://", "gs://")):
+            raise ValueError("must be s3://bucket/prefix or gs://bucket/prefix")
+        return v
 
 
 class ClusterConfig(Strict):

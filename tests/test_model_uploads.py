@@ -123,3 +123,33 @@ def test_load_credentials_sets_only_variable_names(tmp_path, monkeypatch):
     (tmp_path / "lower-case").write_text("no")
     monkeypatch.delenv("HF_TOKEN", raising=False)
     assert uploads.load_credentials(tmp_path) == ["HF_TOKEN"] and os.environ["HF_TOKEN"] == "hf_x"
+
+
+def test_a_stop_request_checkpoints_exports_and_ends_the_run_so_its_retry_resumes(s3, ray_cluster, tmp_path):
+    """The chart's preStop writes stop-requested in the run directory: after the iteration the run saves a sealed
+    checkpoint (exported with run.export_checkpoints), removes the file and ends with exit status 1; its retry
+    (--auto-resume) goes on from that checkpoint to the end, and the final model reaches object storage too."""
+    import json
+
+    import yaml
+
+    from rl.cli import main as rl_main
+    from rl.loop.checkpoint import list_checkpoints
+    from tests.test_run import TINY
+
+    raw = json.loads(json.dumps(TINY))
+    raw["run"].update(iterations=2, eval_every=10, save_every=10, eval_samples=0, collapse_guard=False,
+                      export_uri="s3://models/runs/stopped", export_checkpoints=True)
+    raw["env"]["num_eval"] = 8
+    config, run = tmp_path / "run.yaml", tmp_path / "run"
+    config.write_text(yaml.safe_dump(raw))
+    run.mkdir()
+    (run / "stop-requested").write_text("node-1 1700000000\n")
+    assert rl_main(["train", str(config), "--run-dir", str(run), "--auto-resume"]) == 1
+    assert [p.name for p in list_checkpoints(run)] == ["iter_000000"] and not (run / "stop-requested").exists()
+    keys = {o["Key"] for o in s3.list_objects_v2(Bucket="models", Prefix="runs/stopped/")["Contents"]}
+    assert f"runs/stopped/checkpoints/iter_000000/{SHA256SUMS}" in keys
+    assert rl_main(["train", str(config), "--run-dir", str(run), "--auto-resume"]) == 0
+    assert [json.loads(x)["iteration"] for x in (run / "metrics.jsonl").read_text().splitlines()] == [0, 1]
+    got = fetch_model("s3://models/runs/stopped/final", tmp_path / "cache")
+    assert (got / "model.safetensors").read_bytes() == (run / "final" / "model.safetensors").read_bytes()

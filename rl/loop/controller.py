@@ -22,7 +22,7 @@ from engines.model.hf_io import read_config
 from engines.model.tokenizer import TextTokenizer
 from rl.algo.batches import plan_update
 from rl.config import Config, dump_config
-from rl.errors import TrainingStopped, UserError
+from rl.errors import CommandFailed, TrainingStopped, UserError
 from rl.loop.checkpoint import (
     LoopState,
     copy_tokenizer,
@@ -52,6 +52,11 @@ from rl.setup.memory import check_fits, estimate
 from rl.setup.warmstart import prepare_model
 
 BEST_DIR = "best"
+STOP_FILE = "stop-requested"  # written by the chart's preStop: a pod of the run is going away
+
+
+class RunStopped(CommandFailed):
+    """The run saved a checkpoint and ended because it was asked to (``run.checkpoint_on_stop``)."""
 
 
 @dataclass
@@ -178,15 +183,22 @@ def _loop(run: Run, state: LoopState | None, restarts: Restarts) -> dict:
             stopped = "max_minutes"
             if rec["accuracy"] is None:  # end on a measured model, as a run that ran out of iterations
                 rec.update(eval_metrics(run, it))
+        stop_requested = cfg.run.checkpoint_on_stop and (run.run_dir / STOP_FILE).exists()
         log.record(rec)
-        if (it + 1) % cfg.run.save_every == 0 or it + 1 == cfg.run.iterations or stopped:
+        if (it + 1) % cfg.run.save_every == 0 or it + 1 == cfg.run.iterations or stopped or stop_requested:
             run.episodes.close([s.key for s in run.buffer.drop_in_flight_episodes()])  # no env fits a checkpoint
             loop = LoopState(iteration=it, initial_accuracy=initial, wall_s=budget.elapsed(),
                              weights_version=cluster.weights_version(), partial=run.buffer.state_dict(),
                              workers=cfg.cluster.workers, initial_accuracy_sampled=initial_sampled,
                              rollbacks=rollbacks, best_accuracy=guard and guard.best)
-            save_checkpoint(run.run_dir, loop, cluster.save, run.start_dir, cfg.run.keep_checkpoints,
-                            run.checkpoint_bytes)
+            saved = save_checkpoint(run.run_dir, loop, cluster.save, run.start_dir, cfg.run.keep_checkpoints,
+                                    run.checkpoint_bytes)
+            if cfg.run.export_uri and cfg.run.export_checkpoints:
+                export(saved, f"{cfg.run.export_uri}/checkpoints/{saved.name}", console)
+        if stop_requested:
+            (run.run_dir / STOP_FILE).unlink(missing_ok=True)
+            raise RunStopped(f"stopped on request after iteration {it} ({STOP_FILE} in {run.run_dir}): checkpoint "
+                             f"saved; rl train --auto-resume (the chart's retry) continues from it")
         if stopped:
             console.print(f"run.max_minutes={cfg.run.max_minutes:g} reached after iteration {it} "
                           f"({budget.elapsed() / 60:.1f} min): checkpoint, final model and summary saved")
@@ -194,7 +206,21 @@ def _loop(run: Run, state: LoopState | None, restarts: Restarts) -> dict:
     final_dir = run.run_dir / "final"
     cluster.save(str(final_dir), trainer_state=False)
     copy_tokenizer(run.start_dir, final_dir)
+    if cfg.run.export_uri:
+        export(final_dir, f"{cfg.run.export_uri}/final", console)
     return summarize(run.run_dir, log.records, initial, initial_sampled, budget.elapsed(), stopped)
+
+
+def export(local: Path, uri: str, console: Console) -> None:
+    """Upload ``local`` to object storage (``run.export_uri``); a failure is one line, the local copy stays."""
+    from engines.model.sources import SourceError
+    from engines.model.uploads import UploadError, upload_directory
+
+    try:
+        done = upload_directory(local, uri)
+    except (UploadError, SourceError) as e:
+        raise CommandFailed(f"run.export_uri: {e} ({local} is kept)") from None
+    console.print(f"exported {local.name} to {uri} ({done.sent} files sent, {done.kept} already there)")
 
 
 @contextmanager
