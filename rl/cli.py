@@ -134,8 +134,8 @@ def _cmd_envs(args: argparse.Namespace) -> None:
 
 
 def _cmd_serve(args: argparse.Namespace) -> None:
+    from engines.inference.factory import VllmUnavailableError
     from engines.inference.server import serve
-    from engines.inference.vllm_engine import VllmUnavailableError
     from engines.model.hf_io import ModelDirError
 
     try:

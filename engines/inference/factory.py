@@ -22,15 +22,15 @@ import torch
 
 from engines.inference.base import RolloutEngine
 from engines.inference.kv_cache import BACKENDS, decode_attention
-from engines.inference.vllm_engine import vllm_available
+from engines.inference.vllm_engine import VllmUnavailableError, vllm_available
 from engines.model.arch import ModelConfig
 from engines.model.causal_lm import CausalLM, build_model
 from engines.model.fp8 import BLOCK, checkpoint_block, to_fp8
 from engines.model.hf_io import load_pretrained, read_config
 from engines.model.tokenizer import TextTokenizer
 
-__all__ = ["DTYPES", "EngineSettings", "build_engine", "decode_attention", "replica_model", "vllm_available",
-           "vllm_installed"]
+__all__ = ["DTYPES", "EngineSettings", "VllmUnavailableError", "build_engine", "decode_attention", "replica_model",
+           "vllm_available", "vllm_installed"]
 
 #: The weight dtypes a replica may have, by their torch names.
 DTYPES = ("float32", "bfloat16", "float16")
