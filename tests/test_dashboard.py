@@ -18,7 +18,7 @@ from rich.console import Console
 import engines.training.qk_clip
 import rl.loop.controller
 import rl.rollout.critic_loop
-import rl.rollout.multiturn
+import rl.rollout.evaluate
 import rl.rollout.rewards
 from rl.loop.controller import step_metrics
 from rl.loop.metrics import MetricsLog
@@ -65,22 +65,25 @@ def _exprs(dashboard: dict) -> list[tuple[str, str]]:
 
 def _records() -> list[dict]:
     """Iteration records with the keys ``rl.loop.controller.iteration`` writes: the reward statistics of
-    ``rl.rollout.rewards.score`` (per type with several task types), multi-turn and critic statistics, held-out accuracy
-    overall and per type (``rl.rollout.rewards.evaluate``), the partial-rollout counters and the optimizer-step metrics
+    ``rl.rollout.rewards.score`` (per type with several task types, multi-turn included), the critic's, held-out
+    accuracy overall and per type (``rl.rollout.evaluate``), the partial-rollout counters and the optimizer-step metrics
     (through the real ``PartialRolloutBuffer.stats`` and ``step_metrics``), and the phase times."""
     sources = {
         rl.rollout.rewards: ["reward_mean", "response_len", "truncation_rate", "env_errors", "trained_samples",
-                     "accuracy", "first_env_error"],
-        rl.rollout.multiturn: ["multi_turn_episodes", "multi_turn_errors", "multi_turn_turns", "multi_turn_truncated"],
+                             "first_env_error", "multi_turn_episodes", "multi_turn_errors", "multi_turn_turns",
+                             "multi_turn_truncated"],
+        rl.rollout.evaluate: ["accuracy", "response_len"],
         rl.rollout.critic_loop: ["critic_prompts", "critic_agreement", "critic_unparseable", "critic_refused"],
         rl.loop.controller: ["iteration", "accuracy", "temperature", "rollout_tokens", "time_rollout", "time_reward",
                         "time_onload", "time_offload", "time_train", "time_weight_update", "time_eval"],
     }
     for module, keys in sources.items():  # the keys below are the code's own spelling
         text = Path(module.__file__).read_text()
-        missing = [k for k in keys if f'"{k}"' not in text]
+        # a phase's time is written by ``timed(times, PHASE)`` as ``time_PHASE``
+        missing = [k for k in keys if f'"{k}"' not in text and f'timed(times, "{k.removeprefix("time_")}")' not in text]
         assert not missing, f"{module.__name__} no longer writes {missing}: update this test and the dashboard"
-    per_type = {rl.rollout.rewards: ['f"truncation_rate/{ttype}"', 'f"reward_mean/{ttype}"', 'f"accuracy/{tt}"'],
+    per_type = {rl.rollout.rewards: ['f"truncation_rate/{name}"', 'f"reward_mean/{name}"'],
+                rl.rollout.evaluate: ['f"accuracy/{name}"'],
                 rl.loop.controller: ['f"temperature/{k}"', 'f"partial_{k}"'],
                 engines.training.qk_clip: ['f"max_logit_layer{i}"']}
     for module, snippets in per_type.items():
