@@ -67,7 +67,7 @@ class WandbTracker:
         mode = os.environ.get("WANDB_MODE") or ("online" if wandb_key_present() else "offline")
         if mode == "offline" and not os.environ.get("WANDB_MODE"):
             console.print(f"wandb: no API key (WANDB_API_KEY or `wandb login`): logging offline to {run_dir}/wandb; "
-                          f"upload with `wandb sync {run_dir}/wandb/offline-run-*`")
+                          f"upload with `wandb sync {run_dir}/wandb/offline-run-*`", soft_wrap=True)
         self.run = wandb.init(project=names[0], name=names[1], entity=cfg.metrics.wandb_entity, dir=str(run_dir),
                               mode=mode, config=cfg.model_dump(mode="json"), id=run_id,
                               resume="allow" if run_id else None)
@@ -122,9 +122,10 @@ class TensorBoardTracker:
 
 
 class MlflowTracker:
-    """An MLflow run: the config as params (dotted keys) and config.yaml, metrics by step, curves.png and
-    summary.json as artifacts. The store is ``metrics.mlflow_tracking_uri``, $MLFLOW_TRACKING_URI, or a file
-    store in ``RUN_DIR/mlruns`` (``mlflow ui --backend-store-uri RUN_DIR/mlruns``)."""
+    """An MLflow run: the config as params (dotted keys) and config.yaml, metrics by step (a ``/`` in a name
+    becomes ``.``: ``reward_mean/function`` is ``reward_mean.function``), curves.png and summary.json as
+    artifacts. The store is ``metrics.mlflow_tracking_uri``, $MLFLOW_TRACKING_URI, or a file store in
+    ``RUN_DIR/mlruns`` (``mlflow ui --backend-store-uri RUN_DIR/mlruns``)."""
 
     def __init__(self, cfg: Config, run_dir: Path, names: tuple[str, str], run_id: str | None) -> None:
         uri = cfg.metrics.mlflow_tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or \
@@ -150,7 +151,7 @@ class MlflowTracker:
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        self.client.log_batch(self.id, metrics=[Metric(k, v, now, step) for k, v in values.items()])
+        self.client.log_batch(self.id, metrics=[Metric(mlflow_key(k), v, now, step) for k, v in values.items()])
 
     def finish(self, summary: dict[str, Any], curves: Path | None, failed: bool) -> None:
         if curves is not None:
@@ -158,8 +159,14 @@ class MlflowTracker:
         self.client.log_dict(self.id, summary, "summary.json")
         numbers = {k: v for k, v in scalars(summary).items() if math.isfinite(v)}
         if numbers:
-            self.log({f"summary/{k}": v for k, v in numbers.items()}, int(summary.get("iterations", 0)))
+            self.log({f"summary.{k}": v for k, v in numbers.items()}, int(summary.get("iterations", 0)))
         self.client.set_terminated(self.id, "FAILED" if failed else "FINISHED")
+
+
+def mlflow_key(name: str) -> str:
+    """A metric's MLflow name: MLflow's file store keeps a metric in a file named by its key, so ``reward_mean`` and
+    ``reward_mean/function`` cannot both be kept there; ``.`` nests nothing."""
+    return name.replace("/", ".")
 
 
 def wandb_key_present() -> bool:
