@@ -10,8 +10,9 @@ objects where a config takes names and files.
 - A reward function (``reward=``, or ``reward: {function: fn}`` in an entry of a dict config) may be a Python
   callable. One importable by name (a module-level function of a module on ``sys.path``) is recorded as
   ``"module:fn"``, as a config names it; any other (defined in a notebook or a script, a lambda, a closure) is
-  registered as an environment of this process named ``python:QUALNAME``, which config.yaml records: a resume
-  passes the function again (``rl.train(run_dir=..., resume=True, reward=fn)``).
+  registered as an environment of this process named ``python:QUALNAME`` (``<>`` left out, so a closure ``fn``
+  of ``outer`` is ``python:outer.locals.fn``), which config.yaml records: a resume passes the function again
+  (``rl.train(run_dir=..., resume=True, reward=fn)``).
 - Tasks (``train_tasks=``/``eval_tasks=``, or those keys of an entry) may be a list of dicts (task records, any
   layout ``load_tasks`` reads) or of ``envs.Task``, written as JSONL, or a ``datasets.Dataset``, saved with
   ``save_to_disk``; both go to ``RUN_DIR/tasks/`` and config.yaml names the files, so the run resumes from them.
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import re
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -132,6 +134,9 @@ def _python_objects(entry: dict[str, Any], label: str, run_dir: Path) -> None:
         entry["reward"] = {**reward, "function": spec}
         return
     rest = {k: v for k, v in entry.items() if k != "reward"}
+    if "name" not in rest and not (rest.get("train_tasks") and rest.get("eval_tasks")):  # as EnvConfig says it
+        raise UserError(f"{label}: with reward, the tasks come from train_tasks and eval_tasks (give both) or from "
+                        "the environment `name` names")
     source = {"name": rest["name"], "kwargs": rest.get("kwargs") or {}} if "name" in rest else None
     entry.clear()
     entry.update(rest, name=register_reward(fn), kwargs={}, tasks_from=source)
@@ -204,7 +209,8 @@ def register_reward(fn: Callable[..., Any]) -> str:
         cls()  # a signature the environment cannot call: one line now, not an error per episode
     except RewardFunctionError as e:
         raise UserError(f"reward: {e}") from None
-    name = PYTHON_PREFIX + qualname
+    # an environment name is also a gymnasium id (letters, digits, _ : . -): outer.<locals>.fn is outer.locals.fn
+    name = PYTHON_PREFIX + re.sub(r"[^\w:.-]", "", qualname)
     register(name, cls)
     return name
 
