@@ -1,7 +1,8 @@
 """The Python API (rl/api.py, exported lazily by rl/__init__.py): ``rl.train`` from a dict with a Python reward
 function (a closure, registered as ``python:QUALNAME``) and task lists runs a real tiny run on the local Ray cluster
-(the model of test_run's TINY, so a session warms it up once), and resumes with the function given again; bad
-arguments are one line before anything starts; ``import rl`` and ``import rl.cli`` stay light."""
+(the model of test_run's TINY, so a session warms it up once), with TensorBoard and MLflow as its trackers, and
+resumes with the function given again; bad arguments are one line before anything starts; ``import rl`` and
+``import rl.cli`` stay light."""
 
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ def raw_config(model_dir: Path) -> dict:
     raw["model"] = {"path": str(model_dir)}
     raw["run"] = {"iterations": 1, "eval_every": 1, "save_every": 1, "eval_samples": 0}
     raw["rollout"].update(max_tokens=8, truncation_penalty=PENALTY)
+    raw["metrics"] = {"loggers": ["tensorboard", "mlflow"], "project": "api"}
     return raw
 
 
@@ -52,11 +54,14 @@ def model_dir() -> Path:
 def api_run(ray_cluster, model_dir, tmp_path_factory):
     """One iteration by rl.train, then a resume to two with the function passed again."""
     run_dir = tmp_path_factory.mktemp("api") / "run"
+    mp = pytest.MonkeyPatch()
+    mp.delenv("MLFLOW_TRACKING_URI", raising=False)  # MLflow's file store in the run directory
     calls: list[tuple[str, str, str]] = []
     fn = make_reward(calls)
     first = rl.train(raw_config(model_dir), run_dir, reward=fn, train_tasks=TRAIN, eval_tasks=HELD_OUT)
     after_first = len(calls)
     second = rl.train(run_dir=run_dir, resume=True, reward=fn, overrides={"run.iterations": 2})
+    mp.undo()
     return run_dir, first, second, calls, after_first
 
 
@@ -93,6 +98,32 @@ def test_a_resume_with_the_function_again_continues(api_run):
     assert [r["iteration"] for r in records] == [0, 1]
     rollout = TINY["rollout"]
     assert len(training_calls(calls[after_first:])) == rollout["prompts_per_iteration"] * rollout["samples_per_prompt"]
+
+
+def test_the_trackers_get_the_runs_metrics_across_the_resume(api_run):
+    """metrics.loggers in a real run: TensorBoard's events and the one MLflow run (continued by the resume) hold
+    each iteration's reward_mean as metrics.jsonl has it, and the summary at the end."""
+    import os
+
+    from mlflow.tracking import MlflowClient
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run_dir, _, second, _, _ = api_run
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    want = [(r["iteration"], r["reward_mean"]) for r in records]
+    ea = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0})
+    ea.Reload()
+    got = ea.Scalars("reward_mean")
+    assert [e.step for e in got] == [0, 1]
+    assert [e.value for e in got] == pytest.approx([v for _, v in want])
+    os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+    client = MlflowClient((run_dir / "mlruns").absolute().as_uri())
+    (run,) = client.search_runs([client.get_experiment_by_name("api").experiment_id])
+    assert run.info.run_id == json.loads((run_dir / "trackers.json").read_text())["mlflow"]
+    assert run.info.status == "FINISHED" and run.info.run_name == "run"
+    history = sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, "reward_mean"))
+    assert history == want
+    assert run.data.metrics["summary.iterations"] == second["iterations"] == 2
 
 
 def test_a_resume_without_the_function_is_one_line(api_run):
