@@ -18,9 +18,9 @@ EXIT_FAILED = 1  # a command that failed at run time (a non-finite update, faili
 
 
 def _cmd_train(args: argparse.Namespace) -> None:
+    from rl.api import run
     from rl.config import load_config
     from rl.loop.checkpoint import list_checkpoints, remove_stale
-    from rl.loop.controller import train
 
     resume = bool(args.resume)
     if args.auto_resume and (args.resume or not args.config or not args.run_dir):
@@ -47,7 +47,7 @@ def _cmd_train(args: argparse.Namespace) -> None:
             raise UserError(f"--run-dir {run_dir} already holds a run; use --resume {run_dir} to continue it "
                             "(or --auto-resume)")
     try:
-        summary = train(cfg, run_dir, resume=resume)
+        summary = run(cfg, run_dir, resume=resume)  # inside the trackers of metrics.loggers
     except OSError as e:  # a full or read-only disk while the run writes: checkpoints are written atomically
         raise CommandFailed(f"cannot write to {e.filename or run_dir}: {e.strerror or e}; the last checkpoint in "
                          f"{run_dir}/checkpoints is intact (resume with --resume {run_dir})") from None

@@ -1,4 +1,5 @@
-"""Per-iteration metrics: ``metrics.jsonl``, a console line, Prometheus gauges, ``curves.png``."""
+"""Per-iteration metrics: ``metrics.jsonl``, a console line, Prometheus gauges, ``curves.png``, and the experiment
+trackers open around the run (``rl.loop.trackers``)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+
+from rl.loop import trackers
 
 CURVES = [("reward_mean", "mean reward"), ("accuracy", "held-out accuracy (greedy; dashed: sampled)"),
           ("response_len", "mean response length (tokens)")]
@@ -21,7 +24,7 @@ def _parses(line: str) -> bool:
 
 
 class MetricsLog:
-    """Appends one JSON record per iteration and mirrors it to the console and Prometheus."""
+    """Appends one JSON record per iteration and mirrors it to the console, Prometheus and the trackers."""
 
     def __init__(self, run_dir: Path, console: Console, prometheus_port: int | None = None,
                  resume_at: int | None = None) -> None:
@@ -57,6 +60,9 @@ class MetricsLog:
             f.write(json.dumps(rec) + "\n")
         if self.prometheus:
             self._export(rec)
+        tracking = trackers.current()
+        if tracking is not None:
+            tracking.log(rec)
         acc = rec.get("accuracy")
         if acc is not None and rec.get("accuracy_sampled") is not None:
             extra_acc = f"/{rec['accuracy_sampled']:.3f}"

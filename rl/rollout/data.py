@@ -10,7 +10,7 @@ import random
 import time
 from dataclasses import dataclass, field
 
-from envs import Task
+from envs import Task, registry
 from envs.tasks import TaskFileError
 from rl.config import Config, EnvConfig
 from rl.errors import UserError
@@ -54,28 +54,43 @@ def type_name(task: Task, entry: EnvConfig) -> str:
 
 def _entry_sets(entry: EnvConfig, where: str, console=None) -> tuple[list[Task], list[Task]]:
     cls = env_class(entry)
+    # what generates the tasks: the environment, or its tasks_from
+    maker, kwargs, label = cls, entry.kwargs, entry.name
+    if entry.tasks_from is not None:
+        try:
+            maker, kwargs, label = registry.get(entry.tasks_from.name), entry.tasks_from.kwargs, entry.tasks_from.name
+        except registry.UnknownEnvironmentError as e:
+            raise UserError(f"{where}.tasks_from: {e}") from None
 
     def generate(n, seed, what):
         if console is None:
-            return cls.generate_tasks(n, seed, **entry.kwargs)
+            return maker.generate_tasks(n, seed, **kwargs)
         t = time.time()
-        with console.status(f"env {entry.name!r}: generating {n} {what} tasks"):
-            out = cls.generate_tasks(n, seed, **entry.kwargs)
+        with console.status(f"env {label!r}: generating {n} {what} tasks"):
+            out = maker.generate_tasks(n, seed, **kwargs)
         if time.time() - t > SLOW_GENERATION_S:  # say what took the time; quick ones stay silent
-            console.print(f"env {entry.name!r}: generated {len(out)} {what} tasks in {time.time() - t:.0f} s")
+            console.print(f"env {label!r}: generated {len(out)} {what} tasks in {time.time() - t:.0f} s")
         return out
 
     def get(path, n, seed, what):
         try:
-            if path is not None:  # an environment with its own record schema reads its files itself
+            if path is None:
+                return generate(n, seed, what)
+            if not entry.columns:  # an environment with its own record schema reads its files itself
                 return cls.load_tasks(path)
-            return generate(n, seed, what)
+            try:
+                return cls.load_tasks(path, columns=entry.columns)
+            except TypeError as err:
+                if "columns" in str(err):  # a plug-in's load_tasks written before columns existed
+                    raise UserError(f"{where}.columns: environment {entry.name!r} reads its task files itself "
+                                    f"and takes no column mapping ({err})") from None
+                raise
         except TaskFileError as err:
             raise UserError(str(err)) from None
         except NotImplementedError as err:
             raise UserError(f"{where}.{what}_tasks: {err}") from None
         except TypeError as err:
-            raise UserError(f"{where}.kwargs: {err}") from None
+            raise UserError(f"{where}.{'tasks_from.' if entry.tasks_from else ''}kwargs: {err}") from None
 
     train = get(entry.train_tasks, entry.num_train, TRAIN_SEED, "train")
     seen = {t.prompt for t in train}
