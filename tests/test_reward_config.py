@@ -25,6 +25,7 @@ from rl.config import dump_config, parse_config
 from rl.errors import UserError
 from rl.rollout.data import EVAL_SEED, TRAIN_SEED, load_task_sets
 from rl.rollout.episodes import EpisodeRunner, make_env
+from rl.setup.warmstart import warmstart_key
 
 REWARDS = '''
 def exact(response, answer):
@@ -82,6 +83,15 @@ def test_a_function_grades_the_tasks_of_the_environment_it_names(rewards_py):
         runner.close()
     assert [r.error for r in results] == [None] * 12
     assert [r.reward for r in results] == [float(i in {0, 3, 4, 9}) for i in range(12)]
+
+
+def test_the_warm_start_learns_the_tasks_the_named_environment_generates(rewards_py):
+    """No model.path: the warm start is the one of the environment that generates the tasks (the function gives no
+    solutions to learn); the same cache entry as a run of that environment alone, and one that differs otherwise."""
+    graded = config({"name": "arithmetic", "kwargs": {"max_steps": 1}, "reward": {"function": f"{rewards_py}:exact"}})
+    plain = config({"name": "arithmetic", "kwargs": {"max_steps": 1}})
+    assert warmstart_key(graded) == warmstart_key(plain)
+    assert warmstart_key(graded) != warmstart_key(config({"name": "arithmetic", "kwargs": {"max_steps": 2}}))
 
 
 def test_a_group_function_grades_each_group(rewards_py):

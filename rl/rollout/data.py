@@ -10,7 +10,7 @@ import random
 import time
 from dataclasses import dataclass, field
 
-from envs import Task, registry
+from envs import Env, Task, registry
 from envs.tasks import TaskFileError
 from rl.config import Config, EnvConfig
 from rl.errors import UserError
@@ -52,15 +52,20 @@ def type_name(task: Task, entry: EnvConfig) -> str:
     return str(task.meta.get("task_type") or entry.task_type or env_class(entry).task_type)
 
 
+def task_maker(entry: EnvConfig, where: str = "env") -> tuple[type[Env], dict, str]:
+    """What generates an entry's tasks: its ``tasks_from`` environment (a reward given in ``env.reward``), else its
+    own; returns the class, its keyword arguments and its name."""
+    if entry.tasks_from is None:
+        return env_class(entry), entry.kwargs, entry.name
+    try:
+        return registry.get(entry.tasks_from.name), entry.tasks_from.kwargs, entry.tasks_from.name
+    except registry.UnknownEnvironmentError as e:
+        raise UserError(f"{where}.tasks_from: {e}") from None
+
+
 def _entry_sets(entry: EnvConfig, where: str, console=None) -> tuple[list[Task], list[Task]]:
     cls = env_class(entry)
-    # what generates the tasks: the environment, or its tasks_from
-    maker, kwargs, label = cls, entry.kwargs, entry.name
-    if entry.tasks_from is not None:
-        try:
-            maker, kwargs, label = registry.get(entry.tasks_from.name), entry.tasks_from.kwargs, entry.tasks_from.name
-        except registry.UnknownEnvironmentError as e:
-            raise UserError(f"{where}.tasks_from: {e}") from None
+    maker, kwargs, label = task_maker(entry, where)
 
     def generate(n, seed, what):
         if console is None:

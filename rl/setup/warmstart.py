@@ -26,8 +26,7 @@ from engines.training.optim import build_optimizers
 from rl.algo.update import sft_update
 from rl.config import Config
 from rl.errors import CommandFailed, UserError
-from rl.rollout.data import SFT_SEED
-from rl.rollout.episodes import env_class
+from rl.rollout.data import SFT_SEED, task_maker
 from rl.seeds import warmstart_seed
 
 FORMAT_VERSION = 2  # bump when the warm-start recipe changes, to invalidate caches
@@ -54,8 +53,9 @@ def model_dir_here(cfg: Config) -> Path | None:
 
 
 def warmstart_key(cfg: Config) -> str:
-    env = cfg.env_entries[0]  # the warm start learns the first environment of a task mix
-    blob = json.dumps([FORMAT_VERSION, env.name, env.kwargs, cfg.warmstart.model_dump(mode="json"),
+    # the warm start learns the tasks of the first environment of a task mix
+    _, kwargs, name = task_maker(cfg.env_entries[0])
+    blob = json.dumps([FORMAT_VERSION, name, kwargs, cfg.warmstart.model_dump(mode="json"),
                        cfg.optimizer.qk_clip_tau] + (["chat"] if cfg.model.chat_template else []), sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
@@ -88,13 +88,14 @@ def build_warmstart(cfg: Config, target: Path, progress: Progress | None = None)
     """Train the tokenizer and the tiny model with SFT on reference solutions; save atomically. The SFT
     optimizer is MuonClip with the run's ``optimizer.qk_clip_tau``, as in K2's pre-training, so the model
     RL starts from already keeps its attention logits within τ."""
-    ws, env = cfg.warmstart, cfg.env_entries[0]
+    ws = cfg.warmstart
+    maker, kwargs, name = task_maker(cfg.env_entries[0])
     try:
-        tasks = env_class(env).generate_tasks(ws.num_examples, SFT_SEED, **env.kwargs)
+        tasks = maker.generate_tasks(ws.num_examples, SFT_SEED, **kwargs)
     except NotImplementedError:
-        raise UserError(f"environment {env.name!r} cannot generate warm-start data; set model.path") from None
+        raise UserError(f"environment {name!r} cannot generate warm-start data; set model.path") from None
     if any("solution" not in t.meta for t in tasks[:1]):
-        raise UserError(f"environment {env.name!r} gives no reference solutions; set model.path")
+        raise UserError(f"environment {name!r} gives no reference solutions; set model.path")
     # one seed for both: torch's and Python's generators are different algorithms, their draws do not correlate
     torch.manual_seed(warmstart_seed(ws.seed))
     rng = random.Random(warmstart_seed(ws.seed))
