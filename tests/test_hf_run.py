@@ -29,8 +29,10 @@ vllm_engine = pytest.importorskip("engines.inference.vllm_engine")
 if not vllm_engine.vllm_available():
     pytest.skip("vLLM is not installed here (make setup installs it)", allow_module_level=True)
 
-#: local/global (sliding-window) layers, q/k norm, sandwich norms, scaled embeddings: no native family has them
-FAMILY = "gemma3_text"
+#: Gemma 3: local/global (sliding-window) layers, q/k norm, sandwich norms, scaled embeddings: no native family has
+#: them. Each family costs a Ray cluster and a vLLM start-up. (gpt-oss, MoE: the update reaches vLLM's host copy
+#: bit for bit but vLLM's layer-wise reload then samples with other weights; see docs/models.md.)
+FAMILIES = ["gemma3_text"]
 #: float32 on both engines, different kernels: agreement to float32 rounding (the survey of docs/models.md
 #: measured max 2.9e-6 for this family; the native family's vLLM tests hold vLLM to the same 1e-4)
 ROUNDING = 1e-4
@@ -39,8 +41,8 @@ ROUNDING = 1e-4
 def hf_run_config(model_dir, **sections):
     """A run of the tiny model in ``model_dir`` on the transformers backend, rolled out by vLLM."""
     raw = {"model": {"path": str(model_dir), "backend": "transformers"},
-           "rollout": {"engine": "vllm", "kv_cache_mb": 64, "prompts_per_iteration": 2, "samples_per_prompt": 2,
-                       "max_tokens": 12, "max_batch": 8},
+           "rollout": {"engine": "vllm", "kv_cache_mb": 64, "max_seq_len": 128, "prompts_per_iteration": 2,
+                       "samples_per_prompt": 2, "max_tokens": 12, "max_batch": 8},
            "algorithm": {"minibatches": 1, "micro_batch": 8},
            "optimizer": {"lr": 1e-2},
            "checkpoint_engine": {"bucket_mb": 0.01}}  # ~10 KiB: many buckets, tensors split across them
@@ -49,10 +51,10 @@ def hf_run_config(model_dir, **sections):
     return parse_config(raw)
 
 
-@pytest.fixture(scope="module")
-def hf_model_dir(tokenizer, tmp_path_factory):
-    """A sharpened tiny Gemma 3 saved by transformers' ``save_pretrained`` with the tests' tokenizer."""
-    return save_tiny_model(FAMILY, tmp_path_factory.mktemp(f"hf_run_{FAMILY}"), tokenizer)
+@pytest.fixture(scope="module", params=FAMILIES)
+def hf_model_dir(request, tokenizer, tmp_path_factory):
+    """A sharpened tiny model of the family saved by transformers' ``save_pretrained`` with the tests' tokenizer."""
+    return save_tiny_model(request.param, tmp_path_factory.mktemp(f"hf_run_{request.param}"), tokenizer)
 
 
 def _saved_as(model_dir, tensors: dict[str, torch.Tensor], directory):
@@ -104,7 +106,8 @@ def test_transformers_backend_trains_and_vllm_serves_the_trainers_weights(ray_cl
     old = trainer_logprobs(hf_model_dir, prompts, tokens, 1.0)
     diff = torch.cat([(torch.tensor(o.logprobs) - w).abs() for o, w in zip(after, want, strict=True)])
     moved = torch.cat([(w - b).abs() for w, b in zip(want, old, strict=True)])
-    print(json.dumps({"family": FAMILY, "tokens": diff.numel(), "mean_diff": float(diff.mean()),
+    family = json.loads((hf_model_dir / "config.json").read_text())["model_type"]
+    print(json.dumps({"family": family, "tokens": diff.numel(), "mean_diff": float(diff.mean()),
                       "max_diff": float(diff.max()), "update_moved_logprobs_max": float(moved.max())}))
     assert float(diff.max()) < ROUNDING
     assert float(moved.max()) > 100 * ROUNDING
