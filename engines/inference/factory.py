@@ -46,8 +46,9 @@ class EngineSettings:
     hold (None: the model's context); at most ``max_num_seqs`` sequences decode at once, and a native step
     computes at most ``max_batch_tokens`` tokens; ``kv_cache_bytes``: the KV cache's budget; ``attention``: the
     native decode backend ("torch", "flex" or "paged"; ``decode_attention`` resolves "auto"); ``seed``: what
-    requests without a seed derive theirs from; ``tensor_parallel_size``, ``expert_parallel`` and
-    ``memory_fraction`` (of device memory vLLM may take) are vLLM's.
+    requests without a seed derive theirs from; ``tensor_parallel_size``, ``expert_parallel``,
+    ``memory_fraction`` (of device memory vLLM may take) and ``prefix_caching`` (off for hybrid models on vLLM's CPU
+    build, which caches their recurrent states only with chunked prefill) are vLLM's.
     """
 
     kind: Literal["native", "vllm"]
@@ -64,6 +65,7 @@ class EngineSettings:
     tensor_parallel_size: int = 1
     expert_parallel: bool = False
     memory_fraction: float = 0.2
+    prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         problems = []
@@ -123,7 +125,7 @@ def build_engine(settings: EngineSettings, *, load_checkpoint: bool = False) -> 
         return VllmEngine(s.model_dir, tok.eos_ids, max_seq_len=s.max_seq_len, max_num_seqs=s.max_num_seqs,
                           dtype=s.dtype, seed=s.seed, kv_cache_bytes=s.kv_cache_bytes,
                           memory_fraction=s.memory_fraction, tensor_parallel_size=s.tensor_parallel_size,
-                          expert_parallel=s.expert_parallel)
+                          expert_parallel=s.expert_parallel, prefix_caching=s.prefix_caching)
     from engines.inference.native import InferenceEngine
 
     if load_checkpoint:  # the same replica, filled (an FP8 one quantised from a checkpoint that is not)

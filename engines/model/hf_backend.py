@@ -24,6 +24,8 @@ stay off, so the trainer scores tokens exactly as the rollout engine sampled the
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -37,7 +39,8 @@ from engines.model.hf_spec import check_supported, decoder_layers, describe
 from engines.model.logprobs import selected_logprobs
 from engines.model.qk_clip_plan import QKClipRule, qk_clip_plan
 
-__all__ = ["HFCausalLM", "build_hf_model", "check_loadable", "decoder_layers", "load_hf_model"]
+__all__ = ["HFCausalLM", "build_hf_model", "check_loadable", "decoder_layers", "empty_hf_model", "load_hf_model",
+           "materialize", "read_hf_config"]
 
 
 def _without_dropout(hf_config):
@@ -53,7 +56,9 @@ def _without_dropout(hf_config):
 class HFCausalLM(nn.Module):
     """A transformers causal LM behind the native forward contract (see the module docstring)."""
 
-    def __init__(self, hf_model: nn.Module) -> None:
+    def __init__(self, hf_model: nn.Module, source_config=None) -> None:
+        """``source_config``: the config the model was made from, as saves write it (default: the model's own,
+        whose dropout probabilities are 0 when ``build_hf_model``/``load_hf_model`` made it)."""
         super().__init__()
         register()
         if hf_model.config._attn_implementation != IMPLEMENTATION:
@@ -61,6 +66,7 @@ class HFCausalLM(nn.Module):
         if any(True for _ in hf_model.named_parameters(recurse=False)):
             raise UnsupportedModelError(f"{type(hf_model).__name__} holds parameters outside its sub-modules")
         self.hf_config = hf_model.config
+        self.source_config = source_config if source_config is not None else hf_model.config
         self.config = describe(hf_model.config, hf_model)
         # the causal LM's children become ours (the names stay transformers'); the causal LM itself is kept
         # outside the module tree: its forward (full logits) is never run
@@ -80,8 +86,20 @@ class HFCausalLM(nn.Module):
                 if not hasattr(rule.module, "num_heads"):
                     rule.module.num_heads = rule.num_heads
                 rule.module.clip_heads = rule.clip
+                rule.module.qk_clip_reason = rule.reason  # what QK-Clip's one-time warning says of the layer
         self._checkpointing = False
+        self._placements: dict | None = None
         self.train()
+
+    def checkpoint_placements(self) -> dict:
+        """Checkpoint tensor name -> ``engines.model.layout.Placement`` in this model's tensors, as transformers'
+        ``save_pretrained`` names and lays them out (``engines.model.hf_layout``); computed once."""
+        if self._placements is None:
+            from engines.model.hf_layout import checkpoint_placements
+            from engines.model.layout import model_tensors
+
+            self._placements = checkpoint_placements(self.hf_model, model_tensors(self))
+        return self._placements
 
     # ---- the module tree ------------------------------------------------------------------------
 
@@ -199,7 +217,70 @@ def build_hf_model(hf_config, device: torch.device | str = "cpu", dtype: torch.d
     with torch.device(device):
         hf = AutoModelForCausalLM.from_config(_without_dropout(hf_config), attn_implementation=IMPLEMENTATION,
                                               dtype=dtype, trust_remote_code=trust_remote_code)
-    return HFCausalLM(hf)
+    return HFCausalLM(hf, hf_config)
+
+
+@contextmanager
+def _parameters_on_meta() -> Iterator[None]:
+    """Modules built inside put their parameters on the meta device and keep their buffers where torch makes
+    them: a rotary table or an embedding scale is computed from the config at build time (transformers registers
+    them as non-persistent buffers, which no checkpoint holds), the weights come later."""
+    register = nn.Module.register_parameter
+
+    def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and param.device.type != "meta":
+            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+def empty_hf_model(hf_config, dtype: torch.dtype = torch.float32, trust_remote_code: bool = False) -> HFCausalLM:
+    """The model of ``hf_config`` with its parameters on the meta device (no memory, any size) and its buffers
+    computed on the host: ``materialize`` (or ``engines.training.distributed.shard_model``) gives the parameters
+    storage for a checkpoint read to fill."""
+    from transformers import AutoModelForCausalLM
+
+    check_supported(hf_config)
+    register()
+    with _parameters_on_meta():
+        hf = AutoModelForCausalLM.from_config(_without_dropout(hf_config), attn_implementation=IMPLEMENTATION,
+                                              dtype=dtype, trust_remote_code=trust_remote_code)
+    return HFCausalLM(hf, hf_config)
+
+
+def materialize(model: nn.Module, device: torch.device | str) -> nn.Module:
+    """Give a model built by ``empty_hf_model`` uninitialised parameters on ``device``; its buffers keep their
+    values (``to_empty`` alone would leave them uninitialised too) and a tied output head stays tied."""
+    kept = {n: b.detach().clone() for n, b in model.named_buffers() if b.device.type != "meta"}
+    model.to_empty(device=device)
+    with torch.no_grad():
+        for n, b in model.named_buffers():
+            if n in kept:
+                b.copy_(kept[n])
+    hf = model.hf_model if isinstance(model, HFCausalLM) else model
+    if getattr(hf.config.get_text_config(), "tie_word_embeddings", False):
+        hf.get_output_embeddings().weight = hf.get_input_embeddings().weight
+    return model
+
+
+def read_hf_config(path: str | Path, trust_remote_code: bool = False):
+    """transformers' config of the model directory ``path``, checked: one line (UnsupportedModelError) for a model
+    type transformers does not know, remote code without ``trust_remote_code``, or what the backend cannot run."""
+    from transformers import AutoConfig
+
+    check_loadable(path, trust_remote_code)
+    try:
+        cfg = AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, KeyError) as e:
+        raise UnsupportedModelError(f"{path}: transformers cannot read its config.json ({type(e).__name__}: "
+                                    f"{str(e).splitlines()[0] if str(e) else ''})") from None
+    check_supported(cfg)
+    return cfg
 
 
 def check_loadable(path: str | Path, trust_remote_code: bool = False) -> None:
@@ -237,5 +318,5 @@ def load_hf_model(path: str | Path, device: torch.device | str = "cpu", dtype: t
     register()
     hf = AutoModelForCausalLM.from_pretrained(path, config=_without_dropout(cfg), attn_implementation=IMPLEMENTATION,
                                               dtype=dtype, device_map=None, trust_remote_code=trust_remote_code)
-    return HFCausalLM(hf.to(device))
+    return HFCausalLM(hf.to(device), cfg)
 

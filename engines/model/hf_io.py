@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+from torch import nn
 
 from engines.model.arch import ModelConfig, UnsupportedModelError
 from engines.model.causal_lm import CausalLM, build_model
@@ -194,6 +195,17 @@ def load_pretrained(directory: str | Path, dtype: torch.dtype = torch.float32, d
     return model
 
 
+def _write_transformers_config(model, source, d: Path, dtype: torch.dtype) -> None:
+    """``config.json`` of a transformers model as transformers writes it (``source``: the config it was made from),
+    with the dtype of the weights written beside it and its causal-LM class as the architecture."""
+    import copy
+
+    cfg = copy.deepcopy(source)
+    cfg.dtype = dtype
+    cfg.architectures = [type(model.hf_model).__name__]
+    cfg.save_pretrained(str(d))
+
+
 def _current_umask() -> int:
     mask = os.umask(0o022)
     os.umask(mask)
@@ -203,17 +215,19 @@ def _current_umask() -> int:
 _UMASK = _current_umask()
 
 
-def save_pretrained(model: CausalLM, tokenizer, directory: str | Path, state: dict[str, torch.Tensor] | None = None,
+def save_pretrained(model: nn.Module, tokenizer, directory: str | Path, state: dict[str, torch.Tensor] | None = None,
                     max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
     """Write ``model`` (and ``tokenizer``) to ``directory`` in Hugging Face format, in files of at most
     ``max_shard_bytes`` (more than one: with an index). ``state`` replaces the model's own tensors (a
-    sharded trainer passes its gathered full tensors, by the model's names)."""
+    sharded trainer passes its gathered full tensors, by the model's names). A native ``CausalLM`` is written
+    under its family's checkpoint names; a transformers model (``HFCausalLM``) as transformers' own
+    ``save_pretrained`` writes it (its names and layout, its config), so ``AutoModelForCausalLM`` loads either."""
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     for old in [*d.glob("*.safetensors"), d / INDEX_FILE]:
         old.unlink(missing_ok=True)  # a previous save's shards must not mix with this one's
     hub = hub_state(model, state)
-    dtype = hub["model.embed_tokens.weight"].dtype
+    dtype = next(t.dtype for t in hub.values() if t.is_floating_point())
     shards: list[list[str]] = [[]]
     size = 0
     for name, t in hub.items():
@@ -234,7 +248,11 @@ def save_pretrained(model: CausalLM, tokenizer, directory: str | Path, state: di
         weight_map = {n: f for f, names in zip(files, shards, strict=True) for n in names}
         (d / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
     cfg = model.config
-    (d / "config.json").write_text(json.dumps(cfg.to_hf_dict(dtype), indent=2))
+    source = getattr(model, "source_config", None)  # a transformers model (engines.model.hf_backend) saves its own
+    if source is not None:
+        _write_transformers_config(model, source, d, dtype)
+    else:
+        (d / "config.json").write_text(json.dumps(cfg.to_hf_dict(dtype), indent=2))
     gen = {"bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id, "pad_token_id": cfg.pad_token_id}
     (d / "generation_config.json").write_text(json.dumps({k: v for k, v in gen.items() if v is not None}, indent=2))
     if tokenizer is not None:

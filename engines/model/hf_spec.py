@@ -62,12 +62,20 @@ class ModelDescription:
     v_head_dim: int = 0
     kv_lora_rank: int | None = None
     q_lora_rank: int | None = None
+    moe_intermediate_size: int = 0     # each routed expert's (0: intermediate_size)
+    n_shared_experts: int = 0
+    first_dense_layers: int = 0        # leading dense layers of a MoE model (first_k_dense_replace)
     backend: str = "transformers"
     extra: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+    hf_config: Any = field(default=None, repr=False, compare=False)  # the config it describes (to rebuild on meta)
 
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether decoder layer ``layer`` routes to experts (as ``ModelConfig.is_moe_layer``, for the memory plan)."""
+        return self.is_moe and layer >= self.first_dense_layers
 
     @property
     def qk_head_dim(self) -> int:
@@ -206,4 +214,7 @@ def describe(hf_config, model: nn.Module | None = None) -> ModelDescription:
         bos_token_id=g("bos_token_id"), eos_token_id=g("eos_token_id"), pad_token_id=g("pad_token_id"),
         is_mla=is_mla, qk_nope_head_dim=g("qk_nope_head_dim") or 0 if is_mla else 0,
         qk_rope_head_dim=g("qk_rope_head_dim") or 0 if is_mla else 0, v_head_dim=g("v_head_dim") or 0 if is_mla else 0,
-        kv_lora_rank=g("kv_lora_rank"), q_lora_rank=g("q_lora_rank"), extra=cfg.to_dict())
+        kv_lora_rank=g("kv_lora_rank"), q_lora_rank=g("q_lora_rank"),
+        moe_intermediate_size=int(g("moe_intermediate_size") or 0),
+        n_shared_experts=int(g("n_shared_experts") or (1 if g("shared_expert_intermediate_size") else 0)),
+        first_dense_layers=int(g("first_k_dense_replace") or 0), extra=cfg.to_dict(), hf_config=hf_config)

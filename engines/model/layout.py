@@ -45,7 +45,11 @@ def model_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def placements(model: nn.Module) -> dict[str, Placement]:
-    """Checkpoint tensor name -> its placement in ``model`` (works on meta, sharded and plain models)."""
+    """Checkpoint tensor name -> its placement in ``model`` (works on meta, sharded and plain models). A model that
+    knows its checkpoint's layout itself (a transformers model: ``checkpoint_placements``) answers for itself."""
+    own = getattr(model, "checkpoint_placements", None)
+    if own is not None:
+        return own()
     aliases: dict[str, str] = {}  # module prefix -> the prefix checkpoints use for it
     placed: dict[str, Placement] = {}
     covered: set[str] = set()

@@ -99,7 +99,8 @@ def shard_model(model: CausalLM, param_dtype: str = "float32", device: torch.dev
     Master weights stay in the model's dtype and gradients are reduced in float32; ``param_dtype``
     "bfloat16" runs forward/backward in bf16. Gradients are summed over ranks, never averaged. Either
     the model is on this rank's device with identical weights on every rank, or it is on the meta
-    device: it is then moved to ``device`` with uninitialised local shards, for the caller to load.
+    device: it is then moved to ``device`` with uninitialised local shards, for the caller to load (buffers built
+    off the meta device, such as a transformers model's rotary tables, keep their values).
     """
     if param_dtype not in PARAM_DTYPES:
         raise ValueError(f"param_dtype must be one of {sorted(PARAM_DTYPES)}, got {param_dtype!r}")
@@ -107,6 +108,7 @@ def shard_model(model: CausalLM, param_dtype: str = "float32", device: torch.dev
         raise RuntimeError("shard_model needs an initialised process group (init_distributed)")
     dev = next(model.parameters()).device
     on_meta = dev.type == "meta"
+    kept = {n: b.detach().clone() for n, b in model.named_buffers() if b.device.type != "meta"} if on_meta else {}
     if on_meta:
         if device is None:
             raise ValueError("shard_model of a meta-device model needs the device its shards go to")
@@ -124,4 +126,8 @@ def shard_model(model: CausalLM, param_dtype: str = "float32", device: torch.dev
             m.set_force_sum_reduction_for_comms(True)
     if on_meta:
         model.to_empty(device=dev)
+        with torch.no_grad():
+            for n, b in model.named_buffers():
+                if n in kept:
+                    b.copy_(kept[n])
     return model

@@ -74,8 +74,11 @@ def qk_clip(model: nn.Module, tau: float | None, group: dist.ProcessGroup | None
             clipped += len(gammas)
         elif gammas and not getattr(attn, "_warned_unclippable", False):
             attn._warned_unclippable = True
-            log.warning("layer %d: %d heads exceed qk_clip_tau=%s, but its q/k RMSNorm undoes weight scaling: "
-                        "QK-Clip leaves them (the norm bounds the logits)", i, len(gammas), tau)
+            # a transformers model's layers say why their rule does not clip (engines.model.qk_clip_plan)
+            why = getattr(attn, "qk_clip_reason", None) or "its q/k RMSNorm undoes weight scaling (the norm bounds " \
+                                                          "the logits)"
+            log.warning("layer %d: %d heads exceed qk_clip_tau=%s, but QK-Clip leaves them: %s", i, len(gammas), tau,
+                        why)
     if overall > float("-inf"):
         metrics["max_logit"] = overall
     metrics["qk_clipped_heads"] = float(clipped)

@@ -18,7 +18,6 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from engines.inference import cpu_kernel
-from engines.model.hf_io import read_config
 from engines.model.tokenizer import TextTokenizer
 from rl.algo.batches import plan_update
 from rl.config import Config, dump_config
@@ -47,7 +46,7 @@ from rl.rollout.phase import draw_groups, run_rollout
 from rl.rollout.ptx import load_ptx, ptx_batches
 from rl.rollout.rewards import episode_runner, reward_phase
 from rl.seeds import train_seed
-from rl.settings import RunSettings, resolve
+from rl.settings import RunSettings, model_arch, resolve
 from rl.setup.memory import check_fits, estimate
 from rl.setup.warmstart import prepare_model
 
@@ -118,11 +117,12 @@ def _attempt(cfg: Config, run_dir: Path, resume: bool, console: Console, restart
         check_renderable(tasks, tok, str(start_dir))
         for warning in cfg.warnings():
             console.print(f"[bold yellow]warning:[/] {warning}")
-        arch = read_config(start_dir)
+        arch, backend_why = model_arch(cfg, start_dir)  # native or transformers (model.backend), and why
         if cfg.cluster.gpus_per_worker == 0 and cfg.rollout.attention in ("auto", "paged") and \
                 cfg.rollout.engine != "vllm":
             cpu_kernel.available()  # the CPU decode kernel built here, once: the workers then only load it
-        settings = resolve(cfg, arch, str(start_dir), rollout_seq_len(cfg, tasks, tok, arch.max_position_embeddings))
+        settings = resolve(cfg, arch, str(start_dir), rollout_seq_len(cfg, tasks, tok, arch.max_position_embeddings),
+                           backend_why)
         est = estimate(cfg, arch, settings.context, settings.rollout.engine)
         check_fits(cfg, est)
         kind = settings.rollout.engine.kind

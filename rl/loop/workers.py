@@ -84,12 +84,41 @@ class TrainerWorker:
         ip = "127.0.0.1" if local else _host_ip()
         return f"tcp://{ip}:{free_port()}"
 
+    def _arch(self, model_dir: str):
+        """The model in ``model_dir`` as the trainer's backend reads it: the native ``ModelConfig``, or transformers'
+        config (``trainer.backend`` "transformers", ``engines.model.hf_backend``)."""
+        from engines.model.hf_backend import read_hf_config
+
+        t = self.settings
+        return read_hf_config(model_dir, t.trust_remote_code) if t.backend == "transformers" else read_config(model_dir)
+
     def _model(self, arch, shard: bool, device: str):
         """An empty model of ``arch`` in the master dtype, sharded over the group when ``shard`` (FSDP2, compute in
-        the compute dtype), for ``startup`` (or the reference's read) to fill."""
+        the compute dtype), for ``startup`` (or the reference's read) to fill. The transformers backend builds
+        transformers' own model (``HFCausalLM``) under the same contract."""
+        from engines.model.hf_backend import empty_hf_model, materialize
+
         t = self.settings
-        model = build_model(arch, device="meta" if shard else device, dtype=getattr(torch, t.master_dtype))
+        dtype = getattr(torch, t.master_dtype)
+        if t.backend == "transformers":
+            model = empty_hf_model(arch, dtype, t.trust_remote_code)
+            if not shard:
+                materialize(model, device)
+        else:
+            model = build_model(arch, device="meta" if shard else device, dtype=dtype)
         return distributed.shard_model(model, param_dtype=t.compute_dtype, device=device) if shard else model
+
+    def _replica(self, arch, model_dir: str):
+        """An empty replica (meta device) in the rollout engine's layout and dtype, which the weight update is
+        planned for: the native engine's fused model, or for vLLM on the transformers backend the checkpoint's own
+        names and shapes (vLLM's ``load_weights`` fuses and shards them itself)."""
+        from engines.model.hf_backend import empty_hf_model
+
+        t = self.settings
+        if t.backend == "transformers" and t.rollout_engine != "native":
+            return empty_hf_model(arch, getattr(torch, t.replica_dtype), t.trust_remote_code)
+        native = read_config(model_dir) if t.backend == "transformers" else arch
+        return replica_model(native, t.replica_dtype, t.replica_fp8, device="meta")
 
     def setup(self, model_dir: str, rank: int, world: int, init_method: str, shm_prefix: str) -> None:
         """Join the group, build the model on the meta device and shard it (``startup`` fills it), build
@@ -98,7 +127,7 @@ class TrainerWorker:
         self.rank, self.world = rank, world
         device = worker_device(t.device, t.gpus)
         distributed.init_distributed(rank, world, init_method, device=device)
-        arch = read_config(model_dir)
+        arch = self._arch(model_dir)
         # master weights (and optimizer state) in trainer.master_dtype, compute in bf16 through FSDP's mixed
         # precision; replicas get rollout.dtype (cast per bucket)
         shard = world > 1 or t.compute_dtype != t.master_dtype
@@ -107,7 +136,7 @@ class TrainerWorker:
         model.activation_checkpointing = t.activation_checkpointing
         opts = build_optimizers(model, o.kind, o.lr, o.weight_decay, o.momentum)
         # any id will do for filler: filler positions are masked out of attention and of the loss
-        pad = arch.pad_token_id if arch.pad_token_id is not None else 0
+        pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
         self.engine = TrainingEngine(model, opts, pad, o.max_grad_norm, attention=t.attention, qk_clip=True,
                                      qk_clip_tau=o.qk_clip_tau)
         # GRPO's KL penalty: the reference policy, sharded as the policy is, filled by load_reference
@@ -115,8 +144,7 @@ class TrainerWorker:
         if t.reference:
             self.reference = TrainingEngine(self._model(arch, shard, device).requires_grad_(False), [], pad,
                                             attention=t.attention)
-        self.sender = ModelSender(model, replica_model(arch, t.replica_dtype, t.replica_fp8, device="meta"),
-                                  t.bucket_bytes)
+        self.sender = ModelSender(model, self._replica(arch, model_dir), t.bucket_bytes)
         self.ckpt = CheckpointEngine(rank, world, init_method, t.bucket_bytes, shm_prefix, device=device)
 
     def weight_plan(self):
@@ -137,9 +165,8 @@ class TrainerWorker:
         """Fill the reference policy (kl_coef) from ``model_dir``, the model the run started from, in one collective
         read as ``startup`` does; the inference engines are not touched."""
         assert self.reference is not None
-        t = self.settings
-        replica = replica_model(read_config(model_dir), t.replica_dtype, t.replica_fp8, device="meta")
-        ModelSender(self.reference.model, replica, t.bucket_bytes).startup(self.ckpt, model_dir, None)
+        replica = self._replica(self._arch(model_dir), model_dir)
+        ModelSender(self.reference.model, replica, self.settings.bucket_bytes).startup(self.ckpt, model_dir, None)
 
     def connect(self, rollouts: list) -> None:
         """The local inference engines that this worker's checkpoint engine updates."""

@@ -24,6 +24,7 @@ import torch
 from engines.inference.factory import EngineSettings
 from engines.inference.kv_cache import BLOCK_SIZE, bytes_per_slot, bytes_per_token, gather_bytes, paged_pool
 from engines.model.arch import ModelConfig
+from engines.model.hf_spec import ModelDescription
 from rl.config import Config
 from rl.errors import UserError
 from rl.settings import RunSettings, ranks_per_worker, resolve
@@ -46,16 +47,23 @@ class ModelShape:
     layer_activations: int      # elements one layer keeps per token for its backward (largest layer)
 
     @classmethod
-    def of(cls, arch: ModelConfig) -> ModelShape:
+    def of(cls, arch: ModelConfig | ModelDescription) -> ModelShape:
+        """The shape of a native architecture, or of a transformers model (``engines.model.hf_spec.describe``),
+        both counted on the meta device."""
         from engines.model.causal_lm import build_model
+        from engines.model.hf_backend import empty_hf_model
+        from engines.model.hf_spec import decoder_layers
         from engines.training.param_roles import muon_params
 
-        model = build_model(arch, device="meta")  # shapes only: a 1 T-parameter config costs nothing here
+        if isinstance(arch, ModelDescription):
+            model = empty_hf_model(arch.hf_config)  # parameters on meta: only the rotary tables are computed
+        else:
+            model = build_model(arch, device="meta")  # shapes only: a 1 T-parameter config costs nothing here
         params = list(model.parameters())
         muon = muon_params(model)
         per_layer = [(sum(p.numel() for p in layer.parameters()),
-                      sum(p.numel() for n, p in layer.named_parameters() if n.startswith("mlp.experts.")))
-                     for layer in model.model.layers]
+                      sum(p.numel() for n, p in layer.named_parameters() if ".experts." in f".{n}"))
+                     for layer in decoder_layers(model)]
         largest = max(per_layer)
         return cls(sum(p.numel() for p in params), sum(p.numel() for p in params if id(p) in muon), largest[0],
                    largest[1], sum(p.numel() for p in params) - sum(n for n, _ in per_layer), arch.num_hidden_layers,
@@ -63,7 +71,7 @@ class ModelShape:
                    arch.vocab_size, max(layer_activations(arch, i) for i in range(arch.num_hidden_layers)))
 
 
-def layer_activations(arch: ModelConfig, layer: int) -> int:
+def layer_activations(arch: ModelConfig | ModelDescription, layer: int) -> int:
     """Elements decoder layer ``layer`` keeps per token for its backward: the normalised inputs of its two
     blocks, q/k/v and the attention output (and MLA's latents), the SwiGLU's gate, up and product (once per
     routed expert a token visits, plus the shared experts), the residual stream, the router's scores."""
@@ -176,7 +184,8 @@ def training_working_set(shape: ModelShape, tokens: int, compute_dtype: str, che
     return activation_bytes(shape, tokens, cb, checkpointing) + logprob_bytes(tokens, shape.vocab) + gathered
 
 
-def estimate(cfg: Config, arch: ModelConfig, max_seq_len: int, engine: EngineSettings | None = None) -> MemoryEstimate:
+def estimate(cfg: Config, arch: ModelConfig | ModelDescription, max_seq_len: int,
+             engine: EngineSettings | None = None) -> MemoryEstimate:
     """Bytes per worker of a run of ``cfg`` on a model of ``arch`` with KV caches of ``max_seq_len`` tokens (per GPU
     where a worker's replica spans several: each holds a trainer rank and a replica rank). ``engine``: the run's
     replica as resolved (``rl.settings``); without it the config is read as written, "auto" counted as the native
@@ -228,20 +237,22 @@ def estimate_run(cfg: Config) -> tuple[MemoryEstimate, RunSettings]:
     from pathlib import Path
 
     from engines.model.arch import make_config
-    from engines.model.hf_io import ModelDirError, read_config
+    from engines.model.hf_io import ModelDirError
     from engines.model.tokenizer import TextTokenizer
     from rl.rollout.data import load_task_sets, rollout_seq_len
+    from rl.settings import model_arch
     from rl.setup.warmstart import cache_root, model_dir_here, warmstart_key
 
     model_dir = model_dir_here(cfg)
     if cfg.model.path is not None and model_dir is None:
         raise UserError(f"model.path: {cfg.model.path} is not on this machine yet (the run fetches it at start)")
     model_dir = model_dir or cache_root() / f"warmstart-{warmstart_key(cfg)}"
+    why = None
     try:
-        arch = read_config(model_dir)
-    except ModelDirError as e:
-        if cfg.model.path is not None:
-            raise UserError(f"model.path: {e}") from None
+        if cfg.model.path is None and not (Path(model_dir) / "config.json").is_file():
+            raise ModelDirError(f"{model_dir}: the warm start is not built yet")
+        arch, why = model_arch(cfg, model_dir)  # the backend model.backend resolves to, and why
+    except ModelDirError:
         a = cfg.warmstart.architecture  # not built yet: its architecture, and the model's context as KV length
         arch = make_config(a.family, vocab_size=cfg.warmstart.vocab_size, bos_token_id=None, eos_token_id=None,
                            pad_token_id=None, **a.hf_kwargs())
@@ -252,7 +263,7 @@ def estimate_run(cfg: Config) -> tuple[MemoryEstimate, RunSettings]:
             tok = TextTokenizer.load(model_dir, cfg.model.chat_template)
             seq = rollout_seq_len(cfg, load_task_sets(cfg), tok, arch.max_position_embeddings)
         seq = seq or arch.max_position_embeddings
-    settings = resolve(cfg, arch, str(model_dir), seq)
+    settings = resolve(cfg, arch, str(model_dir), seq, why)
     return estimate(cfg, arch, seq, settings.rollout.engine), settings
 
 
