@@ -104,3 +104,24 @@ def test_models_a_backend_cannot_run_are_one_line(tmp_path, tokenizer):
               "rollout.engine native runs the native families")
     arch, why = model_arch(parse_config({"model": {"path": str(gemma), "backend": "transformers"}}), gemma)
     assert (arch.model_type, arch.architecture, why) == ("gemma3_text", "Gemma3ForCausalLM", "set in model.backend")
+
+
+def test_rl_train_accepts_a_family_only_transformers_runs_and_refuses_an_unknown_one_before_starting(
+        tmp_path, tokenizer):
+    """``prepare_model`` and the context guard read the model as its backend does: a Gemma 3 directory is the run's
+    model (the native reading alone refused it), its context is transformers' reading, an unknown type is one line."""
+    from rl.loop.guards import check_max_tokens
+    from rl.setup.warmstart import prepare_model
+
+    gemma = _model_dir(tmp_path, tokenizer, _family("gemma3_text", tokenizer))
+    cfg = parse_config({"model": {"path": str(gemma)}})
+    assert prepare_model(cfg) == gemma
+    context = json.loads((gemma / "config.json").read_text())["max_position_embeddings"]
+    with pytest.raises(UserError, match=f"the model's context of {context} tokens"):
+        check_max_tokens(parse_config({"model": {"path": str(gemma)}, "rollout": {"max_tokens": context}}))
+    unknown = tmp_path / "unknown"
+    unknown.mkdir()
+    (unknown / "config.json").write_text(json.dumps({"model_type": "my_new_arch", "hidden_size": 64}))
+    (unknown / "tokenizer.json").write_text("{}")
+    with pytest.raises(UserError, match="model_type 'my_new_arch' is run by neither backend"):
+        prepare_model(parse_config({"model": {"path": str(unknown)}}))

@@ -50,14 +50,14 @@ def check_max_tokens(cfg: Config) -> None:
     """Refuse a response budget that leaves no room for a prompt in the model's context, before any warm start (the
     prompts themselves are checked once the tokenizer exists: ``rl.rollout.data.rollout_seq_len``)."""
     if cfg.model.path is not None:
-        from engines.model.hf_io import ModelDirError, read_config
+        from rl.settings import model_arch
         from rl.setup.warmstart import model_dir_here
 
         if (here := model_dir_here(cfg)) is None:
             return  # a hub repository or bucket not fetched yet: rl.rollout.data.rollout_seq_len checks it once it is
         try:
-            context = read_config(here).max_position_embeddings
-        except ModelDirError:
+            context = model_arch(cfg, here)[0].max_position_embeddings  # either backend's reading
+        except UserError:
             return  # named by prepare_model
     else:
         context = cfg.warmstart.architecture.max_position_embeddings

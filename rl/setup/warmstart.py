@@ -18,7 +18,7 @@ from rich.progress import Progress
 
 from engines.model.arch import make_config
 from engines.model.causal_lm import CausalLM, track_max_logits
-from engines.model.hf_io import ModelDirError, read_config, save_pretrained
+from engines.model.hf_io import save_pretrained
 from engines.model.sources import FetchError, cached_dir, fetch_model, parse_source
 from engines.model.tokenizer import train_tokenizer
 from engines.training.engine import TrainingEngine
@@ -28,6 +28,7 @@ from rl.config import Config
 from rl.errors import CommandFailed, UserError
 from rl.rollout.data import SFT_SEED, task_maker
 from rl.seeds import warmstart_seed
+from rl.settings import model_arch
 
 FORMAT_VERSION = 2  # bump when the warm-start recipe changes, to invalidate caches
 
@@ -70,10 +71,7 @@ def prepare_model(cfg: Config, progress: Progress | None = None) -> Path:
             path = fetch_model(src, model_cache(), log) if src.remote else Path(src.where)
         except FetchError as e:
             raise CommandFailed(f"model.path: {e}") from None
-        try:
-            read_config(path)
-        except ModelDirError as e:
-            raise UserError(f"model.path: {e}") from None
+        model_arch(cfg, path)  # a model neither backend runs is one line (UserError), before anything starts
         if not (path / "tokenizer.json").is_file():
             raise UserError(f"model.path: model directory {path} has no tokenizer.json")
         return path
