@@ -100,7 +100,7 @@ def lease_plan(dry_run: bool, with_vllm: bool) -> list[Step]:
                     ["--prompts", "8", "--samples", "4", "--max-tokens", "128"]), 100)
     # last: the leased machines have no vLLM, and its cold start (compile, graph capture) may not fit what is left;
     # on a CPU vLLM's start alone takes minutes
-    vllm = Step("decode", "rollout, native engine and vLLM side by side (both with graphs)",
+    vllm = Step("decode", "rollout, native engine and vLLM side by side (alike: both with decode graphs on a GPU)",
                 ["benchmarks.rollout", "--workload", "rl", "--model", model, "--device", dev, "--dtype", dtype,
                  "--engine", "both", "--json", *toy], 45, {"attention": "vllm-both"},
                 skip="" if with_vllm else "vLLM not installed")
@@ -266,7 +266,8 @@ def summary_line(rec: dict) -> str:
         b = rec.get("base", {})
         return (f"{head}: {rec.get('params')} params, {b.get('step_s')} s/step, {b.get('tokens_per_s')} tok/s, "
                 f"MFU {b.get('mfu')} of the measured matmul peak ({rec.get('matmul_peak_tflops')} TFLOP/s), "
-                f"{b.get('mfu_nominal')} of the nominal ({rec.get('nominal_bf16_tflops')})")
+                f"{b.get('mfu_nominal')} of the nominal ({rec.get('nominal_bf16_tflops')}); "
+                f"first step {b.get('first_step_s')} s (compiles, est. {b.get('compile_s_est')} s)")
     if s == "colocated_smoke":
         return (f"{head}: replica equals the cast master {rec.get('replica_equals_cast_master')}, phases "
                 f"{rec.get('phase_s')}, peak bytes {rec.get('peak_bytes')}")
