@@ -4,6 +4,13 @@
     python -m benchmarks.gpu_check --only tests decode          # some steps
     python -m benchmarks.gpu_check --dry-run --out /tmp/check   # the same plan on CPU at toy sizes (< 5 minutes)
     python -m benchmarks.gpu_check --quick --deadline 540       # smaller workloads, for a leased GPU's minutes
+    python -m benchmarks.gpu_check --lease                      # the plan that fits one leased command (<= 540 s)
+    python -m benchmarks.gpu_check --lease --dry-run --plan-only   # print that plan (limits, skips) and stop
+
+The lease plan (``lease_plan``), in value order: preflight (versions, packages, free memory), the capture/sync/IPC
+tests, the 4 GiB weight update (bf16 and fp32 -> bf16), native decode and the train step on the ~0.6 B shape, a
+colocated RL smoke without Ray (``benchmarks.colocated_smoke``), and vLLM beside the native engine where vLLM is
+installed (else recorded as skipped: "vLLM not installed").
 
 Steps, each its own process with its own time limit, so that a crash, an out-of-memory or a hang in one loses
 none of the others' figures:
@@ -24,6 +31,7 @@ timeout, and ``wall_s``), and ``<out>/<gpu>-summary.md`` is the one-page summary
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import re
@@ -51,6 +59,67 @@ class Step:
     argv: list[str]
     timeout_s: int
     extra: dict = field(default_factory=dict)  # keys added to each of its records (the variant it measured)
+    skip: str = ""  # why it is not run (recorded as skipped, in its place), e.g. "vLLM not installed"
+
+
+#: the most seconds the lease plan's step limits may add up to: a leased machine runs one command for 10 minutes at
+#: most, and a cold machine needs some of them before the first step
+LEASE_S = 540
+
+
+def lease_plan(dry_run: bool, with_vllm: bool) -> list[Step]:
+    """The check that fits one leased GPU's command (``--lease``): step limits adding up to at most ``LEASE_S``, in
+    value order (what the issue needs measured first comes first), each step's records written as it ends; a step
+    that cannot run here is in the plan with ``skip`` saying why. ``dry_run``: the same steps at toy sizes on CPU."""
+    dev, model, dtype = ("cpu", "demo", "float32") if dry_run else ("cuda", "qwen3-0.6b", "bfloat16")
+    toy = ["--prompts", "2", "--samples", "2"]
+    preflight = Step("preflight", "preflight: versions, packages, free memory", ["benchmarks.preflight", "--json"], 15)
+    tests = Step("tests", "capture, sync and IPC tests",
+                 ["pytest", "-q", "-rfs", "-p", "no:cacheprovider", "--continue-on-collection-errors", "-k",
+                  "cuda or sync or capture or ipc", "tests"], 120,
+                 skip="the GPU tests need a GPU (the suite runs them skipped on CPU)" if dry_run else "")
+    if dry_run:  # the CPU path has one dtype path: float32 crosses as it is
+        updates = [Step("weight_update", "weight update (CPU: shared memory)",
+                        ["benchmarks.weight_update", "--gib", "0.0625", "--repeats", "1", "--floor-repeats", "2",
+                         "--json"], 60)]
+    else:
+        updates = [Step("weight_update", f"weight update, 4 GiB, {w}",
+                        ["benchmarks.weight_update_cuda", "--gib", "4", "--bucket-mb", "1024", "--repeats", "2",
+                         "--weights", w, "--json"], 30, {"weights": w}) for w in ("bf16", "fp32-to-bf16")]
+    decode = Step("decode", "rollout, native engine, ~0.6 B shape (graphs on and off)",
+                  ["benchmarks.rollout", "--workload", "rl", "--model", model, "--device", dev, "--dtype", dtype,
+                   "--attention", "torch", "--skip-hf", "--json"]
+                  + (toy if dry_run else ["--prompts", "16", "--samples", "4", "--output-len", "256"]), 100,
+                  {"attention": "torch"})
+    train = Step("train_step", "train step, ~0.6 B shape",
+                 ["benchmarks.train_step", "--model", model, "--device", dev, "--dtype", dtype, "--variants", "base",
+                  "--repeats", "1" if dry_run else "2", "--json"] + ([] if dry_run else ["--tokens", "4096"]), 100)
+    smoke = Step("colocated_smoke", "colocated RL smoke without Ray (trainer + native engine, IPC buffers)",
+                 ["benchmarks.colocated_smoke", "--model", model, "--device", dev, "--dtype", dtype, "--json"]
+                 + (["--prompts", "2", "--samples", "2", "--max-tokens", "8"] if dry_run else
+                    ["--prompts", "8", "--samples", "4", "--max-tokens", "128"]), 100)
+    # last: the leased machines have no vLLM, and its cold start (compile, graph capture) may not fit what is left;
+    # on a CPU vLLM's start alone takes minutes
+    vllm = Step("decode", "rollout, native engine and vLLM side by side (alike: both with decode graphs on a GPU)",
+                ["benchmarks.rollout", "--workload", "rl", "--model", model, "--device", dev, "--dtype", dtype,
+                 "--engine", "both", "--json", *toy], 45, {"attention": "vllm-both"},
+                skip="" if with_vllm else "vLLM not installed")
+    steps = [preflight, tests, *updates, decode, train, smoke, vllm]
+    if dry_run:  # toy sizes, but on a CPU shared with others: the limits are the GPU's concern, the commands are ours
+        for s in steps[2:]:
+            s.timeout_s = max(s.timeout_s, 300)
+    return steps
+
+
+def format_plan(steps: list[Step]) -> str:
+    """The plan as lines: each step with its limit (or why it is skipped), then the limits' sum."""
+    lines = []
+    for i, s in enumerate(steps, 1):
+        lines.append(f"{i:2d}. {s.name:16s} {'skipped' if s.skip else f'{s.timeout_s:4d} s':>8s}  {s.label}"
+                     + (f" ({s.skip})" if s.skip else ""))
+    total = sum(s.timeout_s for s in steps if not s.skip)
+    lines.append(f"    limits add up to {total} s (at most {LEASE_S} s for a lease)")
+    return "\n".join(lines)
 
 
 def gpu_slug(dry_run: bool) -> str:
@@ -71,8 +140,9 @@ def nominal_tflops(name: str) -> float | None:
 
 
 def vllm_installed() -> bool:
-    """Whether vLLM can be imported here (checked in a child: importing it is slow and changes global state)."""
-    return subprocess.run([sys.executable, "-c", "import vllm"], capture_output=True).returncode == 0
+    """Whether vLLM is installed here, found without importing it (an import takes many seconds and changes
+    process-wide state; a vLLM that is found but fails to import fails its step with the reason)."""
+    return importlib.util.find_spec("vllm") is not None
 
 
 def plan(dry_run: bool, gpus: int, with_vllm: bool, quick: bool = False) -> list[Step]:
@@ -196,7 +266,14 @@ def summary_line(rec: dict) -> str:
         b = rec.get("base", {})
         return (f"{head}: {rec.get('params')} params, {b.get('step_s')} s/step, {b.get('tokens_per_s')} tok/s, "
                 f"MFU {b.get('mfu')} of the measured matmul peak ({rec.get('matmul_peak_tflops')} TFLOP/s), "
-                f"{b.get('mfu_nominal')} of the nominal ({rec.get('nominal_bf16_tflops')})")
+                f"{b.get('mfu_nominal')} of the nominal ({rec.get('nominal_bf16_tflops')}); "
+                f"first step {b.get('first_step_s')} s (compiles, est. {b.get('compile_s_est')} s)")
+    if s == "colocated_smoke":
+        return (f"{head}: replica equals the cast master {rec.get('replica_equals_cast_master')}, phases "
+                f"{rec.get('phase_s')}, peak bytes {rec.get('peak_bytes')}")
+    if s == "preflight":
+        return f"{head}: torch {rec.get('torch')}, {rec.get('device')}, free {rec.get('free_gib')} GiB, " \
+               f"packages {rec.get('packages')}"
     if s == "rl_iteration":
         phases = ", ".join(f"{k[5:]} {rec[k]} s" for k in rec if k.startswith("time_"))
         return f"{head}: iteration {rec.get('iteration_s')} s ({phases})"
@@ -221,15 +298,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--deadline", type=int, metavar="S", help="the whole check's time budget: each step gets at most "
                     "what is left of S seconds, and a step with under 20 s left is recorded as skipped")
     ap.add_argument("--logs", type=Path, metavar="DIR", help="write each step's whole output to DIR/NN-<step>.log")
+    ap.add_argument("--lease", action="store_true", help=f"the plan that fits one leased GPU's command (limits add up "
+                    f"to at most {LEASE_S} s, value order, a colocated RL smoke without Ray)")
+    ap.add_argument("--plan-only", action="store_true", help="print the plan and stop")
     a = ap.parse_args(argv)
-    if not a.dry_run and not torch.cuda.is_available():
+    if not a.dry_run and not a.plan_only and not torch.cuda.is_available():
         ap.error("no CUDA device here; --dry-run runs the plan on the CPU")
     gpus = 0 if a.dry_run else torch.cuda.device_count()
-    gpu_name = "CPU (dry run)" if a.dry_run else torch.cuda.get_device_name(0)
+    gpu_name = "CPU (dry run)" if a.dry_run or not torch.cuda.is_available() else torch.cuda.get_device_name(0)
     # importing vLLM takes seconds: only ask when its decode step could run
     wants_vllm = (not a.only or "decode" in a.only) and "decode" not in a.skip and \
         (not a.attention or "vllm-both" in a.attention)
-    steps = [s for s in plan(a.dry_run, gpus, wants_vllm and vllm_installed(), a.quick)
+    with_vllm = wants_vllm and vllm_installed()
+    steps = [s for s in (lease_plan(a.dry_run, with_vllm) if a.lease else plan(a.dry_run, gpus, with_vllm, a.quick))
              if (not a.only or s.name in a.only) and s.name not in a.skip
              and (not a.attention or s.extra.get("attention", a.attention[0]) in a.attention)
              and (not a.weights or s.extra.get("weights", a.weights[0]) in a.weights)]
@@ -237,6 +318,13 @@ def main(argv: list[str] | None = None) -> int:
         steps.sort(key=lambda s: a.only.index(s.name))
     for s in steps:
         s.timeout_s = min(s.timeout_s, a.step_timeout or s.timeout_s)
+    if a.dry_run and not a.lease:  # what a lease would run, beside the plan this dry run runs
+        print(f"plan on a leased GPU (--lease):\n{format_plan(lease_plan(False, with_vllm))}", flush=True)
+    if a.dry_run or a.lease or a.plan_only:
+        print(f"plan ({'lease' if a.lease else 'quick' if a.quick else 'full'}"
+              f"{', CPU dry run at toy sizes' if a.dry_run else ''}):\n{format_plan(steps)}", flush=True)
+    if a.plan_only:
+        return 0
     slug = gpu_slug(a.dry_run)
     a.out.mkdir(parents=True, exist_ok=True)
     if a.logs:
@@ -247,7 +335,10 @@ def main(argv: list[str] | None = None) -> int:
     for i, step in enumerate(steps, 1):
         print(f"[{i}/{len(steps)}] {step.label} ...", file=sys.stderr, flush=True)
         left = None if a.deadline is None else int(a.deadline - (time.monotonic() - t_start))
-        if left is not None and left < 20:
+        if step.skip:
+            recs = [{"step": step.name, "label": step.label, **step.extra, "status": "skipped", "wall_s": 0,
+                     "output_tail": f"not run: {step.skip}"}]
+        elif left is not None and left < 20:
             recs = [{"step": step.name, "label": step.label, **step.extra, "status": "skipped", "wall_s": 0,
                      "output_tail": f"not run: {left} s of the {a.deadline} s deadline left"}]
         else:

@@ -176,8 +176,10 @@ def rl_record(model_name: str, prompts_n: int, samples: int, *, dtype: str = "fl
 
 
 def engines_record(model_name: str, prompts_n: int, samples: int, *, dtype: str = "float32",
-                   threads: int | None = None) -> dict:
-    """The RL workload on the native engine and on vLLM, same weights, prompts and forced output lengths."""
+                   threads: int | None = None, device: str = "cpu") -> dict:
+    """The RL workload on the native engine and on vLLM, same weights, prompts and forced output lengths, on the same
+    device and alike: both with CUDA graphs of their decode steps on a GPU, both eager on a CPU (the record's
+    ``native_mode`` and ``vllm_mode`` say which ran)."""
     from benchmarks.rollout_rl import RL_LENGTHS, draw_workload, run_engine_rl, run_vllm_rl
 
     torch.set_num_threads(threads or os.cpu_count() or 1)
@@ -189,9 +191,12 @@ def engines_record(model_name: str, prompts_n: int, samples: int, *, dtype: str 
     max_seq = hi + max_out
     with tempfile.TemporaryDirectory() as d:
         save_pretrained(CausalLM(cfg), None, d)
-        model = load_pretrained(d, tdtype)
-        native_s, native_out, _ = run_engine_rl(model, prompts, lengths, 512 << 20, max_seq)
-        vllm_s, vllm_out = run_vllm_rl(d, tdtype, prompts, lengths, max_seq)
+        model = load_pretrained(d, tdtype).to(device)
+        graphs = device == "cuda"
+        native_s, native_out, engine = run_engine_rl(model, prompts, lengths, 512 << 20, max_seq, cuda_graphs=graphs)
+        native_captures = engine.run_stats.get("cuda_graph_captures", 0)
+        del engine
+        vllm_s, vllm_out, vllm_mode = run_vllm_rl(d, tdtype, prompts, lengths, max_seq, graphs=graphs)
     tokens = sum(map(len, native_out))
     same = sum(a == b for a, b in zip(native_out, vllm_out, strict=True))
     return {"benchmark": "rollout_engines", "model": model_name, "params": sum(p.numel() for p in model.parameters()),
@@ -199,7 +204,9 @@ def engines_record(model_name: str, prompts_n: int, samples: int, *, dtype: str 
             "tokens": tokens, "native_tok_s": round(tokens / native_s, 1),
             "vllm_tok_s": round(sum(map(len, vllm_out)) / vllm_s, 1),
             "native_over_vllm": round((tokens / native_s) / (sum(map(len, vllm_out)) / vllm_s), 3),
-            "same_tokens": same == len(native_out), "identical_sequences": same, "sequences": len(native_out)}
+            "same_tokens": same == len(native_out), "identical_sequences": same, "sequences": len(native_out),
+            "device": device, "native_mode": "graphs" if graphs else "eager", "native_graph_captures": native_captures,
+            "vllm_mode": vllm_mode}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -227,7 +234,7 @@ def main(argv: list[str] | None = None) -> None:
     if a.engine == "both":
         if a.workload != "rl":
             ap.error("--engine both runs the RL workload: add --workload rl")
-        rec = engines_record(a.model, a.prompts, a.samples, dtype=a.dtype, threads=a.threads)
+        rec = engines_record(a.model, a.prompts, a.samples, dtype=a.dtype, threads=a.threads, device=a.device)
         if not a.json:
             print(f"RL workload, {a.model} model: native {rec['native_tok_s']} tok/s, vLLM {rec['vllm_tok_s']} tok/s "
                   f"(native/vLLM {rec['native_over_vllm']}); {rec['identical_sequences']} of {rec['sequences']} "

@@ -86,20 +86,23 @@ def run_engine_rl(model: CausalLM, prompts, lengths, kv_bytes: int, max_seq_len:
     return elapsed, [o.token_ids for o in outs], engine
 
 
-def run_vllm_rl(model_dir: str, dtype: torch.dtype, prompts, lengths, max_seq_len: int
-                ) -> tuple[float, list[list[int]]]:
-    """vLLM's wall time and outputs (prompt-major order) of the workload, through the same rollout engine
-    interface as the native engine: the same requests, greedy, each stopping after its drawn length."""
+def run_vllm_rl(model_dir: str, dtype: torch.dtype, prompts, lengths, max_seq_len: int, graphs: bool = True
+                ) -> tuple[float, list[list[int]], str]:
+    """vLLM's wall time, outputs (prompt-major order) and mode ("graphs": decode-only CUDA graphs, or "eager") on
+    the workload, through the same rollout engine interface as the native engine: the same requests, greedy, each
+    stopping after its drawn length. ``graphs``: on a GPU, as the native engine runs there (a CPU is eager)."""
     from engines.inference.vllm_engine import VllmEngine
 
     engine = VllmEngine(model_dir, [], max_seq_len=max_seq_len, max_num_seqs=min(256, sum(map(len, lengths))),
-                        dtype=str(dtype).removeprefix("torch."), kv_cache_bytes=512 << 20, tokenizer=False)
+                        dtype=str(dtype).removeprefix("torch."), kv_cache_bytes=512 << 20, tokenizer=False,
+                        graphs=graphs)
+    mode = "eager" if engine.args["enforce_eager"] else "graphs"
     reqs = [(p, SamplingParams(0.0, n, ignore_eos=True)) for p, ns in zip(prompts, lengths, strict=True) for n in ns]
     engine.generate([p for p, _ in reqs[:4]], [SamplingParams(0.0, 2, ignore_eos=True)] * 4)  # warm-up
     engine.weights_loaded()  # forget the warm-up's cached prefixes
     t0 = time.perf_counter()
     outs = engine.generate([p for p, _ in reqs], [s for _, s in reqs])
-    return time.perf_counter() - t0, [o.token_ids for o in outs]
+    return time.perf_counter() - t0, [o.token_ids for o in outs], mode
 
 
 def run_hf_rl(model_dir: str, dtype: torch.dtype, prompts, lengths, device: str) -> tuple[float, list[list[int]]]:

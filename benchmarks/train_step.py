@@ -158,12 +158,14 @@ def measure(model_name: str, repeats: int = 3, warmup: int = 1, device: str = "c
     engine = TrainingEngine(model, build_optimizers(model, "muon", 1e-4, 0.0), pad_id=0)
     say("train_step", f"{model_name} built on {device} ({len(prompts)} sequences)")
     times: dict[str, list[float]] = {v: [] for v in variants}
+    first: dict[str, float] = {}  # the first step's seconds: compiles (flex_attention, on a GPU) included
     for i in range(warmup + repeats):
         for v in variants:
             t = _timed(engine, prompts, responses, v)
             say("train_step", f"{v} step {i + 1}/{warmup + repeats}: {t:.3f} s" + (" (warm-up)" if i < warmup else ""))
             if i >= warmup:
                 times[v].append(t)
+            first.setdefault(v, t)
     peaks = {v: _peak_memory(engine, prompts, responses, v) for v in variants}  # apart: the profiler slows steps
     say("train_step", "peak memory measured")
     peak_flops = matmul_peak(dev, compute)
@@ -178,7 +180,8 @@ def measure(model_name: str, repeats: int = 3, warmup: int = 1, device: str = "c
         step = statistics.median(times[v])
         out[v] = {"step_s": round(step, 4), "tokens_per_s": round(total / step, 1),
                   "mfu": round(flops / step / peak_flops, 4), "peak_mem_mib": round(peaks[v] / 2**20, 1),
-                  "all_s": [round(t, 4) for t in times[v]]}
+                  "all_s": [round(t, 4) for t in times[v]], "first_step_s": round(first[v], 4),
+                  "compile_s_est": round(max(first[v] - step, 0.0), 4)}
     if "no_smax" in variants:
         out["smax_overhead"] = round(out["base"]["step_s"] / out["no_smax"]["step_s"] - 1, 4)
     if "full_logits" in variants and peaks["full_logits"]:

@@ -14,6 +14,12 @@ three buckets (on CPU: two per node), whatever the model size, and ``CAST_CHUNK`
 trainer holds another dtype than the replicas (float32 masters cross as they are, the GPU casts them).
 Every tensor given to torch.distributed goes through ``checkpoint_engine.wire``, on the engine's device.
 
+A replica whose ranks load from their own GPU's copy of each bucket (a tensor-parallel vLLM replica: rank j
+reads worker rank lead + j's IPC buffer, ``share_replica``) makes every rank of its worker wait for the replica's
+load of bucket k-2 before bucket k is received into the buffer it read: a barrier of the worker's ranks after
+the lead's wait. Without it a rank could receive bucket k (NCCL moves the bytes as soon as the ring lets it)
+while the replica's rank on that GPU still reads bucket k-2 there.
+
 A restarted replica catches up from one live replica, point to point (``serve_catch_up`` on the
 live replica's worker, ``catch_up`` on the restarted one's): the live replica packs its weights
 into its worker's IPC buffers bucket by bucket and they travel to the other worker alone, so the
@@ -107,6 +113,7 @@ class CheckpointEngine:
             dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
                                     timeout=timedelta(seconds=timeout_s))
         size = bucket_bytes + TRAILER
+        self.replica_group = None  # the worker's ranks, when its replica reads every one's buffers (share_replica)
         self.nodes: NodeBuffers | None = None
         if self.device.type == "cpu":  # no device to copy to: the owner stages into the shared IPC buffer
             self.h2d = None
@@ -115,6 +122,15 @@ class CheckpointEngine:
         else:  # device memory, shared with the inference process through CUDA IPC handles
             self.h2d = torch.empty(size, dtype=torch.uint8, device=self.device)
             self.ipc = [torch.empty(size, dtype=torch.uint8, device=self.device) for _ in range(2)]
+
+    def share_replica(self, ranks_per_worker: int) -> None:
+        """The worker of ``ranks_per_worker`` consecutive ranks (this one's among them) has a replica that reads
+        every rank's IPC buffers: they wait for its loads together from now on (see the module). Collective."""
+        for lo in range(0, self.world, ranks_per_worker):
+            ranks = list(range(lo, min(lo + ranks_per_worker, self.world)))
+            group = dist.new_group(ranks, backend="gloo")  # every rank creates every group, in the same order
+            if self.rank in ranks and len(ranks) > 1:
+                self.replica_group = group
 
     def ipc_handles(self):
         """What the local inference engine needs to map the IPC buffers without a copy."""
@@ -153,6 +169,9 @@ class CheckpointEngine:
         quant = OwnerQuantizer(plan, tensors, offsets, self.device) if plan.fp8 else None
         load_failure: tuple[int, Exception] | None = None
         shared = self.nodes is not None
+        # every rank of a worker whose replica reads all their buffers waits with the lead (the same on each: all
+        # pass a reloader, or none does), also after the lead stopped using a failed one
+        together = self.replica_group is not None and reloader is not None and not shared
         if quant is not None:
             quant.prepare()  # collective: block scales of blocks whose rows two workers hold
         for k, pieces in enumerate(plan.buckets):
@@ -167,6 +186,8 @@ class CheckpointEngine:
             try:
                 if reloader is not None and not shared and wait_for >= 0:
                     load_failure, reloader = self._wait(reloader, wait_for, load_failure)
+                if together and wait_for >= 0:
+                    dist.barrier(group=self.replica_group)  # the worker's replica is done with bucket k-2
                 if owner == self.rank:
                     src = dst if self.h2d is None else self.h2d[: used + TRAILER]
                     try:

@@ -6,12 +6,9 @@ torch tensor: writes by one process are visible to every process that mapped the
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import torch
 
-SHM_DIR = Path(os.environ.get("RL_SHM_DIR", "/dev/shm"))
+from engines.device import SHM_DIR
 
 
 class SharedBuffer:

@@ -13,7 +13,11 @@ travelling, and loading it only waits for that copy.
 
 An engine that cannot be written byte by byte (vLLM re-packs its weights for its kernels) takes the
 update as a stream instead (``WeightStream``): the receiver loads each bucket into its host copy and
-hands the engine the tensors that bucket completed, before it acknowledges the bucket.
+hands the engine the tensors that bucket completed, before it acknowledges the bucket. Or, with ``views``,
+the receiver copies nothing: it verifies each bucket and tells the engine where the bucket's tensors lie in
+the IPC buffer (``ViewStream.feed_views``), and the engine loads them from there (vLLM's workers, each from its
+own GPU's buffer); nothing of the previous weights is kept, so a failed update leaves the engine without weights
+(``consistent`` stays false) until a complete one arrives.
 
 A live receiver also packs its weights into a bucket (``pack``): that is how a restarted replica
 catches up from it, point to point.
@@ -28,9 +32,9 @@ from typing import Protocol
 import torch
 
 from checkpoint_engine.buckets import BucketPlan, Piece, as_bytes, spec_of
-from checkpoint_engine.shm import SharedBuffer
 from checkpoint_engine.trailer import ABORT, checksum, read_trailer, write_trailer
-from engines.device import host_buffer
+from engines.device import cuda_handle, device_uuid, host_buffer, local_device, remap_device  # noqa: F401 (re-exported)
+from engines.device import map_ipc as device_map_ipc
 
 
 class PlanMismatchError(ValueError):
@@ -70,44 +74,17 @@ class WeightStream(Protocol):
         """Drop the update in progress; serve the weights served before it."""
 
 
-#: position of the device index in ``torch.multiprocessing.reductions.rebuild_cuda_tensor``'s arguments
-_DEVICE_ARG = 6
+class ViewStream(WeightStream, Protocol):
+    """A stream that loads each bucket where it lies: ``feed_views(version, bucket, buffer, pieces, check)`` with
+    ``pieces`` as (name, start, length, offset, shape, dtype) and ``check`` the bucket's (used bytes, checksum);
+    returns once nothing reads the buffer any more."""
 
-
-def device_uuid(index: int) -> str:
-    """The UUID of CUDA device ``index`` (as this process numbers its visible devices)."""
-    return str(torch.cuda.get_device_properties(index).uuid)
-
-
-def cuda_handle(t: torch.Tensor) -> tuple:
-    """A CUDA IPC handle of ``t`` that names its device by UUID, not by this process's index."""
-    from torch.multiprocessing.reductions import reduce_tensor
-
-    return "cuda", reduce_tensor(t), device_uuid(t.device.index)
-
-
-def local_device(uuid: str, visible: list[str]) -> int:
-    """This process's index of the device with ``uuid``, among its ``visible`` devices' UUIDs (in order):
-    the two processes may see the GPUs in different orders (``CUDA_VISIBLE_DEVICES``)."""
-    if uuid not in visible:
-        raise RuntimeError(f"the checkpoint engine's buffer is on GPU {uuid}, which this process does not see "
-                           f"(it sees {', '.join(visible) or 'no GPU'}); give both processes that GPU")
-    return visible.index(uuid)
-
-
-def remap_device(args: tuple, index: int) -> tuple:
-    """``rebuild_cuda_tensor``'s arguments with the device index replaced by ``index``."""
-    return (*args[:_DEVICE_ARG], index, *args[_DEVICE_ARG + 1:])
+    def feed_views(self, version: int, bucket: int, buffer: int, pieces: list, check: tuple[int, int]) -> None: ...
 
 
 def map_ipc(handle) -> tuple[torch.Tensor, object]:
     """Map one IPC buffer from ``CheckpointEngine.ipc_handles()``; returns (tensor, keep-alive)."""
-    if handle[0] == "shm":
-        buf = SharedBuffer.attach(handle[1], handle[2])
-        return buf.tensor, buf
-    (rebuild, args), uuid = handle[1], handle[2]
-    visible = [device_uuid(i) for i in range(torch.cuda.device_count())]
-    t = rebuild(*remap_device(args, local_device(uuid, visible)))
+    t = device_map_ipc(handle)
     return t, t
 
 
@@ -157,17 +134,25 @@ class WeightReceiver:
     engine with another layout. ``on_commit`` receives the tensors to serve with after a complete
     update (in "swap" mode they are new objects the engine must rebind to). ``stream`` also receives the
     update bucket by bucket (``WeightStream``); with it the tensors must be held whole (no hook, no
-    placements) and a rollback ends with ``stream.abort()``.
+    placements) and a rollback ends with ``stream.abort()``. ``views``: the stream loads each bucket from the
+    IPC buffer itself (``ViewStream``); ``tensors`` then only describe what it holds (meta tensors will do),
+    nothing is written or kept here and the rollback mode is "none".
     """
 
     def __init__(self, plan: BucketPlan, handles: list, tensors: dict[str, torch.Tensor],
                  load_hook: LoadHook | None = None, rollback: str | None = None,
                  on_commit: Callable[[dict[str, torch.Tensor]], None] | None = None,
-                 placements: Placements | None = None, stream: WeightStream | None = None) -> None:
+                 placements: Placements | None = None, stream: WeightStream | None = None,
+                 views: bool = False) -> None:
         moved = any(n != t or o for n, (t, o) in (placements or {}).items())
         if stream is not None and (load_hook is not None or moved):
             raise ValueError("a weight stream takes whole tensors under the plan's names: no load hook or placements")
-        self.stream = stream
+        if views and (stream is None or rollback not in (None, "none")):
+            raise ValueError("views need a stream that loads from the IPC buffer, and keep nothing to roll back to")
+        self.stream, self.views = stream, views
+        self._empty = False  # views: an update failed midway and the engine holds no complete weights
+        if views:
+            rollback = "none"
         self.placements = dict(placements or {})
         self.load_hook = load_hook or _full_tensor
         if rollback is None:
@@ -193,6 +178,7 @@ class WeightReceiver:
         self._journal_used = 0
         cuda = any(t.is_cuda for t in tensors.values())
         self._side = torch.cuda.Stream() if cuda and rollback == "journal" else None
+        self._into = self.tensors
         self._ready: dict[int, object] = {}  # bucket -> event: its journal copy is done (side stream)
 
     def set_plan(self, plan: BucketPlan) -> None:
@@ -205,8 +191,9 @@ class WeightReceiver:
 
     @property
     def consistent(self) -> bool:
-        """False while an update is partly applied: the engine must not serve then."""
-        return self._loading is None
+        """False while an update is partly applied (or, with ``views``, after one failed): the engine must not
+        serve then."""
+        return self._loading is None and not self._empty
 
     @property
     def ready(self) -> bool:
@@ -239,6 +226,9 @@ class WeightReceiver:
         if self._loading is None or self._loading[0] != version:
             self._begin(version)
         assert self._loading is not None
+        if self.views:
+            self._feed_views(bucket, buffer, version, used, got_sum)
+            return
         if self.rollback_mode == "journal":
             self._journal_ahead(bucket)
             if self._side is not None:
@@ -260,9 +250,24 @@ class WeightReceiver:
         if len(self._loading[1]) == len(self.plan.buckets):
             self._commit(version)
 
+    def _feed_views(self, bucket: int, buffer: int, version: int, used: int, checksum_: int) -> None:
+        """Hand the stream bucket ``bucket`` where it lies (``views``)."""
+        assert self._loading is not None and self.stream is not None
+        specs = self.plan.tensors
+        pieces = [(p.name, p.start, p.length, p.offset, specs[p.name].shape, specs[p.name].dtype)
+                  for p in self.plan.buckets[bucket]]
+        self.stream.feed_views(version, bucket, buffer, pieces, (used, checksum_))  # type: ignore[attr-defined]
+        self.loads += 1
+        self._loading[1].add(bucket)
+        if len(self._loading[1]) == len(self.plan.buckets):
+            self._commit(version)
+
     def pack(self, bucket: int, buffer: int) -> int:
         """Write bucket ``bucket`` of the weights this engine serves into IPC buffer ``buffer`` (as the
         checkpoint engine would have delivered it); returns their version."""
+        if self.views:
+            raise RuntimeError("this replica keeps no copy of its weights to send (it loads updates from the IPC "
+                               "buffers on its device): fill the restarted replica from the trainers")
         if not self.ready:
             raise RuntimeError("this replica holds no complete update to send")
         assert self.version is not None
@@ -278,7 +283,11 @@ class WeightReceiver:
     def rollback(self) -> bool:
         """Undo a partly applied update; True if the previous weights are back in place."""
         if self._loading is None:
-            return True
+            return not self._empty
+        if self.views:  # nothing was kept: the engine serves nothing until a complete update
+            self._loading, self._empty = None, True
+            self.stream.abort()  # type: ignore[union-attr]
+            return False
         if self.rollback_mode == "none":
             return False
         if self._side is not None:
@@ -296,11 +305,13 @@ class WeightReceiver:
         return True
 
     def _begin(self, version: int) -> None:
-        if self._loading is not None and not self.rollback():
+        if self._loading is not None and not self.rollback() and not self.views:
             raise CorruptUpdateError(f"update {self._loading[0]} was left partly applied")
         if self.stream is not None:  # first: an engine that refuses the version leaves nothing begun
             self.stream.begin(version)
         self._loading, self._written = (version, set()), {}
+        if self.views:
+            return
         if self.rollback_mode == "swap" and self._shadow is None:
             self._shadow = {n: torch.empty_like(t) for n, t in self.tensors.items()}
         self._into = self._shadow if self.rollback_mode == "swap" else self.tensors
@@ -323,7 +334,7 @@ class WeightReceiver:
                 raise
         if self.rollback_mode == "swap":
             self.tensors, self._shadow = self._shadow, self.tensors
-        self.version, self._loading = version, None
+        self.version, self._loading, self._empty = version, None, False
         self._reset_journal()
         if self.on_commit is not None:
             self.on_commit(self.tensors)

@@ -5,6 +5,10 @@ starts with ``reset_peak_memory`` and ends with ``peak_memory_bytes``. On CUDA t
 allocator's peak counters; on CPU Linux's high-water mark of the resident set (VmHWM), which writing
 5 to /proc/self/clear_refs resets to the current RSS.
 
+The checkpoint engine's IPC buffers are mapped by the process that loads from them with ``map_ipc``: POSIX shared
+memory on a CPU, a CUDA IPC handle (naming its GPU by UUID, since two processes may number their devices
+differently) on a GPU. Both engines may map them (a vLLM worker loads its tensor-parallel shard from its own GPU's).
+
 ``host_buffer`` is how this project pins large host buffers: torch's pinned allocator
 (``pin_memory=True``, ``Tensor.pin_memory()``) rounds every block up to a power of two and keeps it
 cached, so a 16.4 GB buffer pins 32 GiB. Here the pages are mapped at the exact size, faulted in by
@@ -17,8 +21,15 @@ import ctypes
 import ctypes.util
 import functools
 import mmap
+import os
+from pathlib import Path
 
 import torch
+
+#: where POSIX shared memory lives (the checkpoint engine's CPU IPC buffers)
+SHM_DIR = Path(os.environ.get("RL_SHM_DIR", "/dev/shm"))
+#: position of the device index in ``torch.multiprocessing.reductions.rebuild_cuda_tensor``'s arguments
+_DEVICE_ARG = 6
 
 
 def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
@@ -119,3 +130,56 @@ def host_buffer(nbytes: int, pinned: bool = True) -> torch.Tensor:
     _register(t.data_ptr(), nbytes)
     region.pinned_at = t.data_ptr()
     return t
+
+
+# ---- IPC buffers ---------------------------------------------------------------------------------------------
+
+def device_uuid(index: int) -> str:
+    """The UUID of CUDA device ``index`` (as this process numbers its visible devices)."""
+    return str(torch.cuda.get_device_properties(index).uuid)
+
+
+def cuda_handle(t: torch.Tensor) -> tuple:
+    """A CUDA IPC handle of ``t`` that names its device by UUID, not by this process's index."""
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    return "cuda", reduce_tensor(t), device_uuid(t.device.index)
+
+
+def local_device(uuid: str, visible: list[str]) -> int:
+    """This process's index of the device with ``uuid``, among its ``visible`` devices' UUIDs (in order):
+    the two processes may see the GPUs in different orders (``CUDA_VISIBLE_DEVICES``)."""
+    if uuid not in visible:
+        raise RuntimeError(f"the checkpoint engine's buffer is on GPU {uuid}, which this process does not see "
+                           f"(it sees {', '.join(visible) or 'no GPU'}); give both processes that GPU")
+    return visible.index(uuid)
+
+
+def remap_device(args: tuple, index: int) -> tuple:
+    """``rebuild_cuda_tensor``'s arguments with the device index replaced by ``index``."""
+    return (*args[:_DEVICE_ARG], index, *args[_DEVICE_ARG + 1:])
+
+
+def visible_uuids() -> list[str]:
+    """The UUIDs of the CUDA devices this process sees, in its own order (none without CUDA)."""
+    return [device_uuid(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
+
+
+def map_ipc(handle: tuple) -> torch.Tensor:
+    """The buffer an IPC ``handle`` names (``("shm", name, nbytes)`` or ``cuda_handle``'s), mapped without a copy;
+    the tensor keeps the mapping alive."""
+    if handle[0] == "shm":
+        _, name, nbytes = handle
+        path = SHM_DIR / name
+        if not path.exists():
+            raise FileNotFoundError(f"shared buffer {name} does not exist (was its owner started?)")
+        if path.stat().st_size != nbytes:
+            raise ValueError(f"shared buffer {name} has {path.stat().st_size} bytes, expected {nbytes}")
+        return torch.from_file(str(path), shared=True, size=nbytes, dtype=torch.uint8)
+    (rebuild, args), uuid = handle[1], handle[2]
+    return rebuild(*remap_device(args, local_device(uuid, visible_uuids())))
+
+
+def ipc_device(handle: tuple) -> str | None:
+    """The UUID of the GPU an IPC ``handle``'s buffer is on (None: host shared memory)."""
+    return handle[2] if handle[0] == "cuda" else None

@@ -58,7 +58,7 @@ def _cmd_train(args: argparse.Namespace) -> None:
 
 def _cmd_check(args: argparse.Namespace) -> None:
     from rl.config import dump_config, load_config
-    from rl.setup.memory import check_fits, estimate_run
+    from rl.setup.memory import check_fits, estimate_run, kv_shortfall
     from rl.setup.warmstart import model_dir_here
 
     cfg = load_config(args.config, args.set)
@@ -79,6 +79,8 @@ def _cmd_check(args: argparse.Namespace) -> None:
         print(f"# {key}: {value} ({why})")
     print(f"# memory per worker ({cfg.cluster.workers} workers; activations estimated from the layer shapes):")
     print("\n".join(f"#{line}" for line in est.table().splitlines()))
+    if (shortfall := kv_shortfall(cfg, est)) is not None:
+        print(f"# warning: {shortfall}")
     print(f"# run directory (the claim): {est.checkpoint / 2**30:.3f} GiB per checkpoint (model and trainer state), "
           f"{est.run_dir / 2**30:.3f} GiB at most ({cfg.run.keep_checkpoints} kept, one being written, best/, final/)")
     check_fits(cfg, est)

@@ -319,8 +319,9 @@ class RolloutConfig(Strict):
     fp8: bool = Field(False, description="inference engines hold block-FP8 matrices (128x128 blocks with float32 "
                                          "scales, as DeepSeek-V3 and Kimi K2 ship); the trainers quantise each "
                                          "bucket, half the bytes of bf16 cross the wire")
-    sleep_level: Literal[0, 1, 2] = Field(
-        1, description="while training: 1 frees the KV cache, 2 also the inference weights, 0 keeps both")
+    sleep_level: Literal[0, 1, 2, "auto"] = Field(
+        "auto", description="while training: 1 frees the KV cache, 2 also the inference weights (the update "
+                            "refills them), 0 keeps both; auto: 2 where the workers have GPUs, else 1")
     engine: Literal["native", "vllm", "auto"] = Field(
         "auto", description="rollout engine: native (this project's, exact against the trainer), vllm, or auto "
                             "(vLLM where it is installed and a GPU is present, else native); the choice is logged")
@@ -512,6 +513,12 @@ class Config(Strict):
         if self.rollout.attention == "paged" and gpus > 0:
             raise ValueError("rollout.attention: paged is the CPU decode kernel; with cluster.gpus_per_worker > 0 "
                              "use auto, torch or flex")
+        if gpus > 0 and gpus != int(gpus) and (gpus > 1 or self.cluster.workers > 1):
+            raise ValueError(f"cluster.gpus_per_worker={gpus:g}: " + (
+                "more than one GPU per worker must be a whole number (Ray places whole GPUs above one)" if gpus > 1
+                else f"with {self.cluster.workers} workers Ray may place two of them on one GPU, and their trainer "
+                     "ranks' NCCL group refuses two ranks on one device") + "; use whole GPUs per worker (or one "
+                             "worker on a shared GPU)")
         if tp > 1 and gpus > 0 and gpus != tp:
             raise ValueError(f"rollout.tensor_parallel_size={tp} spans the worker's GPUs: set "
                              f"cluster.gpus_per_worker={tp} (it is {gpus:g})")

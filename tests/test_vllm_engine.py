@@ -3,6 +3,7 @@ trainer on the same weights: one vLLM engine per module (its start-up is slow), 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 
@@ -232,6 +233,109 @@ def test_vllm_refuses_a_mismatched_update_version(served, sender, tokenizer, tmp
     assert engine.weights_version == 5 and _greedy(engine, tokenizer) == served_v5
 
 
+@pytest.fixture
+def views(served, sender, restore):
+    """The served engine taking updates as on a GPU (``ipc_views``): its worker maps the sender's IPC buffers and
+    loads each bucket from views of them (shared memory here, the trainer rank's CUDA buffer on a GPU)."""
+    engine, _ = served
+    engine.ipc_views = True
+    sources = engine.attach_ipc([sender.handles])
+    yield sources
+    engine.ipc_views = False
+
+
+def test_vllm_update_from_ipc_views_serves_the_checkpoint_and_keeps_no_copy(served, sender, tokenizer, tmp_path,
+                                                                            views, load_mode):
+    """B2: every bucket is loaded where it lies (whole tensors as views, split ones assembled), one load per update
+    taking each bucket before the next; nothing of the weights is kept on the host or by the receiver."""
+    engine, _ = served
+    assert views == [f"shm:{sender.handles[0][1]}"]
+    meta = engine.named_tensors()
+    assert set(meta) == set(sender.plan.tensors) and all(t.is_meta for t in meta.values())
+    new_dir, want = _checkpoint(tokenizer, tmp_path, 1)
+    recv = sender.receiver(meta, stream=engine, views=True)
+    reloads = engine.reloads
+    _, error = sender.update(recv, new_dir, 3)
+    assert error is None and recv.version == engine.weights_version == 3 and engine.reloads == reloads + 1
+    assert _greedy(engine, tokenizer) == want
+    n = len(sender.plan.buckets)
+    assert engine.stream_log == [(e, k) for k in range(n) for e in ("delivered", "taken")]
+    assert engine.llm.collective_rpc("ipc_held_bytes") == [0]  # every split tensor was completed and let go
+    assert recv.tensors is meta and recv._journal_buf is None and recv._shadow is None
+    with pytest.raises(RuntimeError, match="keeps no host copy"):
+        engine.served_weights()
+    with pytest.raises(RuntimeError, match="keeps no copy of its weights to send"):
+        recv.pack(0, 0)
+
+
+def test_vllm_update_from_ipc_views_that_fails_midway_serves_nothing_until_a_complete_one(
+        served, sender, tokenizer, tmp_path, views, load_mode):
+    """Without a host copy there is nothing to roll back to: the replica refuses to generate (and its receiver says
+    it is not consistent) until the next complete update, which then serves exactly."""
+    engine, _ = served
+    first, _ = _checkpoint(tokenizer, tmp_path / "v1", 1)
+    recv = sender.receiver(engine.named_tensors(), stream=engine, views=True)
+    assert sender.update(recv, first, 1)[1] is None
+    second, want = _checkpoint(tokenizer, tmp_path / "v2", 2)
+    _, error = sender.update(recv, second, 2, corrupt=len(sender.plan.buckets) // 2)
+    assert error is not None and "checksum" in error
+    assert not recv.consistent and recv.version == 1
+    with pytest.raises(RuntimeError, match="no weights to serve"):
+        engine.generate(_prompts(tokenizer), SamplingParams(0.0, 4))
+    assert sender.update(recv, second, 2)[1] is None and recv.consistent
+    assert _greedy(engine, tokenizer) == want
+
+
+def test_vllm_loads_run_inside_vllms_config_scope(served):
+    """A7: vLLM's layer-wise reload and the direct loads run with the worker's config current
+    (``set_current_vllm_config``), as vLLM's own reload_weights does; outside them none is set."""
+    from vllm.config import get_current_vllm_config_or_none
+
+    engine, model = served
+    state = hub_state(model)
+    seen = {}
+
+    class Recorded(list):
+        def __iter__(self):
+            seen.setdefault("direct", get_current_vllm_config_or_none())
+            return super().__iter__()
+
+    def probe(worker):
+        def pairs():
+            seen["reload"] = get_current_vllm_config_or_none()
+            yield from state.items()
+
+        worker.reload_from(pairs())
+        worker.stream_begin(-1, "direct")
+        worker.stream_feed(0, Recorded(state.items()))
+        assert worker.stream_end() is None
+        return worker.vllm_config
+
+    assert get_current_vllm_config_or_none() is None
+    [config] = engine.llm.collective_rpc(probe)  # tensor parallel 1: the worker is in this process
+    assert seen["reload"] is config and seen["direct"] is config
+    assert get_current_vllm_config_or_none() is None
+
+
+def test_vllm_sleep_level_two_wakes_in_two_steps_around_the_update(served, tokenizer, restore):
+    """B4: after a level-2 sleep the weights wake first (an update may fill them; generating is refused while the
+    KV cache sleeps), then the KV cache; an update into sleeping weights is refused."""
+    engine, model = served
+    before = _greedy(engine, tokenizer)
+    engine.sleep(2)
+    assert engine.asleep == {"weights", "kv_cache"}
+    with pytest.raises(RuntimeError, match="weights are asleep"):
+        engine.begin(0)
+    engine.wake_up(kv_cache=False)
+    assert engine.asleep == {"kv_cache"} and engine.sleeping == 2
+    with pytest.raises(RuntimeError, match=r"asleep \(kv_cache\)"):
+        engine.generate(_prompts(tokenizer), SamplingParams(0.0, 4))
+    engine.load_weights(iter(hub_state(model).items()))
+    engine.wake_up()
+    assert engine.asleep == set() and engine.sleeping == 0
+    assert _greedy(engine, tokenizer) == before
+
+
 def test_vllm_partial_rollout_pauses_at_the_budget_and_resumes_with_the_same_prefix(served, tokenizer):
     engine, model = served
     prompts = _prompts(tokenizer)
@@ -350,6 +454,54 @@ def test_vllm_replica_gets_the_trainers_weights_through_the_checkpoint_engine(ra
     assert [c.token_ids for c in got] == [c.token_ids for c in want]
 
 
+def test_vllm_replica_on_ipc_views_is_filled_by_the_trainers_and_refilled_after_a_level_two_sleep(
+        ray_cluster, tokenizer):
+    """The GPU defaults on vLLM's CPU build (B2, B4, B5, A5): a replica that loads from views of the IPC buffers
+    starts on placeholder weights and the trainers' start-up stream fills it; after a level-2 sleep it wakes its
+    weights only (generating is refused until the KV cache is back), an iteration without an optimizer step
+    refills the same weights, and a step's update serves the trained weights: each time the native engine's tokens
+    on the same weights."""
+    cfg = _vllm_run(rollout={"sleep_level": 2})
+    model_dir = prepare_model(cfg)
+    settings = for_model(cfg, str(model_dir))
+    engine = dataclasses.replace(settings.rollout.engine, ipc_views=True)
+    settings = dataclasses.replace(settings, rollout=dataclasses.replace(settings.rollout, engine=engine))
+    prompts, greedy = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14]], [SamplingParams(0.0, 12)] * 4
+    tok = TextTokenizer.load(model_dir)
+
+    def native(state=None):
+        model = load_pretrained(model_dir)
+        if state is not None:
+            model.load_state_dict(state, strict=False)
+        return InferenceEngine(model.eval(), tok.eos_ids, tok.pad_id).generate(prompts, greedy)
+
+    def same(got, want):  # the same tokens, and log-probs to float32 rounding (different kernels)
+        return [c.token_ids for c in got] == [c.token_ids for c in want] and all(
+            torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4, rtol=0)
+            for a, b in zip(got, want, strict=True))
+
+    with Cluster(settings, str(model_dir)) as cluster:
+        start = cluster.generate(prompts, greedy, seed=0)
+        cluster.sleep_rollouts()
+        cluster.wake_rollouts()
+        with pytest.raises(ray.exceptions.RayTaskError, match=r"asleep \(kv_cache\)"):
+            ray.get(cluster.rollouts[0].generate.remote(prompts, greedy, 0))
+        cluster.update_weights(changed=False)  # no optimizer step: the same weights again
+        assert cluster.weights_version() == 0
+        again = cluster.generate(prompts, greedy, seed=0)
+        outs = cluster.generate(prompts, [SamplingParams(1.0, 8)] * 4, seed=0)
+        cluster.sleep_rollouts()
+        train_on(cluster, [make_sample(0, o.prompt_ids, o.token_ids, o.logprobs, float(i % 2))
+                           for i, o in enumerate(outs)])
+        trained = ray.get(cluster.trainers[0].state_dict.remote())
+        cluster.wake_rollouts()
+        cluster.update_weights()
+        after = cluster.generate(prompts, greedy, seed=0)
+        assert cluster.weights_version() == 1
+    assert same(start, native()) and same(again, native())
+    assert same(after, native(trained)) and not same(after, native())
+
+
 def test_vllm_run_trains_and_every_update_reaches_the_sampler(ray_cluster, tmp_path):
     """A run with rollout.engine vllm: the sampler's log-probs agree with the trainer's recompute to float32
     rounding in every iteration, which holds only if each update reached vLLM."""
@@ -376,3 +528,5 @@ def test_vllm_side_by_side_benchmark_prints_both_engines(capsys):
     assert rec["native_tok_s"] > 0 and rec["vllm_tok_s"] > 0 and rec["sequences"] == 4
     assert rec["native_over_vllm"] == pytest.approx(rec["native_tok_s"] / rec["vllm_tok_s"], rel=0.01)
     assert rec["same_tokens"] is (rec["identical_sequences"] == 4)
+    # B8: like with like, both eager on a CPU (both with decode graphs on a GPU)
+    assert rec["device"] == "cpu" and rec["native_mode"] == rec["vllm_mode"] == "eager"

@@ -22,7 +22,8 @@ from tests.test_vllm_engine import _checkpoint, _greedy, _model, _prompts  # noq
 def test_vllm_tensor_parallel_replica_serves_and_takes_streamed_updates_on_every_rank(tokenizer, tmp_path):
     """rollout.tensor_parallel_size 2: vLLM's two ranks (processes of their own) give the native engine's greedy
     tokens; an update streamed through the checkpoint engine reaches both ranks (each takes its shard of the full
-    tensors), so the replica then serves the new checkpoint exactly; an update aborted midway leaves the old."""
+    tensors), so the replica then serves the new checkpoint exactly; an update aborted midway leaves the old; and an
+    update each rank loads from views of the IPC buffers itself (B3) serves exactly too."""
     model = _model(tokenizer, 0, kv_heads=2)  # a head of each kind per rank
     save_pretrained(model, tokenizer, tmp_path / "start")
     engine = vllm_engine.VllmEngine(tmp_path / "start", tokenizer.eos_ids, max_seq_len=256, max_num_seqs=16,
@@ -43,5 +44,12 @@ def test_vllm_tensor_parallel_replica_serves_and_takes_streamed_updates_on_every
             _, error = sender.update(recv, second, 2, corrupt=len(sender.plan.buckets) // 2)
             assert error is not None and "checksum" in error
             assert _greedy(engine, tokenizer) == want != other and engine.weights_version == 1
+            # as on GPUs (ipc_views): each rank maps the buffers and loads the bucket from views of them itself (on
+            # GPUs each its own GPU's trainer rank's, and rank 1 verifies its copy's checksum); nothing else crosses
+            engine.ipc_views = True
+            assert engine.attach_ipc([sender.handles]) == [f"shm:{sender.handles[0][1]}"] * 2
+            recv = sender.receiver(engine.named_tensors(), stream=engine, views=True)
+            assert sender.update(recv, second, 2)[1] is None
+            assert _greedy(engine, tokenizer) == other and engine.weights_version == 2
     finally:
         engine.close()

@@ -27,6 +27,9 @@ probed:
   keep until the update ends), then ``commit(version, tensors)`` (serve the whole update from now on) or
   ``abort()`` (serve the weights served before it again). ``named_tensors`` is then the host copy the receiver
   fills. These four methods are part of the interface for "stream" engines; a "swap" engine refuses them.
+  A stream engine with ``ipc_views`` instead maps the checkpoint engine's IPC buffers itself (``attach_ipc``) and
+  loads each bucket where it lies (``feed_views`` in place of ``feed``), keeping no copy of the weights:
+  ``abort()`` then leaves it without weights until a complete update.
 """
 
 from __future__ import annotations
@@ -142,8 +145,9 @@ class RolloutEngine(ABC):
         """Free the KV cache (1), or the KV cache and the weights (2), while the trainer uses the device."""
 
     @abstractmethod
-    def wake_up(self) -> None:
-        """Take back what ``sleep`` freed (after level 2 the weights must be loaded again)."""
+    def wake_up(self, kv_cache: bool = True) -> None:
+        """Take back what ``sleep`` freed (after level 2 the weights must be loaded again); ``kv_cache=False``: the
+        weights first, for an update to fill (a second ``wake_up()`` takes the rest back)."""
 
     @property
     @abstractmethod
@@ -194,6 +198,18 @@ class RolloutEngine(ABC):
     def abort(self) -> None:
         """Drop the update streaming in, if any, and serve the weights served before it."""
         self._not_streaming("abort")
+
+    #: a stream engine that loads each bucket from the IPC buffers itself (``attach_ipc``, ``feed_views``)
+    ipc_views: bool = False
+
+    def attach_ipc(self, handles_by_rank: list[list[tuple]]) -> list[str]:
+        """Map the checkpoint engine's IPC buffers (one list of handles per trainer rank of the worker)."""
+        self._not_streaming("attach_ipc")
+        return []
+
+    def feed_views(self, version: int, bucket: int, buffer: int, pieces: list, check: tuple[int, int]) -> None:
+        """Load bucket ``bucket`` of update ``version`` from IPC buffer ``buffer``, where ``pieces`` say."""
+        self._not_streaming("feed_views")
 
     def _not_streaming(self, method: str) -> None:
         raise NotImplementedError(f"{type(self).__name__} takes weight updates by {self.weight_update!r}, not by "

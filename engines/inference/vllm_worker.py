@@ -2,7 +2,16 @@
 
 Two ways in, chosen per update (``stream_begin``'s ``mode``), both fed bucket by bucket through
 ``collective_rpc``: ``stream_begin`` starts an update, ``stream_feed`` hands it a bucket's (name, tensor)
-pairs and returns once they are taken, ``stream_end`` closes (or aborts) it.
+pairs and returns once they are taken, ``stream_end`` closes (or aborts) it. Both run inside vLLM's config
+scope (``set_current_vllm_config``), as vLLM's own ``reload_weights`` does: layers' loaders and post-load
+processing read the current config, and vLLM 0.33 raises where none is set.
+
+Where the bucket comes from, per replica: the engine's process hands each worker the tensors themselves
+(``stream_feed``: host tensors, pickled to workers in processes of their own); or each worker reads the bucket
+where it lies (``ipc_attach`` once, then ``ipc_feed`` per bucket with the bucket's piece list, a few hundred
+bytes): the checkpoint engine's IPC buffer of the trainer rank on this worker's own device (chosen by GPU UUID),
+loaded from device views of it (``engines.inference.bucket_views``): no host round trip, and a tensor-parallel
+rank reads its own GPU's copy of the bucket instead of receiving full tensors through the engine's process.
 
 - ``direct``: each bucket goes straight into the live parameters through the model's own ``load_weights``
   (its loaders fuse q/k/v and gate/up and take a tensor-parallel rank's shard); at the end the layers are
@@ -25,8 +34,12 @@ import queue
 import sys
 import threading
 from collections.abc import Iterable
+from contextlib import contextmanager
 
 import torch
+
+from engines.device import ipc_device, map_ipc, visible_uuids
+from engines.inference.bucket_views import BucketAssembler, PieceRef
 
 _END = object()  # ends a stream's iterator
 
@@ -92,14 +105,24 @@ class _Direct:
 
     def feed(self, bucket: int, pairs: list[tuple[str, torch.Tensor]]) -> None:
         self.log.append(("delivered", bucket))
-        with torch.no_grad():
+        with torch.no_grad(), vllm_config_scope(self.worker):
             self.worker.model_runner.get_model().load_weights(iter(pairs))
         self.log.append(("taken", bucket))
 
     def end(self, abort: str | None) -> BaseException | None:
         if abort is None:  # an aborted update is written over by the caller's restore, which repacks then
-            _repack(self.worker.model_runner.get_model())
+            with vllm_config_scope(self.worker):
+                _repack(self.worker.model_runner.get_model())
         return None
+
+
+@contextmanager
+def vllm_config_scope(worker):
+    """vLLM's config of ``worker`` as the current one, as vLLM's own worker sets it around a reload."""
+    from vllm.config import set_current_vllm_config
+
+    with set_current_vllm_config(worker.vllm_config):
+        yield
 
 
 class WeightLoader:
@@ -107,16 +130,17 @@ class WeightLoader:
 
     def reload_from(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """One in-place reload over ``weights`` in checkpoint names and layout."""
-        try:
-            self.model_runner.reload_weights(weights_iterator=iter(weights))
-        except BaseException:
-            # a stream that fails midway leaves its unfinished layers on the meta device with their loaders
-            # wrapped, and the next reload would skip re-initialising them: finish them (with whatever they
-            # got) so the rollback's reload starts clean
-            from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
+        with vllm_config_scope(self):
+            try:
+                self.model_runner.reload_weights(weights_iterator=iter(weights))
+            except BaseException:
+                # a stream that fails midway leaves its unfinished layers on the meta device with their loaders
+                # wrapped, and the next reload would skip re-initialising them: finish them (with whatever they
+                # got) so the rollback's reload starts clean
+                from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
 
-            finalize_layerwise_reload(self.model_runner.get_model(), self.model_runner.vllm_config.model_config)
-            raise
+                finalize_layerwise_reload(self.model_runner.get_model(), self.model_runner.vllm_config.model_config)
+                raise
 
     def direct_load_supported(self) -> bool:
         """Whether this worker's model can take an update through ``load_weights`` into its live parameters
@@ -138,9 +162,53 @@ class WeightLoader:
         """Hand the reload a bucket's tensors; returns once it has taken them (raises if it failed)."""
         self._reload.feed(bucket, pairs)
 
+    def ipc_attach(self, handles_by_rank: list[list[tuple]]) -> str:
+        """Map the IPC buffers this worker loads from: of the trainer ranks' ``handles_by_rank`` (one list per
+        rank of the replica's worker), those on this worker's own GPU (by UUID); on a CPU, shared memory, the
+        list of this worker's rank (the last where there are fewer). Returns where they are, for the record."""
+        mine = _own_handles(handles_by_rank, self._device_uuid(), self._rank())
+        self._ipc = [map_ipc(h) for h in mine]
+        self._assembler = BucketAssembler()
+        return ipc_device(mine[0]) or f"shm:{mine[0][1]}"
+
+    def ipc_feed(self, bucket: int, buffer: int, pieces: list[PieceRef], check: tuple[int, int]) -> None:
+        """Load bucket ``bucket`` from this worker's IPC buffer ``buffer`` (``pieces``: where each tensor's bytes
+        are); ``check``: (used bytes, checksum) the engine's process read in its own copy of the bucket, which a
+        rank reading another GPU's copy verifies. Returns once every tensor is loaded and no kernel reads the
+        buffer any more (the sender may then write the next bucket but one into it)."""
+        buf = self._ipc[buffer]
+        used, want = check
+        if self._rank() > 0 and int(buf[:used].view(torch.int64).sum()) != want:
+            raise RuntimeError(f"bucket {bucket} in this GPU's IPC buffer {buffer} differs from the one the engine "
+                               "verified (a trainer rank's copy that was overwritten or never arrived)")
+        # a direct load copies out of the views before it returns; a reload keeps tensors until their layer is
+        # whole, past this bucket, so it gets copies of its own (device to device)
+        pairs = self._assembler.take(buf, pieces, own=isinstance(self._reload, _Reload))
+        try:
+            self._reload.feed(bucket, pairs)
+        finally:
+            if buf.is_cuda:
+                torch.cuda.synchronize(buf.device)
+
+    def ipc_held_bytes(self) -> int:
+        """Device bytes held for tensors split across buckets that are still missing pieces."""
+        return self._assembler.held_bytes() if getattr(self, "_assembler", None) is not None else 0
+
+    def _device_uuid(self) -> str | None:
+        device = getattr(self, "device", None)
+        if not isinstance(device, torch.device) or device.type != "cuda":
+            return None
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return visible_uuids()[index]
+
+    def _rank(self) -> int:
+        return int(getattr(self, "rank", 0))
+
     def stream_end(self, abort: str | None = None) -> str | None:
         """Close the reload (``abort``: make it raise with that message) and wait for it; returns its failure."""
         reload, self._reload = self._reload, None
+        if getattr(self, "_assembler", None) is not None:
+            self._assembler.clear()
         if reload is None:
             return None
         error = reload.end(abort)
@@ -149,6 +217,18 @@ class WeightLoader:
     def stream_log(self) -> list[tuple[str, int]]:
         """The last streamed update's ("delivered" | "taken", bucket) events in this worker, in order."""
         return list(getattr(self, "_reload_log", []))
+
+
+def _own_handles(handles_by_rank: list[list[tuple]], uuid: str | None, rank: int) -> list[tuple]:
+    """The IPC handles a worker loads from (see ``WeightLoader.ipc_attach``)."""
+    if uuid is None:
+        return handles_by_rank[min(rank, len(handles_by_rank) - 1)]
+    for handles in handles_by_rank:
+        if ipc_device(handles[0]) == uuid:
+            return handles
+    where = ", ".join(str(ipc_device(h[0])) for h in handles_by_rank)
+    raise RuntimeError(f"no trainer rank of this worker has its IPC buffers on this vLLM rank's GPU {uuid} (they "
+                       f"are on {where}): each rank of a tensor-parallel replica needs a trainer rank on its GPU")
 
 
 def _unquantized_methods() -> tuple[type, ...]:

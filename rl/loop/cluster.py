@@ -93,7 +93,9 @@ class Cluster:
         # and that rank updates it (the worker's other ranks take part in every broadcast)
         plans = ray.get([t.weight_plan.remote() for t in self.trainers])
         self._plans = plans
-        ray.get([r.attach.remote(plans[0][0], plans[self.lead(i)][1]) for i, r in enumerate(self.rollouts)])
+        if spans and settings.rollout.engine.ipc_views:  # each replica rank loads from its own GPU's trainer rank
+            ray.get([t.share_replica.remote(per) for t in self.trainers])
+        ray.get([self._attach(i) for i in range(n)])
         ray.get([t.connect.remote([self.rollouts[r // per]] if r % per == 0 else [])
                  for r, t in enumerate(self.trainers)])
         self.num_buckets = len(plans[0][0].buckets)
@@ -105,6 +107,17 @@ class Cluster:
     def lead(self, i: int) -> int:
         """The trainer rank that updates worker ``i``'s inference engine (its first; see ``per``)."""
         return i * self.per
+
+    def _attach(self, i: int):
+        """Engine ``i`` maps its worker's IPC buffers: its lead trainer rank's, and every rank's of the worker for
+        a replica whose ranks load from their own GPU's (vLLM's ipc_views)."""
+        handles = [self._plans[self.lead(i) + j][1] for j in range(self.per)]
+        return self.rollouts[i].attach.remote(self._plans[0][0], handles[0], handles)
+
+    @property
+    def _peers_copy(self) -> bool:
+        """Whether a live replica can send its weights to a restarted one (not without a host copy: ipc_views)."""
+        return not self.settings.rollout.engine.ipc_views
 
     def _startup(self, dirs: list[str]) -> None:
         """Read the model once, collectively: each trainer reads some of its files and the checkpoint
@@ -262,15 +275,15 @@ class Cluster:
         peer's weights through the checkpoint engine, or the trainers' when it is the only one; ``stale``: the
         engines sleep, it is filled when they wake."""
         i, n = failure.index, len(self.rollouts)
-        how = "filled at wake-up" if stale else (f"weights from engine {(i + 1) % n}" if n > 1 else
-                                                   "weights from the trainers")
+        how = "filled at wake-up" if stale else (f"weights from engine {(i + 1) % n}" if n > 1 and self._peers_copy
+                                                   else "weights from the trainers")
         self.restarts.take(failure, f"inference engine {i} replaced in place ({how})")
-        if not stale and n > 1:
+        if not stale and n > 1 and self._peers_copy:
             self.restart_rollout(i, (i + 1) % n)
             return
         ray.kill(self.rollouts[i])
         self.rollouts[i] = self._placed(RolloutWorker, i).remote(*self._rollout_args[i])
-        ray.get(self.rollouts[i].attach.remote(self._plans[0][0], self._plans[self.lead(i)][1]))
+        ray.get(self._attach(i))
         ray.get(self.trainers[self.lead(i)].connect.remote([self.rollouts[i]]))
         if stale:
             self._stale.add(i)
@@ -298,12 +311,15 @@ class Cluster:
         self._rollouts(lambda r: r.sleep.remote(self.settings.rollout.sleep_level), "sleep")
 
     def wake_rollouts(self) -> None:
-        """Reallocate the engines' memory; engines replaced while asleep get the current weights."""
-        self._rollouts(lambda r: r.wake_up.remote(), "wake-up")
+        """Reallocate the engines' memory: at ``rollout.sleep_level`` 2 only their weights (``update_weights``, which
+        fills them, then wakes the KV caches: a two-step wake, so the update never needs the KV cache's memory),
+        else everything; engines replaced while asleep get the current weights."""
+        two_step = self.settings.rollout.sleep_level == 2
+        self._rollouts(lambda r: r.wake_up.remote(not two_step), "wake-up")
         if self._stale:
             stale, self._stale = self._stale, set()
             live = [j for j in range(len(self.rollouts)) if j not in stale]
-            if live and self.settings.rollout.sleep_level < 2:  # a peer that kept its weights serves them
+            if live and not two_step and self._peers_copy:  # a peer that kept its weights serves them
                 for i in sorted(stale):
                     self._catch_up(i, live[0])
             else:
@@ -319,13 +335,18 @@ class Cluster:
 
     def update_weights(self, changed: bool = True) -> None:
         """Checkpoint-engine update of every inference engine from the trainers: new weights (``changed``), or,
-        where the replicas discarded theirs to sleep (level 2), the same ones again."""
-        if not changed:
-            if self.settings.rollout.sleep_level == 2:
+        where the replicas discarded theirs to sleep (level 2), the same ones again; then, at level 2, the engines
+        take their KV caches back (the second step of ``wake_rollouts``)."""
+        level = self.settings.rollout.sleep_level
+        try:
+            if changed:
+                version = self.weights_version() + 1
+                self._trainers([t.update_weights.remote(version) for t in self.trainers], "weight update")
+            elif level == 2:
                 self._refill()
-            return
-        version = self.weights_version() + 1
-        self._trainers([t.update_weights.remote(version) for t in self.trainers], "weight update")
+        finally:
+            if level == 2:  # engines that are awake already take nothing
+                self._rollouts(lambda r: r.wake_up.remote(), "wake-up")
 
     def restart_rollout(self, i: int, source: int) -> float:
         """Replace inference engine ``i`` by a fresh one that copies engine ``source``'s weights point to
@@ -334,7 +355,7 @@ class Cluster:
             raise ValueError(f"restart_rollout: need two different engines of {len(self.rollouts)}, got {i}, {source}")
         ray.kill(self.rollouts[i])
         self.rollouts[i] = self._placed(RolloutWorker, i).remote(*self._rollout_args[i])
-        ray.get(self.rollouts[i].attach.remote(self._plans[0][0], self._plans[self.lead(i)][1]))
+        ray.get(self._attach(i))
         ray.get(self.trainers[self.lead(i)].connect.remote([self.rollouts[i]]))
         return self._catch_up(i, source)
 

@@ -151,6 +151,11 @@ class TrainerWorker:
         """The bucket plan and the IPC buffer handles the inference engines map."""
         return self.sender.plan, self.ckpt.ipc_handles()
 
+    def share_replica(self, ranks_per_worker: int) -> None:
+        """This rank's worker's replica loads from every rank's IPC buffers (a tensor-parallel vLLM replica, each
+        rank from its own GPU's): the worker's ranks wait for its loads together (collective)."""
+        self.ckpt.share_replica(ranks_per_worker)
+
     def startup_plan(self, model_dir: str):
         """The plan of reading ``model_dir`` at start-up, and whether the inference engines load it too."""
         return self.sender.startup_plan(model_dir, self.world)
@@ -281,10 +286,19 @@ class RolloutWorker:
         self.engine = build_engine(engine)
         self.receiver: WeightReceiver | None = None
         self._ipc: tuple | None = None
+        self._mapped = False  # the engine mapped the IPC buffers itself (ipc_views)
 
-    def attach(self, plan, handles: list) -> None:
-        """Map the checkpoint engine's IPC buffers; checks the plan against this engine's tensors."""
-        self._ipc = (plan, handles)
+    def attach(self, plan, handles: list, rank_handles: list | None = None) -> None:
+        """Map the checkpoint engine's IPC buffers; checks the plan against this engine's tensors. ``rank_handles``:
+        the handles of every trainer rank of this worker (its lead's first), for a replica that loads from the
+        buffers itself (vLLM's ``ipc_views``: each of its ranks reads its own GPU's)."""
+        self._ipc = (plan, handles, rank_handles)
+        if self.engine.ipc_views:  # vLLM on a GPU: its workers load each bucket where it lies
+            if not self._mapped:
+                self.engine.attach_ipc(rank_handles or [handles])
+                self._mapped = True
+            self.receiver = WeightReceiver(plan, handles, self.engine.named_tensors(), stream=self.engine, views=True)
+            return
         if self.engine.weight_update == "stream":  # vLLM: each bucket goes on into its running reload
             self.receiver = WeightReceiver(plan, handles, self.engine.named_tensors(), stream=self.engine)
             return
@@ -322,10 +336,11 @@ class RolloutWorker:
             if level == 2:  # its spare copy goes too; a new one is made at wake-up, holding the same version
                 self._version, self.receiver = self.weights_version(), None
 
-    def wake_up(self) -> None:
-        """Reallocate; after a level-2 sleep the next weight update refills the weights."""
+    def wake_up(self, kv_cache: bool = True) -> None:
+        """Reallocate (``kv_cache=False``: the weights only, which the update that follows fills; a second call
+        takes the KV cache back); after a level-2 sleep the next weight update refills the weights."""
         if self.engine.sleeping:
-            self.engine.wake_up()
+            self.engine.wake_up(kv_cache)
             if self.receiver is None and self._ipc is not None:
                 self.attach(*self._ipc)
                 self.receiver.version = self._version

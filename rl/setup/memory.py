@@ -12,6 +12,15 @@ from the layer shapes (the tensors each layer keeps for its backward), not a mea
 phases take turns (``trainer.offload`` moves the trainer to host memory while the engine generates,
 ``rollout.sleep_level`` frees the cache, and at 2 the
 replica, while the trainer steps), so the peak is the larger phase; on CPU everything shares RAM.
+
+A vLLM replica has rows of its own (``vllm_rows``): the CUDA graph pool of its decode-only graphs (one decode step's
+working set at the largest captured batch; it is not part of vLLM's sleep mode and stays resident while the
+trainer steps), the working set of its largest forward (a prefill of ``max_num_batched_tokens``, and the sampler's
+float32 logits), host copies of the weights where it takes updates through them (two full copies, the served one
+and the update's, none with IPC views), and, with IPC views, the device bytes of tensors split across buckets
+while an update streams in (about one bucket per trainer rank). With vLLM the weight update is a phase of its own:
+the replica, that staging, the checkpoint engine's three buckets and, unless the wake is two-step (level 2),
+the KV cache.
 """
 
 from __future__ import annotations
@@ -27,7 +36,7 @@ from engines.model.arch import ModelConfig
 from engines.model.hf_spec import ModelDescription
 from rl.config import Config
 from rl.errors import UserError
-from rl.settings import RunSettings, ranks_per_worker, resolve
+from rl.settings import RunSettings, ranks_per_worker, resolve, sleep_level
 
 GiB = 2**30
 
@@ -108,6 +117,52 @@ def logprob_bytes(tokens: int, vocab: int) -> int:
 
 
 @dataclass
+class VllmRows:
+    """What a vLLM replica holds beyond its weights and KV cache, per device (see the module)."""
+
+    graphs: int = 0        # the decode graphs' pool, resident in every phase
+    forward: int = 0       # its largest forward's working set (the rollout phase)
+    host_copies: int = 0   # host copies of the weights (no IPC views): the served copy and the update's
+    staging: int = 0       # device bytes of split tensors while an update streams in (IPC views)
+
+
+def forward_bytes(arch: ModelConfig, tokens: int, rows: int, dtype_bytes: int, tp: int = 1) -> int:
+    """One inference forward of ``tokens`` tokens, ``rows`` of which are sampled: the residual stream and a layer's
+    largest intermediate (the MLP's gate, up and their product, or q/k/v and the attention output; a tensor-parallel
+    rank holds 1/``tp`` of them), and the sampled rows' logits in the model's dtype and twice in float32 (vLLM's
+    sampler and its processed log-probs)."""
+    if arch.is_moe:
+        experts = arch.num_experts_per_tok + arch.n_shared_experts  # the experts a token visits
+        inter = (arch.moe_intermediate_size or arch.intermediate_size) * experts
+    else:
+        inter = arch.intermediate_size
+    if arch.is_mla:
+        attn = arch.num_attention_heads * (arch.qk_nope_head_dim + arch.qk_rope_head_dim + arch.v_head_dim) * 2
+    else:
+        attn = (2 * arch.num_attention_heads + 2 * arch.num_key_value_heads) * arch.head_dim
+    per_token = 2 * arch.hidden_size + -(-max(3 * inter, attn) // tp)
+    return tokens * per_token * dtype_bytes + rows * arch.vocab_size * (dtype_bytes + 8)
+
+
+def vllm_rows(arch: ModelConfig, params: int, cfg: Config, engine: EngineSettings, trainer_ranks: int) -> VllmRows:
+    """The rows of a vLLM replica of ``arch`` (``params`` parameters) as ``engine`` describes it (see the module),
+    per device, updated by ``trainer_ranks`` trainer ranks."""
+    b = _itemsize(engine.dtype)
+    tp = engine.tensor_parallel_size
+    full = params * b  # the whole replica: host copies are in checkpoint names, unsharded
+    gpu = engine.device == "cuda"
+    prefill = max(8192, engine.max_seq_len or 0)  # vLLM's max_num_batched_tokens (engines.inference.vllm_setup)
+    largest = arch.vocab_size * arch.hidden_size * b  # the embedding, a tensor larger than most buckets
+    bucket = cfg.checkpoint_engine.bucket_bytes
+    split = max(largest if largest > bucket else 0, bucket * trainer_ranks if trainer_ranks > 1 else 0)
+    staging = min(full // tp, split)
+    return VllmRows(graphs=forward_bytes(arch, engine.max_num_seqs, engine.max_num_seqs, b, tp) if gpu else 0,
+                    forward=forward_bytes(arch, prefill, engine.max_num_seqs, b, tp),
+                    host_copies=0 if engine.ipc_views else 2 * full,
+                    staging=staging if engine.ipc_views else 0)
+
+
+@dataclass
 class MemoryEstimate:
     params: int
     trainer_weights: int
@@ -126,6 +181,7 @@ class MemoryEstimate:
     checkpoint: int = 0    # one checkpoint on disk (model and trainer state)
     run_dir: int = 0       # the run directory at its fullest (see run_dir_bytes)
     engine: str = "native"  # the rollout engine counted ("auto": not resolved, counted as native)
+    vllm: VllmRows | None = None  # a vLLM replica's own rows (None: the native engine)
 
     def table(self) -> str:
         rows = [("parameters", f"{self.params / 1e6:,.1f} M"),
@@ -135,8 +191,14 @@ class MemoryEstimate:
                 ("activations (one micro-batch, est.)", _gib(self.activations)),
                 ("inference replica", _gib(self.replica)),
                 (f"KV cache ({self.kv_sequences} seqs x {self.max_seq_len} tokens)", _gib(self.kv_cache)),
-                ("decode attention working set", _gib(self.decode_work)),
-                ("peak per worker, GPU phases", _gib(self.device_peak)),
+                ("decode attention working set", _gib(self.decode_work))]
+        if self.vllm is not None:
+            v = self.vllm
+            rows += [("vLLM CUDA graph pool (stays while asleep, est.)", _gib(v.graphs)),
+                     ("vLLM largest forward (est.)", _gib(v.forward)),
+                     ("vLLM update staging on the device (split tensors)", _gib(v.staging)),
+                     ("vLLM host copies of the weights (no IPC views)", _gib(v.host_copies))]
+        rows += [("peak per worker, GPU phases", _gib(self.device_peak)),
                 ("pinned host memory per worker, GPU", _gib(self.host_pinned)),
                 ("total per worker, CPU", _gib(self.host_total))]
         width = max(len(k) for k, _ in rows)
@@ -206,10 +268,13 @@ def estimate(cfg: Config, arch: ModelConfig | ModelDescription, max_seq_len: int
     seqs = min(cfg.rollout.max_batch, kv // per_seq)  # sequences of the full max_seq_len it holds at least
     # a KL penalty's reference policy: a second copy of the master weights' shard, offloaded with the trainer
     trainer = weights + grads + opt + (weights if cfg.algorithm.kl_coef > 0 else 0)
-    level = cfg.rollout.sleep_level
+    level = sleep_level(cfg)[0]
     decode = 0
     kind = engine.kind if engine is not None else cfg.rollout.engine
     attention = engine.attention if engine is not None else cfg.rollout.attention
+    if kind == "vllm" and engine is None:  # as written: resolved the way rl.settings would on these workers
+        engine = _vllm_settings(cfg, max_seq_len)
+    vllm = vllm_rows(arch, shape.params, cfg, engine, workers) if kind == "vllm" and engine is not None else None
     # flex and the CPU kernel read the pool in place, and vLLM reads its own; unresolved, auto is counted as torch
     if attention in ("auto", "torch") and kind != "vllm":
         # every row is gathered at the widest one's length, which the pool also bounds; each row holds a block
@@ -218,16 +283,35 @@ def estimate(cfg: Config, arch: ModelConfig | ModelDescription, max_seq_len: int
         if cfg.cluster.gpus_per_worker > 0:  # a captured step's width is a power of two (cuda_graphs.bucket)
             width = max(64, 1 << (max(width, 1) - 1).bit_length())
         decode = gather_bytes(arch, rows, width, rollout_dtype)
-    rollout_phase = replica + kv + decode + (0 if cfg.trainer.offload else trainer)
-    train_phase = trainer + work + (replica if level < 2 else 0) + (kv if level == 0 else 0)
+    resident = 0 if cfg.trainer.offload else trainer
+    graphs = vllm.graphs if vllm is not None else 0  # vLLM's sleep mode does not free its graph pool
+    rollout_phase = replica + kv + decode + resident + (graphs + vllm.forward if vllm is not None else 0)
+    train_phase = trainer + work + (replica if level < 2 else 0) + (kv if level == 0 else 0) + graphs
+    # a vLLM update: the replica, the split tensors, the checkpoint engine's H2D and two IPC buffers, and the KV
+    # cache unless the wake is two-step (level 2: it comes back after the update)
+    update_phase = replica + vllm.staging + 3 * cfg.checkpoint_engine.bucket_bytes + resident + graphs + \
+        (kv if level < 2 else 0) if vllm is not None else 0
     # on a GPU these wait in page-locked host memory (engines.device.host_buffer, exact sizes): the trainer while
-    # offloaded, the replica while asleep at level 1, and the rollback journal, as large as the replica
-    pinned = (trainer if cfg.trainer.offload else 0) + (replica if level == 1 else 0) + replica
+    # offloaded, the replica while asleep at level 1, and the native engine's rollback journal, as large as the
+    # replica (vLLM keeps none: its host copies, where it has them, are pageable)
+    pinned = (trainer if cfg.trainer.offload else 0) + (replica if level == 1 else 0) + (replica if vllm is None else 0)
+    copies = vllm.host_copies if vllm is not None else 0
     checkpoint, run_dir = run_dir_bytes(shape, cfg.model.dtype, cfg.trainer.master_dtype, cfg.optimizer.kind,
                                         cfg.run.keep_checkpoints)
     return MemoryEstimate(shape.params, weights, grads, opt, replica, kv, seqs, per_seq, max_seq_len,
-                          max(rollout_phase, train_phase), trainer + work + replica + kv + decode, work,
-                          pinned if cfg.cluster.gpus_per_worker > 0 else 0, decode, checkpoint, run_dir, kind)
+                          max(rollout_phase, train_phase, update_phase),
+                          trainer + work + replica + kv + decode + copies + (vllm.forward if vllm is not None else 0),
+                          work, pinned if cfg.cluster.gpus_per_worker > 0 else 0, decode, checkpoint, run_dir, kind,
+                          vllm)
+
+
+def _vllm_settings(cfg: Config, max_seq_len: int) -> EngineSettings:
+    """The vLLM replica ``cfg`` describes, where the caller has no resolved settings (as ``rl.settings`` would
+    make them: IPC views on GPU workers)."""
+    r, gpu = cfg.rollout, cfg.cluster.gpus_per_worker > 0
+    return EngineSettings("vllm", "", "cuda" if gpu else "cpu", cfg.rollout_dtype, False, max_seq_len, r.max_batch,
+                          r.kv_cache_mb << 20, r.max_batch_tokens, "torch", 0, r.tensor_parallel_size,
+                          r.expert_parallel, r.vllm_memory_fraction, ipc_views=gpu)
 
 
 def estimate_run(cfg: Config) -> tuple[MemoryEstimate, RunSettings]:
@@ -315,6 +399,23 @@ def check_fits(cfg: Config, est: MemoryEstimate) -> None:
     knob = max(parts, key=parts.get)
     raise UserError(f"a worker needs about {_gib(need)} but has {_gib(limit)} of {what}; the largest part is "
                     f"{_gib(parts[knob])} set by {knob} (activations come on top)")
+
+
+def kv_shortfall(cfg: Config, est: MemoryEstimate) -> str | None:
+    """A warning (None: none) when each worker's KV cache holds under half the sequences it may decode at once: its
+    share of an iteration's prompts x samples, at most ``rollout.max_batch``, each as long as ``max_seq_len`` at
+    worst. The rest wait (or are preempted and computed again), and the rollout runs at a fraction of its speed."""
+    r = cfg.rollout
+    share = -(-r.prompts_per_iteration * r.samples_per_prompt // cfg.cluster.workers)
+    running = min(r.max_batch, share)
+    if 2 * est.kv_sequences >= running:
+        return None
+    need = -(-running * est.kv_per_sequence // 2**20)
+    return (f"rollout.kv_cache_mb: {r.kv_cache_mb} MiB holds {est.kv_sequences} sequences of {est.max_seq_len} tokens, "
+            f"but each of the {cfg.cluster.workers} workers decodes up to {running} at once "
+            f"({r.prompts_per_iteration} prompts x {r.samples_per_prompt} samples over {cfg.cluster.workers} workers, "
+            f"at most rollout.max_batch): the rest wait; raise rollout.kv_cache_mb toward {need} MiB, lower "
+            "rollout.prompts_per_iteration or rollout.max_batch, or add workers")
 
 
 def _check_vllm_start(cfg: Config, est: MemoryEstimate, per_gpu: int) -> None:

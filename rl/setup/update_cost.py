@@ -13,6 +13,7 @@ from functools import cache
 
 from checkpoint_engine.cost_model import GPUS, Footprint, GiB, Layout, k2_arch, k2_calibration, plan, table, validation
 from rl.config import Config, parse_config
+from rl.settings import sleep_level
 
 
 def run_config(overrides: dict | None = None) -> Config:
@@ -35,7 +36,7 @@ def _footprint(gpus: int, overrides_json: str) -> Footprint:
     cfg = cfg.model_copy(update={"cluster": cfg.cluster.model_copy(update={"workers": gpus})})
     est = estimate(cfg, k2_arch(), 4096)
     return Footprint(float(est.trainer_weights + est.trainer_grads + est.optimizer), float(est.kv_cache),
-                     cfg.trainer.offload, cfg.rollout.sleep_level)
+                     cfg.trainer.offload, sleep_level(cfg)[0])
 
 
 def k2_footprint(gpus: int, overrides: dict | None = None) -> Footprint:
