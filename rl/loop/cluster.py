@@ -14,6 +14,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from engines.device import CPU_TRAINER_MALLOC
 from engines.inference.requests import Completion
 from engines.inference.sampling import SamplingParams
 from rl.algo.batches import RankBatch
@@ -76,7 +77,10 @@ class Cluster:
         def placed(cls, i):
             strategy = PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i)
             share = (gpus if cls is RolloutWorker else 0) if spans else gpus / 2
-            return ray.remote(num_cpus=ACTOR_CPUS, num_gpus=share, scheduling_strategy=strategy)(cls)
+            # a CPU trainer reuses freed host memory instead of faulting it in again (engines.device)
+            env = {"env_vars": CPU_TRAINER_MALLOC} if cls is TrainerWorker and not gpus else None
+            return ray.remote(num_cpus=ACTOR_CPUS, num_gpus=share, scheduling_strategy=strategy,
+                              runtime_env=env)(cls)
 
         self._placed = placed
         self._rollout_args = [(replace(settings.rollout.engine, model_dir=dirs[i]), threads[i], gpus) for i in range(n)]
