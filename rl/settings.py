@@ -245,8 +245,8 @@ def resolve(cfg: Config, arch: ModelConfig | ModelDescription, model_dir: str, c
         choices.append(("algorithm.recompute_old_logprobs", str(recompute).lower(),
                         "auto: bfloat16 compute" if recompute else "auto: float32 on both engines"))
     types = task_types(cfg)
-    # vLLM on a GPU loads each update from device views of the IPC buffers (no host round trip or copy); vLLM's CPU
-    # build hybrid models' recurrent states only with chunked prefill, which it runs on GPUs only
+    # vLLM's CPU build caches hybrid models' recurrent states only with chunked prefill, which it runs on GPUs only;
+    # vLLM on a GPU loads each update from device views of the IPC buffers (no host round trip or copy)
     prefix_caching = not (kind == "vllm" and device == "cpu" and backend == "transformers" and not arch.packable)
     if not prefix_caching:
         choices.append(("vLLM prefix caching", "off", f"{arch.model_type} carries recurrent state (linear attention, "
