@@ -220,6 +220,11 @@ def resolve(cfg: Config, arch: ModelConfig | ModelDescription, model_dir: str, c
         "set in model.backend" if cfg.model.backend != "auto" else f"auto: {arch.model_type} is a native family"))]
     kind, why = engine_kind(cfg) if backend == "native" else transformers_engine(cfg, arch.model_type)
     choices.append(("rollout.engine", kind, why))
+    if kind == "vllm" and device == "cpu" and arch.is_moe:  # measured: docs/models.md, "MoE models"
+        raise UserError(f"rollout.engine vllm on CPU workers: vLLM's CPU build does not apply weight updates to MoE "
+                        f"layers ({arch.model_type} has experts: after an update it samples from other weights); "
+                        + ("set rollout.engine: native" if arch.model_type in FAMILIES else
+                           "this model rolls out correctly only on GPU workers"))
     level, level_why = sleep_level(cfg)
     if cfg.rollout.sleep_level == "auto":
         choices.append(("rollout.sleep_level", str(level), level_why))

@@ -125,3 +125,16 @@ def test_rl_train_accepts_a_family_only_transformers_runs_and_refuses_an_unknown
     (unknown / "tokenizer.json").write_text("{}")
     with pytest.raises(UserError, match="model_type 'my_new_arch' is run by neither backend"):
         prepare_model(parse_config({"model": {"path": str(unknown)}}))
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "gpt_oss"])
+def test_moe_models_are_refused_on_vllms_cpu_build_whose_updates_miss_their_experts(tmp_path, tokenizer, family):
+    """vLLM 0.32's CPU build serves an MoE model's new weights wrongly after an in-place update (Mixtral: log-probs
+    3.2 apart on average from the loaded weights', a dense Llama 9e-7; docs/models.md): such a run is one line."""
+    d = _model_dir(tmp_path, tokenizer, _family(family, tokenizer))
+    native = family in FAMILIES
+    _one_line(parse_config({"model": {"path": str(d)}, "rollout": {"engine": "vllm"}}), d,
+              "vLLM's CPU build does not apply weight updates to MoE layers" + (
+                  r".*set rollout.engine: native" if native else r".*only on GPU workers"))
+    if native:  # auto keeps the native engine, which updates them exactly
+        assert for_model(parse_config({"model": {"path": str(d)}}), str(d)).rollout.engine.kind == "native"
