@@ -95,3 +95,13 @@ def train_on(cluster, samples, seed: int = 0) -> list[dict]:
 
     batches = plan_update(samples, cluster.settings.update, len(cluster.trainers), seed)
     return cluster.train(batches) if batches else []
+
+
+@pytest.fixture(scope="session")
+def served_judge(tmp_path_factory):
+    """`rl serve`'s server of a tiny judge trained here (tests/served_judge.py), on a thread, with every chat
+    completion it answered kept: trained and started once for the judge's tests and the run it rewards."""
+    from tests.served_judge import serve_judge
+
+    with serve_judge(tmp_path_factory.mktemp("judge") / "judge") as judge:
+        yield judge
