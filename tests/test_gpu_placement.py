@@ -2,7 +2,8 @@
 worker's trainer and inference actors both see them (a replica that spans several GPUs has a trainer rank on each
 of them). Ray's GPU resources are declared on this CPU machine, so the placement is what is under test here, not
 CUDA: a worker given GPUs refuses to run without CUDA (``rl.loop.workers.worker_device``), so each Ray worker process
-here is set up to compute on the CPU instead (the stand-in for the GPUs this machine does not have)."""
+here is set up to compute on the CPU instead, its engine built as the native one on the CPU (the stand-ins for the
+GPUs and for vLLM's GPU build, which this machine does not have)."""
 
 from __future__ import annotations
 
@@ -23,14 +24,19 @@ from rl.setup.warmstart import prepare_model
 from tests.test_run import tiny
 
 def on_the_cpu():
-    import rl.loop.workers
-    rl.loop.workers.worker_device = lambda cfg: "cpu"
-    native = rl.loop.workers.rollout_engine
+    import dataclasses
 
-    def one_device(d, c, n):  # the native engine stands in for vLLM's tensor-parallel ranks
-        r = c.rollout.model_copy(update={"engine": "native", "tensor_parallel_size": 1})
-        return native(d, c.model_copy(update={"rollout": r}), n)
-    rl.loop.workers.rollout_engine = one_device
+    import rl.loop.workers
+    rl.loop.workers.worker_device = lambda device, gpus: "cpu"
+    build = rl.loop.workers.build_engine
+
+    def one_device(s):  # the native engine on the CPU stands in for vLLM's tensor-parallel ranks on the GPUs
+        return build(dataclasses.replace(s, kind="native", device="cpu", attention="torch", tensor_parallel_size=1,
+                                         ipc_views=False))
+    rl.loop.workers.build_engine = one_device
+
+import rl.settings
+rl.settings.vllm_build = lambda: "gpu"  # the driver resolves as where vLLM's GPU build is installed
 
 ray.init(num_cpus=4, num_gpus=4, include_dashboard=False, logging_level=logging.ERROR, log_to_driver=False,
          object_store_memory=200 * 2**20, runtime_env={"worker_process_setup_hook": on_the_cpu})
