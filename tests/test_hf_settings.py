@@ -127,7 +127,7 @@ def test_rl_train_accepts_a_family_only_transformers_runs_and_refuses_an_unknown
         prepare_model(parse_config({"model": {"path": str(unknown)}}))
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "gpt_oss"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "gpt_oss", "nemotron_h"])
 def test_moe_models_are_refused_on_vllms_cpu_build_whose_updates_miss_their_experts(tmp_path, tokenizer, family):
     """vLLM 0.32's CPU build serves an MoE model's new weights wrongly after an in-place update (Mixtral: log-probs
     3.2 apart on average from the loaded weights', a dense Llama 9e-7; docs/models.md): such a run is one line."""
