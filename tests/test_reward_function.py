@@ -113,7 +113,8 @@ def test_group_functions_native_and_trl(rewards_py):
     trl = env_of(f"{rewards_py}:trl_style", group=True)
     assert trl.score_group(TASKS[0], ["5", "6"])[0] == [1.0, 0.0]
     assert trl.score_group(TASKS[2], ["", "hi"])[0] == [1.0, 0.0]
-    seen = next(m for name, m in sys.modules.items() if name.startswith("_rl_reward_")).SEEN
+    seen = next(m for name, m in sys.modules.items()  # this file's module (other tests load reward files too)
+                if name.startswith("_rl_reward_") and getattr(m, "__file__", None) == str(rewards_py)).SEEN
     plain, chat = seen[-2], seen[-1]
     assert plain["completions"] == ["5", "6"] and plain["prompts"] == [TASKS[0].prompt] * 2
     assert plain["answer"] == ["5", "5"] and {"responses", "task_ids", "meta"} <= set(plain["kwargs"])
