@@ -142,10 +142,11 @@ def test_run_outputs_and_exact_resume(ray_cluster, tmp_path):
 def test_two_worker_run_resumes_exactly_and_on_one_worker(ray_cluster, tmp_path):
     """FSDP2 over two workers: each rank writes its shards of the trainer state; a resume with the same worker
     count ends bit for bit where the uninterrupted run ends, and one on a single worker reads the same state
-    (resharded) and trains on. Equal-reward groups are kept here so that the untrained model's all-zero
-    rewards still move the weights; π_old is recomputed (the ranks exchange their shares) and layers are
-    checkpointed, both deterministic."""
+    (resharded) and trains on. The untrained model gets no answer right, so a truncation penalty gives its groups
+    rewards that differ (with π_old recomputed exactly, equal rewards give a zero gradient); π_old is recomputed
+    (the ranks exchange their shares) and layers are checkpointed, both deterministic."""
     two = {"cluster": {"workers": 2}, "run": {"iterations": 3, "eval_every": 3, "save_every": 2},
+           "rollout": {"truncation_penalty": -0.5},
            "algorithm": {"drop_equal_reward_groups": False, "recompute_old_logprobs": True},
            "trainer": {"activation_checkpointing": True}}
     train(tiny(**two), tmp_path / "full")
