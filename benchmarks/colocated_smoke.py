@@ -29,11 +29,10 @@ import multiprocessing as mp
 import os
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-from benchmarks.harness.ranks import PipeReloader, answer_load
+from benchmarks.harness.ranks import PipeReloader, answer_load, stop_child
 from checkpoint_engine.buckets import plan_buckets, spec_of
 from checkpoint_engine.engine import CheckpointEngine
 from checkpoint_engine.topology import free_port
@@ -135,15 +134,7 @@ class _Trainer:
                 raise RuntimeError(f"trainer process: {msg[:2]!r}")
 
     def close(self) -> None:
-        try:
-            self.conn.send(("stop",))
-        except OSError:
-            pass
-        self.proc.join(timeout=30)
-        if self.proc.is_alive():
-            self.proc.kill()
-        for f in Path("/dev/shm").glob(f"{self.name}-*"):  # a trainer that died leaves its buffers
-            f.unlink(missing_ok=True)
+        stop_child(self.conn, self.proc, self.name)
 
 
 def run(model_name: str = "demo", device: str = "cpu", dtype: str = "float32", sleep_level: int = 2,

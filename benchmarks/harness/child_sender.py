@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.harness.ranks import PipeReloader, answer_load
+from benchmarks.harness.ranks import PipeReloader, answer_load, stop_child
 from checkpoint_engine.buckets import BucketPlan, TensorSpec, plan_buckets
 from checkpoint_engine.engine import CheckpointEngine
 from checkpoint_engine.topology import free_port
@@ -105,15 +105,7 @@ class ChildSender:
 
     def close(self) -> None:
         """Stop the worker and remove its shared memory."""
-        try:
-            self.conn.send(("stop",))
-        except OSError:
-            pass
-        self.proc.join(timeout=30)
-        if self.proc.is_alive():
-            self.proc.kill()
-        for f in Path("/dev/shm").glob(f"{self.name}-*"):  # a worker that died leaves its buffers
-            f.unlink(missing_ok=True)
+        stop_child(self.conn, self.proc, self.name)
 
     def __enter__(self) -> ChildSender:
         return self

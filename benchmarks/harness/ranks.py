@@ -86,6 +86,20 @@ def answer_load(recv: WeightReceiver, conn, msg: tuple) -> None:
         conn.send(("error", f"{type(e).__name__}: {e}", msg[1]))
 
 
+def stop_child(conn, proc: mp.Process, shm_prefix: str) -> None:
+    """Ask a child process to stop, kill it if it does not within 30 s, and remove the shared memory named
+    ``shm_prefix-*`` it made (a child that died leaves its buffers)."""
+    try:
+        conn.send(("stop",))
+    except OSError:
+        pass
+    proc.join(timeout=30)
+    if proc.is_alive():
+        proc.kill()
+    for f in Path("/dev/shm").glob(f"{shm_prefix}-*"):
+        f.unlink(missing_ok=True)
+
+
 def _inference_main(conn, specs, sharding: Sharding, plan: BucketPlan, handles, threads: int,
                     rollback: str | None) -> None:
     """An inference engine's process: starts empty (zeros) and loads what the engine sends."""
