@@ -8,11 +8,16 @@ parsed by the family's format (``engines.model.chat_format``) where the template
 the model wrote them, else the text as ``content``. So what the model sees in training is byte for byte
 ``apply_chat_template`` of ``messages``.
 
-When no message re-renders the model's bytes (e.g. Llama 3's template trims whitespace the model wrote),
-the observation is taken after the template's own rendering of that turn (found with a placeholder
-content): the model still sees its own tokens and the template's text for everything else. A template that
-rewrites earlier turns (or cannot render the conversation at all) raises ``ChatFormatError`` naming the
-template and turn; the rollout ends that episode there.
+When no message re-renders the model's bytes, the observation is the text the template puts after a placeholder
+turn (``<placeholder turn> + observation + generation prompt``): the model still sees its own tokens and the
+template's text for everything else. Two cases are counted apart: the template renders the model's turn
+differently (``inexact_turns``: e.g. Llama 3's template trims whitespace the model wrote), or it rewrites earlier
+turns (``rewritten_turns``: e.g. Qwen3's template drops the reasoning of every assistant turn before the latest
+user query, so a user message after tool turns changes the history). Either way the token stream stays
+append-only, as in the peers' token-in/token-out multi-turn rollouts: what the model generated stays what it sees
+next and what it is trained on, and only each observation's delta comes from the template. A template that cannot
+render the conversation at all, or drops the model's turn, raises ``ChatFormatError`` naming the template and
+turn; the rollout ends that episode there.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ class Conversation:
         self.messages: list[dict] = [dict(m) for m in messages]
         self.turns = 0
         self.inexact_turns = 0  # turns whose bytes the template renders differently (see the module doc)
+        self.rewritten_turns = 0  # turns after which the template rewrote earlier turns (see the module doc)
         self.rendered = self._render(self.messages)  # the template's text of ``messages`` + generation prompt
         self.text = self.rendered  # what the model has seen: its own bytes in place of its turns
         self.prompt_ids: list[int] = self.tok.encode(self.text)
@@ -64,8 +70,7 @@ class Conversation:
         response_ids = list(response_ids)
         text, seen, calls = self._turn(response_ids, calls)
         observation = [dict(m) for m in observation]
-        errors = []
-        fallback = None
+        errors, rendered = [], []
         for msg in self._candidates(text, calls or []):
             try:
                 new = self._render([*self.messages, msg, *observation])
@@ -74,12 +79,11 @@ class Conversation:
                 continue
             if new.startswith(seen):
                 return self._advance(msg, observation, new, new[len(seen):], seen)
-            if fallback is None and "tool_calls" not in msg:
-                fallback = (msg, new)
-        if fallback is None:
+            rendered.append((msg, new))
+        if not rendered:
             raise ChatFormatError(f"the chat template of {self.source} cannot render turn {self.turns} of the "
                                   f"conversation: {'; '.join(errors) or 'no candidate message'}")
-        return self._inexact(response_ids, observation, *fallback, seen)
+        return self._delta_after_placeholder(response_ids, observation, rendered, seen)
 
     def _turn(self, response_ids: list[int], calls: list[ToolCall] | None) -> tuple[str, str, list[ToolCall] | None]:
         """The turn's message text (without EOS), what the model has seen through it, and its calls (parsed in
@@ -90,19 +94,26 @@ class Conversation:
             calls, _ = self.tool_format.parse(text)
         return text, seen, calls
 
-    def _inexact(self, response_ids: list[int], observation: list[dict], msg: dict, new: str, seen: str) -> list[int]:
-        """The observation after the template's own rendering of a turn it renders differently from the model."""
+    def _delta_after_placeholder(self, response_ids: list[int], observation: list[dict],
+                                 rendered: list[tuple[dict, str]], seen: str) -> list[int]:
+        """The observation as the template renders it after a placeholder turn, for a turn the template does not
+        re-render byte for byte (``rendered``: each candidate message and its rendering, structured first)."""
         base = self._render(self.messages, generation_prompt=False)
         marked = self._render([*self.messages, {"role": "assistant", "content": _PLACEHOLDER}, *observation])
-        at = marked.find(_PLACEHOLDER, len(base))
-        if not (new.startswith(base) and marked.startswith(base)) or at < 0:
-            raise ChatFormatError(f"the chat template of {self.source} rewrites earlier turns at turn {self.turns}: "
-                                  "its rendering no longer starts with the conversation the model saw")
+        at = marked.find(_PLACEHOLDER)
+        if at < 0:
+            raise ChatFormatError(f"the chat template of {self.source} drops the model's turn {self.turns}: no "
+                                  "observation can be placed after it")
+        if marked.startswith(base) and all(new.startswith(base) for _, new in rendered):
+            self.inexact_turns += 1  # only the model's own turn renders otherwise: keep it as plain text
+            msg, new = next(((m, n) for m, n in rendered if "tool_calls" not in m), rendered[0])
+        else:
+            self.rewritten_turns += 1  # earlier turns changed: keep the structured turn for later renderings
+            msg, new = rendered[0]
         delta = marked[at + len(_PLACEHOLDER):]
         if response_ids and response_ids[-1] in self.tok.eos_ids:
             eos = self.tok.hf.decode(response_ids[-1:], skip_special_tokens=False)
             delta = delta.removeprefix(eos)  # the model already ended its turn with it
-        self.inexact_turns += 1
         return self._advance(msg, observation, new, delta, seen)
 
     def _advance(self, msg: dict, observation: list[dict], rendered: str, delta: str, seen: str) -> list[int]:
