@@ -3,9 +3,10 @@
     python -m benchmarks.transfer [--pairs NAME ...] [--iterations 40] [--set KEY=VALUE ...] [--json]
 
 Each pair is a model of another family — its layout (Llama 3 GQA, Qwen2 with q/k/v biases, Qwen3 with q/k norms,
-Mixtral's experts, Kimi K2's latent attention and experts) and its tokenizer conventions (the family's EOS = end
-of turn, pad, chat template, prompts rendered through it) — warm-started here with supervised learning to a
-middling accuracy on a task of its own (multi-digit arithmetic, longer chains, math problems). Then one RL run
+Mixtral's experts, Kimi K2's latent attention and experts, and Gemma 3, which the native code lacks: trained by
+the transformers backend, rolled out by vLLM) and its tokenizer conventions (the family's EOS = end of turn, pad,
+chat template, prompts rendered through it) — warm-started here with supervised learning to a middling accuracy
+on a task of its own (multi-digit arithmetic, longer chains, math problems). Then one RL run
 with the schema's defaults (only the budget is set: iterations, evaluation cadence) spends a fixed number of
 samples, and the pair records the held-out greedy accuracy before, at the end and at best, the samples, the wall
 time and the collapse guard's rollbacks, with the validated config it ran (every default filled in). One JSON
