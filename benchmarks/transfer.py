@@ -3,9 +3,10 @@
     python -m benchmarks.transfer [--pairs NAME ...] [--iterations 40] [--set KEY=VALUE ...] [--json]
 
 Each pair is a model of another family — its layout (Llama 3 GQA, Qwen2 with q/k/v biases, Qwen3 with q/k norms,
-Mixtral's experts, Kimi K2's latent attention and experts) and its tokenizer conventions (the family's EOS = end
-of turn, pad, chat template, prompts rendered through it) — warm-started here with supervised learning to a
-middling accuracy on a task of its own (multi-digit arithmetic, longer chains, math problems). Then one RL run
+Mixtral's experts, Kimi K2's latent attention and experts, and Gemma 3, which the native code lacks: trained by
+the transformers backend, rolled out by vLLM) and its tokenizer conventions (the family's EOS = end of turn, pad,
+chat template, prompts rendered through it) — warm-started here with supervised learning to a middling accuracy
+on a task of its own (multi-digit arithmetic, longer chains, math problems). Then one RL run
 with the schema's defaults (only the budget is set: iterations, evaluation cadence) spends a fixed number of
 samples, and the pair records the held-out greedy accuracy before, at the end and at best, the samples, the wall
 time and the collapse guard's rollbacks, with the validated config it ran (every default filled in). One JSON
@@ -53,23 +54,42 @@ PAIRS: dict[str, dict] = {
         "warmstart": {"steps": 500},
         # the K2 chat template's role markers make the rendered prompts longer than the default context
         "architecture": {"max_position_embeddings": 256}},
+    # a family the native code lacks: trained by transformers' own modeling code (model.backend: transformers),
+    # rolled out by vLLM (its CPU build here), warm-started by benchmarks.hf_warmstart
+    "gemma3-arith": {
+        "family": "gemma3_text", "tokenizer": "gemma", "backend": "transformers",
+        "env": {"name": "arithmetic"},
+        "warmstart": {"steps": 240}},
 }
 
 
-def pair_config(name: str, iterations: int, extra: list[str]) -> dict:
-    """The run config of ``name``: the schema's defaults but for the model, its task and the budget."""
+def pair_config(name: str, iterations: int, extra: list[str], threads: int | None = None) -> dict:
+    """The run config of ``name``: the schema's defaults but for the model, its task and the budget. A pair of a
+    family the native code lacks names its warm start's directory in ``model.path`` (built here, cached), with
+    ``model.backend: transformers`` and ``rollout.engine: vllm`` (what ``auto`` picks for it, said outright)."""
     p = PAIRS[name]
-    arch = {"family": p["family"], **p.get("architecture", {})}
     env = {"num_train": 20000, "num_eval": 300, **p["env"]}
-    return {"run": {"name": f"transfer-{name}", "iterations": iterations, "eval_every": 5, "save_every": iterations},
-            "model": {"path": None, "chat_template": True},
-            "warmstart": {**p["warmstart"], "tokenizer": p["tokenizer"], "architecture": arch},
-            "env": env, "extra": extra}
+    raw = {"run": {"name": f"transfer-{name}", "iterations": iterations, "eval_every": 5, "save_every": iterations},
+           "model": {"path": None, "chat_template": True}, "env": env, "extra": extra}
+    if p.get("backend") == "transformers":
+        from benchmarks.hf_warmstart import hf_warmstart
+        from rl.config import parse_config
+
+        ws = {k: v for k, v in p["warmstart"].items() if k != "steps"}
+        plain = parse_config({"model": raw["model"], "env": env, **({"warmstart": ws} if ws else {})})
+        path = hf_warmstart(plain, p["family"], p["tokenizer"], p["warmstart"]["steps"],
+                            log=lambda line: print(line, file=sys.stderr), threads=threads)
+        raw["model"].update(path=str(path), backend="transformers")
+        raw["rollout"] = {"engine": "vllm"}
+        return raw
+    arch = {"family": p["family"], **p.get("architecture", {})}
+    raw["warmstart"] = {**p["warmstart"], "tokenizer": p["tokenizer"], "architecture": arch}
+    return raw
 
 
-def run_pair(name: str, iterations: int, out: Path, extra: list[str]) -> dict:
+def run_pair(name: str, iterations: int, out: Path, extra: list[str], threads: int | None = None) -> dict:
     """Warm-start (cached) and train ``name`` with the defaults; returns its record."""
-    raw = pair_config(name, iterations, extra)
+    raw = pair_config(name, iterations, extra, threads)
     extra = raw.pop("extra")
     run_dir = out / name
     cfg_path = out / f"{name}.yaml"
@@ -87,6 +107,7 @@ def run_pair(name: str, iterations: int, out: Path, extra: list[str]) -> dict:
     ran = yaml.safe_load((run_dir / "config.yaml").read_text())  # the validated config, defaults filled in
     per_iteration = ran["rollout"]["prompts_per_iteration"] * ran["rollout"]["samples_per_prompt"]
     return {"model": f"{PAIRS[name]['family']} ({PAIRS[name]['tokenizer']} tokenizer)", "task": raw["env"]["name"],
+            "backend": ran["model"]["backend"], "rollout_engine": ran["rollout"]["engine"],
             "pair": name, "initial_accuracy": summary["initial_accuracy"],
             "final_accuracy": summary["final_accuracy"], "best_accuracy": summary.get("best_accuracy"),
             "samples": len(records) * per_iteration, "iterations": len(records), "lr": ran["optimizer"]["lr"],
@@ -103,9 +124,11 @@ def main() -> None:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="overrides for every pair")
     p.add_argument("--out", type=Path, default=ROOT / "runs" / "transfer")
     p.add_argument("--json", action="store_true", help="append one JSON object per pair to benchmarks/results")
+    p.add_argument("--warmstart-threads", type=int, help="torch threads of a transformers family's warm start "
+                   "(built in this process; 1 on a shared machine)")
     p.add_argument("--machine", default=f"cpu-{os.cpu_count()}core", help="names the results file")
     args = p.parse_args()
-    rows = [run_pair(name, args.iterations, args.out, args.set) for name in args.pairs]
+    rows = [run_pair(name, args.iterations, args.out, args.set, args.warmstart_threads) for name in args.pairs]
     print("| pair | model | task | lr | initial | final | best | samples | rollbacks | wall s |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
