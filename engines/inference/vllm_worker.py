@@ -294,5 +294,41 @@ def keep_cpu_weights() -> None:
     method._keeps_cpu_weights = True
 
 
-if "vllm" in sys.modules:  # imported by vLLM as a worker's extension: before the worker loads its model
+def repack_cpu_experts_on_update() -> None:
+    """On vLLM's CPU build, make an unquantized fused-MoE layer pack its experts for the CPU kernel again when an
+    update reloads them. vLLM packs them (``CPUUnquantizedExperts.process_weights_after_loading``) only when the
+    layer's kernel is first built; on an update its MoE method skips that step, and the layer-wise reload copies the
+    new weights, unpacked, into the packed tensors the kernel reads in its own layout. Idempotent; nothing to do on
+    other platforms."""
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+    from vllm.model_executor.utils import is_weights_pre_processed
+    from vllm.platforms import current_platform
+
+    method = UnquantizedFusedMoEMethod
+    if not current_platform.is_cpu() or getattr(method, "_repacks_cpu_experts", False):
+        return
+    vllms_own = method.process_weights_after_loading
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        update = self.moe_kernel is not None  # vLLM's own test for "the kernel is set up: skip the packing"
+        vllms_own(self, layer)
+        experts = None if self.moe_kernel is None else self.moe_kernel.fused_experts
+        if update and isinstance(experts, CPUUnquantizedExperts) and not is_weights_pre_processed():
+            # pads and packs the layer's (materialised, model-layout) weights; the reload then copies them into
+            # the kernel's tensors, which have the packed shape
+            experts.process_weights_after_loading(layer)
+
+    method.process_weights_after_loading = process_weights_after_loading
+    method._repacks_cpu_experts = True
+
+
+def patch_cpu_build() -> None:
+    """What an update needs of vLLM's CPU build: linear weights kept beside their packed copies, fused-MoE experts
+    packed again after a reload. Call before vLLM builds the model; idempotent."""
     keep_cpu_weights()
+    repack_cpu_experts_on_update()
+
+
+if "vllm" in sys.modules:  # imported by vLLM as a worker's extension: before the worker loads its model
+    patch_cpu_build()
