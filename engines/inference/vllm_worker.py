@@ -129,10 +129,25 @@ class WeightLoader:
     """Mixed into each vLLM worker: in-place reloads, whole or streamed bucket by bucket."""
 
     def reload_from(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """One in-place reload over ``weights`` in checkpoint names and layout."""
+        """One in-place reload over ``weights`` in checkpoint names and layout (those its model's loader copies
+        around vLLM's weight loaders, ``LOADED_AROUND_LOADERS``, loaded into the live tensors after it)."""
+        model = self.model_runner.get_model()
+        around = _loaded_around_loaders(model)
+        later: list[tuple[str, torch.Tensor]] = []
+
+        def reloaded():
+            for name, t in weights:
+                if any(part in name for part in around):
+                    later.append((name, t))
+                else:
+                    yield name, t
+
         with vllm_config_scope(self):
             try:
-                self.model_runner.reload_weights(weights_iterator=iter(weights))
+                self.model_runner.reload_weights(weights_iterator=reloaded())
+                if later:
+                    model.load_weights(iter(later))
+                    _pack_cpu_experts(model)
             except BaseException:
                 # a stream that fails midway leaves its unfinished layers on the meta device with their loaders
                 # wrapped, and the next reload would skip re-initialising them: finish them (with whatever they
@@ -254,6 +269,34 @@ def direct_load_supported(model: torch.nn.Module) -> bool:
         if not isinstance(method, plain) or weight is None or weight.numel() == 0:
             return False
     return True
+
+
+#: model class -> parts of the checkpoint names its loader copies straight into the parameters, around their weight
+#: loaders (vLLM 0.32's gpt-oss: the fused experts, their biases, the attention sinks). Under the layer-wise reload
+#: those parameters are placeholders on the meta device, so the copies are lost and the layers keep their old tensors
+#: (vLLM logs "Failed to load weights"): on vLLM's CPU build they are loaded after the reload into the live tensors,
+#: and the experts packed again.
+LOADED_AROUND_LOADERS: dict[str, tuple[str, ...]] = {"GptOssForCausalLM": (".sinks", ".mlp.experts.")}
+
+
+def _loaded_around_loaders(model: torch.nn.Module) -> tuple[str, ...]:
+    """``LOADED_AROUND_LOADERS`` of ``model`` on vLLM's CPU build (elsewhere its kernels may keep the experts in
+    a layout of their own, which a direct copy would miss: not handled)."""
+    from vllm.platforms import current_platform
+
+    return LOADED_AROUND_LOADERS.get(type(model).__name__, ()) if current_platform.is_cpu() else ()
+
+
+def _pack_cpu_experts(model: torch.nn.Module) -> None:
+    """Pack for vLLM's CPU fused-MoE kernel the experts just copied, unpacked, into every MoE layer's live tensors
+    (layers whose intermediate size the kernel pads are not handled: their copies would not fit)."""
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+
+    with torch.no_grad():
+        for module in model.modules():
+            kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+            if kernel is not None and isinstance(kernel.fused_experts, CPUUnquantizedExperts):
+                kernel.fused_experts.process_weights_after_loading(module)
 
 
 def _repack(model: torch.nn.Module) -> None:
