@@ -23,9 +23,13 @@ rank reads its own GPU's copy of the bucket instead of receiving full tensors th
 
 On vLLM's CPU build a linear layer drops its weight once packed for oneDNN (only a reload could write it
 again); this module makes it keep the weight beside the packed copy (``keep_cpu_weights``), at the cost of
-the linear weights' bytes once more in host memory. Only small calls cross the process boundary, so the
-same code serves a replica inside the rollout worker's process (tensor parallel 1) and one whose
-tensor-parallel ranks are vLLM's own processes: each rank gets the full tensors.
+the linear weights' bytes once more in host memory. vLLM 0.32 packs a fused-MoE layer's experts for its CPU kernel
+only at the first load, and a reload copied the new experts unpacked into the packed tensors: this module makes
+the reload pack them (``repack_cpu_experts_on_update``), and loads after the reload what a model's loader copies
+around vLLM's weight loaders (``LOADED_AROUND_LOADERS``: gpt-oss's experts and sinks), which the reload loses.
+
+Only small calls cross the process boundary, so the same code serves a replica inside the rollout worker's process
+(tensor parallel 1) and one whose tensor-parallel ranks are vLLM's own processes: each rank gets the full tensors.
 """
 
 from __future__ import annotations
