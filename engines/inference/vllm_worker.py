@@ -23,9 +23,13 @@ rank reads its own GPU's copy of the bucket instead of receiving full tensors th
 
 On vLLM's CPU build a linear layer drops its weight once packed for oneDNN (only a reload could write it
 again); this module makes it keep the weight beside the packed copy (``keep_cpu_weights``), at the cost of
-the linear weights' bytes once more in host memory. Only small calls cross the process boundary, so the
-same code serves a replica inside the rollout worker's process (tensor parallel 1) and one whose
-tensor-parallel ranks are vLLM's own processes: each rank gets the full tensors.
+the linear weights' bytes once more in host memory. vLLM 0.32 packs a fused-MoE layer's experts for its CPU kernel
+only at the first load, and a reload copied the new experts unpacked into the packed tensors: this module makes
+the reload pack them (``repack_cpu_experts_on_update``), and loads after the reload what a model's loader copies
+around vLLM's weight loaders (``LOADED_AROUND_LOADERS``: gpt-oss's experts and sinks), which the reload loses.
+
+Only small calls cross the process boundary, so the same code serves a replica inside the rollout worker's process
+(tensor parallel 1) and one whose tensor-parallel ranks are vLLM's own processes: each rank gets the full tensors.
 """
 
 from __future__ import annotations
@@ -129,10 +133,25 @@ class WeightLoader:
     """Mixed into each vLLM worker: in-place reloads, whole or streamed bucket by bucket."""
 
     def reload_from(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """One in-place reload over ``weights`` in checkpoint names and layout."""
+        """One in-place reload over ``weights`` in checkpoint names and layout (those its model's loader copies
+        around vLLM's weight loaders, ``LOADED_AROUND_LOADERS``, loaded into the live tensors after it)."""
+        model = self.model_runner.get_model()
+        around = _loaded_around_loaders(model)
+        later: list[tuple[str, torch.Tensor]] = []
+
+        def reloaded():
+            for name, t in weights:
+                if any(part in name for part in around):
+                    later.append((name, t))
+                else:
+                    yield name, t
+
         with vllm_config_scope(self):
             try:
-                self.model_runner.reload_weights(weights_iterator=iter(weights))
+                self.model_runner.reload_weights(weights_iterator=reloaded())
+                if later:
+                    model.load_weights(iter(later))
+                    _pack_cpu_experts(model)
             except BaseException:
                 # a stream that fails midway leaves its unfinished layers on the meta device with their loaders
                 # wrapped, and the next reload would skip re-initialising them: finish them (with whatever they
@@ -256,6 +275,34 @@ def direct_load_supported(model: torch.nn.Module) -> bool:
     return True
 
 
+#: model class -> parts of the checkpoint names its loader copies straight into the parameters, around their weight
+#: loaders (vLLM 0.32's gpt-oss: the fused experts, their biases, the attention sinks). Under the layer-wise reload
+#: those parameters are placeholders on the meta device, so the copies are lost and the layers keep their old tensors
+#: (vLLM logs "Failed to load weights"): on vLLM's CPU build they are loaded after the reload into the live tensors,
+#: and the experts packed again.
+LOADED_AROUND_LOADERS: dict[str, tuple[str, ...]] = {"GptOssForCausalLM": (".sinks", ".mlp.experts.")}
+
+
+def _loaded_around_loaders(model: torch.nn.Module) -> tuple[str, ...]:
+    """``LOADED_AROUND_LOADERS`` of ``model`` on vLLM's CPU build (elsewhere its kernels may keep the experts in
+    a layout of their own, which a direct copy would miss: not handled)."""
+    from vllm.platforms import current_platform
+
+    return LOADED_AROUND_LOADERS.get(type(model).__name__, ()) if current_platform.is_cpu() else ()
+
+
+def _pack_cpu_experts(model: torch.nn.Module) -> None:
+    """Pack for vLLM's CPU fused-MoE kernel the experts just copied, unpacked, into every MoE layer's live tensors
+    (layers whose intermediate size the kernel pads are not handled: their copies would not fit)."""
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+
+    with torch.no_grad():
+        for module in model.modules():
+            kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+            if kernel is not None and isinstance(kernel.fused_experts, CPUUnquantizedExperts):
+                kernel.fused_experts.process_weights_after_loading(module)
+
+
 def _repack(model: torch.nn.Module) -> None:
     """Rebuild the packed copies vLLM's CPU kernels compute with from the weights just loaded (on a GPU
     an unquantized layer computes with its weight itself: nothing to do)."""
@@ -294,5 +341,41 @@ def keep_cpu_weights() -> None:
     method._keeps_cpu_weights = True
 
 
-if "vllm" in sys.modules:  # imported by vLLM as a worker's extension: before the worker loads its model
+def repack_cpu_experts_on_update() -> None:
+    """On vLLM's CPU build, make an unquantized fused-MoE layer pack its experts for the CPU kernel again when an
+    update reloads them. vLLM packs them (``CPUUnquantizedExperts.process_weights_after_loading``) only when the
+    layer's kernel is first built; on an update its MoE method skips that step, and the layer-wise reload copies the
+    new weights, unpacked, into the packed tensors the kernel reads in its own layout. Idempotent; nothing to do on
+    other platforms."""
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+    from vllm.model_executor.utils import is_weights_pre_processed
+    from vllm.platforms import current_platform
+
+    method = UnquantizedFusedMoEMethod
+    if not current_platform.is_cpu() or getattr(method, "_repacks_cpu_experts", False):
+        return
+    vllms_own = method.process_weights_after_loading
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        update = self.moe_kernel is not None  # vLLM's own test for "the kernel is set up: skip the packing"
+        vllms_own(self, layer)
+        experts = None if self.moe_kernel is None else self.moe_kernel.fused_experts
+        if update and isinstance(experts, CPUUnquantizedExperts) and not is_weights_pre_processed():
+            # pads and packs the layer's (materialised, model-layout) weights; the reload then copies them into
+            # the kernel's tensors, which have the packed shape
+            experts.process_weights_after_loading(layer)
+
+    method.process_weights_after_loading = process_weights_after_loading
+    method._repacks_cpu_experts = True
+
+
+def patch_cpu_build() -> None:
+    """What an update needs of vLLM's CPU build: linear weights kept beside their packed copies, fused-MoE experts
+    packed again after a reload. Call before vLLM builds the model; idempotent."""
     keep_cpu_weights()
+    repack_cpu_experts_on_update()
+
+
+if "vllm" in sys.modules:  # imported by vLLM as a worker's extension: before the worker loads its model
+    patch_cpu_build()
