@@ -31,6 +31,7 @@ if not vllm_engine.vllm_available():
 
 #: (family, what it brings that no native family has); Gemma 3 runs in tests/test_hf_run.py
 FAMILIES = {
+    "gpt_oss": "MoE with biases, attention sinks, alternating sliding window",
     "phi3": "fused qkv and gate/up projections",
     "granite": "embedding, residual, attention and logit multipliers",
     "exaone4": "local/global layers, norms after the sub-layers",
