@@ -8,8 +8,8 @@ Per family, the run's own records are the checks, each against something compute
   (an update that missed a tensor shows as differences of order 1, as MoE layers did: docs/models.md);
 * the saved ``final/`` loads with transformers' own ``from_pretrained``, under the names and bits it wrote, and
   differs from the start (the optimizer stepped).
-Rewards: a plain function of the response (the share of digits), so that a random model's groups get
-rewards that differ and each step moves the weights.
+Rewards: a plain function of the response (the share of digits), and -0.5 for a response cut at the budget (a
+random model rarely ends its turn), so that the groups get rewards that differ and each step moves the weights.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def test_three_iterations_on_vllm_with_in_place_updates(ray_cluster, tokenizer, 
         "model": {"path": str(model_dir), "backend": "transformers"},
         "env": {"name": "arithmetic", "num_train": 16, "num_eval": 4, "reward": {"function": f"{reward_file}:digits"}},
         "rollout": {"engine": "vllm", "kv_cache_mb": 64, "max_seq_len": 128, "prompts_per_iteration": 2,
-                    "samples_per_prompt": 4, "max_tokens": 12, "max_batch": 8},
+                    "samples_per_prompt": 4, "max_tokens": 24, "max_batch": 8, "truncation_penalty": -0.5},
         "algorithm": {"minibatches": 1, "micro_batch": 8, "drop_equal_reward_groups": False},
         "optimizer": {"lr": 1e-2},
         "checkpoint_engine": {"bucket_mb": 0.01}})  # ~10 KiB: many buckets, tensors split across them
@@ -74,7 +74,8 @@ def test_three_iterations_on_vllm_with_in_place_updates(ray_cluster, tokenizer, 
 
     final = tmp_path / "run" / "final"
     saved = read_tensors(final)
-    loaded = AutoModelForCausalLM.from_pretrained(final, torch_dtype=torch.float32).state_dict()
-    assert set(saved) == set(start)
-    assert all(torch.equal(loaded[k], v) for k, v in saved.items())
+    AutoModelForCausalLM.from_pretrained(final, dtype=torch.float32).save_pretrained(tmp_path / "resaved")
+    resaved = read_tensors(tmp_path / "resaved")
+    assert set(saved) == set(start) == set(resaved)
+    assert all(torch.equal(resaved[k], v) for k, v in saved.items())
     assert any(not torch.equal(saved[k], start[k]) for k in start)
