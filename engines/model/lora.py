@@ -91,7 +91,7 @@ def check_lora(cfg: ModelConfig, spec: LoraSpec, model: nn.Module | None = None)
     one line for MLA, a name that adapts nothing (experts, a typo) or a fused (inference) layout."""
     if cfg.model_type in MLA_FAMILIES:
         raise ValueError(f"LoRA on {cfg.model_type} is not supported: its latent attention (MLA) projections are not "
-                         "adapted yet; train this model without model.lora")
+                         "adapted yet; train it without LoRA")
     if model is None:
         from engines.model.causal_lm import build_model
 
