@@ -195,3 +195,13 @@ def test_targets_are_checked_against_the_model():
                        (dict(dropout=1.0), r"dropout must be in \[0, 1\)"), (dict(init="zeros"), "init must be")):
         with pytest.raises(ValueError, match=match):
             LoraSpec(**{"rank": 4, "alpha": 8.0, **bad})
+
+
+def test_the_update_benchmark_moves_only_the_adapters_bytes():
+    from benchmarks.weight_update_lora import measure_lora
+
+    rec = measure_lora("demo", 2, "float32", repeats=1)
+    # the quick-start model: 4 layers, hidden 128, 4 heads of 32 (2 kv heads), MLP 384; r·(in + out) per projection
+    per_layer = 2 * ((128 + 128) * 2 + (128 + 64) * 2 + 3 * (128 + 384))
+    assert rec["lora_bytes"] == 4 * per_layer * 4  # float32 adapters
+    assert rec["full_bytes"] == rec["params"] * 4 and rec["bitwise_equal"]

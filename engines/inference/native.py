@@ -294,6 +294,11 @@ class InferenceEngine(RolloutEngine):
         self._merger = None  # a new base: the next merge copies it again
         self.weights_loaded()
 
+    @property
+    def adapter_base_bytes(self) -> int:
+        """Bytes of the base copies that ``merge_adapters`` holds (0 before the first merge after a load)."""
+        return self._merger.base_bytes if self._merger is not None else 0
+
     def merge_adapters(self, adapters: Mapping[str, torch.Tensor], scaling: float) -> None:
         """Serve the base plus LoRA ``adapters`` (every adapter, by the trainer's names: ``...q_proj.lora_A.weight``
         [r, in], ``...lora_B.weight`` [out, r]) at ``scaling`` = alpha/r: each adapted weight becomes W0 + s·B·A,

@@ -133,7 +133,8 @@ def colocation_plan(arch: ModelConfig, setup: Colocation, name: str = "model",
     checkpoint, run_dir = run_dir_bytes(shape, rollout_dtype, master_dtype, optimizer, 2)
     plan = ColocationPlan(name, shape.params, gpus, gpu_bytes, inference_gpus, kv_tokens=kv_tokens,
                           checkpoint=checkpoint, run_dir=run_dir)
-    plan.parts = {"frozen base + adapters (shard)" if setup.lora_rank else "master weights (shard)": weights, "gradients (shard)": grads, "optimizer state (shard)": opt,
+    weights_row = "frozen base + adapters (shard)" if setup.lora_rank else "master weights (shard)"
+    plan.parts = {weights_row: weights, "gradients (shard)": grads, "optimizer state (shard)": opt,
                   f"training working set ({micro_batch_tokens} tokens)": work,
                   "inference replica (share)": replica, "KV cache (what is left)": kv,
                   "checkpoint-engine buffers": buffers}
