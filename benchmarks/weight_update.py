@@ -4,6 +4,7 @@
     python -m benchmarks.weight_update --workers 1 2 4 --bucket-mb 16 64 256   # a sweep
     python -m benchmarks.weight_update --fp8 --json           # FP8 replicas (owners quantise)
     python -m benchmarks.weight_update --engine vllm --json   # into vLLM (benchmarks.weight_update_vllm)
+    python -m benchmarks.weight_update --lora 8 --json        # LoRA rank 8 against full (benchmarks.weight_update_lora)
 
 N checkpoint-engine worker processes own round-robin shares of a model-like parameter set; each
 has its own inference process that maps the IPC buffers and loads every parameter (or its row
@@ -137,7 +138,22 @@ def main(argv: list[str] | None = None) -> None:
                     help="the replicas: synthetic tensors as the native engine loads them (default), or one vLLM "
                          "engine on a saved model (--vllm-model, --dtype, --bucket-mb, --repeats apply)")
     ap.add_argument("--vllm-model", default="100m", help="with --engine vllm: small or 100m (default)")
+    ap.add_argument("--lora", type=int, metavar="RANK", help="a LoRA update of this rank against a full one on the "
+                    "same model, at the native replica (--lora-model, --dtype, --repeats apply)")
+    ap.add_argument("--lora-model", default="100m", choices=["demo", "100m"],
+                    help="with --lora: the quick-start model (demo) or the ~88 M one (100m, default)")
     args = ap.parse_args(argv)
+    if args.lora is not None:
+        from benchmarks.weight_update_lora import measure_lora
+
+        if args.lora < 1:
+            ap.error("--lora RANK must be at least 1")
+        rec = measure_lora(args.lora_model, args.lora, args.dtype or "bfloat16", args.repeats)
+        if not args.json:
+            print(f"{rec['model']} rank {rec['rank']}: full {rec['full_bytes']:,} B in {rec['full_s']:.4f} s, LoRA "
+                  f"{rec['lora_bytes']:,} B ({rec['bytes_ratio']:.2%}) in {rec['lora_s']:.4f} s", flush=True)
+        print(json.dumps(rec), flush=True)
+        return
     if args.engine == "vllm":
         from benchmarks.weight_update_vllm import measure_vllm
 

@@ -119,7 +119,8 @@ def _cmd_memory_plan(args: argparse.Namespace) -> None:
                                                 compute_dtype=args.compute_dtype, rollout_dtype=args.rollout_dtype,
                                                 micro_batch_tokens=args.micro_batch_tokens,
                                                 activation_checkpointing=not args.no_activation_checkpointing,
-                                                sleep_level=args.sleep_level, expert_parallel=args.expert_parallel),
+                                                sleep_level=args.sleep_level, expert_parallel=args.expert_parallel,
+                                                lora_rank=args.lora),
                                name=args.model)
     except ValueError as e:
         raise UserError(f"rl memory-plan: {e}") from None
@@ -310,6 +311,9 @@ def build_parser() -> argparse.ArgumentParser:
     mp.add_argument("--rollout-dtype", default="bfloat16", choices=["float32", "bfloat16"])
     mp.add_argument("--sleep-level", type=int, default=2, choices=[0, 1, 2],
                     help="what the inference engine frees while the trainer runs (2: KV cache and weights)")
+    mp.add_argument("--lora", type=int, default=0, metavar="RANK",
+                    help="train LoRA adapters of this rank (alpha 2·rank, attention and MLP projections, AdamW) on the "
+                         "frozen base (in --rollout-dtype): gradients and optimizer state of the adapters only")
     mp.set_defaults(func=_cmd_memory_plan)
 
     s = sub.add_parser("serve", help="serve a model directory over an OpenAI-compatible HTTP API")

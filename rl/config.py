@@ -143,6 +143,26 @@ class WarmStartConfig(Strict):
     seed: int = 0
 
 
+class LoraConfig(Strict):
+    """Low-rank adapters (LoRA) trained instead of the whole model (engines.model.lora, PEFT's conventions)."""
+
+    rank: int = Field(8, ge=1, description="r: each adapted W [out, in] gains A [r, in] and B [out, r]")
+    alpha: float = Field(16.0, gt=0, description="the update is (alpha / rank)·B·A; 2·rank is the common choice")
+    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapters' input in training forwards "
+                           "(log π_old's recompute included): 0 keeps the trainer's log-probs deterministic")
+    target_modules: list[str] | None = Field(
+        None, description="names of the decoder layers' projections to adapt (q_proj, k_proj, v_proj, o_proj, "
+                          "gate_proj, up_proj, down_proj), checked against the model; None = all of these the "
+                          "model has as linear layers (MoE experts are stacked tensors and are not adapted)")
+    init: Literal["kaiming", "gaussian"] = Field("kaiming", description="A's initialisation: kaiming (PEFT's "
+                                                 "default uniform) or gaussian N(0, 1/rank); B starts at zero")
+    optimizer: Literal["adamw", "muon"] = Field(
+        "adamw", description="the adapters' optimizer (optimizer.kind is not used with LoRA): AdamW, as LoRA's "
+                             "published recipes train it; Muon orthogonalises each factor's update on its own, "
+                             "which does not orthogonalise the product B·A that changes the model, and a rank-r "
+                             "factor's update has only r singular values to equalise")
+
+
 class PolicyModelConfig(Strict):
     """The model the run trains (the policy): where it comes from, its dtype, its chat and tool-call format."""
 
@@ -162,6 +182,8 @@ class PolicyModelConfig(Strict):
                                                    "model's chat template (tasks with `messages` always are)")
     tool_format: str = Field("auto", description="tool-call format of multi-turn tool environments: auto (from "
                                                  "the chat template), k2, hermes, llama3_json or mistral")
+    lora: LoraConfig | None = Field(None, description="train low-rank adapters on the frozen model instead of every "
+                                    "weight (docs/configuration.md, LoRA); None = full training")
 
     @field_validator("path", mode="before")
     @classmethod

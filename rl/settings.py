@@ -18,6 +18,7 @@ from engines.inference.factory import EngineSettings, decode_attention, vllm_bui
 from engines.inference.vllm_setup import CPU_BUILD_ON_GPU, CPU_MOE_UPDATES_EXACT, GPU_BUILD_ON_CPU
 from engines.model.arch import FAMILIES, ModelConfig
 from engines.model.hf_spec import ModelDescription
+from engines.model.lora import LoraSpec, check_lora, default_targets
 from engines.training.engine import resolve_attention as train_attention
 from rl.algo.mismatch import Correction
 from rl.algo.objectives import Objective
@@ -116,6 +117,7 @@ class TrainerSettings:
     backend: str = "native"       # the model code: "native" (engines.model.causal_lm) or "transformers"
     trust_remote_code: bool = False
     rollout_engine: str = "native"  # the replicas' engine, whose layout the weight update is planned for
+    lora: LoraSpec | None = None  # train adapters on the frozen base (model.lora), targets resolved
 
 
 @dataclass(frozen=True)
@@ -251,6 +253,8 @@ def resolve(cfg: Config, arch: ModelConfig | ModelDescription, model_dir: str, c
                         "auto: vLLM's kernels differ from the trainer's" if kind == "vllm" else
                         "auto: the native engine computes what the trainer does"))
     correction = None if correction_kind == "none" else Correction(correction_kind, m.level, m.cap)
+    lora = lora_spec(cfg, arch, kind, choices)
+    opt_kind, tau = (o.kind, o.qk_clip_tau) if lora is None else (cfg.model.lora.optimizer, None)
     recompute = a.recompute_old_logprobs
     if recompute == "auto":
         recompute = "bfloat16" in (compute_dtype, rollout_dtype)
@@ -276,14 +280,44 @@ def resolve(cfg: Config, arch: ModelConfig | ModelDescription, model_dir: str, c
                                 cfg.model.tool_format),
         trainer=TrainerSettings(device, c.gpus_per_worker, t.master_dtype, compute_dtype, t.offload,
                                 t.activation_checkpointing, trainer_attention,
-                                OptimizerSettings(o.kind, o.lr, o.weight_decay, o.momentum, o.max_grad_norm,
-                                                  o.qk_clip_tau),
+                                OptimizerSettings(opt_kind, o.lr, o.weight_decay, o.momentum, o.max_grad_norm, tau),
                                 a.kl_coef > 0, cfg.checkpoint_engine.bucket_bytes, rollout_dtype, r.fp8, backend,
-                                cfg.model.trust_remote_code, kind),
+                                cfg.model.trust_remote_code, kind, lora),
         update=UpdateSettings(objective_of(cfg), a.minibatches, a.micro_batch_tokens, a.micro_batch,
                               a.drop_equal_reward_groups, bool(recompute) or correction is not None, correction,
                               a.ptx.coef),
         context=context, choices=tuple(choices))
+
+
+def lora_spec(cfg: Config, arch: ModelConfig | ModelDescription, engine: str,
+              choices: list[tuple[str, str, str]]) -> LoraSpec | None:
+    """``model.lora`` checked against the model and the rollout engine (one line each when it cannot run), its
+    default targets resolved and QK-Clip turned to reporting only (both added to ``choices``); None without LoRA."""
+    lc = cfg.model.lora
+    if lc is None:
+        return None
+    if isinstance(arch, ModelDescription):
+        raise UserError("model.lora runs on the native backend only (the transformers backend's LoRA is not built "
+                        f"yet); {arch.model_type} needs model.backend transformers: train it without model.lora")
+    if engine != "native":
+        raise UserError("model.lora: vLLM does not take adapter updates here yet (the native engine merges them); "
+                        "set rollout.engine: native")
+    if cfg.rollout.fp8:
+        raise UserError("model.lora with rollout.fp8 is not supported: the replica merges the adapters into its base "
+                        "weights, which FP8 blocks would re-quantise at every update; set rollout.fp8: false")
+    targets = tuple(lc.target_modules) if lc.target_modules is not None else default_targets(arch)
+    spec = LoraSpec(lc.rank, lc.alpha, lc.dropout, targets, lc.init)
+    try:
+        check_lora(arch, spec)
+    except ValueError as e:
+        raise UserError(f"model.lora: {e}") from None
+    if lc.target_modules is None:
+        choices.append(("model.lora.target_modules", ", ".join(targets),
+                        "default: the attention and MLP projections this model has as linear layers"))
+    if cfg.optimizer.qk_clip_tau is not None:
+        choices.append(("optimizer.qk_clip_tau", "none (max logits still logged)", "model.lora: QK-Clip rescales "
+                        "query/key weight rows, which are the frozen base under LoRA"))
+    return spec
 
 
 def for_model(cfg: Config, model_dir: str, context: int | None = None) -> RunSettings:

@@ -45,6 +45,7 @@ from engines.inference.sampling import (
 from engines.inference.scheduler import Scheduler, StepPlan
 from engines.model.causal_lm import CausalLM
 from engines.model.layout import byte_placements, hub_state, model_tensors
+from engines.model.lora import AdapterMerger
 
 __all__ = ["Completion", "InferenceEngine", "InvalidRequestError", "SamplingParams", "fit_kv_budget",
            "token_logprobs"]
@@ -116,6 +117,7 @@ class InferenceEngine(RolloutEngine):
         self._ids = itertools.count()
         self.sched = self._new_scheduler()
         self._weights_loaded = True
+        self._merger: AdapterMerger | None = None  # LoRA: the adapted weights' base copies (merge_adapters)
         self.memory = EngineMemory(self.named_tensors(), self.kv_cache_bytes, self.device)
         self.generated = 0  # tokens sampled over the engine's life
         self.steps = 0  # forwards run over the engine's life
@@ -289,6 +291,24 @@ class InferenceEngine(RolloutEngine):
             if name not in mine or mine[name].shape != t.shape:
                 raise ValueError(f"no weight {name} of shape {tuple(t.shape)} in the inference engine")
             mine[name].copy_(t)
+        self._merger = None  # a new base: the next merge copies it again
+        self.weights_loaded()
+
+    @property
+    def adapter_base_bytes(self) -> int:
+        """Bytes of the base copies that ``merge_adapters`` holds (0 before the first merge after a load)."""
+        return self._merger.base_bytes if self._merger is not None else 0
+
+    def merge_adapters(self, adapters: Mapping[str, torch.Tensor], scaling: float) -> None:
+        """Serve the base plus LoRA ``adapters`` (every adapter, by the trainer's names: ``...q_proj.lora_A.weight``
+        [r, in], ``...lora_B.weight`` [out, r]) at ``scaling`` = alpha/r: each adapted weight becomes W0 + s·B·A,
+        computed from a copy of W0 taken at the first merge after the base was loaded (``load_weights``), so
+        repeated updates never accumulate rounding. The base must be what the engine serves at that first merge."""
+        served = hub_state(self.model)
+        if self._merger is None:
+            modules = sorted({n.rpartition(".lora_")[0] for n in adapters})
+            self._merger = AdapterMerger(served, modules, scaling)
+        self._merger.apply(served, adapters)
         self.weights_loaded()
 
     # --- recording a step -----------------------------------------------------------------

@@ -123,6 +123,9 @@ def _attempt(cfg: Config, run_dir: Path, resume: bool, console: Console, restart
             cpu_kernel.available()  # the CPU decode kernel built here, once: the workers then only load it
         settings = resolve(cfg, arch, str(start_dir), rollout_seq_len(cfg, tasks, tok, arch.max_position_embeddings),
                            backend_why)
+        if settings.trainer.lora is not None:  # checked and planned above; the workers do not train adapters yet
+            raise UserError("model.lora: the RL loop does not train adapters yet (`rl check-config` plans the run; "
+                            "engines.model.lora has the layers, PEFT saving and the engine's merge); remove model.lora")
         est = estimate(cfg, arch, settings.context, settings.rollout.engine)
         check_fits(cfg, est)
         kind = settings.rollout.engine.kind

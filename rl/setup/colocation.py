@@ -99,6 +99,7 @@ class Colocation:
     sleep_level: int = 2
     bucket_bytes: int = 512 << 20
     expert_parallel: int = 1
+    lora_rank: int = 0  # > 0: LoRA adapters of this rank (alpha 2·rank) on the default targets, AdamW; base frozen
 
 
 def colocation_plan(arch: ModelConfig, setup: Colocation, name: str = "model",
@@ -112,8 +113,13 @@ def colocation_plan(arch: ModelConfig, setup: Colocation, name: str = "model",
     if gpus % inference_gpus or gpus % expert_parallel:
         raise ValueError(f"{gpus} GPUs do not split into groups of {inference_gpus} (inference) and "
                          f"{expert_parallel} (expert parallel)")
+    if setup.lora_rank:
+        from engines.model.lora import LoraSpec, default_targets
+
+        lora = LoraSpec(setup.lora_rank, 2.0 * setup.lora_rank, target_modules=default_targets(arch))
+        shape, optimizer = shape or ModelShape.of(arch, lora), "adamw"
     shape = shape or ModelShape.of(arch)
-    weights, grads, opt = trainer_bytes(shape, gpus, master_dtype, optimizer)
+    weights, grads, opt = trainer_bytes(shape, gpus, master_dtype, optimizer, rollout_dtype)
     work = training_working_set(shape, micro_batch_tokens, compute_dtype, setup.activation_checkpointing, gpus > 1,
                                 expert_parallel)
     replica = -(-shape.params * getattr(torch, rollout_dtype).itemsize // inference_gpus)
@@ -127,7 +133,8 @@ def colocation_plan(arch: ModelConfig, setup: Colocation, name: str = "model",
     checkpoint, run_dir = run_dir_bytes(shape, rollout_dtype, master_dtype, optimizer, 2)
     plan = ColocationPlan(name, shape.params, gpus, gpu_bytes, inference_gpus, kv_tokens=kv_tokens,
                           checkpoint=checkpoint, run_dir=run_dir)
-    plan.parts = {"master weights (shard)": weights, "gradients (shard)": grads, "optimizer state (shard)": opt,
+    weights_row = "frozen base + adapters (shard)" if setup.lora_rank else "master weights (shard)"
+    plan.parts = {weights_row: weights, "gradients (shard)": grads, "optimizer state (shard)": opt,
                   f"training working set ({micro_batch_tokens} tokens)": work,
                   "inference replica (share)": replica, "KV cache (what is left)": kv,
                   "checkpoint-engine buffers": buffers}

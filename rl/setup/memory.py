@@ -34,6 +34,7 @@ from engines.inference.factory import EngineSettings
 from engines.inference.kv_cache import BLOCK_SIZE, bytes_per_slot, bytes_per_token, gather_bytes, paged_pool
 from engines.model.arch import ModelConfig
 from engines.model.hf_spec import ModelDescription
+from engines.model.lora import LoraSpec
 from rl.config import Config
 from rl.errors import UserError
 from rl.settings import RunSettings, ranks_per_worker, resolve, sleep_level
@@ -54,11 +55,13 @@ class ModelShape:
     hidden: int
     vocab: int
     layer_activations: int      # elements one layer keeps per token for its backward (largest layer)
+    adapter_params: int = 0     # LoRA: the adapters' parameters (``params`` is then the frozen base)
+    adapter_muon_params: int = 0  # of which Muon would take (the factors of rank 2 and more)
 
     @classmethod
-    def of(cls, arch: ModelConfig | ModelDescription) -> ModelShape:
+    def of(cls, arch: ModelConfig | ModelDescription, lora: LoraSpec | None = None) -> ModelShape:
         """The shape of a native architecture, or of a transformers model (``engines.model.hf_spec.describe``),
-        both counted on the meta device."""
+        both counted on the meta device; with ``lora`` its adapters are counted apart from the frozen base."""
         from engines.model.causal_lm import build_model
         from engines.model.hf_backend import empty_hf_model
         from engines.model.hf_spec import decoder_layers
@@ -68,7 +71,16 @@ class ModelShape:
             model = empty_hf_model(arch.hf_config)  # parameters on meta: only the rotary tables are computed
         else:
             model = build_model(arch, device="meta")  # shapes only: a 1 T-parameter config costs nothing here
-        params = list(model.parameters())
+        adapters = 0, 0
+        if lora is not None:
+            from engines.model.lora import apply_lora
+
+            apply_lora(model, lora)  # on meta: the adapters' shapes only
+            trainable = [p for p in model.parameters() if p.requires_grad]
+            muon = muon_params(model)
+            adapters = sum(p.numel() for p in trainable), sum(p.numel() for p in trainable if id(p) in muon)
+        params = [p for p in model.parameters() if not p.requires_grad] if lora is not None else \
+            list(model.parameters())
         muon = muon_params(model)
         per_layer = [(sum(p.numel() for p in layer.parameters()),
                       sum(p.numel() for n, p in layer.named_parameters() if ".experts." in f".{n}"))
@@ -77,7 +89,7 @@ class ModelShape:
         return cls(sum(p.numel() for p in params), sum(p.numel() for p in params if id(p) in muon), largest[0],
                    largest[1], sum(p.numel() for p in params) - sum(n for n, _ in per_layer), arch.num_hidden_layers,
                    arch.hidden_size,
-                   arch.vocab_size, max(layer_activations(arch, i) for i in range(arch.num_hidden_layers)))
+                   arch.vocab_size, max(layer_activations(arch, i) for i in range(arch.num_hidden_layers)), *adapters)
 
 
 def layer_activations(arch: ModelConfig | ModelDescription, layer: int) -> int:
@@ -182,16 +194,20 @@ class MemoryEstimate:
     run_dir: int = 0       # the run directory at its fullest (see run_dir_bytes)
     engine: str = "native"  # the rollout engine counted ("auto": not resolved, counted as native)
     vllm: VllmRows | None = None  # a vLLM replica's own rows (None: the native engine)
+    adapters: int = 0      # LoRA adapters' parameters (gradients and optimizer state are theirs alone)
 
     def table(self) -> str:
-        rows = [("parameters", f"{self.params / 1e6:,.1f} M"),
-                ("trainer weights (shard)", _gib(self.trainer_weights)),
-                ("trainer gradients (shard)", _gib(self.trainer_grads)),
-                ("optimizer state (shard)", _gib(self.optimizer)),
-                ("activations (one micro-batch, est.)", _gib(self.activations)),
-                ("inference replica", _gib(self.replica)),
-                (f"KV cache ({self.kv_sequences} seqs x {self.max_seq_len} tokens)", _gib(self.kv_cache)),
-                ("decode attention working set", _gib(self.decode_work))]
+        rows = [("parameters", f"{self.params / 1e6:,.1f} M")]
+        if self.adapters:
+            rows.append(("LoRA adapters (trained)", f"{self.adapters / 1e6:,.3f} M"))
+        rows += [("trainer weights (shard" + (", frozen base + adapters)" if self.adapters else ")"),
+                  _gib(self.trainer_weights)),
+                 ("trainer gradients (shard)", _gib(self.trainer_grads)),
+                 ("optimizer state (shard)", _gib(self.optimizer)),
+                 ("activations (one micro-batch, est.)", _gib(self.activations)),
+                 ("inference replica", _gib(self.replica)),
+                 (f"KV cache ({self.kv_sequences} seqs x {self.max_seq_len} tokens)", _gib(self.kv_cache)),
+                 ("decode attention working set", _gib(self.decode_work))]
         if self.vllm is not None:
             v = self.vllm
             rows += [("vLLM CUDA graph pool (stays while asleep, est.)", _gib(v.graphs)),
@@ -213,14 +229,19 @@ def _itemsize(dtype: str) -> int:
     return getattr(torch, dtype).itemsize
 
 
-def trainer_bytes(shape: ModelShape, ranks: int, master_dtype: str, optimizer: str) -> tuple[int, int, int]:
-    """(master weights, gradients, optimizer state) per rank of an FSDP2 trainer over ``ranks``."""
+def trainer_bytes(shape: ModelShape, ranks: int, master_dtype: str, optimizer: str,
+                  base_dtype: str | None = None) -> tuple[int, int, int]:
+    """(master weights, gradients, optimizer state) per rank of an FSDP2 trainer over ``ranks``. With LoRA
+    (``shape.adapter_params``) the weights are the frozen base in ``base_dtype`` (the serving dtype) plus the
+    adapters in the master dtype, and only the adapters have gradients and optimizer state."""
     master = _itemsize(master_dtype)
-    # Muon keeps one momentum per element, AdamW two moments, both in the master dtype
-    n, n_muon = shape.params, shape.muon_params
-    states = n_muon * 1 + (n - n_muon) * 2 if optimizer == "muon" else n * 2
     shard = lambda b: -(-b // ranks)  # noqa: E731
-    return shard(n * master), shard(n * master), shard(states * master)
+    lora = shape.adapter_params > 0
+    n, n_muon = (shape.adapter_params, shape.adapter_muon_params) if lora else (shape.params, shape.muon_params)
+    # Muon keeps one momentum per element, AdamW two moments, both in the master dtype
+    states = n_muon * 1 + (n - n_muon) * 2 if optimizer == "muon" else n * 2
+    weights = shape.params * _itemsize(base_dtype or master_dtype) + n * master if lora else n * master
+    return shard(weights), shard(n * master), shard(states * master)
 
 
 def run_dir_bytes(shape: ModelShape, model_dtype: str, master_dtype: str, optimizer: str,
@@ -229,9 +250,12 @@ def run_dir_bytes(shape: ModelShape, model_dtype: str, master_dtype: str, optimi
     (Hugging Face safetensors) and the trainer's whole state (master weights and optimizer state, every rank's
     shard); the run directory holds ``keep_checkpoints`` of them, one more while the next is written, ``best/`` (a
     checkpoint) and ``final/`` (the model alone)."""
-    weights, _, opt = trainer_bytes(shape, 1, master_dtype, optimizer)
+    weights, grads, opt = trainer_bytes(shape, 1, master_dtype, optimizer)
     model = shape.params * _itemsize(model_dtype)
-    checkpoint = model + weights + opt
+    # LoRA: a checkpoint holds the adapters (PEFT's file, the model's dtype) and their trainer state; the base is
+    # the model the run started from; final/ is the merged model
+    checkpoint = shape.adapter_params * _itemsize(model_dtype) + grads + opt if shape.adapter_params else \
+        model + weights + opt
     return checkpoint, (keep_checkpoints + 2) * checkpoint + model
 
 
@@ -247,16 +271,18 @@ def training_working_set(shape: ModelShape, tokens: int, compute_dtype: str, che
 
 
 def estimate(cfg: Config, arch: ModelConfig | ModelDescription, max_seq_len: int,
-             engine: EngineSettings | None = None) -> MemoryEstimate:
+             engine: EngineSettings | None = None, lora: LoraSpec | None = None) -> MemoryEstimate:
     """Bytes per worker of a run of ``cfg`` on a model of ``arch`` with KV caches of ``max_seq_len`` tokens (per GPU
     where a worker's replica spans several: each holds a trainer rank and a replica rank). ``engine``: the run's
     replica as resolved (``rl.settings``); without it the config is read as written, "auto" counted as the native
-    engine's torch attention path (the largest decode working set)."""
-    shape = ModelShape.of(arch)
+    engine's torch attention path (the largest decode working set). ``lora``: the run's adapters as resolved
+    (``TrainerSettings.lora``): gradients and optimizer state of the adapters only, the base in the rollout dtype."""
+    shape = ModelShape.of(arch, lora)
     # trainer ranks: one per worker, or one per GPU of a worker whose replica spans its GPUs (rl.loop.cluster)
     workers = cfg.cluster.workers * ranks_per_worker(cfg)
     compute_dtype, rollout_dtype_name = cfg.compute_dtype, cfg.rollout_dtype
-    weights, grads, opt = trainer_bytes(shape, workers, cfg.trainer.master_dtype, cfg.optimizer.kind)
+    opt_kind = cfg.model.lora.optimizer if lora is not None and cfg.model.lora is not None else cfg.optimizer.kind
+    weights, grads, opt = trainer_bytes(shape, workers, cfg.trainer.master_dtype, opt_kind, rollout_dtype_name)
     sharded = workers > 1 or compute_dtype != cfg.trainer.master_dtype
     work = training_working_set(shape, cfg.algorithm.micro_batch_tokens, compute_dtype,
                                 cfg.trainer.activation_checkpointing, sharded)
@@ -296,13 +322,13 @@ def estimate(cfg: Config, arch: ModelConfig | ModelDescription, max_seq_len: int
     # replica (vLLM keeps none: its host copies, where it has them, are pageable)
     pinned = (trainer if cfg.trainer.offload else 0) + (replica if level == 1 else 0) + (replica if vllm is None else 0)
     copies = vllm.host_copies if vllm is not None else 0
-    checkpoint, run_dir = run_dir_bytes(shape, cfg.model.dtype, cfg.trainer.master_dtype, cfg.optimizer.kind,
+    checkpoint, run_dir = run_dir_bytes(shape, cfg.model.dtype, cfg.trainer.master_dtype, opt_kind,
                                         cfg.run.keep_checkpoints)
     return MemoryEstimate(shape.params, weights, grads, opt, replica, kv, seqs, per_seq, max_seq_len,
                           max(rollout_phase, train_phase, update_phase),
                           trainer + work + replica + kv + decode + copies + (vllm.forward if vllm is not None else 0),
                           work, pinned if cfg.cluster.gpus_per_worker > 0 else 0, decode, checkpoint, run_dir, kind,
-                          vllm)
+                          vllm, shape.adapter_params)
 
 
 def _vllm_settings(cfg: Config, max_seq_len: int) -> EngineSettings:
@@ -348,7 +374,7 @@ def estimate_run(cfg: Config) -> tuple[MemoryEstimate, RunSettings]:
             seq = rollout_seq_len(cfg, load_task_sets(cfg), tok, arch.max_position_embeddings)
         seq = seq or arch.max_position_embeddings
     settings = resolve(cfg, arch, str(model_dir), seq, why)
-    return estimate(cfg, arch, seq, settings.rollout.engine), settings
+    return estimate(cfg, arch, seq, settings.rollout.engine, settings.trainer.lora), settings
 
 
 def _ram() -> int:

@@ -1,0 +1,70 @@
+"""A LoRA weight update against a full one on the same model, at the native replica (``--lora RANK`` of
+``benchmarks.weight_update``).
+
+    python -m benchmarks.weight_update --lora 8 --lora-model 100m --json
+
+One process builds a trainer model of ``benchmarks.rollout.MODELS`` (float32, random weights) with LoRA adapters of
+``RANK`` on the default targets (B drawn nonzero, as after training), and a native inference engine holding the base
+in ``--dtype``. A full update hands the replica every checkpoint tensor in its dtype (``InferenceEngine.load_weights``);
+a LoRA update hands it the adapters alone, in float32, which it merges from its copy of the base
+(``InferenceEngine.merge_adapters``). ``full_bytes`` and ``lora_bytes`` are what each update moves into the replica,
+``full_s`` and ``lora_s`` the median seconds of ``--repeats`` updates each (interleaved, after one cold update of
+each), ``base_copy_bytes`` the memory merge-on-receipt holds. ``bitwise_equal``: the replica's weights after the last
+LoRA update equal the merged weights computed independently (``engines.model.lora.merged_state``). The transport
+between processes (the checkpoint engine's buckets) is not part of this measure: it moves the same bytes either way.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from benchmarks.rollout import MODELS
+from engines.inference.native import InferenceEngine
+from engines.model.causal_lm import build_model
+from engines.model.layout import hub_state
+from engines.model.lora import LoraSpec, adapter_state, apply_lora, default_targets, merged_state
+
+
+def measure_lora(model: str, rank: int, dtype: str = "bfloat16", repeats: int = 5) -> dict:
+    """One full-against-LoRA record (see the module)."""
+    cfg = MODELS[model]
+    torch.manual_seed(0)
+    trainer = build_model(cfg, init=True)
+    spec = LoraSpec(rank, 2.0 * rank, target_modules=default_targets(cfg))
+    apply_lora(trainer, spec, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        for name, p in trainer.named_parameters():
+            if ".lora_B." in name:
+                p.normal_(0.0, 0.01)
+    serving = getattr(torch, dtype)
+    full = {n: t.to(serving) for n, t in hub_state(trainer).items() if ".lora_" not in n}
+    adapters = adapter_state(trainer)
+    engine = InferenceEngine(build_model(cfg, dtype=serving, fused=True), eos_id=None, max_seq_len=64,
+                             kv_cache_bytes=1 << 20)
+    full_s, lora_s = [], []
+    for i in range(repeats + 1):
+        t0 = time.perf_counter()
+        engine.load_weights(full.items())  # also resets the merge's base copy: the next merge takes it again
+        t1 = time.perf_counter()
+        engine.merge_adapters(adapters, spec.scaling)  # the first merge after a load copies the base
+        t2 = time.perf_counter()
+        engine.merge_adapters(adapters, spec.scaling)  # a steady-state update
+        t3 = time.perf_counter()
+        if i:  # the first round is cold
+            full_s.append(t1 - t0)
+            lora_s.append(t3 - t2)
+    reference = merged_state({**{n: t.to(serving) for n, t in hub_state(trainer).items() if ".lora_" not in n},
+                              **adapters}, spec.scaling)
+    served = engine.served_weights()
+    equal = all(torch.equal(served[n], t) for n, t in reference.items())
+    full_bytes = sum(t.numel() * t.element_size() for t in full.values())
+    lora_bytes = sum(t.numel() * t.element_size() for t in adapters.values())
+    f, lo = statistics.median(full_s), statistics.median(lora_s)
+    return {"model": model, "params": sum(t.numel() for t in full.values()), "rank": rank, "dtype": dtype,
+            "targets": list(spec.target_modules), "full_bytes": full_bytes, "lora_bytes": lora_bytes,
+            "bytes_ratio": round(lora_bytes / full_bytes, 6), "full_s": round(f, 6), "lora_s": round(lo, 6),
+            "speedup": round(f / lo, 3), "base_copy_bytes": engine.adapter_base_bytes, "bitwise_equal": equal,
+            "repeats": repeats, "threads": torch.get_num_threads()}

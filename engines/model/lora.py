@@ -1,0 +1,244 @@
+"""LoRA: low-rank adapters on the native model's linear layers, in PEFT's conventions.
+
+A target projection W [out, in] gains ``lora_A`` [r, in] and ``lora_B`` [out, r] and computes
+W·x + (alpha/r)·B·A·dropout(x); W (and its bias) stay frozen, B starts at zero so the adapted model starts as the
+base. ``LoraLinear`` is an ``nn.Linear`` subclass that keeps W under its own name (``q_proj.weight``): loading,
+saving, sharding and the checkpoint engine's placements see the base as before, and the adapters appear beside it as
+``q_proj.lora_A.weight`` / ``q_proj.lora_B.weight``, PEFT's names less its ``base_model.model.`` prefix. (PEFT's own
+``get_peft_model`` would move W to ``q_proj.base_layer.weight``, which every name-keyed path here would have to undo.)
+
+Targets are chosen by the projections' names (``q_proj`` ... ``down_proj``) inside the decoder layers; stacked MoE
+experts are not ``nn.Linear`` and are never adapted, and MLA's projections (DeepSeek-V3, Kimi K2) are refused by
+``check_lora``. ``save_adapters`` writes what ``peft.PeftModel.from_pretrained`` loads on top of the Hugging Face base
+model; ``merged_weight`` and ``AdapterMerger`` fold adapters into a frozen base exactly (from the base copy each time,
+so rounding never accumulates over updates).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engines.model.arch import MLA_FAMILIES, ModelConfig
+
+#: The default targets: the attention projections and the dense MLP's three.
+ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
+DEFAULT_TARGETS = ATTENTION_TARGETS + MLP_TARGETS
+INITS = ("kaiming", "gaussian")
+ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+#: What PEFT puts before a causal LM's own parameter names in its saved adapters.
+PEFT_PREFIX = "base_model.model."
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    """The adapters of a run: rank r, alpha (scaling alpha/r), dropout on the adapters' input, the target
+    projections' names, and A's initialisation ("kaiming": PEFT's default uniform; "gaussian": N(0, 1/r))."""
+
+    rank: int
+    alpha: float
+    dropout: float = 0.0
+    target_modules: tuple[str, ...] = DEFAULT_TARGETS
+    init: str = "kaiming"
+
+    def __post_init__(self) -> None:
+        if self.rank < 1:
+            raise ValueError(f"LoRA rank must be at least 1, got {self.rank}")
+        if not self.alpha > 0:
+            raise ValueError(f"LoRA alpha must be > 0, got {self.alpha}")
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"LoRA dropout must be in [0, 1), got {self.dropout}")
+        if self.init not in INITS:
+            raise ValueError(f"LoRA init must be one of {INITS}, got {self.init!r}")
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.rank
+
+
+class LoraLinear(nn.Linear):
+    """A frozen ``nn.Linear`` plus a trainable low-rank update (``lora_A``, ``lora_B``, ``scaling``)."""
+
+    lora_A: nn.Linear
+    lora_B: nn.Linear
+    scaling: float
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.linear(x, self.weight, self.bias)
+        a = self.lora_A.weight
+        low = self.lora_B(self.lora_A(self.lora_dropout(x).to(a.dtype)))
+        return out + (low * self.scaling).to(out.dtype)
+
+
+def lora_targets(model: nn.Module, names: tuple[str, ...] | list[str]) -> list[str]:
+    """Paths of the ``nn.Linear`` modules inside ``model``'s decoder layers whose own name is one of ``names``."""
+    want = set(names)
+    return [path for path, m in model.named_modules()
+            if isinstance(m, nn.Linear) and ".layers." in f".{path}" and path.rpartition(".")[2] in want
+            and not path.endswith((".lora_A", ".lora_B"))]
+
+
+def check_lora(cfg: ModelConfig, spec: LoraSpec, model: nn.Module | None = None) -> list[str]:
+    """The module paths ``spec`` adapts in a model of ``cfg`` (built on meta when ``model`` is None); ValueError in
+    one line for MLA, a name that adapts nothing (experts, a typo) or a fused (inference) layout."""
+    if cfg.model_type in MLA_FAMILIES:
+        raise ValueError(f"LoRA on {cfg.model_type} is not supported: its latent attention (MLA) projections are not "
+                         "adapted yet; train it without LoRA")
+    if model is None:
+        from engines.model.causal_lm import build_model
+
+        model = build_model(cfg, device="meta")
+    if getattr(model, "fused", False):
+        raise ValueError("LoRA adapts the trainer's layout, not the fused inference layout")
+    found = lora_targets(model, spec.target_modules)
+    have = {p.rpartition(".")[2] for p in found}
+    missing = [n for n in spec.target_modules if n not in have]
+    if missing:
+        linear = sorted({p.rpartition(".")[2] for p in lora_targets(model, _all_leaf_names(model))})
+        experts = " (the MoE layers' experts are stacked tensors, not adapted)" if cfg.is_moe and \
+            set(missing) & set(MLP_TARGETS) else ""
+        raise ValueError(f"LoRA target module(s) {', '.join(map(repr, missing))} match no linear layer of this "
+                         f"{cfg.model_type} model{experts}; its decoder layers have: {', '.join(linear)}")
+    return found
+
+
+def _all_leaf_names(model: nn.Module) -> list[str]:
+    return [p.rpartition(".")[2] for p, m in model.named_modules() if isinstance(m, nn.Linear)]
+
+
+def default_targets(cfg: ModelConfig) -> tuple[str, ...]:
+    """``DEFAULT_TARGETS`` a model of ``cfg`` has as linear layers (an MoE model without dense layers: attention)."""
+    from engines.model.causal_lm import build_model
+
+    have = {p.rpartition(".")[2] for p in lora_targets(build_model(cfg, device="meta"), DEFAULT_TARGETS)}
+    return tuple(n for n in DEFAULT_TARGETS if n in have)
+
+
+@torch.no_grad()
+def init_adapters(model: nn.Module, spec: LoraSpec, generator: torch.Generator | None = None) -> None:
+    """A per ``spec.init`` (kaiming: PEFT's uniform with a=√5; gaussian: N(0, 1/r)), B zero, in every adapter."""
+    for m in model.modules():
+        if isinstance(m, LoraLinear):
+            a = m.lora_A.weight
+            if spec.init == "gaussian":
+                a.normal_(0.0, 1.0 / spec.rank, generator=generator)
+            else:  # kaiming_uniform_(a=√5): bound 1/√fan_in
+                bound = 1.0 / math.sqrt(a.shape[1])
+                a.uniform_(-bound, bound, generator=generator)
+            m.lora_B.weight.zero_()
+
+
+def apply_lora(model: nn.Module, spec: LoraSpec, adapter_dtype: torch.dtype = torch.float32,
+               generator: torch.Generator | None = None) -> list[str]:
+    """Freeze every parameter of ``model`` and turn each target projection into a ``LoraLinear`` (same weight and
+    bias tensors, adapters in ``adapter_dtype`` on the base's device, initialised by ``init_adapters``); returns the
+    adapted paths. A meta-device model gets meta adapters (initialise them after ``to_empty``)."""
+    cfg = model.config
+    paths = check_lora(cfg, spec, model)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for path in paths:
+        lin = model.get_submodule(path)
+        lin.__class__ = LoraLinear  # keeps weight, bias and hooks: the base is not copied
+        dev = lin.weight.device
+        lin.lora_A = nn.Linear(lin.in_features, spec.rank, bias=False, device=dev, dtype=adapter_dtype)
+        lin.lora_B = nn.Linear(spec.rank, lin.out_features, bias=False, device=dev, dtype=adapter_dtype)
+        lin.lora_dropout = nn.Dropout(spec.dropout) if spec.dropout > 0 else nn.Identity()
+        lin.scaling = spec.scaling
+    if next(model.parameters()).device.type != "meta":
+        init_adapters(model, spec, generator)
+    model.lora = spec
+    return paths
+
+
+def is_adapter(name: str) -> bool:
+    """Whether a parameter name is an adapter's (``...lora_A.weight``, ``...lora_B.weight``)."""
+    return ".lora_A." in name or ".lora_B." in name
+
+
+def adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The adapters' tensors by the model's names (detached; DTensor shards stay shards)."""
+    return {n: p.detach() for n, p in model.named_parameters() if is_adapter(n)}
+
+
+def merged_weight(base: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float) -> torch.Tensor:
+    """W0 + scaling·B·A in ``base``'s dtype, computed in float32 from the base itself (never from a previous merge)."""
+    return (base.float() + scaling * (b.float() @ a.float())).to(base.dtype)
+
+
+def merged_state(state: Mapping[str, torch.Tensor], scaling: float) -> dict[str, torch.Tensor]:
+    """A full state (base and adapters by the model's names) with each adapted ``weight`` merged and the adapter
+    tensors gone: what a plain model of the same family loads."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in state.items():
+        if is_adapter(name):
+            continue
+        owner = name.removesuffix(".weight")
+        a = state.get(f"{owner}.lora_A.weight")
+        out[name] = t if a is None else merged_weight(t, a, state[f"{owner}.lora_B.weight"], scaling)
+    return out
+
+
+def peft_config(spec: LoraSpec, base_model: str | None) -> dict:
+    """The ``adapter_config.json`` PEFT's ``LoraConfig`` reads for these adapters."""
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
+            "r": spec.rank, "lora_alpha": spec.alpha, "lora_dropout": spec.dropout,
+            "target_modules": list(spec.target_modules), "bias": "none", "fan_in_fan_out": False,
+            "init_lora_weights": True if spec.init == "kaiming" else "gaussian", "use_rslora": False,
+            "use_dora": False, "modules_to_save": None, "inference_mode": True}
+
+
+def save_adapters(spec: LoraSpec, adapters: Mapping[str, torch.Tensor], directory: str | Path,
+                  base_model: str | None = None) -> Path:
+    """Write ``adapters`` (full tensors by the model's names: ``adapter_state``, gathered) in PEFT's format:
+    ``adapter_config.json`` and ``adapter_model.safetensors`` with PEFT's key names."""
+    from safetensors.torch import save_file
+
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    tensors = {PEFT_PREFIX + n: t.detach().cpu().contiguous() for n, t in adapters.items()}
+    save_file(tensors, str(d / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    (d / ADAPTER_CONFIG).write_text(json.dumps(peft_config(spec, base_model), indent=2))
+    return d
+
+
+def load_adapters(directory: str | Path) -> tuple[LoraSpec, dict[str, torch.Tensor]]:
+    """What ``save_adapters`` wrote: the spec and the adapters by the model's names."""
+    from safetensors.torch import load_file
+
+    d = Path(directory)
+    c = json.loads((d / ADAPTER_CONFIG).read_text())
+    spec = LoraSpec(c["r"], c["lora_alpha"], c.get("lora_dropout", 0.0), tuple(c["target_modules"]),
+                    "gaussian" if c.get("init_lora_weights") == "gaussian" else "kaiming")
+    return spec, {n.removeprefix(PEFT_PREFIX): t for n, t in load_file(str(d / ADAPTER_WEIGHTS)).items()}
+
+
+class AdapterMerger:
+    """Merge-on-receipt for a replica that serves plain weights: holds a copy of each adapted base weight (checkpoint
+    names) and writes W0 + s·B·A into the served tensor on every update, so the base stays exact however many
+    updates arrive. ``served``: the replica's weights under checkpoint names, as views it serves from."""
+
+    def __init__(self, served: Mapping[str, torch.Tensor], modules: list[str], scaling: float) -> None:
+        self.scaling = scaling
+        self.modules = list(modules)
+        self.base = {m: served[f"{m}.weight"].detach().clone() for m in self.modules}
+
+    @property
+    def base_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.base.values())
+
+    @torch.no_grad()
+    def apply(self, served: Mapping[str, torch.Tensor], adapters: Mapping[str, torch.Tensor]) -> None:
+        """Write every adapted weight from its base and ``adapters`` (all of them, by the model's names)."""
+        for m in self.modules:
+            a, b = adapters[f"{m}.lora_A.weight"], adapters[f"{m}.lora_B.weight"]
+            served[f"{m}.weight"].copy_(merged_weight(self.base[m], a.to(self.base[m].device),
+                                                      b.to(self.base[m].device), self.scaling))

@@ -1,0 +1,207 @@
+"""LoRA on the native model (engines.model.lora): the adapted forward is the merged model's, a training step moves
+only the adapters, saved adapters load with peft on top of the transformers model and give the trainer's log-probs,
+and the native inference engine merges received adapters into an exact base."""
+
+import json
+
+import peft
+import pytest
+import torch
+import transformers
+
+from engines.inference.native import InferenceEngine
+from engines.inference.sampling import SamplingParams
+from engines.model.arch import make_config
+from engines.model.attention import padded_causal_mask, positions_from_valid
+from engines.model.causal_lm import build_model
+from engines.model.hf_io import load_pretrained, save_pretrained
+from engines.model.layout import hub_state
+from engines.model.lora import (
+    DEFAULT_TARGETS,
+    LoraSpec,
+    adapter_state,
+    apply_lora,
+    check_lora,
+    load_adapters,
+    merged_state,
+    merged_weight,
+    save_adapters,
+)
+from engines.training.engine import TrainingEngine
+from engines.training.optim import build_optimizers
+from tests.conftest import sharp_model, tiny_config
+
+VOCAB = 64
+SPEC = LoraSpec(rank=4, alpha=8.0)
+
+
+@pytest.fixture(scope="module")
+def base_dir(tmp_path_factory):
+    """A sharp tiny Llama saved in Hugging Face format: the base every test adapts."""
+    d = tmp_path_factory.mktemp("lora_base")
+    save_pretrained(sharp_model(tiny_config(VOCAB)), None, d)
+    return d
+
+
+def adapted(base_dir, spec=SPEC, seed=1, nonzero_b=True):
+    """The base with ``spec``'s adapters; B drawn nonzero (as after training) unless ``nonzero_b`` is False."""
+    model = load_pretrained(base_dir)
+    apply_lora(model, spec, generator=torch.Generator().manual_seed(seed))
+    if nonzero_b:
+        g = torch.Generator().manual_seed(seed + 100)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if ".lora_B." in name:
+                    p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    return model
+
+
+def logits(model, ids):
+    valid = torch.ones_like(ids, dtype=torch.bool)
+    with torch.no_grad():
+        return model(ids, positions_from_valid(valid), padded_causal_mask(valid))
+
+
+IDS = torch.randint(2, VOCAB, (2, 13), generator=torch.Generator().manual_seed(5))
+
+
+def test_adapters_wrap_the_default_targets_and_freeze_the_base(base_dir):
+    model = adapted(base_dir)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    # 2 layers x 7 projections x (A, B), nothing else
+    assert len(trainable) == 2 * len(DEFAULT_TARGETS) * 2
+    assert all(".lora_A." in n or ".lora_B." in n for n in trainable)
+    a = model.model.layers[0].self_attn.q_proj.lora_A.weight
+    b = model.model.layers[0].mlp.down_proj.lora_B.weight
+    assert a.shape == (4, 32) and b.shape == (32, 4)  # PEFT's [r, in] and [out, r]
+    fresh = adapted(base_dir, nonzero_b=False)  # B = 0: the adapted model starts as the base
+    torch.testing.assert_close(logits(fresh, IDS), logits(load_pretrained(base_dir), IDS), atol=0, rtol=0)
+
+
+def test_adapter_forward_equals_the_merged_model(base_dir):
+    model = adapted(base_dir)
+    ours = logits(model, IDS)
+    merged = load_pretrained(base_dir)
+    merged.load_state_dict(merged_state(model.state_dict(), SPEC.scaling))
+    base = logits(load_pretrained(base_dir), IDS)
+    assert (ours - base).abs().max() > 1e-2  # the adapters change the output
+    torch.testing.assert_close(ours, logits(merged, IDS), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("init", ["kaiming", "gaussian"])
+def test_a_training_step_moves_only_the_adapters(base_dir, init):
+    spec = LoraSpec(rank=2, alpha=4.0, init=init)
+    model = adapted(base_dir, spec, nonzero_b=False)
+    opts = build_optimizers(model, "adamw", lr=1e-2, weight_decay=0.0)
+    assert [type(o).__name__ for o in opts] == ["AdamW"]
+    assert {id(p) for o in opts for g in o.param_groups for p in g["params"]} == \
+        {id(p) for n, p in model.named_parameters() if ".lora_" in n}
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    engine = TrainingEngine(model, opts, pad_id=0, attention="sdpa")
+    for _ in range(2):  # B starts at zero, so A has no gradient until B has moved once
+        s = engine.score([[3, 4, 5, 6]], [[7, 8, 9]], 1.0)
+        (-(s.logprobs * s.mask).sum()).backward()
+        engine.step()
+    for n, p in model.named_parameters():
+        if ".lora_" in n:
+            assert not torch.equal(p, before[n]), f"{n} did not move"
+        else:
+            assert torch.equal(p, before[n]), f"frozen {n} moved"
+
+
+def test_saved_adapters_load_with_peft_and_give_the_trainers_logprobs(base_dir, tmp_path):
+    model = adapted(base_dir)
+    save_adapters(SPEC, adapter_state(model), tmp_path, str(base_dir))
+    cfg = json.loads((tmp_path / "adapter_config.json").read_text())
+    assert cfg["peft_type"] == "LORA" and cfg["r"] == 4 and cfg["lora_alpha"] == 8.0
+    spec, tensors = load_adapters(tmp_path)
+    assert spec == SPEC and all(torch.equal(tensors[n], t) for n, t in adapter_state(model).items())
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    with_adapter = peft.PeftModel.from_pretrained(hf, tmp_path).eval()
+    # every adapter was loaded (a misnamed key would load nothing and leave B at zero)
+    loaded = {n for n, _ in with_adapter.named_parameters() if "lora_B" in n}
+    assert len(loaded) == len(adapter_state(model)) // 2
+    with torch.no_grad():
+        theirs = torch.log_softmax(with_adapter(input_ids=IDS).logits.float(), -1)
+    ours = torch.log_softmax(logits(model, IDS), -1)
+    torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=0)
+
+    # final/ as a merged Hugging Face model: transformers alone gives the adapted model's log-probs
+    merged_dir = tmp_path / "merged"
+    save_pretrained(build_model(model.config, device="meta"), None, merged_dir,
+                    state=merged_state(model.state_dict(), SPEC.scaling))
+    plain = transformers.AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(torch.log_softmax(plain(input_ids=IDS).logits, -1), theirs, atol=1e-5, rtol=0)
+
+
+def _engine(model) -> InferenceEngine:
+    return InferenceEngine(model, eos_id=None, max_seq_len=64, kv_cache_bytes=1 << 18, block_size=4)
+
+
+def test_the_engine_merges_adapter_updates_onto_an_exact_base(base_dir, tmp_path):
+    base = load_pretrained(base_dir)
+    replica = build_model(base.config, fused=True)
+    eng = _engine(replica)
+    eng.load_weights(hub_state(base).items())
+    prompts = [[3, 4, 5, 6, 7], [9, 10]]
+    params = SamplingParams(0.0, 12, ignore_eos=True)
+    base_tokens = [c.token_ids for c in eng.generate(prompts, params)]
+    exact_base = {n: t.clone() for n, t in hub_state(base).items()}
+    ref_eng = _engine(build_model(base.config, fused=True))  # serves the merged weights, loaded whole
+    for seed in (1, 2, 3):  # successive updates: each merged from the base, never from the previous merge
+        trained = adapted(base_dir, seed=seed)
+        update = adapter_state(trained)
+        eng.merge_adapters(update, SPEC.scaling)
+        ref_eng.load_weights(merged_state(hub_state(trained), SPEC.scaling).items())
+        assert [c.token_ids for c in eng.generate(prompts, params)] == \
+            [c.token_ids for c in ref_eng.generate(prompts, params)]
+        served = eng.served_weights()
+        q = "model.layers.1.self_attn.q_proj"
+        assert torch.equal(served[f"{q}.weight"], merged_weight(exact_base[f"{q}.weight"], update[f"{q}.lora_A.weight"],
+                                                                update[f"{q}.lora_B.weight"], SPEC.scaling))
+        assert torch.equal(served["model.embed_tokens.weight"], exact_base["model.embed_tokens.weight"])
+    assert [c.token_ids for c in eng.generate(prompts, params)] != base_tokens  # the adapters changed the samples
+    # the replica's log-probs are those of peft's base + adapter (the last update)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    with_adapter = peft.PeftModel.from_pretrained(hf, save_adapters(SPEC, update, tmp_path)).eval()
+    seq = [3, 4, 5, 6, 7, 11, 12, 13]
+    with torch.no_grad():
+        lp = torch.log_softmax(with_adapter(input_ids=torch.tensor([seq])).logits[0], -1)
+    theirs = [lp[i - 1, seq[i]].item() for i in range(1, len(seq))]
+    ours = [t.logprob for t in eng.prompt_logprobs(seq)[1:]]
+    assert ours == pytest.approx(theirs, abs=1e-5)
+
+
+def test_targets_are_checked_against_the_model():
+    cfg = tiny_config(VOCAB)
+    assert len(check_lora(cfg, LoraSpec(4, 8.0, target_modules=("q_proj", "v_proj")))) == 4
+    with pytest.raises(ValueError, match=r"'qproj' match no linear layer of this llama model; its decoder layers "
+                                         r"have: down_proj, gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj"):
+        check_lora(cfg, LoraSpec(4, 8.0, target_modules=("q_proj", "qproj")))
+    moe = make_config("mixtral", vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)
+    assert len(check_lora(moe, LoraSpec(4, 8.0, target_modules=("q_proj", "o_proj")))) == 2
+    with pytest.raises(ValueError, match="experts are stacked tensors, not adapted"):
+        check_lora(moe, LoraSpec(4, 8.0))
+    mla = make_config("deepseek_v3", vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16,
+                      qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=4,
+                      num_experts_per_tok=2, n_group=1, topk_group=1)
+    with pytest.raises(ValueError, match="latent attention"):
+        check_lora(mla, LoraSpec(4, 8.0))
+    for bad, match in ((dict(rank=0), "rank must be at least 1"), (dict(alpha=0.0), "alpha must be > 0"),
+                       (dict(dropout=1.0), r"dropout must be in \[0, 1\)"), (dict(init="zeros"), "init must be")):
+        with pytest.raises(ValueError, match=match):
+            LoraSpec(**{"rank": 4, "alpha": 8.0, **bad})
+
+
+def test_the_update_benchmark_moves_only_the_adapters_bytes():
+    from benchmarks.weight_update_lora import measure_lora
+
+    rec = measure_lora("demo", 2, "float32", repeats=1)
+    # the quick-start model: 4 layers, hidden 128, 4 heads of 32 (2 kv heads), MLP 384; r·(in + out) per projection
+    per_layer = 2 * ((128 + 128) * 2 + (128 + 64) * 2 + 3 * (128 + 384))
+    assert rec["lora_bytes"] == 4 * per_layer * 4  # float32 adapters
+    assert rec["full_bytes"] == rec["params"] * 4 and rec["bitwise_equal"]

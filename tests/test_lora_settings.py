@@ -1,0 +1,139 @@
+"""``model.lora`` as a run resolves it: the targets checked against the model, what cannot run refused in one line
+each, and the memory plan (``rl check-config``, ``rl memory-plan --lora``) counting gradients and optimizer state of
+the adapters only. Models are config.json files written by transformers' config classes (meta-device shapes only).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from rl.cli import main
+from rl.config import parse_config
+from rl.errors import UserError
+from rl.settings import for_model
+from rl.setup.memory import estimate_run
+from tests.hf_families import hf_config
+
+LAYERS, HIDDEN, INTER, HEADS, KV = 2, 64, 96, 4, 2
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory, tokenizer):
+    """A llama, a mixtral, a deepseek_v3 and a gemma3_text model directory (config and tokenizer only)."""
+    out = {}
+    common = dict(vocab_size=tokenizer.vocab_size, eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.pad_id,
+                  bos_token_id=None)
+    for name in ("llama", "mixtral", "deepseek_v3", "gemma3_text"):
+        d = tmp_path_factory.mktemp(name)
+        kw = dict(common)
+        if name in ("llama", "mixtral"):
+            kw.update(hidden_size=HIDDEN, intermediate_size=INTER, num_hidden_layers=LAYERS,
+                      num_attention_heads=HEADS, num_key_value_heads=KV, head_dim=HIDDEN // HEADS)
+        hf_config(name, **kw).save_pretrained(d)
+        tokenizer.save(d)
+        out[name] = d
+    return out
+
+
+def _cfg(model_dir, **lora):
+    raw = {"model": {"path": str(model_dir), "lora": lora}, "env": {"num_train": 20, "num_eval": 8}}
+    return raw
+
+
+def _resolve(model_dir, overrides=(), **lora):
+    return for_model(parse_config(_cfg(model_dir, **lora), overrides=list(overrides)), str(model_dir))
+
+
+def _one_line(excinfo) -> str:
+    msg = str(excinfo.value)
+    assert "\n" not in msg and "Traceback" not in msg
+    return msg
+
+
+def test_defaults_adapt_every_projection_and_turn_qk_clip_to_reporting(dirs):
+    s = _resolve(dirs["llama"], rank=4)
+    spec = s.trainer.lora
+    assert (spec.rank, spec.alpha, spec.dropout, spec.init) == (4, 16.0, 0.0, "kaiming")
+    assert spec.target_modules == ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    assert s.trainer.optimizer.kind == "adamw" and s.trainer.optimizer.qk_clip_tau is None
+    assert any(k == "optimizer.qk_clip_tau" and "frozen base" in why for k, _, why in s.choices)
+    # without LoRA nothing changes: Muon and QK-Clip at its threshold
+    plain = for_model(parse_config({"model": {"path": str(dirs["llama"])}, "env": {"num_train": 20, "num_eval": 8}}),
+                      str(dirs["llama"]))
+    assert plain.trainer.lora is None and plain.trainer.optimizer.kind == "muon"
+    assert plain.trainer.optimizer.qk_clip_tau == 100.0
+
+
+def test_an_moe_model_adapts_attention_by_default_and_refuses_experts_by_name(dirs):
+    s = _resolve(dirs["mixtral"], rank=2)
+    assert s.trainer.lora.target_modules == ("q_proj", "k_proj", "v_proj", "o_proj")
+    with pytest.raises(UserError) as e:
+        _resolve(dirs["mixtral"], rank=2, target_modules=["q_proj", "gate_proj"])
+    assert _one_line(e).startswith("model.lora: LoRA target module(s) 'gate_proj' match no linear layer of this "
+                                   "mixtral model (the MoE layers' experts are stacked tensors, not adapted)")
+
+
+@pytest.mark.parametrize("model, lora, overrides, says", [
+    ("llama", dict(target_modules=["q_proj", "attn"]), (),
+     "model.lora: LoRA target module(s) 'attn' match no linear layer of this llama model; its decoder layers have: "
+     "down_proj, gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj"),
+    ("llama", {}, ("rollout.fp8=true",), "model.lora with rollout.fp8 is not supported"),
+    ("deepseek_v3", {}, (), "model.lora: LoRA on deepseek_v3 is not supported: its latent attention (MLA)"),
+    ("gemma3_text", {}, (), "model.lora runs on the native backend only"),
+])
+def test_settings_that_cannot_run_are_one_line(dirs, model, lora, overrides, says):
+    with pytest.raises(UserError) as e:
+        _resolve(dirs[model], overrides, **lora)
+    assert says in _one_line(e)
+
+
+@pytest.mark.parametrize("field, value, says", [
+    ("rank", 0, "model.lora.rank: Input should be greater than or equal to 1 (got 0)"),
+    ("rank", -4, "model.lora.rank: Input should be greater than or equal to 1 (got -4)"),
+    ("alpha", 0, "model.lora.alpha: Input should be greater than 0 (got 0)"),
+    ("dropout", 1.0, "model.lora.dropout: Input should be less than 1 (got 1.0)"),
+    ("dropout", -0.1, "model.lora.dropout: Input should be greater than or equal to 0 (got -0.1)"),
+    ("init", "zeros", "model.lora.init: Input should be 'kaiming' or 'gaussian' (got 'zeros')"),
+])
+def test_bad_values_name_the_key(dirs, field, value, says):
+    with pytest.raises(UserError) as e:
+        parse_config(_cfg(dirs["llama"], **{field: value}))
+    lines = str(e.value).splitlines()
+    assert lines[1:] == [f"  {says}"]
+
+
+def _adapters(rank: int) -> int:
+    """LoRA parameters of the test llama, counted from its shapes: r·(in + out) per adapted projection."""
+    hd = HIDDEN // HEADS
+    shapes = [(HIDDEN, HEADS * hd), (HIDDEN, KV * hd), (HIDDEN, KV * hd), (HEADS * hd, HIDDEN),
+              (HIDDEN, INTER), (HIDDEN, INTER), (INTER, HIDDEN)]
+    return LAYERS * sum(rank * (i + o) for i, o in shapes)
+
+
+def test_check_config_counts_the_adapters_gradients_and_optimizer_state(dirs, tmp_path, capsys):
+    (tmp_path / "run.yaml").write_text(json.dumps(_cfg(dirs["llama"], rank=8)))
+    assert main(["check-config", str(tmp_path / "run.yaml")]) == 0
+    out = capsys.readouterr().out
+    n = _adapters(8)
+    assert "#  LoRA adapters (trained)" in out and f"{n / 1e6:,.3f} M" in out
+    assert "# model.lora.target_modules: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj" in out
+    est, _ = estimate_run(parse_config(_cfg(dirs["llama"], rank=8)))
+    full, _ = estimate_run(parse_config({"model": {"path": str(dirs["llama"])}, "env": {"num_train": 20,
+                                                                                        "num_eval": 8}}))
+    assert est.adapters == n and est.params == full.params  # the base is every parameter of the model
+    assert est.trainer_grads == n * 4  # float32 master adapters only
+    assert est.optimizer == n * 2 * 4  # AdamW's two moments of the adapters
+    assert est.trainer_weights == full.params * 4 + n * 4  # the frozen base (float32 here) and the adapters
+
+
+def test_memory_plan_with_lora_counts_adapters_only(capsys):
+    assert main(["memory-plan", "llama-7b", "--gpus", "1", "--lora", "8"]) == 0
+    out = capsys.readouterr().out
+    # Llama 2 7B: 32 layers of q/k/v/o 4096x4096 and gate/up/down 4096x11008, r·(in + out) each
+    n = 32 * 8 * (4 * 2 * 4096 + 3 * (4096 + 11008))
+    grads = next(line for line in out.splitlines() if "gradients" in line).split()[-2]
+    assert grads == f"{n * 4 / 2**30:.2f}"
+    assert main(["memory-plan", "kimi-k2", "--lora", "8"]) == 2
+    assert "latent attention (MLA)" in capsys.readouterr().err
