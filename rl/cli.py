@@ -102,17 +102,20 @@ def _cmd_fetch_model(args: argparse.Namespace) -> None:
 
 
 def _cmd_memory_plan(args: argparse.Namespace) -> None:
-    from engines.model.hf_io import ModelDirError, read_config
+    from rl.config import parse_config
+    from rl.settings import model_arch
     from rl.setup.colocation import PRESETS, Colocation, colocation_plan, preset
 
     if args.model in PRESETS:
         arch = preset(args.model)
-    else:
+    elif not Path(args.model, "config.json").is_file():
+        raise UserError(f"rl memory-plan: {args.model} is neither a preset ({', '.join(PRESETS)}) nor a model "
+                        "directory (no config.json)")
+    else:  # a native family, or any model transformers implements (described on the meta device)
         try:
-            arch = read_config(args.model)
-        except ModelDirError as e:
-            raise UserError(f"rl memory-plan: {args.model} is neither a preset ({', '.join(PRESETS)}) nor a model "
-                            f"directory: {e}") from None
+            arch, _ = model_arch(parse_config({}), args.model)
+        except UserError as e:
+            raise UserError(f"rl memory-plan: {e}") from None
     try:
         plan = colocation_plan(arch, Colocation(gpus=args.gpus, gpu_bytes=int(args.gpu_gib * 2**30),
                                                 inference_gpus=args.inference_gpus, master_dtype=args.master_dtype,

@@ -29,8 +29,10 @@ vllm_engine = pytest.importorskip("engines.inference.vllm_engine")
 if not vllm_engine.vllm_available():
     pytest.skip("vLLM is not installed here (make setup installs it)", allow_module_level=True)
 
-#: (family, what it brings that no native family has); Gemma 3 runs in tests/test_hf_run.py
+#: (family, what it brings that no native family has); Gemma 3's served weights are compared bit for bit in
+#: tests/test_hf_run.py
 FAMILIES = {
+    "gemma3_text": "local/global layers, q/k norm, sandwich norms, scaled embeddings",
     "gpt_oss": "MoE with biases, attention sinks, alternating sliding window",
     "phi3": "fused qkv and gate/up projections",
     "granite": "embedding, residual, attention and logit multipliers",

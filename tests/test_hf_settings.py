@@ -149,3 +149,20 @@ def test_moe_models_whose_updates_vllms_cpu_build_serves_exactly_roll_out_on_it(
     d = _model_dir(tmp_path, tokenizer, _family(family, tokenizer))
     settings = for_model(parse_config({"model": {"path": str(d)}, "rollout": {"engine": "vllm"}}), str(d))
     assert settings.rollout.engine.kind == "vllm"
+
+
+def test_memory_plan_takes_a_family_only_transformers_runs(tmp_path, capsys, tokenizer):
+    """``rl memory-plan`` of a model directory the native code cannot read: the transformers backend's description
+    (meta device) gives the plan, with transformers' own parameter count."""
+    from rl.setup.colocation import Colocation, colocation_plan
+
+    config = _family("gemma3_text", tokenizer)
+    d = _model_dir(tmp_path, tokenizer, config)
+    assert main(["memory-plan", str(d), "--gpus", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "master weights (shard)" in out and "fits" in out
+    with torch.device("meta"):
+        n = transformers.AutoModelForCausalLM.from_config(config).num_parameters()
+    arch, _ = model_arch(parse_config({}), d)
+    plan = colocation_plan(arch, Colocation(gpus=1, gpu_bytes=80 * 2**30))
+    assert plan.params == n and plan.parts["master weights (shard)"] == 4 * n
