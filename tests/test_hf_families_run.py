@@ -51,19 +51,27 @@ def reward_file(tmp_path_factory):
     return path
 
 
+def run_config(model_dir, reward_file, iterations: int = 3, **sections):
+    """Three iterations of 2 prompts x 4 samples of the model in ``model_dir`` on the transformers backend and vLLM."""
+    raw = {"run": {"iterations": iterations, "eval_every": 4, "eval_samples": 0, "save_every": 1},
+           "model": {"path": str(model_dir), "backend": "transformers"},
+           "env": {"name": "arithmetic", "num_train": 16, "num_eval": 4,
+                   "reward": {"function": f"{reward_file}:digits"}},
+           "rollout": {"engine": "vllm", "kv_cache_mb": 64, "max_seq_len": 128, "prompts_per_iteration": 2,
+                       "samples_per_prompt": 4, "max_tokens": 24, "max_batch": 8, "truncation_penalty": -0.5},
+           "algorithm": {"minibatches": 1, "micro_batch": 8, "drop_equal_reward_groups": False},
+           "optimizer": {"lr": 1e-2},
+           "checkpoint_engine": {"bucket_mb": 0.01}}  # ~10 KiB: many buckets, tensors split across them
+    for k, v in sections.items():
+        raw.setdefault(k, {}).update(v)
+    return parse_config(raw)
+
+
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_three_iterations_on_vllm_with_in_place_updates(ray_cluster, tokenizer, reward_file, tmp_path, family):
     model_dir = save_tiny_model(family, tmp_path / "model", tokenizer)
     start = read_tensors(model_dir)
-    cfg = parse_config({
-        "run": {"iterations": 3, "eval_every": 3, "eval_samples": 0, "save_every": 3},
-        "model": {"path": str(model_dir), "backend": "transformers"},
-        "env": {"name": "arithmetic", "num_train": 16, "num_eval": 4, "reward": {"function": f"{reward_file}:digits"}},
-        "rollout": {"engine": "vllm", "kv_cache_mb": 64, "max_seq_len": 128, "prompts_per_iteration": 2,
-                    "samples_per_prompt": 4, "max_tokens": 24, "max_batch": 8, "truncation_penalty": -0.5},
-        "algorithm": {"minibatches": 1, "micro_batch": 8, "drop_equal_reward_groups": False},
-        "optimizer": {"lr": 1e-2},
-        "checkpoint_engine": {"bucket_mb": 0.01}})  # ~10 KiB: many buckets, tensors split across them
+    cfg = run_config(model_dir, reward_file)
     train(cfg, tmp_path / "run")
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "logprob_diff_max" in r]
@@ -81,3 +89,35 @@ def test_three_iterations_on_vllm_with_in_place_updates(ray_cluster, tokenizer, 
     assert set(saved) == set(start) == set(resaved)
     assert all(torch.equal(resaved[k], v) for k, v in saved.items())
     assert any(not torch.equal(saved[k], start[k]) for k in start)
+
+
+def test_a_resumed_run_with_ptx_and_partial_rollout_ends_bit_exactly(ray_cluster, tokenizer, reward_file, tmp_path):
+    """Gemma 3 on the transformers backend and vLLM, with PTX and partial rollout: four iterations straight, and two
+    then a resume to four, end with the same weights and rewards, bit for bit."""
+    from safetensors.torch import load_file
+
+    from envs.arithmetic import ArithmeticEnv
+    from rl.config import load_config
+
+    model_dir = save_tiny_model("gemma3_text", tmp_path / "model", tokenizer)
+    ptx = tmp_path / "ptx.jsonl"
+    ptx.write_text("".join(json.dumps({"prompt": t.prompt, "response": t.meta["solution"]}) + "\n"
+                           for t in ArithmeticEnv.generate_tasks(20, seed=5)))
+    features = {"rollout": {"partial": {"token_budget": 150, "max_age": 1}},
+                "algorithm": {"ptx": {"data": str(ptx), "coef": 0.1, "batch_size": 4}}}
+    full, split = tmp_path / "full", tmp_path / "split"
+    train(run_config(model_dir, reward_file, iterations=4, **features), full)
+    train(run_config(model_dir, reward_file, iterations=2, **features), split)
+    (split / "config.yaml").write_text((split / "config.yaml").read_text().replace("iterations: 2", "iterations: 4"))
+    train(load_config(split / "config.yaml"), split, resume=True)
+    records = [json.loads(x) for x in (full / "metrics.jsonl").read_text().splitlines()]
+    resumed = [json.loads(x) for x in (split / "metrics.jsonl").read_text().splitlines()]
+    trained = [r for r in records if r["trained_samples"]]
+    # steps with PTX before the resume and after it (the budget pauses every other iteration's groups)
+    assert {r["iteration"] >= 2 for r in trained} == {True, False} and all(r["ptx_loss"] > 0 for r in trained)
+    assert sum(r["partial_paused"] for r in records) > 0
+    assert [r["reward_mean"] for r in resumed] == [r["reward_mean"] for r in records]
+    a, b = load_file(str(full / "final" / "model.safetensors")), load_file(str(split / "final" / "model.safetensors"))
+    start = read_tensors(model_dir)
+    assert any(not torch.equal(a[k], start[k]) for k in a)
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
