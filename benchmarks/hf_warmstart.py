@@ -17,12 +17,11 @@ import shutil
 from pathlib import Path
 
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from engines.model.family_tokens import TokenStyle
 from engines.model.hf_backend import build_hf_model
 from engines.model.hf_io import save_pretrained
-from engines.model.tokenizer import TextTokenizer, wrap
+from engines.model.tokenizer import train_tokenizer
 from engines.training.engine import TrainingEngine
 from engines.training.optim import build_optimizers
 from rl.algo.update import sft_update
@@ -56,19 +55,6 @@ ARCHITECTURES: dict[str, dict] = {
 }
 
 
-def train_style_tokenizer(corpus, vocab_size: int, style: TokenStyle) -> TextTokenizer:
-    """A byte-level BPE tokenizer trained on ``corpus`` (digits single tokens, as the project's own tokenizers) with
-    ``style``'s special tokens and chat template."""
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)])
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(corpus, trainer=trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=style.specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False))
-    return wrap(tok, eos=style.eos, pad=style.pad, chat_template=style.chat_template)
-
-
 def hf_warmstart(cfg: Config, model_type: str, style: str, steps: int, log=print, threads: int | None = None) -> Path:
     """The directory of a ``model_type`` model SFT-trained ``steps`` steps on the tasks of ``cfg``'s first
     environment (with ``cfg.warmstart``'s batch size, learning rate, examples, vocabulary and seed), prompts rendered
@@ -99,7 +85,7 @@ def _build(cfg: Config, model_type: str, style: str, steps: int, target: Path, l
     tasks = maker.generate_tasks(ws.num_examples, SFT_SEED, **kwargs)
     torch.manual_seed(warmstart_seed(ws.seed))
     rng = random.Random(warmstart_seed(ws.seed))
-    tok = train_style_tokenizer((t.prompt + t.meta["solution"] for t in tasks), ws.vocab_size, STYLES[style])
+    tok = train_tokenizer((t.prompt + t.meta["solution"] for t in tasks), ws.vocab_size, STYLES[style])
     tok.chat_prompts = True  # SFT on the prompts exactly as the run renders them (model.chat_template: true)
     bos = tok.hf.convert_tokens_to_ids("<bos>")
     hf_cfg = CONFIG_MAPPING[model_type](vocab_size=tok.vocab_size, eos_token_id=tok.eos_id, pad_token_id=tok.pad_id,

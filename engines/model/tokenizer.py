@@ -17,9 +17,12 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+if TYPE_CHECKING:
+    from engines.model.family_tokens import TokenStyle
 
 EOS = "<|endoftext|>"
 PAD = "<|pad|>"
@@ -132,14 +135,18 @@ def wrap(tok: Tokenizer, eos: str = EOS, pad: str | None = PAD, chat_template: s
     return TextTokenizer(hf)
 
 
-def train_tokenizer(corpus: Iterable[str], vocab_size: int = 256, style: str = "k2") -> TextTokenizer:
+def train_tokenizer(corpus: Iterable[str], vocab_size: int = 256, style: str | TokenStyle = "k2") -> TextTokenizer:
     """Train a byte-level BPE tokenizer on ``corpus`` with digits kept as single tokens, with the special tokens
-    and chat template of ``style`` (``engines.model.family_tokens.STYLES``: k2, chatml, llama3, mistral)."""
-    from engines.model.family_tokens import STYLES
+    and chat template of ``style`` (a name of ``engines.model.family_tokens.STYLES``: k2, chatml, llama3, mistral;
+    or a ``TokenStyle`` of one's own)."""
+    from engines.model.family_tokens import STYLES, TokenStyle
 
-    if style not in STYLES:
+    if isinstance(style, TokenStyle):
+        st = style
+    elif style not in STYLES:
         raise ValueError(f"tokenizer style {style!r}: one of {', '.join(STYLES)}")
-    st = STYLES[style]
+    else:
+        st = STYLES[style]
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
