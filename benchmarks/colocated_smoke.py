@@ -33,6 +33,7 @@ import time
 import torch
 
 from benchmarks.harness.ranks import PipeReloader, answer_load, stop_child
+from benchmarks.timing import say
 from checkpoint_engine.buckets import plan_buckets, spec_of
 from checkpoint_engine.engine import CheckpointEngine
 from checkpoint_engine.topology import free_port
@@ -40,7 +41,9 @@ from checkpoint_engine.transfer import WeightReceiver
 from engines.device import peak_memory_bytes, reset_peak_memory
 from engines.inference.native import InferenceEngine
 from engines.inference.sampling import SamplingParams
+from engines.model.arch import ModelConfig
 from engines.model.causal_lm import CausalLM
+from engines.model.layout import model_tensors
 from engines.training.engine import TrainingEngine
 
 BUCKET_BYTES = 64 << 20
@@ -51,17 +54,17 @@ def _digests(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
             for n, t in tensors.items()}
 
 
-def _trainer_main(conn, model_name: str, device: str, dtype: str, init: str, name: str, seed: int) -> None:
+def _trainer_main(conn, cfg: ModelConfig, device: str, dtype: str, init: str, name: str, seed: int) -> None:
     """The trainer's process: masters, optimizer, checkpoint engine; answers ("step" | "update") orders, offloaded
     to host memory between them on a GPU."""
-    from benchmarks.rollout import MODELS
-
     dev = torch.device(device)
     torch.manual_seed(seed)
-    model = CausalLM(MODELS[model_name]).to(dev)
+    model = CausalLM(cfg).to(dev)
     train = TrainingEngine(model, [torch.optim.AdamW(model.parameters(), lr=1e-3)], pad_id=0)
     replica_dtype = getattr(torch, dtype)
-    specs = [spec_of(n, torch.empty(0, dtype=replica_dtype).new_empty(t.shape)) for n, t in model.state_dict().items()]
+    # each storage once, as the engine lists its tensors: a tied output head is the embedding
+    specs = [spec_of(n, torch.empty(0, dtype=replica_dtype).new_empty(t.shape))
+             for n, t in model_tensors(model).items()]
     plan = plan_buckets(specs, BUCKET_BYTES)
     ckpt = CheckpointEngine(0, 1, init, BUCKET_BYTES, name, device=device)
     offload = dev.type == "cuda"  # on a CPU both share RAM, and the run's trainer stays put there too
@@ -87,7 +90,7 @@ def _trainer_main(conn, model_name: str, device: str, dtype: str, init: str, nam
                 _, version = msg
                 if train.offloaded:
                     train.onload()
-                masters = dict(model.state_dict())
+                masters = {n: t.detach() for n, t in model_tensors(model).items()}
                 ckpt.update(plan, masters, version, PipeReloader(conn))
                 cast = _digests({n: t.to(replica_dtype) for n, t in masters.items()})
                 if offload:
@@ -100,12 +103,12 @@ def _trainer_main(conn, model_name: str, device: str, dtype: str, init: str, nam
 class _Trainer:
     """The trainer's process, seen from the engine's."""
 
-    def __init__(self, model_name: str, device: str, dtype: str, seed: int, timeout_s: float) -> None:
+    def __init__(self, cfg: ModelConfig, device: str, dtype: str, seed: int, timeout_s: float) -> None:
         self.name, self.timeout_s = f"smoke-{os.getpid()}-{free_port()}", timeout_s
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=_trainer_main, daemon=True, args=(
-            child, model_name, device, dtype, f"tcp://127.0.0.1:{free_port()}", self.name, seed))
+            child, cfg, device, dtype, f"tcp://127.0.0.1:{free_port()}", self.name, seed))
         self.proc.start()
         _, self.plan, self.handles = self.recv("ready")
 
@@ -137,14 +140,17 @@ class _Trainer:
         stop_child(self.conn, self.proc, self.name)
 
 
-def run(model_name: str = "demo", device: str = "cpu", dtype: str = "float32", sleep_level: int = 2,
+def run(model_name: str | ModelConfig = "demo", device: str = "cpu", dtype: str = "float32", sleep_level: int = 2,
         prompts: int = 8, samples: int = 2, max_tokens: int = 32, seed: int = 0, timeout_s: float = 100) -> dict:
     """The smoke's record (see the module)."""
     from benchmarks.rollout import MODELS
 
-    cfg = MODELS[model_name]
+    cfg = MODELS[model_name] if isinstance(model_name, str) else model_name
     dev = torch.device(device)
     if dev.type == "cuda":
+        if dev.index is None:  # set_device and the trainer's IPC handles need the ordinal
+            dev = torch.device("cuda", torch.cuda.current_device())
+            device = str(dev)
         torch.cuda.set_device(dev)
     phases: dict[str, float] = {}
     peaks: dict[str, int] = {}
@@ -157,9 +163,11 @@ def run(model_name: str = "demo", device: str = "cpu", dtype: str = "float32", s
             torch.cuda.synchronize(dev)
         phases[phase] = round(phases.get(phase, 0.0) + time.perf_counter() - t0, 3)
         peaks[phase] = max(peaks.get(phase, 0), peak_memory_bytes(dev))
+        say("colocated_smoke", f"{phase}: {time.perf_counter() - t0:.3f} s")  # a run cut at its limit shows where
         return out
 
-    trainer = _Trainer(model_name, device, dtype, seed, timeout_s)
+    trainer = _Trainer(cfg, device, dtype, seed, timeout_s)
+    say("colocated_smoke", "trainer process ready")
     try:
         replica = CausalLM(cfg).to(dev, getattr(torch, dtype))  # its values are the trainer's after the fill
         engine = InferenceEngine(replica, eos_id=None, pad_id=0, max_seq_len=64 + max_tokens,
@@ -169,7 +177,7 @@ def run(model_name: str = "demo", device: str = "cpu", dtype: str = "float32", s
                                   on_commit=engine.swap_weights, placements=engine.weight_placements() or None)
         equal = []
         _, _, cast = timed("fill", trainer.send_weights, receiver, 1)
-        equal.append(_digests(replica.state_dict()) == cast)
+        equal.append(_digests(model_tensors(replica)) == cast)
         g = torch.Generator().manual_seed(seed)
         batch = [torch.randint(2, cfg.vocab_size, (int(torch.randint(4, 32, (1,), generator=g)),), generator=g).tolist()
                  for _ in range(prompts) for _ in range(samples)]
@@ -179,19 +187,21 @@ def run(model_name: str = "demo", device: str = "cpu", dtype: str = "float32", s
         rewards = [1.0 if sum(o.token_ids) % 2 else -1.0 for o in outs]  # any signal moves the weights
         trainer.conn.send(("step", batch, [o.token_ids for o in outs], rewards))
         _, step_s, step_peak, loss, grad_norm = trainer.recv("stepped")
+        say("colocated_smoke", f"step: {step_s:.3f} s (the first step compiles)")
         phases["step"], peaks["step_trainer"] = round(step_s, 3), step_peak
         timed("wake", engine.wake_up, sleep_level < 2)  # level 2: weights only, the KV cache after the update
-        before = _digests(replica.state_dict())
+        before = _digests(model_tensors(replica))
         _, update_peak, cast = timed("update", trainer.send_weights, receiver, 2)
         peaks["update_trainer"] = update_peak
         if sleep_level == 2:
             timed("wake", engine.wake_up)
-        equal.append(_digests(replica.state_dict()) == cast)
+        equal.append(_digests(model_tensors(replica)) == cast)
         changed = before != cast
         outs2 = timed("generate_after", engine.generate, batch, params)
     finally:
         trainer.close()
-    return {"benchmark": "colocated_smoke", "model": model_name, "device": device, "dtype": dtype,
+    name = model_name if isinstance(model_name, str) else cfg.model_type
+    return {"benchmark": "colocated_smoke", "model": name, "device": device, "dtype": dtype,
             "sleep_level": sleep_level, "sequences": len(batch), "tokens": sum(len(o.token_ids) for o in outs2),
             "phase_s": phases, "peak_bytes": peaks, "loss": round(loss, 6), "grad_norm": round(grad_norm, 6),
             "weights_changed": changed, "replica_equals_cast_master": all(equal),

@@ -75,7 +75,8 @@ def lease_plan(dry_run: bool, with_vllm: bool) -> list[Step]:
     toy = ["--prompts", "2", "--samples", "2"]
     preflight = Step("preflight", "preflight: versions, packages, free memory", ["benchmarks.preflight", "--json"], 15)
     tests = Step("tests", "capture, sync and IPC tests",
-                 ["pytest", "-q", "-rfs", "-p", "no:cacheprovider", "--continue-on-collection-errors", "-k",
+                 # -v: a step cut at its limit shows which test it was in (the 2026-11-27 lease's was cut mid-run)
+                 ["pytest", "-v", "-rfs", "-p", "no:cacheprovider", "--continue-on-collection-errors", "-k",
                   "cuda or sync or capture or ipc", "tests"], 120,
                  skip="the GPU tests need a GPU (the suite runs them skipped on CPU)" if dry_run else "")
     if dry_run:  # the CPU path has one dtype path: float32 crosses as it is
@@ -89,15 +90,15 @@ def lease_plan(dry_run: bool, with_vllm: bool) -> list[Step]:
     decode = Step("decode", "rollout, native engine, ~0.6 B shape (graphs on and off)",
                   ["benchmarks.rollout", "--workload", "rl", "--model", model, "--device", dev, "--dtype", dtype,
                    "--attention", "torch", "--skip-hf", "--json"]
-                  + (toy if dry_run else ["--prompts", "16", "--samples", "4", "--output-len", "256"]), 100,
-                  {"attention": "torch"})
+                  + (toy if dry_run else ["--prompts", "16", "--samples", "4", "--output-len", "256"]), 60,
+                  {"attention": "torch"})  # 28.2 s on an H200 (2026-11-27)
     train = Step("train_step", "train step, ~0.6 B shape",
                  ["benchmarks.train_step", "--model", model, "--device", dev, "--dtype", dtype, "--variants", "base",
                   "--repeats", "1" if dry_run else "2", "--json"] + ([] if dry_run else ["--tokens", "4096"]), 100)
     smoke = Step("colocated_smoke", "colocated RL smoke without Ray (trainer + native engine, IPC buffers)",
                  ["benchmarks.colocated_smoke", "--model", model, "--device", dev, "--dtype", dtype, "--json"]
                  + (["--prompts", "2", "--samples", "2", "--max-tokens", "8"] if dry_run else
-                    ["--prompts", "8", "--samples", "4", "--max-tokens", "128"]), 100)
+                    ["--prompts", "8", "--samples", "4", "--max-tokens", "64"]), 120)  # two 0.6 B builds, a compile
     # last: the leased machines have no vLLM, and its cold start (compile, graph capture) may not fit what is left;
     # on a CPU vLLM's start alone takes minutes
     vllm = Step("decode", "rollout, native engine and vLLM side by side (alike: both with decode graphs on a GPU)",

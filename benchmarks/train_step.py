@@ -45,7 +45,9 @@ QWEN3_1B = make_config("qwen3", vocab_size=151936, hidden_size=2048, intermediat
                        tie_word_embeddings=True, bos_token_id=None, eos_token_id=None, pad_token_id=None)
 CONFIGS = {**MODELS, "1b": QWEN3_1B}
 #: (tokens per micro-batch, shortest and longest sequence) per model
-WORKLOADS = {"demo": (8192, 40, 120), "100m": (2048, 128, 512), "1b": (16384, 512, 4096)}
+#: tokens per micro-batch and the sequence lengths drawn, per model (every model --model accepts has one)
+WORKLOADS = {"demo": (8192, 40, 120), "100m": (2048, 128, 512), "qwen3-0.6b": (8192, 256, 1024),
+             "1b": (16384, 512, 4096)}
 VARIANTS = ("base", "checkpointing", "no_smax", "full_logits")
 
 

@@ -111,3 +111,14 @@ def test_a_dry_run_prints_the_lease_plan_and_a_lease_records_skipped_steps_in_pl
     assert status == 1  # a skipped step is not a success
     assert by_step["preflight"]["status"] == "ok" and by_step["preflight"]["torch"]
     assert by_step["tests"]["status"] == "skipped" and "need a GPU" in by_step["tests"]["output_tail"]
+
+
+def test_every_model_the_train_step_accepts_has_a_workload():
+    """The 2026-11-27 lease's train step died with KeyError 'qwen3-0.6b': --model accepted a shape with no
+    workload, which the CPU dry run (the demo model) never reached."""
+    from benchmarks import train_step
+
+    assert set(train_step.WORKLOADS) == set(train_step.CONFIGS)
+    gpu_models = {s.argv[s.argv.index("--model") + 1] for s in gpu_check.lease_plan(dry_run=False, with_vllm=True)
+                  if "--model" in s.argv}
+    assert gpu_models <= set(train_step.CONFIGS)
