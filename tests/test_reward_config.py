@@ -1,4 +1,4 @@
-"""The config's side of rewards and task sources (rl/config.py's ``env.reward`` and ``env.columns``, read by
+"""The config's side of rewards and task sources (rl/config's ``env.reward`` and ``env.columns``, read by
 rl/rollout/data.py and rl/rollout/episodes.py): an entry with ``reward`` becomes its reward environment's entry and
 rewards what the run's episode runner hands it, with the tasks of the environment it names or of its task files;
 columns map a dataset's own layout; hf:// ids survive config.yaml. The reward environments themselves are tested
