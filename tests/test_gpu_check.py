@@ -122,3 +122,16 @@ def test_every_model_the_train_step_accepts_has_a_workload():
     gpu_models = {s.argv[s.argv.index("--model") + 1] for s in gpu_check.lease_plan(dry_run=False, with_vllm=True)
                   if "--model" in s.argv}
     assert gpu_models <= set(train_step.CONFIGS)
+
+
+def test_the_lease_collects_every_test_file_that_asks_for_cuda():
+    """The lease's tests step collects only ``GPU_TEST_FILES`` (collecting all of tests/ cost its time limit): a new
+    test file that skips without CUDA must be listed there, or no lease ever runs it."""
+    import re
+    from pathlib import Path
+
+    root = Path(gpu_check.__file__).resolve().parents[1]
+    asks = {f"tests/{p.name}" for p in (root / "tests").glob("test_*.py")
+            if re.search(r"cuda\.is_available|device_count\(\)", p.read_text())}
+    assert asks <= set(gpu_check.GPU_TEST_FILES), sorted(asks - set(gpu_check.GPU_TEST_FILES))
+    assert all((root / f).is_file() for f in gpu_check.GPU_TEST_FILES)
