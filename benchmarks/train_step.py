@@ -14,7 +14,9 @@ logits materialised, for the memory comparison). MFU is (6·N·tokens + attentio
 mask's pairs) / step time / the matmul peak measured in the same run (a square GEMM in the compute dtype);
 N counts every parameter but the input embedding, and recomputation is not counted (model FLOPs).
 Peak memory is the peak growth of live tensor memory during one step (on CPU from the profiler's
-allocation records, on CUDA ``max_memory_allocated``), measured in a separate step of each variant. The
+allocation records, on CUDA ``max_memory_allocated``), measured in a separate step of each variant;
+``total_peak_mib`` adds what the trainer keeps between steps (weights and optimizer state, ``kept_mib``).
+``--lora RANK`` trains LoRA adapters on the frozen model (AdamW), for the memory against full training. The
 last line printed is one JSON object.
 """
 
@@ -141,8 +143,9 @@ def _peak_memory(engine: TrainingEngine, prompts, responses, variant: str) -> in
 
 
 def measure(model_name: str, repeats: int = 3, warmup: int = 1, device: str = "cpu", dtype: str = "float32",
-            tokens: int | None = None, seed: int = 0, variants: tuple[str, ...] = VARIANTS) -> dict:
-    """Build the model, time every variant ``repeats`` times in alternation; returns the JSON record."""
+            tokens: int | None = None, seed: int = 0, variants: tuple[str, ...] = VARIANTS, lora: int = 0) -> dict:
+    """Build the model, time every variant ``repeats`` times in alternation; returns the JSON record. ``lora``:
+    train LoRA adapters of this rank (alpha 2·rank, default targets, AdamW) on the frozen model instead."""
     dev = torch.device(device)
     cfg = CONFIGS[model_name]
     torch.manual_seed(seed)
@@ -157,7 +160,12 @@ def measure(model_name: str, repeats: int = 3, warmup: int = 1, device: str = "c
     n_tok, lo, hi = WORKLOADS[model_name]
     n_tok = tokens or n_tok
     prompts, responses = make_batch(n_tok, lo, hi, cfg.vocab_size, seed)
-    engine = TrainingEngine(model, build_optimizers(model, "muon", 1e-4, 0.0), pad_id=0)
+    if lora:
+        from engines.model.lora import LoraSpec, apply_lora, default_targets
+
+        apply_lora(model, LoraSpec(lora, 2.0 * lora, target_modules=default_targets(cfg)), torch.float32,
+                   torch.Generator(device=dev).manual_seed(seed))
+    engine = TrainingEngine(model, build_optimizers(model, "adamw" if lora else "muon", 1e-4, 0.0), pad_id=0)
     say("train_step", f"{model_name} built on {device} ({len(prompts)} sequences)")
     times: dict[str, list[float]] = {v: [] for v in variants}
     first: dict[str, float] = {}  # the first step's seconds: compiles (flex_attention, on a GPU) included
@@ -169,6 +177,10 @@ def measure(model_name: str, repeats: int = 3, warmup: int = 1, device: str = "c
                 times[v].append(t)
             first.setdefault(v, t)
     peaks = {v: _peak_memory(engine, prompts, responses, v) for v in variants}  # apart: the profiler slows steps
+    # what the trainer keeps between steps: weights and optimizer state (LoRA: a frozen base, the adapters' state)
+    kept = sum(t.numel() * t.element_size() for t in model.parameters()) + sum(
+        t.numel() * t.element_size() for opt in engine.optimizers for st in opt.state.values() for t in st.values()
+        if isinstance(t, torch.Tensor))
     say("train_step", "peak memory measured")
     peak_flops = matmul_peak(dev, compute)
     flops = model_flops(model, prompts, responses)
@@ -177,11 +189,14 @@ def measure(model_name: str, repeats: int = 3, warmup: int = 1, device: str = "c
     out = {"model": model_name, "device": device, "dtype": dtype, "threads": torch.get_num_threads(),
            "params": sum(p.numel() for p in model.parameters()), "tokens": total, "sequences": len(prompts),
            "attention": engine.attention, "model_tflop": round(flops / 1e12, 4),
-           "matmul_peak_tflops": round(peak_flops / 1e12, 4), "repeats": repeats}
+           "matmul_peak_tflops": round(peak_flops / 1e12, 4), "repeats": repeats, "lora_rank": lora,
+           "trainable_params": sum(p.numel() for p in model.parameters() if p.requires_grad),
+           "kept_mib": round(kept / 2**20, 1)}
     for v in variants:
         step = statistics.median(times[v])
         out[v] = {"step_s": round(step, 4), "tokens_per_s": round(total / step, 1),
                   "mfu": round(flops / step / peak_flops, 4), "peak_mem_mib": round(peaks[v] / 2**20, 1),
+                  "total_peak_mib": round((kept + peaks[v]) / 2**20, 1),
                   "all_s": [round(t, 4) for t in times[v]], "first_step_s": round(first[v], 4),
                   "compile_s_est": round(max(first[v] - step, 0.0), 4)}
     if "no_smax" in variants:
@@ -209,6 +224,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
     ap.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
+    ap.add_argument("--lora", type=int, default=0, metavar="RANK", help="train LoRA adapters of RANK on the frozen "
+                    "model (AdamW) instead of every weight")
     ap.add_argument("--json", action="store_true", help="print the JSON record as the last line")
     args = ap.parse_args(argv)
     if args.repeats < 1 or args.warmup < 0:
@@ -218,7 +235,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     rec = measure(args.model, args.repeats, args.warmup, args.device, args.dtype, args.tokens,
-                  variants=tuple(args.variants))
+                  variants=tuple(args.variants), lora=args.lora)
     print(f"model {rec['model']}: {rec['params'] / 1e6:.1f}M params, {rec['tokens']} tokens in {rec['sequences']} "
           f"sequences ({rec['attention']}), matmul peak {rec['matmul_peak_tflops'] * 1e3:.1f} GFLOP/s")
     for v in args.variants:

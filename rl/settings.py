@@ -254,6 +254,8 @@ def resolve(cfg: Config, arch: ModelConfig | ModelDescription, model_dir: str, c
                         "auto: the native engine computes what the trainer does"))
     correction = None if correction_kind == "none" else Correction(correction_kind, m.level, m.cap)
     lora = lora_spec(cfg, arch, kind, choices)
+    if lora is not None:
+        level = lora_run_checks(cfg, compute_dtype, level, choices)
     opt_kind, tau = (o.kind, o.qk_clip_tau) if lora is None else (cfg.model.lora.optimizer, None)
     recompute = a.recompute_old_logprobs
     if recompute == "auto":
@@ -318,6 +320,23 @@ def lora_spec(cfg: Config, arch: ModelConfig | ModelDescription, engine: str,
         choices.append(("optimizer.qk_clip_tau", "none (max logits still logged)", "model.lora: QK-Clip rescales "
                         "query/key weight rows, which are the frozen base under LoRA"))
     return spec
+
+
+def lora_run_checks(cfg: Config, compute_dtype: str, level: int, choices: list[tuple[str, str, str]]) -> int:
+    """What a LoRA run needs of the cluster (one line each when it cannot run); returns the sleep level to use."""
+    if cfg.cluster.workers * ranks_per_worker(cfg) > 1 or compute_dtype != cfg.trainer.master_dtype:
+        raise UserError(f"model.lora trains on one unsharded trainer rank for now (FSDP2 with adapters is not wired): "
+                        f"set cluster.workers 1 and trainer.master_dtype to the compute dtype ({compute_dtype}), or "
+                        "train without model.lora")
+    if level == 2:
+        if cfg.rollout.sleep_level != "auto":
+            raise UserError("model.lora with rollout.sleep_level 2: the adapters' updates do not carry the base "
+                            "weights that level 2 discards; set rollout.sleep_level 1")
+        choices[:] = [c for c in choices if c[0] != "rollout.sleep_level"]
+        choices.append(("rollout.sleep_level", "1", "auto with model.lora: the updates carry the adapters, so the "
+                        "replicas keep their base"))
+        level = 1
+    return level
 
 
 def for_model(cfg: Config, model_dir: str, context: int | None = None) -> RunSettings:

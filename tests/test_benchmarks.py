@@ -59,3 +59,26 @@ def test_train_step_benchmark_reports_throughput_mfu_and_memory_of_each_variant(
     # live tensor memory is counted exactly: checkpointing keeps each layer's input only
     assert rec["checkpointing"]["peak_mem_mib"] < rec["base"]["peak_mem_mib"]
     assert "smax_overhead" in rec and "peak_mem_chunked_over_full" in rec
+
+
+def test_train_step_with_lora_keeps_a_frozen_base_and_the_adapters_state():
+    """--lora: only the adapters train, so what the trainer keeps is the weights plus AdamW's two moments (and step
+    count) of the adapters alone, counted here from the demo model's shapes, and a step's growth (gradients of the
+    adapters, not of the weights) stays below full training's."""
+    from benchmarks.rollout import MODELS
+    from engines.model.causal_lm import build_model
+
+    args = ("--tokens", "512", "--repeats", "1", "--warmup", "1", "--variants", "base")
+    full = _last_json("benchmarks.train_step", *args)
+    lora = _last_json("benchmarks.train_step", *args, "--lora", "4")
+    cfg, r = MODELS["demo"], 4
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    kv = cfg.num_key_value_heads * (h // cfg.num_attention_heads)
+    # r·(in + out) for q, o (h→h), k, v (h→kv), gate, up, down (h↔i), in every layer
+    adapters = cfg.num_hidden_layers * r * (2 * (h + h) + 2 * (h + kv) + 3 * (h + i))
+    base = sum(p.numel() for p in build_model(cfg, device="meta").parameters())
+    assert lora["lora_rank"] == r and lora["trainable_params"] == adapters
+    steps = cfg.num_hidden_layers * 7 * 2  # AdamW's step count: one scalar per adapter tensor
+    assert abs(lora["kept_mib"] - 4 * (base + 3 * adapters + steps) / 2**20) <= 0.06
+    assert lora["base"]["peak_mem_mib"] < full["base"]["peak_mem_mib"]
+    assert lora["base"]["total_peak_mib"] < full["base"]["total_peak_mib"]

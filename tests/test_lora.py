@@ -154,7 +154,8 @@ def test_the_engine_merges_adapter_updates_onto_an_exact_base(base_dir, tmp_path
         trained = adapted(base_dir, seed=seed)
         update = adapter_state(trained)
         eng.merge_adapters(update, SPEC.scaling)
-        ref_eng.load_weights(merged_state(hub_state(trained), SPEC.scaling).items())
+        # hub_state is the checkpoint's tensors (the base); the adapters come beside it
+        ref_eng.load_weights(merged_state({**hub_state(trained), **update}, SPEC.scaling).items())
         assert [c.token_ids for c in eng.generate(prompts, params)] == \
             [c.token_ids for c in ref_eng.generate(prompts, params)]
         served = eng.served_weights()

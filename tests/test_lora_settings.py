@@ -82,6 +82,8 @@ def test_an_moe_model_adapts_attention_by_default_and_refuses_experts_by_name(di
     ("llama", {}, ("rollout.fp8=true",), "model.lora with rollout.fp8 is not supported"),
     ("deepseek_v3", {}, (), "model.lora: LoRA on deepseek_v3 is not supported: its latent attention (MLA)"),
     ("gemma3_text", {}, (), "model.lora runs on the native backend only"),
+    ("llama", {}, ("cluster.workers=2",), "model.lora trains on one unsharded trainer rank for now"),
+    ("llama", {}, ("rollout.sleep_level=2",), "model.lora with rollout.sleep_level 2: the adapters' updates do not"),
 ])
 def test_settings_that_cannot_run_are_one_line(dirs, model, lora, overrides, says):
     with pytest.raises(UserError) as e:

@@ -64,7 +64,8 @@ def placements(model: nn.Module) -> dict[str, Placement]:
 
     covered |= scale_tensors(model)
     for name, t in model_tensors(model).items():
-        if name not in covered:
+        # LoRA's adapters (``engines.model.lora``) are no checkpoint tensor: they travel and are saved on their own
+        if name not in covered and ".lora_A." not in name and ".lora_B." not in name:
             placed[_rename(name, aliases)] = Placement(name, 0, tuple(t.shape))
     placed.update(scale_placements(model, placed))
     return placed

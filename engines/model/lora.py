@@ -34,6 +34,7 @@ MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
 DEFAULT_TARGETS = ATTENTION_TARGETS + MLP_TARGETS
 INITS = ("kaiming", "gaussian")
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+ADAPTER_DIR = "adapter"  # a LoRA run's checkpoint or final/: its adapters in PEFT's format, beside the merged model
 #: What PEFT puts before a causal LM's own parameter names in its saved adapters.
 PEFT_PREFIX = "base_model.model."
 

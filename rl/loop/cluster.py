@@ -116,7 +116,9 @@ class Cluster:
         """Engine ``i`` maps its worker's IPC buffers: its lead trainer rank's, and every rank's of the worker for
         a replica whose ranks load from their own GPU's (vLLM's ipc_views)."""
         handles = [self._plans[self.lead(i) + j][1] for j in range(self.per)]
-        return self.rollouts[i].attach.remote(self._plans[0][0], handles[0], handles)
+        lora = self.settings.trainer.lora
+        return self.rollouts[i].attach.remote(self._plans[0][0], handles[0], handles,
+                                              None if lora is None else lora.scaling)
 
     @property
     def _peers_copy(self) -> bool:
@@ -279,6 +281,8 @@ class Cluster:
         peer's weights through the checkpoint engine, or the trainers' when it is the only one; ``stale``: the
         engines sleep, it is filled when they wake."""
         i, n = failure.index, len(self.rollouts)
+        if self.settings.trainer.lora is not None:  # a new engine holds no base, and LoRA's updates do not carry it
+            raise self._broken(failure)
         how = "filled at wake-up" if stale else (f"weights from engine {(i + 1) % n}" if n > 1 and self._peers_copy
                                                    else "weights from the trainers")
         self.restarts.take(failure, f"inference engine {i} replaced in place ({how})")
@@ -293,6 +297,11 @@ class Cluster:
             self._stale.add(i)
         else:
             self._refill()
+
+    def resend_weights(self) -> None:
+        """Every inference engine gets the trainers' current weights again, as the same version (a resumed LoRA
+        run: the start-up filled the base, this merges the checkpoint's adapters)."""
+        self._refill()
 
     def _refill(self) -> None:
         """Every inference engine gets the trainers' current weights again (collective, same version)."""

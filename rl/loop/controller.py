@@ -123,16 +123,16 @@ def _attempt(cfg: Config, run_dir: Path, resume: bool, console: Console, restart
             cpu_kernel.available()  # the CPU decode kernel built here, once: the workers then only load it
         settings = resolve(cfg, arch, str(start_dir), rollout_seq_len(cfg, tasks, tok, arch.max_position_embeddings),
                            backend_why)
-        if settings.trainer.lora is not None:  # checked and planned above; the workers do not train adapters yet
-            raise UserError("model.lora: the RL loop does not train adapters yet (`rl check-config` plans the run; "
-                            "engines.model.lora has the layers, PEFT saving and the engine's merge); remove model.lora")
         est = estimate(cfg, arch, settings.context, settings.rollout.engine)
         check_fits(cfg, est)
         kind = settings.rollout.engine.kind
         console.print(f"rollout engine: {kind}" + (" (rollout.engine: auto)" if cfg.rollout.engine == "auto" else ""))
         # a KL penalty's reference: the model the run started from, also after a resume (prepare_model: cached)
         reference = str(prepare_model(cfg, progress)) if settings.trainer.reference and resume else None
-        with Cluster(settings, str(start_dir), restarts, reference) as cluster:
+        # LoRA: a checkpoint holds the merged policy; a resumed run reads the base it started from (the trainer
+        # state brings the adapters back)
+        base = str(prepare_model(cfg, progress)) if settings.trainer.lora is not None and resume else str(start_dir)
+        with Cluster(settings, base, restarts, reference) as cluster:
             r = settings.rollout
             episodes = Episodes(None, tok, r.tool_format, r.max_turns, settings.context, cfg.run.seed)
             run = Run(cfg, settings, run_dir, start_dir, tasks, tok, ptx, cluster, PartialRolloutBuffer(r.max_age),
@@ -153,6 +153,8 @@ def _loop(run: Run, state: LoopState | None, restarts: Restarts) -> dict:
     if state:
         cluster.load_state(str(run.start_dir))
         cluster.adopt_version(state.weights_version)
+        if run.settings.trainer.lora is not None:  # the replicas hold the base: merge the checkpoint's adapters
+            cluster.resend_weights()
         run.buffer.load_state_dict(state.partial, lambda i: run.settings.rollout.task_types.get(run.tasks.type_of(i)))
         initial, initial_sampled = state.initial_accuracy, state.initial_accuracy_sampled
     else:

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch.utils._pytree import tree_map_only
 
 from checkpoint_engine.engine import CheckpointEngine
-from checkpoint_engine.model_sender import ModelSender
+from checkpoint_engine.model_sender import ModelSender, plan_adapter_update
 from checkpoint_engine.topology import free_port
 from checkpoint_engine.transfer import WeightReceiver
 from engines.device import peak_memory_bytes, reset_peak_memory
@@ -30,6 +30,7 @@ from engines.model import sharded
 from engines.model.causal_lm import build_model, track_max_logits
 from engines.model.hf_io import read_config, save_pretrained
 from engines.model.layout import hub_state
+from engines.model.lora import ADAPTER_DIR, adapter_state, apply_lora, merged_state, save_adapters
 from engines.training import distributed
 from engines.training.engine import TrainingEngine
 from engines.training.optim import build_optimizers
@@ -43,6 +44,7 @@ from rl.sample import Sample
 from rl.settings import TrainerSettings, UpdateSettings
 
 OPTIMIZER_FILE = "optimizer.pt"  # the earlier checkpoint format, still read
+LORA_SEED = 0  # LoRA's A matrices: the same draw on every rank and in every run (B starts at zero)
 
 
 def _set_threads(threads: int) -> None:
@@ -132,6 +134,10 @@ class TrainerWorker:
         # precision; replicas get rollout.dtype (cast per bucket)
         shard = world > 1 or t.compute_dtype != t.master_dtype
         model = self._model(arch, shard, device)
+        if t.lora is not None:  # frozen base, adapters in the master dtype, A drawn alike on every rank
+            apply_lora(model, t.lora, getattr(torch, t.master_dtype),
+                       torch.Generator(device=device).manual_seed(LORA_SEED))
+        self.model_dir = model_dir
         track_max_logits(model, True)
         model.activation_checkpointing = t.activation_checkpointing
         opts = build_optimizers(model, o.kind, o.lr, o.weight_decay, o.momentum)
@@ -145,11 +151,13 @@ class TrainerWorker:
             self.reference = TrainingEngine(self._model(arch, shard, device).requires_grad_(False), [], pad,
                                             attention=t.attention)
         self.sender = ModelSender(model, self._replica(arch, model_dir), t.bucket_bytes)
+        # a LoRA run's updates carry the adapters only; start-up fills the base through the model's plan
+        self.adapter_plan = None if t.lora is None else plan_adapter_update(adapter_state(model), t.bucket_bytes)
         self.ckpt = CheckpointEngine(rank, world, init_method, t.bucket_bytes, shm_prefix, device=device)
 
     def weight_plan(self):
         """The bucket plan and the IPC buffer handles the inference engines map."""
-        return self.sender.plan, self.ckpt.ipc_handles()
+        return self.adapter_plan or self.sender.plan, self.ckpt.ipc_handles()
 
     def share_replica(self, ranks_per_worker: int) -> None:
         """This rank's worker's replica loads from every rank's IPC buffers (a tensor-parallel vLLM replica, each
@@ -164,7 +172,11 @@ class TrainerWorker:
         """Read the checkpoint once across all trainers (each file by one of them): it fills every
         trainer's shard, and the inference engines when they hold its dtypes (collective). Returns
         whether they did ("replicas") and the tensors this trainer read per file ("reads")."""
-        return self.sender.startup(self.ckpt, model_dir, self.reloader)
+        out = self.sender.startup(self.ckpt, model_dir, self.reloader)
+        if self.adapter_plan is not None and not out["replicas"]:
+            raise UserError("model.lora: the rollout engine must load the checkpoint as it is (rollout.dtype = the "
+                            "checkpoint's dtype, no FP8): a LoRA run's updates carry the adapters, not the base")
+        return out
 
     def load_reference(self, model_dir: str) -> None:
         """Fill the reference policy (kl_coef) from ``model_dir``, the model the run started from, in one collective
@@ -177,19 +189,32 @@ class TrainerWorker:
         """The local inference engines that this worker's checkpoint engine updates."""
         self.rollouts, self.reloader = rollouts, RayReloader(rollouts)
 
+    def _no_lora_catch_up(self) -> None:
+        if self.adapter_plan is not None:
+            raise RuntimeError("model.lora: a restarted inference engine cannot catch up from a peer's merged "
+                               "weights yet; resume the run from its last checkpoint (rl train --resume)")
+
     def serve_catch_up(self, peer: int) -> int:
         """Send this worker's inference engine's weights to worker ``peer``'s restarted one, point to point."""
+        self._no_lora_catch_up()
         return self.ckpt.serve_catch_up(self.sender.plan, peer, RayPacker(self.rollouts[0]))
 
     def catch_up(self, peer: int) -> int:
         """Fill this worker's restarted inference engine from worker ``peer``'s; returns the version."""
         assert self.reloader is not None
+        self._no_lora_catch_up()
         return self.ckpt.catch_up(self.sender.plan, peer, self.reloader)
 
     def update_weights(self, version: int) -> None:
         """Push this rank's shard of the weights to every inference engine (checkpoint engine).
 
-        While offloaded the shards are read from host memory: stage 1 is then the H2D copy."""
+        While offloaded the shards are read from host memory: stage 1 is then the H2D copy. A LoRA run sends
+        the adapters only (rank 0 holds them whole: one unsharded rank)."""
+        if self.adapter_plan is not None:
+            with self._onloaded():
+                adapters = {n: t.reshape(-1) for n, t in adapter_state(self.engine.model).items()}
+                self.ckpt.update(self.adapter_plan, adapters, version, self.reloader)
+            return
         shards = self.engine.host_shards() if self.engine.offloaded else sharded.local_shards(self.engine.model)
         tensors, offsets = self.sender.sources(shards)
         self.ckpt.update(self.sender.plan, tensors, version, self.reloader, offsets=offsets)
@@ -236,6 +261,11 @@ class TrainerWorker:
         with self._onloaded():
             state = sharded.full_state_dict(self.engine.model)
             if self.rank == 0:
+                lora = self.settings.lora
+                if lora is not None:  # the directory loads as the trained policy; adapter/ goes on the base with PEFT
+                    save_adapters(lora, adapter_state(self.engine.model), Path(directory) / ADAPTER_DIR,
+                                  base_model=self.model_dir)
+                    state = merged_state(state, lora.scaling)
                 save_pretrained(self.engine.model, None, directory, state=state)
             del state
             if trainer_state:
@@ -269,6 +299,8 @@ class TrainerWorker:
         """Full weights under the checkpoint's names (collective when sharded)."""
         with self._onloaded():
             full = sharded.full_state_dict(self.engine.model)
+            if self.settings.lora is not None:  # the policy the replicas serve: base and adapters merged
+                full = merged_state(full, self.settings.lora.scaling)
             return {k: v.clone() for k, v in hub_state(self.engine.model, full).items()}
 
     def close(self) -> None:
@@ -288,11 +320,19 @@ class RolloutWorker:
         self._ipc: tuple | None = None
         self._mapped = False  # the engine mapped the IPC buffers itself (ipc_views)
 
-    def attach(self, plan, handles: list, rank_handles: list | None = None) -> None:
+    def attach(self, plan, handles: list, rank_handles: list | None = None, lora_scaling: float | None = None) -> None:
         """Map the checkpoint engine's IPC buffers; checks the plan against this engine's tensors. ``rank_handles``:
         the handles of every trainer rank of this worker (its lead's first), for a replica that loads from the
-        buffers itself (vLLM's ``ipc_views``: each of its ranks reads its own GPU's)."""
-        self._ipc = (plan, handles, rank_handles)
+        buffers itself (vLLM's ``ipc_views``: each of its ranks reads its own GPU's). ``lora_scaling``: the plan
+        carries LoRA adapters, loaded aside and merged into the base this engine keeps (alpha / rank)."""
+        self._ipc = (plan, handles, rank_handles, lora_scaling)
+        if lora_scaling is not None:
+            dev = self.engine.device
+            staged = {n: torch.zeros(t.shape, dtype=getattr(torch, t.dtype), device=dev)
+                      for n, t in plan.tensors.items()}
+            self.receiver = WeightReceiver(plan, handles, staged,
+                                           on_commit=lambda a: self.engine.merge_adapters(a, lora_scaling))
+            return
         if self.engine.ipc_views:  # vLLM on a GPU: its workers load each bucket where it lies
             if not self._mapped:
                 self.engine.attach_ipc(rank_handles or [handles])
@@ -317,6 +357,16 @@ class RolloutWorker:
     def use_plan(self, plan=None) -> None:
         """Load the buckets of ``plan`` from now on (the start-up's), or again those of the updates (None)."""
         assert self.receiver is not None and self._ipc is not None, "attach() first"
+        if self._ipc[3] is not None:  # LoRA: the start-up fills the base, the updates' receiver stages adapters
+            version = self.receiver.version
+            if plan is not None:
+                self._updates, self.receiver = self.receiver, WeightReceiver(
+                    plan, self._ipc[1], self.engine.named_tensors(), on_commit=self.engine.swap_weights,
+                    placements=self.engine.weight_placements() or None)
+            else:
+                self.receiver = self._updates
+            self.receiver.version = version
+            return
         self.receiver.set_plan(plan if plan is not None else self._ipc[0])
 
     def visible_devices(self) -> str | None:

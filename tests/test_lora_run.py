@@ -1,0 +1,102 @@
+"""``model.lora`` through the RL loop on a real local Ray cluster (native backend, native engine): the trainer trains
+the adapters on a frozen base, each update carries the adapters only and the replica merges them onto the base it
+keeps, a checkpoint and ``final/`` are the merged policy with the adapters beside it in PEFT's format, and a resume
+continues exactly."""
+
+from __future__ import annotations
+
+import json
+
+import peft
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file
+
+from engines.model.lora import ADAPTER_CONFIG, ADAPTER_DIR, ADAPTER_WEIGHTS
+from rl.config import load_config
+from rl.loop.checkpoint import latest_checkpoint
+from rl.loop.controller import train
+from rl.setup.warmstart import prepare_model
+from tests.test_run import tiny
+
+RANK, ALPHA = 4, 8.0
+LORA = {"model": {"lora": {"rank": RANK, "alpha": ALPHA}}, "optimizer": {"lr": 2e-2},
+        "algorithm": {"drop_equal_reward_groups": False}}
+
+
+def _records(run_dir):
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def lora_run(ray_cluster, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("lora") / "run"
+    cfg = tiny(run={"iterations": 3, "eval_every": 3, "save_every": 1}, **LORA)
+    train(cfg, run_dir)
+    return cfg, run_dir
+
+
+def test_the_replica_serves_base_plus_adapters_exactly_after_every_update(lora_run):
+    """The trainer scores the replica's samples with its own (adapted) model before each step: after the updates of
+    iterations 0 and 1 the replica must serve W0 + s·B·A, or the two disagree (float32 on both sides: exact)."""
+    _, run_dir = lora_run
+    steps = [r for r in _records(run_dir) if "logprob_diff_max" in r]
+    assert len(steps) == 3
+    assert max(r["logprob_diff_max"] for r in steps) <= 1e-5, [r["logprob_diff_max"] for r in steps]
+
+
+def test_only_low_rank_updates_reach_the_adapted_weights(lora_run):
+    """final/ is the merged policy: each adapted projection moved by a matrix of rank at most ``RANK`` from the
+    starting model, every other tensor (embeddings, norms, the output head) is the starting model's bit for bit."""
+    cfg, run_dir = lora_run
+    start = load_file(str(prepare_model(cfg) / "model.safetensors"))
+    final = load_file(str(run_dir / "final" / "model.safetensors"))
+    assert set(final) == set(start)
+    moved = 0
+    for name, w in final.items():
+        if name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight", "gate_proj.weight",
+                          "up_proj.weight", "down_proj.weight")):
+            delta = (w - start[name]).double()
+            assert torch.linalg.matrix_rank(delta, rtol=1e-6).item() <= RANK, name
+            moved += bool(delta.abs().max() > 0)
+        else:
+            assert torch.equal(w, start[name]), name
+    assert moved > 0  # it trained
+
+
+def test_saved_adapters_load_with_peft_on_the_base_and_give_the_merged_model(lora_run):
+    """final/adapter/ is PEFT's format: peft puts it on the starting model, and that model computes what the merged
+    final/ computes (the trainer's own merge), up to float32 rounding."""
+    cfg, run_dir = lora_run
+    adapter = run_dir / "final" / ADAPTER_DIR
+    assert (adapter / ADAPTER_CONFIG).is_file() and (adapter / ADAPTER_WEIGHTS).is_file()
+    config = json.loads((adapter / ADAPTER_CONFIG).read_text())
+    assert config["r"] == RANK and config["lora_alpha"] == ALPHA
+    base = transformers.AutoModelForCausalLM.from_pretrained(prepare_model(cfg), torch_dtype=torch.float32)
+    with_adapter = peft.PeftModel.from_pretrained(base, adapter).eval()
+    merged = transformers.AutoModelForCausalLM.from_pretrained(run_dir / "final", torch_dtype=torch.float32).eval()
+    ids = torch.randint(3, merged.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a, b = with_adapter(input_ids=ids).logits, merged(input_ids=ids).logits
+    assert (a - b).abs().max().item() <= 1e-4
+    # a checkpoint is the same: the merged policy with its adapters beside it
+    ckpt, _ = latest_checkpoint(run_dir)
+    assert (ckpt / ADAPTER_DIR / ADAPTER_WEIGHTS).is_file()
+
+
+def test_a_lora_run_resumes_exactly(lora_run, tmp_path):
+    """Stop after 2 iterations, resume to 3: the resumed run reads the base it started from (a checkpoint holds the
+    merged policy), its trainer state brings the adapters and their optimizer back, the replicas merge them, and the
+    run ends bit for bit as the straight one."""
+    _, full = lora_run
+    split = tmp_path / "split"
+    train(tiny(run={"iterations": 2, "eval_every": 3, "save_every": 1}, **LORA), split)
+    (split / "config.yaml").write_text((split / "config.yaml").read_text().replace("iterations: 2", "iterations: 3"))
+    train(load_config(split / "config.yaml"), split, resume=True)
+    a = load_file(str(full / "final" / "model.safetensors"))
+    b = load_file(str(split / "final" / "model.safetensors"))
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    assert [r["reward_mean"] for r in _records(split)] == [r["reward_mean"] for r in _records(full)]
+    assert _records(split)[-1]["logprob_diff_max"] <= 1e-5  # the resumed replica merged the adapters
