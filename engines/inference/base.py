@@ -172,6 +172,11 @@ class RolloutEngine(ABC):
     def swap_weights(self, tensors: Mapping[str, torch.Tensor]) -> None:
         """Serve with ``tensors`` (by the engine's own names), a complete update loaded aside."""
 
+    def merge_adapters(self, adapters: Mapping[str, torch.Tensor], scaling: float) -> None:
+        """Serve the base plus LoRA ``adapters`` (by the trainer's names, ``...lora_A.weight`` / ``...lora_B.weight``)
+        at ``scaling`` = alpha / rank; an engine that does not take adapter updates refuses in one line."""
+        raise NotImplementedError(f"{type(self).__name__} does not take LoRA adapter updates (model.lora)")
+
     @abstractmethod
     def weights_loaded(self) -> None:
         """Declare the weights changed and valid: drop what was computed with the old ones."""
