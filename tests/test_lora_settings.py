@@ -139,3 +139,16 @@ def test_memory_plan_with_lora_counts_adapters_only(capsys):
     assert grads == f"{n * 4 / 2**30:.2f}"
     assert main(["memory-plan", "kimi-k2", "--lora", "8"]) == 2
     assert "latent attention (MLA)" in capsys.readouterr().err
+
+
+def test_gpu_workers_with_lora_sleep_at_level_one_and_say_why(dirs):
+    """auto picks sleep level 2 on GPU workers, whose updates refill the discarded weights; LoRA's updates carry only
+    the adapters, so auto is 1 there, for the run and for the memory plan alike."""
+    from rl.settings import sleep_level
+
+    s = _resolve(dirs["llama"], ("cluster.gpus_per_worker=1", "rollout.engine=native"))
+    assert s.rollout.sleep_level == 1
+    assert ("rollout.sleep_level", "1") in [c[:2] for c in s.choices]
+    cfg = parse_config(_cfg(dirs["llama"]), overrides=["cluster.gpus_per_worker=1"])
+    assert sleep_level(cfg)[0] == 1
+    assert sleep_level(parse_config({"cluster": {"gpus_per_worker": 1}}))[0] == 2

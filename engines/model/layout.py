@@ -61,11 +61,12 @@ def placements(model: nn.Module) -> dict[str, Placement]:
             placed[_rename(f"{prefix}.{hub}", aliases)] = Placement(f"{prefix}.{own}", offset, tuple(shape))
             covered.add(f"{prefix}.{own}")
     from engines.model.fp8 import scale_placements, scale_tensors  # FP8 replicas keep block scales beside matrices
+    from engines.model.lora import is_adapter
 
     covered |= scale_tensors(model)
     for name, t in model_tensors(model).items():
-        # LoRA's adapters (``engines.model.lora``) are no checkpoint tensor: they travel and are saved on their own
-        if name not in covered and ".lora_A." not in name and ".lora_B." not in name:
+        # LoRA's adapters are no checkpoint tensor: they travel and are saved on their own
+        if name not in covered and not is_adapter(name):
             placed[_rename(name, aliases)] = Placement(name, 0, tuple(t.shape))
     placed.update(scale_placements(model, placed))
     return placed
