@@ -9,9 +9,10 @@ maxima set so that a quarter of the heads clip; ``qk_clip_s`` is the QK-Clip par
 is ``build_optimizers(model, "adamw", ...)`` stepping the same parameters (``--torch-muon`` adds the Muon
 set-up with ``torch.optim.Muon`` as a peer). The two are timed in
 alternation after warm-up steps, so that load from other processes hits both alike. ``ratio`` is
-muon / adamw. ``ns_floor_s`` is the Newton–Schulz matmul FLOPs divided by this machine's bfloat16 GEMM
-throughput measured in the same run (on the largest matrix shape): roughly the least time an exact
-Muon step can take. The last line printed is one JSON object.
+muon / adamw. ``ns_floor_s`` is the Newton–Schulz matmul FLOPs divided by the GEMM throughput of the path
+the project's Muon takes here (``ns_matmul``: bfloat16 kernels, or float32 where bfloat16 is emulated because
+the device has no bfloat16 GEMM), measured in the same run on the largest matrix shape: roughly the least
+time a Muon step can take. The last line printed is one JSON object.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from benchmarks.timing import best_seconds
 from engines.device import synchronize
 from engines.model.attention import Attention
 from engines.model.causal_lm import CausalLM
+from engines.training.muon import emulate_bf16_matmul
 from engines.training.optim import build_optimizers
 from engines.training.qk_clip import qk_clip
 
@@ -58,13 +60,13 @@ def newton_schulz_flops(shapes: list[tuple[int, int]], ns_steps: int = 5) -> flo
 
 
 
-def bf16_gemm_flops_per_s(shape: tuple[int, int], batch: int = 4, tries: int = 3,
-                          device: str | torch.device = "cpu") -> float:
-    """This machine's bfloat16 X·Xᵀ throughput on matrices of ``shape`` (best of ``tries``)."""
+def gemm_flops_per_s(shape: tuple[int, int], batch: int = 4, tries: int = 3, device: str | torch.device = "cpu",
+                     dtype: torch.dtype = torch.bfloat16) -> float:
+    """This machine's X·Xᵀ throughput in ``dtype`` on matrices of ``shape`` (best of ``tries``)."""
     device = torch.device(device)
     n, m = min(shape), max(shape)
-    x = torch.randn(batch, n, m, device=device).bfloat16()
-    out = torch.empty(batch, n, n, dtype=torch.bfloat16, device=device)
+    x = torch.randn(batch, n, m, device=device).to(dtype)
+    out = torch.empty(batch, n, n, dtype=dtype, device=device)
     torch.bmm(x, x.mT, out=out)
     return 2 * batch * n * n * m / best_seconds(lambda: torch.bmm(x, x.mT, out=out), device, tries)
 
@@ -116,12 +118,15 @@ def measure(model_name: str, repeats: int = 5, warmup: int = 2, lr: float = 1e-3
     shapes = [tuple(p.shape) for grp in muon[0].param_groups for p in grp["params"]]
     hidden = sum(r * c for r, c in shapes)
     flops = newton_schulz_flops(shapes)
-    rate = bf16_gemm_flops_per_s(max(shapes, key=lambda s: s[0] * s[1]), device=dev)
+    emulated = emulate_bf16_matmul(dev.type)
+    rate = gemm_flops_per_s(max(shapes, key=lambda s: s[0] * s[1]), device=dev,
+                            dtype=torch.float32 if emulated else torch.bfloat16)
     return {"muon_step_s": round(muon_step, 5), "adamw_step_s": round(adamw_step, 5),
             "ratio": round(muon_step / adamw_step, 3), "qk_clip_s": round(statistics.median(clip_s), 6),
             "params": sum(p.numel() for p in model.parameters()), "muon_params": hidden,
             "qk_clipped_heads": clipped, "ns_gflop": round(flops / 1e9, 2),
-            "gemm_bf16_gflops": round(rate / 1e9, 1), "ns_floor_s": round(flops / rate, 5),
+            "ns_matmul": "float32 (bfloat16 emulated)" if emulated else "bfloat16",
+            "gemm_gflops": round(rate / 1e9, 1), "ns_floor_s": round(flops / rate, 5),
             "model": model_name, "threads": torch.get_num_threads(), "device": device,
             "repeats": repeats, "muon_all_s": [round(t, 5) for t in muon_s],
             "adamw_all_s": [round(t, 5) for t in adamw_s],
@@ -156,7 +161,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"  AdamW:                 {rec['adamw_step_s'] * 1e3:9.2f} ms/step")
     print(f"  ratio muon/adamw:      {rec['ratio']:9.2f}")
     print(f"  Newton–Schulz alone: {rec['ns_gflop']:.1f} GFLOP, {rec['ns_floor_s'] * 1e3:.2f} ms at this machine's "
-          f"{rec['gemm_bf16_gflops']:.0f} GFLOP/s bfloat16 GEMM")
+          f"{rec['gemm_gflops']:.0f} GFLOP/s {rec['ns_matmul']} GEMM")
     if args.json:
         print(json.dumps(rec))
     return rec

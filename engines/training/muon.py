@@ -9,7 +9,9 @@ parameter. Matrices of one shape are orthogonalised together with batched matmul
 
 from __future__ import annotations
 
+import functools
 import math
+import os
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 
@@ -36,11 +38,35 @@ MAX_BATCH_BYTES = {"cpu": 4 << 20}
 DEFAULT_MAX_BATCH_BYTES = 256 << 20
 
 
-def newton_schulz_(x: Tensor, ns_coefficients: Sequence[float], ns_steps: int, eps: float) -> Tensor:
+#: Set to 1 to keep torch's bfloat16 kernels on every device: torch.optim.Muon's exact results, at their speed.
+BF16_KERNELS_ENV = "MUON_BF16_KERNELS"
+
+
+@functools.cache
+def native_bf16_matmul(device_type: str) -> bool:
+    """Whether ``device_type``'s bfloat16 matmuls run on native kernels. A CPU without AVX-512 (AVX2 only) has
+    none: torch falls back to a scalar loop measured at ~1 GFLOP/s, over 100x slower than its float32 GEMM."""
+    return device_type != "cpu" or bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def emulate_bf16_matmul(device_type: str) -> bool:
+    """Whether Newton–Schulz emulates its bfloat16 matmuls in float32 on ``device_type`` by default."""
+    return os.environ.get(BF16_KERNELS_ENV) != "1" and not native_bf16_matmul(device_type)
+
+
+def _round_bf16_(t: Tensor) -> Tensor:
+    return t.copy_(t.to(torch.bfloat16))
+
+
+def newton_schulz_(x: Tensor, ns_coefficients: Sequence[float], ns_steps: int, eps: float,
+                   emulate: bool | None = None) -> Tensor:
     """Orthogonalise every matrix of bfloat16 ``x`` [B, n, m] as ``torch.optim.Muon`` does; overwrites ``x``.
 
     Returns a bfloat16 [B, n, m] result (possibly a transposed view). The iteration runs in four
-    preallocated buffers, since fresh allocations per matmul cost page faults on CPU.
+    preallocated buffers, since fresh allocations per matmul cost page faults on CPU. ``emulate`` (default:
+    where ``emulate_bf16_matmul``) runs each matmul in float32 on the bfloat16 values and rounds its
+    result to bfloat16, what a native bfloat16 GEMM does (float32 accumulation, one rounding): the same
+    iteration up to the order of the float32 sums, at float32 GEMM speed.
     """
     if ns_steps >= 100:
         raise ValueError("Number of steps must be less than 100 for computational efficiency")
@@ -48,6 +74,8 @@ def newton_schulz_(x: Tensor, ns_coefficients: Sequence[float], ns_steps: int, e
         raise ValueError(f"expected a bfloat16 batch of matrices [B, n, m], got {x.dtype} {tuple(x.shape)}")
     if len(ns_coefficients) != 3:
         raise ValueError("Coefficients must be a tuple of exactly 3 values")
+    if emulate is None:
+        emulate = emulate_bf16_matmul(x.device.type)
     a, b, c = ns_coefficients
     tall = x.size(1) > x.size(2)
     y = x.mT if tall else x
@@ -55,9 +83,20 @@ def newton_schulz_(x: Tensor, ns_coefficients: Sequence[float], ns_steps: int, e
     norms = torch.stack([m.norm() for m in y]).clamp(min=eps)
     y.div_(norms.view(-1, 1, 1))
     bsz, n, m = y.shape
+    own = x.view(bsz, n, m) if x.is_contiguous() else None
+    if emulate:
+        y32 = y.float()
+        gram, update, nxt = y32.new_empty(bsz, n, n), y32.new_empty(bsz, n, n), y32.new_empty(bsz, n, m)
+        for _ in range(ns_steps):
+            _round_bf16_(torch.bmm(y32, y32.mT, out=gram))
+            _round_bf16_(torch.baddbmm(gram, gram, gram, beta=b, alpha=c, out=update))
+            _round_bf16_(torch.baddbmm(y32, update, y32, beta=a, out=nxt))
+            y32, nxt = nxt, y32
+        y = (own if own is not None else y.new_empty(bsz, n, m)).copy_(y32)
+        return y.mT if tall else y
     gram, update = y.new_empty(bsz, n, n), y.new_empty(bsz, n, n)
     # ping-pong between a new buffer and x's own storage, which is free once the first step read it
-    iterates = [y.new_empty(bsz, n, m), x.view(bsz, n, m) if x.is_contiguous() else y.new_empty(bsz, n, m)]
+    iterates = [y.new_empty(bsz, n, m), own if own is not None else y.new_empty(bsz, n, m)]
     for k in range(ns_steps):
         torch.bmm(y, y.mT, out=gram)
         torch.baddbmm(gram, gram, gram, beta=b, alpha=c, out=update)
@@ -67,7 +106,8 @@ def newton_schulz_(x: Tensor, ns_coefficients: Sequence[float], ns_steps: int, e
 
 def orthogonalize(shapes: Sequence[tuple[int, int]], fill: Callable[[int, Tensor], None],
                   consume: Callable[[int, Tensor], None], ns_coefficients: Sequence[float], ns_steps: int,
-                  eps: float, device: torch.device | str = "cpu", max_batch_bytes: int | None = None) -> None:
+                  eps: float, device: torch.device | str = "cpu", max_batch_bytes: int | None = None,
+                  emulate: bool | None = None) -> None:
     """Newton–Schulz of matrices ``i < len(shapes)``, batching those of equal shape.
 
     ``fill(i, slot)`` writes matrix i into a bfloat16 slot of ``shapes[i]`` (the cast is Muon's own);
@@ -85,7 +125,7 @@ def orthogonalize(shapes: Sequence[tuple[int, int]], fill: Callable[[int, Tensor
             batch = torch.empty((len(chunk), *shape), dtype=torch.bfloat16, device=device)
             for j, i in enumerate(chunk):
                 fill(i, batch[j])
-            res = newton_schulz_(batch, ns_coefficients, ns_steps, eps)
+            res = newton_schulz_(batch, ns_coefficients, ns_steps, eps, emulate)
             for j, i in enumerate(chunk):
                 consume(i, res[j])
 
@@ -126,7 +166,7 @@ class ShardedMuon(torch.optim.Muon):
     def __init__(self, params, lr: float = 1e-3, weight_decay: float = 0.1, momentum: float = 0.95,
                  nesterov: bool = True, ns_coefficients: tuple[float, float, float] = (3.4445, -4.7750, 2.0315),
                  eps: float = 1e-7, ns_steps: int = 5, adjust_lr_fn: str | None = None,
-                 max_batch_bytes: int | None = None) -> None:
+                 max_batch_bytes: int | None = None, ns_emulate: bool | None = None) -> None:
         # torch.optim.Muon refuses 3-D parameters: let it check the arguments on a 2-D stand-in, then
         # take its defaults for the real parameters
         probe = torch.optim.Muon([torch.empty(1, 1)], lr=lr, weight_decay=weight_decay, momentum=momentum,
@@ -140,6 +180,9 @@ class ShardedMuon(torch.optim.Muon):
         # kept out of the param groups so the state dict stays interchangeable with torch.optim.Muon's;
         # None picks a size per device type (MAX_BATCH_BYTES)
         self.max_batch_bytes = max_batch_bytes
+        # Newton–Schulz's matmuls: None emulates bfloat16 in float32 where the device has no bfloat16 GEMM
+        # (newton_schulz_); False keeps torch.optim.Muon's bfloat16 kernels, and so its exact results
+        self.ns_emulate = ns_emulate
         # Σ (Δw)² and the element count over this rank's shards of the last step (update RMS, a health metric)
         self.last_update_sq, self.last_update_numel = 0.0, 0
 
@@ -212,7 +255,8 @@ class ShardedMuon(torch.optim.Muon):
         if whole:
             orthogonalize([tuple(pick(p_loc[i], (i, j)).shape) for i, j in whole],
                           lambda k, out: fill_local(whole[k], out), lambda k, o: apply(whole[k], o), *ns,
-                          device=p_loc[whole[0][0]].device, max_batch_bytes=self.max_batch_bytes)
+                          device=p_loc[whole[0][0]].device, max_batch_bytes=self.max_batch_bytes,
+                          emulate=self.ns_emulate)
         for key, jobs in by_mesh.items():
             self._sharded_step(meshes[key], [tuple(params[i].shape) for i, _ in jobs],
                                lambda k, out, jobs=jobs: fill_local(jobs[k], out),
@@ -272,7 +316,7 @@ class ShardedMuon(torch.optim.Muon):
                 start += rows[j][r]
 
         orthogonalize([shapes[j] for j in mine], fill_full, split_full, *ns, device=device,
-                      max_batch_bytes=self.max_batch_bytes)
+                      max_batch_bytes=self.max_batch_bytes, emulate=self.ns_emulate)
 
         # 3. scatter every rank's rows back and update the local shards
         received: dict[int, Tensor] = {}
