@@ -59,7 +59,8 @@ class ServedModel:
         every request. A LoRA run's ``final/`` is already merged: serve it without ``adapter``."""
         self.name = name or Path(model_dir).name
         read_config(model_dir)  # a missing or unreadable model directory is named before its tokenizer
-        if adapter is not None and Path(adapter).resolve() == (Path(model_dir) / ADAPTER_DIR).resolve():
+        own = Path(model_dir) / ADAPTER_DIR
+        if adapter is not None and own.is_dir() and Path(adapter).resolve() == own.resolve():
             raise ValueError(f"{adapter} is already merged into {model_dir}'s weights (a LoRA run's final/ or "
                              "checkpoint): serve the directory without --adapter, or its base with --adapter")
         self.tokenizer = TextTokenizer.load(model_dir)
