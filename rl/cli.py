@@ -147,7 +147,8 @@ def _cmd_serve(args: argparse.Namespace) -> None:
     try:
         serve(args.model_dir, host=args.host, port=args.port, name=args.served_model_name, dtype=args.dtype,
               max_num_seqs=args.max_num_seqs, kv_cache_bytes=args.kv_cache_mb << 20, engine=args.engine,
-              tensor_parallel_size=args.tensor_parallel_size, device=args.device, max_seq_len=args.max_seq_len)
+              tensor_parallel_size=args.tensor_parallel_size, device=args.device, max_seq_len=args.max_seq_len,
+              adapter=args.adapter)
     except (ModelDirError, FileNotFoundError, ValueError, VllmUnavailableError) as e:
         raise UserError(f"rl serve: {e}") from None
 
@@ -321,6 +322,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("serve", help="serve a model directory over an OpenAI-compatible HTTP API")
     s.add_argument("model_dir", help="Hugging Face-format model directory (config.json, safetensors, tokenizer.json)")
+    s.add_argument("--adapter", metavar="ADAPTER_DIR",
+                   help="a PEFT LoRA adapter (adapter_config.json, adapter_model.safetensors) to serve on top of "
+                        "MODEL_DIR, its original base: merged into the native engine's weights, vLLM's LoRA on "
+                        "--engine vllm. A LoRA run's final/ is already merged: serve it without --adapter")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--served-model-name", help="model id clients send (default: the directory's name)")

@@ -172,9 +172,10 @@ class RolloutEngine(ABC):
     def swap_weights(self, tensors: Mapping[str, torch.Tensor]) -> None:
         """Serve with ``tensors`` (by the engine's own names), a complete update loaded aside."""
 
-    def merge_adapters(self, adapters: Mapping[str, torch.Tensor], scaling: float) -> None:
+    def merge_adapters(self, adapters: Mapping[str, torch.Tensor], scaling: float, *, keep_base: bool = True) -> None:
         """Serve the base plus LoRA ``adapters`` (by the trainer's names, ``...lora_A.weight`` / ``...lora_B.weight``)
-        at ``scaling`` = alpha / rank; an engine that does not take adapter updates refuses in one line."""
+        at ``scaling`` = alpha / rank (``keep_base`` False: merged once for good, no base copy kept); an engine that
+        does not take adapter updates refuses in one line."""
         raise NotImplementedError(f"{type(self).__name__} does not take LoRA adapter updates (model.lora)")
 
     @abstractmethod

@@ -28,6 +28,8 @@ from engines.model.arch import ModelConfig
 from engines.model.causal_lm import CausalLM, build_model
 from engines.model.fp8 import BLOCK, checkpoint_block, to_fp8
 from engines.model.hf_io import load_pretrained, read_config
+from engines.model.layout import hub_state
+from engines.model.lora import check_adapter, read_adapter
 from engines.model.tokenizer import TextTokenizer
 
 __all__ = ["DTYPES", "EngineSettings", "VllmUnavailableError", "build_engine", "decode_attention", "replica_model",
@@ -52,6 +54,8 @@ class EngineSettings:
     build, which caches their recurrent states only with chunked prefill) are vLLM's, and so is ``ipc_views``: updates
     load from views of the checkpoint engine's IPC buffers on the replica's device, no host copy of the weights kept
     (``rl.settings`` turns it on for vLLM on a GPU; ``engines.inference.vllm_engine`` says what it changes).
+    ``adapter``: a PEFT LoRA adapter directory served on top of ``model_dir``'s weights (with ``load_checkpoint``):
+    the native engine merges it into its weights (``merge_adapters``), vLLM applies it to every request (its LoRA).
     """
 
     kind: Literal["native", "vllm"]
@@ -70,6 +74,7 @@ class EngineSettings:
     memory_fraction: float = 0.2
     prefix_caching: bool = True
     ipc_views: bool = False
+    adapter: str | None = None
 
     def __post_init__(self) -> None:
         problems = []
@@ -93,6 +98,10 @@ class EngineSettings:
             problems.append(f"memory_fraction must be in (0, 1], got {self.memory_fraction}")
         if self.kind == "native" and (self.tensor_parallel_size > 1 or self.expert_parallel):
             problems.append("tensor and expert parallel replicas need the vllm engine")
+        if self.adapter is not None and self.fp8:
+            problems.append("a LoRA adapter is merged into unquantized weights; serve it without fp8")
+        if self.adapter is not None and self.ipc_views:
+            problems.append("a LoRA adapter is served on the model directory's weights, not on ipc_views updates")
         if self.kind == "vllm" and self.fp8:
             problems.append("fp8 replicas are served by the native engine only")
         if self.kind == "native" and self.ipc_views:
@@ -118,8 +127,16 @@ def replica_model(arch: ModelConfig, dtype: str | torch.dtype, fp8: bool, device
 def build_engine(settings: EngineSettings, *, load_checkpoint: bool = False) -> RolloutEngine:
     """The rollout engine ``settings`` describe. A native one starts from an empty replica (the trainers' start-up
     read or the first update fills it) unless ``load_checkpoint`` reads ``model_dir``'s weights into it; so does
-    vLLM with ``ipc_views`` (placeholder weights), which otherwise loads them from ``model_dir``."""
+    vLLM with ``ipc_views`` (placeholder weights), which otherwise loads them from ``model_dir``. With an
+    ``adapter`` the engine serves base + adapter (ValueError in one line for an adapter the model cannot take)."""
     s = settings
+    adapter = None
+    if s.adapter is not None:
+        if not load_checkpoint:
+            raise ValueError("a LoRA adapter is served on the model directory's weights: build with load_checkpoint")
+        adapter = read_adapter(s.adapter)
+        # checked on the meta model, by checkpoint names, before any weight is read
+        check_adapter(adapter, hub_state(build_model(read_config(s.model_dir), device="meta")), s.model_dir)
     tok = TextTokenizer.load(s.model_dir)  # the same stop ids as the controller's
 
     def detokenize(ids: list[int]) -> str:
@@ -132,13 +149,18 @@ def build_engine(settings: EngineSettings, *, load_checkpoint: bool = False) -> 
                           dtype=s.dtype, seed=s.seed, kv_cache_bytes=s.kv_cache_bytes,
                           memory_fraction=s.memory_fraction, tensor_parallel_size=s.tensor_parallel_size,
                           expert_parallel=s.expert_parallel, prefix_caching=s.prefix_caching, device=s.device,
-                          ipc_views=s.ipc_views, fill_later=not load_checkpoint)
+                          ipc_views=s.ipc_views, fill_later=not load_checkpoint,
+                          adapter=None if adapter is None else (s.adapter, adapter.spec.rank))
     from engines.inference.native import InferenceEngine
 
     if load_checkpoint:  # the same replica, filled (an FP8 one quantised from a checkpoint that is not)
         model = load_pretrained(s.model_dir, getattr(torch, s.dtype), s.device, fused=True, fp8=s.fp8)
     else:
         model = replica_model(read_config(s.model_dir), s.dtype, s.fp8, s.device)
-    return InferenceEngine(model, tok.eos_ids, tok.pad_id, max_num_seqs=s.max_num_seqs, max_seq_len=s.max_seq_len,
-                           kv_cache_bytes=s.kv_cache_bytes, max_batch_tokens=s.max_batch_tokens, seed=s.seed,
-                           detokenize=detokenize, attention=s.attention)
+    engine = InferenceEngine(model, tok.eos_ids, tok.pad_id, max_num_seqs=s.max_num_seqs,
+                             max_seq_len=s.max_seq_len, kv_cache_bytes=s.kv_cache_bytes,
+                             max_batch_tokens=s.max_batch_tokens, seed=s.seed, detokenize=detokenize,
+                             attention=s.attention)
+    if adapter is not None:  # W0 + (alpha/r)·B·A, as PEFT computes it; served for good, so no base copy is kept
+        engine.merge_adapters(adapter.tensors, adapter.spec.scaling, keep_base=False)
+    return engine

@@ -45,7 +45,7 @@ from engines.inference.sampling import (
 from engines.inference.scheduler import Scheduler, StepPlan
 from engines.model.causal_lm import CausalLM
 from engines.model.layout import byte_placements, hub_state, model_tensors
-from engines.model.lora import AdapterMerger
+from engines.model.lora import AdapterMerger, merged_weight
 
 __all__ = ["Completion", "InferenceEngine", "InvalidRequestError", "SamplingParams", "fit_kv_budget",
            "token_logprobs"]
@@ -299,16 +299,25 @@ class InferenceEngine(RolloutEngine):
         """Bytes of the base copies that ``merge_adapters`` holds (0 before the first merge after a load)."""
         return self._merger.base_bytes if self._merger is not None else 0
 
-    def merge_adapters(self, adapters: Mapping[str, torch.Tensor], scaling: float) -> None:
+    def merge_adapters(self, adapters: Mapping[str, torch.Tensor], scaling: float, *, keep_base: bool = True) -> None:
         """Serve the base plus LoRA ``adapters`` (every adapter, by the trainer's names: ``...q_proj.lora_A.weight``
         [r, in], ``...lora_B.weight`` [out, r]) at ``scaling`` = alpha/r: each adapted weight becomes W0 + s·B·A,
         computed from a copy of W0 taken at the first merge after the base was loaded (``load_weights``), so
-        repeated updates never accumulate rounding. The base must be what the engine serves at that first merge."""
+        repeated updates never accumulate rounding. The base must be what the engine serves at that first merge.
+        ``keep_base`` False (one adapter served for good, as ``rl serve --adapter``): the same sum written in place
+        once, no copy of the base kept; a later merge would then add onto this one."""
         served = hub_state(self.model)
-        if self._merger is None:
-            modules = sorted({n.rpartition(".lora_")[0] for n in adapters})
-            self._merger = AdapterMerger(served, modules, scaling)
-        self._merger.apply(served, adapters)
+        if keep_base or self._merger is not None:
+            if self._merger is None:
+                modules = sorted({n.rpartition(".lora_")[0] for n in adapters})
+                self._merger = AdapterMerger(served, modules, scaling)
+            self._merger.apply(served, adapters)
+        else:
+            with torch.no_grad():
+                for m in sorted({n.rpartition(".lora_")[0] for n in adapters}):
+                    w = served[f"{m}.weight"]
+                    a, b = adapters[f"{m}.lora_A.weight"], adapters[f"{m}.lora_B.weight"]
+                    w.copy_(merged_weight(w, a.to(w.device), b.to(w.device), scaling))
         self.weights_loaded()
 
     # --- recording a step -----------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""An OpenAI-compatible HTTP server over a rollout engine (``rl serve MODEL_DIR``).
+"""An OpenAI-compatible HTTP server over a rollout engine (``rl serve MODEL_DIR [--adapter PEFT_DIR]``).
 
 ``/v1/completions``, ``/v1/chat/completions`` and ``/v1/models``, so a checkpoint can be evaluated with the usual
 clients (the ``openai`` package, lm-eval's ``local-completions``...), on the native engine or vLLM. One thread
@@ -42,6 +42,7 @@ from engines.inference.openai_schema import ChatMessage, ChatRequest, Completion
 from engines.inference.requests import Completion, TokenLogprob
 from engines.inference.sampling import InvalidRequestError, SamplingParams
 from engines.model.hf_io import read_config
+from engines.model.lora import ADAPTER_DIR
 from engines.model.tokenizer import TextTokenizer
 
 
@@ -51,11 +52,17 @@ class ServedModel:
     def __init__(self, model_dir: str | Path, name: str | None = None, dtype: str = "float32",
                  max_num_seqs: int = 256, kv_cache_bytes: int = 512 * 2**20, engine: str = "native",
                  tensor_parallel_size: int = 1, device: str | None = None, max_seq_len: int | None = None,
-                 seed: int = 0) -> None:
+                 seed: int = 0, adapter: str | Path | None = None) -> None:
         """``engine``: native (this project's) or vllm (``tensor_parallel_size`` devices per replica); ``device``
-        (native): cpu or cuda, by default cuda where there is one."""
+        (native): cpu or cuda, by default cuda where there is one. ``adapter``: a PEFT LoRA adapter directory served
+        on top of ``model_dir`` (its original base): merged into the native engine's weights, or vLLM's LoRA on
+        every request. A LoRA run's ``final/`` is already merged: serve it without ``adapter``."""
         self.name = name or Path(model_dir).name
         read_config(model_dir)  # a missing or unreadable model directory is named before its tokenizer
+        own = Path(model_dir) / ADAPTER_DIR
+        if adapter is not None and own.is_dir() and Path(adapter).resolve() == own.resolve():
+            raise ValueError(f"{adapter} is already merged into {model_dir}'s weights (a LoRA run's final/ or "
+                             "checkpoint): serve the directory without --adapter, or its base with --adapter")
         self.tokenizer = TextTokenizer.load(model_dir)
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         if device == "cuda" and not torch.cuda.is_available():
@@ -64,7 +71,8 @@ class ServedModel:
         self.engine = build_engine(EngineSettings(
             kind=engine, model_dir=str(model_dir), device=device, dtype=dtype, fp8=False, max_seq_len=max_seq_len,
             max_num_seqs=max_num_seqs, kv_cache_bytes=kv_cache_bytes, max_batch_tokens=8192, attention=attention,
-            seed=seed, tensor_parallel_size=tensor_parallel_size), load_checkpoint=True)
+            seed=seed, tensor_parallel_size=tensor_parallel_size, adapter=None if adapter is None else str(adapter)),
+            load_checkpoint=True)
         self.loop = EngineLoop(self.engine)
 
     def encode(self, text: str) -> list[int]:
@@ -462,7 +470,8 @@ def build_app(served: ServedModel) -> FastAPI:
 
 
 def serve(model_dir: str, host: str = "127.0.0.1", port: int = 8000, **kw: Any) -> None:
-    """Load ``model_dir`` and serve it until interrupted."""
+    """Load ``model_dir`` (with ``adapter=``: plus that PEFT LoRA adapter) and serve it until interrupted; ``kw``
+    are ``ServedModel``'s."""
     import uvicorn
 
     served = ServedModel(model_dir, **kw)

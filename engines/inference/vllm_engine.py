@@ -43,6 +43,10 @@ Tensor parallel (``tensor_parallel_size`` > 1): vLLM runs its ranks as processes
 each rank reads the bucket from its own GPU's trainer rank's buffer, otherwise each gets the full tensors through
 the engine's process; either way its weight loaders take the rank's shard.
 
+A PEFT LoRA adapter (``adapter``: its directory and rank, ``rl serve --adapter``) is served through vLLM's own
+LoRA: ``enable_lora`` with the smallest ``max_lora_rank`` vLLM takes at or above the adapter's, and the adapter's
+``LoRARequest`` on every request (tested on the CPU build against peft). Such an engine takes no weight updates.
+
 Sleep (a GPU): level 1 offloads the weights to host memory and frees the KV cache, level 2 frees both; waking
 takes two steps where an update comes between (``wake_up(kv_cache=False)``: the weights, which the update fills,
 then ``wake_up()``: the KV cache), so the update never needs the KV cache's memory.
@@ -67,6 +71,10 @@ from engines.inference.vllm_worker import UpdateAbortedError
 from engines.model.hf_io import checkpoint_index, read_tensors
 
 __all__ = ["UpdateAbortedError", "VllmEngine", "vllm_available"]
+
+
+#: The ranks vLLM's ``max_lora_rank`` takes (an adapter of rank r is served with the smallest at least r).
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
 class VllmUnavailableError(RuntimeError):
@@ -146,7 +154,7 @@ class VllmEngine(RolloutEngine):
                  tensor_parallel_size: int = 1, expert_parallel: bool = False, graphs: bool | None = None,
                  prefix_caching: bool = True, weight_load: str = "auto",
                  tokenizer: bool = True, device: str | None = None, ipc_views: bool | None = None,
-                 fill_later: bool = False) -> None:
+                 fill_later: bool = False, adapter: tuple[str, int] | None = None) -> None:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         try:
             import vllm
@@ -177,6 +185,15 @@ class VllmEngine(RolloutEngine):
                                 memory_fraction=memory_fraction, tensor_parallel_size=tensor_parallel_size,
                                 expert_parallel=expert_parallel, prefix_caching=prefix_caching, tokenizer=tokenizer,
                                 graphs=graphs is not False, dummy=dummy)
+        self._lora = None  # a PEFT adapter (directory, rank) applied to every request through vLLM's LoRA
+        if adapter is not None:
+            from vllm.lora.request import LoRARequest
+
+            ranks = [r for r in LORA_RANKS if r >= adapter[1]]
+            if not ranks:
+                raise ValueError(f"LoRA rank {adapter[1]} is above vLLM's largest ({LORA_RANKS[-1]})")
+            self.args.update(enable_lora=True, max_loras=1, max_lora_rank=ranks[0])
+            self._lora = LoRARequest(Path(adapter[0]).name or "adapter", 1, str(adapter[0]))
         try:
             self.llm = vllm.LLM(**self.args)
         except Exception as e:
@@ -240,7 +257,8 @@ class VllmEngine(RolloutEngine):
             detokenize=bool(params.stop),
             # each step's new tokens only: a cumulative output would be re-read whole at every step
             output_kind=self._vllm.sampling_params.RequestOutputKind.DELTA, structured_outputs=structured)
-        self.engine.add_request(str(rid), {"prompt_token_ids": prompt + [int(t) for t in prior]}, sp)
+        self.engine.add_request(str(rid), {"prompt_token_ids": prompt + [int(t) for t in prior]}, sp,
+                                lora_request=self._lora)
         self._live[str(rid)] = _Live(rid, prompt, params, [int(t) for t in prior], [float(x) for x in prior_logprobs])
         return rid
 
@@ -292,7 +310,7 @@ class VllmEngine(RolloutEngine):
         rid = f"score-{next(self._scores)}"
         sp = self._vllm.SamplingParams(temperature=1.0, max_tokens=1, prompt_logprobs=top, detokenize=False,
                                        output_kind=self._vllm.sampling_params.RequestOutputKind.FINAL_ONLY)
-        self.engine.add_request(rid, {"prompt_token_ids": ids}, sp)
+        self.engine.add_request(rid, {"prompt_token_ids": ids}, sp, lora_request=self._lora)
         done = None
         while done is None:
             outs = self.engine.step()
@@ -386,6 +404,7 @@ class VllmEngine(RolloutEngine):
         self._served, self.weights_version = (None if self.ipc_views else dict(tensors)), version
 
     def _reload(self, pairs: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self._no_adapter()
         if self._stream is not None:
             raise RuntimeError(f"update {self._stream} is streaming into vLLM; commit or abort it first")
         previous = None if self.ipc_views else self.served_weights()
@@ -431,6 +450,7 @@ class VllmEngine(RolloutEngine):
 
     def begin(self, version: int) -> None:
         """Start update ``version`` in each vLLM worker (a reload's iterator, or direct loads, fed by the buckets)."""
+        self._no_adapter()
         if self._stream is not None:
             raise VersionMismatchError(f"update {self._stream} is streaming into vLLM; update {version} "
                                        "cannot start before it commits or aborts")
@@ -537,6 +557,10 @@ class VllmEngine(RolloutEngine):
         return 0
 
     # --- internals ------------------------------------------------------------------------
+
+    def _no_adapter(self) -> None:
+        if self._lora is not None:  # vLLM's LoRA wraps the layers the loaders would write
+            raise RuntimeError("this vLLM engine serves a LoRA adapter; its weights take no updates")
 
     def _check_awake(self) -> None:
         if self._stream is not None:  # half of vLLM's layers are being replaced

@@ -213,13 +213,121 @@ def save_adapters(spec: LoraSpec, adapters: Mapping[str, torch.Tensor], director
 
 def load_adapters(directory: str | Path) -> tuple[LoraSpec, dict[str, torch.Tensor]]:
     """What ``save_adapters`` wrote: the spec and the adapters by the model's names."""
+    a = read_adapter(directory)
+    return a.spec, a.tensors
+
+
+@dataclass(frozen=True)
+class PeftAdapter:
+    """A PEFT LoRA adapter read from disk: its spec (rank, alpha, targets...), the base model it names (PEFT's
+    ``base_model_name_or_path``, None where unset) and its tensors by the model's names (``...lora_A.weight``)."""
+
+    spec: LoraSpec
+    base_model: str | None
+    tensors: dict[str, torch.Tensor]
+
+    @property
+    def modules(self) -> list[str]:
+        """The adapted modules' paths, sorted (``model.layers.0.self_attn.q_proj``...)."""
+        return sorted({n.rpartition(".lora_")[0] for n in self.tensors})
+
+
+#: PEFT ``init_lora_weights`` values that change the base weights themselves (an adapter saved after one of them
+#: is not base + B·A over the original base unless PEFT converted it when saving).
+_BASE_CHANGING_INITS = ("pissa", "olora", "corda", "loftq")
+
+
+def _unsupported(c: Mapping) -> str | None:
+    """What in a PEFT ``adapter_config.json`` this project cannot serve as W + (alpha/r)·B·A, or None."""
+    if c.get("peft_type") != "LORA":
+        return f"peft_type {c.get('peft_type')!r} (only LORA adapters are supported)"
+    for flag, what in (("use_dora", "DoRA's magnitude vectors"), ("use_rslora", "rsLoRA's alpha/sqrt(r) scaling"),
+                       ("fan_in_fan_out", "Conv1D-style (fan_in_fan_out) weights"), ("lora_bias", "LoRA biases"),
+                       ("use_qalora", "QA-LoRA")):
+        if c.get(flag):
+            return f"{flag}=true ({what})"
+    if c.get("bias", "none") != "none":
+        return f"bias={c['bias']!r} (trained biases)"
+    for key in ("rank_pattern", "alpha_pattern"):
+        if c.get(key):
+            return f"{key} (a rank or alpha per module)"
+    for key in ("modules_to_save", "layer_replication", "trainable_token_indices", "target_parameters"):
+        if c.get(key):
+            return f"{key}={c[key]!r}"
+    init = c.get("init_lora_weights")
+    if isinstance(init, str) and init.startswith(_BASE_CHANGING_INITS):
+        return f"init_lora_weights={init!r} (it changes the base weights; save the adapter converted to plain LoRA)"
+    return None
+
+
+def read_adapter(directory: str | Path) -> PeftAdapter:
+    """A PEFT LoRA adapter directory (``adapter_config.json``, ``adapter_model.safetensors``), its tensors renamed
+    to the model's (PEFT's ``base_model.model.`` prefix stripped). ValueError in one line for a missing file, an
+    option that is not plain LoRA (DoRA, rsLoRA, per-module ranks, trained biases...), a key that is not an
+    adapter's, or a module without both factors of rank r."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     d = Path(directory)
-    c = json.loads((d / ADAPTER_CONFIG).read_text())
-    spec = LoraSpec(c["r"], c["lora_alpha"], c.get("lora_dropout", 0.0), tuple(c["target_modules"]),
-                    "gaussian" if c.get("init_lora_weights") == "gaussian" else "kaiming")
-    return spec, {n.removeprefix(PEFT_PREFIX): t for n, t in load_file(str(d / ADAPTER_WEIGHTS)).items()}
+    where = f"LoRA adapter {d}"
+    if not d.is_dir():
+        raise ValueError(f"{where}: no such directory")
+    for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
+        if not (d / name).is_file():
+            raise ValueError(f"{where}: {name} is missing (a PEFT adapter directory holds {ADAPTER_CONFIG} and "
+                             f"{ADAPTER_WEIGHTS})")
+    try:
+        c = json.loads((d / ADAPTER_CONFIG).read_text())
+    except ValueError as e:
+        raise ValueError(f"{where}: {ADAPTER_CONFIG} is not valid JSON ({e})") from None
+    if not isinstance(c, dict):
+        raise ValueError(f"{where}: {ADAPTER_CONFIG} is not a JSON object")
+    if (why := _unsupported(c)) is not None:
+        raise ValueError(f"{where}: unsupported adapter option {why}")
+    targets = c.get("target_modules") or ()
+    try:
+        spec = LoraSpec(int(c["r"]), float(c["lora_alpha"]), float(c.get("lora_dropout") or 0.0),
+                        (targets,) if isinstance(targets, str) else tuple(targets),
+                        "gaussian" if c.get("init_lora_weights") == "gaussian" else "kaiming")
+    except KeyError as e:
+        raise ValueError(f"{where}: {ADAPTER_CONFIG} has no {e.args[0]!r}") from None
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{where}: {ADAPTER_CONFIG}: {str(e).splitlines()[0]}") from None
+    try:
+        raw = load_file(str(d / ADAPTER_WEIGHTS))
+    except (SafetensorError, OSError) as e:
+        raise ValueError(f"{where}: {ADAPTER_WEIGHTS} cannot be read ({e})") from None
+    tensors: dict[str, torch.Tensor] = {}
+    for key, t in raw.items():
+        name = key.removeprefix(PEFT_PREFIX)
+        if name == key or not name.endswith((".lora_A.weight", ".lora_B.weight")):
+            raise ValueError(f"{where}: tensor {key!r} is not a LoRA factor ({PEFT_PREFIX}<module>.lora_A.weight "
+                             "or .lora_B.weight)")
+        tensors[name] = t
+    if not tensors:
+        raise ValueError(f"{where}: {ADAPTER_WEIGHTS} holds no tensors")
+    for m in sorted({n.rpartition(".lora_")[0] for n in tensors}):
+        a, b = tensors.get(f"{m}.lora_A.weight"), tensors.get(f"{m}.lora_B.weight")
+        if a is None or b is None:
+            raise ValueError(f"{where}: {m} has lora_{'A' if a is None else 'B'}.weight missing")
+        if a.ndim != 2 or b.ndim != 2 or a.shape[0] != spec.rank or b.shape[1] != spec.rank:
+            raise ValueError(f"{where}: {m} has lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}, not "
+                             f"[r, in] and [out, r] with the config's r = {spec.rank}")
+    return PeftAdapter(spec, c.get("base_model_name_or_path"), tensors)
+
+
+def check_adapter(adapter: PeftAdapter, base: Mapping[str, torch.Tensor], where: str = "the base model") -> None:
+    """ValueError in one line unless every module ``adapter`` adapts is a weight of ``base`` (tensors, or meta
+    tensors, by checkpoint names: ``hub_state``) of shape [out, in] that B·A matches."""
+    made_for = f"the adapter was made for {adapter.base_model or 'another model'}"
+    for m in adapter.modules:
+        w = base.get(f"{m}.weight")
+        if w is None or w.ndim != 2:
+            raise ValueError(f"LoRA adapter: {where} has no linear weight {m}.weight ({made_for})")
+        a, b = adapter.tensors[f"{m}.lora_A.weight"], adapter.tensors[f"{m}.lora_B.weight"]
+        if (b.shape[0], a.shape[1]) != tuple(w.shape):
+            raise ValueError(f"LoRA adapter: {m} is [out, in] = [{b.shape[0]}, {a.shape[1]}] in the adapter but "
+                             f"{list(w.shape)} in {where} ({made_for})")
 
 
 class AdapterMerger:
