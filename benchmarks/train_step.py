@@ -199,11 +199,12 @@ def measure(model_name: str, repeats: int = 3, warmup: int = 1, device: str = "c
                   "total_peak_mib": round((kept + peaks[v]) / 2**20, 1),
                   "all_s": [round(t, 4) for t in times[v]], "first_step_s": round(first[v], 4),
                   "compile_s_est": round(max(first[v] - step, 0.0), 4)}
-    if "no_smax" in variants:
+    # the ratios need the base variant measured beside them
+    if "no_smax" in variants and "base" in out:
         out["smax_overhead"] = round(out["base"]["step_s"] / out["no_smax"]["step_s"] - 1, 4)
-    if "full_logits" in variants and peaks["full_logits"]:
+    if "full_logits" in variants and "base" in out and peaks["full_logits"]:
         out["peak_mem_chunked_over_full"] = round(peaks["base"] / peaks["full_logits"], 3)
-    if "checkpointing" in variants and peaks["base"]:
+    if "checkpointing" in variants and "base" in out and peaks["base"]:
         out["peak_mem_checkpointing_over_base"] = round(peaks["checkpointing"] / peaks["base"], 3)
     cb = compute.itemsize
     out["predicted_activations_mib"] = {

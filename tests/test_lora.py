@@ -9,6 +9,7 @@ import pytest
 import torch
 import transformers
 
+import engines.model.lora as lora_module
 from engines.inference.native import InferenceEngine
 from engines.inference.sampling import SamplingParams
 from engines.model.arch import make_config
@@ -23,6 +24,7 @@ from engines.model.lora import (
     apply_lora,
     check_lora,
     load_adapters,
+    merge_into,
     merged_state,
     merged_weight,
     save_adapters,
@@ -173,6 +175,24 @@ def test_the_engine_merges_adapter_updates_onto_an_exact_base(base_dir, tmp_path
     theirs = [lp[i - 1, seq[i]].item() for i in range(1, len(seq))]
     ours = [t.logprob for t in eng.prompt_logprobs(seq)[1:]]
     assert ours == pytest.approx(theirs, abs=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_blockwise_merge_computes_the_merged_weight(monkeypatch, dtype):
+    g = torch.Generator().manual_seed(3)
+    base = torch.randn(37, 24, generator=g).to(dtype)
+    a, b = torch.randn(4, 24, generator=g), torch.randn(37, 4, generator=g)
+    exact = (base.double() + 0.75 * (b.double() @ a.double())).to(dtype)
+    monkeypatch.setattr(lora_module, "MERGE_BLOCK_BYTES", 5 * 4 * 24)  # blocks of 5 rows, a short last one
+    merged = merged_weight(base, a, b, 0.75)
+    assert merged.dtype == dtype
+    if dtype == torch.float32:
+        torch.testing.assert_close(merged, exact, rtol=0, atol=1e-5)
+    else:  # the float32 sum rounds to the float64 sum's bfloat16 neighbour or next to it
+        assert ((merged.float() - exact.float()).abs() <= exact.float().abs() * 2 ** -8 + 1e-6).all()
+    in_place = base.clone()
+    merge_into(in_place, in_place, a, b, 0.75)  # the served weight as its own base (rl serve --adapter)
+    assert torch.equal(in_place, merged) and not torch.equal(in_place, base)
 
 
 def test_targets_are_checked_against_the_model():

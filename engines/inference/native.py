@@ -45,7 +45,7 @@ from engines.inference.sampling import (
 from engines.inference.scheduler import Scheduler, StepPlan
 from engines.model.causal_lm import CausalLM
 from engines.model.layout import byte_placements, hub_state, model_tensors
-from engines.model.lora import AdapterMerger, merged_weight
+from engines.model.lora import AdapterMerger, merge_into
 
 __all__ = ["Completion", "InferenceEngine", "InvalidRequestError", "SamplingParams", "fit_kv_budget",
            "token_logprobs"]
@@ -317,7 +317,7 @@ class InferenceEngine(RolloutEngine):
                 for m in sorted({n.rpartition(".lora_")[0] for n in adapters}):
                     w = served[f"{m}.weight"]
                     a, b = adapters[f"{m}.lora_A.weight"], adapters[f"{m}.lora_B.weight"]
-                    w.copy_(merged_weight(w, a.to(w.device), b.to(w.device), scaling))
+                    merge_into(w, w, a.to(w.device), b.to(w.device), scaling)
         self.weights_loaded()
 
     # --- recording a step -----------------------------------------------------------------

@@ -170,9 +170,25 @@ def adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.detach() for n, p in model.named_parameters() if is_adapter(n)}
 
 
+#: Rows of one merge block: float32 temporaries of about this many bytes (one fused product-and-add per block
+#: instead of five full-size passes over the weight).
+MERGE_BLOCK_BYTES = 16 << 20
+
+
+def merge_into(out: torch.Tensor, base: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float) -> None:
+    """``out`` ← W0 + scaling·B·A in ``out``'s dtype, computed in float32 from the base ``base`` (which may be
+    ``out`` itself: each block of rows is read before it is written)."""
+    a32, b32 = a.float(), b.float()
+    rows = max(1, MERGE_BLOCK_BYTES // (4 * base.shape[1]))
+    for i in range(0, base.shape[0], rows):
+        out[i:i + rows].copy_(torch.addmm(base[i:i + rows].float(), b32[i:i + rows], a32, alpha=scaling))
+
+
 def merged_weight(base: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float) -> torch.Tensor:
     """W0 + scaling·B·A in ``base``'s dtype, computed in float32 from the base itself (never from a previous merge)."""
-    return (base.float() + scaling * (b.float() @ a.float())).to(base.dtype)
+    out = torch.empty_like(base)
+    merge_into(out, base, a, b, scaling)
+    return out
 
 
 def merged_state(state: Mapping[str, torch.Tensor], scaling: float) -> dict[str, torch.Tensor]:
@@ -349,5 +365,5 @@ class AdapterMerger:
         """Write every adapted weight from its base and ``adapters`` (all of them, by the model's names)."""
         for m in self.modules:
             a, b = adapters[f"{m}.lora_A.weight"], adapters[f"{m}.lora_B.weight"]
-            served[f"{m}.weight"].copy_(merged_weight(self.base[m], a.to(self.base[m].device),
-                                                      b.to(self.base[m].device), self.scaling))
+            dev = self.base[m].device
+            merge_into(served[f"{m}.weight"], self.base[m], a.to(dev), b.to(dev), self.scaling)
