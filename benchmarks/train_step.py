@@ -16,8 +16,9 @@ N counts every parameter but the input embedding, and recomputation is not count
 Peak memory is the peak growth of live tensor memory during one step (on CPU from the profiler's
 allocation records, on CUDA ``max_memory_allocated``), measured in a separate step of each variant;
 ``total_peak_mib`` adds what the trainer keeps between steps (weights and optimizer state, ``kept_mib``).
-``--lora RANK`` trains LoRA adapters on the frozen model (AdamW), for the memory against full training. The
-last line printed is one JSON object.
+``--lora RANK`` trains LoRA adapters on the frozen model (AdamW), for the memory against full training;
+``--lora-base-dtype bfloat16`` keeps the adapted projections' frozen weights in bfloat16, as a LoRA run does when
+the checkpoint (and so the replicas) is bfloat16. The last line printed is one JSON object.
 """
 
 from __future__ import annotations
@@ -143,9 +144,11 @@ def _peak_memory(engine: TrainingEngine, prompts, responses, variant: str) -> in
 
 
 def measure(model_name: str, repeats: int = 3, warmup: int = 1, device: str = "cpu", dtype: str = "float32",
-            tokens: int | None = None, seed: int = 0, variants: tuple[str, ...] = VARIANTS, lora: int = 0) -> dict:
+            tokens: int | None = None, seed: int = 0, variants: tuple[str, ...] = VARIANTS, lora: int = 0,
+            lora_base_dtype: str = "float32") -> dict:
     """Build the model, time every variant ``repeats`` times in alternation; returns the JSON record. ``lora``:
-    train LoRA adapters of this rank (alpha 2·rank, default targets, AdamW) on the frozen model instead."""
+    train LoRA adapters of this rank (alpha 2·rank, default targets, AdamW) on the frozen model instead, its
+    adapted projections' weights kept in ``lora_base_dtype``."""
     dev = torch.device(device)
     cfg = CONFIGS[model_name]
     torch.manual_seed(seed)
@@ -164,7 +167,7 @@ def measure(model_name: str, repeats: int = 3, warmup: int = 1, device: str = "c
         from engines.model.lora import LoraSpec, apply_lora, default_targets
 
         apply_lora(model, LoraSpec(lora, 2.0 * lora, target_modules=default_targets(cfg)), torch.float32,
-                   torch.Generator(device=dev).manual_seed(seed))
+                   torch.Generator(device=dev).manual_seed(seed), base_dtype=getattr(torch, lora_base_dtype))
     engine = TrainingEngine(model, build_optimizers(model, "adamw" if lora else "muon", 1e-4, 0.0), pad_id=0)
     say("train_step", f"{model_name} built on {device} ({len(prompts)} sequences)")
     times: dict[str, list[float]] = {v: [] for v in variants}
@@ -190,6 +193,7 @@ def measure(model_name: str, repeats: int = 3, warmup: int = 1, device: str = "c
            "params": sum(p.numel() for p in model.parameters()), "tokens": total, "sequences": len(prompts),
            "attention": engine.attention, "model_tflop": round(flops / 1e12, 4),
            "matmul_peak_tflops": round(peak_flops / 1e12, 4), "repeats": repeats, "lora_rank": lora,
+           "lora_base_dtype": lora_base_dtype if lora else None,
            "trainable_params": sum(p.numel() for p in model.parameters() if p.requires_grad),
            "kept_mib": round(kept / 2**20, 1)}
     for v in variants:
@@ -227,6 +231,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     ap.add_argument("--lora", type=int, default=0, metavar="RANK", help="train LoRA adapters of RANK on the frozen "
                     "model (AdamW) instead of every weight")
+    ap.add_argument("--lora-base-dtype", choices=["float32", "bfloat16"], default="float32",
+                    help="with --lora: the dtype the adapted projections' frozen weights are kept in")
     ap.add_argument("--json", action="store_true", help="print the JSON record as the last line")
     args = ap.parse_args(argv)
     if args.repeats < 1 or args.warmup < 0:
@@ -236,7 +242,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     rec = measure(args.model, args.repeats, args.warmup, args.device, args.dtype, args.tokens,
-                  variants=tuple(args.variants), lora=args.lora)
+                  variants=tuple(args.variants), lora=args.lora, lora_base_dtype=args.lora_base_dtype)
     print(f"model {rec['model']}: {rec['params'] / 1e6:.1f}M params, {rec['tokens']} tokens in {rec['sequences']} "
           f"sequences ({rec['attention']}), matmul peak {rec['matmul_peak_tflops'] * 1e3:.1f} GFLOP/s")
     for v in args.variants:

@@ -2,6 +2,7 @@
 only the adapters, saved adapters load with peft on top of the transformers model and give the trainer's log-probs,
 and the native inference engine merges received adapters into an exact base."""
 
+import copy
 import json
 
 import peft
@@ -88,6 +89,56 @@ def test_adapter_forward_equals_the_merged_model(base_dir):
     base = logits(load_pretrained(base_dir), IDS)
     assert (ours - base).abs().max() > 1e-2  # the adapters change the output
     torch.testing.assert_close(ours, logits(merged, IDS), atol=1e-5, rtol=0)
+
+
+def test_a_narrow_base_computes_what_its_widened_copy_does_and_keeps_no_wide_copy(base_dir):
+    """The frozen base kept in bfloat16 (a bfloat16 checkpoint's own values) under float32 compute: the same
+    log-probs and adapter gradients as the float32 copy of those values, half the base bytes, and autograd saves
+    no float32 copy of a base weight."""
+    rounded = load_pretrained(base_dir)
+    with torch.no_grad():  # a bfloat16 checkpoint: values bfloat16 can hold
+        for p in rounded.parameters():
+            p.copy_(p.bfloat16().float())
+    wide, narrow = copy.deepcopy(rounded), copy.deepcopy(rounded)
+    apply_lora(wide, SPEC, generator=torch.Generator().manual_seed(1))
+    paths = apply_lora(narrow, SPEC, generator=torch.Generator().manual_seed(1), base_dtype=torch.bfloat16)
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for (name, pw), pn in zip(wide.named_parameters(), narrow.parameters(), strict=True):
+            if ".lora_B." in name:
+                pw.copy_(torch.randn(pw.shape, generator=g) * 0.1)
+                pn.copy_(pw)
+    for path in paths:
+        assert narrow.get_submodule(path).weight.dtype == torch.bfloat16
+        assert narrow.get_submodule(path).lora_A.weight.dtype == torch.float32
+    wide_shapes = {tuple(narrow.get_submodule(p).weight.shape) for p in paths}
+    params = {p.data_ptr() for m in (wide, narrow) for p in m.parameters()}
+    saved_wide = []
+
+    def pack(t):  # a float32 tensor of a base weight's shape that is no parameter: a widened copy
+        if t.dtype == torch.float32 and tuple(t.shape) in wide_shapes and t.data_ptr() not in params:
+            saved_wide.append(tuple(t.shape))
+        return t
+
+    grads = {}
+    for name, model in (("wide", wide), ("narrow", narrow)):
+        engine = TrainingEngine(model, [], pad_id=0, attention="sdpa")
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            s = engine.score([[3, 4, 5, 6]], [[7, 8, 9]], 1.0)
+            if name == "narrow":
+                narrow_saved = list(saved_wide)
+            saved_wide.clear()
+        (-(s.logprobs * s.mask).sum()).backward()
+        grads[name] = ({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None},
+                       s.logprobs.detach())
+    assert narrow_saved == []
+    assert torch.equal(grads["narrow"][1], grads["wide"][1])
+    assert grads["narrow"][0].keys() == grads["wide"][0].keys() and len(grads["wide"][0]) == 2 * len(paths)
+    for n, gw in grads["wide"][0].items():
+        torch.testing.assert_close(grads["narrow"][0][n], gw, atol=1e-6, rtol=1e-6)
+    size = lambda m: sum(p.numel() * p.element_size() for p in m.parameters())  # noqa: E731
+    base_bytes = sum(narrow.get_submodule(p).weight.numel() for p in paths) * 2
+    assert size(wide) - size(narrow) == base_bytes
 
 
 @pytest.mark.parametrize("init", ["kaiming", "gaussian"])

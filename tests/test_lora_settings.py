@@ -9,11 +9,13 @@ import json
 
 import pytest
 
+from engines.model.hf_io import read_config
+from engines.model.lora import LoraSpec
 from rl.cli import main
 from rl.config import parse_config
 from rl.errors import UserError
 from rl.settings import for_model
-from rl.setup.memory import estimate_run
+from rl.setup.memory import ModelShape, estimate_run, trainer_bytes
 from tests.hf_families import hf_config
 
 LAYERS, HIDDEN, INTER, HEADS, KV = 2, 64, 96, 4, 2
@@ -128,6 +130,13 @@ def test_check_config_counts_the_adapters_gradients_and_optimizer_state(dirs, tm
     assert est.trainer_grads == n * 4  # float32 master adapters only
     assert est.optimizer == n * 2 * 4  # AdamW's two moments of the adapters
     assert est.trainer_weights == full.params * 4 + n * 4  # the frozen base (float32 here) and the adapters
+    # a bfloat16 serving dtype: the adapted projections' frozen weights are kept in it, the rest in float32
+    shape = ModelShape.of(read_config(dirs["llama"]), LoraSpec(8, 16.0))
+    hd = HIDDEN // HEADS
+    adapted = LAYERS * (HIDDEN * HEADS * hd * 2 + HIDDEN * KV * hd * 2 + HIDDEN * INTER * 3)
+    assert shape.adapted_params == adapted
+    weights, grads, _ = trainer_bytes(shape, 1, "float32", "adamw", "bfloat16")
+    assert weights == adapted * 2 + (full.params - adapted) * 4 + n * 4 and grads == n * 4
 
 
 def test_memory_plan_with_lora_counts_adapters_only(capsys):

@@ -65,15 +65,35 @@ class LoraSpec:
         return self.alpha / self.rank
 
 
+class _NarrowBaseLinear(torch.autograd.Function):
+    """x·Wᵀ (+ b) for a frozen W stored narrower than x (a bfloat16 base under float32 compute): W is widened for
+    the product and again for the backward's x-gradient, so autograd keeps the narrow W, never a wide copy."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        ctx.save_for_backward(weight)
+        return F.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (weight,) = ctx.saved_tensors
+        return grad @ weight.to(grad.dtype), None, None
+
+
 class LoraLinear(nn.Linear):
-    """A frozen ``nn.Linear`` plus a trainable low-rank update (``lora_A``, ``lora_B``, ``scaling``)."""
+    """A frozen ``nn.Linear`` plus a trainable low-rank update (``lora_A``, ``lora_B``, ``scaling``). The frozen
+    weight may be stored in a narrower dtype than the input (``apply_lora``'s ``base_dtype``): the product is then
+    computed in the input's dtype, as with a widened copy, without keeping one."""
 
     lora_A: nn.Linear
     lora_B: nn.Linear
     scaling: float
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x, self.weight, self.bias)
+        if self.weight.dtype == x.dtype:
+            out = F.linear(x, self.weight, self.bias)
+        else:
+            out = _NarrowBaseLinear.apply(x, self.weight, self.bias)
         a = self.lora_A.weight
         low = self.lora_B(self.lora_A(self.lora_dropout(x).to(a.dtype)))
         return out + (low * self.scaling).to(out.dtype)
@@ -138,10 +158,12 @@ def init_adapters(model: nn.Module, spec: LoraSpec, generator: torch.Generator |
 
 
 def apply_lora(model: nn.Module, spec: LoraSpec, adapter_dtype: torch.dtype = torch.float32,
-               generator: torch.Generator | None = None) -> list[str]:
+               generator: torch.Generator | None = None, base_dtype: torch.dtype | None = None) -> list[str]:
     """Freeze every parameter of ``model`` and turn each target projection into a ``LoraLinear`` (same weight and
     bias tensors, adapters in ``adapter_dtype`` on the base's device, initialised by ``init_adapters``); returns the
-    adapted paths. A meta-device model gets meta adapters (initialise them after ``to_empty``)."""
+    adapted paths. A meta-device model gets meta adapters (initialise them after ``to_empty``). ``base_dtype``:
+    the adapted projections' frozen weights are kept in this dtype (the checkpoint's, so nothing is lost, e.g.
+    bfloat16 under float32 compute: half the bytes of most of the model)."""
     cfg = model.config
     paths = check_lora(cfg, spec, model)
     for p in model.parameters():
@@ -149,6 +171,8 @@ def apply_lora(model: nn.Module, spec: LoraSpec, adapter_dtype: torch.dtype = to
     for path in paths:
         lin = model.get_submodule(path)
         lin.__class__ = LoraLinear  # keeps weight, bias and hooks: the base is not copied
+        if base_dtype is not None and lin.weight.dtype != base_dtype:
+            lin.weight = nn.Parameter(lin.weight.detach().to(base_dtype), requires_grad=False)
         dev = lin.weight.device
         lin.lora_A = nn.Linear(lin.in_features, spec.rank, bias=False, device=dev, dtype=adapter_dtype)
         lin.lora_B = nn.Linear(spec.rank, lin.out_features, bias=False, device=dev, dtype=adapter_dtype)

@@ -135,8 +135,12 @@ class TrainerWorker:
         shard = world > 1 or t.compute_dtype != t.master_dtype
         model = self._model(arch, shard, device)
         if t.lora is not None:  # frozen base, adapters in the master dtype, A drawn alike on every rank
-            apply_lora(model, t.lora, getattr(torch, t.master_dtype),
-                       torch.Generator(device=device).manual_seed(LORA_SEED))
+            # the adapted projections' base is kept as the replicas serve it, the checkpoint's own dtype (start-up
+            # refuses a LoRA run whose replicas do not load the checkpoint as it is): narrower than the master
+            # dtype loses nothing and halves most of the model's bytes
+            master, served = getattr(torch, t.master_dtype), getattr(torch, t.replica_dtype)
+            apply_lora(model, t.lora, master, torch.Generator(device=device).manual_seed(LORA_SEED),
+                       base_dtype=served if served.itemsize < master.itemsize else None)
         self.model_dir = model_dir
         track_max_logits(model, True)
         model.activation_checkpointing = t.activation_checkpointing

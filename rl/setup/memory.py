@@ -57,6 +57,7 @@ class ModelShape:
     layer_activations: int      # elements one layer keeps per token for its backward (largest layer)
     adapter_params: int = 0     # LoRA: the adapters' parameters (``params`` is then the frozen base)
     adapter_muon_params: int = 0  # of which Muon would take (the factors of rank 2 and more)
+    adapted_params: int = 0     # LoRA: the frozen weights of the adapted projections (kept in the serving dtype)
 
     @classmethod
     def of(cls, arch: ModelConfig | ModelDescription, lora: LoraSpec | None = None) -> ModelShape:
@@ -71,14 +72,15 @@ class ModelShape:
             model = empty_hf_model(arch.hf_config)  # parameters on meta: only the rotary tables are computed
         else:
             model = build_model(arch, device="meta")  # shapes only: a 1 T-parameter config costs nothing here
-        adapters = 0, 0
+        adapters = 0, 0, 0
         if lora is not None:
             from engines.model.lora import apply_lora
 
-            apply_lora(model, lora)  # on meta: the adapters' shapes only
+            paths = apply_lora(model, lora)  # on meta: the adapters' shapes only
             trainable = [p for p in model.parameters() if p.requires_grad]
             muon = muon_params(model)
-            adapters = sum(p.numel() for p in trainable), sum(p.numel() for p in trainable if id(p) in muon)
+            adapters = (sum(p.numel() for p in trainable), sum(p.numel() for p in trainable if id(p) in muon),
+                        sum(model.get_submodule(p).weight.numel() for p in paths))
         params = [p for p in model.parameters() if not p.requires_grad] if lora is not None else \
             list(model.parameters())
         muon = muon_params(model)
@@ -232,15 +234,17 @@ def _itemsize(dtype: str) -> int:
 def trainer_bytes(shape: ModelShape, ranks: int, master_dtype: str, optimizer: str,
                   base_dtype: str | None = None) -> tuple[int, int, int]:
     """(master weights, gradients, optimizer state) per rank of an FSDP2 trainer over ``ranks``. With LoRA
-    (``shape.adapter_params``) the weights are the frozen base in ``base_dtype`` (the serving dtype) plus the
-    adapters in the master dtype, and only the adapters have gradients and optimizer state."""
+    (``shape.adapter_params``) the weights are the adapted projections' frozen weights in ``base_dtype`` (the
+    serving dtype), the rest of the frozen model and the adapters in the master dtype, and only the adapters have
+    gradients and optimizer state."""
     master = _itemsize(master_dtype)
     shard = lambda b: -(-b // ranks)  # noqa: E731
     lora = shape.adapter_params > 0
     n, n_muon = (shape.adapter_params, shape.adapter_muon_params) if lora else (shape.params, shape.muon_params)
     # Muon keeps one momentum per element, AdamW two moments, both in the master dtype
     states = n_muon * 1 + (n - n_muon) * 2 if optimizer == "muon" else n * 2
-    weights = shape.params * _itemsize(base_dtype or master_dtype) + n * master if lora else n * master
+    adapted = shape.adapted_params * _itemsize(base_dtype or master_dtype)
+    weights = adapted + (shape.params - shape.adapted_params + n) * master if lora else n * master
     return shard(weights), shard(n * master), shard(states * master)
 
 
