@@ -327,10 +327,14 @@ def lora_spec(cfg: Config, arch: ModelConfig | ModelDescription, engine: str,
 
 def lora_run_checks(cfg: Config, compute_dtype: str, level: int) -> None:
     """What a LoRA run needs of the cluster and the rollout engine's sleep (one line each when it cannot run)."""
-    if cfg.cluster.workers * ranks_per_worker(cfg) > 1 or compute_dtype != cfg.trainer.master_dtype:
-        raise UserError(f"model.lora trains on one unsharded trainer rank for now (FSDP2 with adapters is not wired): "
-                        f"set cluster.workers 1 and trainer.master_dtype to the compute dtype ({compute_dtype}), or "
-                        "train without model.lora")
+    if cfg.cluster.workers * ranks_per_worker(cfg) > 1:
+        raise UserError("model.lora trains on one unsharded trainer rank for now (FSDP2 with adapters is not wired): "
+                        "set cluster.workers 1 (and one GPU per worker), or train without model.lora")
+    if compute_dtype != cfg.trainer.master_dtype and compute_dtype != cfg.rollout_dtype:
+        # the frozen model is kept in the compute dtype; as the replicas' (the checkpoint's) dtype it loses nothing
+        raise UserError(f"model.lora keeps the frozen model in the compute dtype ({compute_dtype}), which must then be "
+                        f"the checkpoint's and the replicas' ({cfg.rollout_dtype}) so that nothing of it is rounded: "
+                        f"set trainer.param_dtype to {cfg.rollout_dtype} or {cfg.trainer.master_dtype}")
     if level == 2:  # set by hand: auto is 1 with LoRA (sleep_level)
         raise UserError("model.lora with rollout.sleep_level 2: the adapters' updates do not carry the base "
                         "weights that level 2 discards; set rollout.sleep_level 1")

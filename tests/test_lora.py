@@ -162,6 +162,25 @@ def test_a_training_step_moves_only_the_adapters(base_dir, init):
             assert torch.equal(p, before[n]), f"frozen {n} moved"
 
 
+def test_float32_adapters_train_over_a_bfloat16_model(base_dir):
+    """A LoRA run computing in bfloat16 on one rank keeps the frozen model in bfloat16 and the adapters (and AdamW's
+    state) in float32: gradients reach the adapters through the bfloat16 layers and only they move."""
+    model = load_pretrained(base_dir).to(torch.bfloat16)
+    apply_lora(model, LoraSpec(rank=2, alpha=4.0), torch.float32, torch.Generator().manual_seed(1))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    engine = TrainingEngine(model, build_optimizers(model, "adamw", lr=1e-2, weight_decay=0.0), pad_id=0,
+                            attention="sdpa")
+    for _ in range(2):
+        s = engine.score([[3, 4, 5, 6]], [[7, 8, 9]], 1.0)
+        (-(s.logprobs * s.mask).sum()).backward()
+        engine.step()
+    for n, p in model.named_parameters():
+        if ".lora_" in n:
+            assert p.dtype == torch.float32 and not torch.equal(p, before[n]), n
+        else:
+            assert p.dtype == torch.bfloat16 and torch.equal(p, before[n]), n
+
+
 def test_saved_adapters_load_with_peft_and_give_the_trainers_logprobs(base_dir, tmp_path):
     model = adapted(base_dir)
     save_adapters(SPEC, adapter_state(model), tmp_path, str(base_dir))

@@ -100,3 +100,36 @@ def test_a_lora_run_resumes_exactly(lora_run, tmp_path):
         assert torch.equal(a[k], b[k]), k
     assert [r["reward_mean"] for r in _records(split)] == [r["reward_mean"] for r in _records(full)]
     assert _records(split)[-1]["logprob_diff_max"] <= 1e-5  # the resumed replica merged the adapters
+
+
+def test_a_bfloat16_checkpoint_trains_adapters_in_float32_over_a_bfloat16_model(ray_cluster, tmp_path):
+    """The GPU shape of a LoRA run on one rank: a bfloat16 checkpoint computed in bfloat16 (model.dtype) with float32
+    master adapters and AdamW state. The frozen model stays bfloat16 in the trainer (no FSDP, nothing rounded: it is
+    the checkpoint's own dtype), the replica serves the same bfloat16 base plus the adapters, and final/ is the
+    bfloat16 checkpoint with nothing but the adapted projections changed, its adapters float32."""
+    start_dir = tmp_path / "bf16"
+    fp32 = tiny(**LORA)
+    src = prepare_model(fp32)
+    model = transformers.AutoModelForCausalLM.from_pretrained(src, torch_dtype=torch.bfloat16)
+    model.save_pretrained(start_dir)
+    for f in src.iterdir():  # the tokenizer and anything else beside the weights
+        if f.is_file() and not (start_dir / f.name).exists():
+            (start_dir / f.name).write_bytes(f.read_bytes())
+    run_dir = tmp_path / "run"
+    lora = {"path": str(start_dir), "dtype": "bfloat16", "lora": {"rank": RANK, "alpha": ALPHA}}
+    cfg = tiny(run={"iterations": 2, "eval_every": 3, "save_every": 2}, **{**LORA, "model": lora})
+    assert cfg.compute_dtype == "bfloat16" and cfg.trainer.master_dtype == "float32"
+    train(cfg, run_dir)
+    steps = [r for r in _records(run_dir) if "logprob_diff_max" in r]
+    assert len(steps) == 2 and all(r["logprob_diff_max"] < 0.1 for r in steps)  # bfloat16 on both sides
+    start = load_file(str(start_dir / "model.safetensors"))
+    final = load_file(str(run_dir / "final" / "model.safetensors"))
+    assert {t.dtype for t in final.values()} == {torch.bfloat16}
+    for name, w in final.items():
+        if not name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight", "gate_proj.weight",
+                              "up_proj.weight", "down_proj.weight")):
+            assert torch.equal(w, start[name]), name  # embeddings, norms, the head: the checkpoint's bits
+    # (this 15-step warm start samples no reward in bfloat16 here, so the adapters may not move: that a bfloat16
+    # model with float32 adapters trains is tests/test_lora.py's)
+    adapters = load_file(str(run_dir / "final" / ADAPTER_DIR / ADAPTER_WEIGHTS))
+    assert {t.dtype for t in adapters.values()} == {torch.float32}

@@ -85,6 +85,8 @@ def test_an_moe_model_adapts_attention_by_default_and_refuses_experts_by_name(di
     ("deepseek_v3", {}, (), "model.lora: LoRA on deepseek_v3 is not supported: its latent attention (MLA)"),
     ("gemma3_text", {}, (), "model.lora runs on the native backend only"),
     ("llama", {}, ("cluster.workers=2",), "model.lora trains on one unsharded trainer rank for now"),
+    ("llama", {}, ("trainer.param_dtype=bfloat16",), "model.lora keeps the frozen model in the compute dtype "
+     "(bfloat16), which must then be the checkpoint's and the replicas' (float32)"),
     ("llama", {}, ("rollout.sleep_level=2",), "model.lora with rollout.sleep_level 2: the adapters' updates do not"),
 ])
 def test_settings_that_cannot_run_are_one_line(dirs, model, lora, overrides, says):
@@ -137,6 +139,19 @@ def test_check_config_counts_the_adapters_gradients_and_optimizer_state(dirs, tm
     assert shape.adapted_params == adapted
     weights, grads, _ = trainer_bytes(shape, 1, "float32", "adamw", "bfloat16")
     assert weights == adapted * 2 + (full.params - adapted) * 4 + n * 4 and grads == n * 4
+
+
+def test_a_bfloat16_model_trains_lora_on_one_unsharded_rank(dirs):
+    """model.dtype bfloat16: compute in bfloat16 over float32 master adapters, no FSDP; the plan counts the frozen
+    model in bfloat16 and the adapters, their gradients and AdamW's moments in float32."""
+    cfg = parse_config({**_cfg(dirs["llama"], rank=8), "model": {"path": str(dirs["llama"]), "dtype": "bfloat16",
+                                                                "lora": {"rank": 8}}})
+    s = for_model(cfg, str(dirs["llama"]))
+    assert (s.trainer.compute_dtype, s.trainer.master_dtype, s.trainer.replica_dtype) == \
+        ("bfloat16", "float32", "bfloat16")
+    est, _ = estimate_run(cfg)
+    n = _adapters(8)
+    assert est.trainer_weights == est.params * 2 + n * 4 and est.trainer_grads == n * 4
 
 
 def test_memory_plan_with_lora_counts_adapters_only(capsys):

@@ -132,13 +132,16 @@ class TrainerWorker:
         arch = self._arch(model_dir)
         # master weights (and optimizer state) in trainer.master_dtype, compute in bf16 through FSDP's mixed
         # precision; replicas get rollout.dtype (cast per bucket)
-        shard = world > 1 or t.compute_dtype != t.master_dtype
+        # LoRA on one rank needs no FSDP for mixed precision: its frozen model is kept in the compute dtype
+        shard = world > 1 or (t.compute_dtype != t.master_dtype and t.lora is None)
         model = self._model(arch, shard, device)
         if t.lora is not None:  # frozen base, adapters in the master dtype, A drawn alike on every rank
-            # the adapted projections' base is kept as the replicas serve it, the checkpoint's own dtype (start-up
+            master, served = getattr(torch, t.master_dtype), getattr(torch, t.replica_dtype)
+            if t.compute_dtype != t.master_dtype:  # the checkpoint's dtype (lora_run_checks): nothing is rounded
+                model.to(getattr(torch, t.compute_dtype))
+            # else the adapted projections' base is kept as the replicas serve it, the checkpoint's own dtype (start-up
             # refuses a LoRA run whose replicas do not load the checkpoint as it is): narrower than the master
             # dtype loses nothing and halves most of the model's bytes
-            master, served = getattr(torch, t.master_dtype), getattr(torch, t.replica_dtype)
             apply_lora(model, t.lora, master, torch.Generator(device=device).manual_seed(LORA_SEED),
                        base_dtype=served if served.itemsize < master.itemsize else None)
         self.model_dir = model_dir

@@ -232,19 +232,21 @@ def _itemsize(dtype: str) -> int:
 
 
 def trainer_bytes(shape: ModelShape, ranks: int, master_dtype: str, optimizer: str,
-                  base_dtype: str | None = None) -> tuple[int, int, int]:
+                  base_dtype: str | None = None, frozen_dtype: str | None = None) -> tuple[int, int, int]:
     """(master weights, gradients, optimizer state) per rank of an FSDP2 trainer over ``ranks``. With LoRA
     (``shape.adapter_params``) the weights are the adapted projections' frozen weights in ``base_dtype`` (the
-    serving dtype), the rest of the frozen model and the adapters in the master dtype, and only the adapters have
-    gradients and optimizer state."""
+    serving dtype), the rest of the frozen model in ``frozen_dtype`` (default the master dtype; the compute dtype when
+    a LoRA run computes in another), the adapters in the master dtype, and only they have gradients and optimizer
+    state."""
     master = _itemsize(master_dtype)
     shard = lambda b: -(-b // ranks)  # noqa: E731
     lora = shape.adapter_params > 0
     n, n_muon = (shape.adapter_params, shape.adapter_muon_params) if lora else (shape.params, shape.muon_params)
     # Muon keeps one momentum per element, AdamW two moments, both in the master dtype
     states = n_muon * 1 + (n - n_muon) * 2 if optimizer == "muon" else n * 2
-    adapted = shape.adapted_params * _itemsize(base_dtype or master_dtype)
-    weights = adapted + (shape.params - shape.adapted_params + n) * master if lora else n * master
+    frozen = (shape.adapted_params * _itemsize(base_dtype or master_dtype)
+              + (shape.params - shape.adapted_params) * _itemsize(frozen_dtype or master_dtype))
+    weights = frozen + n * master if lora else n * master
     return shard(weights), shard(n * master), shard(states * master)
 
 
@@ -286,8 +288,12 @@ def estimate(cfg: Config, arch: ModelConfig | ModelDescription, max_seq_len: int
     workers = cfg.cluster.workers * ranks_per_worker(cfg)
     compute_dtype, rollout_dtype_name = cfg.compute_dtype, cfg.rollout_dtype
     opt_kind = cfg.model.lora.optimizer if lora is not None and cfg.model.lora is not None else cfg.optimizer.kind
-    weights, grads, opt = trainer_bytes(shape, workers, cfg.trainer.master_dtype, opt_kind, rollout_dtype_name)
-    sharded = workers > 1 or compute_dtype != cfg.trainer.master_dtype
+    # LoRA computing in another dtype than the master keeps its frozen model in it (rl.loop.workers), unsharded
+    lora_mixed = lora is not None and compute_dtype != cfg.trainer.master_dtype
+    weights, grads, opt = trainer_bytes(shape, workers, cfg.trainer.master_dtype, opt_kind,
+                                        compute_dtype if lora_mixed else rollout_dtype_name,
+                                        compute_dtype if lora_mixed else None)
+    sharded = workers > 1 or (compute_dtype != cfg.trainer.master_dtype and lora is None)
     work = training_working_set(shape, cfg.algorithm.micro_batch_tokens, compute_dtype,
                                 cfg.trainer.activation_checkpointing, sharded)
     # per device: a tensor-parallel replica's ranks hold a shard each (and a KV cache of rollout.kv_cache_mb each)
