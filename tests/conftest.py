@@ -105,3 +105,14 @@ def served_judge(tmp_path_factory):
 
     with serve_judge(tmp_path_factory.mktemp("judge") / "judge") as judge:
         yield judge
+
+
+@pytest.fixture(scope="module")
+def torch_muon_kernels():
+    """ShardedMuon runs torch's bfloat16 kernels, in this process and in the ranks it spawns, for tests whose
+    reference is torch.optim.Muon (a CPU without bfloat16 GEMMs would otherwise emulate them: tests/test_muon_ns.py)."""
+    from engines.training.muon import BF16_KERNELS_ENV
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(BF16_KERNELS_ENV, "1")
+        yield

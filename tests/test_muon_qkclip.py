@@ -20,7 +20,7 @@ from engines.model.attention import Attention, positions_from_valid
 from engines.model.causal_lm import CausalLM, track_max_logits
 from engines.model.document_mask import DocumentMask
 from engines.model.sharded import chunk_rows
-from engines.training.muon import BF16_KERNELS_ENV, ShardedMuon, assign_owners
+from engines.training.muon import ShardedMuon, assign_owners
 from engines.training.optim import build_optimizers
 from engines.training.qk_clip import qk_clip
 from tests.conftest import tiny_config
@@ -36,13 +36,8 @@ CLIP_CONFIGS = {"mha": dict(num_attention_heads=3, num_key_value_heads=3),
                 "mqa": dict(num_attention_heads=3, num_key_value_heads=1)}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def torch_muon_kernels():
-    """torch.optim.Muon is the reference here: ShardedMuon runs its bfloat16 kernels too, in this process and
-    in the ranks it spawns (a CPU without bfloat16 GEMMs would otherwise emulate them: tests/test_muon_ns.py)."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(BF16_KERNELS_ENV, "1")
-        yield
+# torch.optim.Muon is the reference: ShardedMuon runs torch's bfloat16 kernels too (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("torch_muon_kernels")
 
 
 # ---------------------------------------------------------------------------------------------- helpers

@@ -20,7 +20,7 @@ from engines.model.attention import LatentAttention, positions_from_valid
 from engines.model.causal_lm import CausalLM, track_max_logits
 from engines.model.document_mask import DocumentMask
 from engines.model.moe import Router
-from engines.training.muon import BF16_KERNELS_ENV, ShardedMuon
+from engines.training.muon import ShardedMuon
 from engines.training.optim import build_optimizers
 from engines.training.qk_clip import qk_clip
 from tests.ranks import rank_body, run_ranks
@@ -32,13 +32,8 @@ STEPS = 3
 
 
 
-@pytest.fixture(autouse=True, scope="module")
-def torch_muon_kernels():
-    """torch.optim.Muon is the reference here: ShardedMuon runs its bfloat16 kernels too, in this process and
-    in the ranks it spawns (a CPU without bfloat16 GEMMs would otherwise emulate them: tests/test_muon_ns.py)."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(BF16_KERNELS_ENV, "1")
-        yield
+# torch.optim.Muon is the reference: ShardedMuon runs torch's bfloat16 kernels too (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("torch_muon_kernels")
 
 
 def k2_config(**kw):
