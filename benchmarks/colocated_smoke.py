@@ -175,6 +175,7 @@ def run(model_name: str | ModelConfig = "demo", device: str = "cpu", dtype: str 
                                  cuda_graphs=dev.type == "cuda")
         receiver = WeightReceiver(trainer.plan, trainer.handles, engine.named_tensors(),
                                   on_commit=engine.swap_weights, placements=engine.weight_placements() or None)
+        say("colocated_smoke", "engine and receiver ready")
         equal = []
         _, _, cast = timed("fill", trainer.send_weights, receiver, 1)
         equal.append(_digests(model_tensors(replica)) == cast)

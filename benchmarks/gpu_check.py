@@ -304,6 +304,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--weights", nargs="+", choices=["bf16", "fp32-to-bf16"], help="weight-update variants to run")
     ap.add_argument("--step-timeout", type=int, metavar="S", help="cap every step's time limit at S seconds (a "
                     "leased machine with little time left: a step cut short is recorded as a timeout)")
+    ap.add_argument("--limit", nargs="+", default=[], metavar="STEP=S", help="set these steps' time limits (raise "
+                    "or lower), e.g. tests=300 when a lease skips steps measured before")
     ap.add_argument("--deadline", type=int, metavar="S", help="the whole check's time budget: each step gets at most "
                     "what is left of S seconds, and a step with under 20 s left is recorded as skipped")
     ap.add_argument("--logs", type=Path, metavar="DIR", help="write each step's whole output to DIR/NN-<step>.log")
@@ -325,8 +327,14 @@ def main(argv: list[str] | None = None) -> int:
              and (not a.weights or s.extra.get("weights", a.weights[0]) in a.weights)]
     if a.only:  # in the order asked: a short lease measures what matters most first
         steps.sort(key=lambda s: a.only.index(s.name))
+    limits = {}
+    for item in a.limit:
+        name, _, secs = item.partition("=")
+        if not secs.isdigit() or name not in {s.name for s in steps}:
+            ap.error(f"--limit {item!r}: expected STEP=SECONDS for a step of this plan")
+        limits[name] = int(secs)
     for s in steps:
-        s.timeout_s = min(s.timeout_s, a.step_timeout or s.timeout_s)
+        s.timeout_s = min(limits.get(s.name, s.timeout_s), a.step_timeout or 10**9)
     if a.dry_run and not a.lease:  # what a lease would run, beside the plan this dry run runs
         print(f"plan on a leased GPU (--lease):\n{format_plan(lease_plan(False, with_vllm))}", flush=True)
     if a.dry_run or a.lease or a.plan_only:
