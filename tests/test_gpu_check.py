@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import re
+
+import pytest
 
 from benchmarks import gpu_check
 
@@ -135,3 +138,15 @@ def test_the_lease_collects_every_test_file_that_asks_for_cuda():
             if re.search(r"cuda\.is_available|device_count\(\)", p.read_text())}
     assert asks <= set(gpu_check.GPU_TEST_FILES), sorted(asks - set(gpu_check.GPU_TEST_FILES))
     assert all((root / f).is_file() for f in gpu_check.GPU_TEST_FILES)
+
+
+def test_limit_sets_a_steps_time_raised_or_lowered_and_refuses_an_unknown_step(capsys):
+    """A lease that skips steps measured before gives the rest more time (the 2026-11-28 lease: tests=320)."""
+    assert gpu_check.main(["--lease", "--plan-only", "--only", "preflight", "tests", "--limit", "tests=320",
+                           "preflight=9"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"preflight\s+9 s", out) and re.search(r"tests\s+320 s", out) and "add up to 329 s" in out
+    for bad in ("decode=60", "tests=soon"):  # decode: not in this plan's --only
+        with pytest.raises(SystemExit):
+            gpu_check.main(["--lease", "--plan-only", "--only", "tests", "--limit", bad])
+        assert "--limit" in capsys.readouterr().err
