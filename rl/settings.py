@@ -204,13 +204,11 @@ def engine_kind(cfg: Config) -> tuple[str, str]:
 
 def sleep_level(cfg: Config) -> tuple[int, str]:
     """``rollout.sleep_level`` and why: auto = 2 where the workers have GPUs (the update refills the weights: no
-    host copy, the memory of both for the trainer), 1 on CPU (the weights stay in RAM either way) and with LoRA (its
-    updates do not refill the base)."""
+    host copy, the memory of both for the trainer; with LoRA the replica's host copy of the base and the adapters
+    refill them), 1 on CPU (the weights stay in RAM either way)."""
     level = cfg.rollout.sleep_level
     if level != "auto":
         return int(level), "set in rollout.sleep_level"
-    if cfg.model.lora is not None:
-        return 1, "auto with model.lora: the updates carry the adapters, so the replicas keep their base"
     return (2, "auto: GPU workers (the update refills the weights)") if cfg.cluster.gpus_per_worker > 0 else \
         (1, "auto: CPU workers")
 
@@ -258,7 +256,7 @@ def resolve(cfg: Config, arch: ModelConfig | ModelDescription, model_dir: str, c
     correction = None if correction_kind == "none" else Correction(correction_kind, m.level, m.cap)
     lora = lora_spec(cfg, arch, kind, choices)
     if lora is not None:
-        lora_run_checks(cfg, compute_dtype, level)
+        lora_run_checks(cfg, compute_dtype)
     opt_kind, tau = (o.kind, o.qk_clip_tau) if lora is None else (cfg.model.lora.optimizer, None)
     recompute = a.recompute_old_logprobs
     if recompute == "auto":
@@ -325,8 +323,8 @@ def lora_spec(cfg: Config, arch: ModelConfig | ModelDescription, engine: str,
     return spec
 
 
-def lora_run_checks(cfg: Config, compute_dtype: str, level: int) -> None:
-    """What a LoRA run needs of the cluster and the rollout engine's sleep (one line each when it cannot run)."""
+def lora_run_checks(cfg: Config, compute_dtype: str) -> None:
+    """What a LoRA run needs of the cluster and of its dtypes (one line each when it cannot run)."""
     if cfg.cluster.workers * ranks_per_worker(cfg) > 1:
         raise UserError("model.lora trains on one unsharded trainer rank for now (FSDP2 with adapters is not wired): "
                         "set cluster.workers 1 (and one GPU per worker), or train without model.lora")
@@ -335,9 +333,6 @@ def lora_run_checks(cfg: Config, compute_dtype: str, level: int) -> None:
         raise UserError(f"model.lora keeps the frozen model in the compute dtype ({compute_dtype}), which must then be "
                         f"the checkpoint's and the replicas' ({cfg.rollout_dtype}) so that nothing of it is rounded: "
                         f"set trainer.param_dtype to {cfg.rollout_dtype} or {cfg.trainer.master_dtype}")
-    if level == 2:  # set by hand: auto is 1 with LoRA (sleep_level)
-        raise UserError("model.lora with rollout.sleep_level 2: the adapters' updates do not carry the base "
-                        "weights that level 2 discards; set rollout.sleep_level 1")
 
 
 def for_model(cfg: Config, model_dir: str, context: int | None = None) -> RunSettings:

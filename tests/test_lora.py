@@ -342,3 +342,34 @@ def test_bfloat16_compute_keeps_no_float32_copy_of_an_adapted_input(base_dir):
             kept.clear()
     assert kept == []
     assert F.cosine_similarity(grads["narrow"], grads["wide"], dim=0) > 0.99
+
+
+@pytest.mark.parametrize("kept", [True, False])
+def test_a_lora_replica_sleeps_at_level_two_and_the_adapters_refill_it(base_dir, kept):
+    """A replica that keeps its base (``keep_adapter_base``, as a LoRA run's rollout worker sets) discards its
+    weights at sleep level 2, before its first merge as after one, and the next adapter update alone brings back
+    every weight, bitwise those of a replica that never slept. Without it the unadapted weights are lost (kept=False:
+    what this test would see if the base copy were missing)."""
+    base = load_pretrained(base_dir)
+    eng, ref = _engine(build_model(base.config, fused=True)), _engine(build_model(base.config, fused=True))
+    for e in (eng, ref):
+        e.load_weights(hub_state(base).items())
+    if kept:
+        eng.keep_adapter_base()
+    prompts, params = [[3, 4, 5, 6, 7], [9, 10]], SamplingParams(0.0, 12, ignore_eos=True)
+    for seed in (1, 2):  # the first sleep comes before any merge (a run's first rollout), the second after one
+        update = adapter_state(adapted(base_dir, seed=seed))
+        eng.sleep(2)
+        eng.wake_up(kv_cache=False)  # the two-step wake: weights, the update, then the KV cache
+        eng.merge_adapters(update, SPEC.scaling)
+        eng.wake_up()
+        ref.merge_adapters(update, SPEC.scaling)
+        mine, theirs = eng.served_weights(), ref.served_weights()
+        same = all(torch.equal(mine[n], theirs[n]) for n in theirs)
+        if not kept:
+            assert not same and not torch.equal(mine["model.embed_tokens.weight"], theirs["model.embed_tokens.weight"])
+            return
+        assert same
+        assert [c.token_ids for c in eng.generate(prompts, params)] == \
+            [c.token_ids for c in ref.generate(prompts, params)]
+    assert eng.adapter_base_bytes == sum(t.numel() * t.element_size() for t in hub_state(base).values())

@@ -1,7 +1,9 @@
 """``model.lora`` through the RL loop on a real local Ray cluster (native backend, native engine): the trainer trains
 the adapters on a frozen base, each update carries the adapters only and the replica merges them onto the base it
 keeps, a checkpoint and ``final/`` are the merged policy with the adapters beside it in PEFT's format, and a resume
-continues exactly."""
+continues exactly. The run sleeps at level 2 (``LEVEL_2``): the replica discards its weights while the trainer runs,
+and each update of adapters alone refills them from the base the replica keeps on the host (the bfloat16 run sleeps
+at level 1, auto's choice on CPU workers)."""
 
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from rl.setup.warmstart import prepare_model
 from tests.test_run import tiny
 
 RANK, ALPHA = 4, 8.0
+LEVEL_2 = {"sleep_level": 2}
 LORA = {"model": {"lora": {"rank": RANK, "alpha": ALPHA}}, "optimizer": {"lr": 2e-2},
         "algorithm": {"drop_equal_reward_groups": False}}
 
@@ -32,7 +35,7 @@ def _records(run_dir):
 @pytest.fixture(scope="module")
 def lora_run(ray_cluster, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("lora") / "run"
-    cfg = tiny(run={"iterations": 3, "eval_every": 3, "save_every": 1}, **LORA)
+    cfg = tiny(run={"iterations": 3, "eval_every": 3, "save_every": 1}, rollout=LEVEL_2, **LORA)
     train(cfg, run_dir)
     return cfg, run_dir
 
@@ -91,7 +94,7 @@ def test_a_lora_run_resumes_exactly(lora_run, tmp_path):
     run ends bit for bit as the straight one."""
     _, full = lora_run
     split = tmp_path / "split"
-    train(tiny(run={"iterations": 2, "eval_every": 3, "save_every": 1}, **LORA), split)
+    train(tiny(run={"iterations": 2, "eval_every": 3, "save_every": 1}, rollout=LEVEL_2, **LORA), split)
     (split / "config.yaml").write_text((split / "config.yaml").read_text().replace("iterations: 2", "iterations: 3"))
     train(load_config(split / "config.yaml"), split, resume=True)
     a = load_file(str(full / "final" / "model.safetensors"))

@@ -87,7 +87,6 @@ def test_an_moe_model_adapts_attention_by_default_and_refuses_experts_by_name(di
     ("llama", {}, ("cluster.workers=2",), "model.lora trains on one unsharded trainer rank for now"),
     ("llama", {}, ("trainer.param_dtype=bfloat16",), "model.lora keeps the frozen model in the compute dtype "
      "(bfloat16), which must then be the checkpoint's and the replicas' (float32)"),
-    ("llama", {}, ("rollout.sleep_level=2",), "model.lora with rollout.sleep_level 2: the adapters' updates do not"),
 ])
 def test_settings_that_cannot_run_are_one_line(dirs, model, lora, overrides, says):
     with pytest.raises(UserError) as e:
@@ -165,14 +164,15 @@ def test_memory_plan_with_lora_counts_adapters_only(capsys):
     assert "latent attention (MLA)" in capsys.readouterr().err
 
 
-def test_gpu_workers_with_lora_sleep_at_level_one_and_say_why(dirs):
-    """auto picks sleep level 2 on GPU workers, whose updates refill the discarded weights; LoRA's updates carry only
-    the adapters, so auto is 1 there, for the run and for the memory plan alike."""
+def test_gpu_workers_with_lora_sleep_at_level_two_as_without_and_say_why(dirs):
+    """auto picks sleep level 2 on GPU workers with LoRA too (the replica's host copy of the base and the adapters
+    refill the discarded weights), and 1 on CPU workers, for the run and for the memory plan alike."""
     from rl.settings import sleep_level
 
     s = _resolve(dirs["llama"], ("cluster.gpus_per_worker=1", "rollout.engine=native"))
-    assert s.rollout.sleep_level == 1
-    assert ("rollout.sleep_level", "1") in [c[:2] for c in s.choices]
+    assert s.rollout.sleep_level == 2
+    assert ("rollout.sleep_level", "2") in [c[:2] for c in s.choices]
     cfg = parse_config(_cfg(dirs["llama"]), overrides=["cluster.gpus_per_worker=1"])
-    assert sleep_level(cfg)[0] == 1
+    assert sleep_level(cfg)[0] == 2
+    assert sleep_level(parse_config(_cfg(dirs["llama"])))[0] == 1
     assert sleep_level(parse_config({"cluster": {"gpus_per_worker": 1}}))[0] == 2

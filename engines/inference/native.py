@@ -117,7 +117,9 @@ class InferenceEngine(RolloutEngine):
         self._ids = itertools.count()
         self.sched = self._new_scheduler()
         self._weights_loaded = True
-        self._merger: AdapterMerger | None = None  # LoRA: the adapted weights' base copies (merge_adapters)
+        self._merger: AdapterMerger | None = None  # LoRA: the base copies merge_adapters merges from
+        self._adapter_base = False  # keep_adapter_base: a LoRA replica, whose base outlives a level-2 sleep
+        self._restore = False  # its weights were discarded since the last merge: the next one writes them all
         self.memory = EngineMemory(self.named_tensors(), self.kv_cache_bytes, self.device)
         self.generated = 0  # tokens sampled over the engine's life
         self.steps = 0  # forwards run over the engine's life
@@ -235,6 +237,14 @@ class InferenceEngine(RolloutEngine):
                                "before sleep()")
         self.runner.drop_cache()
         self.sched = self._new_scheduler()  # a fresh pool: nothing cached survives
+        if level == 2 and self._adapter_base and self._weights_loaded:
+            # the adapters' updates carry no base: keep all of it (the unadapted weights are still the base)
+            served = hub_state(self.model)
+            if self._merger is None:
+                self._merger = AdapterMerger(served, served)
+            else:
+                self._merger.keep(served, served)
+            self._restore = True
         kept = self.memory.sleep(level, self.named_tensors())
         if self.runner.graphs is not None and not kept:
             self.runner.graphs.clear()  # their memory pool goes too: the addresses they read will move
@@ -291,8 +301,14 @@ class InferenceEngine(RolloutEngine):
             if name not in mine or mine[name].shape != t.shape:
                 raise ValueError(f"no weight {name} of shape {tuple(t.shape)} in the inference engine")
             mine[name].copy_(t)
-        self._merger = None  # a new base: the next merge copies it again
+        self._merger, self._restore = None, False  # a new base: the next merge copies it again
         self.weights_loaded()
+
+    def keep_adapter_base(self) -> None:
+        """This replica serves base + LoRA adapters merged on receipt (``merge_adapters``): a level-2 sleep keeps
+        a host copy of the base (every weight), which the next merge writes back with the adapters, since the
+        adapters' updates carry no base."""
+        self._adapter_base = True
 
     @property
     def adapter_base_bytes(self) -> int:
@@ -309,9 +325,9 @@ class InferenceEngine(RolloutEngine):
         served = hub_state(self.model)
         if keep_base or self._merger is not None:
             if self._merger is None:
-                modules = sorted({n.rpartition(".lora_")[0] for n in adapters})
-                self._merger = AdapterMerger(served, modules, scaling)
-            self._merger.apply(served, adapters)
+                self._merger = AdapterMerger(served, sorted({f"{n.rpartition('.lora_')[0]}.weight" for n in adapters}))
+            self._merger.apply(served, adapters, scaling, restore=self._restore)
+            self._restore = False
         else:
             with torch.no_grad():
                 for m in sorted({n.rpartition(".lora_")[0] for n in adapters}):

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -210,7 +210,9 @@ def merge_into(out: torch.Tensor, base: torch.Tensor, a: torch.Tensor, b: torch.
     a32, b32 = a.float(), b.float()
     rows = max(1, MERGE_BLOCK_BYTES // (4 * base.shape[1]))
     for i in range(0, base.shape[0], rows):
-        out[i:i + rows].copy_(torch.addmm(base[i:i + rows].float(), b32[i:i + rows], a32, alpha=scaling))
+        # a base kept in (pinned) host memory comes to the device a block at a time
+        blk = base[i:i + rows].to(out.device, non_blocking=True).float()
+        out[i:i + rows].copy_(torch.addmm(blk, b32[i:i + rows], a32, alpha=scaling))
 
 
 def merged_weight(base: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float) -> torch.Tensor:
@@ -376,23 +378,50 @@ def check_adapter(adapter: PeftAdapter, base: Mapping[str, torch.Tensor], where:
 
 
 class AdapterMerger:
-    """Merge-on-receipt for a replica that serves plain weights: holds a copy of each adapted base weight (checkpoint
-    names) and writes W0 + s·B·A into the served tensor on every update, so the base stays exact however many
-    updates arrive. ``served``: the replica's weights under checkpoint names, as views it serves from."""
+    """Merge-on-receipt for a replica that serves plain weights: holds a copy of the base (checkpoint names) and
+    writes W0 + s·B·A into each adapted served tensor on every update, so the base stays exact however many updates
+    arrive. ``served``: the replica's weights under checkpoint names, as views it serves from; ``names``: the ones
+    to copy (the adapted weights; every weight where the replica may discard its own, as sleep level 2 does).
 
-    def __init__(self, served: Mapping[str, torch.Tensor], modules: list[str], scaling: float) -> None:
-        self.scaling = scaling
-        self.modules = list(modules)
-        self.base = {m: served[f"{m}.weight"].detach().clone() for m in self.modules}
+    The copies live in host memory (pinned where the replica is on a GPU): on the device they would double the
+    adapted weights' bytes, and stay there while the trainer has the GPU, since a sleep frees only the engine's
+    own tensors. Each update reads them block by block (``merge_into``)."""
+
+    def __init__(self, served: Mapping[str, torch.Tensor], names: Iterable[str]) -> None:
+        self.base: dict[str, torch.Tensor] = {}
+        self.keep(served, names)
+
+    def keep(self, served: Mapping[str, torch.Tensor], names: Iterable[str]) -> None:
+        """Copy ``names`` too (those not kept yet), which ``served`` must hold as the base."""
+        from engines.device import host_buffer
+
+        for n in names:
+            if n not in self.base:
+                t = served[n].detach()
+                copy = host_buffer(t.numel() * t.element_size(), pinned=t.device.type == "cuda")
+                self.base[n] = copy.view(t.dtype).view(t.shape)
+                self.base[n].copy_(t)
 
     @property
     def base_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.base.values())
 
     @torch.no_grad()
-    def apply(self, served: Mapping[str, torch.Tensor], adapters: Mapping[str, torch.Tensor]) -> None:
-        """Write every adapted weight from its base and ``adapters`` (all of them, by the model's names)."""
-        for m in self.modules:
-            a, b = adapters[f"{m}.lora_A.weight"], adapters[f"{m}.lora_B.weight"]
-            dev = self.base[m].device
-            merge_into(served[f"{m}.weight"], self.base[m], a.to(dev), b.to(dev), self.scaling)
+    def apply(self, served: Mapping[str, torch.Tensor], adapters: Mapping[str, torch.Tensor], scaling: float,
+              restore: bool = False) -> None:
+        """Write every adapted weight from its base and ``adapters`` (all of them, by the model's names);
+        ``restore``: first write every other kept weight back (the replica discarded its weights)."""
+        adapted = {f"{n.rpartition('.lora_')[0]}.weight" for n in adapters}
+        if restore:
+            missing = sorted(set(served) - set(self.base))
+            if missing:
+                raise RuntimeError(f"the replica's weights were discarded but no base copy of {missing[0]} is kept "
+                                   f"({len(missing)} tensors)")
+            for n, t in self.base.items():
+                if n not in adapted:
+                    served[n].copy_(t, non_blocking=True)
+        for w in sorted(adapted):
+            m = w.removesuffix(".weight")
+            dev = served[w].device
+            merge_into(served[w], self.base[w], adapters[f"{m}.lora_A.weight"].to(dev),
+                       adapters[f"{m}.lora_B.weight"].to(dev), scaling)

@@ -334,6 +334,7 @@ class RolloutWorker:
         carries LoRA adapters, loaded aside and merged into the base this engine keeps (alpha / rank)."""
         self._ipc = (plan, handles, rank_handles, lora_scaling)
         if lora_scaling is not None:
+            self.engine.keep_adapter_base()  # the updates carry no base: a level-2 sleep keeps it on the host
             dev = self.engine.device
             staged = {n: torch.zeros(t.shape, dtype=getattr(torch, t.dtype), device=dev)
                       for n, t in plan.tensors.items()}
