@@ -329,14 +329,18 @@ def estimate(cfg: Config, arch: ModelConfig | ModelDescription, max_seq_len: int
         (kv if level < 2 else 0) if vllm is not None else 0
     # on a GPU these wait in page-locked host memory (engines.device.host_buffer, exact sizes): the trainer while
     # offloaded, the replica while asleep at level 1, and the native engine's rollback journal, as large as the
-    # replica (vLLM keeps none: its host copies, where it has them, are pageable)
-    pinned = (trainer if cfg.trainer.offload else 0) + (replica if level == 1 else 0) + (replica if vllm is None else 0)
+    # replica (vLLM keeps none: its host copies, where it has them, are pageable);
+    # a LoRA replica also keeps its base there, to merge the adapters from (at most the whole replica: level 2)
+    base_copy = replica if shape.adapter_params else 0
+    pinned = (trainer if cfg.trainer.offload else 0) + (replica if level == 1 else 0) + \
+        (replica if vllm is None else 0) + base_copy
     copies = vllm.host_copies if vllm is not None else 0
     checkpoint, run_dir = run_dir_bytes(shape, cfg.model.dtype, cfg.trainer.master_dtype, opt_kind,
                                         cfg.run.keep_checkpoints)
     return MemoryEstimate(shape.params, weights, grads, opt, replica, kv, seqs, per_seq, max_seq_len,
                           max(rollout_phase, train_phase, update_phase),
-                          trainer + work + replica + kv + decode + copies + (vllm.forward if vllm is not None else 0),
+                          trainer + work + replica + kv + decode + copies + base_copy +
+                          (vllm.forward if vllm is not None else 0),
                           work, pinned if cfg.cluster.gpus_per_worker > 0 else 0, decode, checkpoint, run_dir, kind,
                           vllm, shape.adapter_params)
 
