@@ -324,10 +324,10 @@ def lora_spec(cfg: Config, arch: ModelConfig | ModelDescription, engine: str,
 
 
 def lora_run_checks(cfg: Config, compute_dtype: str) -> None:
-    """What a LoRA run needs of the cluster and of its dtypes (one line each when it cannot run)."""
+    """What a LoRA run needs of its dtypes (one line when it cannot run). Over several trainer ranks FSDP2 shards
+    the frozen base with the adapters, in the master dtype, and computes in the compute dtype: any pair runs."""
     if cfg.cluster.workers * ranks_per_worker(cfg) > 1:
-        raise UserError("model.lora trains on one unsharded trainer rank for now (FSDP2 with adapters is not wired): "
-                        "set cluster.workers 1 (and one GPU per worker), or train without model.lora")
+        return
     if compute_dtype != cfg.trainer.master_dtype and compute_dtype != cfg.rollout_dtype:
         # the frozen model is kept in the compute dtype; as the replicas' (the checkpoint's) dtype it loses nothing
         raise UserError(f"model.lora keeps the frozen model in the compute dtype ({compute_dtype}), which must then be "

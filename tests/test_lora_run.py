@@ -136,3 +136,40 @@ def test_a_bfloat16_checkpoint_trains_adapters_in_float32_over_a_bfloat16_model(
     # model with float32 adapters trains is tests/test_lora.py's)
     adapters = load_file(str(run_dir / "final" / ADAPTER_DIR / ADAPTER_WEIGHTS))
     assert {t.dtype for t in adapters.values()} == {torch.float32}
+
+
+def test_two_sharded_trainer_ranks_train_the_adapters_and_resume_exactly(ray_cluster, tmp_path):
+    """Two workers: FSDP2 shards the frozen base and the adapters over two trainer ranks and reduces the adapters'
+    gradients alone. Each worker's replica serves exactly what the trainer holds after every update (it scores the
+    replica's samples before each step), final/ moved the adapted projections by low-rank matrices only, its
+    adapter/ holds whole tensors that peft loads, and a run stopped after 2 iterations and resumed ends bit for bit
+    as the straight one."""
+    cfg = tiny(run={"iterations": 3, "eval_every": 3, "save_every": 1}, cluster={"workers": 2}, **LORA)
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    train(cfg, straight)
+    steps = [r for r in _records(straight) if "logprob_diff_max" in r]
+    assert len(steps) == 3 and max(r["logprob_diff_max"] for r in steps) <= 1e-5, steps
+    start = load_file(str(prepare_model(cfg) / "model.safetensors"))
+    final = load_file(str(straight / "final" / "model.safetensors"))
+    adapters = load_file(str(straight / "final" / ADAPTER_DIR / ADAPTER_WEIGHTS))
+    moved = 0
+    for name, w in final.items():
+        owner = name.removesuffix(".weight")
+        a = adapters.get(f"base_model.model.{owner}.lora_A.weight")
+        if a is None:
+            assert torch.equal(w, start[name]), name
+            continue
+        b = adapters[f"base_model.model.{owner}.lora_B.weight"]
+        assert a.shape == (RANK, w.shape[1]) and b.shape == (w.shape[0], RANK), name  # gathered, not one shard
+        delta = (w - start[name]).double()
+        assert torch.linalg.matrix_rank(delta, rtol=1e-6).item() <= RANK, name
+        moved += bool(delta.abs().max() > 0)
+    assert moved > 0  # it trained
+    hf = transformers.AutoModelForCausalLM.from_pretrained(prepare_model(cfg), dtype=torch.float32)
+    peft.PeftModel.from_pretrained(hf, straight / "final" / ADAPTER_DIR)  # raises on a shard's shapes
+    train(tiny(run={"iterations": 2, "eval_every": 3, "save_every": 1}, cluster={"workers": 2}, **LORA), split)
+    (split / "config.yaml").write_text((split / "config.yaml").read_text().replace("iterations: 2", "iterations: 3"))
+    train(load_config(split / "config.yaml"), split, resume=True)
+    b = load_file(str(split / "final" / "model.safetensors"))
+    for k in final:
+        assert torch.equal(final[k], b[k]), k

@@ -84,7 +84,6 @@ def test_an_moe_model_adapts_attention_by_default_and_refuses_experts_by_name(di
     ("llama", {}, ("rollout.fp8=true",), "model.lora with rollout.fp8 is not supported"),
     ("deepseek_v3", {}, (), "model.lora: LoRA on deepseek_v3 is not supported: its latent attention (MLA)"),
     ("gemma3_text", {}, (), "model.lora runs on the native backend only"),
-    ("llama", {}, ("cluster.workers=2",), "model.lora trains on one unsharded trainer rank for now"),
     ("llama", {}, ("trainer.param_dtype=bfloat16",), "model.lora keeps the frozen model in the compute dtype "
      "(bfloat16), which must then be the checkpoint's and the replicas' (float32)"),
 ])
@@ -176,3 +175,19 @@ def test_gpu_workers_with_lora_sleep_at_level_two_as_without_and_say_why(dirs):
     assert sleep_level(cfg)[0] == 2
     assert sleep_level(parse_config(_cfg(dirs["llama"])))[0] == 1
     assert sleep_level(parse_config({"cluster": {"gpus_per_worker": 1}}))[0] == 2
+
+
+def test_sharded_lora_keeps_the_frozen_base_in_the_master_dtype_for_the_run_and_the_plan(dirs, capsys):
+    """Over two trainer ranks FSDP2 shards the frozen base with the adapters in the master dtype (float32), so the
+    plans count the whole model at 4 bytes split over the ranks; on one rank a bfloat16 compute keeps it at 2."""
+    cfg = parse_config({**_cfg(dirs["llama"], rank=8), "model": {"path": str(dirs["llama"]), "dtype": "bfloat16",
+                                                                "lora": {"rank": 8}}, "cluster": {"workers": 2}})
+    est, _ = estimate_run(cfg)
+    n = _adapters(8)
+    assert est.trainer_weights == -(-(est.params * 4 + n * 4) // 2) and est.trainer_grads == -(-n * 4 // 2)
+    rows = {}
+    for gpus in ("1", "8"):
+        assert main(["memory-plan", "llama-7b", "--gpus", gpus, "--lora", "8"]) == 0
+        line = next(x for x in capsys.readouterr().out.splitlines() if "frozen base + adapters" in x)
+        rows[gpus] = float(line.split()[-2])
+    assert rows["8"] == pytest.approx(rows["1"] * 2 / 8, rel=0.02)  # float32 over 8 against bfloat16 on 1

@@ -150,16 +150,24 @@ def default_targets(cfg: ModelConfig) -> tuple[str, ...]:
 
 @torch.no_grad()
 def init_adapters(model: nn.Module, spec: LoraSpec, generator: torch.Generator | None = None) -> None:
-    """A per ``spec.init`` (kaiming: PEFT's uniform with a=√5; gaussian: N(0, 1/r)), B zero, in every adapter."""
+    """A per ``spec.init`` (kaiming: PEFT's uniform with a=√5; gaussian: N(0, 1/r)), B zero, in every adapter. Each A
+    is drawn whole from ``generator`` and a sharded one (FSDP2) keeps its own rows: the same adapters whatever the
+    number of ranks."""
+    from engines.model.sharded import local_rows, local_tensor
+
     for m in model.modules():
         if isinstance(m, LoraLinear):
             a = m.lora_A.weight
+            local, first = local_rows(a)
+            full = torch.empty(a.shape, dtype=a.dtype, device=local.device)
             if spec.init == "gaussian":
-                a.normal_(0.0, 1.0 / spec.rank, generator=generator)
+                full.normal_(0.0, 1.0 / spec.rank, generator=generator)
             else:  # kaiming_uniform_(a=√5): bound 1/√fan_in
                 bound = 1.0 / math.sqrt(a.shape[1])
-                a.uniform_(-bound, bound, generator=generator)
-            m.lora_B.weight.zero_()
+                full.uniform_(-bound, bound, generator=generator)
+            with torch.no_grad():
+                local.copy_(full[first:first + local.shape[0]])
+                local_tensor(m.lora_B.weight).zero_()
 
 
 def apply_lora(model: nn.Module, spec: LoraSpec, adapter_dtype: torch.dtype = torch.float32,
@@ -194,9 +202,13 @@ def is_adapter(name: str) -> bool:
     return ".lora_A." in name or ".lora_B." in name
 
 
-def adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The adapters' tensors by the model's names (detached; DTensor shards stay shards)."""
-    return {n: p.detach() for n, p in model.named_parameters() if is_adapter(n)}
+def adapter_state(model: nn.Module, full: bool = False) -> dict[str, torch.Tensor]:
+    """The adapters' tensors by the model's names (detached; DTensor shards stay shards unless ``full``, which
+    gathers them: collective, every rank must call it)."""
+    from torch.distributed.tensor import DTensor
+
+    return {n: p.detach().full_tensor() if full and isinstance(p, DTensor) else p.detach()
+            for n, p in model.named_parameters() if is_adapter(n)}
 
 
 #: Rows of one merge block: float32 temporaries of about this many bytes (one fused product-and-add per block

@@ -30,7 +30,16 @@ from engines.model import sharded
 from engines.model.causal_lm import build_model, track_max_logits
 from engines.model.hf_io import read_config, save_pretrained
 from engines.model.layout import hub_state
-from engines.model.lora import ADAPTER_DIR, adapter_state, apply_lora, merged_state, save_adapters
+from engines.model.lora import (
+    ADAPTER_DIR,
+    LoraSpec,
+    adapter_state,
+    apply_lora,
+    init_adapters,
+    is_adapter,
+    merged_state,
+    save_adapters,
+)
 from engines.training import distributed
 from engines.training.engine import TrainingEngine
 from engines.training.optim import build_optimizers
@@ -94,10 +103,12 @@ class TrainerWorker:
         t = self.settings
         return read_hf_config(model_dir, t.trust_remote_code) if t.backend == "transformers" else read_config(model_dir)
 
-    def _model(self, arch, shard: bool, device: str):
+    def _model(self, arch, shard: bool, device: str, lora: LoraSpec | None = None):
         """An empty model of ``arch`` in the master dtype, sharded over the group when ``shard`` (FSDP2, compute in
         the compute dtype), for ``startup`` (or the reference's read) to fill. The transformers backend builds
-        transformers' own model (``HFCausalLM``) under the same contract."""
+        transformers' own model (``HFCausalLM``) under the same contract. ``lora`` (sharded only): the adapters
+        go on before sharding, so FSDP2 shards them with the frozen base and reduces their gradients alone; they
+        are drawn once sharded, A alike on every rank (each keeps its rows)."""
         from engines.model.hf_backend import empty_hf_model, materialize
 
         t = self.settings
@@ -108,7 +119,14 @@ class TrainerWorker:
                 materialize(model, device)
         else:
             model = build_model(arch, device="meta" if shard else device, dtype=dtype)
-        return distributed.shard_model(model, param_dtype=t.compute_dtype, device=device) if shard else model
+        if not shard:
+            return model
+        if lora is not None:
+            apply_lora(model, lora, dtype)  # on meta: the adapters' shapes
+        model = distributed.shard_model(model, param_dtype=t.compute_dtype, device=device)
+        if lora is not None:
+            init_adapters(model, lora, torch.Generator(device=device).manual_seed(LORA_SEED))
+        return model
 
     def _replica(self, arch, model_dir: str):
         """An empty replica (meta device) in the rollout engine's layout and dtype, which the weight update is
@@ -134,8 +152,8 @@ class TrainerWorker:
         # precision; replicas get rollout.dtype (cast per bucket)
         # LoRA on one rank needs no FSDP for mixed precision: its frozen model is kept in the compute dtype
         shard = world > 1 or (t.compute_dtype != t.master_dtype and t.lora is None)
-        model = self._model(arch, shard, device)
-        if t.lora is not None:  # frozen base, adapters in the master dtype, A drawn alike on every rank
+        model = self._model(arch, shard, device, t.lora)
+        if t.lora is not None and not shard:  # frozen base, adapters in the master dtype
             master, served = getattr(torch, t.master_dtype), getattr(torch, t.replica_dtype)
             if t.compute_dtype != t.master_dtype:  # the checkpoint's dtype (lora_run_checks): nothing is rounded
                 model.to(getattr(torch, t.compute_dtype))
@@ -216,10 +234,10 @@ class TrainerWorker:
         """Push this rank's shard of the weights to every inference engine (checkpoint engine).
 
         While offloaded the shards are read from host memory: stage 1 is then the H2D copy. A LoRA run sends
-        the adapters only (rank 0 holds them whole: one unsharded rank)."""
+        the adapters only, gathered whole on every rank (megabytes; rank 0 sends them)."""
         if self.adapter_plan is not None:
             with self._onloaded():
-                adapters = {n: t.reshape(-1) for n, t in adapter_state(self.engine.model).items()}
+                adapters = {n: t.reshape(-1) for n, t in adapter_state(self.engine.model, full=True).items()}
                 self.ckpt.update(self.adapter_plan, adapters, version, self.reloader)
             return
         shards = self.engine.host_shards() if self.engine.offloaded else sharded.local_shards(self.engine.model)
@@ -270,8 +288,8 @@ class TrainerWorker:
             if self.rank == 0:
                 lora = self.settings.lora
                 if lora is not None:  # the directory loads as the trained policy; adapter/ goes on the base with PEFT
-                    save_adapters(lora, adapter_state(self.engine.model), Path(directory) / ADAPTER_DIR,
-                                  base_model=self.model_dir)
+                    adapters = {n: v for n, v in state.items() if is_adapter(n)}  # gathered whole
+                    save_adapters(lora, adapters, Path(directory) / ADAPTER_DIR, base_model=self.model_dir)
                     state = merged_state(state, lora.scaling)
                 save_pretrained(self.engine.model, None, directory, state=state)
             del state

@@ -119,7 +119,11 @@ def colocation_plan(arch: ModelConfig, setup: Colocation, name: str = "model",
         lora = LoraSpec(setup.lora_rank, 2.0 * setup.lora_rank, target_modules=default_targets(arch))
         shape, optimizer = shape or ModelShape.of(arch, lora), "adamw"
     shape = shape or ModelShape.of(arch)
-    weights, grads, opt = trainer_bytes(shape, gpus, master_dtype, optimizer, rollout_dtype)
+    # the frozen base as rl.loop.workers keeps it: on one rank in the serving dtype (all of it in the compute dtype
+    # when that is not the master's), sharded over several in the master dtype
+    base, frozen = (None, None) if gpus > 1 else (compute_dtype, compute_dtype) if compute_dtype != master_dtype \
+        else (rollout_dtype, None)
+    weights, grads, opt = trainer_bytes(shape, gpus, master_dtype, optimizer, base, frozen)
     work = training_working_set(shape, micro_batch_tokens, compute_dtype, setup.activation_checkpointing, gpus > 1,
                                 expert_parallel)
     replica = -(-shape.params * getattr(torch, rollout_dtype).itemsize // inference_gpus)

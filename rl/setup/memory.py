@@ -288,12 +288,13 @@ def estimate(cfg: Config, arch: ModelConfig | ModelDescription, max_seq_len: int
     workers = cfg.cluster.workers * ranks_per_worker(cfg)
     compute_dtype, rollout_dtype_name = cfg.compute_dtype, cfg.rollout_dtype
     opt_kind = cfg.model.lora.optimizer if lora is not None and cfg.model.lora is not None else cfg.optimizer.kind
-    # LoRA computing in another dtype than the master keeps its frozen model in it (rl.loop.workers), unsharded
-    lora_mixed = lora is not None and compute_dtype != cfg.trainer.master_dtype
-    weights, grads, opt = trainer_bytes(shape, workers, cfg.trainer.master_dtype, opt_kind,
-                                        compute_dtype if lora_mixed else rollout_dtype_name,
-                                        compute_dtype if lora_mixed else None)
     sharded = workers > 1 or (compute_dtype != cfg.trainer.master_dtype and lora is None)
+    # LoRA on one rank keeps its adapted weights in the serving dtype, and the whole frozen model in the compute
+    # dtype when that is not the master's; sharded (FSDP2) the frozen base is in the master dtype (rl.loop.workers)
+    lora_mixed = lora is not None and compute_dtype != cfg.trainer.master_dtype
+    base, frozen = (None, None) if sharded else \
+        (compute_dtype, compute_dtype) if lora_mixed else (rollout_dtype_name, None)
+    weights, grads, opt = trainer_bytes(shape, workers, cfg.trainer.master_dtype, opt_kind, base, frozen)
     work = training_working_set(shape, cfg.algorithm.micro_batch_tokens, compute_dtype,
                                 cfg.trainer.activation_checkpointing, sharded)
     # per device: a tensor-parallel replica's ranks hold a shard each (and a KV cache of rollout.kv_cache_mb each)
