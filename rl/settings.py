@@ -302,9 +302,9 @@ def lora_spec(cfg: Config, arch: ModelConfig | ModelDescription, engine: str,
     if isinstance(arch, ModelDescription):
         raise UserError("model.lora runs on the native backend only (the transformers backend's LoRA is not built "
                         f"yet); {arch.model_type} needs model.backend transformers: train it without model.lora")
-    if engine != "native":
-        raise UserError("model.lora: vLLM does not take adapter updates here yet (the native engine merges them); "
-                        "set rollout.engine: native")
+    if engine != "native" and cfg.rollout.tensor_parallel_size > 1:
+        raise UserError("model.lora with vLLM: the merged weights reach a replica of one rank only; set "
+                        "rollout.tensor_parallel_size: 1 (or rollout.engine: native)")
     if cfg.rollout.fp8:
         raise UserError("model.lora with rollout.fp8 is not supported: the replica merges the adapters into its base "
                         "weights, which FP8 blocks would re-quantise at every update; set rollout.fp8: false")

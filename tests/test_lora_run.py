@@ -173,3 +173,24 @@ def test_two_sharded_trainer_ranks_train_the_adapters_and_resume_exactly(ray_clu
     b = load_file(str(split / "final" / "model.safetensors"))
     for k in final:
         assert torch.equal(final[k], b[k]), k
+
+
+def test_vllm_replicas_serve_the_merged_adapters_after_every_update(ray_cluster, tmp_path):
+    """rollout.engine vllm (its CPU build) at sleep level 2: each update carries the adapters only, the replica
+    merges them onto its host copy of the base and loads the merged weights (every weight after the level-2
+    discard) through vLLM's loaders; the trainer scores vLLM's samples before each step, so their agreement to
+    float32 rounding (different kernels) is the merge reaching vLLM, and the adapters moved (truncated responses
+    are penalised, so rewards differ within groups)."""
+    from engines.inference.vllm_engine import vllm_available
+
+    if not vllm_available():
+        pytest.skip("vLLM is not installed here (make setup installs it)")
+    arch = {"hidden_size": 64, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+            "num_key_value_heads": 1}  # head_dim 32: vLLM's CPU attention has no kernel for smaller heads
+    cfg = tiny(warmstart={"architecture": arch}, run={"iterations": 3, "eval_every": 3, "save_every": 3},
+               rollout={"engine": "vllm", "truncation_penalty": -0.5, **LEVEL_2}, **LORA)
+    train(cfg, tmp_path / "run")
+    steps = [r for r in _records(tmp_path / "run") if "logprob_diff_max" in r]
+    assert len(steps) == 3 and max(r["logprob_diff_max"] for r in steps) <= 1e-4, steps
+    adapters = load_file(str(tmp_path / "run" / "final" / ADAPTER_DIR / ADAPTER_WEIGHTS))
+    assert max(v.abs().max().item() for k, v in adapters.items() if ".lora_B." in k) > 1e-3  # it trained

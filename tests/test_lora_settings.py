@@ -82,6 +82,8 @@ def test_an_moe_model_adapts_attention_by_default_and_refuses_experts_by_name(di
      "model.lora: LoRA target module(s) 'attn' match no linear layer of this llama model; its decoder layers have: "
      "down_proj, gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj"),
     ("llama", {}, ("rollout.fp8=true",), "model.lora with rollout.fp8 is not supported"),
+    ("llama", {}, ("rollout.engine=vllm", "rollout.tensor_parallel_size=2"),
+     "model.lora with vLLM: the merged weights reach a replica of one rank only"),
     ("deepseek_v3", {}, (), "model.lora: LoRA on deepseek_v3 is not supported: its latent attention (MLA)"),
     ("gemma3_text", {}, (), "model.lora runs on the native backend only"),
     ("llama", {}, ("trainer.param_dtype=bfloat16",), "model.lora keeps the frozen model in the compute dtype "

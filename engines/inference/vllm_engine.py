@@ -214,6 +214,7 @@ class VllmEngine(RolloutEngine):
         self._asleep: set[str] = set()  # what a sleep freed and no wake_up took back yet: "weights", "kv_cache"
         self._weights_valid = not dummy  # placeholder weights are not served
         self._served: dict[str, torch.Tensor] | None = None  # host copy in checkpoint names, made on demand
+        self._base: dict[str, torch.Tensor] | None = None  # LoRA in a run: the base merge_adapters merges from
         self._stream: int | None = None  # the version of the update streaming in, if any
         self.weights_version: int | None = None  # of the last streamed update; None: the start-up checkpoint's
         self.reloads = 0  # loads into vLLM (one per update, whole load or restore), over the engine's life
@@ -402,6 +403,58 @@ class VllmEngine(RolloutEngine):
         """Serve with ``tensors`` (checkpoint names, host memory the engine may keep)."""
         self._reload(iter(tensors.items()))
         self._served, self.weights_version = (None if self.ipc_views else dict(tensors)), version
+
+    def keep_adapter_base(self) -> None:
+        """This replica serves base + LoRA adapters merged on receipt (``merge_adapters``); its base is the
+        checkpoint it started from, read into host memory at the first merge."""
+        if self.tensor_parallel_size > 1:
+            raise ValueError("LoRA adapter updates reach a vLLM replica of one rank (tensor_parallel_size 1): the "
+                             "merged weights go to its workers through this process")
+
+    def merge_adapters(self, adapters: Mapping[str, torch.Tensor], scaling: float) -> None:
+        """Serve the base plus LoRA ``adapters`` (the trainer's names, as the native engine's ``merge_adapters``
+        takes them): each adapted weight W0 + s·B·A, computed on the replica's device from a host copy of the base
+        (pinned on a GPU) and loaded through vLLM's own loaders, as a whole update's tensors are; where a level-2
+        sleep or a failed update left vLLM without weights, every other weight is loaded from that copy too. vLLM's
+        own LoRA is not used: it wraps the layers the loaders write and adds its kernels to every decode step."""
+        from engines.device import host_buffer
+        from engines.model.lora import merge_into
+
+        if self._base is None:
+            self._base = {}
+            for name, t in read_tensors(self.engine.model_config.model).items():
+                copy = host_buffer(t.numel() * self.dtype.itemsize, pinned=self.device.type == "cuda")
+                self._base[name] = copy.view(self.dtype).view(t.shape)
+                self._base[name].copy_(t)
+        adapted = {f"{n.rpartition('.lora_')[0]}.weight": n.rpartition(".lora_")[0] for n in adapters}
+        missing = sorted(set(adapted) - set(self._base))
+        if missing:
+            raise ValueError(f"LoRA update: the checkpoint has no weight {missing[0]}")
+        names = list(self._base) if not self._weights_valid else sorted(adapted)
+
+        def merged():
+            for name in names:
+                m = adapted.get(name)
+                if m is None:
+                    yield name, self._base[name]
+                    continue
+                out = torch.empty(self._base[name].shape, dtype=self.dtype, device=self.device)
+                merge_into(out, self._base[name], adapters[f"{m}.lora_A.weight"].to(self.device),
+                           adapters[f"{m}.lora_B.weight"].to(self.device), scaling)
+                yield name, out
+
+        if self.ipc_views:
+            self._reload(merged())
+            return
+        loaded = dict(self.served_weights())  # the host copy: what a failed load restores, then the new one
+
+        def kept():
+            for name, t in merged():
+                loaded[name] = t.to("cpu", copy=True)
+                yield name, t
+
+        self._reload(kept())
+        self._served = loaded
 
     def _reload(self, pairs: Iterable[tuple[str, torch.Tensor]]) -> None:
         self._no_adapter()

@@ -359,17 +359,19 @@ class RolloutWorker:
             self.receiver = WeightReceiver(plan, handles, staged,
                                            on_commit=lambda a: self.engine.merge_adapters(a, lora_scaling))
             return
+        self.receiver = self._weights_receiver(plan, handles, rank_handles)
+
+    def _weights_receiver(self, plan, handles: list, rank_handles: list | None) -> WeightReceiver:
+        """The receiver of whole weights (an update's, or a LoRA run's start-up fill) for this engine's kind."""
         if self.engine.ipc_views:  # vLLM on a GPU: its workers load each bucket where it lies
             if not self._mapped:
                 self.engine.attach_ipc(rank_handles or [handles])
                 self._mapped = True
-            self.receiver = WeightReceiver(plan, handles, self.engine.named_tensors(), stream=self.engine, views=True)
-            return
+            return WeightReceiver(plan, handles, self.engine.named_tensors(), stream=self.engine, views=True)
         if self.engine.weight_update == "stream":  # vLLM: each bucket goes on into its running reload
-            self.receiver = WeightReceiver(plan, handles, self.engine.named_tensors(), stream=self.engine)
-            return
-        self.receiver = WeightReceiver(plan, handles, self.engine.named_tensors(), on_commit=self.engine.swap_weights,
-                                       placements=self.engine.weight_placements() or None)
+            return WeightReceiver(plan, handles, self.engine.named_tensors(), stream=self.engine)
+        return WeightReceiver(plan, handles, self.engine.named_tensors(), on_commit=self.engine.swap_weights,
+                              placements=self.engine.weight_placements() or None)
 
     def weights_version(self) -> int:
         """The version of the weights this replica holds (its receiver's: updates since the run began)."""
@@ -386,9 +388,7 @@ class RolloutWorker:
         if self._ipc[3] is not None:  # LoRA: the start-up fills the base, the updates' receiver stages adapters
             version = self.receiver.version
             if plan is not None:
-                self._updates, self.receiver = self.receiver, WeightReceiver(
-                    plan, self._ipc[1], self.engine.named_tensors(), on_commit=self.engine.swap_weights,
-                    placements=self.engine.weight_placements() or None)
+                self._updates, self.receiver = self.receiver, self._weights_receiver(plan, self._ipc[1], self._ipc[2])
             else:
                 self.receiver = self._updates
             self.receiver.version = version
