@@ -83,6 +83,23 @@ def test_a_killed_inference_engine_is_replaced_in_place_and_its_groups_generated
     assert same_run(reference, run_dir)
 
 
+def test_a_killed_lora_replica_is_replaced_from_the_base_and_the_adapters(ray_cluster, tmp_path):
+    """LoRA, at sleep level 2: SIGKILL of the inference engine while it generates iteration 1's groups. A peer's
+    weights are merged ones and the updates carry only the adapters, so the new engine reads the base from the
+    checkpoint the run started from and the trainers send the adapters; the run ends bit for bit as an uninterrupted
+    LoRA run, which it cannot without the base (its replica would serve zeros and the adapters only)."""
+    lora = {"model": {"lora": {"rank": 4, "alpha": 8.0}}, "rollout": {"sleep_level": 2},
+            "optimizer": {"lr": 2e-2}}
+    straight, run_dir = tmp_path / "straight", tmp_path / "run"
+    train(_cfg(lora), straight, console=Console(file=io.StringIO()))
+    _, lines = _faulted(_cfg(lora), run_dir, Trigger("rollout", 1), signal_actor("RolloutWorker", signal.SIGKILL))
+    found = [line for _, line in lines if line.startswith("recovery ")]
+    assert len(found) == 1 and found[0].endswith(
+        "inference engine 0 replaced in place (base from the checkpoint, adapters from the trainers)"), found
+    assert _recoveries(run_dir) == [0, 1]
+    assert same_run(straight, run_dir)
+
+
 def test_a_stopped_inference_engine_is_found_within_the_step_timeout_and_replaced(reference, tmp_path):
     """SIGSTOP of the inference engine during a rollout (it never continues): the run does not wait on it past
     run.step_timeout_s, names it and the phase, replaces it and ends as the uninterrupted run does; the stopped

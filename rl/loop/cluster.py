@@ -281,12 +281,13 @@ class Cluster:
         peer's weights through the checkpoint engine, or the trainers' when it is the only one; ``stale``: the
         engines sleep, it is filled when they wake."""
         i, n = failure.index, len(self.rollouts)
-        if self.settings.trainer.lora is not None:  # a new engine holds no base, and LoRA's updates do not carry it
-            raise self._broken(failure)
-        how = "filled at wake-up" if stale else (f"weights from engine {(i + 1) % n}" if n > 1 and self._peers_copy
-                                                   else "weights from the trainers")
+        # LoRA: a peer serves merged weights and the updates carry no base, so the new engine reads the base from
+        # the checkpoint the run started from and the trainers send the adapters
+        lora = self.settings.trainer.lora is not None
+        how = "filled at wake-up" if stale else "base from the checkpoint, adapters from the trainers" if lora else \
+            f"weights from engine {(i + 1) % n}" if n > 1 and self._peers_copy else "weights from the trainers"
         self.restarts.take(failure, f"inference engine {i} replaced in place ({how})")
-        if not stale and n > 1 and self._peers_copy:
+        if not stale and n > 1 and self._peers_copy and not lora:
             self.restart_rollout(i, (i + 1) % n)
             return
         ray.kill(self.rollouts[i])
@@ -296,6 +297,8 @@ class Cluster:
         if stale:
             self._stale.add(i)
         else:
+            if lora:
+                ray.get(self.rollouts[i].load_base.remote())
             self._refill()
 
     def resend_weights(self) -> None:
@@ -332,10 +335,13 @@ class Cluster:
         if self._stale:
             stale, self._stale = self._stale, set()
             live = [j for j in range(len(self.rollouts)) if j not in stale]
-            if live and not two_step and self._peers_copy:  # a peer that kept its weights serves them
+            lora = self.settings.trainer.lora is not None
+            if live and not two_step and self._peers_copy and not lora:  # a peer that kept its weights serves them
                 for i in sorted(stale):
                     self._catch_up(i, live[0])
             else:
+                if lora:  # the base from the checkpoint, the adapters by the refill (see replace_rollout)
+                    ray.get([self.rollouts[i].load_base.remote() for i in sorted(stale)])
                 self._refill()
 
     def weights_version(self) -> int:

@@ -28,7 +28,7 @@ from engines.inference.requests import Completion
 from engines.inference.sampling import SamplingParams
 from engines.model import sharded
 from engines.model.causal_lm import build_model, track_max_logits
-from engines.model.hf_io import read_config, save_pretrained
+from engines.model.hf_io import read_config, read_tensors, save_pretrained
 from engines.model.layout import hub_state
 from engines.model.lora import (
     ADAPTER_DIR,
@@ -341,9 +341,15 @@ class RolloutWorker:
         _set_threads(threads)
         worker_device(engine.device, gpus)
         self.engine = build_engine(engine)
+        self.model_dir = engine.model_dir
         self.receiver: WeightReceiver | None = None
         self._ipc: tuple | None = None
         self._mapped = False  # the engine mapped the IPC buffers itself (ipc_views)
+
+    def load_base(self) -> None:
+        """A LoRA run's replacement replica: the base from the checkpoint the run started from, which the
+        adapters' next update merges onto (a peer's weights are merged ones, and the updates carry no base)."""
+        self.engine.load_weights(read_tensors(self.model_dir).items())
 
     def attach(self, plan, handles: list, rank_handles: list | None = None, lora_scaling: float | None = None) -> None:
         """Map the checkpoint engine's IPC buffers; checks the plan against this engine's tensors. ``rank_handles``:
