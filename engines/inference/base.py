@@ -178,6 +178,11 @@ class RolloutEngine(ABC):
         does not take adapter updates refuses in one line."""
         raise NotImplementedError(f"{type(self).__name__} does not take LoRA adapter updates (model.lora)")
 
+    def keep_adapter_base(self) -> None:
+        """A LoRA run's replica: keep the base that ``merge_adapters`` merges onto through sleeps and failed updates
+        (the adapters' updates carry none)."""
+        raise NotImplementedError(f"{type(self).__name__} does not take LoRA adapter updates (model.lora)")
+
     @abstractmethod
     def weights_loaded(self) -> None:
         """Declare the weights changed and valid: drop what was computed with the old ones."""

@@ -411,12 +411,13 @@ class VllmEngine(RolloutEngine):
             raise ValueError("LoRA adapter updates reach a vLLM replica of one rank (tensor_parallel_size 1): the "
                              "merged weights go to its workers through this process")
 
-    def merge_adapters(self, adapters: Mapping[str, torch.Tensor], scaling: float) -> None:
+    def merge_adapters(self, adapters: Mapping[str, torch.Tensor], scaling: float, *, keep_base: bool = True) -> None:
         """Serve the base plus LoRA ``adapters`` (the trainer's names, as the native engine's ``merge_adapters``
         takes them): each adapted weight W0 + s·B·A, computed on the replica's device from a host copy of the base
         (pinned on a GPU) and loaded through vLLM's own loaders, as a whole update's tensors are; where a level-2
         sleep or a failed update left vLLM without weights, every other weight is loaded from that copy too. vLLM's
-        own LoRA is not used: it wraps the layers the loaders write and adds its kernels to every decode step."""
+        own LoRA is not used: it wraps the layers the loaders write and adds its kernels to every decode step.
+        The base copy is kept whatever ``keep_base`` says (it lives in host memory)."""
         from engines.device import host_buffer
         from engines.model.lora import merge_into
 
