@@ -154,11 +154,14 @@ def test_d12_the_head_stops_on_a_volume_uid_1000_cannot_write():
         volume.mkdir(mode=0o755)  # root's, as an NFS export that ignores fsGroup
         cmd = init_command(render(sets=(f"storage.mountPath={volume}",)), "check-volume")
         as_nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", *cmd]
-        proc = subprocess.run(as_nobody, capture_output=True, text=True)
+        # the init container's own environment: this process's may carry LD_PRELOAD (vLLM's CPU build sets one to a
+        # library under the checkout, which uid 65534 may not read, and the loader's complaint is one more line)
+        env = {"PATH": "/usr/bin:/bin"}
+        proc = subprocess.run(as_nobody, capture_output=True, text=True, env=env)
         assert proc.returncode == 1 and "not writable by uid 65534 (owner: 0:0)" in proc.stderr
         assert "set storage.fixOwnership=true" in proc.stderr and proc.stderr.count("\n") == 1
         os.chown(volume, 65534, 65534)  # what the volume-owner init container does for uid 1000
-        assert subprocess.run(as_nobody, capture_output=True, text=True).returncode == 0
+        assert subprocess.run(as_nobody, capture_output=True, text=True, env=env).returncode == 0
     finally:
         shutil.rmtree(base)
 

@@ -26,6 +26,7 @@ from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 
 import torch
 
+from engines.device import host_buffer
 from engines.inference import cpu_linear
 from engines.inference.base import RolloutEngine
 from engines.inference.blocks import BlockAllocator
@@ -241,7 +242,7 @@ class InferenceEngine(RolloutEngine):
             # the adapters' updates carry no base: keep all of it (the unadapted weights are still the base)
             served = hub_state(self.model)
             if self._merger is None:
-                self._merger = AdapterMerger(served, served)
+                self._merger = AdapterMerger(served, served, host_buffer)
             else:
                 self._merger.keep(served, served)
             self._restore = True
@@ -325,7 +326,8 @@ class InferenceEngine(RolloutEngine):
         served = hub_state(self.model)
         if keep_base or self._merger is not None:
             if self._merger is None:
-                self._merger = AdapterMerger(served, sorted({f"{n.rpartition('.lora_')[0]}.weight" for n in adapters}))
+                adapted = sorted({f"{n.rpartition('.lora_')[0]}.weight" for n in adapters})
+                self._merger = AdapterMerger(served, adapted, host_buffer)
             self._merger.apply(served, adapters, scaling, restore=self._restore)
             self._restore = False
         else:

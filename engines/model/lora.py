@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -399,18 +399,20 @@ class AdapterMerger:
     adapted weights' bytes, and stay there while the trainer has the GPU, since a sleep frees only the engine's
     own tensors. Each update reads them block by block (``merge_into``)."""
 
-    def __init__(self, served: Mapping[str, torch.Tensor], names: Iterable[str]) -> None:
+    def __init__(self, served: Mapping[str, torch.Tensor], names: Iterable[str],
+                 host: Callable[[int, bool], torch.Tensor] | None = None) -> None:
+        """``host(nbytes, pinned)``: flat uint8 host memory for the copies (the engine's exact-size pinned buffers;
+        default plain host memory)."""
         self.base: dict[str, torch.Tensor] = {}
+        self._host = host or (lambda nbytes, pinned: torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned))
         self.keep(served, names)
 
     def keep(self, served: Mapping[str, torch.Tensor], names: Iterable[str]) -> None:
         """Copy ``names`` too (those not kept yet), which ``served`` must hold as the base."""
-        from engines.device import host_buffer
-
         for n in names:
             if n not in self.base:
                 t = served[n].detach()
-                copy = host_buffer(t.numel() * t.element_size(), pinned=t.device.type == "cuda")
+                copy = self._host(t.numel() * t.element_size(), t.device.type == "cuda")
                 self.base[n] = copy.view(t.dtype).view(t.shape)
                 self.base[n].copy_(t)
 
