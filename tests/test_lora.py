@@ -92,23 +92,34 @@ def test_adapter_forward_equals_the_merged_model(base_dir):
     torch.testing.assert_close(ours, logits(merged, IDS), atol=1e-5, rtol=0)
 
 
-def test_a_narrow_base_computes_what_its_widened_copy_does_and_keeps_no_wide_copy(base_dir):
-    """The frozen base kept in bfloat16 (a bfloat16 checkpoint's own values) under float32 compute: the same
-    log-probs and adapter gradients as the float32 copy of those values, half the base bytes, and autograd saves
-    no float32 copy of a base weight."""
-    rounded = load_pretrained(base_dir)
-    with torch.no_grad():  # a bfloat16 checkpoint: values bfloat16 can hold
-        for p in rounded.parameters():
+def _bfloat16_values(base_dir):
+    """The base in float32 holding values bfloat16 can hold: a bfloat16 checkpoint's."""
+    model = load_pretrained(base_dir)
+    with torch.no_grad():
+        for p in model.parameters():
             p.copy_(p.bfloat16().float())
-    wide, narrow = copy.deepcopy(rounded), copy.deepcopy(rounded)
-    apply_lora(wide, SPEC, generator=torch.Generator().manual_seed(1))
-    paths = apply_lora(narrow, SPEC, generator=torch.Generator().manual_seed(1), base_dtype=torch.bfloat16)
+    return model
+
+
+def _same_nonzero_b(wide, narrow) -> None:
+    """Give both models the same nonzero B (as after training), so the adapters change their outputs."""
     g = torch.Generator().manual_seed(2)
     with torch.no_grad():
         for (name, pw), pn in zip(wide.named_parameters(), narrow.parameters(), strict=True):
             if ".lora_B." in name:
                 pw.copy_(torch.randn(pw.shape, generator=g) * 0.1)
                 pn.copy_(pw)
+
+
+def test_a_narrow_base_computes_what_its_widened_copy_does_and_keeps_no_wide_copy(base_dir):
+    """The frozen base kept in bfloat16 (a bfloat16 checkpoint's own values) under float32 compute: the same
+    log-probs and adapter gradients as the float32 copy of those values, half the base bytes, and autograd saves
+    no float32 copy of a base weight."""
+    rounded = _bfloat16_values(base_dir)
+    wide, narrow = copy.deepcopy(rounded), copy.deepcopy(rounded)
+    apply_lora(wide, SPEC, generator=torch.Generator().manual_seed(1))
+    paths = apply_lora(narrow, SPEC, generator=torch.Generator().manual_seed(1), base_dtype=torch.bfloat16)
+    _same_nonzero_b(wide, narrow)
     for path in paths:
         assert narrow.get_submodule(path).weight.dtype == torch.bfloat16
         assert narrow.get_submodule(path).lora_A.weight.dtype == torch.float32
@@ -303,19 +314,11 @@ def test_bfloat16_compute_keeps_no_float32_copy_of_an_adapted_input(base_dir):
     """Under bfloat16 compute the float32 adapters are cast to the input's dtype, not the input to theirs: autograd
     keeps no float32 activation of an adapted projection's input width (the H200 lease measured 1.9 GiB of them on
     the 0.6 B shape), and the adapter gradients still follow the float32 computation of the same values."""
-    rounded = load_pretrained(base_dir)
-    with torch.no_grad():
-        for p in rounded.parameters():
-            p.copy_(p.bfloat16().float())
+    rounded = _bfloat16_values(base_dir)
     wide, narrow = copy.deepcopy(rounded), copy.deepcopy(rounded).to(torch.bfloat16)
     apply_lora(wide, SPEC, torch.float32, torch.Generator().manual_seed(1))
     paths = apply_lora(narrow, SPEC, torch.float32, torch.Generator().manual_seed(1))
-    g = torch.Generator().manual_seed(2)
-    with torch.no_grad():
-        for (name, pw), pn in zip(wide.named_parameters(), narrow.parameters(), strict=True):
-            if ".lora_B." in name:
-                pw.copy_(torch.randn(pw.shape, generator=g) * 0.1)
-                pn.copy_(pw)
+    _same_nonzero_b(wide, narrow)
     params = {p.data_ptr() for m in (wide, narrow) for p in m.parameters()}
     inside, kept = [], []  # inside: the adapted projection whose forward is running
 
