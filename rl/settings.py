@@ -18,7 +18,7 @@ from engines.inference.factory import EngineSettings, decode_attention, vllm_bui
 from engines.inference.vllm_setup import CPU_BUILD_ON_GPU, CPU_MOE_UPDATES_EXACT, GPU_BUILD_ON_CPU
 from engines.model.arch import FAMILIES, ModelConfig
 from engines.model.hf_spec import ModelDescription
-from engines.model.lora import LoraSpec, check_lora, default_targets
+from engines.model.lora import LoraSpec, check_lora, default_targets, empty_model
 from engines.training.engine import resolve_attention as train_attention
 from rl.algo.mismatch import Correction
 from rl.algo.objectives import Objective
@@ -299,19 +299,17 @@ def lora_spec(cfg: Config, arch: ModelConfig | ModelDescription, engine: str,
     lc = cfg.model.lora
     if lc is None:
         return None
-    if isinstance(arch, ModelDescription):
-        raise UserError("model.lora runs on the native backend only (the transformers backend's LoRA is not built "
-                        f"yet); {arch.model_type} needs model.backend transformers: train it without model.lora")
     if engine != "native" and cfg.rollout.tensor_parallel_size > 1:
         raise UserError("model.lora with vLLM: the merged weights reach a replica of one rank only; set "
                         "rollout.tensor_parallel_size: 1 (or rollout.engine: native)")
     if cfg.rollout.fp8:
         raise UserError("model.lora with rollout.fp8 is not supported: the replica merges the adapters into its base "
                         "weights, which FP8 blocks would re-quantise at every update; set rollout.fp8: false")
-    targets = tuple(lc.target_modules) if lc.target_modules is not None else default_targets(arch)
-    spec = LoraSpec(lc.rank, lc.alpha, lc.dropout, targets, lc.init)
     try:
-        check_lora(arch, spec)
+        model = empty_model(arch)  # on meta: the linear layers the targets name
+        targets = tuple(lc.target_modules) if lc.target_modules is not None else default_targets(arch, model)
+        spec = LoraSpec(lc.rank, lc.alpha, lc.dropout, targets, lc.init)
+        check_lora(arch, spec, model)
     except ValueError as e:
         raise UserError(f"model.lora: {e}") from None
     if lc.target_modules is None:

@@ -376,3 +376,49 @@ def test_a_lora_replica_sleeps_at_level_two_and_the_adapters_refill_it(base_dir,
         assert [c.token_ids for c in eng.generate(prompts, params)] == \
             [c.token_ids for c in ref.generate(prompts, params)]
     assert eng.adapter_base_bytes == sum(t.numel() * t.element_size() for t in hub_state(base).values())
+
+
+def test_the_transformers_backend_adapts_its_own_modules_as_peft_does(tmp_path):
+    """LoRA on ``HFCausalLM`` (transformers' own Gemma 3, a family the native code lacks): the adapted projections
+    are transformers' modules under their own names, the adapted forward's log-probs are those of the merged model
+    (float32, ≤ 1e-5), and the saved adapters put on transformers' base model by peft give the same log-probs."""
+    from engines.model.hf_backend import load_hf_model
+    from engines.training.packing import pack
+    from tests.hf_families import hf_config, sharpen
+
+    cfg = hf_config("gemma3_text", vocab_size=VOCAB, eos_token_id=1, pad_token_id=0, bos_token_id=None)
+    torch.manual_seed(0)
+    sharpen(transformers.AutoModelForCausalLM.from_config(cfg)).save_pretrained(tmp_path / "base")
+    model = load_hf_model(tmp_path / "base")
+    paths = apply_lora(model, SPEC, generator=torch.Generator().manual_seed(1))
+    assert "model.layers.0.self_attn.q_proj" in paths and len(paths) == cfg.num_hidden_layers * len(DEFAULT_TARGETS)
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_B." in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    prompts = [IDS[0, :5].tolist(), IDS[1, :4].tolist()]
+    responses = [IDS[0, 5:].tolist(), IDS[1, 4:].tolist()]
+    batch = pack(prompts, responses, 0, "sdpa")
+
+    def scored(m):
+        with torch.no_grad():
+            lp, _ = m(batch.ids, batch.positions, batch.mask, select=batch.target_flat, targets=batch.targets)
+        return lp
+
+    ours = scored(model)
+    merged = load_hf_model(tmp_path / "base")
+    merged.load_state_dict(merged_state(model.state_dict(), SPEC.scaling))
+    assert (ours - scored(load_hf_model(tmp_path / "base"))).abs().max() > 1e-2  # the adapters change the output
+    torch.testing.assert_close(ours, scored(merged), atol=1e-5, rtol=0)
+
+    save_adapters(SPEC, adapter_state(model), tmp_path / "adapter", str(tmp_path / "base"))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32)
+    with_adapter = peft.PeftModel.from_pretrained(hf, tmp_path / "adapter").eval()
+    assert len({n for n, _ in with_adapter.named_parameters() if "lora_B" in n}) == len(paths)
+    plain = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32).eval()
+    res = plain.load_state_dict(merged_state(model.state_dict(), SPEC.scaling), strict=False)
+    assert not res.unexpected_keys and set(res.missing_keys) <= {"lm_head.weight"}  # tied to the embeddings
+    with torch.no_grad():
+        theirs = torch.log_softmax(with_adapter(input_ids=IDS).logits.float(), -1)
+        torch.testing.assert_close(torch.log_softmax(plain(input_ids=IDS).logits, -1), theirs, atol=1e-5, rtol=0)

@@ -1,9 +1,9 @@
-"""``model.lora`` through the RL loop on a real local Ray cluster (native backend, native engine): the trainer trains
-the adapters on a frozen base, each update carries the adapters only and the replica merges them onto the base it
-keeps, a checkpoint and ``final/`` are the merged policy with the adapters beside it in PEFT's format, and a resume
-continues exactly. The run sleeps at level 2 (``LEVEL_2``): the replica discards its weights while the trainer runs,
-and each update of adapters alone refills them from the base the replica keeps on the host (the bfloat16 run sleeps
-at level 1, auto's choice on CPU workers)."""
+"""``model.lora`` through the RL loop on a real local Ray cluster (native backend and engine; Gemma 3 on the
+transformers backend and vLLM): the trainer trains the adapters on a frozen base, each update carries the adapters
+only and the replica merges them onto the base it keeps, a checkpoint and ``final/`` are the merged policy with the
+adapters beside it in PEFT's format, and a resume continues exactly. The run sleeps at level 2 (``LEVEL_2``): the
+replica discards its weights while the trainer runs, and each update of adapters alone refills them from the base the
+replica keeps on the host (the bfloat16 run sleeps at level 1, auto's choice on CPU workers)."""
 
 from __future__ import annotations
 
@@ -175,22 +175,35 @@ def test_two_sharded_trainer_ranks_train_the_adapters_and_resume_exactly(ray_clu
         assert torch.equal(final[k], b[k]), k
 
 
-def test_vllm_replicas_serve_the_merged_adapters_after_every_update(ray_cluster, tmp_path):
-    """rollout.engine vllm (its CPU build) at sleep level 2: each update carries the adapters only, the replica
-    merges them onto its host copy of the base and loads the merged weights (every weight after the level-2
-    discard) through vLLM's loaders; the trainer scores vLLM's samples before each step, so their agreement to
-    float32 rounding (different kernels) is the merge reaching vLLM, and the adapters moved (truncated responses
-    are penalised, so rewards differ within groups)."""
+def test_a_family_the_native_code_lacks_trains_adapters_and_vllm_serves_them(ray_cluster, tokenizer, tmp_path):
+    """Gemma 3 on the transformers backend (transformers' own modeling code adapted in the trainer), rolled out by
+    vLLM (its CPU build) at sleep level 2: each update carries the adapters only, the replica merges them onto its
+    host copy of the base and loads the merged weights (every weight after the level-2 discard) through vLLM's
+    loaders; the trainer scores vLLM's samples before each step, so their agreement to float32 rounding (different
+    kernels) is the merge reaching vLLM (skipping the merge leaves 0.89 on the native family). The adapters moved,
+    and peft puts final/adapter/ on the starting model to give what the merged final/ gives."""
     from engines.inference.vllm_engine import vllm_available
+    from tests.vllm_check import save_tiny_model
 
     if not vllm_available():
         pytest.skip("vLLM is not installed here (make setup installs it)")
-    arch = {"hidden_size": 64, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
-            "num_key_value_heads": 1}  # head_dim 32: vLLM's CPU attention has no kernel for smaller heads
-    cfg = tiny(warmstart={"architecture": arch}, run={"iterations": 3, "eval_every": 3, "save_every": 3},
-               rollout={"engine": "vllm", "truncation_penalty": -0.5, **LEVEL_2}, **LORA)
+    base = save_tiny_model("gemma3_text", tmp_path / "gemma3", tokenizer)
+    cfg = tiny(run={"iterations": 3, "eval_every": 3, "save_every": 3},
+               model={"path": str(base), "backend": "transformers", **LORA["model"]},
+               rollout={"engine": "vllm", "kv_cache_mb": 64, "max_seq_len": 128, "truncation_penalty": -0.5,
+                        **LEVEL_2},
+               **{k: v for k, v in LORA.items() if k != "model"})
     train(cfg, tmp_path / "run")
-    steps = [r for r in _records(tmp_path / "run") if "logprob_diff_max" in r]
+    records = _records(tmp_path / "run")
+    assert "backend: transformers" in (tmp_path / "run" / "config.yaml").read_text()
+    steps = [r for r in records if "logprob_diff_max" in r]
     assert len(steps) == 3 and max(r["logprob_diff_max"] for r in steps) <= 1e-4, steps
-    adapters = load_file(str(tmp_path / "run" / "final" / ADAPTER_DIR / ADAPTER_WEIGHTS))
+    final = tmp_path / "run" / "final"
+    adapters = load_file(str(final / ADAPTER_DIR / ADAPTER_WEIGHTS))
     assert max(v.abs().max().item() for k, v in adapters.items() if ".lora_B." in k) > 1e-3  # it trained
+    with_adapter = peft.PeftModel.from_pretrained(
+        transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), final / ADAPTER_DIR).eval()
+    merged = transformers.AutoModelForCausalLM.from_pretrained(final, dtype=torch.float32).eval()
+    ids = torch.randint(3, merged.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (with_adapter(input_ids=ids).logits - merged(input_ids=ids).logits).abs().max().item() <= 1e-4

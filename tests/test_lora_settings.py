@@ -23,11 +23,12 @@ LAYERS, HIDDEN, INTER, HEADS, KV = 2, 64, 96, 4, 2
 
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory, tokenizer):
-    """A llama, a mixtral, a deepseek_v3 and a gemma3_text model directory (config and tokenizer only)."""
+    """A llama, a mixtral, a deepseek_v3, a gemma3_text and a dense nemotron_h model directory (config and tokenizer
+    only)."""
     out = {}
     common = dict(vocab_size=tokenizer.vocab_size, eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.pad_id,
                   bos_token_id=None)
-    for name in ("llama", "mixtral", "deepseek_v3", "gemma3_text"):
+    for name in ("llama", "mixtral", "deepseek_v3", "gemma3_text", "nemotron_h-dense"):
         d = tmp_path_factory.mktemp(name)
         kw = dict(common)
         if name in ("llama", "mixtral"):
@@ -46,6 +47,15 @@ def _cfg(model_dir, **lora):
 
 def _resolve(model_dir, overrides=(), **lora):
     return for_model(parse_config(_cfg(model_dir, **lora), overrides=list(overrides)), str(model_dir))
+
+
+def _description(model_dir):
+    """transformers' description of the model in ``model_dir`` (the transformers backend's ``arch``)."""
+    from engines.model.hf_backend import read_hf_config
+    from engines.model.hf_spec import describe, meta_model
+
+    hf = read_hf_config(model_dir)
+    return describe(hf, meta_model(hf))
 
 
 def _one_line(excinfo) -> str:
@@ -68,6 +78,26 @@ def test_defaults_adapt_every_projection_and_turn_qk_clip_to_reporting(dirs):
     assert plain.trainer.optimizer.qk_clip_tau == 100.0
 
 
+def test_the_transformers_backend_adapts_a_family_the_native_code_lacks(dirs, tmp_path, capsys):
+    """Gemma 3 runs on transformers' own modeling code: its projections are adapted by the same names, and the
+    memory plan counts its adapters' gradients and optimizer state only."""
+    s = _resolve(dirs["gemma3_text"], rank=4)
+    assert (s.trainer.backend, s.trainer.rollout_engine) == ("transformers", "vllm")
+    assert s.trainer.lora.target_modules == ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                             "down_proj")
+    arch = _description(dirs["gemma3_text"])
+    shape = ModelShape.of(arch, s.trainer.lora)
+    h, q, kv, i = arch.hidden_size, arch.num_attention_heads * arch.head_dim, \
+        arch.num_key_value_heads * arch.head_dim, arch.intermediate_size
+    per_layer = (h + q) + 2 * (h + kv) + (q + h) + 2 * (h + i) + (i + h)  # r·(in + out) per projection, over r
+    assert shape.adapter_params == arch.num_hidden_layers * 4 * per_layer
+    assert shape.params == ModelShape.of(arch).params  # the frozen base: every weight of the model
+    (tmp_path / "run.yaml").write_text(json.dumps(_cfg(dirs["gemma3_text"], rank=4)))
+    assert main(["check-config", str(tmp_path / "run.yaml")]) == 0
+    out = capsys.readouterr().out
+    assert "#  LoRA adapters (trained)" in out and f"{shape.adapter_params / 1e6:,.3f} M" in out
+
+
 def test_an_moe_model_adapts_attention_by_default_and_refuses_experts_by_name(dirs):
     s = _resolve(dirs["mixtral"], rank=2)
     assert s.trainer.lora.target_modules == ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -85,7 +115,8 @@ def test_an_moe_model_adapts_attention_by_default_and_refuses_experts_by_name(di
     ("llama", {}, ("rollout.engine=vllm", "rollout.tensor_parallel_size=2"),
      "model.lora with vLLM: the merged weights reach a replica of one rank only"),
     ("deepseek_v3", {}, (), "model.lora: LoRA on deepseek_v3 is not supported: its latent attention (MLA)"),
-    ("gemma3_text", {}, (), "model.lora runs on the native backend only"),
+    ("nemotron_h-dense", {}, (), "model.lora: LoRA on nemotron_h: its checkpoint stores model.layers.1.mixer.q_proj."
+     "weight under another name or layout"),
     ("llama", {}, ("trainer.param_dtype=bfloat16",), "model.lora keeps the frozen model in the compute dtype "
      "(bfloat16), which must then be the checkpoint's and the replicas' (float32)"),
 ])

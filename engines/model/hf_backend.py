@@ -97,8 +97,11 @@ class HFCausalLM(nn.Module):
         if self._placements is None:
             from engines.model.hf_layout import checkpoint_placements
             from engines.model.layout import model_tensors
+            from engines.model.lora import is_adapter
 
-            self._placements = checkpoint_placements(self.hf_model, model_tensors(self))
+            # LoRA's adapters (engines.model.lora) are no checkpoint tensor: they travel and are saved on their own
+            own = {n: t for n, t in model_tensors(self).items() if not is_adapter(n)}
+            self._placements = checkpoint_placements(self.hf_model, own)
         return self._placements
 
     # ---- the module tree ------------------------------------------------------------------------
@@ -107,8 +110,9 @@ class HFCausalLM(nn.Module):
         """``training`` is recorded, the wrapped modules stay in eval mode (no dropout, no router noise);
         a decoder layer is "training" only to let transformers' checkpointing wrapper run."""
         super().train(mode)
-        for m in self.modules():
-            m.training = False
+        for name, m in self.named_modules():
+            # LoRA's own dropout (model.lora.dropout, engines.model.lora) follows the mode: it is the run's choice
+            m.training = mode and name.endswith(".lora_dropout")
         self.training = mode
         for layer in self.layers:
             layer.training = mode and self._checkpointing

@@ -1,4 +1,5 @@
-"""LoRA: low-rank adapters on the native model's linear layers, in PEFT's conventions.
+"""LoRA: low-rank adapters on the linear layers of either model backend (the native model, or transformers' own
+modules inside ``engines.model.hf_backend.HFCausalLM``), in PEFT's conventions.
 
 A target projection W [out, in] gains ``lora_A`` [r, in] and ``lora_B`` [out, r] and computes
 W·x + (alpha/r)·B·A·dropout(x); W (and its bias) stay frozen, B starts at zero so the adapted model starts as the
@@ -9,9 +10,10 @@ saving, sharding and the checkpoint engine's placements see the base as before, 
 
 Targets are chosen by the projections' names (``q_proj`` ... ``down_proj``) inside the decoder layers; stacked MoE
 experts are not ``nn.Linear`` and are never adapted, and MLA's projections (DeepSeek-V3, Kimi K2) are refused by
-``check_lora``. ``save_adapters`` writes what ``peft.PeftModel.from_pretrained`` loads on top of the Hugging Face base
-model; ``merged_weight`` and ``AdapterMerger`` fold adapters into a frozen base exactly (from the base copy each time,
-so rounding never accumulates over updates).
+``check_lora``, as is a transformers model whose adapted weight its checkpoint stores under another name.
+``save_adapters`` writes what ``peft.PeftModel.from_pretrained`` loads on top of the Hugging Face base model;
+``merged_weight`` and ``AdapterMerger`` fold adapters into a frozen base exactly (from the base copy each time, so
+rounding never accumulates over updates).
 """
 
 from __future__ import annotations
@@ -112,16 +114,28 @@ def lora_targets(model: nn.Module, names: tuple[str, ...] | list[str]) -> list[s
             and not path.endswith((".lora_A", ".lora_B"))]
 
 
-def check_lora(cfg: ModelConfig, spec: LoraSpec, model: nn.Module | None = None) -> list[str]:
-    """The module paths ``spec`` adapts in a model of ``cfg`` (built on meta when ``model`` is None); ValueError in
-    one line for MLA, a name that adapts nothing (experts, a typo) or a fused (inference) layout."""
-    if cfg.model_type in MLA_FAMILIES:
+def empty_model(cfg) -> nn.Module:
+    """A model of ``cfg`` on the meta device: the native architecture's, or transformers' own for a model the
+    transformers backend runs (``engines.model.hf_spec.ModelDescription``)."""
+    if getattr(cfg, "backend", "native") == "transformers":
+        from engines.model.hf_backend import empty_hf_model
+
+        # a description of a model with its own code exists only if its code was trusted when it was read
+        return empty_hf_model(cfg.hf_config, trust_remote_code=bool(getattr(cfg.hf_config, "auto_map", None)))
+    from engines.model.causal_lm import build_model
+
+    return build_model(cfg, device="meta")
+
+
+def check_lora(cfg, spec: LoraSpec, model: nn.Module | None = None) -> list[str]:
+    """The module paths ``spec`` adapts in a model of ``cfg`` (a native ``ModelConfig`` or a transformers
+    ``ModelDescription``; built on meta when ``model`` is None); ValueError in one line for MLA, a name that adapts
+    nothing (experts, a typo) or a fused (inference) layout."""
+    if cfg.model_type in MLA_FAMILIES or getattr(cfg, "is_mla", False):
         raise ValueError(f"LoRA on {cfg.model_type} is not supported: its latent attention (MLA) projections are not "
                          "adapted yet; train it without LoRA")
     if model is None:
-        from engines.model.causal_lm import build_model
-
-        model = build_model(cfg, device="meta")
+        model = empty_model(cfg)
     if getattr(model, "fused", False):
         raise ValueError("LoRA adapts the trainer's layout, not the fused inference layout")
     found = lora_targets(model, spec.target_modules)
@@ -129,10 +143,21 @@ def check_lora(cfg: ModelConfig, spec: LoraSpec, model: nn.Module | None = None)
     missing = [n for n in spec.target_modules if n not in have]
     if missing:
         linear = sorted({p.rpartition(".")[2] for p in lora_targets(model, _all_leaf_names(model))})
-        experts = " (the MoE layers' experts are stacked tensors, not adapted)" if cfg.is_moe and \
+        moe = cfg.is_moe if isinstance(cfg, ModelConfig) else cfg.num_experts > 0
+        experts = " (the MoE layers' experts are stacked tensors, not adapted)" if moe and \
             set(missing) & set(MLP_TARGETS) else ""
         raise ValueError(f"LoRA target module(s) {', '.join(map(repr, missing))} match no linear layer of this "
                          f"{cfg.model_type} model{experts}; its decoder layers have: {', '.join(linear)}")
+    own = getattr(model, "checkpoint_placements", None)  # a transformers model: its checkpoint's names
+    if own is not None:
+        # the adapters travel and are saved under the module's names, and a replica merges them into the checkpoint
+        # tensor of that name: a weight transformers renames or converts on loading has no such tensor
+        whole = {p.target for n, p in own().items() if n == p.target and p.offset == 0}
+        renamed = [p for p in found if f"{p}.weight" not in whole]
+        if renamed:
+            raise ValueError(f"LoRA on {cfg.model_type}: its checkpoint stores {renamed[0]}.weight under another name "
+                             f"or layout (transformers converts it on loading), which adapters by module name cannot "
+                             f"update; train it without LoRA or with target_modules that exclude it")
     return found
 
 
@@ -140,11 +165,11 @@ def _all_leaf_names(model: nn.Module) -> list[str]:
     return [p.rpartition(".")[2] for p, m in model.named_modules() if isinstance(m, nn.Linear)]
 
 
-def default_targets(cfg: ModelConfig) -> tuple[str, ...]:
-    """``DEFAULT_TARGETS`` a model of ``cfg`` has as linear layers (an MoE model without dense layers: attention)."""
-    from engines.model.causal_lm import build_model
-
-    have = {p.rpartition(".")[2] for p in lora_targets(build_model(cfg, device="meta"), DEFAULT_TARGETS)}
+def default_targets(cfg, model: nn.Module | None = None) -> tuple[str, ...]:
+    """``DEFAULT_TARGETS`` a model of ``cfg`` (``model``, else one built on meta) has as linear layers (an MoE model
+    without dense layers: attention)."""
+    have = {p.rpartition(".")[2] for p in lora_targets(model if model is not None else empty_model(cfg),
+                                                        DEFAULT_TARGETS)}
     return tuple(n for n in DEFAULT_TARGETS if n in have)
 
 
