@@ -123,7 +123,7 @@ def _cmd_memory_plan(args: argparse.Namespace) -> None:
                                                 micro_batch_tokens=args.micro_batch_tokens,
                                                 activation_checkpointing=not args.no_activation_checkpointing,
                                                 sleep_level=args.sleep_level, expert_parallel=args.expert_parallel,
-                                                lora_rank=args.lora),
+                                                lora_rank=args.lora, quantize_base=args.qlora),
                                name=args.model)
     except ValueError as e:
         raise UserError(f"rl memory-plan: {e}") from None
@@ -318,6 +318,9 @@ def build_parser() -> argparse.ArgumentParser:
     mp.add_argument("--lora", type=int, default=0, metavar="RANK",
                     help="train LoRA adapters of this rank (alpha 2·rank, attention and MLP projections, AdamW) on the "
                          "frozen base (in --rollout-dtype): gradients and optimizer state of the adapters only")
+    mp.add_argument("--qlora", choices=["nf4", "int8"],
+                    help="with --lora on one GPU: the adapted weights quantized in the trainer "
+                         "(model.lora.quantize_base)")
     mp.set_defaults(func=_cmd_memory_plan)
 
     s = sub.add_parser("serve", help="serve a model directory over an OpenAI-compatible HTTP API")

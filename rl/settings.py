@@ -249,10 +249,12 @@ def resolve(cfg: Config, arch: ModelConfig | ModelDescription, model_dir: str, c
     m = a.mismatch
     correction_kind = m.correction
     if correction_kind == "auto":
-        correction_kind = "tis" if kind == "vllm" else "none"
+        quantized = cfg.model.lora is not None and cfg.model.lora.quantize_base is not None
+        correction_kind = "tis" if kind == "vllm" or quantized else "none"
         choices.append(("algorithm.mismatch.correction", correction_kind,
                         "auto: vLLM's kernels differ from the trainer's" if kind == "vllm" else
-                        "auto: the native engine computes what the trainer does"))
+                        "auto: the trainer's quantized base (model.lora.quantize_base) differs from the replica's"
+                        if quantized else "auto: the native engine computes what the trainer does"))
     correction = None if correction_kind == "none" else Correction(correction_kind, m.level, m.cap)
     lora = lora_spec(cfg, arch, kind, choices)
     if lora is not None:
@@ -308,7 +310,7 @@ def lora_spec(cfg: Config, arch: ModelConfig | ModelDescription, engine: str,
     try:
         model = empty_model(arch)  # on meta: the linear layers the targets name
         targets = tuple(lc.target_modules) if lc.target_modules is not None else default_targets(arch, model)
-        spec = LoraSpec(lc.rank, lc.alpha, lc.dropout, targets, lc.init)
+        spec = LoraSpec(lc.rank, lc.alpha, lc.dropout, targets, lc.init, lc.quantize_base)
         check_lora(arch, spec, model)
     except ValueError as e:
         raise UserError(f"model.lora: {e}") from None
@@ -324,6 +326,14 @@ def lora_spec(cfg: Config, arch: ModelConfig | ModelDescription, engine: str,
 def lora_run_checks(cfg: Config, compute_dtype: str) -> None:
     """What a LoRA run needs of its dtypes (one line when it cannot run). Over several trainer ranks FSDP2 shards
     the frozen base with the adapters, in the master dtype, and computes in the compute dtype: any pair runs."""
+    if cfg.model.lora.quantize_base is not None:
+        from engines.model.lora_quant import bitsandbytes_missing
+
+        if cfg.cluster.workers * ranks_per_worker(cfg) > 1:
+            raise UserError("model.lora.quantize_base runs on one trainer rank: FSDP2 does not shard bitsandbytes' "
+                            "packed weights; set cluster.workers: 1 and one GPU per worker, or quantize_base: null")
+        if (why := bitsandbytes_missing()) is not None:
+            raise UserError(f"model.lora.quantize_base {cfg.model.lora.quantize_base}: {why}")
     if cfg.cluster.workers * ranks_per_worker(cfg) > 1:
         return
     if compute_dtype != cfg.trainer.master_dtype and compute_dtype != cfg.rollout_dtype:

@@ -422,3 +422,49 @@ def test_the_transformers_backend_adapts_its_own_modules_as_peft_does(tmp_path):
     with torch.no_grad():
         theirs = torch.log_softmax(with_adapter(input_ids=IDS).logits.float(), -1)
         torch.testing.assert_close(torch.log_softmax(plain(input_ids=IDS).logits, -1), theirs, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("kind", ["nf4", "int8"])
+def test_a_quantized_base_computes_what_peft_on_bitsandbytes_does(base_dir, tmp_path, kind):
+    """QLoRA (engines.model.lora_quant): the adapted projections' weights become bitsandbytes' packed bytes (NF4:
+    about a sixth of their float32 bytes, int8 about a quarter), and the adapted model's log-probs are those of
+    transformers' 4-bit model (bitsandbytes) with the same adapters put on by peft, exactly for NF4; for int8 (which
+    transformers runs through another kernel) those of the dequantized weights merged with the adapters. A training
+    step moves the adapters only and leaves the packed base as it was."""
+    from engines.model.lora_quant import _dequantized, quantize_base
+
+    model = adapted(base_dir)
+    save_adapters(SPEC, adapter_state(model), tmp_path / "adapter", str(base_dir))
+    before = sum(t.numel() * t.element_size() for n, t in model.state_dict().items() if n.endswith("_proj.weight"))
+    names = quantize_base(model, kind)
+    assert len(names) == 2 * len(DEFAULT_TARGETS) and all(model.get_submodule(n[:-7]).weight is None
+                                                          for n in names)
+    after = sum(t.numel() * t.element_size() for n, t in model.state_dict().items() if ".base_" in n)
+    assert after < before * (0.2 if kind == "nf4" else 0.3)
+    ours = torch.log_softmax(logits(model, IDS), -1)
+    if kind == "nf4":
+        quant = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                                bnb_4bit_compute_dtype=torch.float32)
+        hf = transformers.AutoModelForCausalLM.from_pretrained(base_dir, quantization_config=quant, device_map="cpu",
+                                                               dtype=torch.float32)
+        with torch.no_grad():
+            theirs = torch.log_softmax(peft.PeftModel.from_pretrained(hf, tmp_path / "adapter").eval()(
+                input_ids=IDS).logits.float(), -1)
+    else:
+        state = {n: t for n, t in model.state_dict().items() if ".base_" not in n}
+        state.update({n: _dequantized(model.get_submodule(n[:-7]), torch.float32) for n in names})
+        ref = load_pretrained(base_dir)
+        ref.load_state_dict(merged_state(state, SPEC.scaling))
+        theirs = torch.log_softmax(logits(ref, IDS), -1)
+    torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=0)
+    assert (ours - torch.log_softmax(logits(load_pretrained(base_dir), IDS), -1)).abs().max() > 1e-2
+
+    packed = {n: t.clone() for n, t in model.state_dict().items() if ".base_" in n}
+    adapters = {n: t.clone() for n, t in adapter_state(model).items()}
+    engine = TrainingEngine(model, build_optimizers(model, "adamw", lr=1e-2, weight_decay=0.0), pad_id=0,
+                            attention="sdpa")
+    s = engine.score([[3, 4, 5, 6]], [[7, 8, 9]], 1.0)
+    (-(s.logprobs * s.mask).sum()).backward()
+    engine.step()
+    assert all(torch.equal(packed[n], t) for n, t in model.state_dict().items() if ".base_" in n)
+    assert all(not torch.equal(adapters[n], t) for n, t in adapter_state(model).items())  # B nonzero: A moves too

@@ -117,6 +117,8 @@ def test_an_moe_model_adapts_attention_by_default_and_refuses_experts_by_name(di
     ("deepseek_v3", {}, (), "model.lora: LoRA on deepseek_v3 is not supported: its latent attention (MLA)"),
     ("nemotron_h-dense", {}, (), "model.lora: LoRA on nemotron_h: its checkpoint stores model.layers.1.mixer.q_proj."
      "weight under another name or layout"),
+    ("llama", dict(quantize_base="nf4"), ("cluster.workers=2",), "model.lora.quantize_base runs on one trainer "
+     "rank: FSDP2 does not shard bitsandbytes' packed weights"),
     ("llama", {}, ("trainer.param_dtype=bfloat16",), "model.lora keeps the frozen model in the compute dtype "
      "(bfloat16), which must then be the checkpoint's and the replicas' (float32)"),
 ])
@@ -224,3 +226,25 @@ def test_sharded_lora_keeps_the_frozen_base_in_the_master_dtype_for_the_run_and_
         line = next(x for x in capsys.readouterr().out.splitlines() if "frozen base + adapters" in x)
         rows[gpus] = float(line.split()[-2])
     assert rows["8"] == pytest.approx(rows["1"] * 2 / 8, rel=0.02)  # float32 over 8 against bfloat16 on 1
+
+
+def test_qlora_counts_the_adapted_weights_at_their_quantized_bytes(dirs, capsys):
+    """model.lora.quantize_base: the plan keeps the adapted projections at NF4's half byte plus a float32 scale per
+    64 weights (int8: a byte), the rest of the frozen model as before; ``rl memory-plan --qlora`` says the same."""
+    plain, _ = estimate_run(parse_config(_cfg(dirs["llama"], rank=8)))
+    shape = ModelShape.of(read_config(dirs["llama"]), LoraSpec(8, 16.0))
+    for kind, per_weight in (("nf4", 0.5 + 4 / 64), ("int8", 1.0)):
+        est, settings = estimate_run(parse_config(_cfg(dirs["llama"], rank=8, quantize_base=kind)))
+        assert settings.trainer.lora.quantize_base == kind
+        assert settings.update.correction is not None  # auto: TIS for the quantized base's mismatch
+        # float32 base (this checkpoint's dtype): each adapted weight's 4 bytes become per_weight
+        assert plain.trainer_weights - est.trainer_weights == int(shape.adapted_params * (4 - per_weight))
+    assert main(["memory-plan", "qwen2.5-7b", "--gpus", "1", "--lora", "8"]) == 0
+    lora = capsys.readouterr().out
+    assert main(["memory-plan", "qwen2.5-7b", "--gpus", "1", "--lora", "8", "--qlora", "nf4"]) == 0
+    qlora = capsys.readouterr().out
+    row = lambda out: float(next(x for x in out.splitlines() if "frozen base + adapters" in x).split()[-2])  # noqa: E731
+    assert row(qlora) < 0.45 * row(lora)
+    assert main(["memory-plan", "qwen2.5-7b", "--gpus", "2", "--lora", "8", "--qlora", "nf4"]) != 0
+    assert capsys.readouterr().err.strip() == "error: rl memory-plan: a quantized base (QLoRA) needs LoRA (--lora " \
+        "RANK) on one GPU (--gpus 1)"

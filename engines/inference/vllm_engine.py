@@ -419,14 +419,11 @@ class VllmEngine(RolloutEngine):
         own LoRA is not used: it wraps the layers the loaders write and adds its kernels to every decode step.
         The base copy is kept whatever ``keep_base`` says (it lives in host memory)."""
         from engines.device import host_buffer
-        from engines.model.lora import merge_into
+        from engines.model.lora import AdapterMerger, merge_into
 
-        if self._base is None:
-            self._base = {}
-            for name, t in read_tensors(self.engine.model_config.model).items():
-                copy = host_buffer(t.numel() * self.dtype.itemsize, pinned=self.device.type == "cuda")
-                self._base[name] = copy.view(self.dtype).view(t.shape)
-                self._base[name].copy_(t)
+        if self._base is None:  # every weight: a level-2 sleep leaves vLLM none, and the updates carry no base
+            ckpt = read_tensors(self.engine.model_config.model)
+            self._base = AdapterMerger(ckpt, list(ckpt), host_buffer, self.dtype, self.device.type == "cuda").base
         adapted = {f"{n.rpartition('.lora_')[0]}.weight": n.rpartition(".lora_")[0] for n in adapters}
         missing = sorted(set(adapted) - set(self._base))
         if missing:

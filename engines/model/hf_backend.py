@@ -98,9 +98,10 @@ class HFCausalLM(nn.Module):
             from engines.model.hf_layout import checkpoint_placements
             from engines.model.layout import model_tensors
             from engines.model.lora import is_adapter
+            from engines.model.lora_quant import placed_tensors
 
             # LoRA's adapters (engines.model.lora) are no checkpoint tensor: they travel and are saved on their own
-            own = {n: t for n, t in model_tensors(self).items() if not is_adapter(n)}
+            own = {n: t for n, t in placed_tensors(self, model_tensors(self)).items() if not is_adapter(n)}
             self._placements = checkpoint_placements(self.hf_model, own)
         return self._placements
 

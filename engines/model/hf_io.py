@@ -13,6 +13,7 @@ import json
 import os
 import re
 from collections import defaultdict
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -38,13 +39,19 @@ class ModelDirError(ValueError):
     """A model directory that cannot be loaded; the message names the file and the problem."""
 
 
-def read_tensors(directory: str | Path) -> dict[str, torch.Tensor]:
-    """Every tensor of the safetensors files in ``directory``, by name, as stored."""
+def read_tensors(directory: str | Path, names: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
+    """Every tensor of the safetensors files in ``directory`` (or only ``names``), by name, as stored."""
+    from safetensors import safe_open
     from safetensors.torch import load_file
 
     out: dict[str, torch.Tensor] = {}
+    want = None if names is None else set(names)
     for f in sorted(Path(directory).glob("*.safetensors")):
-        out.update(load_file(f))
+        if want is None:
+            out.update(load_file(f))
+            continue
+        with safe_open(str(f), framework="pt") as sf:
+            out.update({n: sf.get_tensor(n) for n in sf.keys() if n in want})
     return out
 
 

@@ -62,9 +62,10 @@ def placements(model: nn.Module) -> dict[str, Placement]:
             covered.add(f"{prefix}.{own}")
     from engines.model.fp8 import scale_placements, scale_tensors  # FP8 replicas keep block scales beside matrices
     from engines.model.lora import is_adapter
+    from engines.model.lora_quant import placed_tensors  # QLoRA: a quantized base stands for its weight
 
     covered |= scale_tensors(model)
-    for name, t in model_tensors(model).items():
+    for name, t in placed_tensors(model, model_tensors(model)).items():
         # LoRA's adapters are no checkpoint tensor: they travel and are saved on their own
         if name not in covered and not is_adapter(name):
             placed[_rename(name, aliases)] = Placement(name, 0, tuple(t.shape))

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engines.model.arch import MLA_FAMILIES, ModelConfig
+from engines.model.lora_quant import QUANT_KINDS, base_linear
 
 #: The default targets: the attention projections and the dense MLP's three.
 ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -51,6 +52,7 @@ class LoraSpec:
     dropout: float = 0.0
     target_modules: tuple[str, ...] = DEFAULT_TARGETS
     init: str = "kaiming"
+    quantize_base: str | None = None  # QLoRA: the adapted projections' frozen weights quantized in the trainer
 
     def __post_init__(self) -> None:
         if self.rank < 1:
@@ -61,6 +63,8 @@ class LoraSpec:
             raise ValueError(f"LoRA dropout must be in [0, 1), got {self.dropout}")
         if self.init not in INITS:
             raise ValueError(f"LoRA init must be one of {INITS}, got {self.init!r}")
+        if self.quantize_base is not None and self.quantize_base not in QUANT_KINDS:
+            raise ValueError(f"LoRA quantize_base must be one of {QUANT_KINDS} or None, got {self.quantize_base!r}")
 
     @property
     def scaling(self) -> float:
@@ -92,7 +96,9 @@ class LoraLinear(nn.Linear):
     scaling: float
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.weight.dtype == x.dtype:
+        if self.weight is None:  # QLoRA: the base was quantized (engines.model.lora_quant)
+            out = base_linear(self, x)
+        elif self.weight.dtype == x.dtype:
             out = F.linear(x, self.weight, self.bias)
         else:
             out = _NarrowBaseLinear.apply(x, self.weight, self.bias)
@@ -425,11 +431,15 @@ class AdapterMerger:
     own tensors. Each update reads them block by block (``merge_into``)."""
 
     def __init__(self, served: Mapping[str, torch.Tensor], names: Iterable[str],
-                 host: Callable[[int, bool], torch.Tensor] | None = None) -> None:
+                 host: Callable[[int, bool], torch.Tensor] | None = None, dtype: torch.dtype | None = None,
+                 pinned: bool | None = None) -> None:
         """``host(nbytes, pinned)``: flat uint8 host memory for the copies (the engine's exact-size pinned buffers;
-        default plain host memory)."""
+        default plain host memory); ``dtype``: the copies' dtype (default each source's: a replica's served weights;
+        a checkpoint read for a replica that serves another dtype gives that one); ``pinned``: pin the copies
+        (default: where the source is on a GPU)."""
         self.base: dict[str, torch.Tensor] = {}
         self._host = host or (lambda nbytes, pinned: torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned))
+        self._dtype, self._pinned = dtype, pinned
         self.keep(served, names)
 
     def keep(self, served: Mapping[str, torch.Tensor], names: Iterable[str]) -> None:
@@ -437,8 +447,10 @@ class AdapterMerger:
         for n in names:
             if n not in self.base:
                 t = served[n].detach()
-                copy = self._host(t.numel() * t.element_size(), t.device.type == "cuda")
-                self.base[n] = copy.view(t.dtype).view(t.shape)
+                dtype = self._dtype or t.dtype
+                pinned = t.device.type == "cuda" if self._pinned is None else self._pinned
+                copy = self._host(t.numel() * dtype.itemsize, pinned)
+                self.base[n] = copy.view(dtype).view(t.shape)
                 self.base[n].copy_(t)
 
     @property

@@ -85,6 +85,12 @@ class LoraConfig(Strict):
                           "model has as linear layers (MoE experts are stacked tensors and are not adapted)")
     init: Literal["kaiming", "gaussian"] = Field("kaiming", description="A's initialisation: kaiming (PEFT's "
                                                  "default uniform) or gaussian N(0, 1/rank); B starts at zero")
+    quantize_base: Literal["nf4", "int8"] | None = Field(
+        None, description="QLoRA: keep the adapted projections' frozen weights quantized in the trainer by "
+                          "bitsandbytes (nf4: QLoRA's 4-bit NormalFloat, about 0.53 bytes per weight; int8: row-wise, "
+                          "about 1.02); the replicas still serve the exact base plus the adapters, so the trainer's "
+                          "log-probs differ from the sampler's by the quantization error (logprob_diff). One trainer "
+                          "rank; pip install 'colocated-rl[qlora]'. None = the base as the checkpoint stores it")
     optimizer: Literal["adamw", "muon"] = Field(
         "adamw", description="the adapters' optimizer (optimizer.kind is not used with LoRA): AdamW, as LoRA's "
                              "published recipes train it; Muon orthogonalises each factor's update on its own, "

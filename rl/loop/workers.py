@@ -40,6 +40,7 @@ from engines.model.lora import (
     merged_state,
     save_adapters,
 )
+from engines.model.lora_quant import exact_base, quantize_base, quantized_weights
 from engines.training import distributed
 from engines.training.engine import TrainingEngine
 from engines.training.optim import build_optimizers
@@ -201,6 +202,9 @@ class TrainerWorker:
         if self.adapter_plan is not None and not out["replicas"]:
             raise UserError("model.lora: the rollout engine must load the checkpoint as it is (rollout.dtype = the "
                             "checkpoint's dtype, no FP8): a LoRA run's updates carry the adapters, not the base")
+        lora = self.settings.lora
+        if lora is not None and lora.quantize_base is not None:  # QLoRA: from the filled base, once
+            quantize_base(self.engine.model, lora.quantize_base)
         return out
 
     def load_reference(self, model_dir: str) -> None:
@@ -290,13 +294,21 @@ class TrainerWorker:
                 if lora is not None:  # the directory loads as the trained policy; adapter/ goes on the base with PEFT
                     adapters = {n: v for n, v in state.items() if is_adapter(n)}  # gathered whole
                     save_adapters(lora, adapters, Path(directory) / ADAPTER_DIR, base_model=self.model_dir)
-                    state = merged_state(state, lora.scaling)
+                    state = self._merged(state)
                 save_pretrained(self.engine.model, None, directory, state=state)
             del state
             if trainer_state:
                 save_trainer_state(self.engine.model, self.engine.optimizers, directory)
             if self.world > 1:
                 dist.barrier()
+
+    def _merged(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A LoRA model's full ``state`` as the policy the replicas serve: base plus adapters merged, the base of a
+        quantized projection (QLoRA) read from the checkpoint the run started from, as the replicas keep it."""
+        quantized = quantized_weights(self.engine.model)
+        if quantized:
+            state = exact_base(state, quantized, read_tensors(self.model_dir, quantized))
+        return merged_state(state, self.settings.lora.scaling)
 
     def scale_lr(self, factor: float) -> float:
         """Multiply every optimizer's learning rate by ``factor`` (a rollback); returns the first group's new rate."""
@@ -325,7 +337,7 @@ class TrainerWorker:
         with self._onloaded():
             full = sharded.full_state_dict(self.engine.model)
             if self.settings.lora is not None:  # the policy the replicas serve: base and adapters merged
-                full = merged_state(full, self.settings.lora.scaling)
+                full = self._merged(full)
             return {k: v.clone() for k, v in hub_state(self.engine.model, full).items()}
 
     def close(self) -> None:

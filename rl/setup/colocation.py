@@ -100,6 +100,7 @@ class Colocation:
     bucket_bytes: int = 512 << 20
     expert_parallel: int = 1
     lora_rank: int = 0  # > 0: LoRA adapters of this rank (alpha 2·rank) on the default targets, AdamW; base frozen
+    quantize_base: str | None = None  # QLoRA ("nf4", "int8"): the adapted weights quantized (one GPU)
 
 
 def colocation_plan(arch: ModelConfig, setup: Colocation, name: str = "model",
@@ -123,6 +124,10 @@ def colocation_plan(arch: ModelConfig, setup: Colocation, name: str = "model",
     # when that is not the master's), sharded over several in the master dtype
     base, frozen = (None, None) if gpus > 1 else (compute_dtype, compute_dtype) if compute_dtype != master_dtype \
         else (rollout_dtype, None)
+    if setup.quantize_base is not None:
+        if not setup.lora_rank or gpus > 1:
+            raise ValueError("a quantized base (QLoRA) needs LoRA (--lora RANK) on one GPU (--gpus 1)")
+        base = setup.quantize_base
     weights, grads, opt = trainer_bytes(shape, gpus, master_dtype, optimizer, base, frozen)
     work = training_working_set(shape, micro_batch_tokens, compute_dtype, setup.activation_checkpointing, gpus > 1,
                                 expert_parallel)

@@ -235,17 +235,20 @@ def trainer_bytes(shape: ModelShape, ranks: int, master_dtype: str, optimizer: s
                   base_dtype: str | None = None, frozen_dtype: str | None = None) -> tuple[int, int, int]:
     """(master weights, gradients, optimizer state) per rank of an FSDP2 trainer over ``ranks``. With LoRA
     (``shape.adapter_params``) the weights are the adapted projections' frozen weights in ``base_dtype`` (the
-    serving dtype), the rest of the frozen model in ``frozen_dtype`` (default the master dtype; the compute dtype when
-    a LoRA run computes in another), the adapters in the master dtype, and only they have gradients and optimizer
-    state."""
+    serving dtype, or QLoRA's "nf4"/"int8"), the rest of the frozen model in ``frozen_dtype`` (default the master
+    dtype; the compute dtype when a LoRA run computes in another), the adapters in the master dtype, and only
+    they have gradients and optimizer state."""
     master = _itemsize(master_dtype)
     shard = lambda b: -(-b // ranks)  # noqa: E731
     lora = shape.adapter_params > 0
     n, n_muon = (shape.adapter_params, shape.adapter_muon_params) if lora else (shape.params, shape.muon_params)
     # Muon keeps one momentum per element, AdamW two moments, both in the master dtype
     states = n_muon * 1 + (n - n_muon) * 2 if optimizer == "muon" else n * 2
-    frozen = (shape.adapted_params * _itemsize(base_dtype or master_dtype)
-              + (shape.params - shape.adapted_params) * _itemsize(frozen_dtype or master_dtype))
+    from engines.model.lora_quant import BYTES_PER_WEIGHT  # QLoRA: base_dtype "nf4" or "int8"
+
+    adapted = -int(-shape.adapted_params * BYTES_PER_WEIGHT[base_dtype]) if base_dtype in BYTES_PER_WEIGHT else \
+        shape.adapted_params * _itemsize(base_dtype or master_dtype)
+    frozen = adapted + (shape.params - shape.adapted_params) * _itemsize(frozen_dtype or master_dtype)
     weights = frozen + n * master if lora else n * master
     return shard(weights), shard(n * master), shard(states * master)
 
@@ -294,6 +297,8 @@ def estimate(cfg: Config, arch: ModelConfig | ModelDescription, max_seq_len: int
     lora_mixed = lora is not None and compute_dtype != cfg.trainer.master_dtype
     base, frozen = (None, None) if sharded else \
         (compute_dtype, compute_dtype) if lora_mixed else (rollout_dtype_name, None)
+    if lora is not None and lora.quantize_base is not None:  # QLoRA (one rank): the adapted weights quantized
+        base = lora.quantize_base
     weights, grads, opt = trainer_bytes(shape, workers, cfg.trainer.master_dtype, opt_kind, base, frozen)
     work = training_working_set(shape, cfg.algorithm.micro_batch_tokens, compute_dtype,
                                 cfg.trainer.activation_checkpointing, sharded)
