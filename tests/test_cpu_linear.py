@@ -71,3 +71,22 @@ def test_batches_are_padded_to_few_shapes():
     assert len(shapes) <= 40 and all(cpu_linear.padded_rows(r) >= r for r in range(1, 8193))
     assert all(cpu_linear.padded_rows(r) < 2 * r for r in range(9, 8193))
     assert [cpu_linear.padded_rows(r) for r in (1, 8, 9, 512, 513, 1025)] == [8, 8, 16, 512, 1024, 1280]
+
+
+def test_a_bfloat16_engine_routes_only_what_onednn_runs_in_bfloat16_here(tokenizer):
+    """A CPU without native bfloat16 (AVX2 only) has no oneDNN bfloat16 kernel: a bfloat16 replica keeps F.linear
+    there (it used to be routed and fail at its first step), and decodes what an unrouted copy does; where the CPU
+    has the kernel its layers are routed."""
+    from engines.model.causal_lm import CausalLM
+    from tests.conftest import tiny_config
+
+    torch.manual_seed(0)
+    wide = CausalLM(tiny_config(tokenizer.vocab_size, hidden_size=cpu_linear.MIN_FEATURES, intermediate_size=64))
+    wide = wide.to(torch.bfloat16)
+    prompts = [tokenizer.encode(f"Question: {i} apples.") for i in range(4)]
+    outs = {}
+    for onednn in (True, False):
+        eng = InferenceEngine(copy.deepcopy(wide), tokenizer.eos_id, tokenizer.pad_id, onednn_linear=onednn)
+        assert (eng.onednn_linears > 0) == (onednn and cpu_linear.available(torch.bfloat16))
+        outs[onednn] = eng.generate(prompts, SamplingParams(0.0, 6, seed=3))
+    assert [o.token_ids for o in outs[True]] == [o.token_ids for o in outs[False]]

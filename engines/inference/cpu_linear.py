@@ -45,18 +45,21 @@ def _forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 
 @cache
-def available() -> bool:
-    """Whether oneDNN's linear runs here and agrees with ``F.linear`` (float32, a bias, a strided input)."""
+def available(dtype: torch.dtype = torch.float32) -> bool:
+    """Whether oneDNN's linear runs here in ``dtype`` and agrees with ``F.linear`` (a bias, a strided input). A CPU
+    without native bfloat16 (AVX2 only, as this project's machine) has no bfloat16 kernel: such layers keep
+    F.linear."""
     if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
         return False
     try:
         g = torch.Generator().manual_seed(0)
-        x = torch.randn(1, 12, 5, generator=g).transpose(1, 2)
-        w, b = torch.randn(7, 12, generator=g), torch.randn(7, generator=g)
-        got = torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
-        return bool(torch.allclose(got, nn.functional.linear(x, w, b), atol=1e-5, rtol=1e-5))
-    except Exception as e:  # a build without it: the default GEMM stays
-        log.info("oneDNN linear unavailable (%s)", e)
+        x = torch.randn(1, 12, 5, generator=g).transpose(1, 2).to(dtype)
+        w, b = torch.randn(7, 12, generator=g).to(dtype), torch.randn(7, generator=g).to(dtype)
+        got = torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "").float()
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        return bool(torch.allclose(got, nn.functional.linear(x.float(), w.float(), b.float()), atol=tol, rtol=tol))
+    except Exception as e:  # a build or a CPU without it: the default GEMM stays
+        log.info("oneDNN linear unavailable in %s (%s)", dtype, e)
         return False
 
 
@@ -70,13 +73,11 @@ def route_linears(model: nn.Module, min_features: int = MIN_FEATURES) -> int:
     """Make every plain ``nn.Linear`` of ``model`` (on CPU, float32 or bfloat16, with at least ``min_features``
     inputs) compute through oneDNN; returns how many. Only this model object changes (an instance attribute), so
     other models keep torch's GEMM."""
-    if not available():
-        return 0
     n = 0
     for m in model.modules():
         if type(m) is nn.Linear and m.weight.device.type == "cpu" and m.weight.dtype in (torch.float32,
                                                                                            torch.bfloat16) \
-                and m.in_features >= min_features:
+                and m.in_features >= min_features and available(m.weight.dtype):
             m.forward = types.MethodType(_forward, m)
             n += 1
     return n
