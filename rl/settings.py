@@ -275,7 +275,8 @@ def resolve(cfg: Config, arch: ModelConfig | ModelDescription, model_dir: str, c
     engine = EngineSettings(kind, model_dir, device, rollout_dtype, r.fp8, context, r.max_batch, r.kv_cache_mb << 20,
                             r.max_batch_tokens, attention, cfg.run.seed, r.tensor_parallel_size, r.expert_parallel,
                             r.vllm_memory_fraction, prefix_caching,
-                            ipc_views=kind == "vllm" and device == "cuda")
+                            ipc_views=kind == "vllm" and device == "cuda",
+                            lora_unmerged=cfg.model.lora is not None and cfg.model.lora.unmerged)
     c = cfg.cluster
     return RunSettings(
         cluster=ClusterSettings(c.workers, ranks_per_worker(cfg), c.gpus_per_worker, c.ray_address,
@@ -301,6 +302,9 @@ def lora_spec(cfg: Config, arch: ModelConfig | ModelDescription, engine: str,
     lc = cfg.model.lora
     if lc is None:
         return None
+    if engine != "native" and lc.unmerged:
+        raise UserError("model.lora.unmerged needs the native rollout engine: vLLM's replicas merge the adapters "
+                        "into their weights; set model.lora.unmerged: false (or rollout.engine: native)")
     if engine != "native" and cfg.rollout.tensor_parallel_size > 1:
         raise UserError("model.lora with vLLM: the merged weights reach a replica of one rank only; set "
                         "rollout.tensor_parallel_size: 1 (or rollout.engine: native)")

@@ -378,6 +378,38 @@ def test_a_lora_replica_sleeps_at_level_two_and_the_adapters_refill_it(base_dir,
     assert eng.adapter_base_bytes == sum(t.numel() * t.element_size() for t in hub_state(base).values())
 
 
+def test_an_unmerged_replica_serves_the_adapted_model_and_its_updates_write_only_the_deltas(base_dir):
+    """``adapter_updates`` "unmerged" (model.lora.unmerged): the fused replica adds the adapters' low-rank products
+    beside its q/k/v and gate/up blocks; it computes the trainer's adapted model (float32, ≤ 1e-5) and samples what a
+    merging replica samples, its served weights stay the base bit for bit through updates, and after a level-2 sleep
+    the next update brings the base back from the host copy."""
+    base = load_pretrained(base_dir)
+    eng, merging = _engine(build_model(base.config, fused=True)), _engine(build_model(base.config, fused=True))
+    for e in (eng, merging):
+        e.load_weights(hub_state(base).items())
+        e.keep_adapter_base()
+    eng.adapter_updates = "unmerged"
+    start = {n: t.clone() for n, t in eng.served_weights().items()}
+    prompts, params = [[3, 4, 5, 6, 7], [9, 10]], SamplingParams(0.0, 12, ignore_eos=True)
+    for seed, sleep in ((1, False), (2, False), (3, True)):
+        trainer = adapted(base_dir, seed=seed)
+        if sleep:
+            eng.sleep(2)
+            eng.wake_up(kv_cache=False)
+        eng.merge_adapters(adapter_state(trainer), SPEC.scaling)
+        merging.merge_adapters(adapter_state(trainer), SPEC.scaling)
+        torch.testing.assert_close(logits(eng.model, IDS), logits(trainer, IDS), atol=1e-5, rtol=0)
+        assert all(torch.equal(t, start[n]) for n, t in eng.served_weights().items())
+        assert [c.token_ids for c in eng.generate(prompts, params)] == \
+            [c.token_ids for c in merging.generate(prompts, params)]
+    # per fused layer of P adapted blocks: A [P·r, in] and a block-diagonal B [out, P·r] (float32 here)
+    c, r = base.config, SPEC.rank
+    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    h, i = c.hidden_size, c.intermediate_size
+    per_layer = 3 * r * h + (q + 2 * kv) * 3 * r + r * q + h * r + 2 * r * h + 2 * i * 2 * r + r * i + h * r
+    assert eng._delta.nbytes == c.num_hidden_layers * per_layer * 4
+
+
 def test_the_transformers_backend_adapts_its_own_modules_as_peft_does(tmp_path):
     """LoRA on ``HFCausalLM`` (transformers' own Gemma 3, a family the native code lacks): the adapted projections
     are transformers' modules under their own names, the adapted forward's log-probs are those of the merged model

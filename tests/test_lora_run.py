@@ -26,6 +26,8 @@ RANK, ALPHA = 4, 8.0
 LEVEL_2 = {"sleep_level": 2}
 LORA = {"model": {"lora": {"rank": RANK, "alpha": ALPHA}}, "optimizer": {"lr": 2e-2},
         "algorithm": {"drop_equal_reward_groups": False}}
+#: the module's run and its resume: the native replica adds the adapters as low-rank deltas (model.lora.unmerged)
+UNMERGED = {**LORA, "model": {"lora": {**LORA["model"]["lora"], "unmerged": True}}}
 
 
 def _records(run_dir):
@@ -35,14 +37,15 @@ def _records(run_dir):
 @pytest.fixture(scope="module")
 def lora_run(ray_cluster, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("lora") / "run"
-    cfg = tiny(run={"iterations": 3, "eval_every": 3, "save_every": 1}, rollout=LEVEL_2, **LORA)
+    cfg = tiny(run={"iterations": 3, "eval_every": 3, "save_every": 1}, rollout=LEVEL_2, **UNMERGED)
     train(cfg, run_dir)
     return cfg, run_dir
 
 
 def test_the_replica_serves_base_plus_adapters_exactly_after_every_update(lora_run):
     """The trainer scores the replica's samples with its own (adapted) model before each step: after the updates of
-    iterations 0 and 1 the replica must serve W0 + s·B·A, or the two disagree (float32 on both sides: exact)."""
+    iterations 0 and 1 the replica must serve W0·x + s·B·A·x (its unmerged deltas; after each level-2 sleep over the
+    base it keeps on the host), or the two disagree (float32 on both sides: exact)."""
     _, run_dir = lora_run
     steps = [r for r in _records(run_dir) if "logprob_diff_max" in r]
     assert len(steps) == 3
@@ -94,7 +97,7 @@ def test_a_lora_run_resumes_exactly(lora_run, tmp_path):
     run ends bit for bit as the straight one."""
     _, full = lora_run
     split = tmp_path / "split"
-    train(tiny(run={"iterations": 2, "eval_every": 3, "save_every": 1}, rollout=LEVEL_2, **LORA), split)
+    train(tiny(run={"iterations": 2, "eval_every": 3, "save_every": 1}, rollout=LEVEL_2, **UNMERGED), split)
     (split / "config.yaml").write_text((split / "config.yaml").read_text().replace("iterations: 2", "iterations: 3"))
     train(load_config(split / "config.yaml"), split, resume=True)
     a = load_file(str(full / "final" / "model.safetensors"))
@@ -217,7 +220,8 @@ def test_qlora_trains_over_a_quantized_base_saves_the_exact_one_and_resumes_exac
     straight one."""
     qlora = {**LORA, "model": {"lora": {**LORA["model"]["lora"], "quantize_base": "nf4"}}}
     run = {"iterations": 2, "eval_every": 3, "save_every": 1}
-    cfg = tiny(run=run, rollout=LEVEL_2, **qlora)
+    rollout = {**LEVEL_2, "truncation_penalty": -0.5}  # truncated responses differ in reward: advantages move B
+    cfg = tiny(run=run, rollout=rollout, **qlora)
     train(cfg, tmp_path / "full")
     steps = [r for r in _records(tmp_path / "full") if "logprob_diff_max" in r]
     # NF4's error shows (1e-2 here, float32 merges give 1e-6) and stays an error, not a different policy
@@ -234,7 +238,7 @@ def test_qlora_trains_over_a_quantized_base_saves_the_exact_one_and_resumes_exac
             assert torch.equal(w, start[name]), name
     assert moved > 0
     split = tmp_path / "split"
-    train(tiny(run={**run, "iterations": 1}, rollout=LEVEL_2, **qlora), split)
+    train(tiny(run={**run, "iterations": 1}, rollout=rollout, **qlora), split)
     (split / "config.yaml").write_text((split / "config.yaml").read_text().replace("iterations: 1", "iterations: 2"))
     train(load_config(split / "config.yaml"), split, resume=True)
     resumed = load_file(str(split / "final" / "model.safetensors"))

@@ -117,6 +117,8 @@ def test_an_moe_model_adapts_attention_by_default_and_refuses_experts_by_name(di
     ("deepseek_v3", {}, (), "model.lora: LoRA on deepseek_v3 is not supported: its latent attention (MLA)"),
     ("nemotron_h-dense", {}, (), "model.lora: LoRA on nemotron_h: its checkpoint stores model.layers.1.mixer.q_proj."
      "weight under another name or layout"),
+    ("llama", dict(unmerged=True), ("rollout.engine=vllm",), "model.lora.unmerged needs the native rollout "
+     "engine: vLLM's replicas merge the adapters into their weights"),
     ("llama", dict(quantize_base="nf4"), ("cluster.workers=2",), "model.lora.quantize_base runs on one trainer "
      "rank: FSDP2 does not shard bitsandbytes' packed weights"),
     ("llama", {}, ("trainer.param_dtype=bfloat16",), "model.lora keeps the frozen model in the compute dtype "

@@ -56,6 +56,8 @@ class EngineSettings:
     (``rl.settings`` turns it on for vLLM on a GPU; ``engines.inference.vllm_engine`` says what it changes).
     ``adapter``: a PEFT LoRA adapter directory served on top of ``model_dir``'s weights (with ``load_checkpoint``):
     the native engine merges it into its weights (``merge_adapters``), vLLM applies it to every request (its LoRA).
+    ``lora_unmerged``: a LoRA run's native replica adds its adapters as low-rank deltas instead of merging them
+    (``InferenceEngine.adapter_updates``).
     """
 
     kind: Literal["native", "vllm"]
@@ -75,6 +77,7 @@ class EngineSettings:
     prefix_caching: bool = True
     ipc_views: bool = False
     adapter: str | None = None
+    lora_unmerged: bool = False
 
     def __post_init__(self) -> None:
         problems = []
@@ -161,6 +164,8 @@ def build_engine(settings: EngineSettings, *, load_checkpoint: bool = False) -> 
                              max_seq_len=s.max_seq_len, kv_cache_bytes=s.kv_cache_bytes,
                              max_batch_tokens=s.max_batch_tokens, seed=s.seed, detokenize=detokenize,
                              attention=s.attention)
+    if s.lora_unmerged:  # a LoRA run's updates: the adapters as low-rank deltas beside the base
+        engine.adapter_updates = "unmerged"
     if adapter is not None:  # W0 + (alpha/r)·B·A, as PEFT computes it; served for good, so no base copy is kept
         engine.merge_adapters(adapter.tensors, adapter.spec.scaling, keep_base=False)
     return engine

@@ -45,8 +45,9 @@ from engines.inference.sampling import (
 )
 from engines.inference.scheduler import Scheduler, StepPlan
 from engines.model.causal_lm import CausalLM
-from engines.model.layout import byte_placements, hub_state, model_tensors
+from engines.model.layout import byte_placements, hub_state, model_tensors, placements
 from engines.model.lora import AdapterMerger, merge_into
+from engines.model.lora_delta import LowRankDelta
 
 __all__ = ["Completion", "InferenceEngine", "InvalidRequestError", "SamplingParams", "fit_kv_budget",
            "token_logprobs"]
@@ -121,6 +122,9 @@ class InferenceEngine(RolloutEngine):
         self._merger: AdapterMerger | None = None  # LoRA: the base copies merge_adapters merges from
         self._adapter_base = False  # keep_adapter_base: a LoRA replica, whose base outlives a level-2 sleep
         self._restore = False  # its weights were discarded since the last merge: the next one writes them all
+        #: "merge": adapters merged into the served weights; "unmerged": added as low-rank deltas (lora_delta)
+        self.adapter_updates = "merge"
+        self._delta: LowRankDelta | None = None
         self.memory = EngineMemory(self.named_tensors(), self.kv_cache_bytes, self.device)
         self.generated = 0  # tokens sampled over the engine's life
         self.steps = 0  # forwards run over the engine's life
@@ -324,6 +328,9 @@ class InferenceEngine(RolloutEngine):
         ``keep_base`` False (one adapter served for good, as ``rl serve --adapter``): the same sum written in place
         once, no copy of the base kept; a later merge would then add onto this one."""
         served = hub_state(self.model)
+        if self.adapter_updates == "unmerged" and keep_base:
+            self._load_deltas(served, adapters, scaling)
+            return
         if keep_base or self._merger is not None:
             if self._merger is None:
                 adapted = sorted({f"{n.rpartition('.lora_')[0]}.weight" for n in adapters})
@@ -336,6 +343,23 @@ class InferenceEngine(RolloutEngine):
                     w = served[f"{m}.weight"]
                     a, b = adapters[f"{m}.lora_A.weight"], adapters[f"{m}.lora_B.weight"]
                     merge_into(w, w, a.to(w.device), b.to(w.device), scaling)
+        self.weights_loaded()
+
+    def _load_deltas(self, served: dict[str, torch.Tensor], adapters: Mapping[str, torch.Tensor],
+                     scaling: float) -> None:
+        """``merge_adapters`` with ``adapter_updates`` "unmerged": the base is served as it is and the adapters are
+        copied into the layers' low-rank deltas (``engines.model.lora_delta``), megabytes in place; after a level-2
+        sleep the base is first written back from its host copy."""
+        if self._restore:
+            self._merger.restore(served)
+            self._restore = False
+        if self._delta is None:
+            adapted = sorted({f"{n.rpartition('.lora_')[0]}.weight" for n in adapters})
+            rank = next(t.shape[0] for n, t in adapters.items() if ".lora_A." in n)
+            self._delta = LowRankDelta(self.model, placements(self.model), adapted, rank)
+            if self.runner.graphs is not None:
+                self.runner.graphs.clear()  # captured without the deltas' products
+        self._delta.load(adapters, scaling)
         self.weights_loaded()
 
     # --- recording a step -----------------------------------------------------------------

@@ -453,6 +453,17 @@ class AdapterMerger:
                 self.base[n] = copy.view(dtype).view(t.shape)
                 self.base[n].copy_(t)
 
+    @torch.no_grad()
+    def restore(self, served: Mapping[str, torch.Tensor]) -> None:
+        """Write every kept weight back into ``served`` (a replica that discarded its weights and serves the base
+        itself, the adapters apart)."""
+        missing = sorted(set(served) - set(self.base))
+        if missing:
+            raise RuntimeError(f"the replica's weights were discarded but no base copy of {missing[0]} is kept "
+                               f"({len(missing)} tensors)")
+        for n, t in self.base.items():
+            served[n].copy_(t, non_blocking=True)
+
     @property
     def base_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.base.values())

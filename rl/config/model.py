@@ -91,6 +91,12 @@ class LoraConfig(Strict):
                           "about 1.02); the replicas still serve the exact base plus the adapters, so the trainer's "
                           "log-probs differ from the sampler's by the quantization error (logprob_diff). One trainer "
                           "rank; pip install 'colocated-rl[qlora]'. None = the base as the checkpoint stores it")
+    unmerged: bool = Field(
+        False, description="the native rollout engine adds the adapters' low-rank product to each adapted layer's "
+                           "output instead of merging them into its weights: an update copies the adapters alone "
+                           "(megabytes) and never rewrites the base, at the cost of two small products per adapted "
+                           "layer in every forward; false merges W0 + s·B·A on receipt (decode at the base's speed). "
+                           "vLLM always merges")
     optimizer: Literal["adamw", "muon"] = Field(
         "adamw", description="the adapters' optimizer (optimizer.kind is not used with LoRA): AdamW, as LoRA's "
                              "published recipes train it; Muon orthogonalises each factor's update on its own, "
