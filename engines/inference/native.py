@@ -327,10 +327,10 @@ class InferenceEngine(RolloutEngine):
         repeated updates never accumulate rounding. The base must be what the engine serves at that first merge.
         ``keep_base`` False (one adapter served for good, as ``rl serve --adapter``): the same sum written in place
         once, no copy of the base kept; a later merge would then add onto this one."""
-        served = hub_state(self.model)
         if self.adapter_updates == "unmerged" and keep_base:
-            self._load_deltas(served, adapters, scaling)
+            self._load_deltas(adapters, scaling)
             return
+        served = hub_state(self.model)
         if keep_base or self._merger is not None:
             if self._merger is None:
                 adapted = sorted({f"{n.rpartition('.lora_')[0]}.weight" for n in adapters})
@@ -345,13 +345,12 @@ class InferenceEngine(RolloutEngine):
                     merge_into(w, w, a.to(w.device), b.to(w.device), scaling)
         self.weights_loaded()
 
-    def _load_deltas(self, served: dict[str, torch.Tensor], adapters: Mapping[str, torch.Tensor],
-                     scaling: float) -> None:
+    def _load_deltas(self, adapters: Mapping[str, torch.Tensor], scaling: float) -> None:
         """``merge_adapters`` with ``adapter_updates`` "unmerged": the base is served as it is and the adapters are
         copied into the layers' low-rank deltas (``engines.model.lora_delta``), megabytes in place; after a level-2
         sleep the base is first written back from its host copy."""
         if self._restore:
-            self._merger.restore(served)
+            self._merger.restore(hub_state(self.model))
             self._restore = False
         if self._delta is None:
             adapted = sorted({f"{n.rpartition('.lora_')[0]}.weight" for n in adapters})

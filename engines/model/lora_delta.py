@@ -62,6 +62,10 @@ class LowRankDelta:
                 if p.offset % lin.in_features or p.shape[1] != lin.in_features:
                     raise ValueError(f"LoRA update: {name} is not a row block of {path}.weight")
                 self.slots[name] = (lin, j, p.offset // lin.in_features, p.shape[0])
+        # each weight's A rows and B block as views, made once: an update is then two copies per weight
+        r = rank
+        self._views = {name: (lin.delta_a[j * r:(j + 1) * r], lin.delta_b[row:row + rows, j * r:(j + 1) * r])
+                       for name, (lin, j, row, rows) in self.slots.items()}
 
     @property
     def nbytes(self) -> int:
@@ -72,12 +76,15 @@ class LowRankDelta:
     def load(self, adapters: Mapping[str, torch.Tensor], scaling: float) -> None:
         """Serve ``adapters`` (every one, by the trainer's names: ``...q_proj.lora_A.weight`` [r, in],
         ``...lora_B.weight`` [out, r]) at ``scaling``: A and s·B (scaled in float32, then cast) copied in place."""
-        r = self.rank
-        for name, (lin, j, row, rows) in self.slots.items():
+        dst, src = [], []
+        for name, (a_rows, b_block) in self._views.items():
             m = name.removesuffix(".weight")
             a, b = adapters[f"{m}.lora_A.weight"], adapters[f"{m}.lora_B.weight"]
-            if tuple(a.shape) != (r, lin.in_features) or tuple(b.shape) != (rows, r):
+            if a.shape != a_rows.shape or b.shape != b_block.shape:
                 raise ValueError(f"LoRA update: {m} has lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}, not "
-                                 f"[{r}, {lin.in_features}] and [{rows}, {r}]")
-            lin.delta_a[j * r:(j + 1) * r].copy_(a, non_blocking=True)
-            lin.delta_b[row:row + rows, j * r:(j + 1) * r].copy_(b.float() * scaling, non_blocking=True)
+                                 f"{list(a_rows.shape)} and {list(b_block.shape)}")
+            dst += (a_rows, b_block)
+            src += (a, b)
+        # s·B in B's precision, then every copy in one batched call (rounded once into the replica's dtype)
+        src[1::2] = torch._foreach_mul(src[1::2], scaling)
+        torch._foreach_copy_(dst, src, non_blocking=True)
