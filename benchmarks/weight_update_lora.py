@@ -6,17 +6,17 @@
 One process builds a trainer model of ``benchmarks.rollout.MODELS`` (float32, random weights) with LoRA adapters of
 ``RANK`` on the default targets (B drawn nonzero, as after training), and a native inference engine holding the base
 in ``--dtype``. A full update hands the replica every checkpoint tensor in its dtype
-(``InferenceEngine.load_weights``); a LoRA update hands it the adapters alone, in float32, which it merges from its
-copy of the base (``InferenceEngine.merge_adapters``); a second replica takes them unmerged (``adapter_updates``
-"unmerged": low-rank deltas beside the base, ``engines.model.lora_delta``). ``full_bytes`` and ``lora_bytes`` are
-what each update moves into the replica, ``full_s`` and ``lora_s`` the median seconds of ``--repeats`` updates each
-(interleaved, after one cold update of each), ``unmerged_s`` the unmerged replica's update and ``unmerged_speedup``
-the full update's seconds over it, ``unmerged_same_tokens`` whether it samples the merged replica's greedy tokens and
-``unmerged_logprob_max_diff`` how far their log-probs are (rounding: the two add the adapters at different points),
-``base_copy_bytes`` the memory merge-on-receipt holds. ``bitwise_equal``: the replica's weights after the last LoRA
-update equal the merged weights computed independently (``engines.model.lora.merged_state``). The transport between
-processes (the checkpoint engine's buckets) is not part of this measure: it carries ``full_bytes`` or ``lora_bytes``,
-as counted here.
+(``InferenceEngine.load_weights``); a LoRA update hands it the adapters alone, cast to the replica's dtype as a run
+sends them, which it merges from its copy of the base (``InferenceEngine.merge_adapters``); a second replica takes
+them unmerged (``adapter_updates`` "unmerged": low-rank deltas beside the base, ``engines.model.lora_delta``).
+``full_bytes`` and ``lora_bytes`` are what each update moves into the replica, ``full_s`` and ``lora_s`` the median
+seconds of ``--repeats`` updates each (interleaved, after one cold update of each), ``unmerged_s`` the unmerged
+replica's update and ``unmerged_speedup`` the full update's seconds over it, ``unmerged_same_tokens`` whether it
+samples the merged replica's greedy tokens and ``unmerged_logprob_max_diff`` how far their log-probs are (rounding:
+the two add the adapters at different points), ``base_copy_bytes`` the memory merge-on-receipt holds.
+``bitwise_equal``: the replica's weights after the last LoRA update equal the merged weights computed independently
+(``engines.model.lora.merged_state``). The transport between processes (the checkpoint engine's buckets) is not part
+of this measure: it carries ``full_bytes`` or ``lora_bytes``, as counted here.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def measure_lora(model: str, rank: int, dtype: str = "bfloat16", repeats: int = 
                 p.normal_(0.0, 0.01)
     serving = getattr(torch, dtype)
     full = {n: t.to(serving) for n, t in hub_state(trainer).items() if ".lora_" not in n}
-    adapters = adapter_state(trainer)
+    adapters = {n: t.to(serving) for n, t in adapter_state(trainer).items()}  # as a run's updates carry them
     engine = InferenceEngine(build_model(cfg, dtype=serving, fused=True), eos_id=None, max_seq_len=64,
                              kv_cache_bytes=1 << 20)
     unmerged = InferenceEngine(build_model(cfg, dtype=serving, fused=True), eos_id=None, max_seq_len=64,

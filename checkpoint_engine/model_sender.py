@@ -72,11 +72,13 @@ def plan_model_update(model: nn.Module, parts: LocalParts, bucket_bytes: int, re
     return plan_buckets(specs, bucket_bytes, owners, fp8, fp8_block(replica) if fp8 else BLOCK)
 
 
-def plan_adapter_update(adapters: dict[str, torch.Tensor], bucket_bytes: int) -> BucketPlan:
-    """The plan of a LoRA run's updates: the adapters only, by the trainer's names and in their own dtype, all
-    sent by rank 0 (``adapters``: full tensors; a replica merges them into the base it keeps)."""
-    specs = [TensorSpec(n, tuple(t.shape), str(t.dtype).removeprefix("torch."), t.numel() * t.element_size())
-             for n, t in adapters.items()]
+def plan_adapter_update(adapters: dict[str, torch.Tensor], bucket_bytes: int,
+                        dtype: torch.dtype | None = None) -> BucketPlan:
+    """The plan of a LoRA run's updates: the adapters only, by the trainer's names, all sent by rank 0
+    (``adapters``: full tensors; a replica merges them into the base it keeps), in ``dtype`` (the replicas', as a
+    full update casts the master weights; default their own)."""
+    specs = [TensorSpec(n, tuple(t.shape), str(dtype or t.dtype).removeprefix("torch."),
+                        t.numel() * (dtype or t.dtype).itemsize) for n, t in adapters.items()]
     return plan_buckets(specs, bucket_bytes)
 
 

@@ -308,6 +308,9 @@ def test_the_update_benchmark_moves_only_the_adapters_bytes():
     per_layer = 2 * ((128 + 128) * 2 + (128 + 64) * 2 + 3 * (128 + 384))
     assert rec["lora_bytes"] == 4 * per_layer * 4  # float32 adapters
     assert rec["full_bytes"] == rec["params"] * 4 and rec["bitwise_equal"]
+    # a bfloat16 replica gets them in bfloat16, as a run's plan casts them (plan_adapter_update's dtype)
+    rec = measure_lora("demo", 2, "bfloat16", repeats=1)
+    assert rec["lora_bytes"] == 4 * per_layer * 2 and rec["full_bytes"] == rec["params"] * 2 and rec["bitwise_equal"]
 
 
 def test_bfloat16_compute_keeps_no_float32_copy_of_an_adapted_input(base_dir):

@@ -177,8 +177,10 @@ class TrainerWorker:
             self.reference = TrainingEngine(self._model(arch, shard, device).requires_grad_(False), [], pad,
                                             attention=t.attention)
         self.sender = ModelSender(model, self._replica(arch, model_dir), t.bucket_bytes)
-        # a LoRA run's updates carry the adapters only; start-up fills the base through the model's plan
-        self.adapter_plan = None if t.lora is None else plan_adapter_update(adapter_state(model), t.bucket_bytes)
+        # a LoRA run's updates carry the adapters only, cast to the replicas' dtype as a full update's weights are
+        # (half the bytes of float32 for bfloat16 replicas); start-up fills the base through the model's plan
+        self.adapter_plan = None if t.lora is None else \
+            plan_adapter_update(adapter_state(model), t.bucket_bytes, getattr(torch, t.replica_dtype))
         self.ckpt = CheckpointEngine(rank, world, init_method, t.bucket_bytes, shm_prefix, device=device)
 
     def weight_plan(self):
