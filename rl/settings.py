@@ -330,15 +330,16 @@ def lora_spec(cfg: Config, arch: ModelConfig | ModelDescription, engine: str,
 def lora_run_checks(cfg: Config, compute_dtype: str) -> None:
     """What a LoRA run needs of its dtypes (one line when it cannot run). Over several trainer ranks FSDP2 shards
     the frozen base with the adapters, in the master dtype, and computes in the compute dtype: any pair runs."""
+    sharded = cfg.cluster.workers * ranks_per_worker(cfg) > 1
     if cfg.model.lora.quantize_base is not None:
         from engines.model.lora_quant import bitsandbytes_missing
 
-        if cfg.cluster.workers * ranks_per_worker(cfg) > 1:
+        if sharded:
             raise UserError("model.lora.quantize_base runs on one trainer rank: FSDP2 does not shard bitsandbytes' "
                             "packed weights; set cluster.workers: 1 and one GPU per worker, or quantize_base: null")
         if (why := bitsandbytes_missing()) is not None:
             raise UserError(f"model.lora.quantize_base {cfg.model.lora.quantize_base}: {why}")
-    if cfg.cluster.workers * ranks_per_worker(cfg) > 1:
+    if sharded:
         return
     if compute_dtype != cfg.trainer.master_dtype and compute_dtype != cfg.rollout_dtype:
         # the frozen model is kept in the compute dtype; as the replicas' (the checkpoint's) dtype it loses nothing

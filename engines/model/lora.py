@@ -454,15 +454,17 @@ class AdapterMerger:
                 self.base[n].copy_(t)
 
     @torch.no_grad()
-    def restore(self, served: Mapping[str, torch.Tensor]) -> None:
-        """Write every kept weight back into ``served`` (a replica that discarded its weights and serves the base
-        itself, the adapters apart)."""
+    def restore(self, served: Mapping[str, torch.Tensor], skip: Iterable[str] = ()) -> None:
+        """Write every kept weight but ``skip`` back into ``served`` (a replica that discarded its weights: the
+        unmerged one serves the base itself, the merging one rewrites ``skip``, its adapted weights, next)."""
         missing = sorted(set(served) - set(self.base))
         if missing:
             raise RuntimeError(f"the replica's weights were discarded but no base copy of {missing[0]} is kept "
                                f"({len(missing)} tensors)")
+        skip = set(skip)
         for n, t in self.base.items():
-            served[n].copy_(t, non_blocking=True)
+            if n not in skip:
+                served[n].copy_(t, non_blocking=True)
 
     @property
     def base_bytes(self) -> int:
@@ -475,13 +477,7 @@ class AdapterMerger:
         ``restore``: first write every other kept weight back (the replica discarded its weights)."""
         adapted = {f"{n.rpartition('.lora_')[0]}.weight" for n in adapters}
         if restore:
-            missing = sorted(set(served) - set(self.base))
-            if missing:
-                raise RuntimeError(f"the replica's weights were discarded but no base copy of {missing[0]} is kept "
-                                   f"({len(missing)} tensors)")
-            for n, t in self.base.items():
-                if n not in adapted:
-                    served[n].copy_(t, non_blocking=True)
+            self.restore(served, skip=adapted)
         for w in sorted(adapted):
             m = w.removesuffix(".weight")
             dev = served[w].device

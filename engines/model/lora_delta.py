@@ -45,37 +45,37 @@ class LowRankDelta:
         ``adapted``: the checkpoint weights (``...q_proj.weight``) the adapters adapt, each a whole row block of
         one ``nn.Linear`` weight; ``rank``: r."""
         self.rank = rank
-        self.slots: dict[str, tuple[nn.Linear, int, int, int]] = {}  # weight -> (layer, block, first row, rows)
+        self._layers: list[nn.Linear] = []
+        # each weight's A rows and B block, as views made once: an update is then two copies per weight
+        self._views: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         layers: dict[str, list[str]] = {}
         for name in sorted(adapted):
             p = placements.get(name)
             if p is None or len(p.shape) != 2 or not p.target.endswith(".weight"):
                 raise ValueError(f"LoRA update: the serving model holds no weight {name}")
             layers.setdefault(p.target.removesuffix(".weight"), []).append(name)
+        r = rank
         for path, names in layers.items():
             lin = model.get_submodule(path)
             if not isinstance(lin, nn.Linear):
                 raise ValueError(f"LoRA update: {path} is a {type(lin).__name__}, not a linear layer")
-            _add_delta(lin, rank * len(names))
+            _add_delta(lin, r * len(names))
+            self._layers.append(lin)
             for j, name in enumerate(names):
                 p = placements[name]
                 if p.offset % lin.in_features or p.shape[1] != lin.in_features:
                     raise ValueError(f"LoRA update: {name} is not a row block of {path}.weight")
-                self.slots[name] = (lin, j, p.offset // lin.in_features, p.shape[0])
-        # each weight's A rows and B block as views, made once: an update is then two copies per weight
-        r = rank
-        self._views = {name: (lin.delta_a[j * r:(j + 1) * r], lin.delta_b[row:row + rows, j * r:(j + 1) * r])
-                       for name, (lin, j, row, rows) in self.slots.items()}
+                row, rows = p.offset // lin.in_features, p.shape[0]
+                self._views[name] = (lin.delta_a[j * r:(j + 1) * r], lin.delta_b[row:row + rows, j * r:(j + 1) * r])
 
     @property
     def nbytes(self) -> int:
-        layers = {id(lin): lin for lin, *_ in self.slots.values()}.values()
-        return sum(t.numel() * t.element_size() for lin in layers for t in (lin.delta_a, lin.delta_b))
+        return sum(t.numel() * t.element_size() for lin in self._layers for t in (lin.delta_a, lin.delta_b))
 
     @torch.no_grad()
     def load(self, adapters: Mapping[str, torch.Tensor], scaling: float) -> None:
         """Serve ``adapters`` (every one, by the trainer's names: ``...q_proj.lora_A.weight`` [r, in],
-        ``...lora_B.weight`` [out, r]) at ``scaling``: A and s·B (scaled in float32, then cast) copied in place."""
+        ``...lora_B.weight`` [out, r]) at ``scaling``: A and s·B (scaled in the adapters' dtype) copied in place."""
         dst, src = [], []
         for name, (a_rows, b_block) in self._views.items():
             m = name.removesuffix(".weight")
@@ -85,6 +85,6 @@ class LowRankDelta:
                                  f"{list(a_rows.shape)} and {list(b_block.shape)}")
             dst += (a_rows, b_block)
             src += (a, b)
-        # s·B in B's precision, then every copy in one batched call (rounded once into the replica's dtype)
+        # s·B in the adapters' dtype, then every copy in one batched call (cast into the replica's dtype)
         src[1::2] = torch._foreach_mul(src[1::2], scaling)
         torch._foreach_copy_(dst, src, non_blocking=True)

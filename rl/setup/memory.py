@@ -35,6 +35,7 @@ from engines.inference.kv_cache import BLOCK_SIZE, bytes_per_slot, bytes_per_tok
 from engines.model.arch import ModelConfig
 from engines.model.hf_spec import ModelDescription
 from engines.model.lora import LoraSpec
+from engines.model.lora_quant import BYTES_PER_WEIGHT
 from rl.config import Config
 from rl.errors import UserError
 from rl.settings import RunSettings, ranks_per_worker, resolve, sleep_level
@@ -244,8 +245,7 @@ def trainer_bytes(shape: ModelShape, ranks: int, master_dtype: str, optimizer: s
     n, n_muon = (shape.adapter_params, shape.adapter_muon_params) if lora else (shape.params, shape.muon_params)
     # Muon keeps one momentum per element, AdamW two moments, both in the master dtype
     states = n_muon * 1 + (n - n_muon) * 2 if optimizer == "muon" else n * 2
-    from engines.model.lora_quant import BYTES_PER_WEIGHT  # QLoRA: base_dtype "nf4" or "int8"
-
+    # QLoRA: base_dtype "nf4" or "int8", bytes per weight rather than a dtype
     adapted = -int(-shape.adapted_params * BYTES_PER_WEIGHT[base_dtype]) if base_dtype in BYTES_PER_WEIGHT else \
         shape.adapted_params * _itemsize(base_dtype or master_dtype)
     frozen = adapted + (shape.params - shape.adapted_params) * _itemsize(frozen_dtype or master_dtype)
