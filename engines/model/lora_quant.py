@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engines.model.layout import is_quantized_base
+
 #: model.lora.quantize_base values: bitsandbytes' 4-bit NormalFloat (QLoRA's) and its row-wise int8.
 QUANT_KINDS = ("nf4", "int8")
 BLOCK = 64  # NF4's block of elements per scale (bitsandbytes' and PEFT's default)
@@ -41,10 +43,16 @@ def _dequantized(module: nn.Module, dtype: torch.dtype) -> torch.Tensor:
     import bitsandbytes.functional as bf
 
     if module.base_quant == "nf4":
-        state = bf.QuantState(absmax=module.base_absmax, shape=torch.Size((module.out_features, module.in_features)),
+        # NF4's blocks run over the flattened weight, but bitsandbytes' AVX-512 CPU kernel (0.49-0.50) takes a row's
+        # scales as if each row began a block: wrong when in_features is not a multiple of 64. Asked for rows of
+        # exactly one block (or a single row), every kernel reads the right scale; the result is the same tensor.
+        n = module.out_features * module.in_features
+        shape = (n // BLOCK, BLOCK) if n % BLOCK == 0 else (n,)
+        state = bf.QuantState(absmax=module.base_absmax, shape=torch.Size(shape),
                               code=bf.get_4bit_type("nf4", device=module.base_packed.device), blocksize=BLOCK,
                               quant_type="nf4", dtype=module.base_dtype)
-        w = bf.dequantize_4bit(module.base_packed, state, quant_type="nf4")
+        w = bf.dequantize_4bit(module.base_packed, state, quant_type="nf4").view(module.out_features,
+                                                                                  module.in_features)
     else:
         w = bf.int8_vectorwise_dequant(module.base_packed, module.base_absmax)
     return w.to(dtype)
@@ -75,13 +83,12 @@ def quantize_base(model: nn.Module, kind: str) -> list[str]:
     read) to ``kind`` ("nf4" or "int8"); returns their weights' names. The weights' own tensors are dropped."""
     import bitsandbytes.functional as bf
 
-    from engines.model.lora import LoraLinear
-
     if kind not in QUANT_KINDS:
         raise ValueError(f"quantize_base must be one of {QUANT_KINDS}, got {kind!r}")
     names = []
     for path, m in model.named_modules():
-        if not isinstance(m, LoraLinear) or getattr(m, "base_quant", None) is not None:
+        # an adapted projection (engines.model.lora.LoraLinear) not quantized yet
+        if not (isinstance(m, nn.Linear) and hasattr(m, "lora_A")) or getattr(m, "base_quant", None) is not None:
             continue
         w = m.weight.detach()
         if kind == "nf4":
@@ -102,21 +109,6 @@ def quantize_base(model: nn.Module, kind: str) -> list[str]:
 def quantized_weights(model: nn.Module) -> list[str]:
     """Names of the weights ``quantize_base`` replaced (``...q_proj.weight``), sorted."""
     return sorted(f"{path}.weight" for path, m in model.named_modules() if getattr(m, "base_quant", None))
-
-
-def is_quantized_base(name: str) -> bool:
-    """Whether a tensor name is a quantized base's packed bytes or scales (no checkpoint tensor)."""
-    return name.endswith((".base_packed", ".base_absmax"))
-
-
-def placed_tensors(model: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``tensors`` (``model``'s own by name) as checkpoint placements see them: a quantized base's bytes out, and
-    its weight in as a meta tensor of the original shape (the checkpoint tensor it stands for)."""
-    out = {n: t for n, t in tensors.items() if not is_quantized_base(n)}
-    for path, m in model.named_modules():
-        if getattr(m, "base_quant", None):
-            out[f"{path}.weight"] = torch.empty((m.out_features, m.in_features), dtype=m.base_dtype, device="meta")
-    return out
 
 
 def exact_base(state: dict[str, torch.Tensor], names: Iterable[str], checkpoint: dict[str, torch.Tensor]) -> dict:
