@@ -25,10 +25,9 @@ from engines.model.lora import (
     adapter_state,
     apply_lora,
     check_lora,
-    load_adapters,
     merge_into,
     merged_state,
-    merged_weight,
+    read_adapter,
     save_adapters,
 )
 from engines.training.engine import TrainingEngine
@@ -45,6 +44,22 @@ def base_dir(tmp_path_factory):
     d = tmp_path_factory.mktemp("lora_base")
     save_pretrained(sharp_model(tiny_config(VOCAB)), None, d)
     return d
+
+
+@pytest.fixture(scope="module")
+def block_dir(tmp_path_factory):
+    """The tiny Llama widened so that every adapted projection's rows are whole NF4 blocks (in_features a multiple
+    of 64): the shapes bitsandbytes' CPU kernels compute right on every CPU, for the comparison with its 4-bit model."""
+    d = tmp_path_factory.mktemp("lora_block_base")
+    save_pretrained(sharp_model(tiny_config(VOCAB, hidden_size=64, intermediate_size=128)), None, d)
+    return d
+
+
+def merged_weight(base, a, b, scaling):
+    """W0 + scaling·B·A into a new tensor of the base's dtype (``merge_into`` from the base itself)."""
+    out = torch.empty_like(base)
+    merge_into(out, base, a, b, scaling)
+    return out
 
 
 def adapted(base_dir, spec=SPEC, seed=1, nonzero_b=True):
@@ -198,8 +213,8 @@ def test_saved_adapters_load_with_peft_and_give_the_trainers_logprobs(base_dir, 
     save_adapters(SPEC, adapter_state(model), tmp_path, str(base_dir))
     cfg = json.loads((tmp_path / "adapter_config.json").read_text())
     assert cfg["peft_type"] == "LORA" and cfg["r"] == 4 and cfg["lora_alpha"] == 8.0
-    spec, tensors = load_adapters(tmp_path)
-    assert spec == SPEC and all(torch.equal(tensors[n], t) for n, t in adapter_state(model).items())
+    read = read_adapter(tmp_path)  # as an engine given the adapter reads it (engines.inference.factory)
+    assert read.spec == SPEC and all(torch.equal(read.tensors[n], t) for n, t in adapter_state(model).items())
 
     hf = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
     with_adapter = peft.PeftModel.from_pretrained(hf, tmp_path).eval()
@@ -382,7 +397,7 @@ def test_a_lora_replica_sleeps_at_level_two_and_the_adapters_refill_it(base_dir,
 
 
 def test_an_unmerged_replica_serves_the_adapted_model_and_its_updates_write_only_the_deltas(base_dir):
-    """``adapter_updates`` "unmerged" (model.lora.unmerged): the fused replica adds the adapters' low-rank products
+    """``load_adapter_deltas`` (model.lora.unmerged): the fused replica adds the adapters' low-rank products
     beside its q/k/v and gate/up blocks; it computes the trainer's adapted model (float32, ≤ 1e-5) and samples what a
     merging replica samples, its served weights stay the base bit for bit through updates, and after a level-2 sleep
     the next update brings the base back from the host copy."""
@@ -391,7 +406,6 @@ def test_an_unmerged_replica_serves_the_adapted_model_and_its_updates_write_only
     for e in (eng, merging):
         e.load_weights(hub_state(base).items())
         e.keep_adapter_base()
-    eng.adapter_updates = "unmerged"
     start = {n: t.clone() for n, t in eng.served_weights().items()}
     prompts, params = [[3, 4, 5, 6, 7], [9, 10]], SamplingParams(0.0, 12, ignore_eos=True)
     for seed, sleep in ((1, False), (2, False), (3, True)):
@@ -399,7 +413,7 @@ def test_an_unmerged_replica_serves_the_adapted_model_and_its_updates_write_only
         if sleep:
             eng.sleep(2)
             eng.wake_up(kv_cache=False)
-        eng.merge_adapters(adapter_state(trainer), SPEC.scaling)
+        eng.load_adapter_deltas(adapter_state(trainer), SPEC.scaling)
         merging.merge_adapters(adapter_state(trainer), SPEC.scaling)
         torch.testing.assert_close(logits(eng.model, IDS), logits(trainer, IDS), atol=1e-5, rtol=0)
         assert all(torch.equal(t, start[n]) for n, t in eng.served_weights().items())
@@ -460,7 +474,7 @@ def test_the_transformers_backend_adapts_its_own_modules_as_peft_does(tmp_path):
 
 
 @pytest.mark.parametrize("kind", ["nf4", "int8"])
-def test_a_quantized_base_computes_what_peft_on_bitsandbytes_does(base_dir, tmp_path, kind):
+def test_a_quantized_base_computes_what_peft_on_bitsandbytes_does(block_dir, tmp_path, kind):
     """QLoRA (engines.model.lora_quant): the adapted projections' weights become bitsandbytes' packed bytes (NF4:
     about a sixth of their float32 bytes, int8 about a quarter), and the adapted model's log-probs are those of
     transformers' 4-bit model (bitsandbytes) with the same adapters put on by peft, exactly for NF4; for int8 (which
@@ -468,8 +482,8 @@ def test_a_quantized_base_computes_what_peft_on_bitsandbytes_does(base_dir, tmp_
     step moves the adapters only and leaves the packed base as it was."""
     from engines.model.lora_quant import _dequantized, quantize_base
 
-    model = adapted(base_dir)
-    save_adapters(SPEC, adapter_state(model), tmp_path / "adapter", str(base_dir))
+    model = adapted(block_dir)
+    save_adapters(SPEC, adapter_state(model), tmp_path / "adapter", str(block_dir))
     before = sum(t.numel() * t.element_size() for n, t in model.state_dict().items() if n.endswith("_proj.weight"))
     names = quantize_base(model, kind)
     assert len(names) == 2 * len(DEFAULT_TARGETS) and all(model.get_submodule(n[:-7]).weight is None
@@ -478,21 +492,30 @@ def test_a_quantized_base_computes_what_peft_on_bitsandbytes_does(base_dir, tmp_
     assert after < before * (0.2 if kind == "nf4" else 0.3)
     ours = torch.log_softmax(logits(model, IDS), -1)
     if kind == "nf4":
+        import bitsandbytes as bnb
+
         quant = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
                                                 bnb_4bit_compute_dtype=torch.float32)
-        hf = transformers.AutoModelForCausalLM.from_pretrained(base_dir, quantization_config=quant, device_map="cpu",
+        hf = transformers.AutoModelForCausalLM.from_pretrained(block_dir, quantization_config=quant, device_map="cpu",
                                                                dtype=torch.float32)
+        with_adapter = peft.PeftModel.from_pretrained(hf, tmp_path / "adapter").eval()
+        # the QLoRA training path: in eval mode, on CPUs with AVX512-BF16, Linear4bit repacks its weight for a
+        # bfloat16 inference kernel (other numbers than a trainer's float32 ones, and it fails on these sizes)
+        bnb_layers = [m for m in with_adapter.modules() if isinstance(m, bnb.nn.Linear4bit)]
+        assert len(bnb_layers) == len(names)
+        for m in bnb_layers:
+            m.train()
         with torch.no_grad():
-            theirs = torch.log_softmax(peft.PeftModel.from_pretrained(hf, tmp_path / "adapter").eval()(
-                input_ids=IDS).logits.float(), -1)
+            theirs = torch.log_softmax(with_adapter(input_ids=IDS).logits.float(), -1)
+        assert not any(getattr(m.weight.quant_state, "packing_format_for_cpu", False) for m in bnb_layers)
     else:
         state = {n: t for n, t in model.state_dict().items() if ".base_" not in n}
         state.update({n: _dequantized(model.get_submodule(n[:-7]), torch.float32) for n in names})
-        ref = load_pretrained(base_dir)
+        ref = load_pretrained(block_dir)
         ref.load_state_dict(merged_state(state, SPEC.scaling))
         theirs = torch.log_softmax(logits(ref, IDS), -1)
     torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=0)
-    assert (ours - torch.log_softmax(logits(load_pretrained(base_dir), IDS), -1)).abs().max() > 1e-2
+    assert (ours - torch.log_softmax(logits(load_pretrained(block_dir), IDS), -1)).abs().max() > 1e-2
 
     packed = {n: t.clone() for n, t in model.state_dict().items() if ".base_" in n}
     adapters = {n: t.clone() for n, t in adapter_state(model).items()}
@@ -503,3 +526,27 @@ def test_a_quantized_base_computes_what_peft_on_bitsandbytes_does(base_dir, tmp_
     engine.step()
     assert all(torch.equal(packed[n], t) for n, t in model.state_dict().items() if ".base_" in n)
     assert all(not torch.equal(adapters[n], t) for n, t in adapter_state(model).items())  # B nonzero: A moves too
+
+
+def test_nf4_dequantizes_blocks_of_64_of_the_flattened_weight_on_any_cpu(base_dir):
+    """NF4's scales cover 64 consecutive elements of the flattened weight, so with in_features 32 a block spans two
+    rows: the base the trainer computes with is each packed nibble's NF4 value (high nibble first) times its block's
+    scale, decoded here by hand (bitsandbytes 0.49-0.50's AVX-512 CPU kernel, asked for the weight's own shape,
+    scales each row as if it began a block)."""
+    import bitsandbytes.functional as bf
+
+    from engines.model.lora_quant import BLOCK, _dequantized, quantize_base
+
+    model = adapted(base_dir)
+    names = quantize_base(model, "nf4")
+    table = bf.get_4bit_type("nf4", device="cpu").float()
+    straddle = 0
+    for name in names:
+        m = model.get_submodule(name[:-7])
+        straddle += m.in_features % BLOCK != 0
+        q = m.base_packed.reshape(-1)
+        nibbles = torch.stack([q >> 4, q & 0xF], 1).reshape(-1)[: m.out_features * m.in_features].long()
+        scales = m.base_absmax.repeat_interleave(BLOCK)[: nibbles.numel()]
+        want = (table[nibbles] * scales).reshape(m.out_features, m.in_features)
+        torch.testing.assert_close(_dequantized(m, torch.float32), want, atol=0, rtol=0)
+    assert straddle == len(names) - 2  # all but down_proj (in_features 64) of both layers: blocks across rows
