@@ -2,8 +2,9 @@
 
 Callers on any thread ``submit`` requests (joining the running batch: continuous batching) and get two futures:
 ``accepted`` (the request id, or the InvalidRequestError that refused it) and ``done`` (its ``Completion``). A
-request submitted with ``on_tokens`` is watched: after every step that gave it new tokens, ``on_tokens(tokens,
-logprobs)`` is called on the loop's thread with everything it has generated so far (what a server streams).
+request submitted with ``on_tokens`` is watched: after every step that gave it new tokens, ``on_tokens(progress)`` is
+called on the loop's thread with what it generated since the last call (a ``Progress``: what a server streams; only
+the new tokens, so a long stream costs the same per step).
 ``call`` runs a function on the loop's thread between steps, so the model is never used by two threads at once.
 A step that fails fails the requests then in flight, not the loop.
 """
@@ -21,11 +22,12 @@ from typing import Any
 import torch
 
 from engines.inference.base import RolloutEngine
+from engines.inference.requests import Progress
 from engines.inference.sampling import InvalidRequestError, SamplingParams
 
 log = logging.getLogger(__name__)
 
-OnTokens = Callable[[list[int], list[float]], None]
+OnTokens = Callable[[Progress], None]
 
 
 @dataclass
@@ -114,14 +116,14 @@ class EngineLoop:
 
     def _tell(self) -> None:
         """Give each watched request's ``on_tokens`` what it generated since it was last told."""
-        watched = [rid for rid, job in self._running.items() if job.on_tokens is not None]
+        watched = {rid: job.told for rid, job in self._running.items() if job.on_tokens is not None}
         if not watched:
             return
-        for rid, (tokens, logprobs) in self.engine.progress(watched).items():
+        for rid, progress in self.engine.progress(watched).items():
             job = self._running[rid]
-            if len(tokens) > job.told:
-                job.told = len(tokens)
+            if progress.tokens:
+                job.told += len(progress.tokens)
                 try:
-                    job.on_tokens(tokens, logprobs)
+                    job.on_tokens(progress)
                 except Exception as e:  # a caller's callback must not stop the loop
                     log.warning("on_tokens of request %d failed: %s", rid, e)

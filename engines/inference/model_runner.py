@@ -19,7 +19,7 @@ from engines.device import host_buffer
 from engines.inference.colocation import EngineMemory
 from engines.inference.cuda_graphs import DecodeGraphs
 from engines.inference.kv_cache import PagedKVCache, PagedPass, Ragged, rows_of
-from engines.inference.requests import MAX_STOP_IDS, TokenLogprob
+from engines.inference.requests import MAX_STOP_IDS, TokenLogprob, TopLogprobs
 from engines.inference.sampling import RowParams, mask_logits, sample
 from engines.inference.scheduler import RowStart, StepPlan
 from engines.inference.uploads import upload, upload_rows
@@ -32,12 +32,14 @@ SCORE_ROWS = 1024
 
 @dataclass(frozen=True)
 class StepOutput:
-    """What one step sampled, per row of the plan's ``sampled`` requests: the token, its log-prob and whether
-    the row hit EOS, a stop token id or its token budget."""
+    """What one step sampled, per row of the plan's ``sampled`` requests: the token, its log-prob, whether
+    the row hit EOS, a stop token id or its token budget and, for rows whose request asks ``top_logprobs``, the
+    most likely tokens at the position (None for the others; the list is None when no row asks)."""
 
     tokens: list[int]
     logprobs: list[float]
     done: list[bool]
+    top_logprobs: list[TopLogprobs | None] | None = None
 
 
 class ModelRunner:
@@ -204,6 +206,9 @@ class ModelRunner:
         reqs = plan.sampled
         sl = slice(0, len(reqs))
         gen = self.gen[sl].clone()  # a copy: the counters advance below
+        want = [r.params.top_logprobs for r in reqs]
+        # from the logits before any grammar mask, at temperature 1: the model's own alternatives
+        tops = _top_logprobs(logits, want) if any(want) else None
         if any(r.matcher is not None for r in reqs):
             # logprobs are then those of the masked distribution, the one the tokens are drawn from
             logits = mask_logits(logits, [r.matcher for r in reqs])
@@ -213,9 +218,15 @@ class ModelRunner:
         self.pos[: plan.decode] += 1
         done = (torch.isin(tok, self._eos) & self.eos_stop[sl]) | (self.stop_ids[sl] == tok[:, None]).any(1)
         done |= gen + 1 >= self.max_gen[sl]
-        # the one host transfer of the step: tokens, logprobs and finished flags together
-        toks, lps, dones = torch.stack((tok.double(), lp.double(), done.double())).tolist()
-        return StepOutput([int(t) for t in toks], lps, [bool(d) for d in dones])
+        # the one host transfer of the step: tokens, logprobs, finished flags and the alternatives together
+        flat = torch.stack((tok.double(), lp.double(), done.double())).flatten()
+        if tops is not None:
+            flat = torch.cat((flat, tops[0].double().flatten(), tops[1].double().flatten()))
+        host = flat.tolist()
+        n = len(reqs)
+        toks, lps, dones = host[:n], host[n: 2 * n], host[2 * n: 3 * n]
+        out_tops = None if tops is None else _unpack_tops(host[3 * n:], want, tops[0].shape)
+        return StepOutput([int(t) for t in toks], lps, [bool(d) for d in dones], out_tops)
 
     def _move(self, src: int, dst: int) -> None:
         """Copy row ``src``'s per-row state to row ``dst`` (the scheduler already moved the request)."""
@@ -223,6 +234,30 @@ class ModelRunner:
                   self.rows.temperature, self.rows.top_k, self.rows.top_p, self.rows.seed):
             t[dst] = t[src]
         self._tables_host[dst] = self._tables_host[src]
+
+
+def _top_logprobs(logits: torch.Tensor, want: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``max(want)`` most likely tokens (log-probs [m, k], ids [m, k]) of the m rows that want any, under
+    log softmax(logits) in float32, as a scoring forward computes them."""
+    rows = [i for i, w in enumerate(want) if w]
+    lp = torch.log_softmax((logits if len(rows) == len(want) else logits[upload(rows, logits.device)]).float(), dim=-1)
+    return lp.topk(min(max(want), lp.shape[-1]), dim=-1)
+
+
+def _unpack_tops(host: list[float], want: list[int], shape: torch.Size) -> list[TopLogprobs | None]:
+    """Each row's alternatives from the host copy of ``_top_logprobs``' values then ids (None: a row not asking)."""
+    m, k = shape
+    values, ids = host[: m * k], host[m * k:]
+    out: list[TopLogprobs | None] = []
+    j = 0
+    for w in want:
+        if not w:
+            out.append(None)
+            continue
+        row = slice(j * k, j * k + min(w, k))
+        out.append([(int(t), v) for t, v in zip(ids[row], values[row], strict=True)])
+        j += 1
+    return out
 
 
 def _pad(rows: list[list[int]]) -> list[list[int]]:

@@ -9,11 +9,16 @@ from typing import Any
 from engines.inference.blocks import SeqBlocks
 from engines.inference.sampling import InvalidRequestError, SamplingParams
 
+#: The most likely tokens at one position as (id, log-prob), best first.
+TopLogprobs = list[tuple[int, float]]
+
 
 @dataclass
 class Completion:
     """One response. ``finish_reason``: "stop" (EOS, stop token or stop string, named in
-    ``stop_reason``), "length" (token budget), "error" (``error`` says why) or None (paused)."""
+    ``stop_reason``), "length" (token budget), "error" (``error`` says why) or None (paused).
+    ``top_logprobs``: with ``params.top_logprobs`` > 0, each token's position's most likely tokens (None for the
+    tokens of a resumed request's earlier part); None otherwise."""
 
     token_ids: list[int]
     logprobs: list[float]
@@ -23,6 +28,18 @@ class Completion:
     error: str | None = None
     request_id: int = -1
     params: SamplingParams | None = None
+    top_logprobs: list[TopLogprobs | None] | None = None
+
+
+@dataclass(frozen=True)
+class Progress:
+    """What an unfinished request generated from its token ``start`` on (what a server streams): the tokens, their
+    log-probs and, as in ``Completion``, their positions' most likely tokens when the request asks for them."""
+
+    start: int
+    tokens: list[int]
+    logprobs: list[float]
+    top_logprobs: list[TopLogprobs | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -34,7 +51,7 @@ class TokenLogprob:
     top: list[tuple[int, float]] = field(default_factory=list)
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, kw_only=True)
 class Request:
     """A request inside the engine. ``tokens``/``logprobs`` are everything generated so far (a resumed
     request's earlier tokens first); ``seq`` its KV blocks while it holds some."""
@@ -61,10 +78,18 @@ class Request:
         return len(self.prompt) + len(self.tokens)
 
     filter_kind: int = 0  # how its tokens are drawn (``engines.inference.sampling.filter_kind``)
+    #: with ``params.top_logprobs`` > 0, the most likely tokens at each generated position (None: a prior token)
+    top_logprobs: list[TopLogprobs | None] | None = None
 
     def completion(self, reason: str | None, stop_reason: int | str | None = None) -> Completion:
+        tops = None if self.top_logprobs is None else list(self.top_logprobs)
         return Completion(list(self.tokens), list(self.logprobs), reason, self.prompt, stop_reason=stop_reason,
-                          request_id=self.id, params=self.params)
+                          request_id=self.id, params=self.params, top_logprobs=tops)
+
+    def progress(self, start: int) -> Progress:
+        """What it generated from token ``start`` on."""
+        tops = None if self.top_logprobs is None else self.top_logprobs[start:]
+        return Progress(start, self.tokens[start:], self.logprobs[start:], tops)
 
 
 #: Most stop token ids one request may name (besides EOS).
@@ -83,9 +108,10 @@ def check_prompt(prompt_ids: Sequence[int], *, vocab: int, context: int) -> list
 
 def check_request(prompt_ids: Sequence[int], params: SamplingParams, prior: Sequence[int],
                   prior_logprobs: Sequence[float], *, vocab: int, context: int, max_seq_len: int,
-                  detokenizes: bool) -> list[int]:
+                  detokenizes: bool, step_top_logprobs: bool = False) -> list[int]:
     """The prompt as ints, or InvalidRequestError naming why an engine cannot serve the request (the same
-    rules for every engine, so a request refused by one is refused by the other)."""
+    rules for every engine, so a request refused by one is refused by the other; ``step_top_logprobs``: whether
+    the engine reports the alternatives ``params.top_logprobs`` asks for)."""
     if not isinstance(params, SamplingParams):
         raise InvalidRequestError(f"params must be SamplingParams, got {type(params).__name__}")
     prompt = _token_ids(prompt_ids, vocab)
@@ -99,6 +125,9 @@ def check_request(prompt_ids: Sequence[int], params: SamplingParams, prior: Sequ
     if len(prior) != len(prior_logprobs) or len(prior) >= params.max_tokens:
         raise InvalidRequestError(f"resumed request has {len(prior)} tokens and {len(prior_logprobs)} logprobs "
                                   f"for max_tokens={params.max_tokens}")
+    if params.top_logprobs and not step_top_logprobs:  # the engine's capabilities say why (step_top_logprobs)
+        raise InvalidRequestError("top_logprobs: this engine reports no alternatives from its steps; score the "
+                                  "tokens with prompt_logprobs")
     if params.stop and not detokenizes:
         raise InvalidRequestError("stop strings need an engine built with a detokenize function")
     if len(params.stop_token_ids) > MAX_STOP_IDS:

@@ -22,6 +22,10 @@ if TYPE_CHECKING:
     from engines.inference.constrained import Constraint, Matcher
 
 
+#: Most alternatives a request may ask each step for (``SamplingParams.top_logprobs``).
+MAX_TOP_LOGPROBS = 1024
+
+
 class InvalidRequestError(ValueError):
     """A request the engine cannot serve (bad sampling parameters, too long for the context...)."""
 
@@ -36,6 +40,8 @@ class SamplingParams:
     reproducible on its own (None: derived from the engine's seed and the request's arrival order).
     ``grammar`` constrains decoding (e.g. ``engines.inference.constrained.ConstraintCompiler.tool_calls``):
     disallowed tokens are masked before sampling, and the request stops when the grammar terminates.
+    ``top_logprobs`` > 0: each step also reports that many of the most likely tokens at the position, with their
+    log-probs under the model's own distribution (temperature 1, no filters, no grammar), from the step's logits.
     """
 
     temperature: float = 1.0
@@ -47,6 +53,7 @@ class SamplingParams:
     ignore_eos: bool = False
     seed: int | None = None
     grammar: Constraint | None = None
+    top_logprobs: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -69,6 +76,8 @@ class SamplingParams:
             problems.append(f"stop_token_ids must be token ids >= 0, got {self.stop_token_ids!r}")
         if self.seed is not None and not (isinstance(self.seed, int) and 0 <= self.seed < 2**63):
             problems.append(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
+        if not (isinstance(self.top_logprobs, int) and 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS):
+            problems.append(f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs!r}")
         if self.grammar is not None and not callable(getattr(self.grammar, "matcher", None)):
             problems.append(f"grammar must have a matcher() method, got {type(self.grammar).__name__}")
         if problems:

@@ -16,7 +16,13 @@ the engine cannot serve gets a 400 with the reason; the others are not affected.
   nothing: what lm-eval's loglikelihood requests need.
 - ``max_tokens``: None is the room the context leaves after the prompt; 0 only with ``echo``; negative refused.
 - ``logprobs`` (completions) / ``top_logprobs`` (chat) above 0: the most likely tokens at each position under the
-  model's own distribution (temperature 1), from a scoring forward.
+  model's own distribution (temperature 1), from the engine's own decode steps (``SamplingParams.top_logprobs``) on
+  the native engine, from a scoring forward of prompt and tokens on vLLM (whose step alternatives are at the
+  request's temperature and filters).
+
+Streaming costs the same per token however long the stream: the text is detokenized incrementally
+(``engines.inference.detokenizer``), the engine loop hands over only the new tokens, and the alternatives come with
+the tokens (on the native engine; vLLM's are scored per chunk). An echoed prompt is scored once.
 """
 
 from __future__ import annotations
@@ -36,10 +42,11 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from engines.inference.detokenizer import IncrementalText
 from engines.inference.engine_loop import EngineLoop, Submitted
 from engines.inference.factory import EngineSettings, build_engine, decode_attention
 from engines.inference.openai_schema import ChatMessage, ChatRequest, CompletionRequest, SamplingFields, error
-from engines.inference.requests import Completion, TokenLogprob
+from engines.inference.requests import Completion, Progress, TokenLogprob, TopLogprobs
 from engines.inference.sampling import InvalidRequestError, SamplingParams
 from engines.model.hf_io import read_config
 from engines.model.lora import ADAPTER_DIR
@@ -117,8 +124,9 @@ def _prompts(served: ServedModel, raw: str | list) -> list[list[int]]:
 
 
 def _choices(served: ServedModel, req: SamplingFields, prompts: list[list[int]], max_tokens: int | None,
-             echo: bool) -> list[Choice]:
-    """The request's choices, ``n`` per prompt (seeded requests get seed, seed+1, ... per sample)."""
+             echo: bool, top: int | None) -> list[Choice]:
+    """The request's choices, ``n`` per prompt (seeded requests get seed, seed+1, ... per sample); ``top``: the
+    alternatives asked for, which an engine that can gives with each token."""
     if max_tokens == 0 and not echo:
         raise InvalidRequestError("max_tokens=0 generates nothing; it is allowed with echo=true, to score the prompt")
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
@@ -131,7 +139,8 @@ def _choices(served: ServedModel, req: SamplingFields, prompts: list[list[int]],
                 raise InvalidRequestError(f"prompt has {len(prompt)} tokens and the model serves "
                                           f"{served.engine.max_seq_len} per sequence: no room for a completion")
         params = SamplingParams(temperature=req.temperature, max_tokens=max(budget, 1), top_p=req.top_p,
-                                top_k=req.top_k, stop=stop, seed=req.seed, ignore_eos=req.ignore_eos)
+                                top_k=req.top_k, stop=stop, seed=req.seed, ignore_eos=req.ignore_eos,
+                                top_logprobs=(top or 0) if served.engine.capabilities.step_top_logprobs else 0)
         for i in range(req.n):
             p = params if params.seed is None else replace(params, seed=params.seed + i)
             out.append(Choice(len(out), prompt, p, budget))
@@ -139,7 +148,7 @@ def _choices(served: ServedModel, req: SamplingFields, prompts: list[list[int]],
 
 
 async def _submit(served: ServedModel, choices: list[Choice],
-                  on_tokens: Callable[[int], Callable[[list[int], list[float]], None]] | None = None) -> None:
+                  on_tokens: Callable[[int], Callable[[Progress], None]] | None = None) -> None:
     """Hand every choice that generates to the engine; returns once the engine took them (raising the
     InvalidRequestError of one it refused)."""
     for c in choices:
@@ -162,18 +171,21 @@ async def _score(served: ServedModel, ids: list[int], top: int) -> list[TokenLog
     return await asyncio.wrap_future(served.loop.call(lambda: served.engine.prompt_logprobs(ids, top)))
 
 
-def _trim(served: ServedModel, c: Completion) -> Completion:
-    """The completion without its stop string: the tokens (and log-probs) up to the last one that ends before the
-    stop string, so that the text and the logprobs' tokens always agree (the stop string is in neither)."""
+def _trim(served: ServedModel, c: Completion, text: IncrementalText | None = None) -> Completion:
+    """The completion without its stop string: the tokens (log-probs, alternatives) up to the last token boundary
+    before the stop string, so that the text and the logprobs' tokens always agree (the stop string is in neither).
+    ``text``: the completion's tokens already detokenized incrementally (a stream's); else they are here, once."""
     if not isinstance(c.stop_reason, str):
         return c
-    end = served.decode(c.token_ids).find(c.stop_reason)
-    if end < 0:
+    if text is None:
+        text = IncrementalText(served.decode)
+        text.extend(c.token_ids)
+    text.finish()
+    keep = text.cut(c.stop_reason)
+    if keep is None:
         return c
-    keep = len(c.token_ids)
-    while keep and len(served.decode(c.token_ids[:keep])) > end:
-        keep -= 1
-    return replace(c, token_ids=c.token_ids[:keep], logprobs=c.logprobs[:keep])
+    tops = None if c.top_logprobs is None else c.top_logprobs[:keep]
+    return replace(c, token_ids=c.token_ids[:keep], logprobs=c.logprobs[:keep], top_logprobs=tops)
 
 
 def _usage(prompt_tokens: int, outs: list[Completion]) -> dict[str, int]:
@@ -196,17 +208,20 @@ class Piece:
     tops: list[list[tuple[int, float]] | None] | None
 
 
-async def _piece(served: ServedModel, prompt: list[int], tokens: list[int], logprobs: list[float], start: int,
-                 top: int, echo: bool = False) -> Piece:
-    """Tokens ``start:`` of a completion with their log-probs (the sampler's) and, when ``top`` > 0, the ``top``
-    alternatives at each position (a scoring forward of prompt and tokens); with ``echo`` the prompt's tokens
-    first, with their log-probs under the model (a forward of the prompt alone, so they are the same whatever
-    follows it, streamed or not)."""
+async def _piece(served: ServedModel, prompt: list[int], tokens: list[int], logprobs: list[float],
+                 alternatives: list[TopLogprobs | None] | None, start: int, end: int, top: int,
+                 echo: bool = False) -> Piece:
+    """Tokens ``start:end`` of a completion with their log-probs (the sampler's) and, when ``top`` > 0, the ``top``
+    alternatives at each position: the engine's (``alternatives``, from its steps) or, where it gives none (None),
+    those of a scoring forward of prompt and tokens; with ``echo`` the prompt's tokens first, with their log-probs
+    under the model (a forward of the prompt alone, so they are the same whatever follows it, streamed or not)."""
     tops = None
-    if top:
-        scores = await _score(served, prompt + tokens, top) if len(tokens) > start else []
+    if top and alternatives is not None:
+        tops = alternatives[start:end]
+    elif top:
+        scores = await _score(served, prompt + tokens[:end], top) if end > start else []
         tops = [s.top for s in scores[len(prompt) + start:]]
-    piece = Piece(tokens[start:], logprobs[start:], tops)
+    piece = Piece(tokens[start:end], logprobs[start:end], tops)
     if not echo:
         return piece
     head = await _score(served, prompt, top)
@@ -240,41 +255,49 @@ def _chat_logprobs(served: ServedModel, piece: Piece) -> dict[str, Any]:
 class TextStream:
     """What of one choice's tokens may be sent so far: whole tokens whose text can no longer turn into part of a
     stop string (the last ``hold`` characters wait) nor is a character cut in two, so that the pieces sent add up
-    to the final, stop-string-trimmed text."""
+    to the final, stop-string-trimmed text. The tokens arrive a step's worth at a time and their text is
+    detokenized incrementally, so each step costs the same however long the stream."""
 
     def __init__(self, served: ServedModel, stop: tuple[str, ...]) -> None:
-        self.served = served
+        self.text = IncrementalText(served.decode)
         self.hold = max(map(len, stop), default=1) - 1
+        self.logprobs: list[float] = []
+        self.alternatives: list[TopLogprobs | None] | None = None  # the engine's, when it gives them
         self.tokens = 0  # tokens sent
-        self.text = ""  # their text
 
-    def ready(self, tokens: list[int]) -> int:
-        """How many leading tokens of ``tokens`` (all generated so far) may be sent now."""
-        limit = len(self.served.decode(tokens)) - self.hold
-        m = len(tokens)
-        while m > self.tokens:
-            text = self.served.decode(tokens[:m])
-            if len(text) <= limit and not text.endswith("\ufffd"):
-                break
-            m -= 1
-        return m
+    @property
+    def ids(self) -> list[int]:
+        """Every token received so far."""
+        return self.text.ids
 
-    def advance(self, tokens: list[int]) -> str:
-        """Record ``tokens`` (a longer prefix of the completion) as sent; returns their new text."""
-        text = self.served.decode(tokens)
-        delta = text[len(self.text):]
-        self.tokens, self.text = len(tokens), text
+    def add(self, tokens: list[int], logprobs: list[float], alternatives: list[TopLogprobs | None] | None) -> None:
+        """Take the tokens generated since the last ones, with their log-probs and alternatives."""
+        self.text.extend(tokens)
+        self.logprobs.extend(logprobs)
+        if alternatives is not None:
+            self.alternatives = self.alternatives if self.alternatives is not None else []
+            self.alternatives.extend(alternatives)
+
+    def ready(self) -> int:
+        """How many leading tokens may be sent now."""
+        return max(self.tokens, self.text.boundary(self.text.length - self.hold))
+
+    def advance(self, tokens: int) -> str:
+        """Record the first ``tokens`` tokens (``ready``'s, or all of them, stop string cut) as sent; returns their
+        new text."""
+        delta = self.text.between(self.tokens, tokens)
+        self.tokens = tokens
         return delta
 
 
 def _events(served: ServedModel, choices: list[Choice]) -> tuple[asyncio.Queue, Callable]:
-    """A queue of (choice index, tokens, log-probs, None) as a choice generates and (index, None, None, done
-    future) when it ends, and the ``on_tokens`` maker that fills it from the engine's thread."""
+    """A queue of (choice index, ``Progress``, None) as a choice generates and (index, None, done future) when it
+    ends, and the ``on_tokens`` maker that fills it from the engine's thread."""
     events: asyncio.Queue = asyncio.Queue()
     aloop = asyncio.get_running_loop()
 
     def on_tokens(index: int):
-        return lambda tokens, logprobs: aloop.call_soon_threadsafe(events.put_nowait, (index, tokens, logprobs, None))
+        return lambda progress: aloop.call_soon_threadsafe(events.put_nowait, (index, progress, None))
 
     return events, on_tokens
 
@@ -284,22 +307,22 @@ def _watch_done(choices: list[Choice], events: asyncio.Queue) -> None:
     for c in choices:
         if c.job is not None:
             c.job.done.add_done_callback(
-                lambda f, i=c.index: aloop.call_soon_threadsafe(events.put_nowait, (i, None, None, f)))
+                lambda f, i=c.index: aloop.call_soon_threadsafe(events.put_nowait, (i, None, f)))
 
 
 def _sse(obj: dict[str, Any]) -> str:
     return f"data: {json.dumps(obj)}\n\n"
 
 
-Render = Callable[[Choice, int, str, "Piece | None", "str | None"], dict[str, Any]]
+Render = Callable[[Choice, str, "Piece | None", "str | None"], dict[str, Any]]
 
 
 async def _stream(served: ServedModel, choices: list[Choice], events: asyncio.Queue, top: int | None,
                   render: Render, head: Callable[[Choice], AsyncIterator[dict[str, Any]]],
                   frame: Callable[[list, Any], dict], usage: bool, prompt_tokens: int) -> AsyncIterator[str]:
     """The server-sent events of a streamed response: ``head`` chunks of each choice, then each choice's pieces as
-    it generates (``render``: choice, length of its text sent before, the new text, its tokens' log-probs when
-    asked, finish reason), the usage chunk when asked, ``[DONE]``."""
+    it generates (``render``: choice, the new text, its tokens' log-probs when asked, finish reason), the usage
+    chunk when asked, ``[DONE]``."""
     streams = {c.index: TextStream(served, c.params.stop) for c in choices}
     outs: list[Completion] = []
     for c in choices:
@@ -308,17 +331,17 @@ async def _stream(served: ServedModel, choices: list[Choice], events: asyncio.Qu
     pending = {c.index for c in choices if c.job is not None}
     by_index = {c.index: c for c in choices}
     while pending:
-        index, tokens, logprobs, done = await events.get()
+        index, progress, done = await events.get()
         c, s = by_index[index], streams[index]
         if done is None:
             if index not in pending:
                 continue
-            m = s.ready(tokens)
+            s.add(progress.tokens, progress.logprobs, progress.top_logprobs)
+            m = s.ready()
             if m > s.tokens:
-                piece = None if top is None else await _piece(served, c.prompt, tokens[:m], logprobs[:m], s.tokens,
-                                                               top)
-                before = len(s.text)
-                yield _sse(frame([render(c, before, s.advance(tokens[:m]), piece, None)], None))
+                piece = None if top is None else await _piece(served, c.prompt, s.ids, s.logprobs, s.alternatives,
+                                                               s.tokens, m, top)
+                yield _sse(frame([render(c, s.advance(m), piece, None)], None))
             continue
         pending.discard(index)
         try:
@@ -328,10 +351,15 @@ async def _stream(served: ServedModel, choices: list[Choice], events: asyncio.Qu
                                   "code": None}})
             continue
         outs.append(out)
-        out = _trim(served, out)
-        piece = None if top is None else await _piece(served, c.prompt, out.token_ids, out.logprobs, s.tokens, top)
-        before = len(s.text)
-        yield _sse(frame([render(c, before, s.advance(out.token_ids), piece, out.finish_reason)], None))
+        have = len(s.ids)  # the last step's tokens come with the completion, not as progress
+        s.add(out.token_ids[have:], out.logprobs[have:],
+              None if out.top_logprobs is None else out.top_logprobs[have:])
+        s.text.finish()
+        out = _trim(served, out, s.text)
+        keep = len(out.token_ids)
+        piece = None if top is None else await _piece(served, c.prompt, out.token_ids, out.logprobs,
+                                                       out.top_logprobs, s.tokens, keep, top)
+        yield _sse(frame([render(c, s.advance(keep), piece, out.finish_reason)], None))
     if usage:
         yield _sse(frame([], _usage(prompt_tokens, outs)))
     yield "data: [DONE]\n\n"
@@ -386,15 +414,17 @@ def build_app(served: ServedModel) -> FastAPI:
         if (bad := unknown_model(req.model)) is not None:
             return bad
         prompts = _prompts(served, req.prompt)
-        choices = _choices(served, req, prompts, req.max_tokens, req.echo)
         k = req.logprobs
+        choices = _choices(served, req, prompts, req.max_tokens, req.echo, k)
         prompt_tokens = sum(len(x) for x in prompts)
         if req.stream:
             events, on_tokens = _events(served, choices)
             await _submit(served, choices, on_tokens)
             _watch_done(choices, events)
-            echoes = {id(p): await _piece(served, p, [], [], 0, k, echo=True) for p in prompts} \
+            echoes = {id(p): await _piece(served, p, [], [], None, 0, 0, k, echo=True) for p in prompts} \
                 if req.echo and k is not None else {}
+            # text_offset counts as unstreamed: in the token texts (the echoed prompt's first), one after the other
+            offsets = {c.index: sum(len(served.decode([t])) for t in c.prompt) if req.echo else 0 for c in choices}
 
             async def head(c: Choice) -> AsyncIterator[dict[str, Any]]:
                 if req.echo:
@@ -402,11 +432,11 @@ def build_app(served: ServedModel) -> FastAPI:
                            "logprobs": _legacy(served, echoes[id(c.prompt)], 0) if k is not None else None,
                            "finish_reason": None if c.job is not None else "length"}
 
-            def render(c: Choice, before: int, text: str, piece: Piece | None, finish: str | None) -> dict[str, Any]:
-                # text_offset counts in the whole choice's text: the echoed prompt, then what was sent before
-                offset = (len(served.decode(c.prompt)) if req.echo else 0) + before
-                return {"index": c.index, "text": text, "finish_reason": finish,
-                        "logprobs": None if piece is None else _legacy(served, piece, offset)}
+            def render(c: Choice, text: str, piece: Piece | None, finish: str | None) -> dict[str, Any]:
+                logprobs = None if piece is None else _legacy(served, piece, offsets[c.index])
+                if logprobs is not None:
+                    offsets[c.index] += sum(map(len, logprobs["tokens"]))
+                return {"index": c.index, "text": text, "finish_reason": finish, "logprobs": logprobs}
 
             return StreamingResponse(
                 _stream(served, choices, events, k, render, head, framer("text_completion", req.include_usage),
@@ -418,7 +448,8 @@ def build_app(served: ServedModel) -> FastAPI:
             t = _trim(served, o)
             lp = None
             if k is not None:
-                lp = _legacy(served, await _piece(served, c.prompt, t.token_ids, t.logprobs, 0, k, req.echo), 0)
+                lp = _legacy(served, await _piece(served, c.prompt, t.token_ids, t.logprobs, t.top_logprobs, 0,
+                                                  len(t.token_ids), k, req.echo), 0)
             body.append({"index": c.index, "finish_reason": t.finish_reason, "logprobs": lp,
                          "text": (served.decode(c.prompt) if req.echo else "") + served.decode(t.token_ids)})
         return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
@@ -434,8 +465,8 @@ def build_app(served: ServedModel) -> FastAPI:
         if max_tokens == 0:
             return error(400, "max_tokens must be at least 1 (a chat completion has no echo)", "max_tokens")
         prompt = served.chat_ids(req.messages)
-        choices = _choices(served, req, [prompt], max_tokens, echo=False)
         top = (req.top_logprobs or 0) if req.logprobs else None
+        choices = _choices(served, req, [prompt], max_tokens, echo=False, top=top)
         if req.stream:
             events, on_tokens = _events(served, choices)
             await _submit(served, choices, on_tokens)
@@ -445,7 +476,7 @@ def build_app(served: ServedModel) -> FastAPI:
                 yield {"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                        "finish_reason": None}
 
-            def render(c: Choice, before: int, text: str, piece: Piece | None, finish: str | None) -> dict[str, Any]:
+            def render(c: Choice, text: str, piece: Piece | None, finish: str | None) -> dict[str, Any]:
                 return {"index": c.index, "delta": {"content": text} if text or finish is None else {},
                         "logprobs": None if piece is None else _chat_logprobs(served, piece), "finish_reason": finish}
 
@@ -460,7 +491,8 @@ def build_app(served: ServedModel) -> FastAPI:
             t = _trim(served, o)
             lp = None
             if top is not None:
-                lp = _chat_logprobs(served, await _piece(served, c.prompt, t.token_ids, t.logprobs, 0, top))
+                lp = _chat_logprobs(served, await _piece(served, c.prompt, t.token_ids, t.logprobs, t.top_logprobs, 0,
+                                                         len(t.token_ids), top))
             body.append({"index": c.index, "message": {"role": "assistant", "content": served.decode(t.token_ids)},
                          "finish_reason": t.finish_reason, "logprobs": lp})
         return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
