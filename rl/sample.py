@@ -4,8 +4,19 @@ A ``Sample`` is made when its prompt group is drawn, with its task type resolved
 penalty, temperature); the rollout fills its tokens and per-token log-probs segment by segment (each segment
 tagged with the weights version that sampled it), a multi-turn episode appends the environment's observations
 (loss mask 0) between the model's turns, the reward phase sets its reward, and the trainer takes it as it is.
-A single-turn task is a one-turn episode. ``Completion`` stays what an engine returns for one request; nothing
-else changes type on the way.
+A single-turn task is a one-turn episode.
+
+Its token data are numpy arrays: ``prompt_ids`` and ``response_ids`` int64 (the trainer's ``torch.long``),
+``logprobs`` float64 (the engines' Python floats exactly, so the trainer's float32 tensors and the float sums of
+``policy_logprob`` are what they were with lists), ``loss_mask`` uint8, ``segments`` an (n, 2) int64 array of
+(first token index, weights version). Anything assigned to these fields is converted. Tokens are appended in place
+(``take``, ``observe``): each array is a view of a buffer with spare room that doubles when full, so a response of n
+tokens costs O(n) over all its turns, and an array read before an append stays as it was (an append writes only
+past its end).
+
+The engines never see a ``Sample``: a rollout worker gets its ``TurnRequest`` (only the context it does not hold
+yet, ``rl.rollout.turns``) and answers with a ``TurnResult`` (only the tokens it generated), which ``take`` appends.
+``Completion`` stays what an engine returns for one request.
 
 Status: ``running`` (drawn, or generating in this iteration), ``paused`` (the iteration's token budget ran out:
 it continues in the next one), ``finished`` (ended on its own), ``truncated`` (hit its budget, its turns or the
@@ -15,15 +26,65 @@ failed: left out of the loss and counted).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal
 
-from engines.inference.requests import Completion
+import numpy as np
+
 from engines.inference.sampling import SamplingParams
 from rl.algo.schedules import Schedule
 
 Status = Literal["running", "paused", "finished", "truncated", "error"]
 DONE: tuple[Status, ...] = ("finished", "truncated", "error")
+TOKENS, LOGPROBS, MASK = np.int64, np.float64, np.uint8  # the dtypes of the token data
+
+
+def as_tokens(values: Any, name: str = "token ids") -> np.ndarray:
+    """``values`` as a 1-D int64 array (no copy when it already is one)."""
+    a = np.asarray(values, dtype=TOKENS)
+    if a.ndim != 1:
+        raise ValueError(f"{name} must be one sequence of token ids, got an array of shape {a.shape}")
+    return a
+
+
+def as_logprobs(values: Any, name: str = "logprobs") -> np.ndarray:
+    """``values`` as a 1-D float64 array (no copy when it already is one)."""
+    a = np.asarray(values, dtype=LOGPROBS)
+    if a.ndim != 1:
+        raise ValueError(f"{name} must be one sequence of log-probabilities, got an array of shape {a.shape}")
+    return a
+
+
+def _mask(values: Any) -> np.ndarray | None:
+    if values is None:
+        return None
+    a = np.asarray(values, dtype=MASK)
+    if a.ndim != 1:
+        raise ValueError(f"loss_mask must be one sequence of 0/1, got an array of shape {a.shape}")
+    return a
+
+
+def _segments(values: Any) -> np.ndarray:
+    a = np.asarray(values, dtype=TOKENS)
+    if a.size == 0:
+        return a.reshape(0, 2)
+    if a.ndim != 2 or a.shape[1] != 2:
+        raise ValueError(f"segments must be (first token index, weights version) pairs, got shape {a.shape}")
+    return a
+
+
+_CONVERT = {"prompt_ids": lambda v: as_tokens(v, "prompt_ids"), "response_ids": lambda v: as_tokens(v, "response_ids"),
+            "logprobs": as_logprobs, "loss_mask": _mask, "segments": _segments}
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equality that compares arrays (and dicts of them) by shape, dtype kind and values."""
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        return isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and a.shape == b.shape and \
+            a.dtype.kind == b.dtype.kind and bool(np.array_equal(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    return a == b
 
 
 @dataclass(frozen=True)
@@ -36,28 +97,103 @@ class TaskType:
     truncation_penalty: float
     temperature: Schedule
 
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> TaskType:
+        """Inverse of ``dataclasses.asdict`` (also after a JSON round trip)."""
+        return cls(d["name"], d["max_tokens"], d["truncation_penalty"], Schedule(**d["temperature"]))
+
 
 @dataclass
+class TurnRequest:
+    """What a rollout worker needs to generate one sample's current turn, less what it already holds.
+
+    ``tokens`` continues the first ``known`` tokens of the sample's context (prompt, then response so far) that the
+    worker kept for ``key`` (``known`` 0: ``tokens`` is the whole context). The turn's own tokens start at context
+    position ``turn``; ``logprobs`` are those of the turn's tokens generated already (a paused turn resumes from
+    them). ``keep``: the worker keeps the context once the turn ends (a multi-turn episode's next turn continues
+    it)."""
+
+    key: int
+    params: SamplingParams
+    known: int
+    tokens: np.ndarray
+    turn: int
+    logprobs: np.ndarray
+    keep: bool = False
+
+
+@dataclass
+class TurnResult:
+    """A worker's answer for one sample's turn: only the tokens generated in this call and their log-probs, how
+    the request ended (``finish_reason`` as ``Completion``'s: None paused, "length" its budget, "error" refused,
+    with ``error``; anything else ended on its own) and the weights ``version`` that sampled them."""
+
+    key: int
+    token_ids: np.ndarray
+    logprobs: np.ndarray
+    finish_reason: str | None
+    error: str | None = None
+    version: int = 0
+
+    def __post_init__(self) -> None:
+        self.token_ids, self.logprobs = as_tokens(self.token_ids), as_logprobs(self.logprobs)
+
+    @property
+    def turn_ended(self) -> bool:
+        """The turn ended (on its own or at its budget): neither paused nor refused."""
+        return self.finish_reason is not None and self.finish_reason != "error"
+
+
+@dataclass(eq=False)
 class Sample:
-    """One response to one prompt (see the module docstring)."""
+    """One response to one prompt (see the module docstring). Equal to another with equal fields (arrays by
+    value)."""
 
     key: int                    # unique over the run; also the engine's request id
     group: int                  # its prompt group: the K samples of one prompt share it
     task_index: int             # its task in the run's training set (-1: made by the run itself, e.g. a critic's)
     task_type: TaskType
-    prompt_ids: list[int]
+    prompt_ids: np.ndarray      # int64
     params: SamplingParams      # temperature, this turn's token budget, seed
     started: int                # the iteration it was drawn in
-    response_ids: list[int] = field(default_factory=list)  # the model's tokens and the environment's, in order
-    logprobs: list[float] = field(default_factory=list)    # per response token: the sampler's, 0 for the env's
-    loss_mask: list[int] | None = None  # 1: the model's own token, 0: the environment's; None: all are own
-    segments: list[tuple[int, int]] = field(default_factory=list)  # (first token index, weights version)
+    response_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, TOKENS))  # the model's and the env's
+    logprobs: np.ndarray = field(default_factory=lambda: np.zeros(0, LOGPROBS))  # per response token; 0: env's
+    loss_mask: np.ndarray | None = None  # uint8 per response token, 1: the model's own, 0: the env's; None: all own
+    segments: np.ndarray = field(default_factory=lambda: np.zeros((0, 2), TOKENS))  # (first index, version) rows
     multi_turn: bool = False
     turn_start: int = 0         # where the current turn begins in response_ids (a turn is one engine request)
     turns: int = 0              # the model's turns so far
     status: Status = "running"
     reward: float | None = None
     error: str | None = None
+    #: per response token, per MoE layer, its top-k routed expert ids ([tokens, layers, k] ints), for replaying the
+    #: sampler's routing in training (slime's ``rollout_routed_experts``); filled by nothing yet
+    routed_experts: np.ndarray | None = None
+    #: the prompt's images etc. as the multimodal processor's outputs (name -> array: pixel values, grid sizes),
+    #: as slime's ``multimodal_inputs``; filled by nothing yet
+    multimodal_inputs: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        self._room: dict[str, tuple[np.ndarray, int]] = {}  # field -> (its buffer, the length it uses)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        convert = _CONVERT.get(name)
+        object.__setattr__(self, name, value if convert is None else convert(value))
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Sample):
+            return NotImplemented
+        return all(_same(getattr(self, f.name), getattr(other, f.name)) for f in fields(self))
+
+    __hash__ = None  # mutable, as before
+
+    def __getstate__(self) -> dict[str, Any]:
+        # its fields only, never the spare room behind its arrays (pickles: Ray, deepcopy)
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.__post_init__()
 
     @property
     def temperature(self) -> float:
@@ -68,60 +204,98 @@ class Sample:
     def done(self) -> bool:
         return self.status in DONE
 
+    @property
+    def context_len(self) -> int:
+        """Tokens of its context: prompt and response so far."""
+        return len(self.prompt_ids) + len(self.response_ids)
+
     def own_tokens(self) -> int:
         """The model's own tokens in the response."""
-        return len(self.response_ids) if self.loss_mask is None else sum(self.loss_mask)
+        return len(self.response_ids) if self.loss_mask is None else int(self.loss_mask.sum())
 
     def policy_logprob(self) -> float:
         """log π_old of the model's own tokens: the sum of the sampler's log-probs where the loss mask is 1."""
+        # Python's sum over Python floats in token order: the very number the list-based record gave
         if self.loss_mask is None:
-            return sum(self.logprobs)
-        return sum(lp for lp, m in zip(self.logprobs, self.loss_mask, strict=True) if m)
+            return sum(self.logprobs.tolist())
+        return sum(lp for lp, m in zip(self.logprobs.tolist(), self.loss_mask.tolist(), strict=True) if m)
 
     # ---- the engine side: one request per turn ------------------------------------------------------------------
 
-    def request(self) -> Completion:
-        """The engine request of the current turn: the context so far as its prompt, this turn's tokens as the
-        tokens generated (a paused turn resumes from them)."""
-        cut = self.turn_start
-        return Completion(list(self.response_ids[cut:]), list(self.logprobs[cut:]), None,
-                          list(self.prompt_ids) + list(self.response_ids[:cut]), request_id=self.key,
-                          params=self.params)
+    def turn_request(self, known: int = 0) -> TurnRequest:
+        """The request of its current turn for a worker that holds the first ``known`` tokens of its context."""
+        p, cut = len(self.prompt_ids), self.turn_start
+        if not 0 <= known <= self.context_len:
+            raise ValueError(f"sample {self.key} has {self.context_len} tokens of context; a worker cannot hold "
+                             f"{known}")
+        tokens = self.response_ids[known - p:] if known >= p else \
+            np.concatenate((self.prompt_ids[known:], self.response_ids))
+        return TurnRequest(self.key, self.params, known, tokens, p + cut, self.logprobs[cut:], self.multi_turn)
 
-    def extended(self, c: Completion, version: int) -> Sample:
-        """A copy carrying the engine's result ``c`` for the current turn: the new tokens become a segment of
-        weights ``version``; the status from how the request ended (None: paused)."""
-        n = len(self.response_ids) - self.turn_start
-        if c.finish_reason != "error" and (len(c.token_ids) < n or
-                                           c.token_ids[:n] != self.response_ids[self.turn_start:]):
-            raise ValueError(f"result {c.request_id} does not continue sample {self.key}'s tokens")
-        s = replace(self, segments=list(self.segments), error=c.error)
-        if c.finish_reason == "error":
-            s.status = "error"
-            return s
-        if len(c.token_ids) > n:
-            new = len(c.token_ids) - n
-            s.segments.append((len(self.response_ids), version))
-            s.response_ids = [*self.response_ids, *c.token_ids[n:]]
-            s.logprobs = [*self.logprobs, *c.logprobs[n:]]
-            if s.loss_mask is not None:
-                s.loss_mask = [*self.loss_mask, *[1] * new]
-        s.status = "paused" if c.finish_reason is None else "truncated" if c.finish_reason == "length" else \
+    def take(self, r: TurnResult) -> None:
+        """Append the engine's result ``r`` for the current turn in place: the new tokens become a segment of
+        weights ``r.version``; the status from how the request ended (None: paused)."""
+        if r.key != self.key:
+            raise ValueError(f"result {r.key} is not sample {self.key}'s")
+        if self.done:
+            raise ValueError(f"sample {self.key} already ended ({self.status})")
+        if len(r.logprobs) != len(r.token_ids):
+            raise ValueError(f"result {r.key} has {len(r.token_ids)} tokens, {len(r.logprobs)} logprobs")
+        self.error = r.error
+        if r.finish_reason == "error":
+            self.status = "error"
+            return
+        new = len(r.token_ids)
+        if new:
+            self._append("segments", np.array([[len(self.response_ids), r.version]], TOKENS))
+            self._append("response_ids", r.token_ids)
+            self._append("logprobs", r.logprobs)
+            if self.loss_mask is not None:
+                self._append("loss_mask", np.ones(new, MASK))
+        self.status = "paused" if r.finish_reason is None else "truncated" if r.finish_reason == "length" else \
             "finished"
-        return s
 
-    # ---- checkpoints ----------------------------------------------------------------------------------------------
+    def observe(self, token_ids: Any) -> None:
+        """Append the environment's observation in place (log-prob 0, loss mask 0): the next turn starts after it."""
+        ids = as_tokens(token_ids, "observation")
+        if self.loss_mask is None:  # every token so far was the model's own
+            self.loss_mask = np.ones(len(self.response_ids), MASK)
+        self._append("response_ids", ids)
+        self._append("logprobs", np.zeros(len(ids), LOGPROBS))
+        self._append("loss_mask", np.zeros(len(ids), MASK))
+        self.turn_start = len(self.response_ids)
+
+    def _append(self, name: str, values: np.ndarray) -> None:
+        """Append ``values`` to the array field ``name``: into the spare room of its buffer when the field is still
+        the buffer's used part, else into a new buffer of twice the size. Nothing already read is written."""
+        cur = getattr(self, name)
+        n, k = len(cur), len(values)
+        buf, used = self._room.get(name, (None, -1))
+        if buf is None or used != n or cur.base is not buf or cur.ctypes.data != buf.ctypes.data or n + k > len(buf):
+            buf = np.empty((max(2 * (n + k), 16), *cur.shape[1:]), cur.dtype)
+            buf[:n] = cur
+        buf[n:n + k] = values
+        self._room[name] = (buf, n + k)
+        object.__setattr__(self, name, buf[:n + k])
+
+    # ---- checkpoints (the earlier JSON format; ``rl.rollout.partial`` writes arrays) ------------------------------
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-serialisable form."""
-        return asdict(self)
+        """JSON-serialisable form (the checkpoint format before arrays)."""
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        d["task_type"], d["params"] = asdict(self.task_type), asdict(self.params)
+        return {k: v.tolist() if isinstance(v, np.ndarray) else
+                {n: a.tolist() for n, a in v.items()} if k == "multimodal_inputs" and v is not None else v
+                for k, v in d.items()}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Sample:
-        """Inverse of ``to_dict`` (also after a JSON round trip)."""
+        """Inverse of ``to_dict`` (also after a JSON round trip, and of checkpoints written before arrays)."""
         d = dict(d)
-        t = dict(d["task_type"])
-        d["task_type"] = TaskType(t["name"], t["max_tokens"], t["truncation_penalty"], Schedule(**t["temperature"]))
+        d["task_type"] = TaskType.from_dict(d["task_type"])
         d["params"] = SamplingParams(**d["params"])
-        d["segments"] = [(int(a), int(b)) for a, b in d["segments"]]
+        if d.get("routed_experts") is not None:
+            d["routed_experts"] = np.asarray(d["routed_experts"])
+        if d.get("multimodal_inputs") is not None:
+            d["multimodal_inputs"] = {k: np.asarray(v) for k, v in d["multimodal_inputs"].items()}
         return cls(**d)

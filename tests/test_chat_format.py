@@ -37,7 +37,7 @@ class Played:
 
     def __init__(self, sample, episode) -> None:
         self.sample, self.conv = sample, episode.conv
-        self.prompt_ids, self.response_ids = sample.prompt_ids, sample.response_ids
+        self.prompt_ids, self.response_ids = sample.prompt_ids.tolist(), sample.response_ids.tolist()
         self.error, self.reward, self.truncated = sample.error, sample.reward, sample.status == "truncated"
 
     def __repr__(self) -> str:
@@ -91,13 +91,13 @@ class ScriptedModel:
     def __init__(self, tok: TextTokenizer, responses: list[str]):
         self.tok, self.responses, self.prompts = tok, responses, []
 
-    def rollout(self, samples, token_budget, on_worker=None):
-        from engines.inference.requests import Completion
+    def rollout(self, samples, token_budget, on_worker=None, contexts=None):
+        from rl.sample import TurnResult
 
         ids = [*self.tok.encode(self.responses[len(self.prompts)]), self.tok.eos_id]
-        self.prompts.append(samples[0].request().prompt_ids)
-        return [s.extended(Completion(list(ids), [-0.5] * len(ids), "stop", request_id=s.key), 0)
-                for s in samples], [COUNTS]
+        request = samples[0].turn_request()  # the whole context: its prompt for this turn
+        self.prompts.append(request.tokens[:request.turn].tolist())
+        return [TurnResult(s.key, ids, [-0.5] * len(ids), "stop") for s in samples], [COUNTS]
 
 
 def agent_turns(family: str, fmt_name: str, bad_first: bool) -> list[str]:

@@ -85,10 +85,10 @@ def test_a_template_that_drops_earlier_reasoning_keeps_the_models_tokens_and_app
     eos = [tok.eos_id]
     gen = [tok.encode(t) + eos for t in turns]
     p = model.prompts
-    assert p[0] == s.prompt_ids == conv.prompt_ids
+    assert p[0] == s.prompt_ids.tolist() == conv.prompt_ids
     for k in (1, 2):
         assert p[k][:len(p[k - 1]) + len(gen[k - 1])] == p[k - 1] + gen[k - 1]
-    assert p[2] + gen[2] == s.prompt_ids + s.response_ids
+    assert p[2] + gen[2] == s.prompt_ids.tolist() + s.response_ids.tolist()
     assert all(t in tok.hf.decode(p[2]) for t in THOUGHTS[:2])
     # each observation is what the template writes for it after a turn, in Qwen3's ChatML
     tool_obs = tok.hf.decode(p[1][len(p[0]) + len(gen[0]):])

@@ -16,20 +16,25 @@ from pathlib import Path
 import pytest
 import torch
 
+from engines.inference.sampling import SamplingParams
 from engines.model.causal_lm import CausalLM
 from engines.training.optim import build_optimizers
 from engines.training.trainer_state import load_trainer_state, save_trainer_state
+from rl.algo.schedules import Schedule
 from rl.errors import UserError
 from rl.loop.checkpoint import (
     CRASH_ENV,
     MARKER,
     LoopState,
     SaveFailed,
+    checkpoint_problem,
     latest_checkpoint,
     list_checkpoints,
     remove_stale,
     save_checkpoint,
 )
+from rl.rollout.partial import PartialRolloutBuffer
+from rl.sample import Sample, TaskType, TurnResult
 from tests.conftest import tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -129,9 +134,10 @@ def test_a_first_save_killed_after_its_rename_leaves_no_checkpoint_to_resume(tmp
         latest_checkpoint(run)
 
 
-def _real_checkpoint(tmp_path: Path, it: int, shard_hook=None):
-    """A save of a real model through save_checkpoint; ``shard_hook(trainer_dir)`` runs after the trainer state is
-    written (what a failing disk or a lost shard would do)."""
+def _real_checkpoint(tmp_path: Path, it: int, shard_hook=None, partial: dict | None = None):
+    """A save of a real model through save_checkpoint, with the partial-rollout state ``partial``;
+    ``shard_hook(trainer_dir)`` runs after the trainer state is written (what a failing disk or a lost shard would
+    do)."""
     model, opts = build()
     step(model, opts, seed=it)
     tok = tmp_path / "tok"
@@ -145,7 +151,7 @@ def _real_checkpoint(tmp_path: Path, it: int, shard_hook=None):
         if shard_hook:
             shard_hook(Path(d) / "trainer")
 
-    return save_checkpoint(tmp_path / "run", LoopState(it, 0.5, 1.0), write, tok, keep=2)
+    return save_checkpoint(tmp_path / "run", LoopState(it, 0.5, 1.0, partial=partial or {}), write, tok, keep=2)
 
 
 def test_the_seal_records_every_file_and_a_damaged_shard_is_never_resumed_from(tmp_path):
@@ -218,3 +224,52 @@ def test_a_checkpoint_written_before_seals_existed_still_resumes(tmp_path):
     said: list[str] = []
     assert latest_checkpoint(tmp_path / "run", report=said.append)[0] == older
     assert said[0] == "skipped incomplete checkpoint(s) iter_000001 (a save that did not finish)"
+
+
+def _buffer() -> PartialRolloutBuffer:
+    """A buffer holding a paused sample (two segments) and its group's finished one."""
+    kind = TaskType("text", 8, 0.0, Schedule("constant", 1.0, 1.0, 1))
+    buf = PartialRolloutBuffer(max_age=2)
+    samples = [Sample(k, 0, 3, kind, [5, 6, 7], SamplingParams(1.0, 8, seed=k), 0) for k in (0, 1)]
+    buf.add_group(samples)
+    buf.pending(0)
+    buf.record([TurnResult(0, [8, 9], [-0.1, -2 / 3], None, None, 0), TurnResult(1, [4], [-0.3], "stop", None, 0)])
+    buf.pending(1)
+    buf.record([TurnResult(0, [10], [-1e-7], None, None, 1)])
+    return buf
+
+
+def test_the_partial_rollout_buffer_is_a_sealed_binary_file_of_the_checkpoint(tmp_path):
+    buf = _buffer()
+    first = _real_checkpoint(tmp_path, 0, partial=buf.state_dict())
+    state_json = json.loads((first / "state.json").read_text())
+    assert state_json["partial"] == {"file": "partial.npz"}  # no token data in the JSON
+    assert "partial.npz" in json.loads((first / MARKER).read_text())["files"]
+    path, state = latest_checkpoint(tmp_path / "run")
+    back = PartialRolloutBuffer(max_age=0)
+    back.load_state_dict(state.partial)
+    assert path == first and back.max_age == 2 and [back.get(k) for k in (0, 1)] == [buf.get(k) for k in (0, 1)]
+    assert back.get(0).logprobs.tobytes() == buf.get(0).logprobs.tobytes()
+    assert back.get(0).segments.tolist() == [[0, 0], [2, 1]] and back.stats() == buf.stats()
+
+    # a damaged file is never resumed from: one cut short, one with a byte changed
+    second = _real_checkpoint(tmp_path, 1, partial=buf.state_dict())
+    data = (second / "partial.npz").read_bytes()
+    for damaged in (data[:-10], data[:100] + bytes([data[100] ^ 0xFF]) + data[101:]):
+        (second / "partial.npz").write_bytes(damaged)
+        said: list[str] = []
+        assert latest_checkpoint(tmp_path / "run", report=said.append)[0] == first
+        assert said[0].startswith("skipped damaged checkpoint(s) iter_000001 (its partial-rollout state is damaged")
+        assert checkpoint_problem(second).startswith("its partial-rollout state is damaged")
+
+
+def test_a_checkpoint_with_the_earlier_json_partial_state_still_resumes(tmp_path):
+    """Before the binary file, state.json held the buffer itself (each sample's lists, ``Sample.to_dict``)."""
+    buf = _buffer()
+    old = {"max_age": 2, "iteration": 1, "counts": {"resumed": 1, "dropped": 0},
+           "groups": [[buf.get(0).to_dict(), buf.get(1).to_dict()]]}
+    first = _real_checkpoint(tmp_path, 0, partial=json.loads(json.dumps(old)))
+    assert not (first / "partial.npz").exists()
+    back = PartialRolloutBuffer(max_age=0)
+    back.load_state_dict(latest_checkpoint(tmp_path / "run")[1].partial)
+    assert [back.get(k) for k in (0, 1)] == [buf.get(k) for k in (0, 1)]

@@ -3,8 +3,9 @@
 
 import copy
 import json
-from dataclasses import replace
+import zipfile
 
+import numpy as np
 import pytest
 import torch
 
@@ -13,8 +14,9 @@ from engines.inference.requests import Completion
 from engines.inference.sampling import SamplingParams
 from engines.training.engine import TrainingEngine
 from rl.algo.schedules import Schedule
-from rl.rollout.partial import PartialRolloutBuffer, advance, generate_with_budget
-from rl.sample import Sample, TaskType
+from rl.rollout.partial import PartialRolloutBuffer, load_state, save_state
+from rl.rollout.turns import generate_with_budget, serve_turns
+from rl.sample import Sample, TaskType, TurnResult
 
 KIND = TaskType("text", 12, 0.0, Schedule("constant", 1.0, 1.0, 10))
 
@@ -30,6 +32,12 @@ def recompute(model, prompt, response, temperature=1.0):
     with torch.no_grad():
         lp, mask = TrainingEngine(model, [], 0).response_logprobs([prompt], [response], temperature)
     return lp[0][mask[0]]
+
+
+def advance(eng, samples, token_budget, version):
+    """The current turn of ``samples`` generated in this process until each ends or the budget is spent: each one's
+    ``TurnResult`` (the samples are not modified; ``PartialRolloutBuffer.record`` appends the new tokens)."""
+    return serve_turns(eng, {}, [s.turn_request() for s in samples], token_budget, version)[0]
 
 
 def new_tokens(results, prior):
@@ -112,10 +120,11 @@ def test_resumed_segment_uses_the_new_weights(tiny_model, tokenizer):
     eng = engine(tiny_model, tokenizer, max_num_seqs=2)
     run, _ = buf.pending(0)
     results = advance(eng, run, 4, version=0)
-    assert all(t.response_ids == [] for t in run)  # advance returns updated copies
+    assert all(len(t.response_ids) == 0 for t in run)  # advance returns the new tokens; record appends them
     buf.record(results)
     prior = {t.key: len(t.response_ids) for t in trajs}
-    assert all(r.status == "paused" for r in results) and sorted(prior.values()) == [0, 2, 2]
+    assert all(r.finish_reason is None for r in results) and all(t.status == "paused" for t in trajs)
+    assert sorted(prior.values()) == [0, 2, 2]
     assert buf.stats() == {"paused": 3, "resumed": 0, "dropped": 0, "waiting_groups": 1}
     old_model = copy.deepcopy(tiny_model)
     with torch.no_grad():  # the update lands in place, as the checkpoint engine writes it
@@ -124,19 +133,20 @@ def test_resumed_segment_uses_the_new_weights(tiny_model, tokenizer):
     eng.weights_loaded()
     run, _ = buf.pending(1)
     results = advance(eng, run, None, version=1)
+    assert sorted(len(r.token_ids) for r in results) == [10, 10, 12]  # only the tokens generated in this call
     buf.record(results)
-    assert all(r.status == "truncated" for r in results)
+    assert all(r.finish_reason == "length" for r in results) and all(t.status == "truncated" for t in trajs)
     assert buf.stats() == {"paused": 0, "resumed": 3, "dropped": 0, "waiting_groups": 1}
     (group,) = buf.pop_complete()
     assert group == trajs and buf.in_flight_groups() == 0
     for t in trajs:
         assert len(t.response_ids) == len(t.logprobs) == 12 and t.status == "truncated"
         n = prior[t.key]
-        assert t.segments == ([(0, 0), (2, 1)] if n else [(0, 1)])
-        old = recompute(old_model, t.prompt_ids, t.response_ids)
-        new = recompute(tiny_model, t.prompt_ids, t.response_ids)
-        torch.testing.assert_close(torch.tensor(t.logprobs[:n]), old[:n], atol=1e-5, rtol=0)
-        torch.testing.assert_close(torch.tensor(t.logprobs[n:]), new[n:], atol=1e-5, rtol=0)
+        assert t.segments.tolist() == ([[0, 0], [2, 1]] if n else [[0, 1]])
+        old = recompute(old_model, t.prompt_ids.tolist(), t.response_ids.tolist())
+        new = recompute(tiny_model, t.prompt_ids.tolist(), t.response_ids.tolist())
+        torch.testing.assert_close(torch.tensor(t.logprobs[:n].tolist()), old[:n], atol=1e-5, rtol=0)
+        torch.testing.assert_close(torch.tensor(t.logprobs[n:].tolist()), new[n:], atol=1e-5, rtol=0)
         assert (new[n:] - old[n:]).abs().max() > 1e-3  # the update is large enough to tell them apart
 
 
@@ -164,11 +174,20 @@ def test_invalid_request_fails_alone(tiny_model, tokenizer):
 
 
 def done(held, tokens, logprobs, reason=None, error=None, version=0):
-    """The trajectory ``held`` as the engine would hand it back with these tokens so far."""
-    return held.extended(Completion(tokens, logprobs, reason, request_id=held.key, error=error), version)
+    """The engine's result for the trajectory ``held``: the tokens it generated in this call."""
+    return TurnResult(held.key, tokens, logprobs, reason, error, version)
 
 
-def test_buffer_groups_age_stats_and_state_round_trip():
+def same_state(a, b):
+    """Two ``state_dict``s are equal: their headers, and their arrays by dtype and value."""
+    assert {k: v for k, v in a.items() if k != "arrays"} == {k: v for k, v in b.items() if k != "arrays"}
+    assert a["arrays"].keys() == b["arrays"].keys()
+    for k, x in a["arrays"].items():
+        y = b["arrays"][k]
+        assert x.dtype == y.dtype and x.shape == y.shape and x.tobytes() == y.tobytes(), k
+
+
+def test_buffer_groups_age_stats_and_state_round_trip(tmp_path):
     p = SamplingParams(0.7, 8, stop=("\n",), seed=5)
     buf = PartialRolloutBuffer(max_age=1)
     trajs = trajectories([[1, 2]] * 5, [p] * 5, group_size=2)  # groups 0: keys 0,1; 1: keys 2,3; 2: key 4
@@ -184,31 +203,32 @@ def test_buffer_groups_age_stats_and_state_round_trip():
                 done(t[3], [], [], "error", "too long"), done(t[4], [], [])])
     assert [g[0].group for g in buf.pop_complete()] == [1]  # group 0 waits for key 1, group 2 for key 4
     assert buf.stats() == {"paused": 2, "resumed": 0, "dropped": 0, "waiting_groups": 2}
-    assert trajs[3].error == "too long" and trajs[1].segments == [(0, 0)] and trajs[4].segments == []
+    assert trajs[3].error == "too long" and trajs[1].segments.tolist() == [[0, 0]] and len(trajs[4].segments) == 0
 
     run, dropped = buf.pending(1)
     assert [t.key for t in run] == [1, 4] and dropped == []
-    # a resumed request returns its prior tokens in front of the new ones
-    buf.record([done(t[1], [7, 3], [-1.5, -0.75], version=4), done(t[4], [2], [-2.0], version=4)])
-    assert (trajs[1].response_ids, trajs[1].logprobs, trajs[1].segments) == ([7, 3], [-1.5, -0.75],
-                                                                              [(0, 0), (1, 4)])
-    assert trajs[4].segments == [(0, 4)]
+    # a resumed request's result carries only the tokens generated after its pause
+    buf.record([done(t[1], [3], [-0.75], version=4), done(t[4], [2], [-2.0], version=4)])
+    assert (trajs[1].response_ids.tolist(), trajs[1].logprobs.tolist(), trajs[1].segments.tolist()) == \
+        ([7, 3], [-1.5, -0.75], [[0, 0], [1, 4]])
+    assert trajs[4].segments.tolist() == [[0, 4]]
     assert buf.pop_complete() == [] and buf.in_flight_groups() == 2
     assert buf.stats() == {"paused": 2, "resumed": 2, "dropped": 0, "waiting_groups": 2}
-    with pytest.raises(ValueError, match="does not continue"):
-        done(t[1], [6, 3, 1], [0.0] * 3)
-    stale = replace(t[1], response_ids=[6, 3, 1], logprobs=[0.0] * 3)
-    with pytest.raises(ValueError, match="does not continue"):
-        buf.record([stale])
+    with pytest.raises(ValueError, match="3 tokens, 2 logprobs"):
+        buf.record([done(t[1], [6, 3, 1], [0.0] * 2)])
+    with pytest.raises(ValueError, match="already ended"):
+        buf.record([done(t[0], [1], [0.0])])
     with pytest.raises(KeyError):
         buf.record([done(t[3], [1], [0.0])])
+    assert trajs[1].response_ids.tolist() == [7, 3]  # a refused result appended nothing
 
-    state = json.loads(json.dumps(buf.state_dict()))
+    save_state(buf.state_dict(), tmp_path / "partial.npz")
+    assert zipfile.is_zipfile(tmp_path / "partial.npz")  # binary: numpy's .npz
     copy_ = PartialRolloutBuffer(max_age=9)
-    copy_.load_state_dict(state)
-    assert copy_.state_dict() == buf.state_dict() and copy_.max_age == 1
-    assert copy_.stats() == buf.stats()
-    assert copy_.pending(1) == buf.pending(1)  # equal Sample objects: task type, params and segments rebuilt
+    copy_.load_state_dict(load_state(tmp_path / "partial.npz"))
+    same_state(copy_.state_dict(), buf.state_dict())
+    assert copy_.max_age == 1 and copy_.stats() == buf.stats()
+    assert copy_.pending(1) == buf.pending(1)  # equal Sample objects: task type, params and arrays rebuilt
 
     for b in (buf, copy_):  # past max_age: key 1 is dropped, group 0 completes with key 0; group 2 is gone
         run, dropped = b.pending(2)
@@ -216,3 +236,108 @@ def test_buffer_groups_age_stats_and_state_round_trip():
         assert b.stats() == {"paused": 0, "resumed": 0, "dropped": 2, "waiting_groups": 1}
         assert [[t.key for t in g] for g in b.pop_complete()] == [[0]]
         assert b.in_flight_groups() == 0 and b.pending(3) == ([], [])
+
+
+def test_binary_state_reads_back_every_field_exactly(tmp_path):
+    kind = TaskType("code", 9, -0.5, Schedule("cosine", 1.2, 0.4, 50))
+    p = SamplingParams(0.9, 9, top_p=0.95, stop=("END",), seed=2**40 + 3)
+    rng = np.random.default_rng(0)
+    single = [Sample(10 + i, 3, 4, kind, rng.integers(0, 2**40, 5 + i), p, 2) for i in range(3)]
+    for i, s in enumerate(single):  # log-probs that no short decimal writes exactly
+        s.take(TurnResult(s.key, rng.integers(0, 50_000, 4 + i), -rng.random(4 + i) * np.pi, None, None, 7))
+    single[1].take(TurnResult(11, [9], [-1 / 3], "stop", None, 8))
+    single[1].reward = 0.1 + 0.2
+    single[2].routed_experts = rng.integers(0, 64, (len(single[2].response_ids), 3, 2)).astype(np.int32)
+    single[2].multimodal_inputs = {"pixel_values": rng.random((2, 3, 4)).astype(np.float32),
+                                   "image_grid_thw": np.array([[1, 2, 2]])}
+    multi = Sample(20, 5, 1, kind, [1, 2, 3], p, 2, loss_mask=[], multi_turn=True)
+    multi.take(TurnResult(20, [4, 5], [-0.25, -1e-300], "stop", None, 1))
+    multi.observe([6, 7, 8])
+    multi.turns, multi.params, multi.status = 1, SamplingParams(0.9, 4, seed=11), "running"
+    multi.take(TurnResult(20, [], [], "error", "refused", 1))
+    buf = PartialRolloutBuffer(max_age=3)
+    buf.add_group(single)
+    buf.add_group([multi])
+    buf.pending(2)
+    save_state(buf.state_dict(), tmp_path / "partial.npz")
+    back = PartialRolloutBuffer(max_age=0)
+    back.load_state_dict(load_state(tmp_path / "partial.npz"))
+    got = [back.get(k) for k in (10, 11, 12, 20)]
+    assert got == [*single, multi]
+    for a, b in zip(got, [*single, multi], strict=True):
+        for name in ("prompt_ids", "response_ids", "logprobs", "segments"):
+            x, y = getattr(a, name), getattr(b, name)
+            assert x.dtype == y.dtype and x.tobytes() == y.tobytes()
+        assert a.policy_logprob() == b.policy_logprob() and a.reward == b.reward
+    assert got[0].loss_mask is None and got[3].loss_mask.tolist() == [1, 1, 0, 0, 0]
+    assert got[3].status == "error" and got[3].turn_start == 5 and got[3].turns == 1 and got[3].params.max_tokens == 4
+    assert got[2].routed_experts.dtype == np.int32 and got[2].multimodal_inputs["pixel_values"].dtype == np.float32
+    assert got[1].task_type == kind and got[1].params == p and back.stats() == buf.stats()
+
+
+def old_sample(key, group, **kw):
+    """A sample as the JSON checkpoints before arrays wrote it (``dataclasses.asdict`` of the list-based record)."""
+    return {"key": key, "group": group, "task_index": 2, "started": 1, "multi_turn": False, "turn_start": 0,
+            "turns": 0, "status": "paused", "reward": None, "error": None, "loss_mask": None,
+            "task_type": {"name": "text", "max_tokens": 12, "truncation_penalty": -0.5,
+                          "temperature": {"kind": "linear", "start": 1.0, "end": 0.5, "iterations": 10}},
+            "params": {"temperature": 0.8, "max_tokens": 12, "seed": 7}, **kw}
+
+
+def test_checkpoints_of_the_earlier_json_formats_still_load():
+    state = json.loads(json.dumps({"max_age": 2, "iteration": 4, "counts": {"resumed": 1, "dropped": 0}, "groups": [
+        [old_sample(1, 0, prompt_ids=[3, 4], response_ids=[5, 6, 7], logprobs=[-0.5, -0.1, -2.25],
+                    segments=[[0, 1], [2, 3]]),
+         old_sample(2, 0, prompt_ids=[3, 4], response_ids=[8], logprobs=[-1.5], segments=[[0, 3]],
+                    status="truncated", reward=0.0)],
+        [old_sample(5, 1, prompt_ids=[9], response_ids=[1, 2, 3], logprobs=[-1.0, 0.0, -0.5], loss_mask=[1, 0, 1],
+                    segments=[[0, 0]], multi_turn=True, turn_start=2, turns=1)]]}))
+    buf = PartialRolloutBuffer(max_age=0)
+    buf.load_state_dict(state)
+    a, b, c = (buf.get(k) for k in (1, 2, 5))
+    kind = TaskType("text", 12, -0.5, Schedule("linear", 1.0, 0.5, 10))
+    assert a == Sample(1, 0, 2, kind, [3, 4], SamplingParams(0.8, 12, seed=7), 1, [5, 6, 7], [-0.5, -0.1, -2.25],
+                       segments=[(0, 1), (2, 3)], status="paused")
+    assert a.response_ids.dtype == np.int64 and a.logprobs.dtype == np.float64 and a.segments.shape == (2, 2)
+    assert b.status == "truncated" and b.reward == 0.0 and buf.in_flight_groups() == 2 and buf.max_age == 2
+    assert c.loss_mask.tolist() == [1, 0, 1] and c.own_tokens() == 2 and c.policy_logprob() == -1.5
+    assert buf.stats()["resumed"] == 1
+
+    # the format before samples: paused trajectories, typed by their task index
+    older = {"max_age": 1, "iteration": 0, "counts": {}, "groups": [[
+        {"key": 3, "group": 0, "task_index": 6, "prompt_ids": [1], "params": {"temperature": 1.0, "max_tokens": 5},
+         "started": 0, "token_ids": [4, 4], "logprobs": [-0.5, -0.5], "segments": [[0, 0]], "finish_reason": None}]]}
+    with pytest.raises(ValueError, match="type_of"):
+        buf.load_state_dict(older)
+    buf.load_state_dict(older, type_of=lambda i: kind if i == 6 else None)
+    (t,) = buf.pending(0)[0]
+    assert t.status == "paused" and t.task_type == kind and t.response_ids.tolist() == [4, 4]
+
+
+def test_a_sample_grows_in_place_and_what_was_read_stays_as_it_was():
+    import pickle
+    from dataclasses import replace
+
+    s = Sample(1, 0, 0, KIND, [3, 4], SamplingParams(1.0, 8), 0, loss_mask=[], multi_turn=True)
+    read, buffers = [], set()
+    for turn in range(100):
+        s.take(TurnResult(1, [turn % 50] * 3, [-0.5 * turn] * 3, "stop", None, turn))
+        s.observe([7])
+        s.status = "running"
+        read.append((s.response_ids, s.response_ids.tolist(), s.logprobs, s.logprobs.tolist()))
+        buffers.add(id(s.response_ids.base))
+    # 400 tokens appended one turn at a time: the buffer doubled a few times, not a copy per turn
+    assert len(s.response_ids) == 400 and len(buffers) <= 6
+    assert all(ids.tolist() == ids_then and lps.tolist() == lps_then for ids, ids_then, lps, lps_then in read)
+    assert s.loss_mask.tolist() == [1, 1, 1, 0] * 100 and s.segments[:, 0].tolist() == list(range(0, 400, 4))
+    assert s.turn_start == 400 and s.own_tokens() == 300
+    # a copy grows on its own; a pickle (Ray, deepcopy) carries the arrays, never the spare room behind them
+    twin = replace(s)
+    twin.observe([9, 9])
+    s.observe([8])
+    assert twin.response_ids[-3:].tolist() == [7, 9, 9] and s.response_ids[-2:].tolist() == [7, 8]
+    back = pickle.loads(pickle.dumps(s))
+    arrays = sum(a.nbytes for a in (s.prompt_ids, s.response_ids, s.logprobs, s.loss_mask, s.segments))
+    assert back == s and back is not s and len(pickle.dumps(s)) < arrays + 2000
+    with pytest.raises(ValueError, match="one sequence of token ids"):
+        s.prompt_ids = [[1, 2]]

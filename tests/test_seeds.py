@@ -15,7 +15,6 @@ from rich.progress import Progress
 import rl.loop.cluster
 import rl.loop.controller
 import rl.loop.recovery
-from engines.inference.requests import Completion
 from envs import Env, Task, register
 from envs.arithmetic import ArithmeticEnv
 from rl import seeds
@@ -27,6 +26,7 @@ from rl.rollout.partial import PartialRolloutBuffer
 from rl.rollout.phase import draw_groups
 from rl.rollout.ptx import PtxSample, ptx_batches
 from rl.rollout.rewards import episode_runner
+from rl.sample import TurnResult
 from rl.settings import resolve, task_types
 from tests.conftest import make_sample, tiny_config
 from tests.test_multiturn import COUNTS, play_episodes
@@ -206,8 +206,9 @@ def test_iteration_uses_episode_and_train_seeds(monkeypatch):
     monkeypatch.setattr(rl.loop.controller, "plan_update", lambda *a: cluster.train_seeds.append(a[3]) or [])
     with Progress(disable=True) as progress:
         settings = run_settings(cfg)
-        run = Run(cfg, settings, ROOT, ROOT, sets, Tok(), [], cluster, PartialRolloutBuffer(2),
-                  Episodes(None, Tok(), "auto", 8, 64, cfg.run.seed), progress, None)
+        run = Run(cfg=cfg, settings=settings, run_dir=ROOT, start_dir=ROOT, tasks=sets, tok=Tok(), ptx=[],
+                  cluster=cluster, buffer=PartialRolloutBuffer(2),
+                  episodes=Episodes(None, Tok(), "auto", 8, 64, cfg.run.seed), progress=progress, console=None)
         iteration(run, 7)
     assert played == [seeds.episode_seed(9, 7)] and cluster.train_seeds == [seeds.train_seed(9, 7)]
 
@@ -231,9 +232,9 @@ def test_multi_turn_requests_use_turn_seed():
     got = []
 
     class Cluster:
-        def rollout(self, samples, token_budget, on_worker=None):
+        def rollout(self, samples, token_budget, on_worker=None, contexts=None):
             got.extend(s.params.seed for s in samples)
-            return [s.extended(Completion([65], [-1.0], "stop", request_id=s.key), 0) for s in samples], [COUNTS]
+            return [TurnResult(s.key, [65], [-1.0], "stop") for s in samples], [COUNTS]
 
     play_episodes(Cluster(), cfg, Tok(), runner, [(3, cfg.env, Task("t", "q", ""))], it=1, max_context=64)
     assert got == [seeds.turn_seed(seeds.episode_seed(0, 1), key, turn) for turn in range(2) for key in (6, 7)]

@@ -6,7 +6,9 @@ directory is renamed into place and sealed last with ``complete.json`` (each fil
 fsynced too. Only a sealed checkpoint is resumed from, after its files are checked against the seal; the one
 before it is deleted only once the new one is sealed. So a crash or a full disk at any point of a save leaves the
 last complete checkpoint as it was, and a run whose first save was cut short has none (``--auto-resume`` then
-starts afresh). The trainer state (master weights, optimizer state) is in ``trainer/``, written by every rank.
+starts afresh). The trainer state (master weights, optimizer state) is in ``trainer/``, written by every rank; the
+partial-rollout buffer's samples in ``partial.npz`` (their token data as arrays, ``rl.rollout.partial.save_state``),
+which state.json names.
 """
 
 from __future__ import annotations
@@ -20,14 +22,16 @@ import signal
 import zipfile
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from engines.training.trainer_state import TrainerStateError, collect_shard_sums, file_sha256
 from rl.errors import CommandFailed, UserError
+from rl.rollout.partial import load_state, save_state
 
 STATE_FILE = "state.json"
+PARTIAL_FILE = "partial.npz"  # the partial-rollout buffer's samples (token data as arrays), which state.json names
 MARKER = "complete.json"  # the seal, written last: a checkpoint directory without it is not complete
 LAYOUT = 2  # state.json's "layout" from the first sealed checkpoints on (older ones, without it, had no seal)
 #: fault injection (tests, the fault suite): RL_CRASH_IN_SAVE=STAGE or STAGE@DIRNAME kills the process with SIGKILL
@@ -48,7 +52,7 @@ class LoopState:
     initial_accuracy: float
     wall_s: float               # time spent by earlier attempts
     weights_version: int = 0    # checkpoint-engine updates so far (tags partial-rollout segments)
-    partial: dict[str, Any] = field(default_factory=dict)  # the partial-rollout buffer
+    partial: dict[str, Any] = field(default_factory=dict)  # the partial-rollout buffer (in state.json: its file)
     workers: int = 1            # trainer ranks that wrote the trainer state (any count may resume it)
     initial_accuracy_sampled: float | None = None
     rollbacks: int = 0          # collapses rolled back so far (rl.loop.health.CollapseGuard)
@@ -187,7 +191,12 @@ def save_checkpoint(run_dir: Path, state: LoopState, write_weights, tokenizer_di
     def fill(tmp: Path) -> None:
         write_weights(str(tmp))
         copy_tokenizer(tokenizer_dir, tmp)
-        (tmp / STATE_FILE).write_text(json.dumps({**asdict(state), "layout": LAYOUT}, indent=2))
+        partial = state.partial
+        if "arrays" in partial:  # its token data in a binary file of its own, sealed with the rest
+            save_state(partial, tmp / PARTIAL_FILE)
+            partial = {"file": PARTIAL_FILE}
+        (tmp / STATE_FILE).write_text(json.dumps({**asdict(replace(state, partial={})), "partial": partial,
+                                                  "layout": LAYOUT}, indent=2))
 
     previous = list_checkpoints(run_dir)
     final = write_aside(checkpoint_dir(run_dir, state.iteration), fill, "checkpoint",
@@ -281,10 +290,18 @@ def _seal_problem(path: Path) -> str | None:
 def checkpoint_problem(path: Path) -> str | None:
     """What makes a checkpoint directory unusable for a resume (a damaged file), or None when it looks intact."""
     try:
-        LoopState(**json.loads((path / STATE_FILE).read_text()))
+        state = LoopState(**json.loads((path / STATE_FILE).read_text()))
         json.loads((path / "config.json").read_text())
     except (OSError, json.JSONDecodeError, TypeError) as e:
         return f"its state or config file is damaged ({e})"
+    partial = state.partial.get("file")
+    if partial is not None:
+        try:
+            if not isinstance(partial, str) or Path(partial).name != partial:
+                raise ValueError(f"state.json names {partial!r}")
+            load_state(path / partial)  # read whole: the zip's CRCs find a changed byte
+        except (OSError, ValueError, KeyError, zipfile.BadZipFile) as e:
+            return f"its partial-rollout state is damaged ({e})"
     weights = sorted(path.glob("*.safetensors"))
     if not weights:
         return "it holds no weights (*.safetensors)"
@@ -322,11 +339,18 @@ def latest_checkpoint(run_dir: Path, report: Callable[[str], Any] | None = None)
             if report is not None and skipped:
                 report(f"skipped {'; '.join(skipped)}")
             state = LoopState(**json.loads((path / STATE_FILE).read_text()))
+            state.partial = read_partial(path, state.partial)
             if report is not None:
                 report(f"resuming from {path.name} (after iteration {state.iteration}) in {path.parent}")
             return path, state
         damaged.append(f"{path.name} ({problem})")
     raise UserError(f"--resume: every checkpoint of {run_dir} is damaged: {'; '.join(damaged)}")
+
+
+def read_partial(path: Path, partial: dict[str, Any]) -> dict[str, Any]:
+    """The partial-rollout state that checkpoint ``path``'s state.json holds as ``partial``: read from the file it
+    names, or as it is (written before the binary file: JSON, which ``PartialRolloutBuffer`` still loads)."""
+    return load_state(path / partial["file"]) if "file" in partial else partial
 
 
 def _iteration(path: Path) -> int:

@@ -55,8 +55,8 @@ def critic_training_batch(cluster, tok: TextTokenizer, cfg: Config, samples: lis
     for better, worse in pairs:
         swap = rng.random() < 0.5  # position bias: the better response is shown first half of the time
         a, b = (worse, better) if swap else (better, worse)
-        prompts.append(build_pair_prompt(tok.decode(better.prompt_ids), tok.decode(a.response_ids),
-                                         tok.decode(b.response_ids), rubrics))
+        prompts.append(build_pair_prompt(tok.decode(better.prompt_ids.tolist()), tok.decode(a.response_ids.tolist()),
+                                         tok.decode(b.response_ids.tolist()), rubrics))
         better_is_a.append(not swap)
     ids = [tok.encode(p) for p in prompts]
     params = SamplingParams(c.temperature, c.max_tokens)

@@ -98,7 +98,7 @@ class Episodes:
         """Step each sample's environment with the turn it just generated: the episode ends (its reward, or
         truncated), or the observation is appended and the sample runs again with its next turn's sampling."""
         def step(s: Sample) -> Any:
-            return self.live[s.key].env.step(self.tok.decode(s.response_ids[s.turn_start:]))
+            return self.live[s.key].env.step(self.tok.decode(s.response_ids[s.turn_start:].tolist()))
 
         stepping = [s for s in samples if s.status != "error"]
         outs = dict(zip((s.key for s in stepping), self.runner.run_calls(
@@ -117,7 +117,7 @@ class Episodes:
 
     def _advance(self, s: Sample, obs: str, reward: float, terminated: bool, truncated: bool, info: dict) -> None:
         ep, info = self.live[s.key], info or {}
-        turn = s.response_ids[s.turn_start:]
+        turn = s.response_ids[s.turn_start:].tolist()
         if terminated or truncated:
             s.reward, s.status = float(reward), "truncated" if truncated else "finished"
             if ep.conv is not None:
@@ -139,10 +139,8 @@ class Episodes:
         if len(s.prompt_ids) + len(s.response_ids) + len(obs_ids) + 1 >= self.context:
             s.status = "truncated"  # no room for another turn
             return
-        s.response_ids = [*s.response_ids, *obs_ids]
-        s.logprobs = [*s.logprobs, *[0.0] * len(obs_ids)]
-        s.loss_mask = [*(s.loss_mask or []), *[0] * len(obs_ids)]
-        s.turn_start, s.status = len(s.response_ids), "running"
+        s.observe(obs_ids)  # appended in place; the next turn starts after it
+        s.status = "running"
         s.params = self._params(s)
 
     def close(self, keys: list[int]) -> None:

@@ -6,88 +6,25 @@ tokens is a segment tagged with the weights version that sampled it, so π_old o
 the policy that actually drew it. Trajectories older than ``max_age`` iterations are dropped, and
 a prompt group is handed to the trainer once every remaining sample of it has finished. Samples are
 ``rl.sample.Sample`` records; a multi-turn episode's turns go through the same buffer and budget (its
-environment stays with the driver, ``rl.rollout.multiturn``).
+environment stays with the driver, ``rl.rollout.multiturn``). The buffer is checkpointed as arrays (``save_state``:
+one ``.npz`` of the samples' token data concatenated, with offsets, and a small JSON header); checkpoints of the
+earlier JSON formats are still read.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
 
-from engines.inference.base import RolloutEngine
-from engines.inference.requests import Completion
-from engines.inference.sampling import InvalidRequestError, SamplingParams
-from rl.sample import Sample, TaskType
+import numpy as np
 
-__all__ = ["PartialRolloutBuffer", "advance", "generate_with_budget"]
+from engines.inference.sampling import SamplingParams
+from rl.sample import LOGPROBS, MASK, TOKENS, Sample, TaskType, TurnResult
 
-
-def generate_with_budget(engine: RolloutEngine, requests: Sequence[tuple[list[int], SamplingParams, int]],
-                         partials: Sequence[Completion], token_budget: int | None,
-                         on_finish: Callable[[Completion], None] | None = None,
-                         ) -> tuple[list[Completion], list[Completion]]:
-    """Resume ``partials`` (first: they are older), add ``requests`` (prompt, params, request id) and step
-    until all finish or ``token_budget`` tokens were decoded in this call; returns (finished, paused).
-
-    The budget is checked between engine steps, so one step may overshoot it by fewer tokens than
-    there are running requests. Paused completions (finish_reason None) carry all their tokens so far
-    and go back into a later call's ``partials``. A request the engine refuses comes back finished
-    with finish_reason "error" (a partial keeps its tokens). ``on_finish`` sees every finished one.
-    """
-    if engine.has_unfinished():
-        raise RuntimeError("the engine already has unfinished requests; pause() them first")
-    if token_budget is not None and token_budget < 0:
-        raise ValueError(f"token_budget must be >= 0 or None, got {token_budget}")
-    ids = [c.request_id for c in partials] + [rid for _, _, rid in requests]
-    if len(set(ids)) != len(ids):
-        raise ValueError("request ids must be unique")
-    for c in partials:
-        # a finished completion here is a caller bug, not a request the engine cannot serve
-        if c.finish_reason is not None or c.params is None:
-            raise ValueError(f"request {c.request_id} is not a paused completion (finish_reason "
-                             f"{c.finish_reason!r}, params {c.params!r})")
-
-    finished: list[Completion] = []
-
-    def done(c: Completion) -> None:
-        finished.append(c)
-        if on_finish is not None:
-            on_finish(c)
-
-    try:
-        for c in partials:
-            try:
-                engine.resume([c])
-            except InvalidRequestError as e:
-                done(Completion(list(c.token_ids), list(c.logprobs), "error", list(c.prompt_ids), error=str(e),
-                                request_id=c.request_id, params=c.params))
-        for prompt, params, rid in requests:
-            try:
-                engine.add_request(prompt, params, request_id=rid)
-            except InvalidRequestError as e:
-                done(Completion([], [], "error", list(prompt), error=str(e), request_id=rid, params=params))
-        start = engine.generated
-        while engine.has_unfinished() and (token_budget is None or engine.generated - start < token_budget):
-            out = engine.step()
-            for c in out:
-                done(c)
-    except BaseException:
-        engine.pause()  # leave the engine empty whatever happened; the caller gets the exception
-        raise
-    return finished, engine.pause()
-
-
-def advance(engine: RolloutEngine, samples: Sequence[Sample], token_budget: int | None,
-            version: int) -> list[Sample]:
-    """Generate the current turn of ``samples`` (those paused mid-turn first: they are older) until each turn ends
-    or ``token_budget`` tokens were generated; returns them, updated (``Sample.extended``: the tokens generated
-    here are one more segment, of weights ``version``; status "paused" for those paused again). The inputs are not
-    modified."""
-    asked = [s.request() for s in samples]
-    partials = [c for c in asked if c.token_ids]
-    requests = [(c.prompt_ids, c.params, c.request_id) for c in asked if not c.token_ids]
-    finished, paused = generate_with_budget(engine, requests, partials, token_budget)
-    held = {s.key: s for s in samples}
-    return [held[c.request_id].extended(c, version) for c in finished + paused]
+__all__ = ["PartialRolloutBuffer", "load_state", "save_state"]
 
 
 _STAT_KEYS = ("resumed", "dropped")
@@ -152,24 +89,14 @@ class PartialRolloutBuffer:
         self._counts["resumed"] += sum(s.started < iteration for s in run)
         return run, dropped
 
-    def record(self, results: Sequence[Sample]) -> None:
-        """Take generated samples back (matched by key; see ``advance``): each must continue the held one's tokens
-        and segments, which the held sample then takes (in place: the buffer's samples are the records)."""
+    def record(self, results: Sequence[TurnResult]) -> None:
+        """Take a round's results back (matched by key; ``rl.rollout.turns.serve_turns`` makes them): each appends its
+        new tokens to the held sample in place (``Sample.take``: the buffer's samples are the records)."""
         for r in results:
             s = self._by_key.get(r.key)
             if s is None:
                 raise KeyError(f"no sample with key {r.key} in the buffer")
-            if s.done:
-                raise ValueError(f"sample {s.key} already ended ({s.status})")
-            if len(r.logprobs) != len(r.response_ids):
-                raise ValueError(f"result {r.key} has {len(r.response_ids)} tokens, {len(r.logprobs)} logprobs")
-            n = len(s.response_ids)
-            if r.status != "error" and (r.response_ids[:n] != s.response_ids or
-                                        r.segments[:len(s.segments)] != s.segments):
-                raise ValueError(f"result {r.key} does not continue sample {s.key}'s tokens")
-            s.response_ids, s.logprobs, s.segments = list(r.response_ids), list(r.logprobs), list(r.segments)
-            s.loss_mask = None if r.loss_mask is None else list(r.loss_mask)
-            s.status, s.error = r.status, r.error
+            s.take(r)
 
     def get(self, key: int) -> Sample:
         """The sample ``key`` as held now."""
@@ -202,21 +129,114 @@ class PartialRolloutBuffer:
         paused = sum(not s.done for s in self._by_key.values())
         return {"paused": paused, **self._counts, "waiting_groups": len(self._groups)}
 
-    def state_dict(self) -> dict:
-        """JSON-serialisable state, for checkpoints."""
-        return {"max_age": self.max_age, "iteration": self._iteration, "counts": dict(self._counts),
-                "groups": [[s.to_dict() for s in self._groups[g]] for g in sorted(self._groups)]}
+    def state_dict(self) -> dict[str, Any]:
+        """The state for checkpoints: a JSON-serialisable header and, under "arrays", the samples' token data
+        concatenated with offsets (``save_state`` writes it into one file)."""
+        samples = [s for g in sorted(self._groups) for s in self._groups[g]]
+        return {"format": ARRAYS_FORMAT, "max_age": self.max_age, "iteration": self._iteration,
+                "counts": dict(self._counts), "samples": [_header(s) for s in samples], "arrays": _pack(samples)}
 
-    def load_state_dict(self, state: dict, type_of: Callable[[int], TaskType] | None = None) -> None:
-        """Replace this buffer's contents with a ``state_dict`` (also after a JSON round trip). Checkpoints written
-        before samples carried their task type hold trajectories; ``type_of(task_index)`` types them."""
+    def load_state_dict(self, state: dict[str, Any], type_of: Callable[[int], TaskType] | None = None) -> None:
+        """Replace this buffer's contents with a ``state_dict`` (or ``load_state``'s), or with the state of a
+        checkpoint written before arrays (JSON, also after a JSON round trip). Checkpoints written before samples
+        carried their task type hold trajectories; ``type_of(task_index)`` types them."""
         self.max_age = int(state["max_age"])
         self._iteration = state["iteration"]
         self._counts = {k: int(state["counts"].get(k, 0)) for k in _STAT_KEYS}
         self._groups, self._by_key = {}, {}
+        if "arrays" in state:
+            groups: dict[int, list[Sample]] = {}
+            for s in _unpack(state["samples"], state["arrays"]):
+                groups.setdefault(s.group, []).append(s)
+            for members in groups.values():
+                self.add_group(members)
+            return
         for members in state["groups"]:
             self.add_group([Sample.from_dict(d) if "task_type" in d else _from_trajectory(d, type_of)
                             for d in members])
+
+
+ARRAYS_FORMAT = 2  # the "format" of a state with arrays (the JSON ones before it had none)
+_HEADER = "header"  # the npz entry holding the JSON header (as UTF-8 bytes)
+_SCALARS = ("key", "group", "task_index", "started", "multi_turn", "turn_start", "turns", "status", "reward", "error")
+
+
+def _header(s: Sample) -> dict[str, Any]:
+    """What of a sample is not token data, JSON-serialisable."""
+    return {**{k: getattr(s, k) for k in _SCALARS}, "task_type": asdict(s.task_type), "params": asdict(s.params),
+            "masked": s.loss_mask is not None, "routed": s.routed_experts is not None,
+            "multimodal": None if s.multimodal_inputs is None else list(s.multimodal_inputs)}
+
+
+def _offsets(lengths: list[int]) -> np.ndarray:
+    return np.concatenate(([0], np.cumsum(lengths, dtype=np.int64))).astype(np.int64)
+
+
+def _cat(parts: list[np.ndarray], dtype: type, shape: tuple[int, ...] = ()) -> np.ndarray:
+    return np.concatenate(parts).astype(dtype, copy=False) if parts else np.zeros((0, *shape), dtype)
+
+
+def _pack(samples: list[Sample]) -> dict[str, np.ndarray]:
+    """The samples' token data, each kind concatenated over the samples, with the offsets of each sample's part."""
+    out = {"prompt_ids": _cat([s.prompt_ids for s in samples], TOKENS),
+           "prompt_offsets": _offsets([len(s.prompt_ids) for s in samples]),
+           "response_ids": _cat([s.response_ids for s in samples], TOKENS),
+           "logprobs": _cat([s.logprobs for s in samples], LOGPROBS),
+           # a sample without a mask (all its tokens its own) is stored as ones; its header says None
+           "loss_mask": _cat([np.ones(len(s.response_ids), MASK) if s.loss_mask is None else s.loss_mask
+                              for s in samples], MASK),
+           "response_offsets": _offsets([len(s.response_ids) for s in samples]),
+           "segments": _cat([s.segments for s in samples], TOKENS, (2,)),
+           "segment_offsets": _offsets([len(s.segments) for s in samples])}
+    for i, s in enumerate(samples):
+        if s.routed_experts is not None:
+            out[f"routed_experts.{i}"] = np.asarray(s.routed_experts)
+        for j, value in enumerate((s.multimodal_inputs or {}).values()):
+            a = np.asarray(value)
+            if a.dtype == object:
+                raise ValueError(f"sample {s.key}: multimodal_inputs[{list(s.multimodal_inputs)[j]!r}] is not an "
+                                 "array of numbers and cannot be checkpointed")
+            out[f"multimodal.{i}.{j}"] = a
+    return out
+
+
+def _unpack(headers: list[dict[str, Any]], arrays: dict[str, np.ndarray]) -> list[Sample]:
+    """Inverse of ``_header`` and ``_pack``."""
+    po, ro, so = (arrays[k].tolist() for k in ("prompt_offsets", "response_offsets", "segment_offsets"))
+    if not len(po) == len(ro) == len(so) == len(headers) + 1:
+        raise ValueError(f"partial-rollout state: {len(headers)} samples but offsets for {len(po) - 1}, "
+                         f"{len(ro) - 1}, {len(so) - 1}")
+    out = []
+    for i, h in enumerate(headers):
+        r = slice(ro[i], ro[i + 1])
+        s = Sample(h["key"], h["group"], h["task_index"], TaskType.from_dict(h["task_type"]),
+                   arrays["prompt_ids"][po[i]:po[i + 1]], SamplingParams(**h["params"]), h["started"],
+                   arrays["response_ids"][r], arrays["logprobs"][r],
+                   loss_mask=arrays["loss_mask"][r] if h["masked"] else None,
+                   segments=arrays["segments"][so[i]:so[i + 1]],
+                   **{k: h[k] for k in _SCALARS[4:]})
+        if h["routed"]:
+            s.routed_experts = arrays[f"routed_experts.{i}"]
+        if h["multimodal"] is not None:
+            s.multimodal_inputs = {name: arrays[f"multimodal.{i}.{j}"] for j, name in enumerate(h["multimodal"])}
+        out.append(s)
+    return out
+
+
+def save_state(state: dict[str, Any], path: Path) -> None:
+    """Write a ``state_dict`` into one uncompressed ``.npz`` file: its arrays, and its header as JSON."""
+    header = json.dumps({k: v for k, v in state.items() if k != "arrays"}).encode()
+    with open(path, "wb") as f:
+        np.savez(f, **{_HEADER: np.frombuffer(header, np.uint8)}, **state["arrays"])
+
+
+def load_state(path: Path) -> dict[str, Any]:
+    """The ``state_dict`` that ``save_state`` wrote into ``path``, exactly."""
+    with np.load(path, allow_pickle=False) as z:
+        if _HEADER not in z.files:
+            raise ValueError(f"{path} is not a partial-rollout state (no {_HEADER!r} entry)")
+        header = json.loads(z[_HEADER].tobytes().decode())
+        return {**header, "arrays": {k: z[k] for k in z.files if k != _HEADER}}
 
 
 def _from_trajectory(d: dict, type_of: Callable[[int], TaskType] | None) -> Sample:

@@ -20,6 +20,7 @@ from rl.rollout.data import GROUPS_PER_ITERATION, TaskSets, sample_mix
 from rl.rollout.episodes import env_class
 from rl.rollout.multiturn import Episodes
 from rl.rollout.partial import PartialRolloutBuffer
+from rl.rollout.turns import WorkerContexts
 from rl.sample import Sample
 from rl.seeds import sampling_seed
 from rl.settings import RolloutSettings
@@ -63,21 +64,21 @@ def run_rollout(cluster, buffer: PartialRolloutBuffer, episodes: Episodes, tasks
     ``budget`` tokens were generated; returns the tokens generated and the engines' metrics."""
     pending, dropped = buffer.pending(it)
     episodes.close([s.key for s in dropped])
-    fresh = [s for s in pending if s.multi_turn and s.key not in episodes.live and not s.response_ids]
+    fresh = [s for s in pending if s.multi_turn and s.key not in episodes.live and len(s.response_ids) == 0]
     if fresh:
         episodes.start(fresh, [tasks.train_entry(s.task_index) for s in fresh], [tasks.train[s.task_index]
                                                                                  for s in fresh])
     running = [s for s in pending if not s.done]
     generated, counts, total = 0, [], len(running)
+    contexts = WorkerContexts()  # what each engine holds of the contexts: a next turn sends only what is new
     bar = progress.add_task(f"iter {it} rollout", total=total)
     while running and (budget is None or generated < budget):
-        before = {s.key: len(s.response_ids) for s in running}
         results, round_counts = cluster.rollout(running, None if budget is None else budget - generated,
-                                                on_worker=lambda n: progress.advance(bar, n))
+                                                on_worker=lambda n: progress.advance(bar, n), contexts=contexts)
         counts += round_counts
-        generated += sum(len(r.response_ids) - before[r.key] for r in results)
+        generated += sum(len(r.token_ids) for r in results)
         buffer.record(results)
-        turns = [buffer.get(r.key) for r in results if r.multi_turn and r.status != "paused"]
+        turns = [s for s in map(buffer.get, (r.key for r in results)) if s.multi_turn and s.status != "paused"]
         episodes.step(turns)  # a sample whose episode goes on is "running" again, with its next turn's sampling
         running = [s for s in turns if s.status == "running"]
         total += len(running)

@@ -50,7 +50,7 @@ def score(groups: list[list[Sample]], tasks: TaskSets, tok: TextTokenizer, runne
                if not g[0].multi_turn and env_class(tasks.train_entry(g[0].task_index)).group_level]
     grouped = [g for g in grouped if g]
     outs = runner.map_groups([(tasks.train_entry(g[0].task_index), tasks.train[g[0].task_index],
-                               [tok.decode(s.response_ids) for s in g]) for g in grouped])
+                               [tok.decode(s.response_ids.tolist()) for s in g]) for g in grouped])
     for g, (rewards, err) in zip(grouped, outs, strict=True):
         for j, s in enumerate(g):
             if err:
@@ -59,8 +59,8 @@ def score(groups: list[list[Sample]], tasks: TaskSets, tok: TextTokenizer, runne
                 s.reward = rewards[j]
     judged = {s.key for g in grouped for s in g}
     single = [s for g in groups for s in g if not s.multi_turn and s.status != "error" and s.key not in judged]
-    results = runner.map([(tasks.train_entry(s.task_index), tasks.train[s.task_index], tok.decode(s.response_ids))
-                          for s in single])
+    results = runner.map([(tasks.train_entry(s.task_index), tasks.train[s.task_index],
+                           tok.decode(s.response_ids.tolist())) for s in single])
     for s, r in zip(single, results, strict=True):
         if r.error:
             s.status, s.error = "error", r.error
