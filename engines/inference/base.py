@@ -35,13 +35,14 @@ probed:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import replace
 from typing import ClassVar, Literal
 
 import torch
 
-from engines.inference.requests import Completion, TokenLogprob
+from engines.inference.capabilities import EngineCapabilities
+from engines.inference.requests import Completion, Progress, TokenLogprob
 from engines.inference.sampling import InvalidRequestError, SamplingParams
 
 
@@ -50,6 +51,8 @@ class RolloutEngine(ABC):
 
     #: the engine's name in ``rollout.engine``
     kind: str
+    #: what it supports: its kind's entry of ``engines.inference.capabilities`` (readable without the engine)
+    capabilities: ClassVar[EngineCapabilities]
     #: how a weight update reaches it: loaded aside then ``swap_weights``, or streamed by ``begin``/``feed``/``commit``
     weight_update: ClassVar[Literal["swap", "stream"]]
     #: where the engine computes
@@ -84,9 +87,9 @@ class RolloutEngine(ABC):
         """Stop every unfinished request and return it with its tokens so far (finish_reason None)."""
 
     @abstractmethod
-    def progress(self, request_ids: Collection[int]) -> dict[int, tuple[list[int], list[float]]]:
-        """The tokens and log-probs generated so far by each unfinished request among ``request_ids`` (what a
-        server streams between steps)."""
+    def progress(self, since: Mapping[int, int]) -> dict[int, Progress]:
+        """What each unfinished request among ``since``'s ids generated from its token ``since[id]`` on (what a
+        server streams between steps: only the new tokens, so a long stream costs the same per step)."""
 
     @abstractmethod
     def prompt_logprobs(self, token_ids: Sequence[int], top: int = 0) -> list[TokenLogprob | None]:

@@ -21,6 +21,7 @@ from typing import Literal
 import torch
 
 from engines.inference.base import RolloutEngine
+from engines.inference.capabilities import CAPABILITIES, EngineCapabilities, capabilities_of, kinds_with
 from engines.inference.kv_cache import BACKENDS, decode_attention
 from engines.inference.vllm_engine import VllmUnavailableError, vllm_available
 from engines.inference.vllm_setup import vllm_build
@@ -39,7 +40,7 @@ __all__ = ["DTYPES", "EngineSettings", "VllmUnavailableError", "build_engine", "
 DTYPES = ("float32", "bfloat16", "float16")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class EngineSettings:
     """One rollout replica, every choice resolved.
 
@@ -56,8 +57,8 @@ class EngineSettings:
     (``rl.settings`` turns it on for vLLM on a GPU; ``engines.inference.vllm_engine`` says what it changes).
     ``adapter``: a PEFT LoRA adapter directory served on top of ``model_dir``'s weights (with ``load_checkpoint``):
     the native engine merges it into its weights (``merge_adapters``), vLLM applies it to every request (its LoRA).
-    ``lora_unmerged``: a LoRA run's native replica adds its adapters as low-rank deltas instead of merging them
-    (``InferenceEngine.adapter_updates``).
+    (A LoRA run's adapter updates, merged or as low-rank deltas, are what the replica's sink does with them:
+    ``checkpoint_engine.sinks.make_sink``.)
     """
 
     kind: Literal["native", "vllm"]
@@ -77,12 +78,14 @@ class EngineSettings:
     prefix_caching: bool = True
     ipc_views: bool = False
     adapter: str | None = None
-    lora_unmerged: bool = False
 
     def __post_init__(self) -> None:
         problems = []
-        if self.kind not in ("native", "vllm"):
-            problems.append(f"kind must be native or vllm, got {self.kind!r}")
+        try:
+            caps = capabilities_of(self.kind)
+        except ValueError:
+            caps = None
+            problems.append(f"kind must be {' or '.join(CAPABILITIES)}, got {self.kind!r}")
         if self.device not in ("cpu", "cuda"):
             problems.append(f"device must be cpu or cuda, got {self.device!r}")
         if self.dtype not in DTYPES:
@@ -99,18 +102,27 @@ class EngineSettings:
             problems.append(f"max_seq_len must be at least 1 or None, got {self.max_seq_len}")
         if not 0 < self.memory_fraction <= 1:
             problems.append(f"memory_fraction must be in (0, 1], got {self.memory_fraction}")
-        if self.kind == "native" and (self.tensor_parallel_size > 1 or self.expert_parallel):
-            problems.append("tensor and expert parallel replicas need the vllm engine")
         if self.adapter is not None and self.fp8:
             problems.append("a LoRA adapter is merged into unquantized weights; serve it without fp8")
         if self.adapter is not None and self.ipc_views:
             problems.append("a LoRA adapter is served on the model directory's weights, not on ipc_views updates")
-        if self.kind == "vllm" and self.fp8:
-            problems.append("fp8 replicas are served by the native engine only")
-        if self.kind == "native" and self.ipc_views:
-            problems.append("ipc_views is vLLM's (the native engine's receiver writes into its tensors on the device)")
+        if caps is not None:  # what the engine declares it supports (engines.inference.capabilities)
+            problems += _unsupported(self, caps)
         if problems:
             raise ValueError("engine settings: " + "; ".join(problems))
+
+
+def _unsupported(s: EngineSettings, caps: EngineCapabilities) -> list[str]:
+    """What ``s`` asks of its engine kind that the kind's declaration lacks, one phrase each."""
+    problems = []
+    if not caps.tensor_parallel and (s.tensor_parallel_size > 1 or s.expert_parallel):
+        problems.append(f"tensor and expert parallel replicas need the {' or '.join(kinds_with('tensor_parallel'))} "
+                        "engine")
+    if not caps.fp8 and s.fp8:
+        problems.append(f"fp8 replicas are served by the {' or '.join(kinds_with('fp8'))} engine only")
+    if not caps.ipc_views and s.ipc_views:
+        problems.append("ipc_views is vLLM's (the native engine's receiver writes into its tensors on the device)")
+    return problems
 
 
 def vllm_installed() -> bool:
@@ -164,8 +176,6 @@ def build_engine(settings: EngineSettings, *, load_checkpoint: bool = False) -> 
                              max_seq_len=s.max_seq_len, kv_cache_bytes=s.kv_cache_bytes,
                              max_batch_tokens=s.max_batch_tokens, seed=s.seed, detokenize=detokenize,
                              attention=s.attention)
-    if s.lora_unmerged:  # a LoRA run's updates: the adapters as low-rank deltas beside the base
-        engine.adapter_updates = "unmerged"
     if adapter is not None:  # W0 + (alpha/r)·B·A, as PEFT computes it; served for good, so no base copy is kept
         engine.merge_adapters(adapter.tensors, adapter.spec.scaling, keep_base=False)
     return engine

@@ -22,7 +22,7 @@ grammars checked, finished requests released.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import torch
 
@@ -30,11 +30,12 @@ from engines.device import host_buffer
 from engines.inference import cpu_linear
 from engines.inference.base import RolloutEngine
 from engines.inference.blocks import BlockAllocator
+from engines.inference.capabilities import NATIVE
 from engines.inference.colocation import EngineMemory, fit_kv_budget, free_device_bytes
 from engines.inference.cuda_graphs import graphs_supported
 from engines.inference.kv_cache import BLOCK_SIZE, PagedKVCache, bytes_per_token, decode_attention, paged_pool
 from engines.inference.model_runner import ModelRunner, StepOutput
-from engines.inference.requests import Completion, Request, TokenLogprob, check_prompt, check_request
+from engines.inference.requests import Completion, Progress, Request, TokenLogprob, check_prompt, check_request
 from engines.inference.sampling import (
     InvalidRequestError,
     SamplingParams,
@@ -46,7 +47,7 @@ from engines.inference.sampling import (
 from engines.inference.scheduler import Scheduler, StepPlan
 from engines.model.causal_lm import CausalLM
 from engines.model.layout import byte_placements, hub_state, model_tensors, placements
-from engines.model.lora import AdapterMerger, merge_into
+from engines.model.lora import AdapterMerger, adapter_pairs, merge_adapters_into
 from engines.model.lora_delta import LowRankDelta
 
 __all__ = ["Completion", "InferenceEngine", "InvalidRequestError", "SamplingParams", "fit_kv_budget",
@@ -74,6 +75,7 @@ class InferenceEngine(RolloutEngine):
     """
 
     kind = "native"
+    capabilities = NATIVE
     weight_update = "swap"  # an update is loaded aside, then swapped in at its commit (swap_weights)
 
     def __init__(self, model: CausalLM, eos_id: int | Sequence[int] | None, pad_id: int | None = None, *,
@@ -122,8 +124,6 @@ class InferenceEngine(RolloutEngine):
         self._merger: AdapterMerger | None = None  # LoRA: the base copies merge_adapters merges from
         self._adapter_base = False  # keep_adapter_base: a LoRA replica, whose base outlives a level-2 sleep
         self._restore = False  # its weights were discarded since the last merge: the next one writes them all
-        #: "merge": adapters merged into the served weights; "unmerged": added as low-rank deltas (lora_delta)
-        self.adapter_updates = "merge"
         self._delta: LowRankDelta | None = None
         self.memory = EngineMemory(self.named_tensors(), self.kv_cache_bytes, self.device)
         self.generated = 0  # tokens sampled over the engine's life
@@ -163,14 +163,17 @@ class InferenceEngine(RolloutEngine):
         cfg = self.model.config
         prompt = check_request(prompt_ids, params, prior, prior_logprobs, vocab=cfg.vocab_size,
                                context=cfg.max_position_embeddings, max_seq_len=self.max_seq_len,
-                               detokenizes=self.detokenize is not None)
+                               detokenizes=self.detokenize is not None,
+                               step_top_logprobs=self.capabilities.step_top_logprobs)
         vocab = cfg.vocab_size
         matcher = new_matcher(params, prior)
         rid = next(self._ids) if request_id is None else request_id
         seed = self.request_seed(params, rid)
-        self.sched.waiting.append(Request(rid, prompt, params, seed, [int(t) for t in prior],
-                                          [float(x) for x in prior_logprobs], matcher,
-                                          filter_kind=filter_kind(params.top_k, params.top_p, vocab)))
+        self.sched.waiting.append(Request(id=rid, prompt=prompt, params=params, seed=seed,
+                                          tokens=[int(t) for t in prior],
+                                          logprobs=[float(x) for x in prior_logprobs], matcher=matcher,
+                                          filter_kind=filter_kind(params.top_k, params.top_p, vocab),
+                                          top_logprobs=[None] * len(prior) if params.top_logprobs else None))
         return rid
 
     def has_unfinished(self) -> bool:
@@ -193,10 +196,9 @@ class InferenceEngine(RolloutEngine):
         blocks stay cached, so resuming before the weights change recomputes little."""
         return [r.completion(None) for r in self.sched.clear()]
 
-    def progress(self, request_ids: Collection[int]) -> dict[int, tuple[list[int], list[float]]]:
-        """The tokens and log-probs generated so far by each unfinished request among ``request_ids``."""
-        want = set(request_ids)
-        return {r.id: (list(r.tokens), list(r.logprobs)) for r in (*self.running, *self.waiting) if r.id in want}
+    def progress(self, since: Mapping[int, int]) -> dict[int, Progress]:
+        """What each unfinished request among ``since``'s ids generated from the token ``since[id]`` on."""
+        return {r.id: r.progress(since[r.id]) for r in (*self.running, *self.waiting) if r.id in since}
 
     def prompt_logprobs(self, token_ids: Sequence[int], top: int = 0) -> list[TokenLogprob | None]:
         """Each token's log-probability given the ones before it (None for the first) and the ``top`` most likely
@@ -235,8 +237,8 @@ class InferenceEngine(RolloutEngine):
         """Free the KV cache (level 1; on an accelerator the weights also move to host memory)
         or the KV cache and the weights (level 2: weights must be loaded again after ``wake_up``).
         Where the weights and the pool live in arenas their addresses stay, and so do captured graphs."""
-        if level not in (1, 2):
-            raise ValueError(f"sleep level must be 1 or 2, got {level}")
+        if level not in (levels := self.capabilities.sleep_levels):
+            raise ValueError(f"sleep level must be {' or '.join(map(str, levels))}, got {level}")
         if self.has_unfinished():
             raise RuntimeError(f"{len(self.running) + len(self.waiting)} requests unfinished; pause() them "
                                "before sleep()")
@@ -327,35 +329,29 @@ class InferenceEngine(RolloutEngine):
         repeated updates never accumulate rounding. The base must be what the engine serves at that first merge.
         ``keep_base`` False (one adapter served for good, as ``rl serve --adapter``): the same sum written in place
         once, no copy of the base kept; a later merge would then add onto this one."""
-        if self.adapter_updates == "unmerged" and keep_base:
-            self._load_deltas(adapters, scaling)
-            return
         served = hub_state(self.model)
         if keep_base or self._merger is not None:
             if self._merger is None:
-                adapted = sorted({f"{n.rpartition('.lora_')[0]}.weight" for n in adapters})
-                self._merger = AdapterMerger(served, adapted, host_buffer)
+                self._merger = AdapterMerger(served, adapter_pairs(adapters), host_buffer)
             self._merger.apply(served, adapters, scaling, restore=self._restore)
             self._restore = False
         else:
             with torch.no_grad():
-                for m in sorted({n.rpartition(".lora_")[0] for n in adapters}):
-                    w = served[f"{m}.weight"]
-                    a, b = adapters[f"{m}.lora_A.weight"], adapters[f"{m}.lora_B.weight"]
-                    merge_into(w, w, a.to(w.device), b.to(w.device), scaling)
+                for _ in merge_adapters_into(adapters, scaling, served, served.__getitem__):
+                    pass
         self.weights_loaded()
 
-    def _load_deltas(self, adapters: Mapping[str, torch.Tensor], scaling: float) -> None:
-        """``merge_adapters`` with ``adapter_updates`` "unmerged": the base is served as it is and the adapters are
-        copied into the layers' low-rank deltas (``engines.model.lora_delta``), megabytes in place; after a level-2
-        sleep the base is first written back from its host copy."""
+    def load_adapter_deltas(self, adapters: Mapping[str, torch.Tensor], scaling: float) -> None:
+        """Serve the base as it is plus LoRA ``adapters`` (as ``merge_adapters`` takes them) unmerged: copied into
+        the layers' low-rank deltas (``engines.model.lora_delta``), megabytes in place; after a level-2 sleep the
+        base is first written back from its host copy."""
         if self._restore:
             self._merger.restore(hub_state(self.model))
             self._restore = False
         if self._delta is None:
-            adapted = sorted({f"{n.rpartition('.lora_')[0]}.weight" for n in adapters})
-            rank = next(t.shape[0] for n, t in adapters.items() if ".lora_A." in n)
-            self._delta = LowRankDelta(self.model, placements(self.model), adapted, rank)
+            pairs = adapter_pairs(adapters)
+            rank = next(a.shape[0] for a, _ in pairs.values() if a is not None)
+            self._delta = LowRankDelta(self.model, placements(self.model), list(pairs), rank)
             if self.runner.graphs is not None:
                 self.runner.graphs.clear()  # captured without the deltas' products
         self._delta.load(adapters, scaling)
@@ -382,6 +378,8 @@ class InferenceEngine(RolloutEngine):
                 self.sched.written(r, r.context_len)  # the previous token's key/value went in this step
             r.tokens.append(t)
             r.logprobs.append(lp)
+            if r.top_logprobs is not None:
+                r.top_logprobs.append(out.top_logprobs[i])
             if d or (r.matcher is not None and _grammar_done(r.matcher, t)) or \
                     (r.params.stop and self._stop_string(r) is not None):
                 finished.append(i)

@@ -56,7 +56,7 @@ from __future__ import annotations
 
 import itertools
 import os
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -64,21 +64,25 @@ import torch
 
 from engines.inference.base import RolloutEngine
 from engines.inference.bucket_views import PieceRef
-from engines.inference.requests import Completion, TokenLogprob, check_prompt, check_request
+from engines.inference.capabilities import VLLM
+from engines.inference.requests import Completion, Progress, TokenLogprob, check_prompt, check_request
 from engines.inference.sampling import InvalidRequestError, SamplingParams
-from engines.inference.vllm_setup import INSTALL_HINT, check_platform, engine_args, platform_device, wake_tags
+from engines.inference.vllm_setup import (
+    VllmUnavailableError,
+    check_platform,
+    engine_args,
+    import_vllm,
+    platform_device,
+    wake_tags,
+)
 from engines.inference.vllm_worker import UpdateAbortedError
 from engines.model.hf_io import checkpoint_index, read_tensors
 
-__all__ = ["UpdateAbortedError", "VllmEngine", "vllm_available"]
+__all__ = ["UpdateAbortedError", "VllmEngine", "VllmUnavailableError", "vllm_available"]
 
 
 #: The ranks vLLM's ``max_lora_rank`` takes (an adapter of rank r is served with the smallest at least r).
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-
-
-class VllmUnavailableError(RuntimeError):
-    """vLLM cannot be imported here."""
 
 
 class UnsupportedByVllmError(ValueError):
@@ -98,7 +102,7 @@ def vllm_available() -> bool:
     return True
 
 
-@dataclass
+@dataclass(kw_only=True)
 class _Live:
     """A request inside vLLM: what the caller asked and what came back so far."""
 
@@ -146,6 +150,7 @@ class VllmEngine(RolloutEngine):
     """
 
     kind = "vllm"
+    capabilities = VLLM
     weight_update = "stream"  # each bucket goes on into a running reload (begin/feed/commit/abort)
 
     def __init__(self, model_dir: str | Path, eos_ids: Sequence[int], *, max_seq_len: int | None = None,
@@ -156,11 +161,7 @@ class VllmEngine(RolloutEngine):
                  tokenizer: bool = True, device: str | None = None, ipc_views: bool | None = None,
                  fill_later: bool = False, adapter: tuple[str, int] | None = None) -> None:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        try:
-            import vllm
-        except ImportError as e:
-            raise VllmUnavailableError(INSTALL_HINT) from e
-        self._vllm = vllm
+        vllm = self._vllm = import_vllm()  # an untested release is refused before it is imported or patched
         if weight_load not in ("auto", "direct", "reload"):
             raise ValueError(f"weight_load must be auto, direct or reload, got {weight_load!r}")
         from engines.inference.vllm_worker import patch_cpu_build
@@ -237,7 +238,8 @@ class VllmEngine(RolloutEngine):
         """Queue a request (``prior``: tokens already generated for it); raises InvalidRequestError and
         queues nothing when it cannot be served."""
         prompt = check_request(prompt_ids, params, prior, prior_logprobs, vocab=self.vocab_size, context=self.context,
-                               max_seq_len=self.max_seq_len, detokenizes=self._detokenizes)
+                               max_seq_len=self.max_seq_len, detokenizes=self._detokenizes,
+                               step_top_logprobs=self.capabilities.step_top_logprobs)
         structured = None
         if params.grammar is not None:  # vLLM compiles the same xgrammar source with its own backend
             source = getattr(params.grammar, "source", None)
@@ -260,7 +262,8 @@ class VllmEngine(RolloutEngine):
             output_kind=self._vllm.sampling_params.RequestOutputKind.DELTA, structured_outputs=structured)
         self.engine.add_request(str(rid), {"prompt_token_ids": prompt + [int(t) for t in prior]}, sp,
                                 lora_request=self._lora)
-        self._live[str(rid)] = _Live(rid, prompt, params, [int(t) for t in prior], [float(x) for x in prior_logprobs])
+        self._live[str(rid)] = _Live(rid=rid, prompt=prompt, params=params, prior=[int(t) for t in prior],
+                                     prior_logprobs=[float(x) for x in prior_logprobs])
         return rid
 
     def has_unfinished(self) -> bool:
@@ -294,10 +297,11 @@ class VllmEngine(RolloutEngine):
                 finished.append(live.completion(reason, c.stop_reason if reason == "stop" else None))
         return finished
 
-    def progress(self, request_ids: Collection[int]) -> dict[int, tuple[list[int], list[float]]]:
-        """The tokens and log-probs generated so far by each unfinished request among ``request_ids``."""
-        live = ((rid, self._live.get(str(rid))) for rid in request_ids)
-        return {rid: (x.prior + x.tokens, x.prior_logprobs + x.logprobs) for rid, x in live if x is not None}
+    def progress(self, since: Mapping[int, int]) -> dict[int, Progress]:
+        """What each unfinished request among ``since``'s ids generated from its token ``since[id]`` on."""
+        live = ((s, self._live.get(str(rid)), rid) for rid, s in since.items())  # slices: nothing copied whole
+        return {rid: Progress(s, x.prior[s:] + x.tokens[max(s - len(x.prior), 0):], x.prior_logprobs[s:] +
+                              x.logprobs[max(s - len(x.prior), 0):]) for s, x, rid in live if x is not None}
 
     def prompt_logprobs(self, token_ids: Sequence[int], top: int = 0) -> list[TokenLogprob | None]:
         """Each token's log-probability given the ones before it (None for the first) and the ``top`` most likely
@@ -336,8 +340,8 @@ class VllmEngine(RolloutEngine):
     def sleep(self, level: int = 1) -> None:
         """Free the KV cache (1) or the KV cache and the weights (2); on a CPU build vLLM gives no memory
         back (its sleep mode needs CUDA), but the state is kept so the contract holds."""
-        if level not in (1, 2):
-            raise ValueError(f"sleep level must be 1 or 2, got {level}")
+        if level not in (levels := self.capabilities.sleep_levels):
+            raise ValueError(f"sleep level must be {' or '.join(map(str, levels))}, got {level}")
         if self.has_unfinished():
             raise RuntimeError(f"{len(self._live)} requests unfinished; pause() them before sleep()")
         if self.device.type == "cuda":
@@ -419,27 +423,22 @@ class VllmEngine(RolloutEngine):
         own LoRA is not used: it wraps the layers the loaders write and adds its kernels to every decode step.
         The base copy is kept whatever ``keep_base`` says (it lives in host memory)."""
         from engines.device import host_buffer
-        from engines.model.lora import AdapterMerger, merge_into
+        from engines.model.lora import AdapterMerger, adapter_pairs, merge_adapters_into
 
         if self._base is None:  # every weight: a level-2 sleep leaves vLLM none, and the updates carry no base
             ckpt = read_tensors(self.engine.model_config.model)
             self._base = AdapterMerger(ckpt, list(ckpt), host_buffer, self.dtype, self.device.type == "cuda").base
-        adapted = {f"{n.rpartition('.lora_')[0]}.weight": n.rpartition(".lora_")[0] for n in adapters}
-        missing = sorted(set(adapted) - set(self._base))
+        base = self._base
+        missing = sorted(set(adapter_pairs(adapters)) - set(base))
         if missing:
             raise ValueError(f"LoRA update: the checkpoint has no weight {missing[0]}")
-        names = list(self._base) if not self._weights_valid else sorted(adapted)
 
         def merged():
-            for name in names:
-                m = adapted.get(name)
-                if m is None:
-                    yield name, self._base[name]
-                    continue
-                out = torch.empty(self._base[name].shape, dtype=self.dtype, device=self.device)
-                merge_into(out, self._base[name], adapters[f"{m}.lora_A.weight"].to(self.device),
-                           adapters[f"{m}.lora_B.weight"].to(self.device), scaling)
-                yield name, out
+            yield from merge_adapters_into(adapters, scaling, base, lambda name: torch.empty(
+                base[name].shape, dtype=self.dtype, device=self.device))
+            if not self._weights_valid:  # the rest of the weights as well, from the base
+                adapted = adapter_pairs(adapters)
+                yield from ((name, t) for name, t in base.items() if name not in adapted)
 
         if self.ipc_views:
             self._reload(merged())

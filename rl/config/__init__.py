@@ -12,6 +12,7 @@ import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from rl.config.base import Strict
+from rl.config.engines import check_engine
 from rl.config.model import Architecture, LoraConfig, MoEArchitecture, PolicyModelConfig, WarmStartConfig  # noqa: F401
 from rl.errors import UserError
 from sandbox.options import KubernetesOptions, LimitsOptions, SandboxOptions
@@ -409,9 +410,11 @@ class Config(Strict):
             raise ValueError("warmstart.architecture: hidden_size must divide by num_attention_heads, "
                              "and num_attention_heads by num_key_value_heads")
         tp, gpus = self.rollout.tensor_parallel_size, self.cluster.gpus_per_worker
-        if tp > 1 and self.rollout.engine == "native":
-            raise ValueError(f"rollout.tensor_parallel_size={tp} needs rollout.engine: vllm (a native replica is "
-                             "one device)")
+        if self.rollout.engine != "auto":  # the named engine's declaration (the rest of it: rl.settings.resolve)
+            try:
+                check_engine(self, self.rollout.engine, "set in rollout.engine")
+            except UserError as e:
+                raise ValueError(str(e)) from None
         if self.rollout.expert_parallel and tp < 2:
             raise ValueError("rollout.expert_parallel spreads experts over a replica's ranks: it needs "
                              "rollout.tensor_parallel_size of 2 or more")

@@ -1,0 +1,80 @@
+"""What each rollout engine can do, declared once and readable without importing the engine.
+
+The controller decides whether a run's config can be served (``rl.settings.resolve``, and the config's own
+validation where it names an engine) and ``EngineSettings`` checks a replica's settings by reading these
+declarations, never by probing an engine or repeating what it supports. The table lives here, keyed by the
+engine's kind, so that a driver without vLLM installed reads vLLM's declaration too; each engine class points at
+its entry (``RolloutEngine.capabilities``).
+
+    capabilities_of("vllm").fp8            # False: block-FP8 replicas are the native engine's
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engines.inference.vllm_setup import CPU_MOE_UPDATES_EXACT
+
+__all__ = ["CAPABILITIES", "EngineCapabilities", "capabilities_of", "kinds_with"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineCapabilities:
+    """What one engine kind supports.
+
+    ``tensor_parallel``: a replica may span several devices (tensor parallel, and expert parallel over its ranks);
+    ``fp8``: block-FP8 replicas; ``lora_updates``: how a LoRA run's adapter updates can reach a replica ("merged":
+    W0 + s·B·A written into its weights, "unmerged": low-rank deltas beside the base); ``lora_tensor_parallel``:
+    those updates reach every rank of a replica spanning devices; ``sleep_levels``: what ``sleep`` takes;
+    ``cpu_moe_updates``: the model types whose MoE layers a weight update reaches in place on a CPU replica (None:
+    every one; on a GPU every engine takes them); ``prompt_logprobs``: scores a prompt's tokens; ``cuda_graphs``:
+    captures decode steps on a GPU; ``ipc_views``: loads updates from views of the checkpoint engine's IPC buffers;
+    ``multimodal_inputs`` and ``routing_capture`` (MoE expert choices reported with the tokens) no engine has yet;
+    ``step_top_logprobs``: serves ``SamplingParams.top_logprobs``, the model's own alternatives (temperature 1, no
+    filters) from the decode step that sampled each token (vLLM's step alternatives would be at the request's
+    temperature and filters: a server scores its tokens instead).
+    """
+
+    kind: str
+    tensor_parallel: bool
+    fp8: bool
+    lora_updates: tuple[str, ...]
+    lora_tensor_parallel: bool
+    sleep_levels: tuple[int, ...]
+    cpu_moe_updates: frozenset[str] | None
+    prompt_logprobs: bool
+    cuda_graphs: bool
+    ipc_views: bool
+    multimodal_inputs: bool = False
+    routing_capture: bool = False
+    step_top_logprobs: bool = False
+
+    def takes_moe_updates(self, model_type: str, device: str) -> bool:
+        """Whether a weight update reaches the MoE layers of a ``model_type`` replica on ``device`` in place."""
+        return device != "cpu" or self.cpu_moe_updates is None or model_type in self.cpu_moe_updates
+
+
+NATIVE = EngineCapabilities(kind="native", tensor_parallel=False, fp8=True, lora_updates=("merged", "unmerged"),
+                            lora_tensor_parallel=False, sleep_levels=(1, 2), cpu_moe_updates=None,
+                            prompt_logprobs=True, cuda_graphs=True, ipc_views=False, step_top_logprobs=True)
+# vLLM's CPU build applies updates to MoE layers exactly only where measured (engines.inference.vllm_setup); a
+# LoRA run's merged weights reach one rank of its replica, so LoRA runs on vLLM stay on one device
+VLLM = EngineCapabilities(kind="vllm", tensor_parallel=True, fp8=False, lora_updates=("merged",),
+                          lora_tensor_parallel=False, sleep_levels=(1, 2), cpu_moe_updates=CPU_MOE_UPDATES_EXACT,
+                          prompt_logprobs=True, cuda_graphs=True, ipc_views=True)
+
+#: every engine kind's declaration (``rollout.engine``'s values but "auto")
+CAPABILITIES: dict[str, EngineCapabilities] = {c.kind: c for c in (NATIVE, VLLM)}
+
+
+def capabilities_of(kind: str) -> EngineCapabilities:
+    """The declaration of engine ``kind`` (ValueError in one line for an unknown kind); vLLM is not imported."""
+    try:
+        return CAPABILITIES[kind]
+    except KeyError:
+        raise ValueError(f"no rollout engine {kind!r}: the engines are {', '.join(CAPABILITIES)}") from None
+
+
+def kinds_with(capability: str) -> list[str]:
+    """The engine kinds whose declaration has ``capability`` (a boolean field) set."""
+    return [k for k, c in CAPABILITIES.items() if getattr(c, capability)]
