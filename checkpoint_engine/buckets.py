@@ -35,7 +35,7 @@ class Piece:
     offset: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class BucketPlan:
     """Buckets in transfer order; bucket k holds pieces of ``owners[k]``'s tensors only.
 
@@ -115,7 +115,7 @@ def plan_buckets(specs: list[TensorSpec], bucket_bytes: int, owners: Mapping[str
         if tensors.get(w) is None or tensors[w].dtype != "float8_e4m3fn" or len(tensors[w].shape) != 2 or \
                 sc not in tensors or tensors[sc].dtype != "float32":
             raise ValueError(f"{w}: an FP8 weight needs a 2-D float8_e4m3fn tensor and a float32 scale grid {sc}")
-    return BucketPlan(bucket_bytes, tensors, buckets, order, fp8, block)
+    return BucketPlan(bucket_bytes=bucket_bytes, tensors=tensors, buckets=buckets, owners=order, fp8=fp8, block=block)
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:

@@ -77,7 +77,7 @@ class Calibration:
     source: str
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Prediction:
     bytes: float
     gpus: int
@@ -101,13 +101,14 @@ def predict(nbytes: float, cluster: GpuCluster, tp: int, bucket_bytes: float, ca
     buckets = math.ceil(nbytes / bucket_bytes)
     latency = buckets * (w - 1) * cal.hop_s
     parts = {"h2d": h2d, max(links, key=links.__getitem__): deliver, "reload": reload, "broadcast latency": latency}
-    return Prediction(nbytes, w, buckets, h2d, deliver, reload, latency, h2d + max(deliver, reload) + latency,
-                      max(parts, key=parts.__getitem__))
+    return Prediction(bytes=nbytes, gpus=w, buckets=buckets, h2d_s=h2d, deliver_s=deliver, reload_s=reload,
+                      latency_s=latency, total_s=h2d + max(deliver, reload) + latency,
+                      bound=max(parts, key=parts.__getitem__))
 
 
 # ---- published runs and the calibration ---------------------------------------------------------
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Run:
     """A published update: MoonshotAI checkpoint-engine's README (vLLM, broadcast mode)."""
 
@@ -123,16 +124,16 @@ class Run:
         return predict(self.nbytes, GpuCluster(GPUS[self.gpu], self.gpus // 8), self.tp, self.bucket_gib * GiB, cal)
 
 
-#: Bytes: Kimi K2 from its config (``model_bytes``; FP8 matrices, their scales, bf16 embeddings);
+#: Bytes: Kimi K2 from its config (``K2_BYTES``; FP8 matrices, their scales, bf16 embeddings);
 #: DeepSeek-V3.1 FP8 is the size of its checkpoint files (688.6 GB with the MTP layer); GLM-4.5-Air
 #: (106 B parameters) and Qwen3-235B-A22B at 2 bytes a parameter.
 PUBLISHED = (
-    Run("Kimi-K2 FP8", 1.029173e12, 16, 16, "H20", 5.89, 14.36),
-    Run("Kimi-K2 FP8", 1.029173e12, 256, 16, "H20", 8.00, 16.04),
-    Run("DeepSeek-V3.1 FP8", 688.6e9, 16, 16, "H20", 5.39, 10.19),
-    Run("DeepSeek-V3.1 FP8", 688.6e9, 256, 16, "H20", 8.00, 11.33),
-    Run("GLM-4.5-Air BF16", 212e9, 8, 8, "H800", 3.02, 3.47),
-    Run("Qwen3-235B-A22B BF16", 470e9, 8, 8, "H800", 2.67, 6.22),
+    Run(model="Kimi-K2 FP8", nbytes=1.029173e12, gpus=16, tp=16, gpu="H20", bucket_gib=5.89, seconds=14.36),
+    Run(model="Kimi-K2 FP8", nbytes=1.029173e12, gpus=256, tp=16, gpu="H20", bucket_gib=8.00, seconds=16.04),
+    Run(model="DeepSeek-V3.1 FP8", nbytes=688.6e9, gpus=16, tp=16, gpu="H20", bucket_gib=5.39, seconds=10.19),
+    Run(model="DeepSeek-V3.1 FP8", nbytes=688.6e9, gpus=256, tp=16, gpu="H20", bucket_gib=8.00, seconds=11.33),
+    Run(model="GLM-4.5-Air BF16", nbytes=212e9, gpus=8, tp=8, gpu="H800", bucket_gib=3.02, seconds=3.47),
+    Run(model="Qwen3-235B-A22B BF16", nbytes=470e9, gpus=8, tp=8, gpu="H800", bucket_gib=2.67, seconds=6.22),
 )
 
 
@@ -160,7 +161,8 @@ def k2_calibration() -> Calibration:
 
 # ---- model bytes and memory per GPU --------------------------------------------------------------
 
-#: Kimi K2's architecture (its config.json); ``model_bytes`` of it gives the figures below
+#: Kimi K2's architecture (its config.json); ``K2_BYTES``: its parameters and the bytes of a bf16 and of a
+#: block-FP8 replica, from its shapes (tests/test_plan.py builds the model on meta and checks them)
 K2_CONFIG = dict(vocab_size=163840, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
                  num_hidden_layers=61, num_attention_heads=64, num_key_value_heads=64, q_lora_rank=1536,
                  kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=384,
@@ -174,21 +176,6 @@ def k2_arch():
     from engines.model.arch import make_config
 
     return make_config("kimi_k2", **K2_CONFIG)
-
-
-def model_bytes(arch) -> dict[str, float]:
-    """Parameters, and the bytes of a bf16 replica and of a block-FP8 one (``engines.model.fp8``), from shapes."""
-    import torch
-
-    from engines.model.causal_lm import build_model
-    from engines.model.fp8 import to_fp8
-    from engines.model.layout import model_tensors
-
-    model = build_model(arch, device="meta", dtype=torch.bfloat16)
-    size = lambda m: float(sum(t.numel() * t.element_size() for t in model_tensors(m).values()))  # noqa: E731
-    out = {"params": float(sum(p.numel() for p in model.parameters())), "bf16": size(model)}
-    out["fp8"] = size(to_fp8(model))
-    return out
 
 
 @dataclass(frozen=True)

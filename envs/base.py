@@ -7,7 +7,7 @@ next observation (tool results, a user turn) instead.
 
 The RL loop reads an environment's optional capabilities from the class attributes and methods declared
 below with their defaults (``uses_sandbox``, ``group_level``/``score_group``, ``attach``, ``uses_tools``/
-``set_tool_format``, ``load_tasks``, ``generate_tasks``); a plug-in overrides only what it uses.
+``set_tool_format``, ``requires_answer``/``load_tasks``, ``generate_tasks``); a plug-in overrides only what it uses.
 """
 
 from __future__ import annotations
@@ -74,6 +74,9 @@ class Env(gymnasium.Env):
     #: ``reset()`` with no task and no task list draws a task from ``generate_tasks`` (seeded by reset's seed)
     #: when the class overrides it; False where generating is too slow for a reset.
     generate_on_reset: ClassVar[bool] = True
+    #: ``load_tasks`` rejects a record without a reference answer; False where the reward needs none (an answer
+    #: is then optional and defaults to "").
+    requires_answer: ClassVar[bool] = True
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -141,11 +144,12 @@ class Env(gymnasium.Env):
 
     @classmethod
     def load_tasks(cls, path: str | Path, *, columns: dict[str, str] | None = None) -> list[Task]:
-        """The tasks of a task file or dataset (``envs.tasks.load_tasks``); an environment with its own record
-        schema overrides this. ``columns`` maps the task fields to the dataset's column names."""
+        """The tasks of a task file or dataset (``envs.tasks.load_tasks``, an answer required as ``requires_answer``
+        says); an environment with its own record schema overrides this. ``columns`` maps the task fields to the
+        dataset's column names."""
         from envs.tasks import load_tasks
 
-        return load_tasks(path, columns=columns)
+        return load_tasks(path, require_answer=cls.requires_answer, columns=columns)
 
     @classmethod
     def generate_tasks(cls, n: int, seed: int) -> list[Task]:

@@ -26,15 +26,13 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from envs.base import Env, Task
+from envs.http_retry import BACKOFF_S, after, post_with_retries
 from envs.registry import register
 
 IDLE_S = 30.0  # a queue's collector thread ends after this long without items (the next item starts another)
-BACKOFF_S = 0.5
-RETRY_STATUS = frozenset({408, 429})
 
 
 class EndpointError(RuntimeError):
@@ -96,42 +94,30 @@ class _Batcher:
                     break
             self.pool.submit(self._send, batch)
 
-    def _post(self, body: bytes) -> tuple[dict[str, Any] | None, str | None, bool]:
-        """(reply, error, worth retrying) of one request."""
-        import httpx
-
+    def _post(self, body: bytes) -> tuple[dict[str, Any] | None, str | None, int]:
+        """(reply, error, attempts made) of one request, retried as ``envs.http_retry`` says."""
+        r, error, attempts = post_with_retries(self.url, timeout_s=self.timeout_s, retries=self.retries, content=body,
+                                               headers={"Content-Type": "application/json", **self.headers})
+        if r is None:
+            return None, error, attempts
         try:
-            r = httpx.post(self.url, content=body, timeout=self.timeout_s,
-                           headers={"Content-Type": "application/json", **self.headers})
-        except httpx.TimeoutException:
-            return None, f"no reply from {self.url} within {self.timeout_s:g} s", True
-        except httpx.HTTPError as e:
-            return None, f"cannot reach {self.url}: {type(e).__name__}: {e}", True
-        if r.status_code != 200:
-            retry = r.status_code in RETRY_STATUS or r.status_code >= 500
-            return None, f"{self.url} answered {r.status_code}: {r.text[:200]!r}", retry
-        try:
-            return r.json(), None, False
+            return r.json(), None, attempts
         except ValueError:
-            return None, f"{self.url} answered 200 but not JSON: {r.text[:200]!r}", False
+            return None, f"{self.url} answered 200 but not JSON: {r.text[:200]!r}", attempts
 
     def _send(self, batch: list[_Pending]) -> None:
         try:
             body = json.dumps({"items": [p.item for p in batch]}, default=str).encode()
             started = time.monotonic()
-            for attempt in range(self.retries + 1):
-                reply, error, retry = self._post(body)
-                if not retry or attempt == self.retries:
-                    break
-                time.sleep(BACKOFF_S * 2**attempt)
+            reply, error, attempts = self._post(body)
             if error is None:
                 error = _check_reply(reply, len(batch))
             measured = {"request_s": round(time.monotonic() - started, 4), "batch_items": len(batch),
-                        "attempts": attempt + 1}
+                        "attempts": attempts}
             for i, p in enumerate(batch):
                 p.measured = measured
                 if error is not None:
-                    p.fail(f"{error} (after {attempt + 1} attempt{'s' * bool(attempt)})")
+                    p.fail(after(error, attempts))
                     continue
                 _deliver(p, reply, i)
         except Exception as e:  # whatever went wrong, no episode may wait forever
@@ -181,6 +167,7 @@ class EndpointEnv(Env):
     """Single-turn: the reward comes from an HTTP endpoint (a reward model, a verifier), batched across episodes."""
 
     task_type = "endpoint"
+    requires_answer = False  # the endpoint decides what it needs of the task
 
     def __init__(self, tasks: list[Task] | None = None, *, url: str, timeout_s: float = 30.0, retries: int = 2,
                  batch_size: int = 16, max_wait_s: float = 0.02, headers: dict[str, str] | None = None,
@@ -193,13 +180,6 @@ class EndpointEnv(Env):
                              "concurrency >= 1")
         self.url, self.timeout_s, self.retries, self.max_wait_s = url, timeout_s, retries, max_wait_s
         self.batcher = batcher(url, timeout_s, retries, batch_size, max_wait_s, dict(headers or {}), concurrency)
-
-    @classmethod
-    def load_tasks(cls, path: str | Path, *, columns: dict[str, str] | None = None) -> list[Task]:
-        """Tasks of any source ``envs.tasks`` reads; a reference answer is optional."""
-        from envs.tasks import load_tasks
-
-        return load_tasks(path, require_answer=False, columns=columns)
 
     def score(self, task: Task, response: str) -> tuple[float, dict[str, Any]]:
         item = {"id": task.id, "prompt": task.prompt, "messages": task.messages, "response": response,

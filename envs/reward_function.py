@@ -190,6 +190,7 @@ class FunctionEnv(Env):
     """Single-turn: the reward is a Python function of the response (``function: "module:fn"`` or a file path)."""
 
     task_type = "function"
+    requires_answer = False  # the function decides what it needs of the task
 
     def __init__(self, tasks: list[Task] | None = None, *, function: str | Callable[..., Any]) -> None:
         super().__init__(tasks)
@@ -201,13 +202,6 @@ class FunctionEnv(Env):
                                       f"{'a group' if other == 'group_function' else 'one response'}: use the "
                                       f"environment {other!r}")
         _check_signature(self.function, self.function_name, GROUP_ARGUMENTS if self.group_level else SAMPLE_NAMES)
-
-    @classmethod
-    def load_tasks(cls, path: str | Path, *, columns: dict[str, str] | None = None) -> list[Task]:
-        """Tasks of any source ``envs.tasks`` reads; a reference answer is optional."""
-        from envs.tasks import load_tasks
-
-        return load_tasks(path, require_answer=False, columns=columns)
 
     def score(self, task: Task, response: str) -> tuple[float, dict[str, Any]]:
         return as_reward(_call(self.function, _sample_values(task, response)),

@@ -15,15 +15,14 @@ from __future__ import annotations
 import os
 import re
 import time
-from pathlib import Path
 from typing import Any
 
 from envs.base import Env, Task
+from envs.http_retry import after, post_with_retries
 from envs.registry import register
 
 DEFAULT_RUBRIC = ("Is the response a correct, complete and clear answer to the prompt? When a reference answer is "
                   "given, a response whose final answer disagrees with it is wrong, however well argued.")
-BACKOFF_S = 0.5
 _SCORE = re.compile(r"\bscore\b[\s*_`\"'\]]*(?:is\s+)?[\s*_`\"':=\[]*(-?\d+(?:\.\d+)?)"
                     r"(?:\s*(?:/|out\s+of)\s*(\d+(?:\.\d+)?))?", re.IGNORECASE)
 
@@ -57,6 +56,7 @@ class JudgeEnv(Env):
     """Single-turn: an LLM judge served over an OpenAI-compatible API scores the response against a rubric."""
 
     task_type = "judge"
+    requires_answer = False  # the judge grades against the rubric; a reference answer, when given, goes with it
 
     def __init__(self, tasks: list[Task] | None = None, *, base_url: str, model: str, rubric: str = DEFAULT_RUBRIC,
                  scale: int = 10, api_key: str | None = None, max_tokens: int = 512, temperature: float = 0.0,
@@ -72,40 +72,18 @@ class JudgeEnv(Env):
         key = api_key or os.environ.get("OPENAI_API_KEY")
         self.headers = {"Authorization": f"Bearer {key}"} if key else {}
 
-    @classmethod
-    def load_tasks(cls, path: str | Path, *, columns: dict[str, str] | None = None) -> list[Task]:
-        """Tasks of any source ``envs.tasks`` reads; a reference answer is optional."""
-        from envs.tasks import load_tasks
-
-        return load_tasks(path, require_answer=False, columns=columns)
-
     def ask(self, prompt: str) -> str:
         """The judge's reply to ``prompt`` (one user message), with retries; JudgeError when there is none."""
-        import httpx
-
         body = {"model": self.model, "messages": [{"role": "user", "content": prompt}],
                 "max_tokens": self.max_tokens, "temperature": self.temperature}
-        error = ""
-        for attempt in range(self.retries + 1):
-            if attempt:
-                time.sleep(BACKOFF_S * 2 ** (attempt - 1))
-            try:
-                r = httpx.post(self.url, json=body, headers=self.headers, timeout=self.timeout_s)
-            except httpx.TimeoutException:
-                error = f"no reply from {self.url} within {self.timeout_s:g} s"
-                continue
-            except httpx.HTTPError as e:
-                error = f"cannot reach {self.url}: {type(e).__name__}: {e}"
-                continue
-            if r.status_code == 200:
-                try:
-                    return str(r.json()["choices"][0]["message"]["content"] or "")
-                except (ValueError, KeyError, IndexError, TypeError):
-                    raise JudgeError(f"{self.url} answered 200 but not a chat completion: {r.text[:200]!r}") from None
-            error = f"{self.url} answered {r.status_code}: {r.text[:200]!r}"
-            if r.status_code not in (408, 429) and r.status_code < 500:
-                break
-        raise JudgeError(f"{error} (after {attempt + 1} attempt{'s' * bool(attempt)})")
+        r, error, attempts = post_with_retries(self.url, timeout_s=self.timeout_s, retries=self.retries, json=body,
+                                               headers=self.headers)
+        if r is None:
+            raise JudgeError(after(error, attempts))
+        try:
+            return str(r.json()["choices"][0]["message"]["content"] or "")
+        except (ValueError, KeyError, IndexError, TypeError):
+            raise JudgeError(f"{self.url} answered 200 but not a chat completion: {r.text[:200]!r}") from None
 
     def score(self, task: Task, response: str) -> tuple[float, dict[str, Any]]:
         t0 = time.monotonic()

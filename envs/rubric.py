@@ -184,7 +184,7 @@ def win_rate(n: int, outcomes: Iterable[Outcome]) -> np.ndarray:
     return np.where(games > 0, wins / np.maximum(games, 1), 0.5)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class PairJudgment:
     """One critic call: responses ``a`` and ``b`` shown as A and B (``i < j`` is the canonical pair)."""
 
@@ -214,7 +214,7 @@ class PairJudgment:
         return 0.5 if self.verdict == "tie" else float(self.winner == self.i)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Judgments:
     """The critic's pairwise judgments of one prompt's K responses and the rewards from them."""
 
@@ -284,7 +284,7 @@ class PairwiseCritic:
         if len(outputs) != len(critic_prompts):
             raise ValueError(f"generate returned {len(outputs)} outputs for {len(critic_prompts)} prompts")
         it = iter(outputs)
-        return [self._aggregate(n, [PairJudgment(i, j, a, b, cp, out, parse_verdict(out))
+        return [self._aggregate(n, [PairJudgment(i=i, j=j, a=a, b=b, prompt=cp, output=out, verdict=parse_verdict(out))
                                     for (i, j, a, b, cp), out in zip(shown, it, strict=False)]) for n, shown in plans]
 
     def _aggregate(self, n: int, pairs: list[PairJudgment]) -> Judgments:
@@ -297,7 +297,7 @@ class PairwiseCritic:
             rewards = win_rate(n, outcomes)
         info = {"pairs": len(pairs), "unparseable": sum(p.verdict is None for p in pairs),
                 "ties": sum(p.verdict == "tie" for p in pairs), "shown_swapped": sum(p.swapped for p in pairs)}
-        return Judgments(n, pairs, rewards, self.aggregate, strengths, info)
+        return Judgments(n=n, pairs=pairs, rewards=rewards, aggregate=self.aggregate, strengths=strengths, info=info)
 
 
 def _labelled(judgments: Judgments | Sequence[Judgments], verifiable_rewards: Sequence[Any]):
@@ -343,6 +343,7 @@ class RubricEnv(Env):
 
     task_type = "rubric"
     group_level = True
+    requires_answer = False  # prompts, with optional reference answers and ``meta.rubrics``
 
     def __init__(self, tasks: list[Task] | None = None, *, generate: Callable[[list[str]], list[str]] | None = None,
                  rubrics: Sequence[str] = ("core", "prescriptive"), pairs_per_prompt: int | None = None,
@@ -354,13 +355,6 @@ class RubricEnv(Env):
         self.critic: PairwiseCritic | None = None
         if generate is not None:
             self.attach(generate)
-
-    @classmethod
-    def load_tasks(cls, path: str | Path, *, columns: dict[str, str] | None = None) -> list[Task]:
-        """Prompts, with optional reference answers and ``meta.rubrics`` (``envs.tasks.load_tasks``)."""
-        from envs.tasks import load_tasks
-
-        return load_tasks(path, require_answer=False, columns=columns)
 
     def attach(self, generate: Callable[[list[str]], list[str]]) -> PairwiseCritic:
         """Use ``generate`` as the critic (typically the policy on the shared inference engine)."""

@@ -47,7 +47,7 @@ _ADDRESS = re.compile(r"0?x[0-9a-f]{8,}")  # pytest may cut a repr to "...x7f3a.
 _GITHUB = re.compile(r"github\.com/([\w.-]+/[\w.-]+?)(?:\.git)?/?$")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Candidate:
     """One possible mutation: a node (by ``ast.walk`` index) of a file, and what to do to it."""
 
@@ -91,8 +91,8 @@ class Mutator:
                     if id(node) in seen:  # nested functions: count a node once, under its innermost function
                         continue
                     seen.add(id(node))
-                    out.extend(Candidate(self.path, index[id(node)], kind, arg, fn.name, node.lineno)
-                               for kind, arg in _kinds(node))
+                    out.extend(Candidate(path=self.path, node=index[id(node)], kind=kind, arg=arg, function=fn.name,
+                                         line=node.lineno) for kind, arg in _kinds(node))
         return out
 
     def apply(self, cand: Candidate) -> str | None:

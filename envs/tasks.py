@@ -162,7 +162,7 @@ def record_to_task(where: str, n: int, rec: dict[str, Any], stem: str, require_a
         task_id = f"{stem}-{n}"
     elif not isinstance(task_id, (str, int)) or isinstance(task_id, bool):
         raise TaskFileError(f"{where}: {_column('id', origin)} must be a string or an integer")
-    return Task(str(task_id), prompt, answer, _meta_of(where, rec), messages)
+    return Task(str(task_id), prompt, answer, meta=_meta_of(where, rec), messages=messages)
 
 
 def _messages_of(where: str, messages: Any, name: str = "'messages'") -> list[dict[str, Any]] | None:

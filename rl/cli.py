@@ -241,7 +241,8 @@ def _cmd_filter(args: argparse.Namespace) -> None:
 def _cmd_launch(args: argparse.Namespace) -> None:
     from rl.launch import LaunchOptions, launch
 
-    out = launch(args.k8s, LaunchOptions(args.values, args.set, args.name, args.namespace, args.dry_run, args.replace))
+    out = launch(args.k8s, LaunchOptions(values=args.values, sets=args.set, name=args.name, namespace=args.namespace,
+                                         dry_run=args.dry_run, replace=args.replace))
     print(out, end="")
 
 

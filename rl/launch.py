@@ -27,7 +27,6 @@ COMPONENT_LABEL = "app.kubernetes.io/component"
 RAYJOB = ("ray.io", "v1", "rayjobs")
 MAX_NAME = 40  # KubeRay appends suffixes to the RayJob's name for its cluster and Services
 _DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
-TERMINAL_JOB = ("SUCCEEDED", "FAILED", "STOPPED")
 TERMINAL_DEPLOYMENT = ("Complete", "Failed")
 
 
@@ -202,7 +201,7 @@ def helm_command(config: Path, release: str, *, namespace: str | None = None, va
     return cmd
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class LaunchOptions:
     """What ``rl launch`` is asked besides the run config: values files and ``--set`` overrides of the chart, the
     release's name and namespace, a dry run (print the manifests), whether to replace a run of the same name."""

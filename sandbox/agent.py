@@ -393,7 +393,7 @@ class AgentClient:
              cancel: threading.Event | None = None) -> ExecResult:
         """Run a command; ``cancel`` set → /cancel, and the agent's CANCELLED result (or one made up if it is slow)."""
         if cancel is not None and cancel.is_set():
-            return ExecResult(Verdict.CANCELLED, None, detail="cancelled before it started")
+            return ExecResult(verdict=Verdict.CANCELLED, exit_code=None, detail="cancelled before it started")
         exec_id = uuid.uuid4().hex
         body = {"argv": list(argv), "stdin": b64(stdin), "env": dict(env or {}), "limits": limits_to_json(limits),
                 "exec_id": exec_id}
@@ -421,7 +421,8 @@ class AgentClient:
             return box["result"]
         if "error" in box:
             raise box["error"]
-        return ExecResult(Verdict.CANCELLED, None, detail="cancelled; the agent did not confirm the kill in time")
+        return ExecResult(verdict=Verdict.CANCELLED, exit_code=None,
+                          detail="cancelled; the agent did not confirm the kill in time")
 
     def _exec_once(self, body: dict[str, Any], timeout: float) -> ExecResult:
         try:
@@ -429,7 +430,7 @@ class AgentClient:
         except AgentUnreachable as e:
             if not e.timed_out:
                 raise
-            return ExecResult(Verdict.ERROR, None, detail=f"no answer within {timeout:g} s: {e}")
+            return ExecResult(verdict=Verdict.ERROR, exit_code=None, detail=f"no answer within {timeout:g} s: {e}")
 
     def _cancel(self, exec_id: str, done: threading.Event) -> None:
         """Ask the agent to kill ``exec_id``, again while the exec request may not have reached it yet."""

@@ -88,7 +88,7 @@ class CancelEvent(threading.Event):
         return remove
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ExecResult:
     """The outcome of one command."""
 

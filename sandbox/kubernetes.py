@@ -39,7 +39,7 @@ _SA_NAMESPACE_FILE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
 WATCH_CHUNK_S = 15  # a start's watch is renewed (from its last resourceVersion) this often, to notice close()
 
 
-@dataclass
+@dataclass(kw_only=True)
 class _Pod:
     """A started pod whose agent answered (times are Unix times)."""
 
@@ -327,7 +327,8 @@ class KubernetesBackend:
                     else "INVALID_ARGUMENT" if e.status == 422 else "UNAVAILABLE")
             raise SandboxError(f"creating pod {self.namespace}/{name}: HTTP {e.status} {e.reason}: {body[:500]}",
                                code) from None
-        pod = _Pod(name, sid, image, "", token, now, now + self.ttl_s)
+        pod = _Pod(name=name, session_id=sid, image=image, ip="", token=token, created_at=now,
+                   expires_at=now + self.ttl_s)
         deadline = time.monotonic() + self.ready_timeout_s
         try:
             pod.ip = self._wait_running(name, created.metadata.resource_version, deadline)

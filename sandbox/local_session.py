@@ -139,7 +139,7 @@ class LocalSession:
                                   rlimits="none", scan_dirs=self._scan, pass_fds=fds[:-1],
                                   on_start=lambda pid: self._start(pid, limits, options, fds))
             except _StartFailed as e:
-                res = ExecResult(Verdict.ERROR, None, detail=f"sandbox failed: {e}")
+                res = ExecResult(verdict=Verdict.ERROR, exit_code=None, detail=f"sandbox failed: {e}")
             if self.cgroup is not None:
                 self.cgroup.wait_empty()
             elif self.backend.as_root:

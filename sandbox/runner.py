@@ -358,8 +358,9 @@ def run_command(argv: list[str], limits: Limits, *, cwd: str, env: dict[str, str
     except OSError as e:
         code = {errno.ENOENT: 127, errno.EACCES: 126, errno.ENOEXEC: 126}.get(e.errno or 0)
         if code is None:
-            return ExecResult(Verdict.ERROR, None, detail=f"could not start {argv[0]!r}: {e}")
-        return ExecResult(Verdict.FAILED, code, stderr=str(e).encode(), detail=f"could not start {argv[0]!r}: {e}")
+            return ExecResult(verdict=Verdict.ERROR, exit_code=None, detail=f"could not start {argv[0]!r}: {e}")
+        return ExecResult(verdict=Verdict.FAILED, exit_code=code, stderr=str(e).encode(),
+                          detail=f"could not start {argv[0]!r}: {e}")
     run = _Run(proc, limits, stdin, cancel)
     try:
         if on_start is not None:
@@ -389,5 +390,6 @@ def run_command(argv: list[str], limits: Limits, *, cwd: str, env: dict[str, str
         verdict, detail = Verdict.OUTPUT_LIMIT, f"{run.reason} went over {limits.output_bytes} bytes"
     else:
         verdict, detail = classify(exit_code, sig, limits, stderr, cpu_s, scan_dirs)
-    return ExecResult(verdict, exit_code, sig, stdout, stderr, run.truncated["stdout"], run.truncated["stderr"],
-                      wall_s, cpu_s, detail)
+    return ExecResult(verdict=verdict, exit_code=exit_code, signal=sig, stdout=stdout, stderr=stderr,
+                      stdout_truncated=run.truncated["stdout"], stderr_truncated=run.truncated["stderr"], wall_s=wall_s,
+                      cpu_s=cpu_s, detail=detail)

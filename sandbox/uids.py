@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import logging
 import os
 import signal
 import subprocess
@@ -19,7 +18,6 @@ import tempfile
 import time
 from pathlib import Path
 
-log = logging.getLogger(__name__)
 LOCK_DIR = Path(tempfile.gettempdir()) / "rl-sandbox-uids"
 
 # Run as the uid itself: keyctl(KEYCTL_CLEAR) of its user and user-session keyrings, which outlive its processes.

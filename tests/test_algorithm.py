@@ -23,8 +23,9 @@ def settings(tau: float = 1.0, minibatches: int = 1, token_budget: int = 4096, m
              drop_equal_groups: bool = True, recompute_old: bool = False, correction=None,
              objective: Objective | None = None) -> UpdateSettings:
     """An update's settings as a run resolves them (``rl.settings.UpdateSettings``)."""
-    return UpdateSettings(objective or Objective("k15", tau=tau), minibatches, token_budget, max_items,
-                          drop_equal_groups, recompute_old or correction is not None, correction, 0.0)
+    return UpdateSettings(objective=objective or Objective("k15", tau=tau), minibatches=minibatches,
+                          micro_batch_tokens=token_budget, micro_batch=max_items, drop_equal_groups=drop_equal_groups,
+                          recompute_old=recompute_old or correction is not None, correction=correction, ptx_coef=0.0)
 
 
 def backward(engine, samples, s: UpdateSettings, world: int = 1) -> float:
@@ -55,13 +56,14 @@ def _reference_loss(model, samples, tau):
         mean_r = sum(s.reward for s in members) / len(members)
         terms = []
         for s in members:
-            ids = torch.tensor([s.prompt_ids + s.response_ids])
+            ids = torch.tensor([s.prompt_ids.tolist() + s.response_ids.tolist()])
             valid = torch.ones_like(ids, dtype=torch.bool)
             logits = model(ids, positions_from_valid(valid), padded_causal_mask(valid))[0]
             logp = F.log_softmax(logits.float() / s.temperature, dim=-1)
-            mask = s.loss_mask or [1] * len(s.response_ids)  # multi-turn: only the model's own tokens count
-            new = sum(logp[len(s.prompt_ids) - 1 + t, tok] for t, tok in enumerate(s.response_ids) if mask[t])
-            ratio = new - sum(lp for lp, m in zip(s.logprobs, mask, strict=True) if m)
+            # multi-turn: only the model's own tokens count
+            mask = [1] * len(s.response_ids) if s.loss_mask is None else s.loss_mask.tolist()
+            new = sum(logp[len(s.prompt_ids) - 1 + t, tok] for t, tok in enumerate(s.response_ids.tolist()) if mask[t])
+            ratio = new - sum(lp for lp, m in zip(s.logprobs.tolist(), mask, strict=True) if m)
             terms.append((s.reward - mean_r - tau * ratio) ** 2)
         per_prompt.append(sum(terms) / len(terms))
     return sum(per_prompt) / len(per_prompt)
@@ -275,15 +277,15 @@ def test_update_reports_health_diagnostics_against_independent_sums(tiny_model, 
     adv = group_advantages(samples)
     with torch.no_grad():
         for s, a in zip(samples, adv, strict=True):
-            ids = torch.tensor([s.prompt_ids + s.response_ids])
+            ids = torch.tensor([s.prompt_ids.tolist() + s.response_ids.tolist()])
             valid = torch.ones_like(ids, dtype=torch.bool)
             logp = F.log_softmax(model(ids, positions_from_valid(valid), padded_causal_mask(valid))[0].float()
                                  / s.temperature, -1)
             rows = [logp[len(s.prompt_ids) - 1 + t] for t in range(len(s.response_ids))]
-            new = [float(r[tok]) for r, tok in zip(rows, s.response_ids, strict=True)]
-            diffs += [abs(n - o) for n, o in zip(new, s.logprobs, strict=True)]
+            new = [float(r[tok]) for r, tok in zip(rows, s.response_ids.tolist(), strict=True)]
+            diffs += [abs(n - o) for n, o in zip(new, s.logprobs.tolist(), strict=True)]
             entropies += [float(-(r.exp() * r).sum()) for r in rows]
-            residuals.append(a - (sum(new) - sum(s.logprobs)))
+            residuals.append(a - (sum(new) - sum(s.logprobs.tolist())))
     before = _snapshot(model)
     engine = TrainingEngine(model, build_optimizers(model, "muon", 1e-2, 0.0), tokenizer.pad_id)
     (step,) = update(engine, samples, settings())

@@ -165,7 +165,20 @@ def test_rubric_step_compares_with_the_reference_reproducibly():
     assert seen[0] == seen[1] and seen[0]["verdict"] in ("A", "B", "tie")
 
 
-def test_rubric_tasks_need_no_answer(tmp_path):
+def test_environments_that_need_no_answer_load_tasks_without_one(tmp_path):
+    """``requires_answer = False`` (the rubric, a reward function, an endpoint, a judge, a plug-in) makes the answer
+    optional; an environment that declares nothing still rejects a record without one."""
+    from envs.reward_endpoint import EndpointEnv
+    from envs.reward_function import FunctionEnv, GroupFunctionEnv
+    from envs.reward_judge import JudgeEnv
+    from envs.tasks import TaskFileError
+
+    class Open(Env):
+        requires_answer = False
+
     path = tmp_path / "r.jsonl"
     path.write_text(json.dumps({"prompt": "Write a haiku."}) + "\n")
-    assert RubricEnv.load_tasks(path)[0].answer == ""
+    for cls in (RubricEnv, FunctionEnv, GroupFunctionEnv, EndpointEnv, JudgeEnv, Open):
+        assert [(t.prompt, t.answer) for t in cls.load_tasks(path)] == [("Write a haiku.", "")], cls
+    with pytest.raises(TaskFileError, match="answer"):
+        Env.load_tasks(path)

@@ -26,7 +26,8 @@ def surrogate_backward(engine, samples, advantages, weights, objective, *, total
     per-response weights (a rank's batch made by hand; ``refs``: the reference policy's per-token log-probs, by
     sample); returns the loss."""
     plan = plan_micro_batches([len(s.prompt_ids) + len(s.response_ids) for s in samples], token_budget)[0]
-    batch = RankBatch(list(samples), list(advantages), list(weights), [plan], [len(plan)], [total_tokens])
+    batch = RankBatch(samples=list(samples), advantages=list(advantages), weights=list(weights), steps=[plan],
+                      passes=[len(plan)], tokens=[total_tokens])
     steps = to_device(engine, batch)
     for micro in steps[0]:
         if refs is not None:
@@ -40,11 +41,11 @@ def surrogate_backward(engine, samples, advantages, weights, objective, *, total
 
 def _token_logprobs(model, s: Sample) -> list[torch.Tensor]:
     """log π_θ of each response token, the sequence alone, at its sampling temperature."""
-    ids = torch.tensor([s.prompt_ids + s.response_ids])
+    ids = torch.tensor([s.prompt_ids.tolist() + s.response_ids.tolist()])
     valid = torch.ones_like(ids, dtype=torch.bool)
     logp = F.log_softmax(model(ids, positions_from_valid(valid), padded_causal_mask(valid))[0].float()
                          / s.temperature, dim=-1)
-    return [logp[len(s.prompt_ids) - 1 + t, tok] for t, tok in enumerate(s.response_ids)]
+    return [logp[len(s.prompt_ids) - 1 + t, tok] for t, tok in enumerate(s.response_ids.tolist())]
 
 
 def _reference(model, samples, kind: str, eps_low: float, eps_high: float, beta: float = 0.0,
@@ -62,10 +63,10 @@ def _reference(model, samples, kind: str, eps_low: float, eps_high: float, beta:
         per_sample = []
         for s in members:
             adv = (s.reward - mean) / (std + 1e-6)
-            mask = s.loss_mask or [1] * len(s.response_ids)
+            mask = [1] * len(s.response_ids) if s.loss_mask is None else s.loss_mask.tolist()
             terms = []
             ref_row = (refs or {}).get(s.key) or [0.0] * len(s.response_ids)
-            for new, old, ref, m in zip(_token_logprobs(model, s), s.logprobs, ref_row, mask, strict=True):
+            for new, old, ref, m in zip(_token_logprobs(model, s), s.logprobs.tolist(), ref_row, mask, strict=True):
                 if m:
                     ratio = torch.exp(new - old)
                     term = torch.minimum(ratio * adv, ratio.clamp(1 - eps_low, 1 + eps_high) * adv)
@@ -115,7 +116,7 @@ def test_surrogate_loss_and_gradient_match_the_formula(tiny_model, tokenizer, ki
     engine = TrainingEngine(tiny_model, [], tokenizer.pad_id)
     sizes = {g: sum(s.group == g for s in samples) for g in {s.group for s in samples}}
     weights = [1 / (sizes[s.group] * len(sizes)) if kind == "grpo" else 1.0 for s in samples]
-    own = sum(sum(s.loss_mask) if s.loss_mask else len(s.response_ids) for s in samples)
+    own = sum(len(s.response_ids) if s.loss_mask is None else int(s.loss_mask.sum()) for s in samples)
     loss = surrogate_backward(engine, samples, normalized_advantages(samples), weights, objective, total_tokens=own,
                               token_budget=20, refs=[refs[s.key] for s in samples] if refs else None)
     assert abs(loss - ref.item()) < 1e-5 * max(1.0, abs(ref.item()))

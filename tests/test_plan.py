@@ -1,10 +1,12 @@
 """The 1T-parameter planner: calibrated on published runs, memory per GPU, its table and CLI."""
 
+import dataclasses
 import json
 import subprocess
 import sys
 
 import pytest
+import torch
 
 from checkpoint_engine.cost_model import (
     GPUS,
@@ -19,10 +21,12 @@ from checkpoint_engine.cost_model import (
     k2_arch,
     k2_calibration,
     memory,
-    model_bytes,
     predict,
 )
 from checkpoint_engine.cost_model import plan as plan_with
+from engines.model.causal_lm import build_model
+from engines.model.fp8 import to_fp8
+from engines.model.layout import model_tensors
 from rl.setup.update_cost import k2_footprint, main, run_config
 
 
@@ -44,12 +48,22 @@ def test_k2_calibration_predicts_every_published_run_within_20_percent():
 
 def test_calibration_recovers_rate_and_hop():
     truth = Calibration(70.0, 2e-4, "truth")
-    runs = [Run("m", b, w, 16, "H20", bucket, 0.0) for b, w, bucket in ((1e12, 16, 4), (1e12, 256, 8), (5e11, 64, 2))]
-    runs = [Run(r.model, r.nbytes, r.gpus, r.tp, r.gpu, r.bucket_gib, r.predicted(truth).total_s) for r in runs]
+    runs = [Run(model="m", nbytes=b, gpus=w, tp=16, gpu="H20", bucket_gib=bucket, seconds=0.0)
+            for b, w, bucket in ((1e12, 16, 4), (1e12, 256, 8), (5e11, 64, 2))]
+    runs = [dataclasses.replace(r, seconds=r.predicted(truth).total_s) for r in runs]
     cal = calibrate(runs)
     assert cal.rate_gbps == pytest.approx(70.0, rel=1e-6) and cal.hop_s == pytest.approx(2e-4, rel=1e-6)
     with pytest.raises(ValueError, match="at least two"):
         calibrate(runs[:1])
+
+
+def model_bytes(arch) -> dict[str, float]:
+    """Parameters, and the bytes of a bf16 replica and of a block-FP8 one (``engines.model.fp8``), from shapes."""
+    model = build_model(arch, device="meta", dtype=torch.bfloat16)
+    size = lambda m: float(sum(t.numel() * t.element_size() for t in model_tensors(m).values()))  # noqa: E731
+    out = {"params": float(sum(p.numel() for p in model.parameters())), "bf16": size(model)}
+    out["fp8"] = size(to_fp8(model))
+    return out
 
 
 def test_k2_bytes_are_its_architectures():

@@ -246,9 +246,10 @@ def test_pair_subsets_cover_every_response():
 
 def _judgments(verdicts):
     """Hand-built judgments of 3 responses: pairs (0,1), (0,2), (1,2) with the given (swapped, verdict)."""
-    pairs = [PairJudgment(i, j, *((j, i) if sw else (i, j)), f"cp{i}{j}", f"out{i}{j}", v)
+    pairs = [PairJudgment(i=i, j=j, a=j if sw else i, b=i if sw else j, prompt=f"cp{i}{j}", output=f"out{i}{j}",
+                          verdict=v)
              for (i, j), (sw, v) in zip(itertools.combinations(range(3), 2), verdicts, strict=True)]
-    return Judgments(3, pairs, np.zeros(3), "win_rate")
+    return Judgments(n=3, pairs=pairs, rewards=np.zeros(3), aggregate="win_rate")
 
 
 def test_critic_agreement_and_training_samples():

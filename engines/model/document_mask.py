@@ -16,7 +16,7 @@ import torch
 FLEX_BLOCK = 128
 
 
-@dataclass
+@dataclass(kw_only=True)
 class DocumentMask:
     """Which (query, key) pairs of packed rows may attend: same document, key not after the query and,
     with ``window``, less than ``window`` positions behind it. ``doc`` is -1 on filler tokens."""
@@ -40,7 +40,8 @@ class DocumentMask:
         """The same packing limited to a sliding window (shares the cached masks of this packing)."""
         if window == self.window:
             return self
-        return DocumentMask(self.doc, self.positions, self.backend, window, self._cache)
+        return DocumentMask(doc=self.doc, positions=self.positions, backend=self.backend, window=window,
+                            _cache=self._cache)
 
     def dense(self) -> torch.Tensor:
         """Boolean [R, 1, W, W] (True = may attend); filler rows keep their own diagonal so softmax
@@ -79,4 +80,4 @@ class DocumentMask:
     def from_padded(cls, valid: torch.Tensor, backend: str = "sdpa") -> DocumentMask:
         """One document per row of a right-padded batch (``valid`` [B, T]); padding is filler."""
         doc = torch.where(valid, torch.arange(valid.shape[0], device=valid.device)[:, None], -1)
-        return cls(doc, (valid.long().cumsum(-1) - 1).clamp(min=0), backend)
+        return cls(doc=doc, positions=(valid.long().cumsum(-1) - 1).clamp(min=0), backend=backend)

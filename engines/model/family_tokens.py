@@ -53,7 +53,3 @@ STYLES: dict[str, TokenStyle] = {
                          LLAMA3_TEMPLATE),
     "mistral": TokenStyle("</s>", None, ("<s>", "[INST]", "[/INST]"), MISTRAL_TEMPLATE),
 }
-
-#: the style each family's released models use
-FAMILY_STYLE = {"llama": "llama3", "qwen2": "chatml", "qwen3": "chatml", "qwen3_moe": "chatml",
-                "mistral": "mistral", "mixtral": "mistral", "deepseek_v3": "k2", "kimi_k2": "k2"}

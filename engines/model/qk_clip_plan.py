@@ -38,7 +38,7 @@ QUERY_NORMS = ("q_norm", "q_layernorm", "query_layernorm")
 KEY_NORMS = ("k_norm", "k_layernorm", "key_layernorm")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class HeadRows:
     """Rows [first + h·stride, first + h·stride + rows) of ``owner.<name>`` belong to head h; QK-Clip multiplies
     them by γ_h ** power."""
@@ -57,7 +57,7 @@ class HeadRows:
                    {(lo(h), lo(h) + self.rows): g ** self.power for h, g in gammas.items()})
 
 
-@dataclass
+@dataclass(kw_only=True)
 class QKClipRule:
     """What QK-Clip does to one decoder layer: scale ``targets`` per head, or nothing, for ``reason``."""
 
@@ -105,9 +105,9 @@ def _mixer_name(layer: nn.Module) -> str:
 
 
 def _rows(lin: nn.Linear, first: int, rows: int, stride: int, power: float) -> list[HeadRows]:
-    out = [HeadRows(lin, "weight", first, rows, stride, power)]
+    out = [HeadRows(owner=lin, name="weight", first=first, rows=rows, stride=stride, power=power)]
     if lin.bias is not None:
-        out.append(HeadRows(lin, "bias", first, rows, stride, power))
+        out.append(HeadRows(owner=lin, name="bias", first=first, rows=rows, stride=stride, power=power))
     return out
 
 
@@ -121,12 +121,13 @@ def rule_for(index: int, layer: nn.Module, hf_config) -> QKClipRule:
     heads = hf_config.num_attention_heads
     if attn is None:
         mixer = _mixer_name(layer)
-        return QKClipRule(index, None, heads, "no_softmax_attention",
+        return QKClipRule(layer=index, module=None, num_heads=heads, layout="no_softmax_attention",
                           reason=f"{mixer}: no softmax attention in this layer, so no attention logits to clip")
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
     if isinstance(getattr(attn, "sinks", None), torch.Tensor):
-        return QKClipRule(index, attn, heads, "sinks", reason="attention sinks: a learned per-head logit that "
-                          "scaling W_q would not scale, so clipping would move attention mass onto the sink")
+        return QKClipRule(layer=index, module=attn, num_heads=heads, layout="sinks",
+                          reason="attention sinks: a learned per-head logit that scaling W_q would not scale, so "
+                          "clipping would move attention mass onto the sink")
     if _linear(attn, "kv_b_proj") is not None:
         return _mla_rule(index, attn, heads, hf_config)
     hd = getattr(attn, "head_dim", None) or getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
@@ -137,36 +138,40 @@ def rule_for(index: int, layer: nn.Module, hf_config) -> QKClipRule:
         k_gain = getattr(k_norm, "weight", None)
         if q_gain is not None and q_gain.numel() == heads * hd and (not mha or (
                 k_gain is not None and k_gain.numel() == kv_heads * hd)):
-            targets = [HeadRows(q_norm, "weight", 0, hd, hd, 0.5 if mha else 1.0)]
+            targets = [HeadRows(owner=q_norm, name="weight", first=0, rows=hd, stride=hd, power=0.5 if mha else 1.0)]
             if mha:
-                targets.append(HeadRows(k_norm, "weight", 0, hd, hd, 0.5))
-            return QKClipRule(index, attn, heads, "norm_gain", tuple(targets))
-        return QKClipRule(index, attn, heads, "qk_norm", reason="q/k RMSNorm after the projection undoes any "
-                          "scaling of W_q/W_k, and its gain is shared by all heads, so no weight scales one head: "
-                          "not clipped (the norm's gains bound the logits)")
+                targets.append(HeadRows(owner=k_norm, name="weight", first=0, rows=hd, stride=hd, power=0.5))
+            return QKClipRule(layer=index, module=attn, num_heads=heads, layout="norm_gain", targets=tuple(targets))
+        return QKClipRule(layer=index, module=attn, num_heads=heads, layout="qk_norm",
+                          reason="q/k RMSNorm after the projection undoes any scaling of W_q/W_k, and its gain is "
+                          "shared by all heads, so no weight scales one head: not clipped (the norm's gains bound the "
+                          "logits)")
     power = 0.5 if mha else 1.0
     fused = _linear(attn, "qkv_proj")
     if fused is not None:  # rows: every query head, then every key head, then the values
         targets = _rows(fused, 0, hd, hd, power) + (_rows(fused, heads * hd, hd, hd, 0.5) if mha else [])
-        return QKClipRule(index, attn, heads, "mha" if mha else "gqa", tuple(targets))
+        return QKClipRule(layer=index, module=attn, num_heads=heads, layout="mha" if mha else "gqa",
+                          targets=tuple(targets))
     q, k = _linear(attn, "q_proj"), _linear(attn, "k_proj")
     if k is None:
-        return QKClipRule(index, attn, heads, "unknown", reason=f"{type(attn).__name__}: no k_proj beside q_proj")
+        return QKClipRule(layer=index, module=attn, num_heads=heads, layout="unknown",
+                          reason=f"{type(attn).__name__}: no k_proj beside q_proj")
     stride = q.out_features // heads  # 2·hd where each head's query rows are followed by its output gate (Qwen3-Next)
     if stride not in (hd, 2 * hd):
-        return QKClipRule(index, attn, heads, "unknown",
+        return QKClipRule(layer=index, module=attn, num_heads=heads, layout="unknown",
                           reason=f"{type(attn).__name__}: q_proj has {q.out_features} rows for {heads} heads of {hd}")
     targets = _rows(q, 0, hd, stride, power) + (_rows(k, 0, hd, hd, 0.5) if mha else [])
-    return QKClipRule(index, attn, heads, "mha" if mha else "gqa", tuple(targets))
+    return QKClipRule(layer=index, module=attn, num_heads=heads, layout="mha" if mha else "gqa", targets=tuple(targets))
 
 
 def _mla_rule(index: int, attn: nn.Module, heads: int, hf_config) -> QKClipRule:
     nope, rope, v = hf_config.qk_nope_head_dim, hf_config.qk_rope_head_dim, hf_config.v_head_dim
     qk = nope + rope
     q = _linear(attn, "q_b_proj") or _linear(attn, "q_proj")
-    targets = (HeadRows(q, "weight", 0, nope, qk, 0.5), HeadRows(q, "weight", nope, rope, qk, 1.0),
-               HeadRows(attn.kv_b_proj, "weight", 0, nope, nope + v, 0.5))
-    return QKClipRule(index, attn, heads, "mla", targets)
+    targets = (HeadRows(owner=q, name="weight", first=0, rows=nope, stride=qk, power=0.5),
+               HeadRows(owner=q, name="weight", first=nope, rows=rope, stride=qk, power=1.0),
+               HeadRows(owner=attn.kv_b_proj, name="weight", first=0, rows=nope, stride=nope + v, power=0.5))
+    return QKClipRule(layer=index, module=attn, num_heads=heads, layout="mla", targets=targets)
 
 
 def qk_clip_plan(layers: list[nn.Module], hf_config) -> list[QKClipRule]:

@@ -8,12 +8,23 @@ parameters through these helpers, so they work the same on a plain tensor and on
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 
 class UnsupportedShardingError(ValueError, NotImplementedError):
     """A DTensor layout other than rows split over a 1-D mesh (``Shard(0)``) or replication."""
+
+
+def world_size() -> int:
+    """Ranks in the default process group; 1 when torch.distributed is not initialised."""
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def rank() -> int:
+    """This process's rank in the default process group; 0 when torch.distributed is not initialised."""
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def chunk_rows(rows: int, world: int) -> list[int]:

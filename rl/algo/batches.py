@@ -27,7 +27,7 @@ class PtxBatch:
     responses: list[list[int]]
 
 
-@dataclass
+@dataclass(kw_only=True)
 class PtxShare:
     """One rank's part of a step's PTX batch: its sequences, their micro-batches, the passes of the busiest rank and
     the batch's response tokens over all ranks (the token mean's denominator)."""
@@ -39,7 +39,7 @@ class PtxShare:
     tokens: int
 
 
-@dataclass
+@dataclass(kw_only=True)
 class RankBatch:
     """One trainer rank's share of an update. ``steps[j]``: this rank's micro-batches of optimizer step j, as indices
     into ``samples``; ``passes[j]``: the micro-batches of step j's busiest rank (every rank runs as many, padding
@@ -135,8 +135,8 @@ def ptx_shares(batch: PtxBatch, world: int, token_budget: int, max_items: int | 
     for plan in plans:
         mine = sorted(i for part in plan for i in part)
         where = {i: k for k, i in enumerate(mine)}
-        out.append(PtxShare([batch.prompts[i] for i in mine], [batch.responses[i] for i in mine],
-                            [[where[i] for i in part] for part in plan], passes, tokens))
+        out.append(PtxShare(prompts=[batch.prompts[i] for i in mine], responses=[batch.responses[i] for i in mine],
+                            parts=[[where[i] for i in part] for part in plan], passes=passes, tokens=tokens))
     return out
 
 
@@ -157,7 +157,8 @@ def plan_update(samples: Sequence[Sample], settings: UpdateSettings, world: int,
         return []
     steps = _minibatches(groups, settings.minibatches, random.Random(seed)) if groups else \
         [[]] * min(settings.minibatches, len(ptx))
-    ranks = [RankBatch([], [], [], [], [], [], counts=counts) for _ in range(world)]
+    ranks = [RankBatch(samples=[], advantages=[], weights=[], steps=[], passes=[], tokens=[], counts=counts)
+             for _ in range(world)]
     owner: list[dict[int, int]] = [{} for _ in range(world)]  # sample index -> its index in the rank's list
     for j, mb in enumerate(steps):
         idx = [i for g in mb for i in by_group[g]]

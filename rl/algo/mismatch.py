@@ -27,9 +27,6 @@ from typing import Literal
 
 import torch
 
-#: the partial sums ``correct`` returns, in this order: Σρ, sequences, out-of-range units, units, min ρ, max ρ
-STAT_FIELDS = ("rho_sum", "sequences", "hit", "units", "rho_min", "rho_max")
-
 
 @dataclass(frozen=True)
 class Correction:
@@ -48,8 +45,8 @@ def correct(old: torch.Tensor, sampler: torch.Tensor, own: torch.Tensor, how: Co
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per sequence of [B, T] per-token log-probs (the trainer's ``old``, the sampler's; ``own`` the model's own
     tokens): its loss-weight factor [B] and its own-token mask after the correction (token-level MIS masks tokens
-    out; otherwise it is ``own``), and the partial sums of the metrics (``STAT_FIELDS``; ``metrics`` reads them
-    once reduced over ranks). Nothing here reads the device."""
+    out; otherwise it is ``own``), and the partial sums of the metrics, in this order: Σρ, sequences, out-of-range
+    units, units, min ρ, max ρ (``metrics`` reads them once reduced over ranks). Nothing here reads the device."""
     log_c = math.log(how.cap)
     delta = torch.where(own, old.double() - sampler.double(), 0.0)  # Δ_t on the model's own tokens
     log_rho = delta.sum(-1)

@@ -29,7 +29,7 @@ from rl.algo.objectives import Objective, clip_fraction, clipped_surrogate, k15_
 from rl.settings import UpdateSettings
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Micro:
     """One micro-batch of a rank's samples on the device; per-sequence tensors are [B, longest response]."""
 
@@ -74,10 +74,12 @@ def to_device(engine: TrainingEngine, batch: RankBatch) -> list[list[Micro]]:
             own = _rows([s.loss_mask if s.loss_mask is not None else [1] * len(s.response_ids) for s in chosen],
                         width, torch.bool)
             sampler = upload(_rows([s.logprobs for s in chosen], width, torch.float32), dev)
-            step.append(Micro(part, host.to(dev), upload(inv, dev), upload(own, dev), sampler, sampler,
-                              upload(torch.tensor([s.policy_logprob() for s in chosen], dtype=torch.float32), dev),
-                              upload(torch.tensor([batch.advantages[i] for i in part], dtype=torch.float32), dev),
-                              upload(torch.tensor([batch.weights[i] for i in part], dtype=torch.float32), dev)))
+            step.append(Micro(
+                index=part, packed=host.to(dev), inv_temp=upload(inv, dev), own=upload(own, dev), sampler=sampler,
+                old=sampler,
+                old_seq=upload(torch.tensor([s.policy_logprob() for s in chosen], dtype=torch.float32), dev),
+                advantage=upload(torch.tensor([batch.advantages[i] for i in part], dtype=torch.float32), dev),
+                weight=upload(torch.tensor([batch.weights[i] for i in part], dtype=torch.float32), dev)))
         out.append(step)
     return out
 
@@ -121,7 +123,7 @@ class Measures:
             self.top(residual_absmax=r.abs().max())
 
     def add_correction(self, stats: torch.Tensor) -> None:
-        """A mismatch correction's partial sums (``rl.algo.mismatch.STAT_FIELDS``)."""
+        """A mismatch correction's partial sums (in ``rl.algo.mismatch.correct``'s order)."""
         self.add(rho_sum=stats[0], rho_n=stats[1], is_hit=stats[2], is_units=stats[3])
         self.top(neg_rho_min=-stats[4], rho_max=stats[5])
 

@@ -48,7 +48,7 @@ def preset(name: str) -> ModelConfig:
     return make_config(family, bos_token_id=None, eos_token_id=None, pad_token_id=None, **kw)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ColocationPlan:
     model: str
     params: int
@@ -140,7 +140,8 @@ def colocation_plan(arch: ModelConfig, setup: Colocation, name: str = "model",
     kv_tokens = kv_room // per_token
     kv = kv_tokens * per_token
     checkpoint, run_dir = run_dir_bytes(shape, rollout_dtype, master_dtype, optimizer, 2)
-    plan = ColocationPlan(name, shape.params, gpus, gpu_bytes, inference_gpus, kv_tokens=kv_tokens,
+    plan = ColocationPlan(model=name, params=shape.params, gpus=gpus, gpu_bytes=gpu_bytes,
+                          inference_gpus=inference_gpus, kv_tokens=kv_tokens,
                           checkpoint=checkpoint, run_dir=run_dir)
     weights_row = "frozen base + adapters (shard)" if setup.lora_rank else "master weights (shard)"
     plan.parts = {weights_row: weights, "gradients (shard)": grads, "optimizer state (shard)": opt,

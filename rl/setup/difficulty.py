@@ -33,9 +33,11 @@ def pass_rates(cfg: Config, model_dir: Path, tasks: list[Task], entries: list, k
     torch.manual_seed(difficulty_seed(seed, batch=-1))  # any random init while the model loads
     tok = TextTokenizer.load(model_dir, cfg.model.chat_template)
     r = cfg.rollout
-    engine = build_engine(EngineSettings("native", str(model_dir), "cpu", cfg.rollout_dtype, False, None, r.max_batch,
-                                         r.kv_cache_mb << 20, r.max_batch_tokens,
-                                         decode_attention(r.attention, "cpu"), seed), load_checkpoint=True)
+    settings = EngineSettings(kind="native", model_dir=str(model_dir), device="cpu", dtype=cfg.rollout_dtype, fp8=False,
+                              max_seq_len=None, max_num_seqs=r.max_batch, kv_cache_bytes=r.kv_cache_mb << 20,
+                              max_batch_tokens=r.max_batch_tokens, attention=decode_attention(r.attention, "cpu"),
+                              seed=seed)
+    engine = build_engine(settings, load_checkpoint=True)
     runner, types = EpisodeRunner(cfg), task_types(cfg)
     rates = []
     try:
