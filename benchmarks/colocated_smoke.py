@@ -36,6 +36,7 @@ from benchmarks.harness.ranks import PipeReloader, answer_load, stop_child
 from benchmarks.timing import say
 from checkpoint_engine.buckets import plan_buckets, spec_of
 from checkpoint_engine.engine import CheckpointEngine
+from checkpoint_engine.sinks import whole_sink
 from checkpoint_engine.topology import free_port
 from checkpoint_engine.transfer import WeightReceiver
 from engines.device import peak_memory_bytes, reset_peak_memory
@@ -181,8 +182,7 @@ def run(model_name: str | ModelConfig = "demo", device: str = "cpu", dtype: str 
         engine = InferenceEngine(replica, eos_id=None, pad_id=0, max_seq_len=64 + max_tokens,
                                  kv_cache_bytes=64 << 20, max_num_seqs=prompts * samples,
                                  cuda_graphs=dev.type == "cuda")
-        receiver = WeightReceiver(trainer.plan, trainer.handles, engine.named_tensors(),
-                                  on_commit=engine.swap_weights, placements=engine.weight_placements() or None)
+        receiver = WeightReceiver(trainer.plan, trainer.handles, whole_sink(engine))
         say("colocated_smoke", "engine and receiver ready")
         equal = []
         fill_s, _, cast = timed("fill", trainer.send_weights, receiver, 1)

@@ -40,6 +40,7 @@ from benchmarks.harness.ranks import PipeReloader, answer_load, digest, syntheti
 from benchmarks.harness.synthetic import SyntheticModel
 from checkpoint_engine.buckets import ALIGN, TensorSpec
 from checkpoint_engine.engine import CheckpointEngine
+from checkpoint_engine.sinks import TensorSink
 from checkpoint_engine.topology import free_port
 from checkpoint_engine.transfer import WeightReceiver
 from engines.device import host_buffer
@@ -76,7 +77,7 @@ def _digests(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
 def _receiver(conn, specs, plan, handles, rollback: str) -> None:
     """The inference process: zeros on the device, then whatever the updates bring."""
     targets = {s.name: torch.zeros(s.shape, dtype=getattr(torch, s.dtype), device="cuda") for s in specs}
-    recv = WeightReceiver(plan, handles, targets, rollback=rollback)
+    recv = WeightReceiver(plan, handles, TensorSink(targets, rollback=rollback))
     conn.send(("ready",))
     while True:
         msg = conn.recv()

@@ -8,7 +8,7 @@ One process builds a trainer model of ``benchmarks.rollout.MODELS`` (float32, ra
 in ``--dtype``. A full update hands the replica every checkpoint tensor in its dtype
 (``InferenceEngine.load_weights``); a LoRA update hands it the adapters alone, cast to the replica's dtype as a run
 sends them, which it merges from its copy of the base (``InferenceEngine.merge_adapters``); a second replica takes
-them unmerged (``adapter_updates`` "unmerged": low-rank deltas beside the base, ``engines.model.lora_delta``).
+them unmerged (``load_adapter_deltas``: low-rank deltas beside the base, ``engines.model.lora_delta``).
 ``full_bytes`` and ``lora_bytes`` are what each update moves into the replica, ``full_s`` and ``lora_s`` the median
 seconds of ``--repeats`` updates each (interleaved, after one cold update of each), ``unmerged_s`` the unmerged
 replica's update and ``unmerged_speedup`` the full update's seconds over it, ``unmerged_same_tokens`` whether it
@@ -53,7 +53,6 @@ def measure_lora(model: str, rank: int, dtype: str = "bfloat16", repeats: int = 
     unmerged = InferenceEngine(build_model(cfg, dtype=serving, fused=True), eos_id=None, max_seq_len=64,
                                kv_cache_bytes=1 << 20)
     unmerged.load_weights(full.items())
-    unmerged.adapter_updates = "unmerged"
     full_s, lora_s, delta_s = [], [], []
     for i in range(repeats + 1):
         t0 = time.perf_counter()
@@ -63,7 +62,7 @@ def measure_lora(model: str, rank: int, dtype: str = "bfloat16", repeats: int = 
         t2 = time.perf_counter()
         engine.merge_adapters(adapters, spec.scaling)  # a steady-state update
         t3 = time.perf_counter()
-        unmerged.merge_adapters(adapters, spec.scaling)  # the first one adds the deltas to the layers
+        unmerged.load_adapter_deltas(adapters, spec.scaling)  # the first one adds the deltas to the layers
         t4 = time.perf_counter()
         if i:  # the first round is cold
             full_s.append(t1 - t0)

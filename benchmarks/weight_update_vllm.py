@@ -28,6 +28,7 @@ import torch
 from benchmarks.harness.child_sender import ChildSender
 from benchmarks.weight_update import copy_seconds
 from checkpoint_engine.buckets import spec_of
+from checkpoint_engine.sinks import StreamSink
 from engines.inference.native import InferenceEngine
 from engines.inference.sampling import SamplingParams
 from engines.model.arch import ModelConfig
@@ -76,7 +77,7 @@ def measure_vllm(model: str = "100m", bucket_mb: int = 16, *, dtype: str = "floa
 
         chosen, times, same = engine.weight_load, {}, {}
         with ChildSender(specs, bucket_mb << 20) as sender:
-            recv = sender.receiver(engine.named_tensors(), stream=engine)
+            recv = sender.receiver(StreamSink(engine, engine.named_tensors()))
             version = 0
             for mode in dict.fromkeys((chosen, "direct", "reload")):
                 engine.weight_load = mode

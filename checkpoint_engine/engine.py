@@ -85,14 +85,36 @@ class Packer(Protocol):
     def pack(self, bucket: int, buffer: int) -> int: ...
 
 
-class Sink(Protocol):
+class Tap(Protocol):
     """Something of this worker's own that takes each bucket as it arrives (the trainer at start-up)."""
 
     def take(self, bucket: int, data: torch.Tensor) -> None: ...
 
 
+class WeightTransport(Protocol):
+    """How buckets travel from the trainer ranks to the replicas' receivers (``checkpoint_engine.transfer``), whose
+    sinks (``checkpoint_engine.sinks``) put them where each engine serves them from. Implementations:
+    ``CheckpointEngine`` (the colocated broadcast: every rank's shard into two IPC buffers per worker, each
+    worker's replica loading bucket k-1 while bucket k arrives). A transport delivers a plan's buckets
+    (``update``, collective over the ranks), fills a restarted replica from a live one point to point
+    (``serve_catch_up``/``catch_up``), and names the buffers a receiver maps (``ipc_handles``)."""
+
+    def ipc_handles(self) -> list: ...
+
+    def update(self, plan: BucketPlan, tensors: Mapping[str, torch.Tensor], version: int,
+               reloader: Reloader | None = None, offsets: Mapping[str, int] | None = None,
+               tap: Tap | None = None) -> None: ...
+
+    def serve_catch_up(self, plan: BucketPlan, peer: int, packer: Packer) -> int: ...
+
+    def catch_up(self, plan: BucketPlan, peer: int, reloader: Reloader) -> int: ...
+
+    def close(self) -> None: ...
+
+
 class CheckpointEngine:
-    """One per worker; all workers of all nodes form one torch.distributed group.
+    """The colocated broadcast ``WeightTransport``: one per worker; all workers of all nodes form one
+    torch.distributed group.
 
     ``node`` names this worker's node (default: its host name); workers of one node share their IPC
     buffers on CPU.
@@ -142,7 +164,7 @@ class CheckpointEngine:
 
     def update(self, plan: BucketPlan, tensors: Mapping[str, torch.Tensor], version: int,
                reloader: Reloader | None = None, offsets: Mapping[str, int] | None = None,
-               sink: Sink | None = None) -> None:
+               tap: Tap | None = None) -> None:
         """Deliver every bucket of ``plan`` to all workers; ``tensors`` are this worker's own.
 
         ``offsets`` gives, for a tensor this worker holds only a part of, the element offset of that
@@ -151,10 +173,10 @@ class CheckpointEngine:
         for the plan's FP8 tensors, block-quantised (``checkpoint_engine.quantize``).
 
         ``reloader`` is the local inference engine to load the buckets into; None when this worker's
-        replica takes no part. ``sink`` also receives every bucket (the trainer's shards at start-up).
+        replica takes no part. ``tap`` also receives every bucket (the trainer's shards at start-up).
         """
         try:
-            self._pipeline(plan, tensors, version, reloader, offsets or {}, sink)
+            self._pipeline(plan, tensors, version, reloader, offsets or {}, tap)
         except Exception:
             if reloader is not None:
                 try:
@@ -164,7 +186,7 @@ class CheckpointEngine:
             raise
 
     def _pipeline(self, plan: BucketPlan, tensors: Mapping[str, torch.Tensor], version: int,
-                  reloader: Reloader | None, offsets: Mapping[str, int], sink: Sink | None) -> None:
+                  reloader: Reloader | None, offsets: Mapping[str, int], tap: Tap | None) -> None:
         n_buckets = len(plan.buckets)
         quant = OwnerQuantizer(plan, tensors, offsets, self.device) if plan.fp8 else None
         load_failure: tuple[int, Exception] | None = None
@@ -215,8 +237,8 @@ class CheckpointEngine:
                                   f"{type(stage_failure).__name__}: {stage_failure}") from stage_failure
             if read_trailer(dst, used)[1] == ABORT:  # every worker stops here, so the group stays usable
                 raise UpdateError(f"worker {self.rank}: worker {owner} aborted {where}")
-            if sink is not None:
-                sink.take(k, dst)
+            if tap is not None:
+                tap.take(k, dst)
             if reloader is not None:
                 if dst.is_cuda:  # the inference process reads the buffer on its own stream
                     torch.cuda.current_stream(dst.device).synchronize()

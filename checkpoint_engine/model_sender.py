@@ -110,6 +110,14 @@ class ModelSender:
         self.model, self.replica, self.bucket_bytes = model, replica, bucket_bytes
         self.plan = plan_model_update(model, local_parts(sharded.local_shards(model)), bucket_bytes, replica)
 
+    carries_base = True  # every weight: a replica needs nothing else (``adapter_sender.AdapterSender`` does)
+
+    def send(self, ckpt, engine, version: int, reloader) -> None:
+        """Push this rank's shard of the weights of ``engine`` (a ``TrainingEngine``) to every replica through the
+        checkpoint engine ``ckpt``; while offloaded the shards are read from host memory (stage 1 is the H2D copy)."""
+        tensors, offsets = self.sources(engine.weight_shards())
+        ckpt.update(self.plan, tensors, version, reloader, offsets=offsets)
+
     def sources(self, shards: dict[str, tuple[torch.Tensor, int]]) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
         """(tensors, offsets) of ``CheckpointEngine.update`` from this rank's shards (live or offloaded)."""
         return plan_sources(self.model, local_parts(shards))
@@ -128,19 +136,18 @@ class ModelSender:
         """Fill this rank's trainer shard, and the replicas when they hold the checkpoint's dtypes, from
         one collective read of ``model_dir`` (each file read by one rank). Collective; returns whether the
         replicas were filled ("replicas") and the tensors this rank read, per file ("reads")."""
-        from checkpoint_engine.startup import SafetensorsShare, ShardSink, plan_startup
+        from checkpoint_engine.startup import SafetensorsShare, ShardTap, plan_startup
         from engines.model import sharded
-        from engines.training import distributed
 
-        world, rank = distributed.world_size(), distributed.rank()
+        world, rank = sharded.world_size(), sharded.rank()
         block = checkpoint_fp8_block(model_dir)
         plan, owner, index = plan_startup(model_dir, world, self.bucket_bytes, set(placements(self.model)), block)
         replicas = _same_layout(plan, self.plan)
-        sink = ShardSink(*plan_sources(self.model, local_parts(sharded.local_shards(self.model)))).bind(plan)
+        tap = ShardTap(*plan_sources(self.model, local_parts(sharded.local_shards(self.model)))).bind(plan)
         share = SafetensorsShare(index, [f for f, w in owner.items() if w == rank])
         with torch.no_grad():
-            engine.update(plan, share, version, reloader if replicas else None, sink=sink)
-            sink.finish()
+            engine.update(plan, share, version, reloader if replicas else None, tap=tap)
+            tap.finish()
         return {"replicas": replicas, "reads": dict(share.reads)}
 
 

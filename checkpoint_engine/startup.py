@@ -4,7 +4,7 @@ Each worker reads only its share of the files (whole files, balanced by size) an
 pipeline delivers it to every worker, so the checkpoint crosses the disk once however many
 inference replicas start. Tensors are read one at a time, when their first bucket is staged,
 so memory stays at one tensor plus the three buckets. The same buckets also fill each worker's
-trainer shard (``ShardSink``): a cluster reads its model once, not once per process.
+trainer shard (``ShardTap``): a cluster reads its model once, not once per process.
 
 Block-FP8 checkpoints (DeepSeek-V3, Kimi K2: ``F8_E4M3`` matrices with float32 ``_scale_inv``
 grids) travel as they are stored: an FP8 replica takes the bytes, a trainer dequantises its rows.
@@ -138,7 +138,7 @@ def plan_startup(path: str | Path, world: int, bucket_bytes: int, names: set[str
     return plan, owner, index
 
 
-class ShardSink:
+class ShardTap:
     """Fills a worker's own part of each tensor (a trainer shard) from the buckets as they pass.
 
     ``tensors``: per plan tensor, this worker's elements of it as a flat writable tensor in its own
@@ -156,7 +156,7 @@ class ShardSink:
     def take(self, bucket: int, data: torch.Tensor) -> None:
         """Copy what bucket ``bucket`` (bytes ``data``) holds of this worker's part."""
         plan = self._plan
-        assert plan is not None, "ShardSink.bind(plan) first"
+        assert plan is not None, "ShardTap.bind(plan) first"
         scale_of = set(plan.fp8.values())
         for p in plan.buckets[bucket]:
             wire = getattr(torch, plan.tensors[p.name].dtype)
@@ -181,7 +181,7 @@ class ShardSink:
             else:
                 mine[a - first:b - first] = values
 
-    def bind(self, plan: BucketPlan) -> ShardSink:
+    def bind(self, plan: BucketPlan) -> ShardTap:
         """The plan whose buckets ``take`` will be given."""
         self._plan = plan
         return self

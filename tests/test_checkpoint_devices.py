@@ -39,10 +39,11 @@ class _Replica:
     the real one is another process, whose default device is its own."""
 
     def __init__(self, plan, handles) -> None:
+        from checkpoint_engine.sinks import TensorSink
         from checkpoint_engine.transfer import WeightReceiver
 
         self.weights = ShardedWeights(list(plan.tensors.values()), Sharding())
-        self.recv = WeightReceiver(plan, handles, self.weights.tensors, on_commit=self.weights.rebind)
+        self.recv = WeightReceiver(plan, handles, TensorSink(self.weights.tensors, on_commit=self.weights.rebind))
 
     def start(self, bucket: int, buffer: int, version: int) -> None:
         with torch.device("cpu"):

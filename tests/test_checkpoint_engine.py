@@ -27,6 +27,7 @@ from benchmarks.harness.ranks import (
 )
 from checkpoint_engine.buckets import ALIGN, TensorSpec, plan_buckets, spec_of
 from checkpoint_engine.shm import SharedBuffer
+from checkpoint_engine.sinks import TensorSink
 from checkpoint_engine.trailer import write_trailer
 from checkpoint_engine.transfer import CorruptUpdateError, PlanMismatchError, WeightReceiver
 from engines.model.sharded import chunk_rows
@@ -255,7 +256,7 @@ def test_corrupted_or_stale_bucket_is_refused_and_weights_kept(tmp_path):
     try:
         old = make_tensor(MIXED[1], 1)
         target = {"attn.bf16": old.clone()}
-        recv = WeightReceiver(plan, [("shm", buf.name, buf.nbytes)] * 2, target)
+        recv = WeightReceiver(plan, [("shm", buf.name, buf.nbytes)] * 2, TensorSink(target))
         with pytest.raises(CorruptUpdateError, match="expected bucket 0 of update 3"):
             recv.load(0, 0, version=3)   # the buffer holds update 2: stale
         buf.tensor[5] ^= 1
@@ -275,9 +276,9 @@ def test_mismatched_receiver_is_rejected(tmp_path):
     handles = [("shm", buf.name, buf.nbytes)] * 2
     try:
         with pytest.raises(PlanMismatchError, match="attn.bf16"):
-            WeightReceiver(plan, handles, {"attn.bf16": new.float()})
+            WeightReceiver(plan, handles, TensorSink({"attn.bf16": new.float()}))
         with pytest.raises(PlanMismatchError, match="does not cover"):
-            WeightReceiver(plan, handles, {"attn.bf16": new, "extra": torch.zeros(3)})
+            WeightReceiver(plan, handles, TensorSink({"attn.bf16": new, "extra": torch.zeros(3)}))
     finally:
         buf.close()
     assert not buf.path.exists()
@@ -328,10 +329,11 @@ def test_journal_runs_a_bucket_ahead_and_rolls_back_exactly(tmp_path):
         old = make_tensor(TensorSpec("w", (3, 1024), "bfloat16", 3 * 2048), 1)
         for applied in (1, 2):
             target = {"w": old.clone()}
-            recv = WeightReceiver(plan, [("shm", b.name, b.nbytes) for b in bufs], target, rollback="journal")
+            recv = WeightReceiver(plan, [("shm", b.name, b.nbytes) for b in bufs],
+                                  TensorSink(target, rollback="journal"))
             for k in range(applied):
                 recv.load(k, k, 2)
-            assert sorted(recv._journal) == list(range(applied + 1))  # one bucket ahead
+            assert sorted(recv.sink._journal) == list(range(applied + 1))  # one bucket ahead
             assert not torch.equal(target["w"].view(torch.int16), old.view(torch.int16))
             with pytest.raises(RuntimeError, match="middle of an update"):
                 recv.set_plan(plan)
@@ -342,7 +344,7 @@ def test_journal_runs_a_bucket_ahead_and_rolls_back_exactly(tmp_path):
         assert recv.version == 2 and torch.equal(recv.tensors["w"].view(torch.int16), new.view(torch.int16))
         packed = SharedBuffer.create(f"test-ce-j-{tmp_path.name}-p", 2048 + ALIGN)
         try:  # a live replica packs what it serves: the bytes the update delivered, with a fresh trailer
-            src = WeightReceiver(plan, [("shm", packed.name, packed.nbytes)], recv.tensors, rollback="none")
+            src = WeightReceiver(plan, [("shm", packed.name, packed.nbytes)], TensorSink(recv.tensors, rollback="none"))
             src.version = 2
             assert src.pack(1, 0) == 2 and torch.equal(packed.tensor, bufs[1].tensor)
         finally:
@@ -354,7 +356,7 @@ def test_journal_runs_a_bucket_ahead_and_rolls_back_exactly(tmp_path):
 
 def _cuda_receiver(specs, plan, handles, conn):
     targets = {s.name: torch.zeros(s.shape, dtype=getattr(torch, s.dtype), device="cuda") for s in specs}
-    recv = WeightReceiver(plan, handles, targets)  # journal mode: device memory is not doubled
+    recv = WeightReceiver(plan, handles, TensorSink(targets))  # journal mode: device memory is not doubled
     conn.send(str(torch.cuda.get_device_properties(recv.buffers[0].device.index).uuid))
     for k in range(len(plan.buckets)):
         recv.load(k, k % 2, conn.recv())

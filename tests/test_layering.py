@@ -18,7 +18,8 @@ ALLOWED = {
     "engines/model": set(),
     "engines/inference": {"engines.model", "engines.device"},
     "engines/training": {"engines.model", "engines.device"},
-    "checkpoint_engine": {"engines"},
+    # the engines' contracts and the model's layout, never the trainer (a trainer hands it its shards)
+    "checkpoint_engine": {"engines.model", "engines.inference", "engines.device"},
     "envs": {"engines.model", "sandbox"},
     "sandbox": set(),
 }
@@ -120,11 +121,95 @@ def test_rl_has_few_modules_at_its_top_and_no_long_signatures():
 
 
 def test_rl_finds_no_capability_by_probing():
-    """Environments and engines declare what they can do (``envs.base.Env``, ``RolloutEngine``); rl/ reads the
-    declarations instead of asking ``getattr``/``hasattr`` of an environment or an engine."""
+    """Environments and engines declare what they can do (``envs.base.Env``; ``RolloutEngine``, and what each engine
+    kind supports in ``engines.inference.capabilities``); rl/ reads the declarations instead of asking
+    ``getattr``/``hasattr`` of an environment, an engine or its class."""
     import re
 
-    probe = re.compile(r"(getattr|hasattr)\((env|self\.env|engine|self\.engine|cls)\b")
+    probe = re.compile(r"(getattr|hasattr)\((type\()?(env|self\.env|engine|self\.engine|cls)\b")
     found = [f"{p.relative_to(ROOT)}:{i}" for p in sorted((ROOT / "rl").rglob("*.py"))
              for i, line in enumerate(p.read_text().splitlines(), 1) if probe.search(line)]
     assert found == []
+
+
+#: the production packages whose modules may form no import circle of more than two files
+PRODUCTION = ("rl", "engines", "checkpoint_engine", "envs", "sandbox")
+
+
+def _module_graph() -> dict[str, set[str]]:
+    """Production module -> the production modules it imports (at any depth: local and type-only imports count)."""
+    mods: dict[str, Path] = {}
+    for pkg in PRODUCTION:
+        for path in (ROOT / pkg).rglob("*.py"):
+            if "_pb2" not in path.name:
+                name = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+                mods[name] = path
+
+    def owner(name: str) -> str | None:  # `from engines.model.lora import X`: the module, or X when it is one
+        while name and name not in mods:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph: dict[str, set[str]] = {m: set() for m in mods}
+    for m, path in mods.items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            graph[m] |= {o for n in names if n.split(".")[0] in PRODUCTION and (o := owner(n)) not in (None, m)}
+    return graph
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of ``graph`` with more than one module (Tarjan, iteratively)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on.add(root)
+        while work:
+            v, children = work[-1]
+            w = next(children, None)
+            if w is not None:
+                if w not in index:
+                    index[w] = low[w] = len(index)
+                    stack.append(w)
+                    on.add(w)
+                    work.append((w, iter(sorted(graph[w]))))
+                elif w in on:
+                    low[v] = min(low[v], index[w])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == index[v]:
+                comp = []
+                while True:
+                    w = stack.pop()
+                    on.discard(w)
+                    comp.append(w)
+                    if w == v:
+                        break
+                if len(comp) > 1:
+                    out.append(sorted(comp))
+    return out
+
+
+def test_no_import_circle_spans_more_than_two_modules():
+    """A circle of imports ties its modules into one: none in the production packages joins more than two files
+    (a module and its helper), whatever depth the imports are written at."""
+    assert [c for c in _circles(_module_graph()) if len(c) > 2] == []
+
+
+def test_the_circle_finder_sees_a_circle_of_three():
+    assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _circles({"a": {"b"}, "b": set()}) == []

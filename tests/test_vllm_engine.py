@@ -13,6 +13,7 @@ import torch
 
 from benchmarks.harness.child_sender import ChildSender
 from checkpoint_engine.buckets import spec_of
+from checkpoint_engine.sinks import StreamSink, ViewSink
 from engines.inference.native import InferenceEngine
 from engines.inference.sampling import SamplingParams
 from engines.model.causal_lm import CausalLM
@@ -23,7 +24,7 @@ from engines.training.engine import TrainingEngine
 from rl.config import parse_config
 from rl.loop.cluster import Cluster
 from rl.loop.controller import train
-from rl.rollout.partial import generate_with_budget
+from rl.rollout.turns import generate_with_budget
 from rl.settings import for_model
 from rl.setup.warmstart import prepare_model
 from tests.conftest import make_sample, sharp_model, tiny_config, train_on
@@ -165,7 +166,7 @@ def test_vllm_update_streamed_bucket_by_bucket_serves_the_new_checkpoint(served,
     assert len(plan.buckets) > 8 and split
     before = _greedy(engine, tokenizer)
     new_dir, want = _checkpoint(tokenizer, tmp_path, 1)
-    recv = sender.receiver(engine.named_tensors(), stream=engine)
+    recv = sender.receiver(StreamSink(engine, engine.named_tensors()))
     _, error = sender.update(recv, new_dir, 3)
     assert error is None and recv.version == engine.weights_version == 3
     assert _greedy(engine, tokenizer) == want != before
@@ -179,7 +180,7 @@ def test_vllm_streamed_update_is_one_load_that_takes_each_bucket_before_the_next
         served, sender, tokenizer, tmp_path, restore, load_mode):
     engine, _ = served
     new_dir, want = _checkpoint(tokenizer, tmp_path, 2)
-    recv = sender.receiver(engine.named_tensors(), stream=engine)
+    recv = sender.receiver(StreamSink(engine, engine.named_tensors()))
     reloads = engine.reloads
     _, error = sender.update(recv, new_dir, 1)
     assert error is None and engine.reloads == reloads + 1
@@ -193,7 +194,7 @@ def test_vllm_update_aborted_midway_serves_the_old_weights_and_version(served, s
                                                                       restore, load_mode):
     engine, _ = served
     first, _ = _checkpoint(tokenizer, tmp_path / "v1", 1)
-    recv = sender.receiver(engine.named_tensors(), stream=engine)
+    recv = sender.receiver(StreamSink(engine, engine.named_tensors()))
     assert sender.update(recv, first, 1)[1] is None
     served_v1 = _greedy(engine, tokenizer)
     second, want = _checkpoint(tokenizer, tmp_path / "v2", 2)
@@ -216,7 +217,7 @@ def test_vllm_update_aborted_midway_serves_the_old_weights_and_version(served, s
 def test_vllm_refuses_a_mismatched_update_version(served, sender, tokenizer, tmp_path, restore):
     engine, _ = served
     new_dir, _ = _checkpoint(tokenizer, tmp_path, 1)
-    recv = sender.receiver(engine.named_tensors(), stream=engine)
+    recv = sender.receiver(StreamSink(engine, engine.named_tensors()))
     assert sender.update(recv, new_dir, 5)[1] is None
     served_v5, reloads = _greedy(engine, tokenizer), engine.reloads
     _, error = sender.update(recv, new_dir, 6, claim=7)  # the buckets say 6, the sender announces 7
@@ -253,7 +254,7 @@ def test_vllm_update_from_ipc_views_serves_the_checkpoint_and_keeps_no_copy(serv
     meta = engine.named_tensors()
     assert set(meta) == set(sender.plan.tensors) and all(t.is_meta for t in meta.values())
     new_dir, want = _checkpoint(tokenizer, tmp_path, 1)
-    recv = sender.receiver(meta, stream=engine, views=True)
+    recv = sender.receiver(ViewSink(engine, meta))
     reloads = engine.reloads
     _, error = sender.update(recv, new_dir, 3)
     assert error is None and recv.version == engine.weights_version == 3 and engine.reloads == reloads + 1
@@ -261,7 +262,7 @@ def test_vllm_update_from_ipc_views_serves_the_checkpoint_and_keeps_no_copy(serv
     n = len(sender.plan.buckets)
     assert engine.stream_log == [(e, k) for k in range(n) for e in ("delivered", "taken")]
     assert engine.llm.collective_rpc("ipc_held_bytes") == [0]  # every split tensor was completed and let go
-    assert recv.tensors is meta and recv._journal_buf is None and recv._shadow is None
+    assert recv.tensors is meta  # a view sink holds descriptions only: no journal, no spare copy
     with pytest.raises(RuntimeError, match="keeps no host copy"):
         engine.served_weights()
     with pytest.raises(RuntimeError, match="keeps no copy of its weights to send"):
@@ -274,7 +275,7 @@ def test_vllm_update_from_ipc_views_that_fails_midway_serves_nothing_until_a_com
     it is not consistent) until the next complete update, which then serves exactly."""
     engine, _ = served
     first, _ = _checkpoint(tokenizer, tmp_path / "v1", 1)
-    recv = sender.receiver(engine.named_tensors(), stream=engine, views=True)
+    recv = sender.receiver(ViewSink(engine, engine.named_tensors()))
     assert sender.update(recv, first, 1)[1] is None
     second, want = _checkpoint(tokenizer, tmp_path / "v2", 2)
     _, error = sender.update(recv, second, 2, corrupt=len(sender.plan.buckets) // 2)

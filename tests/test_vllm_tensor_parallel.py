@@ -16,6 +16,7 @@ vllm_engine = pytest.importorskip("engines.inference.vllm_engine")
 if not vllm_engine.vllm_available():
     pytest.skip("vLLM is not installed here (make setup installs it)", allow_module_level=True)
 
+from checkpoint_engine.sinks import StreamSink, ViewSink  # noqa: E402
 from tests.test_vllm_engine import _checkpoint, _greedy, _model, _prompts  # noqa: E402
 
 
@@ -35,7 +36,7 @@ def test_vllm_tensor_parallel_replica_serves_and_takes_streamed_updates_on_every
             _prompts(tokenizer), SamplingParams(0.0, 24))]
         with ChildSender([spec_of(n, t) for n, t in engine.named_tensors().items()], 8 << 10) as sender:
             first, want = _checkpoint(tokenizer, tmp_path / "v1", 1, kv_heads=2)
-            recv = sender.receiver(engine.named_tensors(), stream=engine)
+            recv = sender.receiver(StreamSink(engine, engine.named_tensors()))
             assert sender.update(recv, first, 1)[1] is None
             assert _greedy(engine, tokenizer) == want and engine.weights_version == 1
             assert engine.stream_log == [(e, k) for k in range(len(sender.plan.buckets))
@@ -48,7 +49,7 @@ def test_vllm_tensor_parallel_replica_serves_and_takes_streamed_updates_on_every
             # GPUs each its own GPU's trainer rank's, and rank 1 verifies its copy's checksum); nothing else crosses
             engine.ipc_views = True
             assert engine.attach_ipc([sender.handles]) == [f"shm:{sender.handles[0][1]}"] * 2
-            recv = sender.receiver(engine.named_tensors(), stream=engine, views=True)
+            recv = sender.receiver(ViewSink(engine, engine.named_tensors()))
             assert sender.update(recv, second, 2)[1] is None
             assert _greedy(engine, tokenizer) == other and engine.weights_version == 2
     finally:

@@ -21,6 +21,7 @@ import torch
 from benchmarks.harness.ranks import PipeReloader, answer_load, stop_child
 from checkpoint_engine.buckets import BucketPlan, TensorSpec, plan_buckets
 from checkpoint_engine.engine import CheckpointEngine
+from checkpoint_engine.sinks import WeightSink
 from checkpoint_engine.topology import free_port
 from checkpoint_engine.transfer import WeightReceiver
 from engines.model.hf_io import read_tensors
@@ -76,9 +77,9 @@ class ChildSender:
         self.proc.start()
         self.handles = self._recv("handles")[1]
 
-    def receiver(self, tensors: dict[str, torch.Tensor], **kwargs) -> WeightReceiver:
-        """A receiver of this sender's buckets into ``tensors`` (``WeightReceiver``'s keyword arguments)."""
-        return WeightReceiver(self.plan, self.handles, tensors, **kwargs)
+    def receiver(self, sink: WeightSink) -> WeightReceiver:
+        """A receiver of this sender's buckets into ``sink`` (``checkpoint_engine.sinks``)."""
+        return WeightReceiver(self.plan, self.handles, sink)
 
     def update(self, receiver: WeightReceiver, directory: str | Path, version: int, *, claim: int | None = None,
                corrupt: int | None = None) -> tuple[float, str | None]:

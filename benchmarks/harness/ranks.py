@@ -31,7 +31,8 @@ from benchmarks.harness.synthetic import (  # noqa: F401  (the harness's public 
 )
 from checkpoint_engine.buckets import BucketPlan, TensorSpec
 from checkpoint_engine.engine import CheckpointEngine
-from checkpoint_engine.startup import SafetensorsShare, ShardSink, plan_startup
+from checkpoint_engine.sinks import TensorSink
+from checkpoint_engine.startup import SafetensorsShare, ShardTap, plan_startup
 from checkpoint_engine.topology import free_port
 from checkpoint_engine.transfer import WeightReceiver
 
@@ -105,7 +106,7 @@ def _inference_main(conn, specs, sharding: Sharding, plan: BucketPlan, handles, 
     """An inference engine's process: starts empty (zeros) and loads what the engine sends."""
     torch.set_num_threads(threads)
     weights = ShardedWeights(specs, sharding)
-    recv = WeightReceiver(plan, handles, weights.tensors, weights.hook, rollback, on_commit=weights.rebind)
+    recv = WeightReceiver(plan, handles, TensorSink(weights.tensors, weights.hook, rollback, on_commit=weights.rebind))
     conn.send(("ready",))
     while True:
         try:
@@ -220,13 +221,13 @@ def _worker_main(rank: int, init: str, setup: _Setup, steps: list[Step], result)
                     out["errors"][i] = f"{type(e).__name__}: {e}"
                 out["times"].append(time.perf_counter() - t0 if rank == step.rank else 0.0)
                 continue
-            step_plan, offsets, sink = plan, {}, None
+            step_plan, offsets, tap = plan, {}, None
             if step.kind == "startup":  # the files' owners read them; the plan follows the files
                 step_plan, file_owner, index = plan_startup(step.path, world, setup.bucket_bytes, block=model.block)
                 own: dict | SafetensorsShare = SafetensorsShare(index, [f for f, w in file_owner.items() if w == rank])
                 conn.send(("plan", step_plan))
                 if step.trainer:
-                    sink = _trainer_rows(model, rank).bind(step_plan)
+                    tap = _trainer_rows(model, rank).bind(step_plan)
             else:
                 own, offsets = model.sources(rank, step.version)
             if step.kind in ("fail", "crash") and rank == step.rank:
@@ -237,7 +238,7 @@ def _worker_main(rank: int, init: str, setup: _Setup, steps: list[Step], result)
             torch.distributed.barrier()
             t0 = time.perf_counter()
             try:
-                engine.update(step_plan, own, step.version, reloader, offsets, sink=sink)
+                engine.update(step_plan, own, step.version, reloader, offsets, tap=tap)
             except Exception as e:
                 out["errors"][i] = f"{type(e).__name__}: {e}"
                 if step.kind == "crash":
@@ -247,9 +248,9 @@ def _worker_main(rank: int, init: str, setup: _Setup, steps: list[Step], result)
             if isinstance(own, SafetensorsShare):
                 out["reads"] = dict(own.reads)
                 conn.send(("plan", plan))
-            if sink is not None:
-                sink.finish()
-                out["trainer"] = {n: digest(t) for n, t in sink.tensors.items()}
+            if tap is not None:
+                tap.finish()
+                out["trainer"] = {n: digest(t) for n, t in tap.tensors.items()}
         out.update(reloader.state(), buckets=len(plan.buckets))
         conn.send(("stop",))
         engine.close()
@@ -263,10 +264,10 @@ def _worker_main(rank: int, init: str, setup: _Setup, steps: list[Step], result)
                 infer.kill()
 
 
-def _trainer_rows(model: SyntheticModel, rank: int) -> ShardSink:
+def _trainer_rows(model: SyntheticModel, rank: int) -> ShardTap:
     """A trainer's rows of every tensor, in float32, empty until start-up fills them."""
     tensors, offsets = model.sources(rank, 1)
-    return ShardSink({n: torch.zeros_like(t, dtype=torch.float32) for n, t in tensors.items()}, offsets)
+    return ShardTap({n: torch.zeros_like(t, dtype=torch.float32) for n, t in tensors.items()}, offsets)
 
 
 @dataclass

@@ -188,13 +188,6 @@ class ModelConfig:
             return layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
         return True
 
-    def num_parameters(self) -> int:
-        """Parameter count (tied embeddings counted once), from shapes alone."""
-        from engines.model.causal_lm import build_model
-
-        model = build_model(self, device="meta")
-        return sum(p.numel() for p in model.parameters())
-
     # ---- Hugging Face config.json ---------------------------------------------------------------
 
     def hf_config(self):

@@ -36,11 +36,6 @@ def grid(rows: int, cols: int, block: int = BLOCK) -> tuple[int, int]:
     return -(-rows // block), -(-cols // block)
 
 
-def expand(scales: torch.Tensor, rows: int, cols: int, block: int = BLOCK) -> torch.Tensor:
-    """Per-element scales [rows, cols] from a block grid (one row of blocks per ``block`` rows)."""
-    return scales.repeat_interleave(block, 0)[:rows].repeat_interleave(block, 1)[:, :cols]
-
-
 def _blocks(w: torch.Tensor, block: int, top: int = 0) -> torch.Tensor:
     """``w`` [rows, cols] in float32 as [block rows, block, block cols, block], zero-padded at the end
     (and by ``top`` rows at the start: rows that begin inside a block)."""
@@ -138,6 +133,10 @@ class Fp8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.dequantized(x.dtype), self.bias)
 
+    def hub_scales(self) -> list[tuple[str, str]]:
+        """(matrix, its scale grid) attributes, which ``engines.model.layout`` places beside the checkpoint's."""
+        return [("weight", "weight" + SCALE_SUFFIX)]
+
     def _apply(self, fn, recurse=True):
         return _keep_dtypes(self, super()._apply, fn, recurse)
 
@@ -161,6 +160,10 @@ class Fp8Experts(Experts):
         q, s = getattr(self, name)[e], getattr(self, name + SCALE_SUFFIX)[e]
         rows = getattr(self, f"_scale_row_{name}")
         return dequantize_rows(q, s[rows], self.block, dtype)
+
+    def hub_scales(self) -> list[tuple[str, str]]:
+        """(matrix, its scale grid) attributes of every stacked matrix (see ``Fp8Linear.hub_scales``)."""
+        return [(n.removesuffix(SCALE_SUFFIX), n) for n in self._buffers if n.endswith(SCALE_SUFFIX)]
 
     def _apply(self, fn, recurse=True):
         return _keep_dtypes(self, super()._apply, fn, recurse)
@@ -242,28 +245,3 @@ def _quantize_into(module: nn.Module, name: str, w: torch.Tensor, parts, block: 
         at += ps.numel()
 
 
-def scale_placements(model: nn.Module, placed: dict) -> dict:
-    """Checkpoint name of each FP8 matrix's scale grid -> its placement in the replica (``engines.model.layout``)."""
-    from engines.model.layout import Placement
-
-    by_target: dict[str, list[tuple[int, str, tuple[int, ...]]]] = defaultdict(list)
-    for name, p in placed.items():
-        by_target[p.target].append((p.offset, name, p.shape))
-    out = {}
-    for prefix, m in model.named_modules():
-        if not isinstance(m, (Fp8Linear, Fp8Experts)):
-            continue
-        for own in ("weight",) if isinstance(m, Fp8Linear) else [n for n in m._buffers if n.endswith(SCALE_SUFFIX)]:
-            weight = own.removesuffix(SCALE_SUFFIX)
-            at = 0
-            for _, name, shape in sorted(by_target[f"{prefix}.{weight}"]):
-                g = grid(shape[0], shape[1], m.block)
-                out[name + SCALE_SUFFIX] = Placement(f"{prefix}.{weight}{SCALE_SUFFIX}", at, g)
-                at += g[0] * g[1]
-    return out
-
-
-def scale_tensors(model: nn.Module) -> set[str]:
-    """Names of the scale grids of ``model``'s FP8 matrices (placed by ``scale_placements``)."""
-    return {f"{prefix}.{n}" for prefix, m in model.named_modules() if isinstance(m, (Fp8Linear, Fp8Experts))
-            for n in m._buffers if n.endswith(SCALE_SUFFIX)}

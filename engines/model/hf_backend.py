@@ -96,9 +96,7 @@ class HFCausalLM(nn.Module):
         ``save_pretrained`` names and lays them out (``engines.model.hf_layout``); computed once."""
         if self._placements is None:
             from engines.model.hf_layout import checkpoint_placements
-            from engines.model.layout import model_tensors
-            from engines.model.lora import is_adapter
-            from engines.model.lora_quant import placed_tensors
+            from engines.model.layout import is_adapter, model_tensors, placed_tensors
 
             # LoRA's adapters (engines.model.lora) are no checkpoint tensor: they travel and are saved on their own
             own = {n: t for n, t in placed_tensors(self, model_tensors(self)).items() if not is_adapter(n)}

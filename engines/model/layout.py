@@ -60,17 +60,73 @@ def placements(model: nn.Module) -> dict[str, Placement]:
         for hub, own, offset, shape in getattr(module, "hub_placements", lambda: [])():
             placed[_rename(f"{prefix}.{hub}", aliases)] = Placement(f"{prefix}.{own}", offset, tuple(shape))
             covered.add(f"{prefix}.{own}")
-    from engines.model.fp8 import scale_placements, scale_tensors  # FP8 replicas keep block scales beside matrices
-    from engines.model.lora import is_adapter
-    from engines.model.lora_quant import placed_tensors  # QLoRA: a quantized base stands for its weight
-
-    covered |= scale_tensors(model)
-    for name, t in placed_tensors(model, model_tensors(model)).items():
+    covered |= scale_tensors(model)  # FP8 replicas keep block scales beside matrices
+    for name, t in placed_tensors(model, model_tensors(model)).items():  # QLoRA: a quantized base stands for its weight
         # LoRA's adapters are no checkpoint tensor: they travel and are saved on their own
         if name not in covered and not is_adapter(name):
             placed[_rename(name, aliases)] = Placement(name, 0, tuple(t.shape))
     placed.update(scale_placements(model, placed))
     return placed
+
+
+# ---- tensors a model holds that are not its checkpoint's, known by name or declared by their module -------------
+# (so this map needs none of the modules that hold them: FP8 layers, LoRA adapters, a QLoRA base)
+
+#: LoRA's factors beside an adapted weight (``q_proj.lora_A.weight``): PEFT's names less its prefix
+ADAPTER_FACTORS = (".lora_A.", ".lora_B.")
+#: a QLoRA base's packed bytes and scales, which stand for its weight (``engines.model.lora_quant``)
+QUANTIZED_BASE = (".base_packed", ".base_absmax")
+
+
+def is_adapter(name: str) -> bool:
+    """Whether a parameter name is an adapter's (``...lora_A.weight``, ``...lora_B.weight``)."""
+    return any(f in name for f in ADAPTER_FACTORS)
+
+
+def is_quantized_base(name: str) -> bool:
+    """Whether a tensor name is a quantized base's packed bytes or scales (no checkpoint tensor)."""
+    return name.endswith(QUANTIZED_BASE)
+
+
+def placed_tensors(model: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``tensors`` (``model``'s own by name) as checkpoint placements see them: a quantized base's bytes out, and
+    its weight in as a meta tensor of the original shape (the checkpoint tensor it stands for)."""
+    out = {n: t for n, t in tensors.items() if not is_quantized_base(n)}
+    for path, m in model.named_modules():
+        if getattr(m, "base_quant", None):
+            out[f"{path}.weight"] = torch.empty((m.out_features, m.in_features), dtype=m.base_dtype, device="meta")
+    return out
+
+
+def _scaled(model: nn.Module):
+    """(module path, [(matrix attribute, its scale grid's attribute)], block) of every block-scaled (FP8) module:
+    those that declare ``hub_scales``."""
+    for prefix, m in model.named_modules():
+        scales = getattr(m, "hub_scales", None)
+        if scales is not None:
+            yield prefix, scales(), m.block
+
+
+def scale_tensors(model: nn.Module) -> set[str]:
+    """Names of the scale grids of ``model``'s FP8 matrices (placed by ``scale_placements``)."""
+    return {f"{prefix}.{scale}" for prefix, pairs, _ in _scaled(model) for _, scale in pairs}
+
+
+def scale_placements(model: nn.Module, placed: dict[str, Placement]) -> dict[str, Placement]:
+    """Checkpoint name of each FP8 matrix's scale grid (its matrix's name + the grid attribute's suffix) -> its
+    placement in the replica: each checkpoint part of a matrix has its own grid, in the order of the parts."""
+    by_target: dict[str, list[tuple[int, str, tuple[int, ...]]]] = {}
+    for name, p in placed.items():
+        by_target.setdefault(p.target, []).append((p.offset, name, p.shape))
+    out = {}
+    for prefix, pairs, block in _scaled(model):
+        for weight, scale in pairs:
+            suffix, at = scale.removeprefix(weight), 0
+            for _, name, shape in sorted(by_target.get(f"{prefix}.{weight}", [])):
+                g = (-(-shape[0] // block), -(-shape[1] // block))
+                out[name + suffix] = Placement(f"{prefix}.{scale}", at, g)
+                at += g[0] * g[1]
+    return out
 
 
 def byte_placements(model: nn.Module) -> dict[str, tuple[str, int]]:

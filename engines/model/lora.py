@@ -12,15 +12,15 @@ Targets are chosen by the projections' names (``q_proj`` ... ``down_proj``) insi
 experts are not ``nn.Linear`` and are never adapted, and MLA's projections (DeepSeek-V3, Kimi K2) are refused by
 ``check_lora``, as is a transformers model whose adapted weight its checkpoint stores under another name.
 ``save_adapters`` writes what ``peft.PeftModel.from_pretrained`` loads on top of the Hugging Face base model;
-``merged_weight`` and ``AdapterMerger`` fold adapters into a frozen base exactly (from the base copy each time, so
-rounding never accumulates over updates).
+``merge_adapters_into`` (the one merge) and ``AdapterMerger`` fold adapters into a frozen base exactly (from the base
+copy each time, so rounding never accumulates over updates); ``adapter_pairs`` is the one reading of adapter names.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engines.model.arch import MLA_FAMILIES, ModelConfig
+from engines.model.layout import is_adapter
 from engines.model.lora_quant import QUANT_KINDS, base_linear
 
 #: The default targets: the attention projections and the dense MLP's three.
@@ -228,11 +229,6 @@ def apply_lora(model: nn.Module, spec: LoraSpec, adapter_dtype: torch.dtype = to
     return paths
 
 
-def is_adapter(name: str) -> bool:
-    """Whether a parameter name is an adapter's (``...lora_A.weight``, ``...lora_B.weight``)."""
-    return ".lora_A." in name or ".lora_B." in name
-
-
 def adapter_state(model: nn.Module, full: bool = False) -> dict[str, torch.Tensor]:
     """The adapters' tensors by the model's names (detached; DTensor shards stay shards unless ``full``, which
     gathers them: collective, every rank must call it)."""
@@ -247,6 +243,39 @@ def adapter_state(model: nn.Module, full: bool = False) -> dict[str, torch.Tenso
 MERGE_BLOCK_BYTES = 16 << 20
 
 
+LORA_A, LORA_B = ".lora_A.weight", ".lora_B.weight"
+
+
+def adapter_pairs(tensors: Mapping[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor | None, torch.Tensor | None]]:
+    """The one reading of adapter names: each adapted weight's checkpoint name (``...q_proj.weight``) -> its (A, B)
+    among ``tensors`` (``...q_proj.lora_A.weight``, ``...q_proj.lora_B.weight``; None for a factor not there).
+    Names that are not an adapter's are left out."""
+    pairs: dict[str, tuple[torch.Tensor | None, torch.Tensor | None]] = {}
+    for name, t in tensors.items():
+        for suffix, slot in ((LORA_A, 0), (LORA_B, 1)):
+            if name.endswith(suffix):
+                weight = name.removesuffix(suffix) + ".weight"
+                pair = list(pairs.get(weight, (None, None)))
+                pair[slot] = t
+                pairs[weight] = (pair[0], pair[1])
+    return dict(sorted(pairs.items()))
+
+
+def merge_adapters_into(adapters: Mapping[str, torch.Tensor], scaling: float, base: Mapping[str, torch.Tensor],
+                        out: Callable[[str], torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The one merge W0 + scaling·B·A: for each weight ``adapters`` adapt (every adapter, by the trainer's names),
+    ``out(name)`` (the tensor to write, which may be the base itself) gets the merge of ``base[name]`` and the
+    adapters, computed in float32 on ``out``'s device; yields each (name, tensor written) as it is done."""
+    for name, (a, b) in adapter_pairs(adapters).items():
+        if name not in base:
+            raise ValueError(f"LoRA update: the base has no weight {name}")
+        if a is None or b is None:
+            raise ValueError(f"LoRA update: {name} lacks lora_{'A' if a is None else 'B'}")
+        dst = out(name)
+        merge_into(dst, base[name], a.to(dst.device), b.to(dst.device), scaling)
+        yield name, dst
+
+
 def merge_into(out: torch.Tensor, base: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float) -> None:
     """``out`` ← W0 + scaling·B·A in ``out``'s dtype, computed in float32 from the base ``base`` (which may be
     ``out`` itself: each block of rows is read before it is written)."""
@@ -258,23 +287,12 @@ def merge_into(out: torch.Tensor, base: torch.Tensor, a: torch.Tensor, b: torch.
         out[i:i + rows].copy_(torch.addmm(blk, b32[i:i + rows], a32, alpha=scaling))
 
 
-def merged_weight(base: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float) -> torch.Tensor:
-    """W0 + scaling·B·A in ``base``'s dtype, computed in float32 from the base itself (never from a previous merge)."""
-    out = torch.empty_like(base)
-    merge_into(out, base, a, b, scaling)
-    return out
-
-
 def merged_state(state: Mapping[str, torch.Tensor], scaling: float) -> dict[str, torch.Tensor]:
-    """A full state (base and adapters by the model's names) with each adapted ``weight`` merged and the adapter
-    tensors gone: what a plain model of the same family loads."""
-    out: dict[str, torch.Tensor] = {}
-    for name, t in state.items():
-        if is_adapter(name):
-            continue
-        owner = name.removesuffix(".weight")
-        a = state.get(f"{owner}.lora_A.weight")
-        out[name] = t if a is None else merged_weight(t, a, state[f"{owner}.lora_B.weight"], scaling)
+    """A full state (base and adapters by the model's names) with each adapted ``weight`` merged (in its dtype, from
+    the base itself) and the adapter tensors gone: what a plain model of the same family loads."""
+    out = {name: t for name, t in state.items() if not is_adapter(name)}
+    adapters = {name: t for name, t in state.items() if is_adapter(name)}
+    out.update(merge_adapters_into(adapters, scaling, state, lambda name: torch.empty_like(state[name])))
     return out
 
 
@@ -301,12 +319,6 @@ def save_adapters(spec: LoraSpec, adapters: Mapping[str, torch.Tensor], director
     return d
 
 
-def load_adapters(directory: str | Path) -> tuple[LoraSpec, dict[str, torch.Tensor]]:
-    """What ``save_adapters`` wrote: the spec and the adapters by the model's names."""
-    a = read_adapter(directory)
-    return a.spec, a.tensors
-
-
 @dataclass(frozen=True)
 class PeftAdapter:
     """A PEFT LoRA adapter read from disk: its spec (rank, alpha, targets...), the base model it names (PEFT's
@@ -319,7 +331,7 @@ class PeftAdapter:
     @property
     def modules(self) -> list[str]:
         """The adapted modules' paths, sorted (``model.layers.0.self_attn.q_proj``...)."""
-        return sorted({n.rpartition(".lora_")[0] for n in self.tensors})
+        return [w.removesuffix(".weight") for w in adapter_pairs(self.tensors)]
 
 
 #: PEFT ``init_lora_weights`` values that change the base weights themselves (an adapter saved after one of them
@@ -376,9 +388,9 @@ def read_adapter(directory: str | Path) -> PeftAdapter:
         raise ValueError(f"{where}: unsupported adapter option {why}")
     targets = c.get("target_modules") or ()
     try:
-        spec = LoraSpec(int(c["r"]), float(c["lora_alpha"]), float(c.get("lora_dropout") or 0.0),
-                        (targets,) if isinstance(targets, str) else tuple(targets),
-                        "gaussian" if c.get("init_lora_weights") == "gaussian" else "kaiming")
+        spec = LoraSpec(rank=int(c["r"]), alpha=float(c["lora_alpha"]), dropout=float(c.get("lora_dropout") or 0.0),
+                        target_modules=(targets,) if isinstance(targets, str) else tuple(targets),
+                        init="gaussian" if c.get("init_lora_weights") == "gaussian" else "kaiming")
     except KeyError as e:
         raise ValueError(f"{where}: {ADAPTER_CONFIG} has no {e.args[0]!r}") from None
     except (TypeError, ValueError) as e:
@@ -396,8 +408,8 @@ def read_adapter(directory: str | Path) -> PeftAdapter:
         tensors[name] = t
     if not tensors:
         raise ValueError(f"{where}: {ADAPTER_WEIGHTS} holds no tensors")
-    for m in sorted({n.rpartition(".lora_")[0] for n in tensors}):
-        a, b = tensors.get(f"{m}.lora_A.weight"), tensors.get(f"{m}.lora_B.weight")
+    for w, (a, b) in adapter_pairs(tensors).items():
+        m = w.removesuffix(".weight")
         if a is None or b is None:
             raise ValueError(f"{where}: {m} has lora_{'A' if a is None else 'B'}.weight missing")
         if a.ndim != 2 or b.ndim != 2 or a.shape[0] != spec.rank or b.shape[1] != spec.rank:
@@ -475,11 +487,7 @@ class AdapterMerger:
               restore: bool = False) -> None:
         """Write every adapted weight from its base and ``adapters`` (all of them, by the model's names);
         ``restore``: first write every other kept weight back (the replica discarded its weights)."""
-        adapted = {f"{n.rpartition('.lora_')[0]}.weight" for n in adapters}
         if restore:
-            self.restore(served, skip=adapted)
-        for w in sorted(adapted):
-            m = w.removesuffix(".weight")
-            dev = served[w].device
-            merge_into(served[w], self.base[w], adapters[f"{m}.lora_A.weight"].to(dev),
-                       adapters[f"{m}.lora_B.weight"].to(dev), scaling)
+            self.restore(served, skip=adapter_pairs(adapters))
+        for _ in merge_adapters_into(adapters, scaling, self.base, served.__getitem__):
+            pass

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engines.model.layout import Placement
+from engines.model.lora import adapter_pairs
 
 
 def _add_delta(lin: nn.Linear, k: int) -> None:
@@ -77,11 +78,13 @@ class LowRankDelta:
         """Serve ``adapters`` (every one, by the trainer's names: ``...q_proj.lora_A.weight`` [r, in],
         ``...lora_B.weight`` [out, r]) at ``scaling``: A and s·B (scaled in the adapters' dtype) copied in place."""
         dst, src = [], []
+        pairs = adapter_pairs(adapters)
         for name, (a_rows, b_block) in self._views.items():
             m = name.removesuffix(".weight")
-            a, b = adapters[f"{m}.lora_A.weight"], adapters[f"{m}.lora_B.weight"]
-            if a.shape != a_rows.shape or b.shape != b_block.shape:
-                raise ValueError(f"LoRA update: {m} has lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}, not "
+            a, b = pairs.get(name, (None, None))
+            if a is None or b is None or a.shape != a_rows.shape or b.shape != b_block.shape:
+                have = "missing" if a is None or b is None else f"lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}"
+                raise ValueError(f"LoRA update: {m} has {have}, not "
                                  f"{list(a_rows.shape)} and {list(b_block.shape)}")
             dst += (a_rows, b_block)
             src += (a, b)

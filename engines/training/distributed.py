@@ -17,10 +17,14 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from engines.model import sharded
 from engines.model.hf_spec import decoder_layers
 
 if TYPE_CHECKING:
     from engines.model.causal_lm import CausalLM
+
+#: the default group's size and this process's rank; defined beside the shards, where the checkpoint engine reads them
+world_size, rank = sharded.world_size, sharded.rank
 
 PARAM_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -45,16 +49,6 @@ def init_distributed(rank: int, world: int, init_method: str, device: str = "cpu
                             timeout=timedelta(seconds=timeout_s))
 
 
-def world_size() -> int:
-    """Ranks in the default group; 1 when torch.distributed is not initialised."""
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
-def rank() -> int:
-    """This process's rank in the default group; 0 when torch.distributed is not initialised."""
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
 def _reduce(values: list[float], op) -> list[float]:
     if world_size() == 1 or not values:
         return [float(v) for v in values]
@@ -65,19 +59,9 @@ def _reduce(values: list[float], op) -> list[float]:
     return t.tolist()
 
 
-def global_sum(value: float) -> float:
-    """``value`` summed over all ranks (itself when not distributed), e.g. a minibatch's token count."""
-    return _reduce([value], dist.ReduceOp.SUM)[0]
-
-
 def all_reduce_sum(values: list[float]) -> list[float]:
     """Each of ``values`` summed over all ranks, in one collective (every rank passes as many)."""
     return _reduce(values, dist.ReduceOp.SUM)
-
-
-def all_reduce_max(values: list[float]) -> list[float]:
-    """Each of ``values`` maximised over all ranks, in one collective (every rank passes as many)."""
-    return _reduce(values, dist.ReduceOp.MAX)
 
 
 def all_reduce_tensor(t: torch.Tensor, op: str = "sum") -> torch.Tensor:
@@ -93,8 +77,10 @@ def is_sharded(model: nn.Module) -> bool:
     return isinstance(model, FSDPModule)
 
 
-def shard_model(model: CausalLM, param_dtype: str = "float32", device: torch.device | str | None = None) -> CausalLM:
-    """Shard ``model`` in place over the default group: each decoder layer, then the root.
+def shard_model(model: CausalLM, param_dtype: str = "float32", device: torch.device | str | None = None,
+                mesh=None) -> CausalLM:
+    """Shard ``model`` in place over ``mesh`` (a ``ParallelDims``' mesh; default: the whole default group, one
+    dimension): each decoder layer, then the root.
 
     Master weights stay in the model's dtype and gradients are reduced in float32; ``param_dtype``
     "bfloat16" runs forward/backward in bf16. Gradients are summed over ranks, never averaged. Either
@@ -113,7 +99,8 @@ def shard_model(model: CausalLM, param_dtype: str = "float32", device: torch.dev
         if device is None:
             raise ValueError("shard_model of a meta-device model needs the device its shards go to")
         dev = torch.device(device)
-    mesh = init_device_mesh(dev.type, (dist.get_world_size(),))
+    if mesh is None:
+        mesh = init_device_mesh(dev.type, (dist.get_world_size(),))
     policy = MixedPrecisionPolicy(param_dtype=PARAM_DTYPES[param_dtype], reduce_dtype=torch.float32)
     for layer in decoder_layers(model):  # the native model's layers, or a transformers model's _no_split_modules
         fully_shard(layer, mesh=mesh, mp_policy=policy)

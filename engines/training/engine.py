@@ -16,7 +16,8 @@ from __future__ import annotations
 import logging
 import math
 import numbers
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -176,11 +177,13 @@ class TrainingEngine:
         Two of them, or on flex a row of the width packing gives (no shape of its own for the compiled kernel)."""
         w = flex_row_width(2) if self.attention == "flex" else 2
         ids = torch.full((1, w), self.pad_id, dtype=torch.long)
-        mask = DocumentMask(torch.full((1, w), -1), torch.zeros(1, w, dtype=torch.long), self.attention)
+        mask = DocumentMask(doc=torch.full((1, w), -1), positions=torch.zeros(1, w, dtype=torch.long),
+                            backend=self.attention)
         targets = torch.full((1, w), -1, dtype=torch.long)
         targets[0, 0] = self.pad_id
         zero = torch.zeros(1, dtype=torch.long)
-        return PackedBatch(ids, mask, targets, zero, zero, [1], zero, 0)
+        return PackedBatch(ids=ids, mask=mask, targets=targets, target_seq=zero, target_index=zero,
+                           response_lengths=[1], target_flat=zero, tokens=0)
 
     def dummy_forward(self) -> None:
         """A no-grad forward on filler tokens (``_dummy``): pads a rank's no-grad forwards to its peers' count."""
@@ -267,6 +270,23 @@ class TrainingEngine:
         stats = self._offloader.onload()
         self._host_shards = {}
         return stats
+
+    @contextmanager
+    def onloaded(self) -> Iterator[None]:
+        """The tensors in place for the duration (an offloaded tensor has no storage), offloaded again after."""
+        was = self.offloaded
+        if was:
+            self.onload()
+        try:
+            yield
+        finally:
+            if was:
+                self.offload()
+
+    def weight_shards(self) -> dict[str, tuple[torch.Tensor, int]]:
+        """This rank's shard of every weight and its byte offset in the full tensor, live or offloaded (then views
+        of the host buffer: a weight update's stage 1 is the H2D copy)."""
+        return self.host_shards() if self.offloaded else local_shards(self.model)
 
     def host_shards(self) -> dict[str, tuple[torch.Tensor, int]]:
         """While offloaded: per state_dict name, this rank's shard as a view of the host buffer and

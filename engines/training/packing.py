@@ -56,7 +56,7 @@ def first_fit_rows(lengths: Sequence[int], width: int) -> list[list[int]]:
     return rows
 
 
-@dataclass
+@dataclass(kw_only=True)
 class PackedBatch:
     """Prompt+response sequences packed into rows, with what the loss needs to find each response token.
 
@@ -83,9 +83,11 @@ class PackedBatch:
     def to(self, device: torch.device | str) -> PackedBatch:
         """This batch on ``device``, copied without blocking the host."""
         m, up = self.mask, lambda t: to_device(t, device)
-        return PackedBatch(up(self.ids), DocumentMask(up(m.doc), up(m.positions), m.backend), up(self.targets),
-                           up(self.target_seq), up(self.target_index), self.response_lengths, up(self.target_flat),
-                           self.tokens)
+        return PackedBatch(ids=up(self.ids), mask=DocumentMask(doc=up(m.doc), positions=up(m.positions),
+                                                               backend=m.backend),
+                           targets=up(self.targets), target_seq=up(self.target_seq),
+                           target_index=up(self.target_index), response_lengths=self.response_lengths,
+                           target_flat=up(self.target_flat), tokens=self.tokens)
 
     def per_sequence(self, values: torch.Tensor) -> torch.Tensor:
         """Per-target ``values`` [N] laid out as [sequences, longest response] (0 past each response)."""
@@ -108,7 +110,9 @@ def pack(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], p
     padded to a power of two of at least ``FLEX_MIN_ROW`` (``width``: rows of that many tokens rounded up
     to whole mask blocks instead).
     """
-    seqs = [list(p) + list(r) for p, r in zip(prompts, responses, strict=True)]
+    # token arrays (a sample's numpy int64) or lists alike, as one tensor per sequence without a Python-list detour
+    seqs = [torch.cat([torch.as_tensor(p, dtype=torch.long), torch.as_tensor(r, dtype=torch.long)])
+            for p, r in zip(prompts, responses, strict=True)]
     lengths = [len(s) for s in seqs]
     if not seqs or any(len(p) == 0 for p in prompts):
         raise ValueError("every sequence needs a prompt of at least one token")
@@ -128,14 +132,16 @@ def pack(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], p
         start = 0
         for i in members:
             n, p = lengths[i], len(prompts[i])
-            ids[r, start:start + n] = torch.tensor(seqs[i])
+            ids[r, start:start + n] = seqs[i]
             doc[r, start:start + n] = i
             pos[r, start:start + n] = torch.arange(n)
             # the logits at position p-1+j predict response token j
-            targets[r, start + p - 1:start + n - 1] = torch.tensor(seqs[i][p:])
+            targets[r, start + p - 1:start + n - 1] = seqs[i][p:]
             seq_at[r, start + p - 1:start + n - 1] = i
             index_at[r, start + p - 1:start + n - 1] = torch.arange(n - p)
             start += n
     chosen = targets >= 0  # on the host: its nonzero waits for nothing
-    return PackedBatch(ids, DocumentMask(doc, pos, backend), targets, seq_at[chosen], index_at[chosen],
-                       [len(r) for r in responses], chosen.flatten().nonzero().squeeze(-1), sum(lengths))
+    return PackedBatch(ids=ids, mask=DocumentMask(doc=doc, positions=pos, backend=backend), targets=targets,
+                       target_seq=seq_at[chosen], target_index=index_at[chosen],
+                       response_lengths=[len(r) for r in responses],
+                       target_flat=chosen.flatten().nonzero().squeeze(-1), tokens=sum(lengths))

@@ -22,7 +22,8 @@ from rl.errors import UserError
 from rl.loop.placement import probe_bundles, reachable_model_dirs, unplaceable, worker_bundle, worker_threads
 from rl.loop.recovery import Restarts, WorkerFailed, gather, next_item
 from rl.loop.workers import RolloutWorker, TrainerWorker
-from rl.sample import Sample
+from rl.rollout.turns import WorkerContexts
+from rl.sample import Sample, TurnRequest, TurnResult
 from rl.seeds import chunk_seed
 from rl.settings import RunSettings
 
@@ -56,13 +57,14 @@ class Cluster:
                 log_to_driver=False,
                 object_store_memory=None if c.ray_address else 256 * 2**20,
             )
-        n, gpus = c.workers, c.gpus_per_worker
+        dims = self.dims = c.parallel  # the trainers' layout: ranks per worker, each worker's lead rank
+        n, gpus = dims.workers, c.gpus_per_worker
         # a tensor-parallel replica holds all of its bundle's GPUs (Ray hands out whole GPUs above one), and the
         # worker's trainer is as many ranks, one on each of them (FSDP2 over every GPU of the run); otherwise one
         # trainer and one replica, half the bundle's GPUs each: Ray then shows both actors the same device(s)
         spans = settings.rollout.engine.tensor_parallel_size > 1 and gpus > 0
-        per = self.per = c.ranks_per_worker
-        bundle = worker_bundle((1 + per) * ACTOR_CPUS, gpus)  # one worker slot each where the pods offer them
+        # one worker slot each where the pods offer them
+        bundle = worker_bundle((1 + dims.ranks_per_worker) * ACTOR_CPUS, gpus)
         self.pg = placement_group([bundle] * n, strategy="PACK")
         try:
             ray.get(self.pg.ready(), timeout=PLACEMENT_WAIT_S)
@@ -86,44 +88,38 @@ class Cluster:
         self._rollout_args = [(replace(settings.rollout.engine, model_dir=dirs[i]), threads[i], gpus) for i in range(n)]
         self.rollouts = [placed(RolloutWorker, i).remote(*self._rollout_args[i]) for i in range(n)]
         devices = ray.get([r.visible_devices.remote() for r in self.rollouts]) if spans else [None] * n
-        # trainer rank r: worker r // per, on the (r % per)-th GPU of that worker's replica
-        self.trainers = [placed(TrainerWorker, r // per).remote(
-            settings.trainer, settings.update, threads[r // per], devices[r // per].split(",")[r % per] if spans
-            else None) for r in range(n * per)]
+        # trainer rank r: on its worker's devices, the local_index(r)-th GPU of that worker's replica
+        at = dims.worker_of
+        self.trainers = [placed(TrainerWorker, at(r)).remote(
+            settings.trainer, settings.update, threads[at(r)], devices[at(r)].split(",")[dims.local_index(r)]
+            if spans else None) for r in range(dims.world)]
         address = ray.get(self.trainers[0].rendezvous.remote(c.ray_address is None))
-        ray.get([t.setup.remote(dirs[r // per], r, n * per, address, f"{prefix}-w{r}")
+        ray.get([t.setup.remote(dirs[at(r)], r, dims.world, address, f"{prefix}-w{r}")
                  for r, t in enumerate(self.trainers)])
         # one plan for all (every rank computed the same); each replica maps its worker's first rank's IPC buffers,
         # and that rank updates it (the worker's other ranks take part in every broadcast)
         plans = ray.get([t.weight_plan.remote() for t in self.trainers])
         self._plans = plans
         if spans and settings.rollout.engine.ipc_views:  # each replica rank loads from its own GPU's trainer rank
-            ray.get([t.share_replica.remote(per) for t in self.trainers])
+            ray.get([t.share_replica.remote(dims.ranks_per_worker) for t in self.trainers])
         ray.get([self._attach(i) for i in range(n)])
-        ray.get([t.connect.remote([self.rollouts[r // per]] if r % per == 0 else [])
+        ray.get([t.connect.remote([self.rollouts[at(r)]] if dims.is_lead(r) else [])
                  for r, t in enumerate(self.trainers)])
         self.num_buckets = len(plans[0][0].buckets)
-        self._startup([dirs[r // per] for r in range(n * per)])
+        self._startup([dirs[at(r)] for r in range(dims.world)])
         if settings.trainer.reference:  # the reference policy: one more collective read, of the starting model
             refs = reachable_model_dirs(reference_dir or model_dir, sites)
-            ray.get([t.load_reference.remote(refs[r // per]) for r, t in enumerate(self.trainers)])
+            ray.get([t.load_reference.remote(refs[at(r)]) for r, t in enumerate(self.trainers)])
 
     def lead(self, i: int) -> int:
-        """The trainer rank that updates worker ``i``'s inference engine (its first; see ``per``)."""
-        return i * self.per
+        """The trainer rank that updates worker ``i``'s inference engine (its first: ``ParallelDims.lead``)."""
+        return self.dims.lead(i)
 
     def _attach(self, i: int):
         """Engine ``i`` maps its worker's IPC buffers: its lead trainer rank's, and every rank's of the worker for
         a replica whose ranks load from their own GPU's (vLLM's ipc_views)."""
-        handles = [self._plans[self.lead(i) + j][1] for j in range(self.per)]
-        lora = self.settings.trainer.lora
-        return self.rollouts[i].attach.remote(self._plans[0][0], handles[0], handles,
-                                              None if lora is None else lora.scaling)
-
-    @property
-    def _peers_copy(self) -> bool:
-        """Whether a live replica can send its weights to a restarted one (not without a host copy: ipc_views)."""
-        return not self.settings.rollout.engine.ipc_views
+        handles = [self._plans[r][1] for r in self.dims.ranks_of(i)]
+        return self.rollouts[i].attach.remote(self._plans[0][0], handles[0], handles, self.settings.adapters)
 
     def _startup(self, dirs: list[str]) -> None:
         """Read the model once, collectively: each trainer reads some of its files and the checkpoint
@@ -178,30 +174,46 @@ class Cluster:
         return refs[k], gather([refs[k]], "inference engine", phase, self.timeout, [workers[k]])[0]
 
     def rollout(self, samples: list[Sample], token_budget: int | None,
-                on_worker: Callable[[int], None] | None = None) -> tuple[list[Sample], list[dict[str, int]]]:
+                on_worker: Callable[[int], None] | None = None, contexts: WorkerContexts | None = None
+                ) -> tuple[list[TurnResult], list[dict[str, int]]]:
         """Run the current turn of ``samples`` (new and paused) on the inference engines, whole prompt groups per
-        engine (they share a prefill); each engine gets an equal share of the token budget. Returns them updated
-        (``rl.rollout.partial.advance``: the new tokens tagged with the version of the weights each replica holds)
-        and each engine's counters (``rl.rollout.phase.engine_metrics`` sums them)."""
+        engine (they share a prefill); each engine gets an equal share of the token budget. Returns each sample's
+        ``TurnResult`` (only its new tokens, tagged with the version of the weights its replica holds: the caller
+        appends them) and each engine's counters (``rl.rollout.phase.engine_metrics`` sums them). An engine is sent
+        only what it does not hold of a sample's context (``rl.rollout.turns``; ``contexts``: what each holds, kept
+        by the caller over the rounds of a rollout phase; None: the whole contexts)."""
         n = len(self.rollouts)
+        contexts = WorkerContexts() if contexts is None else contexts
         groups = sorted({s.group for s in samples})
         worker_of = {g: i % n for i, g in enumerate(groups)}
         shares: list[list[Sample]] = [[] for _ in range(n)]
         for s in samples:
             shares[worker_of[s.group]].append(s)
         budget = None if token_budget is None else max(1, token_budget // n)
-        pending = {self.rollouts[i].rollout.remote(shares[i], budget): i for i in range(n)}
-        out: list[Sample] = []
+        asked: dict[int, list[TurnRequest]] = {}
+
+        def submit(i: int):
+            asked[i] = contexts.requests(i, self.rollouts[i], shares[i])
+            return self.rollouts[i].rollout.remote(asked[i], budget)
+
+        pending = {submit(i): i for i in range(n)}
+        out: list[TurnResult] = []
         counts: list[dict[str, int]] = []
         while pending:
             try:
-                ref, (got, stats) = self._first(list(pending), list(pending.values()), "rollout")
+                ref, (got, stats, missing) = self._first(list(pending), list(pending.values()), "rollout")
             except WorkerFailed as f:  # its groups are generated again, with their seeds: the same samples
                 self.replace_rollout(f)
+                contexts.forget(f.index)  # the new engine holds no context: they go whole
                 pending = {r: i for r, i in pending.items() if i != f.index}
-                pending[self.rollouts[f.index].rollout.remote(shares[f.index], budget)] = f.index
+                pending[submit(f.index)] = f.index
                 continue
-            del pending[ref]
+            i = pending.pop(ref)
+            if missing:  # it does not hold what it was sent on top of (nothing was generated): they go whole
+                contexts.forget(i)
+                pending[submit(i)] = i
+                continue
+            contexts.received(i, self.rollouts[i], asked[i], got)
             out += got
             counts.append(stats)
             if on_worker:
@@ -281,13 +293,13 @@ class Cluster:
         peer's weights through the checkpoint engine, or the trainers' when it is the only one; ``stale``: the
         engines sleep, it is filled when they wake."""
         i, n = failure.index, len(self.rollouts)
-        # LoRA: a peer serves merged weights and the updates carry no base, so the new engine reads the base from
-        # the checkpoint the run started from and the trainers send the adapters
-        lora = self.settings.trainer.lora is not None
-        how = "filled at wake-up" if stale else "base from the checkpoint, adapters from the trainers" if lora else \
-            f"weights from engine {(i + 1) % n}" if n > 1 and self._peers_copy else "weights from the trainers"
+        # a peer serves it where it keeps the policy's whole weights; else the trainers refill it (where their
+        # updates carry no base, it reads the base from the checkpoint the run started from first)
+        peer = n > 1 and self.settings.peer_catch_up
+        how = "filled at wake-up" if stale else f"weights from engine {(i + 1) % n}" if peer else \
+            self.settings.refill_source
         self.restarts.take(failure, f"inference engine {i} replaced in place ({how})")
-        if not stale and n > 1 and self._peers_copy and not lora:
+        if not stale and peer:
             self.restart_rollout(i, (i + 1) % n)
             return
         ray.kill(self.rollouts[i])
@@ -297,13 +309,12 @@ class Cluster:
         if stale:
             self._stale.add(i)
         else:
-            if lora:
-                ray.get(self.rollouts[i].load_base.remote())
+            ray.get(self.rollouts[i].prepare_refill.remote())
             self._refill()
 
     def resend_weights(self) -> None:
-        """Every inference engine gets the trainers' current weights again, as the same version (a resumed LoRA
-        run: the start-up filled the base, this merges the checkpoint's adapters)."""
+        """Every inference engine gets the trainers' current weights again, as the same version (a resumed run whose
+        updates carry no base: the start-up filled the base, this serves the checkpoint's adapters on it)."""
         self._refill()
 
     def _refill(self) -> None:
@@ -335,13 +346,11 @@ class Cluster:
         if self._stale:
             stale, self._stale = self._stale, set()
             live = [j for j in range(len(self.rollouts)) if j not in stale]
-            lora = self.settings.trainer.lora is not None
-            if live and not two_step and self._peers_copy and not lora:  # a peer that kept its weights serves them
+            if live and not two_step and self.settings.peer_catch_up:  # a peer that kept its weights serves them
                 for i in sorted(stale):
                     self._catch_up(i, live[0])
-            else:
-                if lora:  # the base from the checkpoint, the adapters by the refill (see replace_rollout)
-                    ray.get([self.rollouts[i].load_base.remote() for i in sorted(stale)])
+            else:  # (a base from the checkpoint where the updates carry none, see replace_rollout)
+                ray.get([self.rollouts[i].prepare_refill.remote() for i in sorted(stale)])
                 self._refill()
 
     def weights_version(self) -> int:

@@ -58,7 +58,7 @@ class RunStopped(CommandFailed):
     """The run saved a checkpoint and ended because it was asked to (``run.checkpoint_on_stop``)."""
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Run:
     """One attempt of a run: its settings, data and workers, and the loop's state between iterations."""
 
@@ -129,14 +129,15 @@ def _attempt(cfg: Config, run_dir: Path, resume: bool, console: Console, restart
         console.print(f"rollout engine: {kind}" + (" (rollout.engine: auto)" if cfg.rollout.engine == "auto" else ""))
         # a KL penalty's reference: the model the run started from, also after a resume (prepare_model: cached)
         reference = str(prepare_model(cfg, progress)) if settings.trainer.reference and resume else None
-        # LoRA: a checkpoint holds the merged policy; a resumed run reads the base it started from (the trainer
-        # state brings the adapters back)
-        base = str(prepare_model(cfg, progress)) if settings.trainer.lora is not None and resume else str(start_dir)
+        # where the updates carry no base (LoRA), a checkpoint holds the merged policy: a resumed run reads the base
+        # it started from (the trainer state brings the adapters back)
+        base = str(start_dir) if settings.updates_carry_base or not resume else str(prepare_model(cfg, progress))
         with Cluster(settings, base, restarts, reference) as cluster:
             r = settings.rollout
             episodes = Episodes(None, tok, r.tool_format, r.max_turns, settings.context, cfg.run.seed)
-            run = Run(cfg, settings, run_dir, start_dir, tasks, tok, ptx, cluster, PartialRolloutBuffer(r.max_age),
-                      episodes, progress, console, est.checkpoint)
+            run = Run(cfg=cfg, settings=settings, run_dir=run_dir, start_dir=start_dir, tasks=tasks, tok=tok, ptx=ptx,
+                      cluster=cluster, buffer=PartialRolloutBuffer(r.max_age), episodes=episodes, progress=progress,
+                      console=console, checkpoint_bytes=est.checkpoint)
             try:
                 return _loop(run, state, restarts)
             finally:
@@ -153,7 +154,7 @@ def _loop(run: Run, state: LoopState | None, restarts: Restarts) -> dict:
     if state:
         cluster.load_state(str(run.start_dir))
         cluster.adopt_version(state.weights_version)
-        if run.settings.trainer.lora is not None:  # the replicas hold the base: merge the checkpoint's adapters
+        if not run.settings.updates_carry_base:  # the replicas hold the base: serve the checkpoint's adapters on it
             cluster.resend_weights()
         run.buffer.load_state_dict(state.partial, lambda i: run.settings.rollout.task_types.get(run.tasks.type_of(i)))
         initial, initial_sampled = state.initial_accuracy, state.initial_accuracy_sampled

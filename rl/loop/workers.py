@@ -11,15 +11,16 @@ from __future__ import annotations
 import os
 import socket
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_map_only
 
+from checkpoint_engine.adapter_sender import update_sender
 from checkpoint_engine.engine import CheckpointEngine
-from checkpoint_engine.model_sender import ModelSender, plan_adapter_update
+from checkpoint_engine.model_sender import ModelSender
+from checkpoint_engine.sinks import AdapterUpdates, fill_sink, make_sink
 from checkpoint_engine.topology import free_port
 from checkpoint_engine.transfer import WeightReceiver
 from engines.device import peak_memory_bytes, reset_peak_memory
@@ -27,34 +28,24 @@ from engines.inference.factory import EngineSettings, build_engine, replica_mode
 from engines.inference.requests import Completion
 from engines.inference.sampling import SamplingParams
 from engines.model import sharded
-from engines.model.causal_lm import build_model, track_max_logits
-from engines.model.hf_io import read_config, read_tensors, save_pretrained
+from engines.model.causal_lm import track_max_logits
+from engines.model.hf_io import read_config, read_tensors
 from engines.model.layout import hub_state
-from engines.model.lora import (
-    ADAPTER_DIR,
-    LoraSpec,
-    adapter_state,
-    apply_lora,
-    init_adapters,
-    is_adapter,
-    merged_state,
-    save_adapters,
-)
-from engines.model.lora_quant import exact_base, quantize_base, quantized_weights
 from engines.training import distributed
 from engines.training.engine import TrainingEngine
 from engines.training.optim import build_optimizers
+from engines.training.parallel_dims import ParallelDims
+from engines.training.policy import after_startup, build_policy, empty_policy, save_policy, served_state
 from engines.training.trainer_state import has_trainer_state, load_trainer_state, save_trainer_state
 from rl.algo.batches import RankBatch
 from rl.algo.update import rl_update
 from rl.errors import UserError
 from rl.loop.weight_sync import RayPacker, RayReloader
-from rl.rollout.partial import advance
-from rl.sample import Sample
+from rl.rollout.turns import serve_turns
+from rl.sample import TurnRequest, TurnResult
 from rl.settings import TrainerSettings, UpdateSettings
 
 OPTIMIZER_FILE = "optimizer.pt"  # the earlier checkpoint format, still read
-LORA_SEED = 0  # LoRA's A matrices: the same draw on every rank and in every run (B starts at zero)
 
 
 def _set_threads(threads: int) -> None:
@@ -104,31 +95,6 @@ class TrainerWorker:
         t = self.settings
         return read_hf_config(model_dir, t.trust_remote_code) if t.backend == "transformers" else read_config(model_dir)
 
-    def _model(self, arch, shard: bool, device: str, lora: LoraSpec | None = None):
-        """An empty model of ``arch`` in the master dtype, sharded over the group when ``shard`` (FSDP2, compute in
-        the compute dtype), for ``startup`` (or the reference's read) to fill. The transformers backend builds
-        transformers' own model (``HFCausalLM``) under the same contract. ``lora`` (sharded only): the adapters
-        go on before sharding, so FSDP2 shards them with the frozen base and reduces their gradients alone; they
-        are drawn once sharded, A alike on every rank (each keeps its rows)."""
-        from engines.model.hf_backend import empty_hf_model, materialize
-
-        t = self.settings
-        dtype = getattr(torch, t.master_dtype)
-        if t.backend == "transformers":
-            model = empty_hf_model(arch, dtype, t.trust_remote_code)
-            if not shard:
-                materialize(model, device)
-        else:
-            model = build_model(arch, device="meta" if shard else device, dtype=dtype)
-        if not shard:
-            return model
-        if lora is not None:
-            apply_lora(model, lora, dtype)  # on meta: the adapters' shapes
-        model = distributed.shard_model(model, param_dtype=t.compute_dtype, device=device)
-        if lora is not None:
-            init_adapters(model, lora, torch.Generator(device=device).manual_seed(LORA_SEED))
-        return model
-
     def _replica(self, arch, model_dir: str):
         """An empty replica (meta device) in the rollout engine's layout and dtype, which the weight update is
         planned for: the native engine's fused model, or for vLLM on the transformers backend the checkpoint's own
@@ -150,19 +116,12 @@ class TrainerWorker:
         distributed.init_distributed(rank, world, init_method, device=device)
         arch = self._arch(model_dir)
         # master weights (and optimizer state) in trainer.master_dtype, compute in bf16 through FSDP's mixed
-        # precision; replicas get rollout.dtype (cast per bucket)
-        # LoRA on one rank needs no FSDP for mixed precision: its frozen model is kept in the compute dtype
-        shard = world > 1 or (t.compute_dtype != t.master_dtype and t.lora is None)
-        model = self._model(arch, shard, device, t.lora)
-        if t.lora is not None and not shard:  # frozen base, adapters in the master dtype
-            master, served = getattr(torch, t.master_dtype), getattr(torch, t.replica_dtype)
-            if t.compute_dtype != t.master_dtype:  # the checkpoint's dtype (lora_run_checks): nothing is rounded
-                model.to(getattr(torch, t.compute_dtype))
-            # else the adapted projections' base is kept as the replicas serve it, the checkpoint's own dtype (start-up
-            # refuses a LoRA run whose replicas do not load the checkpoint as it is): narrower than the master
-            # dtype loses nothing and halves most of the model's bytes
-            apply_lora(model, t.lora, master, torch.Generator(device=device).manual_seed(LORA_SEED),
-                       base_dtype=served if served.itemsize < master.itemsize else None)
+        # precision; replicas get rollout.dtype (cast per bucket); with LoRA the frozen base as engines.training.policy
+        self.policy = t.policy
+        dims = t.parallel or ParallelDims(workers=world)
+        if dims.world != world:
+            raise ValueError(f"trainer rank {rank}: the run's layout has {dims.world} ranks, the group {world}")
+        model = build_policy(arch, self.policy, dims, device)
         self.model_dir = model_dir
         track_max_logits(model, True)
         model.activation_checkpointing = t.activation_checkpointing
@@ -174,18 +133,17 @@ class TrainerWorker:
         # GRPO's KL penalty: the reference policy, sharded as the policy is, filled by load_reference
         self.reference: TrainingEngine | None = None
         if t.reference:
-            self.reference = TrainingEngine(self._model(arch, shard, device).requires_grad_(False), [], pad,
-                                            attention=t.attention)
+            ref = empty_policy(arch, self.policy, dims, device).requires_grad_(False)
+            self.reference = TrainingEngine(ref, [], pad, attention=t.attention)
         self.sender = ModelSender(model, self._replica(arch, model_dir), t.bucket_bytes)
-        # a LoRA run's updates carry the adapters only, cast to the replicas' dtype as a full update's weights are
-        # (half the bytes of float32 for bfloat16 replicas); start-up fills the base through the model's plan
-        self.adapter_plan = None if t.lora is None else \
-            plan_adapter_update(adapter_state(model), t.bucket_bytes, getattr(torch, t.replica_dtype))
+        # what an update sends: every weight, or a LoRA run's adapters, cast to the replicas' dtype as a full
+        # update's weights are; start-up fills the base through the model's plan in either case
+        self.updates = update_sender(self.sender, t.bucket_bytes, getattr(torch, t.replica_dtype))
         self.ckpt = CheckpointEngine(rank, world, init_method, t.bucket_bytes, shm_prefix, device=device)
 
     def weight_plan(self):
-        """The bucket plan and the IPC buffer handles the inference engines map."""
-        return self.adapter_plan or self.sender.plan, self.ckpt.ipc_handles()
+        """The bucket plan of the updates and the IPC buffer handles the inference engines map."""
+        return self.updates.plan, self.ckpt.ipc_handles()
 
     def share_replica(self, ranks_per_worker: int) -> None:
         """This rank's worker's replica loads from every rank's IPC buffers (a tensor-parallel vLLM replica, each
@@ -201,12 +159,10 @@ class TrainerWorker:
         trainer's shard, and the inference engines when they hold its dtypes (collective). Returns
         whether they did ("replicas") and the tensors this trainer read per file ("reads")."""
         out = self.sender.startup(self.ckpt, model_dir, self.reloader)
-        if self.adapter_plan is not None and not out["replicas"]:
+        if not self.updates.carries_base and not out["replicas"]:
             raise UserError("model.lora: the rollout engine must load the checkpoint as it is (rollout.dtype = the "
                             "checkpoint's dtype, no FP8): a LoRA run's updates carry the adapters, not the base")
-        lora = self.settings.lora
-        if lora is not None and lora.quantize_base is not None:  # QLoRA: from the filled base, once
-            quantize_base(self.engine.model, lora.quantize_base)
+        after_startup(self.engine.model, self.policy)  # a QLoRA base quantized from the filled one
         return out
 
     def load_reference(self, model_dir: str) -> None:
@@ -220,35 +176,19 @@ class TrainerWorker:
         """The local inference engines that this worker's checkpoint engine updates."""
         self.rollouts, self.reloader = rollouts, RayReloader(rollouts)
 
-    def _no_lora_catch_up(self) -> None:
-        if self.adapter_plan is not None:
-            raise RuntimeError("model.lora: a restarted inference engine cannot catch up from a peer's merged "
-                               "weights yet; resume the run from its last checkpoint (rl train --resume)")
-
     def serve_catch_up(self, peer: int) -> int:
         """Send this worker's inference engine's weights to worker ``peer``'s restarted one, point to point."""
-        self._no_lora_catch_up()
         return self.ckpt.serve_catch_up(self.sender.plan, peer, RayPacker(self.rollouts[0]))
 
     def catch_up(self, peer: int) -> int:
         """Fill this worker's restarted inference engine from worker ``peer``'s; returns the version."""
         assert self.reloader is not None
-        self._no_lora_catch_up()
         return self.ckpt.catch_up(self.sender.plan, peer, self.reloader)
 
     def update_weights(self, version: int) -> None:
-        """Push this rank's shard of the weights to every inference engine (checkpoint engine).
-
-        While offloaded the shards are read from host memory: stage 1 is then the H2D copy. A LoRA run sends
-        the adapters only, gathered whole on every rank (megabytes; rank 0 sends them)."""
-        if self.adapter_plan is not None:
-            with self._onloaded():
-                adapters = {n: t.reshape(-1) for n, t in adapter_state(self.engine.model, full=True).items()}
-                self.ckpt.update(self.adapter_plan, adapters, version, self.reloader)
-            return
-        shards = self.engine.host_shards() if self.engine.offloaded else sharded.local_shards(self.engine.model)
-        tensors, offsets = self.sender.sources(shards)
-        self.ckpt.update(self.sender.plan, tensors, version, self.reloader, offsets=offsets)
+        """Push this rank's part of an update to every inference engine (checkpoint engine): its shard of the
+        weights (read from host memory while offloaded: stage 1 is then the H2D copy), or a LoRA run's adapters."""
+        self.updates.send(self.ckpt, self.engine, version, self.reloader)
 
     def train(self, batch: RankBatch) -> Iterator[dict[str, float]]:
         """Run this rank's share of the policy update (K1.5, GRPO or DAPO; + PTX); yields each step's metrics,
@@ -274,43 +214,16 @@ class TrainerWorker:
             self.reference.onload()
         return self.engine.onload() if self.engine.offloaded else {}
 
-    @contextmanager
-    def _onloaded(self):
-        """The trainer's tensors in place for the duration (an offloaded tensor has no storage)."""
-        was = self.engine.offloaded
-        if was:
-            self.engine.onload()
-        try:
-            yield
-        finally:
-            if was:
-                self.engine.offload()
-
     def save(self, directory: str, trainer_state: bool = True) -> None:
-        """Weights in Hugging Face format (rank 0 writes the gathered tensors) and, with ``trainer_state``, every
-        rank's shards of the master weights and optimizer state (``engines.training.trainer_state``); collective."""
-        with self._onloaded():
-            state = sharded.full_state_dict(self.engine.model)
-            if self.rank == 0:
-                lora = self.settings.lora
-                if lora is not None:  # the directory loads as the trained policy; adapter/ goes on the base with PEFT
-                    adapters = {n: v for n, v in state.items() if is_adapter(n)}  # gathered whole
-                    save_adapters(lora, adapters, Path(directory) / ADAPTER_DIR, base_model=self.model_dir)
-                    state = self._merged(state)
-                save_pretrained(self.engine.model, None, directory, state=state)
-            del state
+        """Weights in Hugging Face format (rank 0 writes the gathered tensors; ``engines.training.policy``) and, with
+        ``trainer_state``, every rank's shards of the master weights and optimizer state
+        (``engines.training.trainer_state``); collective."""
+        with self.engine.onloaded():
+            save_policy(self.engine.model, self.policy, directory, self.model_dir)
             if trainer_state:
                 save_trainer_state(self.engine.model, self.engine.optimizers, directory)
             if self.world > 1:
                 dist.barrier()
-
-    def _merged(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """A LoRA model's full ``state`` as the policy the replicas serve: base plus adapters merged, the base of a
-        quantized projection (QLoRA) read from the checkpoint the run started from, as the replicas keep it."""
-        quantized = quantized_weights(self.engine.model)
-        if quantized:
-            state = exact_base(state, quantized, read_tensors(self.model_dir, quantized))
-        return merged_state(state, self.settings.lora.scaling)
 
     def scale_lr(self, factor: float) -> float:
         """Multiply every optimizer's learning rate by ``factor`` (a rollback); returns the first group's new rate."""
@@ -323,7 +236,7 @@ class TrainerWorker:
         """Master weights and optimizer state from a checkpoint, whatever the worker count that saved it;
         collective. A checkpoint of the earlier format (one ``optimizer.pt`` of per-rank states) needs the
         same worker count and restores the optimizer only (its weights are the directory's)."""
-        with self._onloaded():
+        with self.engine.onloaded():
             if has_trainer_state(directory):
                 load_trainer_state(self.engine.model, self.engine.optimizers, directory)
                 return
@@ -336,10 +249,9 @@ class TrainerWorker:
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Full weights under the checkpoint's names (collective when sharded)."""
-        with self._onloaded():
-            full = sharded.full_state_dict(self.engine.model)
-            if self.settings.lora is not None:  # the policy the replicas serve: base and adapters merged
-                full = self._merged(full)
+        with self.engine.onloaded():
+            full = served_state(self.engine.model, self.policy, sharded.full_state_dict(self.engine.model),
+                                self.model_dir)  # the policy the replicas serve (LoRA: base and adapters merged)
             return {k: v.clone() for k, v in hub_state(self.engine.model, full).items()}
 
     def close(self) -> None:
@@ -360,38 +272,24 @@ class RolloutWorker:
         self._ipc: tuple | None = None
         self._mapped = False  # the engine mapped the IPC buffers itself (ipc_views)
 
-    def load_base(self) -> None:
-        """A LoRA run's replacement replica: the base from the checkpoint the run started from, which the
-        adapters' next update merges onto (a peer's weights are merged ones, and the updates carry no base)."""
-        self.engine.load_weights(read_tensors(self.model_dir).items())
+    def prepare_refill(self) -> None:
+        """A replacement replica that the trainers fill next: where their updates carry no base (LoRA: a peer's
+        weights are merged ones), the base first, from the checkpoint the run started from."""
+        if self.receiver is not None and self.receiver.sink.needs_base:
+            self.engine.load_weights(read_tensors(self.model_dir).items())
 
-    def attach(self, plan, handles: list, rank_handles: list | None = None, lora_scaling: float | None = None) -> None:
-        """Map the checkpoint engine's IPC buffers; checks the plan against this engine's tensors. ``rank_handles``:
-        the handles of every trainer rank of this worker (its lead's first), for a replica that loads from the
-        buffers itself (vLLM's ``ipc_views``: each of its ranks reads its own GPU's). ``lora_scaling``: the plan
-        carries LoRA adapters, loaded aside and merged into the base this engine keeps (alpha / rank)."""
-        self._ipc = (plan, handles, rank_handles, lora_scaling)
-        if lora_scaling is not None:
-            self.engine.keep_adapter_base()  # the updates carry no base: a level-2 sleep keeps it on the host
-            dev = self.engine.device
-            staged = {n: torch.zeros(t.shape, dtype=getattr(torch, t.dtype), device=dev)
-                      for n, t in plan.tensors.items()}
-            self.receiver = WeightReceiver(plan, handles, staged,
-                                           on_commit=lambda a: self.engine.merge_adapters(a, lora_scaling))
-            return
-        self.receiver = self._weights_receiver(plan, handles, rank_handles)
-
-    def _weights_receiver(self, plan, handles: list, rank_handles: list | None) -> WeightReceiver:
-        """The receiver of whole weights (an update's, or a LoRA run's start-up fill) for this engine's kind."""
-        if self.engine.ipc_views:  # vLLM on a GPU: its workers load each bucket where it lies
-            if not self._mapped:
-                self.engine.attach_ipc(rank_handles or [handles])
-                self._mapped = True
-            return WeightReceiver(plan, handles, self.engine.named_tensors(), stream=self.engine, views=True)
-        if self.engine.weight_update == "stream":  # vLLM: each bucket goes on into its running reload
-            return WeightReceiver(plan, handles, self.engine.named_tensors(), stream=self.engine)
-        return WeightReceiver(plan, handles, self.engine.named_tensors(), on_commit=self.engine.swap_weights,
-                              placements=self.engine.weight_placements() or None)
+    def attach(self, plan, handles: list, rank_handles: list | None = None,
+               adapters: AdapterUpdates | None = None) -> None:
+        """Map the checkpoint engine's IPC buffers and take this engine's sink for updates of ``plan``
+        (``checkpoint_engine.sinks.make_sink``), checked against its tensors. ``rank_handles``: the handles of every
+        trainer rank of this worker (its lead's first), for a replica that loads from the buffers itself (vLLM's
+        ``ipc_views``: each of its ranks reads its own GPU's). ``adapters``: the updates carry LoRA adapters."""
+        self._ipc = (plan, handles, rank_handles, adapters)
+        if self.engine.ipc_views and not self._mapped:  # vLLM on a GPU: its workers load each bucket where it lies
+            self.engine.attach_ipc(rank_handles or [handles])
+            self._mapped = True
+        self.sink = make_sink(self.engine, plan, adapters)
+        self.receiver = WeightReceiver(plan, handles, self.sink)
 
     def weights_version(self) -> int:
         """The version of the weights this replica holds (its receiver's: updates since the run began)."""
@@ -405,15 +303,10 @@ class RolloutWorker:
     def use_plan(self, plan=None) -> None:
         """Load the buckets of ``plan`` from now on (the start-up's), or again those of the updates (None)."""
         assert self.receiver is not None and self._ipc is not None, "attach() first"
-        if self._ipc[3] is not None:  # LoRA: the start-up fills the base, the updates' receiver stages adapters
-            version = self.receiver.version
-            if plan is not None:
-                self._updates, self.receiver = self.receiver, self._weights_receiver(plan, self._ipc[1], self._ipc[2])
-            else:
-                self.receiver = self._updates
-            self.receiver.version = version
-            return
-        self.receiver.set_plan(plan if plan is not None else self._ipc[0])
+        if plan is not None:  # whole weights in the checkpoint's layout (also where the updates carry adapters)
+            self.receiver.set_plan(plan, fill_sink(self.engine, self.sink))
+        else:
+            self.receiver.set_plan(self._ipc[0], self.sink)
 
     def visible_devices(self) -> str | None:
         """The GPUs Ray gave this worker (CUDA_VISIBLE_DEVICES), which its trainer shares."""
@@ -459,19 +352,23 @@ class RolloutWorker:
         self._check_consistent()
         return self.engine.generate(prompts, params, seed=seed)
 
-    def rollout(self, samples: list[Sample], token_budget: int | None) -> tuple[list[Sample], dict[str, int]]:
+    def rollout(self, requests: list[TurnRequest], token_budget: int | None
+                ) -> tuple[list[TurnResult], dict[str, int], list[int]]:
         """The current turn of new and paused samples, until it ends or ``token_budget`` tokens
-        (``rl.rollout.partial.advance``; the new tokens tagged with the version of the weights served), and the
-        engine's counters over this call (prefix-cache tokens found and computed, preemptions, peak KV blocks)."""
+        (``rl.rollout.turns.serve_turns``: a request carries only the context this worker does not hold yet, a
+        result only the new tokens, tagged with the version of the weights served); the engine's counters over this
+        call (prefix-cache tokens found and computed, preemptions, peak KV blocks); and the keys whose context it
+        does not hold (then nothing was generated: the driver sends those whole)."""
         self._check_consistent()
+        held = self.__dict__.setdefault("_held_contexts", {})  # key -> context kept from the last call
         before = self.engine.stats()
         self.engine.reset_peaks()
         reset_peak_memory(self.engine.device)
-        out = advance(self.engine, samples, token_budget, self.weights_version())
+        out, missing = serve_turns(self.engine, held, requests, token_budget, self.weights_version())
         after = self.engine.stats()
         counts = {k: after[k] - before[k] for k in ("prefix_hit_tokens", "prefix_miss_tokens", "preemptions")}
         return out, {**counts, "kv_blocks_peak": after["kv_blocks_peak"], "kv_blocks": after["kv_blocks"],
-                     "peak_bytes": peak_memory_bytes(self.engine.device) + self.engine.mapped_bytes()}
+                     "peak_bytes": peak_memory_bytes(self.engine.device) + self.engine.mapped_bytes()}, missing
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The engine's weights under the checkpoint's names; FP8 ones as their bytes (uint8), which is

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engines.inference.capabilities import capabilities_of
 from engines.inference.factory import EngineSettings
 from engines.inference.kv_cache import BLOCK_SIZE, bytes_per_slot, bytes_per_token, gather_bytes, paged_pool
 from engines.model.arch import ModelConfig
@@ -38,12 +39,12 @@ from engines.model.lora import LoraSpec
 from engines.model.lora_quant import BYTES_PER_WEIGHT
 from rl.config import Config
 from rl.errors import UserError
-from rl.settings import RunSettings, ranks_per_worker, resolve, sleep_level
+from rl.settings import RunSettings, parallel_dims, resolve, sleep_level
 
 GiB = 2**30
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ModelShape:
     """What the memory arithmetic needs of a model, counted on the meta device (free for any size)."""
 
@@ -89,10 +90,12 @@ class ModelShape:
                       sum(p.numel() for n, p in layer.named_parameters() if ".experts." in f".{n}"))
                      for layer in decoder_layers(model)]
         largest = max(per_layer)
-        return cls(sum(p.numel() for p in params), sum(p.numel() for p in params if id(p) in muon), largest[0],
-                   largest[1], sum(p.numel() for p in params) - sum(n for n, _ in per_layer), arch.num_hidden_layers,
-                   arch.hidden_size,
-                   arch.vocab_size, max(layer_activations(arch, i) for i in range(arch.num_hidden_layers)), *adapters)
+        return cls(params=sum(p.numel() for p in params), muon_params=sum(p.numel() for p in params if id(p) in muon),
+                   largest_layer=largest[0], largest_layer_experts=largest[1],
+                   root_params=sum(p.numel() for p in params) - sum(n for n, _ in per_layer),
+                   layers=arch.num_hidden_layers, hidden=arch.hidden_size, vocab=arch.vocab_size,
+                   layer_activations=max(layer_activations(arch, i) for i in range(arch.num_hidden_layers)),
+                   adapter_params=adapters[0], adapter_muon_params=adapters[1], adapted_params=adapters[2])
 
 
 def layer_activations(arch: ModelConfig | ModelDescription, layer: int) -> int:
@@ -177,7 +180,7 @@ def vllm_rows(arch: ModelConfig, params: int, cfg: Config, engine: EngineSetting
                     staging=staging if engine.ipc_views else 0)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class MemoryEstimate:
     params: int
     trainer_weights: int
@@ -288,7 +291,7 @@ def estimate(cfg: Config, arch: ModelConfig | ModelDescription, max_seq_len: int
     (``TrainerSettings.lora``): gradients and optimizer state of the adapters only, the base in the rollout dtype."""
     shape = ModelShape.of(arch, lora)
     # trainer ranks: one per worker, or one per GPU of a worker whose replica spans its GPUs (rl.loop.cluster)
-    workers = cfg.cluster.workers * ranks_per_worker(cfg)
+    workers = parallel_dims(cfg).world
     compute_dtype, rollout_dtype_name = cfg.compute_dtype, cfg.rollout_dtype
     opt_kind = cfg.model.lora.optimizer if lora is not None and cfg.model.lora is not None else cfg.optimizer.kind
     sharded = workers > 1 or (compute_dtype != cfg.trainer.master_dtype and lora is None)
@@ -343,21 +346,25 @@ def estimate(cfg: Config, arch: ModelConfig | ModelDescription, max_seq_len: int
     copies = vllm.host_copies if vllm is not None else 0
     checkpoint, run_dir = run_dir_bytes(shape, cfg.model.dtype, cfg.trainer.master_dtype, opt_kind,
                                         cfg.run.keep_checkpoints)
-    return MemoryEstimate(shape.params, weights, grads, opt, replica, kv, seqs, per_seq, max_seq_len,
-                          max(rollout_phase, train_phase, update_phase),
-                          trainer + work + replica + kv + decode + copies + base_copy +
+    return MemoryEstimate(params=shape.params, trainer_weights=weights, trainer_grads=grads, optimizer=opt,
+                          replica=replica, kv_cache=kv, kv_sequences=seqs, kv_per_sequence=per_seq,
+                          max_seq_len=max_seq_len, device_peak=max(rollout_phase, train_phase, update_phase),
+                          host_total=trainer + work + replica + kv + decode + copies + base_copy +
                           (vllm.forward if vllm is not None else 0),
-                          work, pinned if cfg.cluster.gpus_per_worker > 0 else 0, decode, checkpoint, run_dir, kind,
-                          vllm, shape.adapter_params)
+                          activations=work, host_pinned=pinned if cfg.cluster.gpus_per_worker > 0 else 0,
+                          decode_work=decode, checkpoint=checkpoint, run_dir=run_dir, engine=kind, vllm=vllm,
+                          adapters=shape.adapter_params)
 
 
 def _vllm_settings(cfg: Config, max_seq_len: int) -> EngineSettings:
     """The vLLM replica ``cfg`` describes, where the caller has no resolved settings (as ``rl.settings`` would
     make them: IPC views on GPU workers)."""
     r, gpu = cfg.rollout, cfg.cluster.gpus_per_worker > 0
-    return EngineSettings("vllm", "", "cuda" if gpu else "cpu", cfg.rollout_dtype, False, max_seq_len, r.max_batch,
-                          r.kv_cache_mb << 20, r.max_batch_tokens, "torch", 0, r.tensor_parallel_size,
-                          r.expert_parallel, r.vllm_memory_fraction, ipc_views=gpu)
+    return EngineSettings(kind="vllm", model_dir="", device="cuda" if gpu else "cpu", dtype=cfg.rollout_dtype,
+                          fp8=False, max_seq_len=max_seq_len, max_num_seqs=r.max_batch,
+                          kv_cache_bytes=r.kv_cache_mb << 20, max_batch_tokens=r.max_batch_tokens, attention="torch",
+                          seed=0, tensor_parallel_size=r.tensor_parallel_size, expert_parallel=r.expert_parallel,
+                          memory_fraction=r.vllm_memory_fraction, ipc_views=capabilities_of("vllm").ipc_views and gpu)
 
 
 def estimate_run(cfg: Config) -> tuple[MemoryEstimate, RunSettings]:
@@ -434,8 +441,8 @@ def check_fits(cfg: Config, est: MemoryEstimate) -> None:
     limit, what = have
     if cfg.cluster.gpus_per_worker > 0 and est.engine == "vllm":
         _check_vllm_start(cfg, est, limit // cfg.cluster.gpus_per_worker)
-    if ranks_per_worker(cfg) > 1:  # the estimate is of one GPU of the worker's
-        limit, what = limit // ranks_per_worker(cfg), "memory on each of its GPUs"
+    if (per := parallel_dims(cfg).ranks_per_worker) > 1:  # the estimate is of one GPU of the worker's
+        limit, what = limit // per, "memory on each of its GPUs"
     need = est.device_peak if cfg.cluster.gpus_per_worker > 0 else est.host_total
     if need <= limit:
         return
