@@ -5,8 +5,8 @@ rollout tokens/s of the native engine against vLLM, same weights, measured in al
     python -m benchmarks.backends --model 100m --json          # ~88 M parameters, Llama layout
 
 One Llama checkpoint (random weights: throughput does not depend on them) is saved in Hugging Face format and loaded
-four times: by the native model (``engines.model.hf_io.load_pretrained``) and by the transformers backend
-(``engines.model.hf_backend.load_hf_model``) for training, by the native inference engine and by vLLM for rollouts.
+four times: by the native model (``engines.model.io.hf_io.load_pretrained``) and by the transformers backend
+(``engines.model.hf.backend.load_hf_model``) for training, by the native inference engine and by vLLM for rollouts.
 
 Trainer: forward and backward of the K1.5 loss (``rl.algo.objectives.k15_loss``, sequence log-probs from the
 chunked vocabulary scoring) on one packed micro-batch of variable-length documents (``benchmarks.train_step``'s
@@ -41,9 +41,9 @@ from benchmarks.timing import say
 from benchmarks.train_step import WORKLOADS, make_batch
 from engines.inference.native import InferenceEngine
 from engines.inference.sampling import SamplingParams
-from engines.model.causal_lm import CausalLM, track_max_logits
-from engines.model.hf_backend import load_hf_model
-from engines.model.hf_io import load_pretrained, save_pretrained
+from engines.model.hf.backend import load_hf_model
+from engines.model.io.hf_io import load_pretrained, save_pretrained
+from engines.model.native.causal_lm import CausalLM, track_max_logits
 from engines.training.engine import TrainingEngine
 from engines.training.optim import build_optimizers
 from rl.algo.objectives import k15_loss

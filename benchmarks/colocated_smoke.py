@@ -42,9 +42,9 @@ from checkpoint_engine.transfer import WeightReceiver
 from engines.device import peak_memory_bytes, reset_peak_memory
 from engines.inference.native import InferenceEngine
 from engines.inference.sampling import SamplingParams
-from engines.model.arch import ModelConfig
-from engines.model.causal_lm import CausalLM
 from engines.model.layout import model_tensors
+from engines.model.native.arch import ModelConfig
+from engines.model.native.causal_lm import CausalLM
 from engines.training.engine import TrainingEngine
 
 BUCKET_BYTES = 64 << 20

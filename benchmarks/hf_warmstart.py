@@ -1,5 +1,5 @@
 """Warm starts of families the native code lacks, for the transfer suite: a transformers model of that family,
-trained here by the transformers backend (``engines.model.hf_backend``) with supervised learning on a task's
+trained here by the transformers backend (``engines.model.hf.backend``) with supervised learning on a task's
 reference solutions, saved as transformers' ``save_pretrained`` writes it, with a tokenizer in the family's
 conventions (its end-of-turn EOS, pad and chat template).
 
@@ -18,10 +18,10 @@ from pathlib import Path
 
 import torch
 
-from engines.model.family_tokens import TokenStyle
-from engines.model.hf_backend import build_hf_model
-from engines.model.hf_io import save_pretrained
-from engines.model.tokenizer import train_tokenizer
+from engines.model.hf.backend import build_hf_model
+from engines.model.io.hf_io import save_pretrained
+from engines.model.text.family_tokens import TokenStyle
+from engines.model.text.tokenizer import train_tokenizer
 from engines.training.engine import TrainingEngine
 from engines.training.optim import build_optimizers
 from rl.algo.update import sft_update
@@ -38,7 +38,7 @@ GEMMA_TEMPLATE = (
     "<bos>{% for m in messages %}<start_of_turn>{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n"
     "{{ m['content'] }}<end_of_turn>\n{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
 
-#: tokenizer conventions of the families here (the native families' are engines.model.family_tokens.STYLES)
+#: tokenizer conventions of the families here (the native families' are engines.model.text.family_tokens.STYLES)
 STYLES: dict[str, TokenStyle] = {
     "gemma": TokenStyle("<end_of_turn>", "<pad>", ("<bos>", "<eos>", "<start_of_turn>"), GEMMA_TEMPLATE),
 }

@@ -21,8 +21,8 @@ from benchmarks.rollout import MODELS
 from checkpoint_engine.topology import free_port
 from engines.inference.native import InferenceEngine
 from engines.inference.sampling import SamplingParams
-from engines.model.causal_lm import CausalLM
-from engines.model.hf_io import load_pretrained
+from engines.model.io.hf_io import load_pretrained
+from engines.model.native.causal_lm import CausalLM
 from engines.training.distributed import init_distributed, shard_model
 from engines.training.engine import TrainingEngine
 

@@ -25,7 +25,7 @@ import torch
 
 from benchmarks.rollout import MODELS
 from engines.device import malloc_trim, synchronize
-from engines.model.causal_lm import CausalLM
+from engines.model.native.causal_lm import CausalLM
 from engines.training.engine import TrainingEngine
 from engines.training.optim import build_optimizers
 

@@ -27,8 +27,8 @@ import torch
 from benchmarks.rollout import MODELS
 from benchmarks.timing import best_seconds
 from engines.device import synchronize
-from engines.model.attention import Attention
-from engines.model.causal_lm import CausalLM
+from engines.model.native.attention import Attention
+from engines.model.native.causal_lm import CausalLM
 from engines.training.muon import emulate_bf16_matmul
 from engines.training.optim import build_optimizers
 from engines.training.qk_clip import qk_clip

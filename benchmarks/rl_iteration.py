@@ -38,10 +38,10 @@ from pathlib import Path
 import torch
 import yaml
 
-from engines.model.arch import make_config
-from engines.model.causal_lm import build_model
-from engines.model.hf_io import save_pretrained
-from engines.model.tokenizer import train_tokenizer
+from engines.model.io.hf_io import save_pretrained
+from engines.model.native.arch import make_config
+from engines.model.native.causal_lm import build_model
+from engines.model.text.tokenizer import train_tokenizer
 from envs.arithmetic import ArithmeticEnv
 
 ROOT = Path(__file__).resolve().parents[1]

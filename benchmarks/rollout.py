@@ -32,9 +32,9 @@ from engines.device import peak_memory_bytes, reset_peak_memory, synchronize
 from engines.inference.kv_cache import bytes_per_slot
 from engines.inference.native import InferenceEngine
 from engines.inference.sampling import SamplingParams
-from engines.model.arch import ModelConfig
-from engines.model.causal_lm import CausalLM
-from engines.model.hf_io import load_pretrained, save_pretrained
+from engines.model.io.hf_io import load_pretrained, save_pretrained
+from engines.model.native.arch import ModelConfig
+from engines.model.native.causal_lm import CausalLM
 
 #: Architectures the benchmark builds (random weights: throughput does not depend on them).
 MODELS = {

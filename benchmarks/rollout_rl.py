@@ -31,7 +31,7 @@ from engines.device import synchronize
 from engines.inference.kv_cache import BLOCK_SIZE, bytes_per_slot, bytes_per_token, paged_pool
 from engines.inference.native import InferenceEngine
 from engines.inference.sampling import SamplingParams
-from engines.model.causal_lm import CausalLM
+from engines.model.native.causal_lm import CausalLM
 
 #: (shortest prompt, longest prompt, longest output) per model.
 RL_LENGTHS = {"demo": (16, 48, 64), "100m": (64, 192, 256), "qwen3-0.6b": (128, 512, 2048)}

@@ -35,8 +35,8 @@ from benchmarks.rollout import MODELS
 from benchmarks.timing import best_seconds, say
 from engines.device import synchronize
 from engines.inference.sampling import token_logprobs
-from engines.model.arch import make_config
-from engines.model.causal_lm import CausalLM, track_max_logits
+from engines.model.native.arch import make_config
+from engines.model.native.causal_lm import CausalLM, track_max_logits
 from engines.training.engine import TrainingEngine
 from engines.training.optim import build_optimizers
 from engines.training.packing import pack
@@ -164,7 +164,7 @@ def measure(model_name: str, repeats: int = 3, warmup: int = 1, device: str = "c
     n_tok = tokens or n_tok
     prompts, responses = make_batch(n_tok, lo, hi, cfg.vocab_size, seed)
     if lora:
-        from engines.model.lora import LoraSpec, apply_lora, default_targets
+        from engines.model.lora.adapters import LoraSpec, apply_lora, default_targets
 
         apply_lora(model, LoraSpec(lora, 2.0 * lora, target_modules=default_targets(cfg)), torch.float32,
                    torch.Generator(device=dev).manual_seed(seed), base_dtype=getattr(torch, lora_base_dtype))

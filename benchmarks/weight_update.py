@@ -37,7 +37,7 @@ import torch
 
 from benchmarks.harness.ranks import Sharding, Step, run_scenario, shard_digests, synthetic_params
 from benchmarks.harness.synthetic import SyntheticModel
-from engines.model.fp8 import quantize
+from engines.model.native.fp8 import quantize
 
 
 def copy_seconds(threads: int, nbytes: int, repeats: int) -> list[float]:

@@ -44,7 +44,7 @@ from checkpoint_engine.sinks import TensorSink
 from checkpoint_engine.topology import free_port
 from checkpoint_engine.transfer import WeightReceiver
 from engines.device import host_buffer
-from engines.model.fp8 import quantize
+from engines.model.native.fp8 import quantize
 
 WEIGHTS = ("bf16", "fp32-to-bf16", "fp8")
 

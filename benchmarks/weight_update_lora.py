@@ -8,15 +8,15 @@ One process builds a trainer model of ``benchmarks.rollout.MODELS`` (float32, ra
 in ``--dtype``. A full update hands the replica every checkpoint tensor in its dtype
 (``InferenceEngine.load_weights``); a LoRA update hands it the adapters alone, cast to the replica's dtype as a run
 sends them, which it merges from its copy of the base (``InferenceEngine.merge_adapters``); a second replica takes
-them unmerged (``load_adapter_deltas``: low-rank deltas beside the base, ``engines.model.lora_delta``).
+them unmerged (``load_adapter_deltas``: low-rank deltas beside the base, ``engines.model.lora.delta``).
 ``full_bytes`` and ``lora_bytes`` are what each update moves into the replica, ``full_s`` and ``lora_s`` the median
 seconds of ``--repeats`` updates each (interleaved, after one cold update of each), ``unmerged_s`` the unmerged
 replica's update and ``unmerged_speedup`` the full update's seconds over it, ``unmerged_same_tokens`` whether it
 samples the merged replica's greedy tokens and ``unmerged_logprob_max_diff`` how far their log-probs are (rounding:
 the two add the adapters at different points), ``base_copy_bytes`` the memory merge-on-receipt holds.
 ``bitwise_equal``: the replica's weights after the last LoRA update equal the merged weights computed independently
-(``engines.model.lora.merged_state``). The transport between processes (the checkpoint engine's buckets) is not part
-of this measure: it carries ``full_bytes`` or ``lora_bytes``, as counted here.
+(``engines.model.lora.adapters.merged_state``). The transport between processes (the checkpoint engine's buckets)
+is not part of this measure: it carries ``full_bytes`` or ``lora_bytes``, as counted here.
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ import torch
 from benchmarks.rollout import MODELS
 from engines.inference.native import InferenceEngine
 from engines.inference.sampling import SamplingParams
-from engines.model.causal_lm import build_model
 from engines.model.layout import hub_state
-from engines.model.lora import LoraSpec, adapter_state, apply_lora, default_targets, merged_state
+from engines.model.lora.adapters import LoraSpec, adapter_state, apply_lora, default_targets, merged_state
+from engines.model.native.causal_lm import build_model
 
 
 def measure_lora(model: str, rank: int, dtype: str = "bfloat16", repeats: int = 5) -> dict:

@@ -31,9 +31,9 @@ from checkpoint_engine.buckets import spec_of
 from checkpoint_engine.sinks import StreamSink
 from engines.inference.native import InferenceEngine
 from engines.inference.sampling import SamplingParams
-from engines.model.arch import ModelConfig
-from engines.model.causal_lm import CausalLM
-from engines.model.hf_io import load_pretrained, save_pretrained
+from engines.model.io.hf_io import load_pretrained, save_pretrained
+from engines.model.native.arch import ModelConfig
+from engines.model.native.causal_lm import CausalLM
 
 #: replica architectures (head_dim 64: vLLM's CPU attention serves 32 and up)
 MODELS = {

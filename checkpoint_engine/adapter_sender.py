@@ -12,11 +12,11 @@ import torch
 from torch import nn
 
 from checkpoint_engine.model_sender import ModelSender, plan_adapter_update
-from engines.model.lora import adapter_state
+from engines.model.lora.adapters import adapter_state
 
 
 class AdapterSender:
-    """The adapters of ``model`` (``engines.model.lora``) as one plan, sent whole."""
+    """The adapters of ``model`` (``engines.model.lora.adapters``) as one plan, sent whole."""
 
     carries_base = False
 

@@ -39,7 +39,7 @@ class Piece:
 class BucketPlan:
     """Buckets in transfer order; bucket k holds pieces of ``owners[k]``'s tensors only.
 
-    ``fp8`` maps each block-FP8 tensor of the plan to its scale grid's tensor (``engines.model.fp8``, blocks
+    ``fp8`` maps each block-FP8 tensor of the plan to its scale grid's tensor (``engines.model.native.fp8``, blocks
     of ``block`` x ``block``): an owner holding the weight in another dtype quantises it while staging.
     """
 

@@ -173,7 +173,7 @@ K2_BYTES = {"params": 1.026408209408e12, "bf16": 2.052817e12, "fp8": 1.029173e12
 
 
 def k2_arch():
-    from engines.model.arch import make_config
+    from engines.model.native.arch import make_config
 
     return make_config("kimi_k2", **K2_CONFIG)
 

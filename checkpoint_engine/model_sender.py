@@ -21,8 +21,8 @@ from torch import nn
 
 from checkpoint_engine.buckets import BucketPlan, TensorSpec, plan_buckets
 from checkpoint_engine.quantize import scale_owners
-from engines.model.fp8 import BLOCK, FP8, SCALE_SUFFIX, Fp8Experts, Fp8Linear
 from engines.model.layout import model_tensors, placements
+from engines.model.native.fp8 import BLOCK, FP8, SCALE_SUFFIX, Fp8Experts, Fp8Linear
 
 #: per model tensor name: this rank's part as a flat tensor and the index of its first element
 LocalParts = dict[str, tuple[torch.Tensor, int]]
@@ -83,7 +83,7 @@ def plan_adapter_update(adapters: dict[str, torch.Tensor], bucket_bytes: int,
 
 
 def fp8_block(replica: nn.Module) -> int:
-    """The FP8 block size of a replica (``engines.model.fp8.to_fp8``); the default when it has none."""
+    """The FP8 block size of a replica (``engines.model.native.fp8.to_fp8``); the default when it has none."""
     return next((m.block for m in replica.modules() if isinstance(m, (Fp8Linear, Fp8Experts))), BLOCK)
 
 
@@ -154,7 +154,7 @@ class ModelSender:
 def checkpoint_fp8_block(model_dir: str | Path) -> int:
     """The FP8 block size of the checkpoint in ``model_dir`` (its config.json's ``quantization_config``; the default
     when it has none), read from the file itself: any model type, native or transformers-only."""
-    from engines.model.fp8 import checkpoint_block
+    from engines.model.native.fp8 import checkpoint_block
 
     config = json.loads((Path(model_dir) / "config.json").read_text()) if Path(model_dir).is_dir() else {}
     return checkpoint_block(SimpleNamespace(extra=config)) or BLOCK

@@ -3,7 +3,7 @@
 A plan's FP8 tensors (``BucketPlan.fp8``: weight -> its ``_scale_inv`` grid) go on the wire as
 e4m3 bytes plus float32 block scales, half the bytes of bf16. Each worker quantises the rows of
 the trainer shard it holds, on the device that stages the bucket (the GPU on GPU: the source rows
-are copied there first), and the receivers get exactly ``engines.model.fp8.quantize`` of the full
+are copied there first), and the receivers get exactly ``engines.model.native.fp8.quantize`` of the full
 weight: every element depends only on itself and its block's scale, and a block's scale on the
 block's largest |element|. A block whose rows two workers hold (an FSDP shard boundary inside a
 block) is the one thing a worker cannot compute alone: ``prepare`` combines those partial maxima
@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from checkpoint_engine.buckets import BucketPlan, Piece
 from checkpoint_engine.wire import Wire
-from engines.model.fp8 import FP8, block_amax, quantize_with, scales_from_amax
+from engines.model.native.fp8 import FP8, block_amax, quantize_with, scales_from_amax
 
 
 def holders(plan: BucketPlan, name: str) -> list[tuple[int, int, int]]:

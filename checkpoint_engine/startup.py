@@ -22,7 +22,7 @@ import torch
 from safetensors import safe_open
 
 from checkpoint_engine.buckets import BucketPlan, TensorSpec, plan_buckets
-from engines.model.fp8 import BLOCK, FP8, SCALE_SUFFIX, dequantize, grid
+from engines.model.native.fp8 import BLOCK, FP8, SCALE_SUFFIX, dequantize, grid
 
 _ST_DTYPES = {"F32": ("float32", 4), "BF16": ("bfloat16", 2), "F16": ("float16", 2), "F64": ("float64", 8),
               "I64": ("int64", 8), "I32": ("int32", 4), "I16": ("int16", 2), "I8": ("int8", 1),

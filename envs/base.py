@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import gymnasium
 
 if TYPE_CHECKING:
-    from engines.model.chat_format import ToolFormat
+    from engines.model.text.chat_format import ToolFormat
 
 MAX_TEXT = 1 << 16  # an action (a model response) is at most this many characters
 MAX_OBSERVATION = 1 << 20  # a prompt or a tool result: SWE problem statements and outputs run long
@@ -138,7 +138,7 @@ class Env(gymnasium.Env):
         RL loop to every environment it makes; the default ignores it (the rubric environment uses it)."""
 
     def set_tool_format(self, fmt: ToolFormat) -> None:
-        """Use ``fmt`` (the model family's tool-call format, ``engines.model.chat_format``) to render and parse
+        """Use ``fmt`` (the model family's tool-call format, ``engines.model.text.chat_format``) to render and parse
         tool calls; called by the RL loop on ``uses_tools`` environments. The default stores it."""
         self.tool_format = fmt
 

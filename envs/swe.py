@@ -2,7 +2,7 @@
 
 The model gets the issue and the tools ``bash``, ``view_file``, ``edit_file`` (exact, unique replacement),
 ``create_file`` and ``submit``; each step parses its calls in ``tool_format`` (the model family's format from
-``engines.model.chat_format``, set by the rollout from the tokenizer; K2 by default), runs them and returns
+``engines.model.text.chat_format``, set by the rollout from the tokenizer; K2 by default), runs them and returns
 their results. ``reset`` and ``step`` also put the conversation as chat messages in ``info``: ``messages`` (the
 user prompt, then one ``tool`` message per result) and ``tools`` (OpenAI form), which the rollout renders with
 the model's own chat template; the text observations are the K2 rendering (declarations, result messages).
@@ -45,7 +45,7 @@ import shlex
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from engines.model.chat_format import ToolFormat, get_format
+from engines.model.text.chat_format import ToolFormat, get_format
 from envs.base import Env, Task
 from envs.registry import register
 from envs.swe_grading import (

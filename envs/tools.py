@@ -20,11 +20,11 @@ Three pieces of text make up a tool-using dialog:
       RESULT<|im_end|>
 
 The markers are special tokens in K2; our tokenizers have no special tokens for them, so they are
-plain strings. They, the ``Tool``/``ToolCall`` types and the K2 parser live in ``engines.model.chat_format``
+plain strings. They, the ``Tool``/``ToolCall`` types and the K2 parser live in ``engines.model.text.chat_format``
 (the registry of every family's tool-call format, shared with ``engines.inference.constrained``) and are
 re-exported here. What stays here is the K2 text for tokenizers without a chat template: the TypeScript
 declaration message and the tool result messages. With a chat template, conversations are rendered by it
-(``engines.model.conversation``) and the model's family format (``detect_format``) is used instead.
+(``engines.model.text.conversation``) and the model's family format (``detect_format``) is used instead.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import json
 import re
 from typing import Any
 
-from engines.model.chat_format import (
+from engines.model.text.chat_format import (
     ARGUMENTS_BEGIN,
     CALL_BEGIN,
     CALL_END,

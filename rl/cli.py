@@ -87,7 +87,7 @@ def _cmd_check(args: argparse.Namespace) -> None:
 
 
 def _cmd_fetch_model(args: argparse.Namespace) -> None:
-    from engines.model.sources import FetchError, SourceError, fetch_model
+    from engines.model.io.sources import FetchError, SourceError, fetch_model
 
     if args.cache is None:
         from rl.setup.warmstart import model_cache
@@ -142,7 +142,7 @@ def _cmd_envs(args: argparse.Namespace) -> None:
 def _cmd_serve(args: argparse.Namespace) -> None:
     from engines.inference.factory import VllmUnavailableError
     from engines.inference.server import serve
-    from engines.model.hf_io import ModelDirError
+    from engines.model.io.hf_io import ModelDirError
 
     try:
         serve(args.model_dir, host=args.host, port=args.port, name=args.served_model_name, dtype=args.dtype,

@@ -18,9 +18,9 @@ from checkpoint_engine.sinks import AdapterUpdates
 from engines.inference.capabilities import capabilities_of
 from engines.inference.factory import EngineSettings, decode_attention, vllm_build
 from engines.inference.vllm_setup import CPU_BUILD_ON_GPU, GPU_BUILD_ON_CPU, UntestedVllmError, check_vllm_version
-from engines.model.arch import FAMILIES, ModelConfig
-from engines.model.hf_spec import ModelDescription
-from engines.model.lora import LoraSpec, check_lora, default_targets, empty_model
+from engines.model.hf.spec import ModelDescription
+from engines.model.lora.adapters import LoraSpec, check_lora, default_targets, empty_model
+from engines.model.native.arch import FAMILIES, ModelConfig
 from engines.training.engine import resolve_attention as train_attention
 from engines.training.parallel_dims import ParallelDims
 from engines.training.policy import PolicySpec
@@ -119,7 +119,7 @@ class TrainerSettings:
     bucket_bytes: int
     replica_dtype: str
     replica_fp8: bool
-    backend: str = "native"       # the model code: "native" (engines.model.causal_lm) or "transformers"
+    backend: str = "native"       # the model code: "native" (engines.model.native.causal_lm) or "transformers"
     trust_remote_code: bool = False
     rollout_engine: str = "native"  # the replicas' engine, whose layout the weight update is planned for
     lora: LoraSpec | None = None  # train adapters on the frozen base (model.lora), targets resolved
@@ -369,7 +369,7 @@ def lora_run_checks(cfg: Config, compute_dtype: str) -> None:
     the frozen base with the adapters, in the master dtype, and computes in the compute dtype: any pair runs."""
     sharded = parallel_dims(cfg).sharded
     if cfg.model.lora.quantize_base is not None:
-        from engines.model.lora_quant import bitsandbytes_missing
+        from engines.model.lora.quant import bitsandbytes_missing
 
         if sharded:
             raise UserError("model.lora.quantize_base runs on one trainer rank: FSDP2 does not shard bitsandbytes' "
@@ -418,10 +418,10 @@ def model_arch(cfg: Config, model_dir: str | Path) -> tuple[ModelConfig | ModelD
     """The model in ``model_dir`` as the backend ``model.backend`` resolves to reads it (the native architecture, or
     transformers' description of the model), and why that backend. A model neither backend runs, or one that needs
     its own code without ``model.trust_remote_code``, is one line (UserError)."""
-    from engines.model.arch import UnsupportedModelError
-    from engines.model.hf_backend import read_hf_config
-    from engines.model.hf_io import ModelDirError, read_config
-    from engines.model.hf_spec import describe, meta_model
+    from engines.model.hf.backend import read_hf_config
+    from engines.model.hf.spec import describe, meta_model
+    from engines.model.io.hf_io import ModelDirError, read_config
+    from engines.model.native.arch import UnsupportedModelError
 
     want, trust = cfg.model.backend, cfg.model.trust_remote_code
     native_error = None

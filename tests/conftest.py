@@ -8,9 +8,9 @@ import os
 import pytest
 import torch
 
-from engines.model.arch import ModelConfig
-from engines.model.causal_lm import CausalLM
-from engines.model.tokenizer import train_tokenizer
+from engines.model.native.arch import ModelConfig
+from engines.model.native.causal_lm import CausalLM
+from engines.model.text.tokenizer import train_tokenizer
 from envs.arithmetic import ArithmeticEnv
 
 

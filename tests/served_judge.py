@@ -30,11 +30,11 @@ def trained_judge(directory: Path) -> None:
     import torch
     import torch.nn.functional as F
 
-    from engines.model.arch import ModelConfig
-    from engines.model.attention import padded_causal_mask, positions_from_valid
-    from engines.model.causal_lm import CausalLM
-    from engines.model.hf_io import save_pretrained
-    from engines.model.tokenizer import train_tokenizer
+    from engines.model.io.hf_io import save_pretrained
+    from engines.model.native.arch import ModelConfig
+    from engines.model.native.attention import padded_causal_mask, positions_from_valid
+    from engines.model.native.causal_lm import CausalLM
+    from engines.model.text.tokenizer import train_tokenizer
     from envs.reward_judge import judge_prompt
 
     texts = [judge_prompt(task, response, RUBRIC, 10) for task, response, _ in CASES]

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from engines.inference.native import InferenceEngine
 from engines.inference.sampling import SamplingParams
-from engines.model.attention import padded_causal_mask, positions_from_valid
+from engines.model.native.attention import padded_causal_mask, positions_from_valid
 from engines.training.engine import TrainingEngine
 from engines.training.optim import build_optimizers
 from rl.algo.batches import PtxBatch, informative_groups, plan_micro_batches, plan_update, ptx_shares

@@ -66,7 +66,7 @@ def test_train_step_with_lora_keeps_a_frozen_base_and_the_adapters_state():
     count) of the adapters alone, counted here from the demo model's shapes, and a step's growth (gradients of the
     adapters, not of the weights) stays below full training's."""
     from benchmarks.rollout import MODELS
-    from engines.model.causal_lm import build_model
+    from engines.model.native.causal_lm import build_model
 
     args = ("--tokens", "512", "--repeats", "1", "--warmup", "1", "--variants", "base")
     full = _last_json("benchmarks.train_step", *args)

@@ -1,4 +1,4 @@
-"""The model's own chat and tool-call format (engines.model.chat_format, engines.model.conversation).
+"""The model's own chat and tool-call format (engines.model.text.chat_format, engines.model.text.conversation).
 
 Tokenizers with the published chat templates of Qwen2.5, Qwen3, Llama 3.2 and Mistral v0.3
 (tests/data/chat_templates; no hub) are built locally. A SWE episode played through the rollout
@@ -15,7 +15,7 @@ import pytest
 import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from engines.model.chat_format import (
+from engines.model.text.chat_format import (
     FORMATS,
     ChatFormatError,
     Tool,
@@ -23,8 +23,8 @@ from engines.model.chat_format import (
     detect_format,
     get_format,
 )
-from engines.model.conversation import Conversation
-from engines.model.tokenizer import TextTokenizer, train_tokenizer
+from engines.model.text.conversation import Conversation
+from engines.model.text.tokenizer import TextTokenizer, train_tokenizer
 from envs.swe import TOOLS
 from rl.config import parse_config
 from rl.rollout.episodes import EpisodeRunner

@@ -1,4 +1,4 @@
-"""Chat templates that rewrite history (engines.model.conversation): the episode's token stream stays append-only.
+"""Chat templates that rewrite history (engines.model.text.conversation): the episode's token stream stays append-only.
 
 Qwen3's published template (tests/data/chat_templates/qwen3.jinja) drops the reasoning of every assistant turn
 before the latest user query: while the observations are tool results the model's thinking stays in the history,
@@ -9,7 +9,7 @@ phase (``play_episodes``) with scripted model turns, as the SWE episodes of test
 
 from __future__ import annotations
 
-from engines.model.chat_format import ToolCall, get_format
+from engines.model.text.chat_format import ToolCall, get_format
 from envs import Env, Task, register
 from envs.swe import TOOLS
 from rl.config import parse_config

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from engines.inference.sampling import SamplingParams
-from engines.model.causal_lm import CausalLM
+from engines.model.native.causal_lm import CausalLM
 from engines.training.optim import build_optimizers
 from engines.training.trainer_state import load_trainer_state, save_trainer_state
 from rl.algo.schedules import Schedule
@@ -46,7 +46,7 @@ CHILD = """
 import json, os, signal, sys
 from pathlib import Path
 import torch
-from engines.model.hf_io import save_pretrained
+from engines.model.io.hf_io import save_pretrained
 from engines.training.trainer_state import save_trainer_state
 from rl.loop.checkpoint import LoopState, save_checkpoint
 from tests.test_checkpoint_complete import build, step
@@ -144,7 +144,7 @@ def _real_checkpoint(tmp_path: Path, it: int, shard_hook=None, partial: dict | N
     tok.mkdir(exist_ok=True)
 
     def write(d: str) -> None:
-        from engines.model.hf_io import save_pretrained
+        from engines.model.io.hf_io import save_pretrained
 
         save_pretrained(model, None, d)
         save_trainer_state(model, opts, d)

@@ -193,7 +193,7 @@ FP8_SPECS = [TensorSpec("w.a", (200, 136), "bfloat16", 200 * 136 * 2),
 @pytest.mark.parametrize(("split_rows", "nodes", "shard"), [(False, 1, False), (True, 2, False), (True, 1, True)])
 def test_fp8_update_equals_the_reference_quantisation(split_rows, nodes, shard):
     """Owners quantise their rows bucket by bucket (an FSDP-like split cuts blocks between workers, whose
-    maxima are combined): every replica holds exactly ``engines.model.fp8.quantize`` of the trainer's weights,
+    maxima are combined): every replica holds exactly ``engines.model.native.fp8.quantize`` of the trainer's weights,
     and the wire carries about a byte per element instead of two (or four)."""
     from benchmarks.harness.synthetic import SyntheticModel
 
@@ -214,7 +214,7 @@ def test_fp8_checkpoint_starts_replicas_as_stored_and_trainers_dequantised(tmp_p
     """A block-FP8 checkpoint (F8_E4M3 matrices, float32 ``_scale_inv``) is read once: FP8 replicas get
     its bytes, each worker's trainer rows (starting inside a block) get them dequantised."""
     from benchmarks.harness.synthetic import SyntheticModel
-    from engines.model.fp8 import dequantize
+    from engines.model.native.fp8 import dequantize
 
     save_checkpoint(FP8_SPECS, 5, tmp_path, files=2, fp8=True, block=32)
     run = run_scenario(FP8_SPECS, 3, 4096, [Step("startup", 5, path=str(tmp_path), trainer=True)], split_rows=True,

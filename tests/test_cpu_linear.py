@@ -48,7 +48,7 @@ def test_a_routed_model_trained_as_well_gets_torchs_gradients(tiny_model):
 def test_the_engine_routes_a_wide_models_linears_on_a_cpu_and_decodes_the_same(tokenizer):
     """A model as wide as MIN_FEATURES, 72 sequences (padded to 128 rows, then fewer as they finish): the same
     tokens and logprobs as torch's GEMM."""
-    from engines.model.causal_lm import CausalLM
+    from engines.model.native.causal_lm import CausalLM
     from tests.conftest import tiny_config
 
     torch.manual_seed(0)  # the usual init: logits of a real model's size (float32 rounding is relative to them)
@@ -77,7 +77,7 @@ def test_a_bfloat16_engine_routes_only_what_onednn_runs_in_bfloat16_here(tokeniz
     """A CPU without native bfloat16 (AVX2 only) has no oneDNN bfloat16 kernel: a bfloat16 replica keeps F.linear
     there (it used to be routed and fail at its first step), and decodes what an unrouted copy does; where the CPU
     has the kernel its layers are routed."""
-    from engines.model.causal_lm import CausalLM
+    from engines.model.native.causal_lm import CausalLM
     from tests.conftest import tiny_config
 
     torch.manual_seed(0)

@@ -14,7 +14,7 @@ import pytest
 from engines.inference.base import RolloutEngine
 from engines.inference.capabilities import CAPABILITIES, NATIVE, VLLM, capabilities_of
 from engines.inference.factory import EngineSettings
-from engines.model.arch import make_config
+from engines.model.native.arch import make_config
 from rl.config import RolloutConfig, parse_config
 from rl.errors import UserError
 from rl.settings import resolve

@@ -11,8 +11,8 @@ import torch
 from engines.inference.factory import EngineSettings, build_engine, decode_attention, replica_model
 from engines.inference.native import InferenceEngine
 from engines.inference.sampling import SamplingParams
-from engines.model.fp8 import Fp8Linear
-from engines.model.hf_io import read_config, read_tensors, save_pretrained
+from engines.model.io.hf_io import read_config, read_tensors, save_pretrained
+from engines.model.native.fp8 import Fp8Linear
 from tests.conftest import sharp_model, tiny_config
 
 PROMPTS = ["Question: Mia has 3 apples.", "Q", "Answer: 1+2=3, 3*2=6. The"]

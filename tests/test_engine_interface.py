@@ -12,8 +12,8 @@ import torch
 from engines.inference.base import RolloutEngine
 from engines.inference.native import InferenceEngine
 from engines.inference.sampling import SamplingParams
-from engines.model.causal_lm import build_model
 from engines.model.layout import hub_state, model_tensors
+from engines.model.native.causal_lm import build_model
 
 
 def test_the_native_engine_implements_every_method_with_the_interfaces_signature():

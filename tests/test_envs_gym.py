@@ -135,7 +135,7 @@ def test_a_plugin_relying_only_on_the_defaults(tmp_path):
     with pytest.raises(NotImplementedError, match="group_level is False"):
         env.score_group(Task("t", "p", "a"), ["a", "b"])
     assert env.attach(lambda prompts: prompts) is None  # the critic is ignored
-    from engines.model.chat_format import get_format
+    from engines.model.text.chat_format import get_format
 
     env.set_tool_format(get_format("k2"))
     assert env.tool_format.name == "k2"

@@ -19,9 +19,9 @@ import transformers
 
 from engines.inference.native import InferenceEngine
 from engines.inference.sampling import SamplingParams
-from engines.model.attention import padded_causal_mask, positions_from_valid
-from engines.model.hf_io import ModelDirError, checkpoint_index, load_pretrained, read_config, save_pretrained
-from engines.model.moe import Router
+from engines.model.io.hf_io import ModelDirError, checkpoint_index, load_pretrained, read_config, save_pretrained
+from engines.model.native.attention import padded_causal_mask, positions_from_valid
+from engines.model.native.moe import Router
 from engines.training.engine import TrainingEngine
 from tests.ranks import rank_body, run_ranks
 
@@ -246,9 +246,10 @@ def _load_worker(rank: int, world: int, port: int, out_dir: str, model_dir: str)
     import safetensors
     import torch.distributed as dist
 
-    from engines.model import hf_io, sharded
-    from engines.model.causal_lm import build_model
+    from engines.model import sharded
+    from engines.model.io import hf_io
     from engines.model.layout import hub_state
+    from engines.model.native.causal_lm import build_model
     from engines.training import distributed
 
     torch.set_num_threads(1)

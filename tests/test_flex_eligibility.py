@@ -11,14 +11,14 @@ import random
 import pytest
 import torch
 
-import engines.model.attention as attention
+import engines.model.native.attention as attention
 import engines.training.engine as engine_mod
 from benchmarks.rollout import MODELS
 from benchmarks.train_step import QWEN3_1B
-from engines.model.arch import make_config
-from engines.model.attention import FLEX_FALLBACK, attention_dims, why_not_flex
-from engines.model.causal_lm import CausalLM, attention_layers, reset_max_logits, track_max_logits
-from engines.model.document_mask import FLEX_BLOCK
+from engines.model.native.arch import make_config
+from engines.model.native.attention import FLEX_FALLBACK, attention_dims, why_not_flex
+from engines.model.native.causal_lm import CausalLM, attention_layers, reset_max_logits, track_max_logits
+from engines.model.native.document_mask import FLEX_BLOCK
 from engines.training.engine import TrainingEngine, resolve_attention
 from engines.training.packing import FLEX_MIN_ROW, flex_row_width, pack
 from tests.conftest import tiny_config
@@ -186,11 +186,11 @@ def test_a_failing_flex_compile_falls_back_to_the_dense_path_once(monkeypatch, c
     want_max = [a.max_logits for a in attention_layers(model)]
     engine = TrainingEngine(model, [], 0, attention="flex")
     assert engine.attention_fallback == 0
-    with caplog.at_level(logging.WARNING, logger="engines.model.attention"):
+    with caplog.at_level(logging.WARNING, logger="engines.model.native.attention"):
         for _ in range(2):
             reset_max_logits(model)
             torch.testing.assert_close(engine.score(prompts, responses, 0.8).logprobs, want)
-    warnings = [r.getMessage() for r in caplog.records if r.name == "engines.model.attention"]
+    warnings = [r.getMessage() for r in caplog.records if r.name == "engines.model.native.attention"]
     assert len(warnings) == 1 and "dense" in warnings[0] and "\n" not in warnings[0], warnings
     assert engine.attention_fallback == 1 and FLEX_FALLBACK.count == 2 * model.config.num_hidden_layers
     for a, m in zip(attention_layers(model), want_max, strict=True):  # QK-Clip's statistic survives the fallback

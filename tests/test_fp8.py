@@ -13,11 +13,11 @@ import torch
 from safetensors.torch import save_file
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from engines.model.arch import make_config
-from engines.model.causal_lm import build_model
-from engines.model.fp8 import FP8, Fp8Experts, Fp8Linear, dequantize, quantize, quantize_with, to_fp8
-from engines.model.hf_io import ModelDirError, load_pretrained, read_config, save_pretrained
+from engines.model.io.hf_io import ModelDirError, load_pretrained, read_config, save_pretrained
 from engines.model.layout import hub_state
+from engines.model.native.arch import make_config
+from engines.model.native.causal_lm import build_model
+from engines.model.native.fp8 import FP8, Fp8Experts, Fp8Linear, dequantize, quantize, quantize_with, to_fp8
 from tests.ranks import rank_body, run_ranks
 
 K2_TINY = dict(vocab_size=64, hidden_size=40, intermediate_size=72, moe_intermediate_size=24, num_hidden_layers=2,
@@ -153,7 +153,8 @@ def test_other_quantisations_are_refused(tmp_path):
 def _sharded_fp8_load(rank, world, port, out_dir, model_dir):
     with rank_body(rank, out_dir):
 
-        from engines.model import hf_io, sharded
+        from engines.model import sharded
+        from engines.model.io import hf_io
         from engines.training import distributed
 
         distributed.init_distributed(rank, world, f"tcp://127.0.0.1:{port}")

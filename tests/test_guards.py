@@ -213,7 +213,7 @@ def test_prompts_longer_than_the_context_are_refused_at_start(tmp_path):
     held_out.write_text("".join(json.dumps({"id": f"e{i}", "prompt": f"Question: {i} pears", "answer": "1"}) + "\n"
                                 for i in range(8)))
     cfg = tiny(env={"train_tasks": str(tasks), "eval_tasks": str(held_out)})
-    from engines.model.tokenizer import TextTokenizer
+    from engines.model.text.tokenizer import TextTokenizer
 
     tok = TextTokenizer.load(prepare_model(cfg))
     with pytest.raises(UserError, match=r"1 of 16 prompts do not fit the model's context .* task 't0'"):

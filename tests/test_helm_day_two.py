@@ -237,7 +237,7 @@ def test_d11_the_final_model_goes_to_object_storage_with_credentials_for_the_upl
     assert "envFrom" not in c and {"name": "export-credentials", "mountPath": "/var/run/rl-export",
                                    "readOnly": True} in c["volumeMounts"]
     script = run_configmap(docs)["data"]["launch.sh"]
-    assert "python3 -m engines.model.uploads \"$run_dir/final\" 's3://rl-results/qwen3-8b-math/final'" in script
+    assert "python3 -m engines.model.io.uploads \"$run_dir/final\" 's3://rl-results/qwen3-8b-math/final'" in script
     assert "--newest-checkpoint" not in script  # checkpoints only when asked for
     script = run_configmap(render(GPU, config=GPU_CONFIG, sets=("storage.export.checkpoints=true",)))["data"][
         "launch.sh"]

@@ -1,4 +1,4 @@
-"""The transformers backend (engines.model.hf_backend) on families the native code lacks, against transformers' own
+"""The transformers backend (engines.model.hf.backend) on families the native code lacks, against transformers' own
 forward on each document alone, and on Llama against the native model with the same weights."""
 
 from __future__ import annotations
@@ -10,18 +10,18 @@ import torch
 from transformers import AttentionInterface, AutoModelForCausalLM
 from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
-from engines.model.arch import UnsupportedModelError
-from engines.model.causal_lm import track_max_logits
-from engines.model.hf_backend import build_hf_model
-from engines.model.hf_spec import decoder_layers, describe
+from engines.model.hf.backend import build_hf_model
+from engines.model.hf.spec import decoder_layers, describe
 from engines.model.logprobs import selected_logprobs
+from engines.model.native.arch import UnsupportedModelError
+from engines.model.native.causal_lm import track_max_logits
 from engines.training.packing import pack
 from engines.training.qk_clip import qk_clip
 from tests.conftest import sharp_model, tiny_config
 from tests.hf_families import FAMILIES, WINDOW, documents, hf_config, sharpen
 
 TEMPERATURE = 0.7
-#: per family, the QK-Clip layouts of its layers (engines.model.qk_clip_plan)
+#: per family, the QK-Clip layouts of its layers (engines.model.hf.qk_clip_plan)
 LAYOUTS = {
     "gpt_oss": {"sinks"}, "gemma2": {"gqa"}, "gemma3_text": {"qk_norm"},
     "qwen3_next": {"no_softmax_attention", "qk_norm"},
@@ -229,7 +229,7 @@ def test_llama_gives_the_same_logprobs_and_maxima_on_both_backends():
             got[label] = _packed(model, prompts, responses)[0]
         track_max_logits(model, False)
     torch.testing.assert_close(got["transformers"], got["native"], atol=1e-5, rtol=0)
-    from engines.model.causal_lm import attention_layers
+    from engines.model.native.causal_lm import attention_layers
 
     for a, b in zip(attention_layers(native), attention_layers(hf), strict=True):
         torch.testing.assert_close(b.max_logits, a.max_logits, atol=1e-5, rtol=1e-6)
@@ -309,7 +309,7 @@ def test_the_training_engine_scores_and_steps_a_transformers_model():
 def test_a_model_type_transformers_lacks_is_refused_in_one_line(tmp_path, auto_map, match):
     import json
 
-    from engines.model.hf_backend import load_hf_model
+    from engines.model.hf.backend import load_hf_model
 
     cfg = {"model_type": "my_new_arch", "hidden_size": 64}
     if auto_map:

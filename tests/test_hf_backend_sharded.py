@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from engines.model.causal_lm import track_max_logits
+from engines.model.native.causal_lm import track_max_logits
 from tests.hf_families import documents, hf_config, sharpen
 from tests.ranks import rank_body, run_ranks
 
@@ -16,7 +16,7 @@ TAU_FRACTION = 0.6
 
 
 def _model(name: str):
-    from engines.model.hf_backend import build_hf_model
+    from engines.model.hf.backend import build_hf_model
 
     torch.manual_seed(0)
     return sharpen(build_hf_model(hf_config(name, num_hidden_layers=2, **(

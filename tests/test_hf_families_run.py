@@ -20,7 +20,7 @@ import sys
 import pytest
 import torch
 
-from engines.model.hf_io import read_tensors
+from engines.model.io.hf_io import read_tensors
 from rl.api import train
 from rl.config import parse_config
 from tests.vllm_check import save_tiny_model

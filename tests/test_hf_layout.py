@@ -1,6 +1,6 @@
 """The transformers backend's weights under Hugging Face's checkpoint names, family by family: what the checkpoint
-engine sends to vLLM, what the trainer's start-up read fills, and what its saves write (``engines.model.hf_layout``,
-``engines.model.layout.placements``, ``engines.model.hf_io.save_pretrained``).
+engine sends to vLLM, what the trainer's start-up read fills, and what its saves write (``engines.model.hf.layout``,
+``engines.model.layout.placements``, ``engines.model.io.hf_io.save_pretrained``).
 
 The reference is transformers' own ``save_pretrained`` and ``from_pretrained``: MoE experts that transformers stacks
 into one tensor must reach the checkpoint (and vLLM, whose loaders read checkpoint names) one matrix per expert.
@@ -12,8 +12,8 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from engines.model.hf_backend import empty_hf_model, load_hf_model, materialize
-from engines.model.hf_io import read_tensors, save_pretrained
+from engines.model.hf.backend import empty_hf_model, load_hf_model, materialize
+from engines.model.io.hf_io import read_tensors, save_pretrained
 from engines.model.layout import hub_state, placements
 from engines.training.packing import pack
 from tests.hf_families import FAMILIES, documents, hf_config, sharpen

@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import save_file
 
 from engines.inference.sampling import SamplingParams
-from engines.model.hf_io import read_tensors
+from engines.model.io.hf_io import read_tensors
 from rl.config import parse_config
 from rl.loop.cluster import Cluster
 from rl.settings import for_model

@@ -13,7 +13,7 @@ import pytest
 import torch
 import transformers
 
-from engines.model.arch import FAMILIES
+from engines.model.native.arch import FAMILIES
 from rl.cli import main
 from rl.config import parse_config
 from rl.errors import UserError

@@ -13,9 +13,9 @@ from engines.inference.colocation import fit_kv_budget
 from engines.inference.kv_cache import bytes_per_token
 from engines.inference.native import InferenceEngine
 from engines.inference.sampling import InvalidRequestError, RowParams, SamplingParams, sample
-from engines.model.arch import make_config
-from engines.model.attention import padded_causal_mask, positions_from_valid
-from engines.model.causal_lm import build_model
+from engines.model.native.arch import make_config
+from engines.model.native.attention import padded_causal_mask, positions_from_valid
+from engines.model.native.causal_lm import build_model
 from engines.training.engine import TrainingEngine
 
 TEXTS = ["Question: Mia has 3 apples.", "Q", "Answer: 1+2=3, 3*2=6. The", "Question: Leo has 5 pens."]

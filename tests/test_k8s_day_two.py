@@ -124,9 +124,9 @@ def test_d11_launch_sh_uploads_the_newest_checkpoint_always_and_final_on_success
         env, calls = stand_ins(tmp_path)
         calls.unlink(missing_ok=True)
         assert bash(script, {**env, "TRAIN_STATUS": str(status)}).returncode == status
-        ckpt = (f"python3 -m engines.model.uploads --newest-checkpoint {run_dir}/checkpoints gs://results/run/checkpoints"
+        ckpt = (f"python3 -m engines.model.io.uploads --newest-checkpoint {run_dir}/checkpoints gs://results/run/checkpoints"
                 " --credentials-dir /var/run/rl-export")
-        final = f"python3 -m engines.model.uploads {run_dir}/final gs://results/run/final --credentials-dir " \
+        final = f"python3 -m engines.model.io.uploads {run_dir}/final gs://results/run/final --credentials-dir " \
                 "/var/run/rl-export"
         assert calls.read_text().splitlines()[1:] == [ckpt, *([final] if status == 0 else [])]
 

@@ -145,7 +145,7 @@ def _module_graph() -> dict[str, set[str]]:
                 name = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
                 mods[name] = path
 
-    def owner(name: str) -> str | None:  # `from engines.model.lora import X`: the module, or X when it is one
+    def owner(name: str) -> str | None:  # `from engines.model.lora.adapters import X`: the module, or X when it is one
         while name and name not in mods:
             name = name.rpartition(".")[0]
         return name or None
@@ -213,3 +213,61 @@ def test_no_import_circle_spans_more_than_two_modules():
 def test_the_circle_finder_sees_a_circle_of_three():
     assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert _circles({"a": {"b"}, "b": set()}) == []
+
+
+#: the rooms of engines/model -> the rooms they may import besides themselves; the shared modules at its root (the
+#: checkpoint layout, log-probs, shard helpers) are open to all, and import no room
+MODEL_ROOMS = {
+    "text": set(),
+    "native": set(),
+    "io": {"native"},
+    "hf": {"native"},
+    "lora": {"native", "hf"},
+}
+
+
+def _model_room(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[2] if parts[:2] == ["engines", "model"] and len(parts) > 3 else None
+
+
+def test_rooms_of_engines_model_import_only_the_rooms_below_them():
+    graph = _module_graph()
+    rooms = {p.name for p in (ROOT / "engines/model").iterdir() if (p / "__init__.py").is_file()}
+    assert rooms == set(MODEL_ROOMS), "a new room of engines/model needs its place in MODEL_ROOMS"
+    bad = []
+    for module, imports in graph.items():
+        if not module.startswith("engines.model."):
+            continue
+        room = _model_room(module)
+        allowed = MODEL_ROOMS[room] | {room} if room else set()  # a root module imports no room
+        bad += [f"{module} imports {m}" for m in sorted(imports) if (r := _model_room(m)) and r not in allowed]
+    assert bad == []
+
+
+def test_the_architecture_map_lists_every_module():
+    """docs/architecture.md's map of the packages names every module of the production packages and the benchmarks
+    in its package's row (by its path from the row's folder), so a new module cannot hide from the map."""
+    import re
+
+    doc = (ROOT / "docs/architecture.md").read_text()
+    section = doc[doc.index("## Map of the packages"):]
+    section = section[:section.index("\n## ", 5)]
+    rows: dict[str, str] = {}
+    for line in section.splitlines():
+        if line.startswith("| `"):
+            first, rest = line[2:].split(" | ", 1)
+            for folder in re.findall(r"`([\w/.]+/)`", first):
+                rows[folder] = rows.get(folder, "") + rest
+            for module in re.findall(r"`([\w/]+\.py)`", first):  # a module with a row of its own
+                rows[module] = f"`{module}"
+    missing = []
+    for pkg in (*PRODUCTION, "benchmarks"):
+        for path in sorted((ROOT / pkg).rglob("*.py")):
+            rel = str(path.relative_to(ROOT))
+            if path.name == "__init__.py" or "_pb2" in path.name:
+                continue
+            folder = max((f for f in rows if rel.startswith(f)), key=len, default=None)
+            if folder is None or f"`{rel.removeprefix(folder) if folder.endswith('/') else rel}" not in rows[folder]:
+                missing.append(rel)
+    assert missing == []

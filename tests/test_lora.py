@@ -1,6 +1,6 @@
-"""LoRA on the native model (engines.model.lora): the adapted forward is the merged model's, a training step moves
-only the adapters, saved adapters load with peft on top of the transformers model and give the trainer's log-probs,
-and the native inference engine merges received adapters into an exact base."""
+"""LoRA on the native model (engines.model.lora.adapters): the adapted forward is the merged model's, a training step
+moves only the adapters, saved adapters load with peft on top of the transformers model and give the trainer's
+log-probs, and the native inference engine merges received adapters into an exact base."""
 
 import copy
 import json
@@ -11,15 +11,12 @@ import torch
 import torch.nn.functional as F
 import transformers
 
-import engines.model.lora as lora_module
+import engines.model.lora.adapters as lora_module
 from engines.inference.native import InferenceEngine
 from engines.inference.sampling import SamplingParams
-from engines.model.arch import make_config
-from engines.model.attention import padded_causal_mask, positions_from_valid
-from engines.model.causal_lm import build_model
-from engines.model.hf_io import load_pretrained, save_pretrained
+from engines.model.io.hf_io import load_pretrained, save_pretrained
 from engines.model.layout import hub_state
-from engines.model.lora import (
+from engines.model.lora.adapters import (
     DEFAULT_TARGETS,
     LoraSpec,
     adapter_state,
@@ -30,6 +27,9 @@ from engines.model.lora import (
     read_adapter,
     save_adapters,
 )
+from engines.model.native.arch import make_config
+from engines.model.native.attention import padded_causal_mask, positions_from_valid
+from engines.model.native.causal_lm import build_model
 from engines.training.engine import TrainingEngine
 from engines.training.optim import build_optimizers
 from tests.conftest import sharp_model, tiny_config
@@ -431,7 +431,7 @@ def test_the_transformers_backend_adapts_its_own_modules_as_peft_does(tmp_path):
     """LoRA on ``HFCausalLM`` (transformers' own Gemma 3, a family the native code lacks): the adapted projections
     are transformers' modules under their own names, the adapted forward's log-probs are those of the merged model
     (float32, ≤ 1e-5), and the saved adapters put on transformers' base model by peft give the same log-probs."""
-    from engines.model.hf_backend import load_hf_model
+    from engines.model.hf.backend import load_hf_model
     from engines.training.packing import pack
     from tests.hf_families import hf_config, sharpen
 
@@ -475,12 +475,12 @@ def test_the_transformers_backend_adapts_its_own_modules_as_peft_does(tmp_path):
 
 @pytest.mark.parametrize("kind", ["nf4", "int8"])
 def test_a_quantized_base_computes_what_peft_on_bitsandbytes_does(block_dir, tmp_path, kind):
-    """QLoRA (engines.model.lora_quant): the adapted projections' weights become bitsandbytes' packed bytes (NF4:
+    """QLoRA (engines.model.lora.quant): the adapted projections' weights become bitsandbytes' packed bytes (NF4:
     about a sixth of their float32 bytes, int8 about a quarter), and the adapted model's log-probs are those of
     transformers' 4-bit model (bitsandbytes) with the same adapters put on by peft, exactly for NF4; for int8 (which
     transformers runs through another kernel) those of the dequantized weights merged with the adapters. A training
     step moves the adapters only and leaves the packed base as it was."""
-    from engines.model.lora_quant import _dequantized, quantize_base
+    from engines.model.lora.quant import _dequantized, quantize_base
 
     model = adapted(block_dir)
     save_adapters(SPEC, adapter_state(model), tmp_path / "adapter", str(block_dir))
@@ -535,7 +535,7 @@ def test_nf4_dequantizes_blocks_of_64_of_the_flattened_weight_on_any_cpu(base_di
     scales each row as if it began a block)."""
     import bitsandbytes.functional as bf
 
-    from engines.model.lora_quant import BLOCK, _dequantized, quantize_base
+    from engines.model.lora.quant import BLOCK, _dequantized, quantize_base
 
     model = adapted(base_dir)
     names = quantize_base(model, "nf4")

@@ -15,7 +15,7 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
-from engines.model.lora import ADAPTER_CONFIG, ADAPTER_DIR, ADAPTER_WEIGHTS
+from engines.model.lora.adapters import ADAPTER_CONFIG, ADAPTER_DIR, ADAPTER_WEIGHTS
 from rl.config import load_config
 from rl.loop.checkpoint import latest_checkpoint
 from rl.loop.controller import train

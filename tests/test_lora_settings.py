@@ -9,8 +9,8 @@ import json
 
 import pytest
 
-from engines.model.hf_io import read_config
-from engines.model.lora import LoraSpec
+from engines.model.io.hf_io import read_config
+from engines.model.lora.adapters import LoraSpec
 from rl.cli import main
 from rl.config import parse_config
 from rl.errors import UserError
@@ -51,8 +51,8 @@ def _resolve(model_dir, overrides=(), **lora):
 
 def _description(model_dir):
     """transformers' description of the model in ``model_dir`` (the transformers backend's ``arch``)."""
-    from engines.model.hf_backend import read_hf_config
-    from engines.model.hf_spec import describe, meta_model
+    from engines.model.hf.backend import read_hf_config
+    from engines.model.hf.spec import describe, meta_model
 
     hf = read_hf_config(model_dir)
     return describe(hf, meta_model(hf))

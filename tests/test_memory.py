@@ -9,9 +9,9 @@ import pytest
 import torch
 import transformers
 
-from engines.model.arch import make_config
-from engines.model.hf_io import read_config
-from engines.model.tokenizer import train_tokenizer
+from engines.model.io.hf_io import read_config
+from engines.model.native.arch import make_config
+from engines.model.text.tokenizer import train_tokenizer
 from envs.arithmetic import ArithmeticEnv
 from rl.cli import main
 from rl.config import load_config, parse_config

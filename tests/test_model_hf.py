@@ -6,10 +6,10 @@ import pytest
 import torch
 import transformers
 
-from engines.model.attention import padded_causal_mask, positions_from_valid
-from engines.model.causal_lm import CausalLM
-from engines.model.hf_io import ModelDirError, load_pretrained, read_config, save_pretrained
-from engines.model.tokenizer import TextTokenizer
+from engines.model.io.hf_io import ModelDirError, load_pretrained, read_config, save_pretrained
+from engines.model.native.attention import padded_causal_mask, positions_from_valid
+from engines.model.native.causal_lm import CausalLM
+from engines.model.text.tokenizer import TextTokenizer
 
 
 def test_logits_match_transformers(tiny_model, tokenizer, tmp_path):

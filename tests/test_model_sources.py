@@ -1,4 +1,4 @@
-"""model.path from a Hugging Face hub repository, s3:// or gs:// (engines.model.sources, `rl fetch-model`), against
+"""model.path from a Hugging Face hub repository, s3:// or gs:// (engines.model.io.sources, `rl fetch-model`), against
 local stand-ins: a hub mirror (an HTTP server of this module answering the hub endpoints huggingface_hub calls,
 HF_ENDPOINT pointed at it) and moto's S3 server behind a recording proxy that can break or corrupt a transfer.
 References are computed here from the files themselves."""
@@ -23,9 +23,9 @@ import boto3
 import pytest
 
 from checkpoint_engine.topology import free_port
-from engines.model import sources
-from engines.model.sources import MARKER, FetchError, SourceError, cached_dir, fetch_model, parse_source
-from engines.model.tokenizer import train_tokenizer
+from engines.model.io import sources
+from engines.model.io.sources import MARKER, FetchError, SourceError, cached_dir, fetch_model, parse_source
+from engines.model.text.tokenizer import train_tokenizer
 from envs.arithmetic import ArithmeticEnv
 from rl.cli import main
 from rl.config import parse_config

@@ -1,4 +1,4 @@
-"""A run's final model and checkpoints to s3:// or gs:// (engines.model.uploads, what a Kubernetes run's launch.sh
+"""A run's final model and checkpoints to s3:// or gs:// (engines.model.io.uploads, what a Kubernetes run's launch.sh
 calls with storage.export), against the local S3 stand-in of tests/test_model_sources.py (moto's server behind its
 recording proxy), read back with fetch_model: the way the model comes back later."""
 
@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from engines.model import uploads
-from engines.model.sources import SHA256SUMS, SourceError, fetch_model
-from engines.model.uploads import UploadError, newest_checkpoint, upload_directory
+from engines.model.io import uploads
+from engines.model.io.sources import SHA256SUMS, SourceError, fetch_model
+from engines.model.io.uploads import UploadError, newest_checkpoint, upload_directory
 from tests import test_model_sources as stand_in
 from tests.test_model_sources import Proxy
 
@@ -103,7 +103,7 @@ def test_the_command_line_takes_the_credentials_from_a_mounted_secret(s3, tmp_pa
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
     env.update(PYTHONPATH=str(ROOT), AWS_EC2_METADATA_DISABLED="true", AWS_CONFIG_FILE=str(tmp_path / "none"),
                AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "none"))
-    cmd = [sys.executable, "-m", "engines.model.uploads", str(tmp_path / "run" / "checkpoints"),
+    cmd = [sys.executable, "-m", "engines.model.io.uploads", str(tmp_path / "run" / "checkpoints"),
            "s3://models/runs/math/checkpoints/", "--newest-checkpoint", "--credentials-dir", str(secret)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr

@@ -16,9 +16,9 @@ from torch import nn
 
 from engines.inference.native import InferenceEngine
 from engines.inference.sampling import SamplingParams
-from engines.model.attention import Attention, positions_from_valid
-from engines.model.causal_lm import CausalLM, track_max_logits
-from engines.model.document_mask import DocumentMask
+from engines.model.native.attention import Attention, positions_from_valid
+from engines.model.native.causal_lm import CausalLM, track_max_logits
+from engines.model.native.document_mask import DocumentMask
 from engines.model.sharded import chunk_rows
 from engines.training.muon import ShardedMuon, assign_owners
 from engines.training.optim import build_optimizers

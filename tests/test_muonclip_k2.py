@@ -15,11 +15,11 @@ import pytest
 import torch
 from torch import nn
 
-from engines.model.arch import make_config
-from engines.model.attention import LatentAttention, positions_from_valid
-from engines.model.causal_lm import CausalLM, track_max_logits
-from engines.model.document_mask import DocumentMask
-from engines.model.moe import Router
+from engines.model.native.arch import make_config
+from engines.model.native.attention import LatentAttention, positions_from_valid
+from engines.model.native.causal_lm import CausalLM, track_max_logits
+from engines.model.native.document_mask import DocumentMask
+from engines.model.native.moe import Router
 from engines.training.muon import ShardedMuon
 from engines.training.optim import build_optimizers
 from engines.training.qk_clip import qk_clip

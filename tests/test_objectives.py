@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engines.model.attention import padded_causal_mask, positions_from_valid
+from engines.model.native.attention import padded_causal_mask, positions_from_valid
 from engines.training.engine import TrainingEngine
 from rl.algo.batches import RankBatch, plan_micro_batches, plan_update, shape_lengths
 from rl.algo.objectives import Objective, normalized_advantages, overlong_penalty

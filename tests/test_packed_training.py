@@ -17,10 +17,10 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import TorchDispatchMode
 
 import engines.model.logprobs
-from engines.model.attention import Attention, padded_causal_mask, positions_from_valid
-from engines.model.causal_lm import CausalLM, track_max_logits
-from engines.model.document_mask import DocumentMask
 from engines.model.logprobs import selected_logprobs
+from engines.model.native.attention import Attention, padded_causal_mask, positions_from_valid
+from engines.model.native.causal_lm import CausalLM, track_max_logits
+from engines.model.native.document_mask import DocumentMask
 from engines.training.engine import TrainingEngine
 from engines.training.packing import first_fit_rows, pack
 from tests.conftest import tiny_config

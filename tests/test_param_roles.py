@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engines.model.arch import make_config
-from engines.model.causal_lm import build_model
-from engines.model.hf_spec import meta_model
-from engines.model.moe import Router
+from engines.model.hf.spec import meta_model
+from engines.model.native.arch import make_config
+from engines.model.native.causal_lm import build_model
+from engines.model.native.moe import Router
 from engines.training.param_roles import MUON_ROLES, muon_params, param_roles
 from tests.hf_families import FAMILIES, hf_config
 from tests.test_families import BASE as NATIVE_BASE

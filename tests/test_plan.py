@@ -24,9 +24,9 @@ from checkpoint_engine.cost_model import (
     predict,
 )
 from checkpoint_engine.cost_model import plan as plan_with
-from engines.model.causal_lm import build_model
-from engines.model.fp8 import to_fp8
 from engines.model.layout import model_tensors
+from engines.model.native.causal_lm import build_model
+from engines.model.native.fp8 import to_fp8
 from rl.setup.update_cost import k2_footprint, main, run_config
 
 
@@ -58,7 +58,8 @@ def test_calibration_recovers_rate_and_hop():
 
 
 def model_bytes(arch) -> dict[str, float]:
-    """Parameters, and the bytes of a bf16 replica and of a block-FP8 one (``engines.model.fp8``), from shapes."""
+    """Parameters, and the bytes of a bf16 replica and of a block-FP8 one (``engines.model.native.fp8``), from
+    shapes."""
     model = build_model(arch, device="meta", dtype=torch.bfloat16)
     size = lambda m: float(sum(t.numel() * t.element_size() for t in model_tensors(m).values()))  # noqa: E731
     out = {"params": float(sum(p.numel() for p in model.parameters())), "bf16": size(model)}

@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 from torch.distributed.checkpoint import FileSystemReader
 
 from engines.inference.sampling import SamplingParams
-from engines.model.hf_io import read_config
+from engines.model.io.hf_io import read_config
 from envs.arithmetic import ArithmeticEnv
 from rl.config import parse_config
 from rl.loop.checkpoint import LoopState, SaveFailed, latest_checkpoint, save_checkpoint
@@ -253,9 +253,9 @@ def _fp8_copy(model_dir, tmp_path, block: int):
 
     from safetensors.torch import save_file
 
-    from engines.model.fp8 import to_fp8
-    from engines.model.hf_io import load_pretrained
+    from engines.model.io.hf_io import load_pretrained
     from engines.model.layout import hub_state
+    from engines.model.native.fp8 import to_fp8
 
     d = tmp_path / "fp8"
     shutil.copytree(model_dir, d)
@@ -280,7 +280,7 @@ def test_fp8_checkpoint_is_read_once_and_fp8_updates_are_exact(ray_cluster, tmp_
     replica holds exactly the reference quantisation of the trainer's weights, and generates. A restarted
     engine then copies another's weights point to point."""
     from checkpoint_engine.quantize import split_bands
-    from engines.model.fp8 import dequantize, quantize
+    from engines.model.native.fp8 import dequantize, quantize
 
     ws = json.loads(json.dumps(TINY["warmstart"]))
     ws["architecture"].update(K2_TINY)

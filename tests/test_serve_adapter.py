@@ -13,8 +13,8 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 from engines.inference.server import ServedModel
-from engines.model.hf_io import load_pretrained, save_pretrained
-from engines.model.lora import (
+from engines.model.io.hf_io import load_pretrained, save_pretrained
+from engines.model.lora.adapters import (
     ADAPTER_CONFIG,
     ADAPTER_DIR,
     ADAPTER_WEIGHTS,

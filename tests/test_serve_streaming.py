@@ -15,8 +15,8 @@ from engines.inference.native import InferenceEngine
 from engines.inference.requests import check_request
 from engines.inference.sampling import InvalidRequestError, SamplingParams
 from engines.inference.server import ServedModel
-from engines.model.attention import padded_causal_mask, positions_from_valid
-from engines.model.hf_io import save_pretrained
+from engines.model.io.hf_io import save_pretrained
+from engines.model.native.attention import padded_causal_mask, positions_from_valid
 from tests.conftest import sharp_model, tiny_config
 from tests.test_server import _joined, running
 

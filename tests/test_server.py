@@ -16,8 +16,8 @@ from checkpoint_engine.topology import free_port
 from engines.inference.native import InferenceEngine
 from engines.inference.sampling import SamplingParams
 from engines.inference.server import ServedModel, build_app
-from engines.model.attention import padded_causal_mask, positions_from_valid
-from engines.model.hf_io import save_pretrained
+from engines.model.io.hf_io import save_pretrained
+from engines.model.native.attention import padded_causal_mask, positions_from_valid
 from rl.cli import main as rl_main
 from tests.conftest import sharp_model, tiny_config
 

@@ -15,8 +15,8 @@ from engines.inference import kv_cache, native
 from engines.inference.cuda_graphs import MIN_WIDTH, DecodeGraphs, bucket
 from engines.inference.native import InferenceEngine
 from engines.inference.sampling import RowParams, SamplingParams, filter_kind, sample
-from engines.model.arch import make_config
-from engines.model.causal_lm import build_model
+from engines.model.native.arch import make_config
+from engines.model.native.causal_lm import build_model
 from tests.sync_check import HostSyncChecker, HostSyncError, no_host_sync, unwatched
 
 TEXTS = ["Question: Mia has 3 apples.", "Q", "Answer: 1+2=3, 3*2=6. The", "Question: Leo has 5 pens."]
@@ -184,7 +184,7 @@ def test_captured_graphs_are_dropped_when_an_fp8_weight_buffer_moves(tokenizer):
     weights were rebound would replay reads of freed memory)."""
     import copy
 
-    from engines.model.fp8 import to_fp8
+    from engines.model.native.fp8 import to_fp8
     from tests.conftest import tiny_config
 
     torch.manual_seed(0)

@@ -17,7 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 from datasets import Dataset, DatasetDict
 
-from engines.model.tokenizer import TextTokenizer
+from engines.model.text.tokenizer import TextTokenizer
 from envs.code import CodeEnv
 from envs.tasks import TaskFileError, load_tasks
 from tests.hub_standin import COMMIT, HubStandIn, serve

@@ -10,7 +10,7 @@ import pytest
 import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from engines.model.tokenizer import ChatTemplateError, TextTokenizer
+from engines.model.text.tokenizer import ChatTemplateError, TextTokenizer
 from envs import Task
 from envs.tasks import TaskFileError, load_tasks, save_tasks
 from rl.rollout.ptx import PtxSample, sample_ids
@@ -155,8 +155,8 @@ def test_trained_tokenizers_take_a_familys_conventions():
     """warmstart.tokenizer: the special tokens, EOS (the family's end of turn) and chat template of a family, so a
     model built here behaves as that family's do: ChatML's <|im_end|> ends Qwen turns, Llama 3's <|eot_id|>,
     Mistral's </s> (which also pads: the family has no pad token)."""
-    from engines.model.family_tokens import STYLES
-    from engines.model.tokenizer import train_tokenizer
+    from engines.model.text.family_tokens import STYLES
+    from engines.model.text.tokenizer import train_tokenizer
 
     corpus = ["Question: 12 + 30 = 42. Answer: 42"] * 20
     chat = [{"role": "user", "content": "hi"}]

@@ -9,7 +9,7 @@ import pytest
 from engines.inference.constrained import ConstraintCompiler, tool_call_format
 from engines.inference.native import InferenceEngine
 from engines.inference.sampling import SamplingParams
-from engines.model.tokenizer import train_tokenizer
+from engines.model.text.tokenizer import train_tokenizer
 from envs.tools import (
     ARGUMENTS_BEGIN,
     CALL_BEGIN,

@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
-from engines.model.causal_lm import CausalLM
+from engines.model.native.causal_lm import CausalLM
 from engines.model.sharded import full_state_dict
 from engines.training.distributed import init_distributed, shard_model
 from engines.training.engine import TrainingEngine

@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engines.model.attention import padded_causal_mask, positions_from_valid
-from engines.model.causal_lm import CausalLM, attention_layers, track_max_logits
+from engines.model.native.attention import padded_causal_mask, positions_from_valid
+from engines.model.native.causal_lm import CausalLM, attention_layers, track_max_logits
 from engines.model.sharded import full_state_dict, local_shards, local_tensor
 from engines.training.distributed import init_distributed, rank, shard_model, world_size
 from engines.training.engine import TrainingEngine

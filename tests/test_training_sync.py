@@ -13,8 +13,8 @@ import random
 
 import torch
 
-from engines.model.causal_lm import CausalLM, track_max_logits
 from engines.model.logprobs import selected_logprobs
+from engines.model.native.causal_lm import CausalLM, track_max_logits
 from engines.training.engine import TrainingEngine, inverse_temperatures
 from engines.training.packing import pack
 from rl.algo.objectives import k15_loss

@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 
 from benchmarks.transfer import PAIRS, pair_config
-from engines.model.family_tokens import STYLES
-from engines.model.hf_io import read_config
-from engines.model.tokenizer import TextTokenizer
+from engines.model.io.hf_io import read_config
+from engines.model.text.family_tokens import STYLES
+from engines.model.text.tokenizer import TextTokenizer
 from rl.config import parse_config
 from rl.loop.controller import train
 from rl.rollout.data import task_maker

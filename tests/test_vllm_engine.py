@@ -16,10 +16,10 @@ from checkpoint_engine.buckets import spec_of
 from checkpoint_engine.sinks import StreamSink, ViewSink
 from engines.inference.native import InferenceEngine
 from engines.inference.sampling import SamplingParams
-from engines.model.causal_lm import CausalLM
-from engines.model.hf_io import load_pretrained, read_tensors, save_pretrained
+from engines.model.io.hf_io import load_pretrained, read_tensors, save_pretrained
 from engines.model.layout import hub_state
-from engines.model.tokenizer import TextTokenizer
+from engines.model.native.causal_lm import CausalLM
+from engines.model.text.tokenizer import TextTokenizer
 from engines.training.engine import TrainingEngine
 from rl.config import parse_config
 from rl.loop.cluster import Cluster

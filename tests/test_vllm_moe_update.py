@@ -16,8 +16,8 @@ import torch
 
 from engines.inference.native import InferenceEngine
 from engines.inference.sampling import SamplingParams
-from engines.model.causal_lm import CausalLM
-from engines.model.hf_io import save_pretrained
+from engines.model.io.hf_io import save_pretrained
+from engines.model.native.causal_lm import CausalLM
 from engines.training.engine import TrainingEngine
 from tests.conftest import tiny_config
 
@@ -47,7 +47,7 @@ def _serve(request: dict) -> dict:
     """In the child: vLLM on ``old``, then updated in place to ``new`` and back (the tensors as stored on disk, as
     a trainer sends them); the sampled and greedy tokens and log-probs at each stage."""
     from engines.inference.vllm_engine import VllmEngine
-    from engines.model.hf_io import read_tensors
+    from engines.model.io.hf_io import read_tensors
 
     engine = VllmEngine(request["old"], request["eos_ids"], max_seq_len=256, max_num_seqs=8, dtype="float32",
                         kv_cache_bytes=64 << 20)

@@ -10,7 +10,7 @@ from benchmarks.harness.child_sender import ChildSender
 from checkpoint_engine.buckets import spec_of
 from engines.inference.native import InferenceEngine
 from engines.inference.sampling import SamplingParams
-from engines.model.hf_io import save_pretrained
+from engines.model.io.hf_io import save_pretrained
 
 vllm_engine = pytest.importorskip("engines.inference.vllm_engine")
 if not vllm_engine.vllm_available():

@@ -3,7 +3,7 @@
 ``save_tiny_model`` writes a tiny random model of a family (``tests.hf_families``) with ``save_pretrained`` and a
 tokenizer. ``check_vllm_against_trainer`` starts the rollout engine on it (``engines.inference.vllm_engine
 .VllmEngine``) in a child process, samples from it (seeded, EOS ignored), and scores the sampled tokens with
-``engines.model.hf_backend``'s packed forward at the sampling temperature in this process: π_old against the
+``engines.model.hf.backend``'s packed forward at the sampling temperature in this process: π_old against the
 trainer's π. vLLM runs apart because for families it serves through its own Transformers backend (OLMo-2,
 SmolLM3) it patches transformers' model classes in the process that loads them, which breaks transformers' own
 loading afterwards (as it would a trainer in the same process; the rollout workers are other processes).
@@ -54,7 +54,7 @@ class VllmCheck:
 
 def project_tokenizer():
     """The tests' tokenizer (byte-level BPE trained on arithmetic tasks, as ``tests.conftest``)."""
-    from engines.model.tokenizer import train_tokenizer
+    from engines.model.text.tokenizer import train_tokenizer
     from envs.arithmetic import ArithmeticEnv
 
     tasks = ArithmeticEnv.generate_tasks(500, seed=11)
@@ -79,7 +79,7 @@ def save_tiny_model(family: str, directory: str | Path, tokenizer, seed: int = 0
 
 def trainer_logprobs(model_dir: str | Path, prompts, responses, temperature: float) -> list[torch.Tensor]:
     """The transformers backend's float32 log-probs of ``responses`` at ``temperature`` (packed rows)."""
-    from engines.model.hf_backend import load_hf_model
+    from engines.model.hf.backend import load_hf_model
     from engines.training.packing import pack
 
     model = load_hf_model(model_dir)

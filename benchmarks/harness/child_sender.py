@@ -24,7 +24,7 @@ from checkpoint_engine.engine import CheckpointEngine
 from checkpoint_engine.sinks import WeightSink
 from checkpoint_engine.topology import free_port
 from checkpoint_engine.transfer import WeightReceiver
-from engines.model.hf_io import read_tensors
+from engines.model.io.hf_io import read_tensors
 
 
 class _FaultyReloader(PipeReloader):

@@ -16,7 +16,7 @@ import torch
 
 from checkpoint_engine.buckets import BucketPlan, Ownership, Piece, TensorSpec, as_bytes, plan_buckets
 from checkpoint_engine.quantize import scale_owners
-from engines.model.fp8 import FP8, SCALE_SUFFIX, grid, quantize
+from engines.model.native.fp8 import FP8, SCALE_SUFFIX, grid, quantize
 
 
 def dtype_of(name: str) -> torch.dtype:

@@ -2,7 +2,7 @@
 a valid K2 tool-call section whose arguments satisfy the chosen tool's JSON schema.
 
 The grammar is an xgrammar structural tag: the section/call markers and call ids of
-``engines.model.chat_format`` as constant strings, and for each tool the EBNF that
+``engines.model.text.chat_format`` as constant strings, and for each tool the EBNF that
 ``xgrammar.Grammar.from_json_schema`` makes of its parameters (the JSON separators of
 ``chat_format.render_arguments``, so that a constrained call re-renders to the very same text).
 Constrained calls are available for the ``k2`` and ``hermes`` (Qwen) formats (``tool_format``).
@@ -37,7 +37,7 @@ from xgrammar.structural_tag import (
     TriggeredTagsFormat,
 )
 
-from engines.model.chat_format import (
+from engines.model.text.chat_format import (
     ARGUMENTS_BEGIN,
     CALL_BEGIN,
     CALL_END,
@@ -48,10 +48,10 @@ from engines.model.chat_format import (
     HermesFormat,
     Tool,
 )
-from engines.model.tokenizer import TextTokenizer
+from engines.model.text.tokenizer import TextTokenizer
 
 ToolChoice = Literal["auto", "required"] | str
-#: The tool-call formats (``engines.model.chat_format``) constrained decoding has a grammar for.
+#: The tool-call formats (``engines.model.text.chat_format``) constrained decoding has a grammar for.
 CONSTRAINED_FORMATS = ("k2", "hermes")
 #: Unrolled depth of the exact-counter grammar when ``max_calls`` is not given.
 DEFAULT_MAX_CALLS = 16

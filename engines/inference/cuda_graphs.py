@@ -25,7 +25,7 @@ import torch
 
 if TYPE_CHECKING:
     from engines.inference.model_runner import ModelRunner
-    from engines.model.arch import ModelConfig
+    from engines.model.native.arch import ModelConfig
 
 log = logging.getLogger(__name__)
 

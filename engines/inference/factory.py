@@ -25,13 +25,13 @@ from engines.inference.capabilities import CAPABILITIES, EngineCapabilities, cap
 from engines.inference.kv_cache import BACKENDS, decode_attention
 from engines.inference.vllm_engine import VllmUnavailableError, vllm_available
 from engines.inference.vllm_setup import vllm_build
-from engines.model.arch import ModelConfig
-from engines.model.causal_lm import CausalLM, build_model
-from engines.model.fp8 import BLOCK, checkpoint_block, to_fp8
-from engines.model.hf_io import load_pretrained, read_config
+from engines.model.io.hf_io import load_pretrained, read_config
 from engines.model.layout import hub_state
-from engines.model.lora import check_adapter, read_adapter
-from engines.model.tokenizer import TextTokenizer
+from engines.model.lora.adapters import check_adapter, read_adapter
+from engines.model.native.arch import ModelConfig
+from engines.model.native.causal_lm import CausalLM, build_model
+from engines.model.native.fp8 import BLOCK, checkpoint_block, to_fp8
+from engines.model.text.tokenizer import TextTokenizer
 
 __all__ = ["DTYPES", "EngineSettings", "VllmUnavailableError", "build_engine", "decode_attention", "replica_model",
            "vllm_available", "vllm_build", "vllm_installed"]

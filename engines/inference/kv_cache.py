@@ -27,7 +27,7 @@ import torch
 
 from engines.inference import cpu_kernel
 from engines.inference.uploads import upload_rows
-from engines.model.arch import ModelConfig
+from engines.model.native.arch import ModelConfig
 
 #: Tokens per block.
 BLOCK_SIZE = 16

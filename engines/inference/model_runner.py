@@ -23,8 +23,8 @@ from engines.inference.requests import MAX_STOP_IDS, TokenLogprob, TopLogprobs
 from engines.inference.sampling import RowParams, mask_logits, sample
 from engines.inference.scheduler import RowStart, StepPlan
 from engines.inference.uploads import upload, upload_rows
-from engines.model.attention import padded_causal_mask, positions_from_valid
-from engines.model.causal_lm import CausalLM
+from engines.model.native.attention import padded_causal_mask, positions_from_valid
+from engines.model.native.causal_lm import CausalLM
 
 #: Positions whose float log-softmax over the vocabulary is taken at once when a sequence is scored.
 SCORE_ROWS = 1024

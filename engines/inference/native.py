@@ -45,10 +45,10 @@ from engines.inference.sampling import (
     token_logprobs,
 )
 from engines.inference.scheduler import Scheduler, StepPlan
-from engines.model.causal_lm import CausalLM
 from engines.model.layout import byte_placements, hub_state, model_tensors, placements
-from engines.model.lora import AdapterMerger, adapter_pairs, merge_adapters_into
-from engines.model.lora_delta import LowRankDelta
+from engines.model.lora.adapters import AdapterMerger, adapter_pairs, merge_adapters_into
+from engines.model.lora.delta import LowRankDelta
+from engines.model.native.causal_lm import CausalLM
 
 __all__ = ["Completion", "InferenceEngine", "InvalidRequestError", "SamplingParams", "fit_kv_budget",
            "token_logprobs"]
@@ -343,7 +343,7 @@ class InferenceEngine(RolloutEngine):
 
     def load_adapter_deltas(self, adapters: Mapping[str, torch.Tensor], scaling: float) -> None:
         """Serve the base as it is plus LoRA ``adapters`` (as ``merge_adapters`` takes them) unmerged: copied into
-        the layers' low-rank deltas (``engines.model.lora_delta``), megabytes in place; after a level-2 sleep the
+        the layers' low-rank deltas (``engines.model.lora.delta``), megabytes in place; after a level-2 sleep the
         base is first written back from its host copy."""
         if self._restore:
             self._merger.restore(hub_state(self.model))

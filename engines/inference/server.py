@@ -48,9 +48,9 @@ from engines.inference.factory import EngineSettings, build_engine, decode_atten
 from engines.inference.openai_schema import ChatMessage, ChatRequest, CompletionRequest, SamplingFields, error
 from engines.inference.requests import Completion, Progress, TokenLogprob, TopLogprobs
 from engines.inference.sampling import InvalidRequestError, SamplingParams
-from engines.model.hf_io import read_config
-from engines.model.lora import ADAPTER_DIR
-from engines.model.tokenizer import TextTokenizer
+from engines.model.io.hf_io import read_config
+from engines.model.lora.adapters import ADAPTER_DIR
+from engines.model.text.tokenizer import TextTokenizer
 
 
 class ServedModel:

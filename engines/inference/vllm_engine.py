@@ -76,7 +76,7 @@ from engines.inference.vllm_setup import (
     wake_tags,
 )
 from engines.inference.vllm_worker import UpdateAbortedError
-from engines.model.hf_io import checkpoint_index, read_tensors
+from engines.model.io.hf_io import checkpoint_index, read_tensors
 
 __all__ = ["UpdateAbortedError", "VllmEngine", "VllmUnavailableError", "vllm_available"]
 
@@ -423,7 +423,7 @@ class VllmEngine(RolloutEngine):
         own LoRA is not used: it wraps the layers the loaders write and adds its kernels to every decode step.
         The base copy is kept whatever ``keep_base`` says (it lives in host memory)."""
         from engines.device import host_buffer
-        from engines.model.lora import AdapterMerger, adapter_pairs, merge_adapters_into
+        from engines.model.lora.adapters import AdapterMerger, adapter_pairs, merge_adapters_into
 
         if self._base is None:  # every weight: a level-2 sleep leaves vLLM none, and the updates carry no base
             ckpt = read_tensors(self.engine.model_config.model)

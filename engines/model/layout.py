@@ -74,7 +74,7 @@ def placements(model: nn.Module) -> dict[str, Placement]:
 
 #: LoRA's factors beside an adapted weight (``q_proj.lora_A.weight``): PEFT's names less its prefix
 ADAPTER_FACTORS = (".lora_A.", ".lora_B.")
-#: a QLoRA base's packed bytes and scales, which stand for its weight (``engines.model.lora_quant``)
+#: a QLoRA base's packed bytes and scales, which stand for its weight (``engines.model.lora.quant``)
 QUANTIZED_BASE = (".base_packed", ".base_absmax")
 
 

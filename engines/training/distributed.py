@@ -18,10 +18,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from engines.model import sharded
-from engines.model.hf_spec import decoder_layers
+from engines.model.hf.spec import decoder_layers
 
 if TYPE_CHECKING:
-    from engines.model.causal_lm import CausalLM
+    from engines.model.native.causal_lm import CausalLM
 
 #: the default group's size and this process's rank; defined beside the shards, where the checkpoint engine reads them
 world_size, rank = sharded.world_size, sharded.rank

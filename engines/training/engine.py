@@ -25,10 +25,10 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from engines.device import to_device
-from engines.model.arch import ModelConfig
-from engines.model.attention import FLEX_COMPILED_DEVICES, FLEX_FALLBACK, attention_dims, why_not_flex
-from engines.model.causal_lm import CausalLM
-from engines.model.document_mask import DocumentMask
+from engines.model.native.arch import ModelConfig
+from engines.model.native.attention import FLEX_COMPILED_DEVICES, FLEX_FALLBACK, attention_dims, why_not_flex
+from engines.model.native.causal_lm import CausalLM
+from engines.model.native.document_mask import DocumentMask
 from engines.model.sharded import local_shards, local_tensor
 from engines.training.distributed import all_reduce_sum, is_sharded, world_size
 from engines.training.offload import HostOffloader

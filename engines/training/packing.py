@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from engines.device import to_device
-from engines.model.document_mask import FLEX_BLOCK, DocumentMask
+from engines.model.native.document_mask import FLEX_BLOCK, DocumentMask
 
 #: The flex path's row is the micro-batch's tokens rounded up to a power of two of at least this many: the
 #: compiled kernel then sees a handful of shapes, every one whole mask blocks (a full micro-batch of a

@@ -21,8 +21,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from engines.model.hf_spec import decoder_layers
-from engines.model.moe import Router
+from engines.model.hf.spec import decoder_layers
+from engines.model.native.moe import Router
 
 #: Roles whose parameters Muon optimises.
 MUON_ROLES = frozenset({"matrix", "experts"})

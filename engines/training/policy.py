@@ -16,9 +16,8 @@ import torch
 from torch import nn
 
 from engines.model import sharded
-from engines.model.causal_lm import build_model
-from engines.model.hf_io import read_tensors, save_pretrained
-from engines.model.lora import (
+from engines.model.io.hf_io import read_tensors, save_pretrained
+from engines.model.lora.adapters import (
     ADAPTER_DIR,
     LoraSpec,
     apply_lora,
@@ -27,7 +26,8 @@ from engines.model.lora import (
     merged_state,
     save_adapters,
 )
-from engines.model.lora_quant import exact_base, quantize_base, quantized_weights
+from engines.model.lora.quant import exact_base, quantize_base, quantized_weights
+from engines.model.native.causal_lm import build_model
 from engines.training import distributed
 from engines.training.parallel_dims import ParallelDims
 
@@ -58,7 +58,7 @@ def empty_policy(arch, spec: PolicySpec, dims: ParallelDims, device: str, lora: 
     compute in the compute dtype), for the start-up read to fill. The transformers backend builds transformers' own
     model (``HFCausalLM``) under the same contract. ``lora`` (sharded only): the adapters go on before sharding and are
     drawn once sharded, A alike on every rank (each keeps its rows)."""
-    from engines.model.hf_backend import empty_hf_model, materialize
+    from engines.model.hf.backend import empty_hf_model, materialize
 
     dtype = getattr(torch, spec.master_dtype)
     shard = spec.sharded(dims.world)

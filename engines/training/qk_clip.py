@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from engines.model.causal_lm import attention_layers
+from engines.model.native.causal_lm import attention_layers
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ def qk_clip(model: nn.Module, tau: float | None, group: dist.ProcessGroup | None
             clipped += len(gammas)
         elif gammas and not getattr(attn, "_warned_unclippable", False):
             attn._warned_unclippable = True
-            # a transformers model's layers say why their rule does not clip (engines.model.qk_clip_plan)
+            # a transformers model's layers say why their rule does not clip (engines.model.hf.qk_clip_plan)
             why = getattr(attn, "qk_clip_reason", None) or "its q/k RMSNorm undoes weight scaling (the norm bounds " \
                                                           "the logits)"
             log.warning("layer %d: %d heads exceed qk_clip_tau=%s, but QK-Clip leaves them: %s", i, len(gammas), tau,

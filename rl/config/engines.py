@@ -41,7 +41,7 @@ def check_engine(cfg: Config, kind: str, why: str, *, backend: str | None = None
                          "; set rollout.engine: native"))
     device = "cuda" if cfg.cluster.gpus_per_worker > 0 else "cpu"
     if moe_model_type is not None and not caps.takes_moe_updates(moe_model_type, device):
-        from engines.model.arch import FAMILIES
+        from engines.model.native.arch import FAMILIES
 
         # measured: docs/models.md, "MoE models"
         raise UserError(f"rollout.engine {kind} on CPU workers: vLLM's CPU build does not apply weight updates to MoE "

@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
-from engines.model.sources import parse_source
+from engines.model.io.sources import parse_source
 from rl.config.base import Strict
 
 
@@ -73,7 +73,7 @@ class WarmStartConfig(Strict):
 
 
 class LoraConfig(Strict):
-    """Low-rank adapters (LoRA) trained instead of the whole model (engines.model.lora, PEFT's conventions)."""
+    """Low-rank adapters (LoRA) trained instead of the whole model (engines.model.lora.adapters, PEFT's conventions)."""
 
     rank: int = Field(8, ge=1, description="r: each adapted W [out, in] gains A [r, in] and B [out, r]")
     alpha: float = Field(16.0, gt=0, description="the update is (alpha / rank)·B·A; 2·rank is the common choice")
@@ -114,9 +114,10 @@ class PolicyModelConfig(Strict):
     dtype: Literal["float32", "bfloat16"] = "float32"
     backend: Literal["auto", "native", "transformers"] = Field(
         "auto", description="the trainer's model code: native (this project's: the eight families of "
-                            "engines.model.arch, exact against the native rollout engine), transformers (Hugging "
-                            "Face's own code for any AutoModelForCausalLM type; rollouts on vLLM), or auto (native for "
-                            "the native families, else transformers); rl check-config prints the choice and why")
+                            "engines.model.native.arch, exact against the native rollout engine), transformers "
+                            "(Hugging Face's own code for any AutoModelForCausalLM type; rollouts on vLLM), or auto "
+                            "(native for the native families, else transformers); rl check-config prints the choice "
+                            "and why")
     trust_remote_code: bool = Field(False, description="let transformers run the model's own Python code from its "
                                                        "directory (config.json auto_map): only for models you trust")
     chat_template: bool = Field(False, description="render plain `prompt` tasks as one user message with the "

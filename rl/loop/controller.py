@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from engines.inference import cpu_kernel
-from engines.model.tokenizer import TextTokenizer
+from engines.model.text.tokenizer import TextTokenizer
 from rl.algo.batches import plan_update
 from rl.config import Config, dump_config
 from rl.errors import CommandFailed, TrainingStopped, UserError
@@ -219,8 +219,8 @@ def _loop(run: Run, state: LoopState | None, restarts: Restarts) -> dict:
 
 def export(local: Path, uri: str, console: Console) -> None:
     """Upload ``local`` to object storage (``run.export_uri``); a failure is one line, the local copy stays."""
-    from engines.model.sources import SourceError
-    from engines.model.uploads import UploadError, upload_directory
+    from engines.model.io.sources import SourceError
+    from engines.model.io.uploads import UploadError, upload_directory
 
     try:
         done = upload_directory(local, uri)

@@ -28,9 +28,9 @@ from engines.inference.factory import EngineSettings, build_engine, replica_mode
 from engines.inference.requests import Completion
 from engines.inference.sampling import SamplingParams
 from engines.model import sharded
-from engines.model.causal_lm import track_max_logits
-from engines.model.hf_io import read_config, read_tensors
+from engines.model.io.hf_io import read_config, read_tensors
 from engines.model.layout import hub_state
+from engines.model.native.causal_lm import track_max_logits
 from engines.training import distributed
 from engines.training.engine import TrainingEngine
 from engines.training.optim import build_optimizers
@@ -89,8 +89,8 @@ class TrainerWorker:
 
     def _arch(self, model_dir: str):
         """The model in ``model_dir`` as the trainer's backend reads it: the native ``ModelConfig``, or transformers'
-        config (``trainer.backend`` "transformers", ``engines.model.hf_backend``)."""
-        from engines.model.hf_backend import read_hf_config
+        config (``trainer.backend`` "transformers", ``engines.model.hf.backend``)."""
+        from engines.model.hf.backend import read_hf_config
 
         t = self.settings
         return read_hf_config(model_dir, t.trust_remote_code) if t.backend == "transformers" else read_config(model_dir)
@@ -99,7 +99,7 @@ class TrainerWorker:
         """An empty replica (meta device) in the rollout engine's layout and dtype, which the weight update is
         planned for: the native engine's fused model, or for vLLM on the transformers backend the checkpoint's own
         names and shapes (vLLM's ``load_weights`` fuses and shards them itself)."""
-        from engines.model.hf_backend import empty_hf_model
+        from engines.model.hf.backend import empty_hf_model
 
         t = self.settings
         if t.backend == "transformers" and t.rollout_engine != "native":

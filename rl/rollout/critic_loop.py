@@ -15,7 +15,7 @@ import random
 from collections import defaultdict
 
 from engines.inference.sampling import SamplingParams
-from engines.model.tokenizer import TextTokenizer
+from engines.model.text.tokenizer import TextTokenizer
 from envs.rubric import build_pair_prompt, load_rubrics, parse_verdict
 from rl.algo.schedules import Schedule
 from rl.config import Config

@@ -5,7 +5,7 @@ from __future__ import annotations
 from rich.progress import Progress
 
 from engines.inference.sampling import SamplingParams
-from engines.model.tokenizer import TextTokenizer
+from engines.model.text.tokenizer import TextTokenizer
 from rl.config import Config
 from rl.rollout.data import TaskSets
 from rl.rollout.episodes import EpisodeRunner, env_class, solved

@@ -7,7 +7,7 @@ episodes; the observation is appended (loss mask 0, context only) and the next t
 episode ends. The trained sequence is the whole conversation after the first prompt: the model's tokens (loss
 mask 1, with the sampler's log-probs) and the environment's observations. An environment that gives its
 conversation as chat messages (``info["messages"]``, e.g. the tool-using SWE environment) is rendered with the
-tokenizer's own chat template (``engines.model.conversation``: observations are the template's text between the
+tokenizer's own chat template (``engines.model.text.conversation``: observations are the template's text between the
 model's turns) and parses calls in the model family's format (``model.tool_format``, detected from the template);
 a turn the template cannot render ends the episode there as truncated. An episode ends when the environment says
 so, after ``rollout.max_turns`` turns (truncated: its task type's truncation penalty), or when the conversation no
@@ -21,9 +21,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from engines.inference.sampling import SamplingParams
-from engines.model.chat_format import ChatFormatError, ToolFormat, detect_format
-from engines.model.conversation import Conversation
-from engines.model.tokenizer import TextTokenizer
+from engines.model.text.chat_format import ChatFormatError, ToolFormat, detect_format
+from engines.model.text.conversation import Conversation
+from engines.model.text.tokenizer import TextTokenizer
 from envs import Env, Task
 from rl.config import EnvConfig
 from rl.errors import UserError

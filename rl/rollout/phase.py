@@ -15,7 +15,7 @@ from typing import Any
 from rich.progress import Progress
 
 from engines.inference.sampling import SamplingParams
-from engines.model.tokenizer import TextTokenizer
+from engines.model.text.tokenizer import TextTokenizer
 from rl.rollout.data import GROUPS_PER_ITERATION, TaskSets, sample_mix
 from rl.rollout.episodes import env_class
 from rl.rollout.multiturn import Episodes

@@ -17,7 +17,7 @@ from collections import Counter
 from typing import Any
 
 from engines.inference.sampling import SamplingParams
-from engines.model.tokenizer import TextTokenizer
+from engines.model.text.tokenizer import TextTokenizer
 from rl.config import Config
 from rl.errors import TrainingStopped
 from rl.rollout.data import TaskSets

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engines.inference.kv_cache import bytes_per_token
-from engines.model.arch import ModelConfig, make_config
+from engines.model.native.arch import ModelConfig, make_config
 from rl.setup.memory import GiB, ModelShape, run_dir_bytes, trainer_bytes, training_working_set
 
 #: Model shapes by name, as their Hugging Face configs give them (random weights are never built).
@@ -115,7 +115,7 @@ def colocation_plan(arch: ModelConfig, setup: Colocation, name: str = "model",
         raise ValueError(f"{gpus} GPUs do not split into groups of {inference_gpus} (inference) and "
                          f"{expert_parallel} (expert parallel)")
     if setup.lora_rank:
-        from engines.model.lora import LoraSpec, default_targets
+        from engines.model.lora.adapters import LoraSpec, default_targets
 
         lora = LoraSpec(setup.lora_rank, 2.0 * setup.lora_rank, target_modules=default_targets(arch))
         shape, optimizer = shape or ModelShape.of(arch, lora), "adamw"

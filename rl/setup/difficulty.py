@@ -15,7 +15,7 @@ import torch
 
 from engines.inference.factory import EngineSettings, build_engine, decode_attention
 from engines.inference.sampling import SamplingParams
-from engines.model.tokenizer import TextTokenizer
+from engines.model.text.tokenizer import TextTokenizer
 from envs import Task
 from envs.tasks import save_tasks
 from rl.config import Config

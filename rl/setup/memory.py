@@ -33,10 +33,10 @@ import torch
 from engines.inference.capabilities import capabilities_of
 from engines.inference.factory import EngineSettings
 from engines.inference.kv_cache import BLOCK_SIZE, bytes_per_slot, bytes_per_token, gather_bytes, paged_pool
-from engines.model.arch import ModelConfig
-from engines.model.hf_spec import ModelDescription
-from engines.model.lora import LoraSpec
-from engines.model.lora_quant import BYTES_PER_WEIGHT
+from engines.model.hf.spec import ModelDescription
+from engines.model.lora.adapters import LoraSpec
+from engines.model.lora.quant import BYTES_PER_WEIGHT
+from engines.model.native.arch import ModelConfig
 from rl.config import Config
 from rl.errors import UserError
 from rl.settings import RunSettings, parallel_dims, resolve, sleep_level
@@ -63,11 +63,11 @@ class ModelShape:
 
     @classmethod
     def of(cls, arch: ModelConfig | ModelDescription, lora: LoraSpec | None = None) -> ModelShape:
-        """The shape of a native architecture, or of a transformers model (``engines.model.hf_spec.describe``),
+        """The shape of a native architecture, or of a transformers model (``engines.model.hf.spec.describe``),
         both counted on the meta device; with ``lora`` its adapters are counted apart from the frozen base."""
-        from engines.model.causal_lm import build_model
-        from engines.model.hf_backend import empty_hf_model
-        from engines.model.hf_spec import decoder_layers
+        from engines.model.hf.backend import empty_hf_model
+        from engines.model.hf.spec import decoder_layers
+        from engines.model.native.causal_lm import build_model
         from engines.training.param_roles import muon_params
 
         if isinstance(arch, ModelDescription):
@@ -76,7 +76,7 @@ class ModelShape:
             model = build_model(arch, device="meta")  # shapes only: a 1 T-parameter config costs nothing here
         adapters = 0, 0, 0
         if lora is not None:
-            from engines.model.lora import apply_lora
+            from engines.model.lora.adapters import apply_lora
 
             paths = apply_lora(model, lora)  # on meta: the adapters' shapes only
             trainable = [p for p in model.parameters() if p.requires_grad]
@@ -373,9 +373,9 @@ def estimate_run(cfg: Config) -> tuple[MemoryEstimate, RunSettings]:
     settings as resolved for it."""
     from pathlib import Path
 
-    from engines.model.arch import make_config
-    from engines.model.hf_io import ModelDirError
-    from engines.model.tokenizer import TextTokenizer
+    from engines.model.io.hf_io import ModelDirError
+    from engines.model.native.arch import make_config
+    from engines.model.text.tokenizer import TextTokenizer
     from rl.rollout.data import load_task_sets, rollout_seq_len
     from rl.settings import model_arch
     from rl.setup.warmstart import cache_root, model_dir_here, warmstart_key

@@ -16,11 +16,11 @@ from pathlib import Path
 import torch
 from rich.progress import Progress
 
-from engines.model.arch import make_config
-from engines.model.causal_lm import CausalLM, track_max_logits
-from engines.model.hf_io import save_pretrained
-from engines.model.sources import FetchError, cached_dir, fetch_model, parse_source
-from engines.model.tokenizer import train_tokenizer
+from engines.model.io.hf_io import save_pretrained
+from engines.model.io.sources import FetchError, cached_dir, fetch_model, parse_source
+from engines.model.native.arch import make_config
+from engines.model.native.causal_lm import CausalLM, track_max_logits
+from engines.model.text.tokenizer import train_tokenizer
 from engines.training.engine import TrainingEngine
 from engines.training.optim import build_optimizers
 from rl.algo.update import sft_update

@@ -124,10 +124,10 @@ status=0
 {{- if $export.uri }}
 {{- if $export.checkpoints }}
 # the newest complete checkpoint of this attempt, whatever its outcome
-python3 -m engines.model.uploads --newest-checkpoint "$run_dir/checkpoints" {{ printf "%s/checkpoints" (trimSuffix "/" $export.uri) | squote }}{{ $creds }} || echo "warning: the newest checkpoint was not uploaded (above); it stays on the claim" >&2
+python3 -m engines.model.io.uploads --newest-checkpoint "$run_dir/checkpoints" {{ printf "%s/checkpoints" (trimSuffix "/" $export.uri) | squote }}{{ $creds }} || echo "warning: the newest checkpoint was not uploaded (above); it stays on the claim" >&2
 {{- end }}
 if [ "$status" = 0 ]; then
-  python3 -m engines.model.uploads "$run_dir/final" {{ printf "%s/final" (trimSuffix "/" $export.uri) | squote }}{{ $creds }} || status=$?
+  python3 -m engines.model.io.uploads "$run_dir/final" {{ printf "%s/final" (trimSuffix "/" $export.uri) | squote }}{{ $creds }} || status=$?
 fi
 {{- end }}
 {{- if $v.sandbox.enabled }}

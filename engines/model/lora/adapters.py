@@ -1,5 +1,5 @@
 """LoRA: low-rank adapters on the linear layers of either model backend (the native model, or transformers' own
-modules inside ``engines.model.hf_backend.HFCausalLM``), in PEFT's conventions.
+modules inside ``engines.model.hf.backend.HFCausalLM``), in PEFT's conventions.
 
 A target projection W [out, in] gains ``lora_A`` [r, in] and ``lora_B`` [out, r] and computes
 W·x + (alpha/r)·B·A·dropout(x); W (and its bias) stay frozen, B starts at zero so the adapted model starts as the
@@ -28,9 +28,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engines.model.arch import MLA_FAMILIES, ModelConfig
 from engines.model.layout import is_adapter
-from engines.model.lora_quant import QUANT_KINDS, base_linear
+from engines.model.lora.quant import QUANT_KINDS, base_linear
+from engines.model.native.arch import MLA_FAMILIES, ModelConfig
 
 #: The default targets: the attention projections and the dense MLP's three.
 ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -97,7 +97,7 @@ class LoraLinear(nn.Linear):
     scaling: float
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.weight is None:  # QLoRA: the base was quantized (engines.model.lora_quant)
+        if self.weight is None:  # QLoRA: the base was quantized (engines.model.lora.quant)
             out = base_linear(self, x)
         elif self.weight.dtype == x.dtype:
             out = F.linear(x, self.weight, self.bias)
@@ -123,13 +123,13 @@ def lora_targets(model: nn.Module, names: tuple[str, ...] | list[str]) -> list[s
 
 def empty_model(cfg) -> nn.Module:
     """A model of ``cfg`` on the meta device: the native architecture's, or transformers' own for a model the
-    transformers backend runs (``engines.model.hf_spec.ModelDescription``)."""
+    transformers backend runs (``engines.model.hf.spec.ModelDescription``)."""
     if getattr(cfg, "backend", "native") == "transformers":
-        from engines.model.hf_backend import empty_hf_model
+        from engines.model.hf.backend import empty_hf_model
 
         # a description of a model with its own code exists only if its code was trusted when it was read
         return empty_hf_model(cfg.hf_config, trust_remote_code=bool(getattr(cfg.hf_config, "auto_map", None)))
-    from engines.model.causal_lm import build_model
+    from engines.model.native.causal_lm import build_model
 
     return build_model(cfg, device="meta")
 

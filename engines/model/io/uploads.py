@@ -1,5 +1,5 @@
 """Uploading a directory (a run's ``final/`` model, a checkpoint) to an S3 or GCS prefix: the way back of
-``engines.model.sources``, through the same client and the same credentials from the environment.
+``engines.model.io.sources``, through the same client and the same credentials from the environment.
 
 Every file goes to ``<prefix>/<its path under the directory>`` with its SHA-256 in the object's metadata; an object
 already there with the same size and SHA-256 is not sent again (a retried upload continues), and each upload is read
@@ -7,7 +7,7 @@ back (its size and metadata) before it counts. A ``SHA256SUMS`` manifest (``sha2
 presence means the upload is complete, and ``fetch_model`` checks every file against it when the prefix is a model
 source later.
 
-``python -m engines.model.uploads DIR URI`` uploads from a shell (a run's launch.sh); ``--newest-checkpoint`` takes
+``python -m engines.model.io.uploads DIR URI`` uploads from a shell (a run's launch.sh); ``--newest-checkpoint`` takes
 the newest complete ``iter_*`` checkpoint of DIR, and ``--credentials-dir`` reads the credentials from a mounted
 Secret's files (one variable per file), so that they are in this process's environment only.
 """
@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from engines.model.sources import SHA256SUMS, Log, SourceError, _key_names, parse_source, store_client
+from engines.model.io.sources import SHA256SUMS, Log, SourceError, _key_names, parse_source, store_client
 
 SHA256_METADATA = "sha256"  # the object's x-amz-meta-sha256
 CHECKPOINT_SEAL = "complete.json"  # written last into a checkpoint directory (rl.loop.checkpoint): it is complete
@@ -138,7 +138,7 @@ def load_credentials(directory: str | Path) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     """The command line (see the module); one line and exit 1 on failure."""
-    parser = argparse.ArgumentParser(prog="python -m engines.model.uploads",
+    parser = argparse.ArgumentParser(prog="python -m engines.model.io.uploads",
                                      description="upload a directory to s3://bucket/prefix or gs://bucket/prefix")
     parser.add_argument("directory")
     parser.add_argument("uri")

@@ -1,7 +1,7 @@
 """The decoder-only transformer both engines run, for every supported family.
 
 Both engines run this one definition, so that for the same weights and tokens they compute the
-same log-probabilities. Which blocks a layer has follows its config (``engines.model.arch``): grouped-query
+same log-probabilities. Which blocks a layer has follows its config (``engines.model.native.arch``): grouped-query
 or latent attention, a dense SwiGLU block or a mixture of experts. Parameter names follow
 transformers' in-memory layout (``model.layers.N.self_attn.q_proj.weight``, stacked
 ``mlp.experts.gate_proj``); ``engines.model.layout`` maps them to a checkpoint's tensor names.
@@ -14,8 +14,9 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from engines.model.arch import ModelConfig, make_config
-from engines.model.attention import (
+from engines.model.logprobs import selected_logprobs
+from engines.model.native.arch import ModelConfig, make_config
+from engines.model.native.attention import (
     Attention,
     AttentionCache,
     LatentAttention,
@@ -24,11 +25,10 @@ from engines.model.attention import (
     positions_from_valid,
     window_mask,
 )
-from engines.model.document_mask import DocumentMask
-from engines.model.layers import MLP, RMSNorm
-from engines.model.logprobs import selected_logprobs
-from engines.model.moe import MoE, Router
-from engines.model.rope import Rotary
+from engines.model.native.document_mask import DocumentMask
+from engines.model.native.layers import MLP, RMSNorm
+from engines.model.native.moe import MoE, Router
+from engines.model.native.rope import Rotary
 
 __all__ = ["Attention", "AttentionCache", "CausalLM", "DocumentMask", "LatentAttention", "ModelConfig", "build_model",
            "head_max_logits", "make_config", "padded_causal_mask", "positions_from_valid", "reset_max_logits",

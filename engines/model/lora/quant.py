@@ -1,7 +1,7 @@
 """QLoRA: the frozen base of LoRA's adapted projections kept quantized (bitsandbytes' NF4 blocks, or int8 rows).
 
-``quantize_base`` replaces the ``weight`` of each ``engines.model.lora.LoraLinear`` by bitsandbytes' packed form,
-held as buffers of the same module (``base_packed``, and ``base_absmax``: NF4's per-64-element scales or int8's
+``quantize_base`` replaces the ``weight`` of each ``engines.model.lora.adapters.LoraLinear`` by bitsandbytes' packed
+form, held as buffers of the same module (``base_packed``, and ``base_absmax``: NF4's per-64-element scales or int8's
 per-row ones), so offload, the trainer state and ``nn.Module.to`` move them as any tensor. Each product
 dequantizes the weight (bitsandbytes' own kernels: the numbers a QLoRA user gets from ``bitsandbytes``/PEFT) and
 the backward dequantizes it again instead of keeping it: the model's persistent bytes for those weights drop to
@@ -87,7 +87,7 @@ def quantize_base(model: nn.Module, kind: str) -> list[str]:
         raise ValueError(f"quantize_base must be one of {QUANT_KINDS}, got {kind!r}")
     names = []
     for path, m in model.named_modules():
-        # an adapted projection (engines.model.lora.LoraLinear) not quantized yet
+        # an adapted projection (engines.model.lora.adapters.LoraLinear) not quantized yet
         if not (isinstance(m, nn.Linear) and hasattr(m, "lora_A")) or getattr(m, "base_quant", None) is not None:
             continue
         w = m.weight.detach()

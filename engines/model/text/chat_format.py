@@ -2,7 +2,7 @@
 
 A model post-trained for tool use here must call tools the way its own chat template, Hugging Face's
 ``apply_chat_template(..., tools=...)`` and serving stacks' tool parsers do. So conversations are always
-rendered by the tokenizer's chat template (``engines.model.conversation``: tools as the template's ``tools``,
+rendered by the tokenizer's chat template (``engines.model.text.conversation``: tools as the template's ``tools``,
 results as ``tool`` messages), and the model's calls are parsed by the format of its family:
 
 - ``hermes``: Qwen2.5 / Qwen3 (and Hermes) ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``;

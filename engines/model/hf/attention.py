@@ -20,8 +20,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engines.model.attention import flex_attend, head_max_logits, heads_over_valid
-from engines.model.document_mask import DocumentMask
+from engines.model.native.attention import flex_attend, head_max_logits, heads_over_valid
+from engines.model.native.document_mask import DocumentMask
 
 #: The ``attn_implementation`` name of ``document_attention`` in transformers' ``AttentionInterface``.
 IMPLEMENTATION = "rl_document"

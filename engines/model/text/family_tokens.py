@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engines.model.chat_format import K2_CHAT_TEMPLATE
-from engines.model.tokenizer import EOS, PAD
+from engines.model.text.chat_format import K2_CHAT_TEMPLATE
+from engines.model.text.tokenizer import EOS, PAD
 
 
 @dataclass(frozen=True)

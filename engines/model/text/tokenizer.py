@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 if TYPE_CHECKING:
-    from engines.model.family_tokens import TokenStyle
+    from engines.model.text.family_tokens import TokenStyle
 
 EOS = "<|endoftext|>"
 PAD = "<|pad|>"
@@ -137,9 +137,9 @@ def wrap(tok: Tokenizer, eos: str = EOS, pad: str | None = PAD, chat_template: s
 
 def train_tokenizer(corpus: Iterable[str], vocab_size: int = 256, style: str | TokenStyle = "k2") -> TextTokenizer:
     """Train a byte-level BPE tokenizer on ``corpus`` with digits kept as single tokens, with the special tokens
-    and chat template of ``style`` (a name of ``engines.model.family_tokens.STYLES``: k2, chatml, llama3, mistral;
+    and chat template of ``style`` (a name of ``engines.model.text.family_tokens.STYLES``: k2, chatml, llama3, mistral;
     or a ``TokenStyle`` of one's own)."""
-    from engines.model.family_tokens import STYLES, TokenStyle
+    from engines.model.text.family_tokens import STYLES, TokenStyle
 
     if isinstance(style, TokenStyle):
         st = style

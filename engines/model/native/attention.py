@@ -18,10 +18,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engines.model.arch import ModelConfig
-from engines.model.document_mask import FLEX_BLOCK, DocumentMask
-from engines.model.layers import RMSNorm
-from engines.model.rope import apply_rope, apply_rope_interleaved
+from engines.model.native.arch import ModelConfig
+from engines.model.native.document_mask import FLEX_BLOCK, DocumentMask
+from engines.model.native.layers import RMSNorm
+from engines.model.native.rope import apply_rope, apply_rope_interleaved
 from engines.model.sharded import local_rows
 
 

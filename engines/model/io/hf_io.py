@@ -21,15 +21,15 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from engines.model.arch import ModelConfig, UnsupportedModelError
-from engines.model.causal_lm import CausalLM, build_model
-from engines.model.fp8 import BLOCK, SCALE_SUFFIX, checkpoint_block, dequantize, to_fp8
 from engines.model.layout import Placement, hub_state, model_tensors, placements
+from engines.model.native.arch import ModelConfig, UnsupportedModelError
+from engines.model.native.causal_lm import CausalLM, build_model
+from engines.model.native.fp8 import BLOCK, SCALE_SUFFIX, checkpoint_block, dequantize, to_fp8
 from engines.model.sharded import local_rows
 
 INDEX_FILE = "model.safetensors.index.json"
 #: safetensors dtype names the loader reads; F8_E4M3 with ``*_scale_inv`` block scales is dequantised
-#: for a model that holds the matrix in another dtype (``engines.model.fp8``)
+#: for a model that holds the matrix in another dtype (``engines.model.native.fp8``)
 DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64,
           "F8_E4M3": torch.float8_e4m3fn}
 DEFAULT_SHARD_BYTES = 5 * 2**30
@@ -190,7 +190,7 @@ def _read_into(fh, name: str, p: Placement, target: torch.Tensor, scales=None) -
 def load_pretrained(directory: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
                     fused: bool = False, fp8: bool = False) -> CausalLM:
     """Build a ``CausalLM`` from a Hugging Face directory on ``device``; names and shapes must match.
-    ``fp8``: an FP8 replica (``engines.model.fp8.to_fp8``), taking an FP8 checkpoint's bytes as they are."""
+    ``fp8``: an FP8 replica (``engines.model.native.fp8.to_fp8``), taking an FP8 checkpoint's bytes as they are."""
     cfg = read_config(directory)
     model = build_model(cfg, device=device, dtype=dtype, fused=fused)
     block = checkpoint_block(cfg)
@@ -255,7 +255,7 @@ def save_pretrained(model: nn.Module, tokenizer, directory: str | Path, state: d
         weight_map = {n: f for f, names in zip(files, shards, strict=True) for n in names}
         (d / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
     cfg = model.config
-    source = getattr(model, "source_config", None)  # a transformers model (engines.model.hf_backend) saves its own
+    source = getattr(model, "source_config", None)  # a transformers model (engines.model.hf.backend) saves its own
     if source is not None:
         _write_transformers_config(model, source, d, dtype)
     else:

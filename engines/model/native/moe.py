@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engines.model.arch import ModelConfig
-from engines.model.layers import MLP
+from engines.model.native.arch import ModelConfig
+from engines.model.native.layers import MLP
 
 
 class Router(nn.Module):
@@ -82,7 +82,8 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
 
     def matrix(self, name: str, e: int, dtype: torch.dtype) -> torch.Tensor:
-        """Expert ``e``'s matrix of projection ``name`` (an FP8 replica dequantises it here: ``engines.model.fp8``)."""
+        """Expert ``e``'s matrix of projection ``name`` (an FP8 replica dequantises it here:
+        ``engines.model.native.fp8``)."""
         return getattr(self, name)[e]
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engines.model.layout import Placement
-from engines.model.lora import adapter_pairs
+from engines.model.lora.adapters import adapter_pairs
 
 
 def _add_delta(lin: nn.Linear, k: int) -> None:

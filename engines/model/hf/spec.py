@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from engines.model.arch import UnsupportedModelError
+from engines.model.native.arch import UnsupportedModelError
 
 #: Per-layer kinds (transformers' ``layer_types`` / ``layers_block_type`` names) whose layers mix tokens only
 #: through softmax attention, or not at all: packed rows with a document mask are exact for them.

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engines.model.moe import Experts
+from engines.model.native.moe import Experts
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0

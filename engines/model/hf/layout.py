@@ -18,8 +18,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engines.model.arch import UnsupportedModelError
 from engines.model.layout import Placement, model_tensors
+from engines.model.native.arch import UnsupportedModelError
 
 #: a row probe's value: tensor index · TAG + row index (exact in int64 for 2^23 tensors of 2^40 rows)
 TAG = 1 << 40

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from engines.model.arch import ModelConfig
+from engines.model.native.arch import ModelConfig
 
 
 def inverse_frequencies(cfg: ModelConfig) -> tuple[torch.Tensor, float]:

@@ -242,7 +242,7 @@ class ModelConfig:
         if model_type not in FAMILIES:
             raise UnsupportedModelError(f"model_type {model_type!r} is not supported; supported: {', '.join(FAMILIES)}")
         qc = d.get("quantization_config")
-        if qc:  # block-FP8 (DeepSeek-V3, Kimi K2) is read and dequantised (``engines.model.fp8``); nothing else
+        if qc:  # block-FP8 (DeepSeek-V3, Kimi K2) is read and dequantised (``engines.model.native.fp8``); nothing else
             block = qc.get("weight_block_size") or []
             if qc.get("quant_method") != "fp8" or qc.get("fmt", "e4m3") != "e4m3" or len(block) != 2 or \
                     block[0] != block[1]:

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from engines.model.attention import scale_rows
+from engines.model.native.attention import scale_rows
 
 #: Attribute names of a softmax attention module's query projection (separate, fused, or MLA's).
 QUERY_PROJECTIONS = ("q_proj", "qkv_proj", "q_b_proj")

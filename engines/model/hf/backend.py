@@ -1,16 +1,16 @@
 """The transformers backend: any causal LM that transformers implements, under the native model's forward contract.
 
 ``HFCausalLM`` wraps transformers' own modeling code (``AutoModelForCausalLM``) so that the training engine runs it
-as it runs ``engines.model.causal_lm.CausalLM``: ``model(ids, positions, DocumentMask, select=, targets=,
+as it runs ``engines.model.native.causal_lm.CausalLM``: ``model(ids, positions, DocumentMask, select=, targets=,
 inv_temp=)`` returns each target's (log-prob, entropy) from the chunked vocabulary scoring
 (``engines.model.logprobs``), never the full logits; ``model.config`` describes the model
-(``engines.model.hf_spec.ModelDescription``); ``model.activation_checkpointing`` recomputes each decoder layer
+(``engines.model.hf.spec.ModelDescription``); ``model.activation_checkpointing`` recomputes each decoder layer
 in the backward; the decoder layers FSDP2 shards are ``decoder_layers(model)``; the attention modules keep
 ``max_logits`` per head for QK-Clip (``attention_modules()``, each with ``clip_heads`` from
-``engines.model.qk_clip_plan``). Parameter names are transformers' own (``model.layers.0.self_attn.q_proj.weight``,
+``engines.model.hf.qk_clip_plan``). Parameter names are transformers' own (``model.layers.0.self_attn.q_proj.weight``,
 ``lm_head.weight``), so the state dict is the checkpoint's.
 
-Packed rows: every softmax-attention layer attends through ``engines.model.hf_attention.document_attention`` over
+Packed rows: every softmax-attention layer attends through ``engines.model.hf.attention.document_attention`` over
 the batch's ``DocumentMask`` (sliding windows, sinks and soft-capping as the layer passes them). Families whose
 layers carry state along the sequence (linear attention, state-space, short convolutions: Qwen3-Next / Qwen3.5,
 Nemotron-H, LFM2) cannot stop that state at a document's end, so their packed rows are unpacked: each document
@@ -32,12 +32,12 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from engines.model.arch import UnsupportedModelError
-from engines.model.document_mask import DocumentMask
-from engines.model.hf_attention import IMPLEMENTATION, PACKED_KWARG, PackedAttention, recomputing, register
-from engines.model.hf_spec import check_supported, decoder_layers, describe
+from engines.model.hf.attention import IMPLEMENTATION, PACKED_KWARG, PackedAttention, recomputing, register
+from engines.model.hf.qk_clip_plan import QKClipRule, qk_clip_plan
+from engines.model.hf.spec import check_supported, decoder_layers, describe
 from engines.model.logprobs import selected_logprobs
-from engines.model.qk_clip_plan import QKClipRule, qk_clip_plan
+from engines.model.native.arch import UnsupportedModelError
+from engines.model.native.document_mask import DocumentMask
 
 __all__ = ["HFCausalLM", "build_hf_model", "check_loadable", "decoder_layers", "empty_hf_model", "load_hf_model",
            "materialize", "read_hf_config"]
@@ -93,12 +93,13 @@ class HFCausalLM(nn.Module):
 
     def checkpoint_placements(self) -> dict:
         """Checkpoint tensor name -> ``engines.model.layout.Placement`` in this model's tensors, as transformers'
-        ``save_pretrained`` names and lays them out (``engines.model.hf_layout``); computed once."""
+        ``save_pretrained`` names and lays them out (``engines.model.hf.layout``); computed once."""
         if self._placements is None:
-            from engines.model.hf_layout import checkpoint_placements
+            from engines.model.hf.layout import checkpoint_placements
             from engines.model.layout import is_adapter, model_tensors, placed_tensors
 
-            # LoRA's adapters (engines.model.lora) are no checkpoint tensor: they travel and are saved on their own
+            # LoRA's adapters (engines.model.lora.adapters) are no checkpoint tensor: they travel and are saved on
+            # their own
             own = {n: t for n, t in placed_tensors(self, model_tensors(self)).items() if not is_adapter(n)}
             self._placements = checkpoint_placements(self.hf_model, own)
         return self._placements
@@ -110,7 +111,8 @@ class HFCausalLM(nn.Module):
         a decoder layer is "training" only to let transformers' checkpointing wrapper run."""
         super().train(mode)
         for name, m in self.named_modules():
-            # LoRA's own dropout (model.lora.dropout, engines.model.lora) follows the mode: it is the run's choice
+            # LoRA's own dropout (model.lora.dropout, engines.model.lora.adapters) follows the mode: it is the run's
+            # choice
             m.training = mode and name.endswith(".lora_dropout")
         self.training = mode
         for layer in self.layers:

@@ -4,7 +4,7 @@ The model's generated tokens are kept verbatim (they carry its log-probs); each 
 chat template adds after them: the delta between ``apply_chat_template(messages + [the model's turn] +
 observation messages, add_generation_prompt=True)`` and the text the model has seen so far. The model's
 turn is recorded as the OpenAI message that re-renders to its own bytes: ``content`` plus ``tool_calls``
-parsed by the family's format (``engines.model.chat_format``) where the template renders those exactly as
+parsed by the family's format (``engines.model.text.chat_format``) where the template renders those exactly as
 the model wrote them, else the text as ``content``. So what the model sees in training is byte for byte
 ``apply_chat_template`` of ``messages``.
 
@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from engines.model.chat_format import ChatFormatError, ToolCall, ToolFormat
+from engines.model.text.chat_format import ChatFormatError, ToolCall, ToolFormat
 
 _PLACEHOLDER = "\u2063assistant-turn\u2063"
 
