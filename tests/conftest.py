@@ -94,7 +94,7 @@ def train_on(cluster, samples, seed: int = 0) -> list[dict]:
     from rl.algo.batches import plan_update
 
     batches = plan_update(samples, cluster.settings.update, len(cluster.trainers), seed)
-    return cluster.train(batches) if batches else []
+    return cluster.trainers.train(batches) if batches else []
 
 
 @pytest.fixture(scope="session")

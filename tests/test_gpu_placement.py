@@ -53,15 +53,15 @@ for tp in (1, 2):
         # a step on every rank, then an update: each engine then holds the trainers' weights
         from engines.inference.sampling import SamplingParams
         from tests.conftest import make_sample, train_on
-        outs = cluster.generate([[5, 6, 7]] * 4, [SamplingParams(1.0, 8)] * 4, seed=0)
-        cluster.sleep_rollouts()
-        cluster.onload_trainers()
+        outs = cluster.rollouts.generate([[5, 6, 7]] * 4, [SamplingParams(1.0, 8)] * 4, seed=0)
+        cluster.rollouts.sleep()
+        cluster.trainers.onload()
         train_on(cluster, [make_sample(0, o.prompt_ids, o.token_ids, o.logprobs, float(i % 2))
                            for i, o in enumerate(outs)])
         trained = ray.get([t.state_dict.remote() for t in cluster.trainers])[0]
-        cluster.offload_trainers()
-        cluster.wake_rollouts()
-        cluster.update_weights()
+        cluster.trainers.offload()
+        cluster.rollouts.wake()
+        cluster.rollouts.update_weights()
         same = all(all(v.equal(trained[k]) for k, v in ray.get(r.state_dict.remote()).items())
                    for r in cluster.rollouts)
         print(json.dumps({"trainers": [seen(t) for t in cluster.trainers], "rollouts": [seen(r) for r in

@@ -79,19 +79,19 @@ def test_transformers_backend_trains_and_vllm_serves_the_trainers_weights(ray_cl
     sampling = [SamplingParams(1.0, 12, seed=10 + i, ignore_eos=True) for i in range(len(prompts))]
     with Cluster(settings, str(hf_model_dir)) as cluster:
         start = ray.get(cluster.trainers[0].state_dict.remote())
-        outs = cluster.generate(prompts, sampling, seed=0)
-        cluster.offload_trainers()
-        cluster.sleep_rollouts()
-        cluster.onload_trainers()
+        outs = cluster.rollouts.generate(prompts, sampling, seed=0)
+        cluster.trainers.offload()
+        cluster.rollouts.sleep()
+        cluster.trainers.onload()
         samples = [make_sample(i // 2, o.prompt_ids, o.token_ids, o.logprobs, float(i % 2))
                    for i, o in enumerate(outs)]
         metrics = train_on(cluster, samples)
-        cluster.offload_trainers()
+        cluster.trainers.offload()
         trained = ray.get(cluster.trainers[0].state_dict.remote())
-        cluster.wake_rollouts()
-        cluster.update_weights()
+        cluster.rollouts.wake()
+        cluster.rollouts.update_weights()
         served = ray.get(cluster.rollouts[0].state_dict.remote())
-        after = cluster.generate(prompts, sampling, seed=0)
+        after = cluster.rollouts.generate(prompts, sampling, seed=0)
     # the trainer started from the checkpoint, under transformers' own names, and its optimizer stepped
     on_disk = read_tensors(hf_model_dir)
     assert set(start) == set(on_disk) and all(torch.equal(start[k], v) for k, v in on_disk.items())

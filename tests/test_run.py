@@ -65,19 +65,19 @@ def test_weight_update_makes_inference_bitwise_equal(ray_cluster, sleep_level, w
         before = ray.get(cluster.rollouts[0].state_dict.remote())
         prompts = [[5, 6, 7]] * 4
         params = [SamplingParams(1.0, 8)] * 4
-        cluster.offload_trainers()
-        outs = cluster.generate(prompts, params, seed=0)
-        cluster.sleep_rollouts()
-        cluster.onload_trainers()
+        cluster.trainers.offload()
+        outs = cluster.rollouts.generate(prompts, params, seed=0)
+        cluster.rollouts.sleep()
+        cluster.trainers.onload()
         samples = [make_sample(0, o.prompt_ids, o.token_ids, o.logprobs, float(i % 2)) for i, o in enumerate(outs)]
         train_on(cluster, samples)
-        cluster.offload_trainers()
+        cluster.trainers.offload()
         trained = ray.get([t.state_dict.remote() for t in cluster.trainers])[0]
         assert any(not torch.equal(trained[k], before[k]) for k in trained)
-        cluster.wake_rollouts()
-        cluster.update_weights()
+        cluster.rollouts.wake()
+        cluster.rollouts.update_weights()
         after = [ray.get(r.state_dict.remote()) for r in cluster.rollouts]
-        assert len(cluster.generate(prompts, params, seed=1)) == 4
+        assert len(cluster.rollouts.generate(prompts, params, seed=1)) == 4
     # the cast reference; the router's score-correction bias stays float32 in any replica, as DeepSeek stores it
     want = {k: v if k.endswith("e_score_correction_bias") else v.to(getattr(torch, dtype or "float32"))
             for k, v in trained.items()}
@@ -300,14 +300,14 @@ def test_fp8_checkpoint_is_read_once_and_fp8_updates_are_exact(ray_cluster, tmp_
             assert torch.equal(t, want.to(t.dtype)), k
         plan = ray.get(cluster.trainers[0].weight_plan.remote())[0]
         assert split_bands(plan)  # some blocks' rows are on both trainers: their scales are combined
-        cluster.update_weights()
+        cluster.rollouts.update_weights()
         after = [ray.get(r.state_dict.remote()) for r in cluster.rollouts]
-        assert len(cluster.generate([[5, 6, 7]] * 2, [SamplingParams(1.0, 4)] * 2, seed=0)) == 2
+        assert len(cluster.rollouts.generate([[5, 6, 7]] * 2, [SamplingParams(1.0, 4)] * 2, seed=0)) == 2
         # engine 1 restarts empty and copies engine 0's weights, point to point
-        assert cluster.restart_rollout(1, 0) > 0
+        assert cluster.rollouts.restart(1, 0) > 0
         caught_up = ray.get(cluster.rollouts[1].state_dict.remote())
         assert all(torch.equal(caught_up[k], after[0][k]) for k in after[0])
-        assert len(cluster.generate([[5, 6, 7]] * 2, [SamplingParams(1.0, 4)] * 2, seed=0)) == 2
+        assert len(cluster.rollouts.generate([[5, 6, 7]] * 2, [SamplingParams(1.0, 4)] * 2, seed=0)) == 2
     quantised = [k for k in trainer if k + "_scale_inv" in stored]
     assert any(".experts." in k for k in quantised)
     for replica in after:

@@ -12,14 +12,15 @@ from types import SimpleNamespace
 import pytest
 from rich.progress import Progress
 
-import rl.loop.cluster
 import rl.loop.controller
 import rl.loop.recovery
+import rl.loop.rollout_manager
 from envs import Env, Task, register
 from envs.arithmetic import ArithmeticEnv
 from rl import seeds
 from rl.config import parse_config
 from rl.loop.controller import Run, iteration
+from rl.loop.rollout_manager import RolloutManager
 from rl.rollout.data import TaskSets, sample_mix, sample_prompts
 from rl.rollout.multiturn import Episodes
 from rl.rollout.partial import PartialRolloutBuffer
@@ -146,11 +147,16 @@ register("seeds-judge-test", Judge)
 
 
 class Recorder:
-    """The cluster calls the callers make, with the seed each passed."""
+    """The calls the callers make on the rollout replicas and the trainers (both handles in one), with the seed each
+    passed."""
 
     def __init__(self):
         self.generate_seeds, self.train_seeds = [], []
-        self.num_buckets, self.max_context, self.trainers = 1, 128, [None]
+        self.num_buckets, self.max_context = 1, 128
+        self.rollouts = self.trainers = self
+
+    def __len__(self):  # one trainer rank
+        return 1
 
     def generate(self, prompts, params, seed, on_chunk=None):
         self.generate_seeds.append(seed)
@@ -168,15 +174,15 @@ class Recorder:
     def update_weights(self, changed=True):
         pass
 
-    def onload_trainers(self):
+    def onload(self):
         return {}
 
-    offload_trainers = onload_trainers
+    offload = onload
 
-    def sleep_rollouts(self):
+    def sleep(self):
         pass
 
-    wake_rollouts = sleep_rollouts
+    wake = sleep
 
 
 def test_policy_critic_uses_critic_seed():
@@ -251,12 +257,11 @@ def test_cluster_chunks_use_chunk_seed(monkeypatch):
     worker = SimpleNamespace(generate=SimpleNamespace(remote=Ref))
     fake_ray = SimpleNamespace(wait=lambda pending, num_returns, timeout=None: (pending[:1], pending[1:]),
                                get=lambda ref: ref.value)
-    monkeypatch.setattr(rl.loop.cluster, "ray", fake_ray)
+    monkeypatch.setattr(rl.loop.rollout_manager, "ray", fake_ray)
     monkeypatch.setattr(rl.loop.recovery, "ray", fake_ray)
-    cluster = object.__new__(rl.loop.cluster.Cluster)
-    cluster.settings, cluster.rollouts = run_settings(parse_config({"rollout": {"max_batch": 2}})), [worker, worker]
-    cluster.timeout = cluster.settings.cluster.step_timeout_s
-    cluster.generate([[1]] * 5, [None] * 5, seed=11)
+    settings = run_settings(parse_config({"rollout": {"max_batch": 2}}))
+    rollouts = RolloutManager(settings, [worker, worker], trainers=None, restarts=None, respawn=None)
+    rollouts.generate([[1]] * 5, [None] * 5, seed=11)
     assert sent == [seeds.chunk_seed(11, i) for i in range(3)]
 
 

@@ -432,20 +432,20 @@ def test_vllm_replica_gets_the_trainers_weights_through_the_checkpoint_engine(ra
         assert cluster.num_buckets > 3
         before = ray.get(cluster.rollouts[0].state_dict.remote())
         prompts, params = [[5, 6, 7]] * 4, [SamplingParams(1.0, 8)] * 4
-        cluster.offload_trainers()
-        outs = cluster.generate(prompts, params, seed=0)
-        cluster.sleep_rollouts()
-        cluster.onload_trainers()
+        cluster.trainers.offload()
+        outs = cluster.rollouts.generate(prompts, params, seed=0)
+        cluster.rollouts.sleep()
+        cluster.trainers.onload()
         train_on(cluster, [make_sample(0, o.prompt_ids, o.token_ids, o.logprobs, float(i % 2))
                            for i, o in enumerate(outs)])
-        cluster.offload_trainers()
+        cluster.trainers.offload()
         trained = ray.get(cluster.trainers[0].state_dict.remote())
         assert any(not torch.equal(trained[k], before[k]) for k in trained)
-        cluster.wake_rollouts()
-        cluster.update_weights()
+        cluster.rollouts.wake()
+        cluster.rollouts.update_weights()
         after = ray.get(cluster.rollouts[0].state_dict.remote())
         greedy = [SamplingParams(0.0, 12)] * 4
-        got = cluster.generate([[5, 6, 7], [8, 9], [10, 11, 12, 13], [14]], greedy, seed=0)
+        got = cluster.rollouts.generate([[5, 6, 7], [8, 9], [10, 11, 12, 13], [14]], greedy, seed=0)
     assert set(after) == set(trained) and all(torch.equal(after[k], trained[k]) for k in trained)
     model = load_pretrained(model_dir)
     model.load_state_dict({k: v for k, v in trained.items()}, strict=False)
@@ -482,23 +482,23 @@ def test_vllm_replica_on_ipc_views_is_filled_by_the_trainers_and_refilled_after_
             for a, b in zip(got, want, strict=True))
 
     with Cluster(settings, str(model_dir)) as cluster:
-        start = cluster.generate(prompts, greedy, seed=0)
-        cluster.sleep_rollouts()
-        cluster.wake_rollouts()
+        start = cluster.rollouts.generate(prompts, greedy, seed=0)
+        cluster.rollouts.sleep()
+        cluster.rollouts.wake()
         with pytest.raises(ray.exceptions.RayTaskError, match=r"asleep \(kv_cache\)"):
             ray.get(cluster.rollouts[0].generate.remote(prompts, greedy, 0))
-        cluster.update_weights(changed=False)  # no optimizer step: the same weights again
-        assert cluster.weights_version() == 0
-        again = cluster.generate(prompts, greedy, seed=0)
-        outs = cluster.generate(prompts, [SamplingParams(1.0, 8)] * 4, seed=0)
-        cluster.sleep_rollouts()
+        cluster.rollouts.update_weights(changed=False)  # no optimizer step: the same weights again
+        assert cluster.rollouts.weights_version() == 0
+        again = cluster.rollouts.generate(prompts, greedy, seed=0)
+        outs = cluster.rollouts.generate(prompts, [SamplingParams(1.0, 8)] * 4, seed=0)
+        cluster.rollouts.sleep()
         train_on(cluster, [make_sample(0, o.prompt_ids, o.token_ids, o.logprobs, float(i % 2))
                            for i, o in enumerate(outs)])
         trained = ray.get(cluster.trainers[0].state_dict.remote())
-        cluster.wake_rollouts()
-        cluster.update_weights()
-        after = cluster.generate(prompts, greedy, seed=0)
-        assert cluster.weights_version() == 1
+        cluster.rollouts.wake()
+        cluster.rollouts.update_weights()
+        after = cluster.rollouts.generate(prompts, greedy, seed=0)
+        assert cluster.rollouts.weights_version() == 1
     assert same(start, native()) and same(again, native())
     assert same(after, native(trained)) and not same(after, native())
 

@@ -152,14 +152,14 @@ def _loop(run: Run, state: LoopState | None, restarts: Restarts) -> dict:
     health = HealthMonitor()
     health.replay(log.records)
     if state:
-        cluster.load_state(str(run.start_dir))
-        cluster.adopt_version(state.weights_version)
+        cluster.trainers.load_state(str(run.start_dir))
+        cluster.rollouts.adopt_version(state.weights_version)
         if not run.settings.updates_carry_base:  # the replicas hold the base: serve the checkpoint's adapters on it
-            cluster.resend_weights()
+            cluster.rollouts.refill()
         run.buffer.load_state_dict(state.partial, lambda i: run.settings.rollout.task_types.get(run.tasks.type_of(i)))
         initial, initial_sampled = state.initial_accuracy, state.initial_accuracy_sampled
     else:
-        start = evaluate(cluster, run.tasks, run.tok, cfg, run.settings.rollout.task_types, run.progress, it=0)
+        start = evaluate(cluster.rollouts, run.tasks, run.tok, cfg, run.settings.rollout.task_types, run.progress, it=0)
         initial, initial_sampled = start["accuracy"], start.get("accuracy_sampled")
         sampled = "" if initial_sampled is None else \
             f", sampled {initial_sampled:.3f} (mean of {cfg.run.eval_samples} at the rollout temperature)"
@@ -169,7 +169,7 @@ def _loop(run: Run, state: LoopState | None, restarts: Restarts) -> dict:
                           cfg.run.collapse_drop_relative, len(run.tasks.eval)) if cfg.run.collapse_guard else None
     if guard is not None and guard.improved({"accuracy": initial}):  # the warm start is the first best
         save_best(run, -1, initial)
-    cluster.offload_trainers()
+    cluster.trainers.offload()
     for it in range(state.iteration + 1 if state else 0, cfg.run.iterations):
         rec = iteration(run, it)
         for warning in health.check(rec):
@@ -194,10 +194,10 @@ def _loop(run: Run, state: LoopState | None, restarts: Restarts) -> dict:
         if (it + 1) % cfg.run.save_every == 0 or it + 1 == cfg.run.iterations or stopped or stop_requested:
             run.episodes.close([s.key for s in run.buffer.drop_in_flight_episodes()])  # no env fits a checkpoint
             loop = LoopState(iteration=it, initial_accuracy=initial, wall_s=budget.elapsed(),
-                             weights_version=cluster.weights_version(), partial=run.buffer.state_dict(),
+                             weights_version=cluster.rollouts.weights_version(), partial=run.buffer.state_dict(),
                              workers=cfg.cluster.workers, initial_accuracy_sampled=initial_sampled,
                              rollbacks=rollbacks, best_accuracy=guard and guard.best)
-            saved = save_checkpoint(run.run_dir, loop, cluster.save, run.start_dir, cfg.run.keep_checkpoints,
+            saved = save_checkpoint(run.run_dir, loop, cluster.trainers.save, run.start_dir, cfg.run.keep_checkpoints,
                                     run.checkpoint_bytes)
             if cfg.run.export_uri and cfg.run.export_checkpoints:
                 export(saved, f"{cfg.run.export_uri}/checkpoints/{saved.name}", console)
@@ -210,7 +210,7 @@ def _loop(run: Run, state: LoopState | None, restarts: Restarts) -> dict:
                           f"({budget.elapsed() / 60:.1f} min): checkpoint, final model and summary saved")
             break
     final_dir = run.run_dir / "final"
-    cluster.save(str(final_dir), trainer_state=False)
+    cluster.trainers.save(str(final_dir), trainer_state=False)
     copy_tokenizer(run.start_dir, final_dir)
     if cfg.run.export_uri:
         export(final_dir, f"{cfg.run.export_uri}/final", console)
@@ -240,18 +240,18 @@ def timed(times: dict[str, float], phase: str):
 def iteration(run: Run, it: int) -> dict:
     """One RL iteration; returns its metrics record."""
     cfg, cluster, s, times = run.cfg, run.cluster, run.settings, {}
-    runner = episode_runner(cluster, cfg, run.tasks, run.tok, s.rollout.task_types, it)
+    runner = episode_runner(cluster.rollouts, cfg, run.tasks, run.tok, s.rollout.task_types, it)
     run.episodes.runner = runner
     try:
         with timed(times, "rollout"):
             temps = draw_groups(run.buffer, run.tasks, run.tok, s.rollout, it, cfg.run.seed)
-            generated, engine_stats = run_rollout(cluster, run.buffer, run.episodes, run.tasks, it,
+            generated, engine_stats = run_rollout(cluster.rollouts, run.buffer, run.episodes, run.tasks, it,
                                                   s.rollout.token_budget, run.progress)
         with timed(times, "reward"):  # the engines sleep only after rewards: a critic may run the policy on them
             samples, stats = reward_phase(run.buffer.pop_complete(), run.tasks, run.tok, s.rollout.task_types, runner,
                                           run.episodes.take_template_errors())
             if cfg.algorithm.critic_training.enabled:  # the policy's own judgments of verifiable pairs
-                judged, critic_stats = critic_training_batch(cluster, run.tok, cfg, samples, it)
+                judged, critic_stats = critic_training_batch(cluster.rollouts, run.tok, cfg, samples, it)
                 samples += judged
                 stats.update(critic_stats, trained_samples=len(samples))
     finally:
@@ -259,25 +259,25 @@ def iteration(run: Run, it: int) -> dict:
     check_error_rate(stats, cfg.run.max_env_error_rate)
     partial_stats = run.buffer.stats()  # after pop_complete: waiting_groups are the groups carried over
     t = time.time()
-    cluster.sleep_rollouts()
+    cluster.rollouts.sleep()
     times["time_reward"] += time.time() - t
 
     with timed(times, "train"):
-        times["time_onload"] = cluster.onload_trainers().get("seconds", 0.0)
+        times["time_onload"] = cluster.trainers.onload().get("seconds", 0.0)
         a = cfg.algorithm
         ptx = ptx_batches(run.ptx, run.tok, a.ptx.batch_size, a.minibatches, cfg.run.seed, it) if run.ptx else []
         batches = plan_update(samples, s.update, len(cluster.trainers), train_seed(cfg.run.seed, it), ptx) \
             if samples else []
         bar = run.progress.add_task(f"iter {it} train", total=len(batches[0].steps) if batches else 0)
-        steps = cluster.train(batches, on_step=lambda _: run.progress.advance(bar)) if batches else []
+        steps = cluster.trainers.train(batches, on_step=lambda _: run.progress.advance(bar)) if batches else []
         run.progress.remove_task(bar)
-        train_peak = cluster.train_peak_gib() if steps else None
-        times["time_offload"] = cluster.offload_trainers().get("seconds", 0.0)
+        train_peak = cluster.trainers.peak_gib() if steps else None
+        times["time_offload"] = cluster.trainers.offload().get("seconds", 0.0)
 
     with timed(times, "weight_update"):
         bar = run.progress.add_task(f"iter {it} weight update ({cluster.num_buckets} buckets)", total=1)
-        cluster.wake_rollouts()
-        cluster.update_weights(changed=bool(steps))
+        cluster.rollouts.wake()
+        cluster.rollouts.update_weights(changed=bool(steps))
         run.progress.remove_task(bar)
 
     held_out = {"accuracy": None}
@@ -303,7 +303,8 @@ def iteration(run: Run, it: int) -> dict:
 def eval_metrics(run: Run, it: int) -> dict:
     """Held-out accuracy (greedy, per task type, sampled at iteration ``it``'s temperature) and the time it took."""
     t = time.time()
-    out = evaluate(run.cluster, run.tasks, run.tok, run.cfg, run.settings.rollout.task_types, run.progress, it=it)
+    out = evaluate(run.cluster.rollouts, run.tasks, run.tok, run.cfg, run.settings.rollout.task_types, run.progress,
+                   it=it)
     return {"accuracy": out["accuracy"], **{k: v for k, v in out.items() if k.startswith("accuracy")},
             "time_eval": round(time.time() - t, 3)}
 
@@ -312,7 +313,7 @@ def save_best(run: Run, it: int, accuracy: float) -> None:
     """``best/``: the best evaluated weights (Hugging Face format, as ``final/``) with their trainer state, which
     a rollback returns to; written aside and renamed into place (``write_aside``: a full disk is one line)."""
     def fill(tmp: Path) -> None:
-        run.cluster.save(str(tmp), trainer_state=True)
+        run.cluster.trainers.save(str(tmp), trainer_state=True)
         copy_tokenizer(run.start_dir, tmp)
         (tmp / "best.json").write_text(json.dumps({"iteration": it, "accuracy": accuracy}))
 
@@ -327,9 +328,9 @@ def roll_back(run: Run, it: int, why: str, done: int) -> tuple[int, float]:
     best, cfg = run.run_dir / BEST_DIR, run.cfg
     if not (best / "best.json").is_file():
         raise TrainingStopped(f"iteration {it}: {why}, and no best/ to roll back to (run.collapse_guard was off)")
-    run.cluster.load_state(str(best))
-    lr = run.cluster.scale_lr(cfg.run.rollback_lr_factor)
-    run.cluster.update_weights()
+    run.cluster.trainers.load_state(str(best))
+    lr = run.cluster.trainers.scale_lr(cfg.run.rollback_lr_factor)
+    run.cluster.rollouts.update_weights()
     run.episodes.close(list(run.episodes.live))
     run.buffer = PartialRolloutBuffer(cfg.rollout.partial.max_age)  # sampled by the collapsed policy
     came_from = json.loads((best / "best.json").read_text())["iteration"]

@@ -42,7 +42,7 @@ def critic_pairs(samples: list[Sample], n: int, rng: random.Random) -> list[tupl
     return candidates[:n]
 
 
-def critic_training_batch(cluster, tok: TextTokenizer, cfg: Config, samples: list[Sample],
+def critic_training_batch(rollouts, tok: TextTokenizer, cfg: Config, samples: list[Sample],
                           it: int) -> tuple[list[Sample], dict[str, float]]:
     """Critic samples for this iteration and the critic's agreement with the verifiable rewards."""
     c = cfg.algorithm.critic_training
@@ -60,7 +60,7 @@ def critic_training_batch(cluster, tok: TextTokenizer, cfg: Config, samples: lis
         better_is_a.append(not swap)
     ids = [tok.encode(p) for p in prompts]
     params = SamplingParams(c.temperature, c.max_tokens)
-    outs = cluster.generate([p for p in ids for _ in range(c.samples)], [params] * (len(ids) * c.samples),
+    outs = rollouts.generate([p for p in ids for _ in range(c.samples)], [params] * (len(ids) * c.samples),
                             seed=rng.randrange(2**31))
     kind = TaskType("critic_training", c.max_tokens, 0.0, Schedule("constant", c.temperature, c.temperature, 1))
     out, refused, unparseable = [], 0, 0

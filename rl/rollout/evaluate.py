@@ -13,7 +13,7 @@ from rl.seeds import eval_seed
 from rl.settings import TaskTypes
 
 
-def evaluate(cluster, tasks: TaskSets, tok: TextTokenizer, cfg: Config, types: TaskTypes,
+def evaluate(rollouts, tasks: TaskSets, tok: TextTokenizer, cfg: Config, types: TaskTypes,
              progress: Progress | None = None, it: int = 0) -> dict:
     """Greedy accuracy on the held-out tasks: the fraction with reward 1 (errors count as wrong), overall and,
     with several task types, per type; with ``run.eval_samples`` k > 0 also ``accuracy_sampled``: the mean
@@ -34,7 +34,7 @@ def evaluate(cluster, tasks: TaskSets, tok: TextTokenizer, cfg: Config, types: T
                for n, t in enumerate(kinds) for j in range(k)]
     bar = progress.add_task(f"held-out eval (greedy{f' + {k} sampled' if k else ''})", total=len(params)) \
         if progress else None
-    outs = cluster.generate(prompts + [p for p in prompts for _ in range(k)], params, seed=0,
+    outs = rollouts.generate(prompts + [p for p in prompts for _ in range(k)], params, seed=0,
                             on_chunk=(lambda n: progress.advance(bar, n)) if progress else None)
     if progress:
         progress.remove_task(bar)

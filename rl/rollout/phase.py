@@ -58,7 +58,7 @@ def engine_metrics(counts: list[dict[str, int]]) -> dict[str, float]:
             "mem_rollout_peak_gib": round(max(c["peak_bytes"] for c in counts) / 2**30, 3)}
 
 
-def run_rollout(cluster, buffer: PartialRolloutBuffer, episodes: Episodes, tasks: TaskSets, it: int,
+def run_rollout(rollouts, buffer: PartialRolloutBuffer, episodes: Episodes, tasks: TaskSets, it: int,
                 budget: int | None, progress: Progress) -> tuple[int, dict[str, Any]]:
     """Generate the iteration's running samples (dropping those past ``rollout.partial.max_age``) until each ends or
     ``budget`` tokens were generated; returns the tokens generated and the engines' metrics."""
@@ -73,7 +73,7 @@ def run_rollout(cluster, buffer: PartialRolloutBuffer, episodes: Episodes, tasks
     contexts = WorkerContexts()  # what each engine holds of the contexts: a next turn sends only what is new
     bar = progress.add_task(f"iter {it} rollout", total=total)
     while running and (budget is None or generated < budget):
-        results, round_counts = cluster.rollout(running, None if budget is None else budget - generated,
+        results, round_counts = rollouts.rollout(running, None if budget is None else budget - generated,
                                                 on_worker=lambda n: progress.advance(bar, n), contexts=contexts)
         counts += round_counts
         generated += sum(len(r.token_ids) for r in results)

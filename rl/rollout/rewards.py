@@ -130,7 +130,7 @@ def sandbox_recoveries() -> dict[str, int]:
     return counts if any(counts.values()) else {}
 
 
-def policy_critic(cluster, tok: TextTokenizer, types: TaskTypes, seed: int):
+def policy_critic(rollouts, tok: TextTokenizer, types: TaskTypes, seed: int):
     """The policy itself as the critic, on the shared inference engines (task type "critic" sets its budget and
     temperature)."""
     critic = types.get("critic")
@@ -139,16 +139,16 @@ def policy_critic(cluster, tok: TextTokenizer, types: TaskTypes, seed: int):
     def generate(prompts: list[str]) -> list[str]:
         params = [SamplingParams(critic.temperature.start, critic.max_tokens) for _ in prompts]
         with lock:
-            outs = cluster.generate([tok.encode(p) for p in prompts], params, seed=seed)
+            outs = rollouts.generate([tok.encode(p) for p in prompts], params, seed=seed)
         return [tok.decode(c.token_ids) for c in outs]
 
     return generate
 
 
-def episode_runner(cluster, cfg: Config, tasks: TaskSets, tok: TextTokenizer, types: TaskTypes,
+def episode_runner(rollouts, cfg: Config, tasks: TaskSets, tok: TextTokenizer, types: TaskTypes,
                    it: int) -> EpisodeRunner:
     """The iteration's environment runner, with the policy attached as critic where an environment judges."""
-    critic = policy_critic(cluster, tok, types, critic_seed(cfg.run.seed, it)) \
+    critic = policy_critic(rollouts, tok, types, critic_seed(cfg.run.seed, it)) \
         if any(env_class(e).group_level for e in tasks.entries) else None
     return EpisodeRunner(cfg, critic=critic)
 
