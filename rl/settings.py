@@ -266,6 +266,8 @@ def resolve(cfg: Config, arch: ModelConfig | ModelDescription, model_dir: str, c
                  moe_model_type=arch.model_type if experts else None)
     if cfg.rollout.sleep_level == "auto":
         choices.append(("rollout.sleep_level", str(level), level_why))
+    # a native replica on CPU attends with the decode kernel: decode_attention builds it here, once, on the driver,
+    # and the workers only load it
     attention = "torch" if kind == "vllm" else decode_attention(r.attention, device)
     if r.attention == "auto" and kind == "native":
         choices.append(("rollout.attention", attention, "auto: the CPU decode kernel" if attention == "paged" else

@@ -17,7 +17,6 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from engines.inference import cpu_kernel
 from engines.model.text.tokenizer import TextTokenizer
 from rl.algo.batches import plan_update
 from rl.config import Config, dump_config
@@ -118,9 +117,6 @@ def _attempt(cfg: Config, run_dir: Path, resume: bool, console: Console, restart
         for warning in cfg.warnings():
             console.print(f"[bold yellow]warning:[/] {warning}")
         arch, backend_why = model_arch(cfg, start_dir)  # native or transformers (model.backend), and why
-        if cfg.cluster.gpus_per_worker == 0 and cfg.rollout.attention in ("auto", "paged") and \
-                cfg.rollout.engine != "vllm":
-            cpu_kernel.available()  # the CPU decode kernel built here, once: the workers then only load it
         settings = resolve(cfg, arch, str(start_dir), rollout_seq_len(cfg, tasks, tok, arch.max_position_embeddings),
                            backend_why)
         est = estimate(cfg, arch, settings.context, settings.rollout.engine)
