@@ -24,6 +24,13 @@ class AdapterSender:
         self.model = model
         self.plan = plan_adapter_update(adapter_state(model), bucket_bytes, dtype)
 
+    def check_filled(self, replicas: bool) -> None:
+        """ValueError in one line unless the start-up read filled the replicas (``replicas``): these updates never
+        carry the base."""
+        if not replicas:
+            raise ValueError("model.lora: the rollout engine must load the checkpoint as it is (rollout.dtype = the "
+                             "checkpoint's dtype, no FP8): a LoRA run's updates carry the adapters, not the base")
+
     def send(self, ckpt, engine, version: int, reloader) -> None:
         """Deliver the adapters of ``engine`` (a ``TrainingEngine``), gathered whole while its tensors are in place.
         Collective."""

@@ -112,6 +112,9 @@ class ModelSender:
 
     carries_base = True  # every weight: a replica needs nothing else (``adapter_sender.AdapterSender`` does)
 
+    def check_filled(self, replicas: bool) -> None:
+        """Whole-weight updates fill replicas the start-up read left empty: nothing to check."""
+
     def send(self, ckpt, engine, version: int, reloader) -> None:
         """Push this rank's shard of the weights of ``engine`` (a ``TrainingEngine``) to every replica through the
         checkpoint engine ``ckpt``; while offloaded the shards are read from host memory (stage 1 is the H2D copy)."""

@@ -159,9 +159,10 @@ class TrainerWorker:
         trainer's shard, and the inference engines when they hold its dtypes (collective). Returns
         whether they did ("replicas") and the tensors this trainer read per file ("reads")."""
         out = self.sender.startup(self.ckpt, model_dir, self.reloader)
-        if not self.updates.carries_base and not out["replicas"]:
-            raise UserError("model.lora: the rollout engine must load the checkpoint as it is (rollout.dtype = the "
-                            "checkpoint's dtype, no FP8): a LoRA run's updates carry the adapters, not the base")
+        try:  # updates that carry no base need the replicas filled with it now
+            self.updates.check_filled(out["replicas"])
+        except ValueError as e:
+            raise UserError(str(e)) from None
         after_startup(self.engine.model, self.policy)  # a QLoRA base quantized from the filled one
         return out
 
