@@ -30,6 +30,7 @@ from rl.setup.warmstart import prepare_model
 from tests.conftest import make_sample, sharp_model, tiny_config, train_on
 
 vllm_engine = pytest.importorskip("engines.inference.vllm_engine")
+vllm_weights = pytest.importorskip("engines.inference.vllm_weights")
 if not vllm_engine.vllm_available():
     pytest.skip("vLLM is not installed here (make setup installs it)", allow_module_level=True)
 
@@ -226,7 +227,7 @@ def test_vllm_refuses_a_mismatched_update_version(served, sender, tokenizer, tmp
     assert error is not None and "older than" in error
     assert engine.reloads == reloads and engine.weights_version == 5 and recv.consistent
     engine.begin(6)
-    with pytest.raises(vllm_engine.VersionMismatchError, match="update 7 reached vLLM while update 6"):
+    with pytest.raises(vllm_weights.VersionMismatchError, match="update 7 reached vLLM while update 6"):
         engine.feed(7, 0, {})
     with pytest.raises(RuntimeError, match="streaming"):
         engine.generate(_prompts(tokenizer), SamplingParams(0.0, 4))
