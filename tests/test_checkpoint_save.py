@@ -64,16 +64,16 @@ def test_a_save_failure_reaches_the_command_line_as_one_line_with_exit_status_1(
     assert status == 1 and err[-1].startswith("error: saving checkpoint X failed: no space left")
 
 
-def test_a_runs_first_save_onto_a_full_disk_is_one_line_naming_the_run_and_the_space(tmp_path):
+def test_a_runs_first_save_onto_a_full_disk_is_one_line_naming_the_run_and_the_space(ray_cluster, tmp_path, capsys):
     """A real run whose run directory is a 256 KiB tmpfs: its config and metrics fit, its first checkpoint does
     not. The run ends with one line naming the checkpoint in the run directory and the space a checkpoint takes (the
     estimate, as no earlier checkpoint exists), and leaves nothing half-written. torch's zip writer reports such a
     write as "unexpected pos", nothing about space: the free space at the failure says it."""
     import json
-    import sys
 
     import yaml
 
+    from rl.cli import main as rl_main
     from tests.test_run import TINY
 
     disk = tmp_path / "disk"
@@ -87,11 +87,10 @@ def test_a_runs_first_save_onto_a_full_disk_is_one_line_naming_the_run_and_the_s
         run = disk / "run"
         sets = ["run.collapse_guard=false", "run.iterations=1", "run.save_every=1", "run.eval_samples=0",
                 "env.num_eval=8"]
-        proc = subprocess.run([sys.executable, "-m", "rl.cli", "train", str(config), "--run-dir", str(run),
-                               *[a for s in sets for a in ("--set", s)]], capture_output=True, text=True, timeout=900,
-                              cwd=Path(__file__).resolve().parents[1])
-        err = proc.stderr.strip().splitlines()
-        assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+        code = rl_main(["train", str(config), "--run-dir", str(run), *[a for s in sets for a in ("--set", s)]])
+        stderr = capsys.readouterr().err
+        err = stderr.strip().splitlines()
+        assert code == 1 and "Traceback" not in stderr, stderr[-3000:]
         assert err[-1].startswith(f"error: saving checkpoint {run}/checkpoints/iter_000000 failed: no space left on "
                                   "the device (a checkpoint takes about "), err[-1]
         assert "no earlier checkpoint exists" in err[-1]

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 from tests.test_run import TINY
@@ -58,6 +59,7 @@ def train(tmp_path: Path, env: dict, name: str, envs: list) -> dict:
     return json.loads((tmp_path / name / "metrics.jsonl").read_text().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_the_readme_plugin_installs_and_trains(tmp_path):
     env = install(tmp_path)
     listed = subprocess.run([sys.executable, "-m", "rl.cli", "envs"], capture_output=True, text=True, env=env)

@@ -42,6 +42,7 @@ def _run_env(tmp_path: Path, **extra: str) -> dict[str, str]:
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="flock and the compiler wrapper are POSIX shell")
+@pytest.mark.serial
 def test_a_build_killed_midway_does_not_block_the_next_load(tmp_path, monkeypatch, caplog):
     source = tmp_path / "tiny.cpp"
     source.write_text(SOURCE)

@@ -35,6 +35,7 @@ def test_the_full_plan_measures_every_figure_the_issue_asks_for():
     assert "qwen3-0.6b" in next(s for s in steps if s.name == "rl_iteration").argv
 
 
+@pytest.mark.slow
 def test_dry_run_runs_the_whole_plan_on_cpu(tmp_path):
     # the GPU tests run in this suite already (skipped without a GPU), and so does the side-by-side vLLM rollout
     # (tests/test_vllm_engine.py): the dry run here leaves those two steps out
@@ -62,6 +63,7 @@ def test_the_quick_plan_measures_the_same_figures_on_smaller_workloads():
     assert "--max-tokens 256" in argv["rl_iteration"] and "--gib 16" in argv["weight_update"]
 
 
+@pytest.mark.serial
 def test_a_step_past_its_limit_is_cut_with_its_children(tmp_path):
     """A step whose child outlives it (a compile worker, Ray) must not hold the check past the step's limit:
     the child keeps the output pipe open, and waiting for the pipe alone would wait for the child."""

@@ -97,6 +97,7 @@ def test_d15_d6_launch_sh_guards_its_run_directory_and_keeps_each_attempts_conso
                 env).returncode == 0  # its own run again (a retry, rl launch --replace)
 
 
+@pytest.mark.serial
 def test_d18_launch_sh_stops_a_run_past_its_deadline_and_bounds_the_attempt(tmp_path):
     data = tmp_path / "data"
     script = run_configmap(render(sets=(f"storage.mountPath={data}", "rayJob.activeDeadlineSeconds=600",
@@ -174,6 +175,7 @@ def test_d9_the_head_stops_when_the_image_has_another_ray_than_ray_version():
     assert f"the image colocated-rl:cpu has Ray {ray.__version__}, rayJob.rayVersion says 2.49.0" in proc.stderr
 
 
+@pytest.mark.serial
 def test_d6_prestop_asks_the_run_for_a_checkpoint_and_waits_while_it_lives(tmp_path):
     data = tmp_path / "data"
     cmd = head_spec(render(sets=(f"storage.mountPath={data}",)))["containers"][0]["lifecycle"]["preStop"]["exec"][

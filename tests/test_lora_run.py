@@ -141,6 +141,7 @@ def test_a_bfloat16_checkpoint_trains_adapters_in_float32_over_a_bfloat16_model(
     assert {t.dtype for t in adapters.values()} == {torch.float32}
 
 
+@pytest.mark.slow
 def test_two_sharded_trainer_ranks_train_the_adapters_and_resume_exactly(ray_cluster, tmp_path):
     """Two workers: FSDP2 shards the frozen base and the adapters over two trainer ranks and reduces the adapters'
     gradients alone. Each worker's replica serves exactly what the trainer holds after every update (it scores the
@@ -212,6 +213,7 @@ def test_a_family_the_native_code_lacks_trains_adapters_and_vllm_serves_them(ray
         assert (with_adapter(input_ids=ids).logits - merged(input_ids=ids).logits).abs().max().item() <= 1e-4
 
 
+@pytest.mark.slow
 def test_qlora_trains_over_a_quantized_base_saves_the_exact_one_and_resumes_exactly(ray_cluster, tmp_path):
     """model.lora.quantize_base nf4 (bitsandbytes): the trainer computes with NF4 projections, so its log-probs
     differ from the replica's (which serves the exact base plus the adapters) by the quantization error, reported

@@ -24,6 +24,7 @@ pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None or HELM is None,
                                 reason="bubblewrap and helm are needed (make setup installs them)")
 
 
+@pytest.mark.slow
 def test_the_charts_entrypoint_trains_on_a_multinode_cluster_and_a_retry_resumes(tmp_path):
     """launch.sh from the rendered ConfigMap (its mount paths pointed at temporary folders) runs `rl train` with the
     head pod's environment from the rendered RayJob, on the head of a Ray cluster of three nodes, as KubeRay runs it:

@@ -320,6 +320,7 @@ def test_fp8_checkpoint_is_read_once_and_fp8_updates_are_exact(ray_cluster, tmp_
                 assert torch.equal(replica[k], t.to(torch.bfloat16)), k
 
 
+@pytest.mark.slow
 def test_grpo_with_a_kl_penalty_scores_against_the_starting_model_also_after_a_resume(ray_cluster, tmp_path):
     """algorithm.kl_coef: each trainer rank (two, FSDP-sharded) holds the reference policy, read from the model the
     run started from, and every iteration that trains reports the KL to it. A run resumed from its checkpoint reads

@@ -77,6 +77,7 @@ def make_backend(api):
         b.close()
 
 
+@pytest.mark.serial
 def test_session_exec_files_verdicts_and_close(api, make_backend):
     backend = make_backend()
     s = backend.create_session("", {"in.txt": b"data\n", "pkg/mod.py": b"X = 42\n"})
@@ -119,6 +120,7 @@ def test_session_exec_files_verdicts_and_close(api, make_backend):
     assert e.value.code == "NOT_FOUND"
 
 
+@pytest.mark.serial
 def test_pod_that_cannot_start_is_unavailable_and_deleted(api, make_backend):
     api.failures["registry.example/broken:1"] = "ImagePullBackOff"
     api.failures["huge:1"] = "Unschedulable"

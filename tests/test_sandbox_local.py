@@ -155,6 +155,7 @@ def test_no_descriptor_of_the_service_reaches_the_program(session):
     assert (r.verdict, r.stdout) == (Verdict.OK, b"[]\n"), r
 
 
+@pytest.mark.serial
 def test_cancel_and_close_need_no_polling(backend, monkeypatch):
     """The service's cancel event and the session's close wake the running command's loop at once (it does not
     poll them: with polling made useless here, both still end the command within a second or two)."""
@@ -198,6 +199,7 @@ def test_memory_bomb(session):
     assert_healthy(session)
 
 
+@pytest.mark.serial
 def test_infinite_loop_timeout(session):
     t = time.monotonic()
     r = py(session, "while True:\n    pass", limits=LIM.merged(wall_s=1))
@@ -228,6 +230,7 @@ def test_huge_file(session):
     assert_healthy(session)
 
 
+@pytest.mark.serial
 def test_output_flood(session):
     t = time.monotonic()
     r = py(session, "import sys\nwhile True:\n    sys.stdout.write('x' * 65536)")
@@ -302,6 +305,7 @@ def test_cannot_kill_outside(session):
     assert_healthy(session)
 
 
+@pytest.mark.serial
 def test_no_background_leftovers(session):
     code = ("import os, subprocess\n"
             "if os.fork() == 0:\n    os.setsid()\n    subprocess.Popen(['sleep', '987654'])\n    os._exit(0)\n"
@@ -370,6 +374,7 @@ def test_symlink_escapes_refused(session, tmp_path):
     assert_healthy(session)
 
 
+@pytest.mark.serial
 def test_cancel(session):
     cancel = threading.Event()
     threading.Timer(0.3, cancel.set).start()
@@ -380,6 +385,7 @@ def test_cancel(session):
     assert_healthy(session)
 
 
+@pytest.mark.serial
 def test_close_kills_running_command(backend):
     s = backend.create_session()
     results: list[ExecResult] = []

@@ -159,6 +159,7 @@ def test_a_warning_without_a_token_off_loopback(monkeypatch, caplog):
     assert len(warned) == 1 and TOKEN_ENV in warned[0] and "\n" not in warned[0]
 
 
+@pytest.mark.serial
 def test_shutdown_drains_open_sessions_and_refuses_new_ones():
     """A stop lets the open session finish its work (a command running, then another, then its close) while new
     sessions and runs are refused as UNAVAILABLE; it returns as soon as the session is closed."""

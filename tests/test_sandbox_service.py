@@ -257,6 +257,7 @@ def test_cli_serve_and_run():
     assert bad.returncode != 0 and "invalid choice: 'docker'" in bad.stderr
 
 
+@pytest.mark.serial
 def test_sigterm_stops_the_cli_service_and_leaves_nothing():
     """``rl sandbox serve`` stopped with SIGTERM (how Kubernetes, systemd and the benchmark stop it) drains: the open
     session goes on until its client closes it, new ones are refused; then the service removes its directories,

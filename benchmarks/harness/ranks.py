@@ -36,6 +36,29 @@ from checkpoint_engine.startup import SafetensorsShare, ShardTap, plan_startup
 from checkpoint_engine.topology import free_port
 from checkpoint_engine.transfer import WeightReceiver
 
+#: what the server that forks ranks imports once (a spawned rank spends seconds importing torch again)
+RANK_PRELOAD = ["torch", "torch.distributed"]
+
+
+def rank_context() -> mp.context.ForkServerContext:
+    """Processes for ranks, forked from a server that has imported torch (nothing else: no threads, no CUDA)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(RANK_PRELOAD)
+    return ctx
+
+
+def rank_process(ctx: mp.context.BaseContext, target, args: tuple) -> mp.process.BaseProcess:
+    """A process running ``target(*args)`` in this process's environment and directory now, as a spawned one would
+    (a forked server's children otherwise keep the server's, from when it started)."""
+    return ctx.Process(target=_as_spawned, args=(dict(os.environ), os.getcwd(), target, args))
+
+
+def _as_spawned(env: dict[str, str], cwd: str, target, args: tuple) -> None:
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    target(*args)
+
 
 class PipeReloader:
     """Talks to a local inference process over a pipe; loads run in order, acks come in order."""
@@ -178,7 +201,7 @@ class _Setup:
 
 def _worker_main(rank: int, init: str, setup: _Setup, steps: list[Step], result) -> None:
     torch.set_num_threads(setup.threads)
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     model, world = setup.model, setup.model.world
     out: dict = {"times": [], "errors": {}, "reads": {}}
     infer, conn = None, None
@@ -193,8 +216,8 @@ def _worker_main(rank: int, init: str, setup: _Setup, steps: list[Step], result)
 
         def start_inference():
             parent, child = ctx.Pipe()
-            p = ctx.Process(target=_inference_main, args=(child, list(plan.tensors.values()), sharding, plan,
-                                                           engine.ipc_handles(), setup.threads, setup.rollback))
+            p = rank_process(ctx, _inference_main, (child, list(plan.tensors.values()), sharding, plan,
+                                                    engine.ipc_handles(), setup.threads, setup.rollback))
             p.start()
             if parent.recv() != ("ready",):  # it has mapped the buffers
                 raise RuntimeError("inference process did not start")
@@ -279,12 +302,12 @@ class LocalRun:
 
 
 def run_ranks(target, args: list[tuple], shm_name: str, timeout_s: float) -> dict[int, dict]:
-    """Start ``target(*args[r], queue)`` in one spawned process per rank and collect the ``(rank, result)`` each
+    """Start ``target(*args[r], queue)`` in one process per rank and collect the ``(rank, result)`` each
     puts on the queue, until all have or ``timeout_s`` passes (or every process died); then join (kill a stuck
     one) and remove the shared buffers named ``shm_name-*`` that a dead worker left in /dev/shm."""
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     result = ctx.Queue()
-    procs = [ctx.Process(target=target, args=(*a, result)) for a in args]
+    procs = [rank_process(ctx, target, (*a, result)) for a in args]
     for p in procs:
         p.start()
     results: dict[int, dict] = {}
