@@ -5,6 +5,11 @@ from __future__ import annotations
 
 import os
 
+# Tests run side by side (pytest-xdist) on a few cores, on models of a few thousand parameters: one torch thread
+# per process and per worker (rl.loop.placement.worker_threads reads it) instead of every process spinning on
+# all cores, which made two test processes slower together than one after the other.
+os.environ["OMP_NUM_THREADS"] = "1"
+
 import pytest
 import torch
 
@@ -12,6 +17,8 @@ from engines.model.native.arch import ModelConfig
 from engines.model.native.causal_lm import CausalLM
 from engines.model.text.tokenizer import train_tokenizer
 from envs.arithmetic import ArithmeticEnv
+
+torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")
@@ -46,8 +53,13 @@ def tiny_model(tokenizer):
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _isolated_cache(tmp_path_factory):
-    os.environ["RL_CACHE_DIR"] = str(tmp_path_factory.mktemp("cache"))
+def _isolated_cache(tmp_path_factory, worker_id):
+    """One cache for the whole test run: pytest-xdist's processes share it (a warm start is built once, under its
+    lock, whichever process needs it first)."""
+    root = tmp_path_factory.getbasetemp()
+    cache = (root if worker_id == "master" else root.parent) / "cache"
+    cache.mkdir(exist_ok=True)
+    os.environ["RL_CACHE_DIR"] = str(cache)
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 

@@ -64,6 +64,7 @@ def test_train_step_benchmark_reports_throughput_mfu_and_memory_of_each_variant(
     assert "smax_overhead" in rec and "peak_mem_chunked_over_full" in rec
 
 
+@pytest.mark.slow
 def test_train_step_with_lora_keeps_a_frozen_base_and_the_adapters_state():
     """--lora: only the adapters train, so what the trainer keeps is the weights plus AdamW's two moments (and step
     count) of the adapters alone, counted here from the demo model's shapes, and a step's growth (gradients of the

@@ -83,6 +83,7 @@ def test_a_killed_inference_engine_is_replaced_in_place_and_its_groups_generated
     assert same_run(reference, run_dir)
 
 
+@pytest.mark.slow
 def test_a_killed_lora_replica_is_replaced_from_the_base_and_the_adapters(ray_cluster, tmp_path):
     """LoRA, at sleep level 2: SIGKILL of the inference engine while it generates iteration 1's groups. A peer's
     weights are merged ones and the updates carry only the adapters, so the new engine reads the base from the

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow  # one two-cluster run in its own Ray (the placement; the update is checked elsewhere)
 
 SCRIPT = """
 import json, logging, os, ray
@@ -78,7 +79,6 @@ def seen() -> dict[int, dict]:
     return dict(zip((1, 2), (json.loads(line) for line in proc.stdout.strip().splitlines()[-2:]), strict=True))
 
 
-@pytest.mark.slow
 def test_each_worker_pair_shares_its_own_gpu(seen):
     one = seen[1]
     assert one["trainers"] == one["rollouts"], one   # colocated: one device per worker, both actors on it

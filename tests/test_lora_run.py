@@ -108,6 +108,7 @@ def test_a_lora_run_resumes_exactly(lora_run, tmp_path):
     assert _records(split)[-1]["logprob_diff_max"] <= 1e-5  # the resumed replica merged the adapters
 
 
+@pytest.mark.slow
 def test_a_bfloat16_checkpoint_trains_adapters_in_float32_over_a_bfloat16_model(ray_cluster, tmp_path):
     """The GPU shape of a LoRA run on one rank: a bfloat16 checkpoint computed in bfloat16 (model.dtype) with float32
     master adapters and AdamW state. The frozen model stays bfloat16 in the trainer (no FSDP, nothing rounded: it is
@@ -179,6 +180,7 @@ def test_two_sharded_trainer_ranks_train_the_adapters_and_resume_exactly(ray_clu
         assert torch.equal(final[k], b[k]), k
 
 
+@pytest.mark.slow
 def test_a_family_the_native_code_lacks_trains_adapters_and_vllm_serves_them(ray_cluster, tokenizer, tmp_path):
     """Gemma 3 on the transformers backend (transformers' own modeling code adapted in the trainer), rolled out by
     vLLM (its CPU build) at sleep level 2: each update carries the adapters only, the replica merges them onto its

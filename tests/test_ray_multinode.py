@@ -105,11 +105,12 @@ def test_cgroup_cpu_limit_reads_the_pods_quota(tmp_path):
     assert cgroup_cpu_limit(*_cgroup(tmp_path / "e", v1=("-1", "100000"))) is None
 
 
-def test_threads_are_the_pods_cpus_shared_by_its_workers(ray_cluster):
+def test_threads_are_the_pods_cpus_shared_by_its_workers(ray_cluster, monkeypatch):
     """Each worker's threads come from the node it was placed on (its probe), not from the head's cores: one
     worker on an 8-CPU pod gets 8, the eight workers of a GPU pod share its CPUs; capped by the Ray node's CPUs."""
     import ray
 
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     here = ray.get_runtime_context().get_node_id()
     ray_cpus = int(ray.cluster_resources()["CPU"])
     sites = [Site(here, 64, True)] * 2
@@ -119,6 +120,8 @@ def test_threads_are_the_pods_cpus_shared_by_its_workers(ray_cluster):
     # on a node this cluster does not know, the probe's own figure counts
     assert worker_threads([Site("elsewhere", 8, True)], None) == [8]
     assert worker_threads([Site("gpu-pod", 96, True)] * 8, None) == [12] * 8
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")  # a run started with a thread count asked for (machines shared)
+    assert worker_threads([Site("gpu-pod", 96, True)] * 8, None) == [2] * 8 and worker_threads(sites, 3) == [3, 3]
 
 
 def test_workers_that_cannot_be_placed_are_named(ray_cluster, monkeypatch):

@@ -48,7 +48,8 @@ K2_TINY = {"family": "deepseek_v3", "moe": {"q_lora_rank": 16, "kv_lora_rank": 8
 
 
 @pytest.mark.parametrize(("sleep_level", "workers", "dtype", "arch"),
-                         [(1, 1, None, {}), (2, 1, None, {}), (1, 2, None, {}), (1, 1, "bfloat16", {}),
+                         [(1, 1, None, {}), (2, 1, None, {}), pytest.param(1, 2, None, {}, marks=pytest.mark.slow),
+                          (1, 1, "bfloat16", {}),
                           (2, 2, "bfloat16", K2_TINY)])
 def test_weight_update_makes_inference_bitwise_equal(ray_cluster, sleep_level, workers, dtype, arch):
     """Rollout, sleep (level 2 discards the inference weights), onload, train (FSDP2-sharded over
@@ -139,6 +140,7 @@ def test_run_outputs_and_exact_resume(ray_cluster, tmp_path):
     assert [r["reward_mean"] for r in resumed] == [r["reward_mean"] for r in records]
 
 
+@pytest.mark.slow
 def test_two_worker_run_resumes_exactly_and_on_one_worker(ray_cluster, tmp_path):
     """FSDP2 over two workers: each rank writes its shards of the trainer state; a resume with the same worker
     count ends bit for bit where the uninterrupted run ends, and one on a single worker reads the same state

@@ -37,7 +37,7 @@ def _reduced(name: str) -> dict:
     return raw
 
 
-@pytest.mark.parametrize("name", ["qwen2-arith", "mixtral-chain3"])
+@pytest.mark.parametrize("name", ["qwen2-arith", pytest.param("mixtral-chain3", marks=pytest.mark.slow)])
 def test_transfer_pair_with_the_defaults_does_not_collapse(name, ray_cluster, tmp_path):
     cfg = parse_config(_reduced(name))
     model_dir = prepare_model(cfg)

@@ -504,6 +504,7 @@ def test_vllm_replica_on_ipc_views_is_filled_by_the_trainers_and_refilled_after_
     assert same(after, native(trained)) and not same(after, native())
 
 
+@pytest.mark.slow
 def test_vllm_run_trains_and_every_update_reaches_the_sampler(ray_cluster, tmp_path):
     """A run with rollout.engine vllm: the sampler's log-probs agree with the trainer's recompute to float32
     rounding in every iteration, which holds only if each update reached vLLM."""

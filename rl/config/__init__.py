@@ -73,8 +73,9 @@ class RunConfig(Strict):
 class ClusterConfig(Strict):
     ray_address: str | None = Field(None, description="None starts a local Ray cluster")
     workers: int = Field(1, ge=1, description="colocated workers; the trainer is sharded over them (FSDP2)")
-    threads_per_worker: int | None = Field(None, ge=1, description="torch threads; None = the CPUs of the worker's pod "
-                                           "(its CPU limit) shared by the workers placed there")
+    threads_per_worker: int | None = Field(None, ge=1, description="torch threads; None = $OMP_NUM_THREADS where "
+                                           "the run is started with it, else the CPUs of the worker's pod (its CPU "
+                                           "limit) shared by the workers placed there")
     gpus_per_worker: float = Field(0, ge=0, description="GPUs of each colocated worker (its trainer and "
                                    "inference engine share them); 0 = CPU only")
 

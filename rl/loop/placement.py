@@ -108,9 +108,17 @@ def probe_bundles(pg, n: int, model_dir: str) -> list[Site]:
         pg, placement_group_bundle_index=i)).remote(model_dir) for i in range(n)])
 
 
+def omp_threads() -> int | None:
+    """``OMP_NUM_THREADS`` of this process's environment when it is a positive integer (else None)."""
+    value = os.environ.get("OMP_NUM_THREADS", "")
+    return int(value) if value.isdigit() and int(value) > 0 else None
+
+
 def worker_threads(sites: list[Site], configured: int | None) -> list[int]:
-    """Torch threads of each bundle's worker: ``configured``, else the CPUs of its pod (cgroup limit, capped by
-    the Ray node's CPU count) shared by the workers placed there."""
+    """Torch threads of each bundle's worker: ``configured``, else ``OMP_NUM_THREADS`` where the run was started with
+    it (several runs sharing a machine), else the CPUs of its pod (cgroup limit, capped by the Ray node's CPU count)
+    shared by the workers placed there."""
+    configured = configured or omp_threads()
     if configured:
         return [configured] * len(sites)
     ray_cpus = {node["NodeID"]: node.get("Resources", {}).get("CPU", 0) for node in ray.nodes() if node.get("Alive")}

@@ -14,6 +14,7 @@ import shutil
 from pathlib import Path
 
 import torch
+from filelock import FileLock
 from rich.progress import Progress
 
 from engines.model.io.hf_io import save_pretrained
@@ -78,7 +79,10 @@ def prepare_model(cfg: Config, progress: Progress | None = None) -> Path:
     target = cache_root() / f"warmstart-{warmstart_key(cfg)}"
     if (target / "config.json").is_file():
         return target
-    build_warmstart(cfg, target, progress)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(target.parent / f".{target.name}.lock")):  # runs sharing the cache build it once
+        if not (target / "config.json").is_file():
+            build_warmstart(cfg, target, progress)
     return target
 
 
