@@ -6,8 +6,9 @@ from ``step``. Single-turn environments terminate on the first step; multi-turn 
 next observation (tool results, a user turn) instead.
 
 The RL loop reads an environment's optional capabilities from the class attributes and methods declared
-below with their defaults (``uses_sandbox``, ``group_level``/``score_group``, ``attach``, ``uses_tools``/
-``set_tool_format``, ``requires_answer``/``load_tasks``, ``generate_tasks``); a plug-in overrides only what it uses.
+below with their defaults (``uses_sandbox``, ``group_level``/``score_group``, ``relative_rewards``, ``attach``,
+``uses_tools``/``set_tool_format``, ``requires_answer``/``load_tasks``, ``generate_tasks``); a plug-in overrides only
+what it uses.
 """
 
 from __future__ import annotations
@@ -63,11 +64,15 @@ class Env(gymnasium.Env):
     #: True: the environment runs code in the sandbox service, and ``__init__`` accepts ``sandbox_address: str``
     #: (the run's service, ``host:port``), which the RL loop passes.
     uses_sandbox: ClassVar[bool] = False
-    #: True: rewards exist only for a prompt's whole group of responses (a critic comparing them); the RL loop
-    #: calls ``score_group`` once per group instead of ``step`` per response, and leaves the environment out of
-    #: held-out accuracy (there is no right answer to count). A subclass that defines ``score_group`` and does
-    #: not set it is taken as group-level (plug-ins written before it was declared keep working).
+    #: True: the RL loop calls ``score_group`` once per prompt's group of responses instead of ``step`` per
+    #: response (a critic comparing them; TRL's reward functions, which take lists to batch). A subclass that
+    #: defines ``score_group`` and does not set it is taken as group-level (older plug-ins keep working).
     group_level: ClassVar[bool] = False
+    #: True: a response's reward depends on the other responses of its group (a critic ranking them, a pairwise
+    #: judge), so a held-out response alone has none and held-out evaluation leaves the environment out (saying so
+    #: once). False: each response's reward is its own, and held-out responses are scored one by one by ``step``.
+    #: A group-level subclass that does not set it and has no ``score`` of its own is taken as relative.
+    relative_rewards: ClassVar[bool] = False
     #: True: the model calls tools; the RL loop calls ``set_tool_format`` with the model family's tool-call format
     #: before each episode's ``reset``.
     uses_tools: ClassVar[bool] = False
@@ -82,6 +87,9 @@ class Env(gymnasium.Env):
         super().__init_subclass__(**kwargs)
         if "score_group" in vars(cls) and "group_level" not in vars(cls):
             cls.group_level = True
+        declared = any("relative_rewards" in vars(c) for c in cls.__mro__ if c is not Env)
+        if cls.group_level and not declared and cls.score is Env.score:
+            cls.relative_rewards = True
 
     def __init__(self, tasks: list[Task] | None = None) -> None:
         self.observation_space = AnyText(MAX_OBSERVATION, min_length=0, charset=_CHARSET)
@@ -132,6 +140,12 @@ class Env(gymnasium.Env):
         """Rewards of all K ``responses`` to ``task`` (one per response, in order) and details for logging; only
         ``group_level`` environments implement it. An exception costs the whole group (counted as errors)."""
         raise NotImplementedError(f"{type(self).__name__} rewards responses one by one (group_level is False)")
+
+    @classmethod
+    def rewards_relative(cls, kwargs: dict[str, Any]) -> bool:
+        """Whether the environment made with ``kwargs`` rewards responses relative to their group (see
+        ``relative_rewards``); an environment whose kwargs decide it overrides this."""
+        return cls.relative_rewards
 
     def attach(self, critic: Callable[[list[str]], list[str]]) -> None:
         """Receive the policy as a critic (prompts -> completions on the shared inference engine), attached by the

@@ -17,6 +17,9 @@ so the usual signatures work as they are:
   ``answers``, ``task_ids``, and every meta key as a list of K equal values). A function that takes
   ``completions`` is called as TRL calls reward functions — ``fn(prompts, completions, **kwargs)`` — with
   prompts and completions as chat messages when the task is (``[{"role": "assistant", "content": ...}]``).
+  As in TRL, the lists are for batching: each response's reward is taken as its own, and a held-out response is
+  scored as a group of one. A function whose rewards compare the responses (a ranking) is declared with
+  ``relative=True`` (``reward.relative`` in a config); held-out evaluation then leaves it out.
 
 A parameter of neither kind, without a default, is an error when the environment is made; ``**kwargs`` receives
 every name. A function that raises, or returns NaN, infinity or not a number, costs the episode (per group:
@@ -213,6 +216,16 @@ class GroupFunctionEnv(FunctionEnv):
 
     task_type = "group_function"
     group_level = True
+
+    def __init__(self, tasks: list[Task] | None = None, *, function: str | Callable[..., Any],
+                 relative: bool = False) -> None:
+        super().__init__(tasks, function=function)
+        self.relative = relative
+
+    @classmethod
+    def rewards_relative(cls, kwargs: dict[str, Any]) -> bool:
+        """Declared by the ``relative`` argument: TRL's reward functions score each completion alone."""
+        return bool(kwargs.get("relative", False))
 
     def score_group(self, task: Task, responses: Sequence[str]) -> tuple[list[float], dict[str, Any]]:
         """The function's rewards for ``responses``; a wrong count, NaN or non-number fails the group."""

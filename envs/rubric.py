@@ -343,6 +343,7 @@ class RubricEnv(Env):
 
     task_type = "rubric"
     group_level = True
+    relative_rewards = True  # the critic ranks a prompt's responses against each other
     requires_answer = False  # prompts, with optional reference answers and ``meta.rubrics``
 
     def __init__(self, tasks: list[Task] | None = None, *, generate: Callable[[list[str]], list[str]] | None = None,

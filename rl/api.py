@@ -139,7 +139,14 @@ def _python_objects(entry: dict[str, Any], label: str, run_dir: Path) -> None:
                         "the environment `name` names")
     source = {"name": rest["name"], "kwargs": rest.get("kwargs") or {}} if "name" in rest else None
     entry.clear()
-    entry.update(rest, name=register_reward(fn), kwargs={}, tasks_from=source)
+    if reward.get("relative"):
+        from envs.reward_function import takes_group
+
+        if not takes_group(fn):
+            raise UserError(f"{label}.reward.relative: only a group function (one that takes responses or "
+                            "completions) compares responses")
+    entry.update(rest, name=register_reward(fn), kwargs={"relative": True} if reward.get("relative") else {},
+                 tasks_from=source)
 
 
 def write_tasks(tasks: Any, stem: Path) -> str:
@@ -200,8 +207,8 @@ def register_reward(fn: Callable[..., Any]) -> str:
     qualname = getattr(fn, "__qualname__", type(fn).__name__)
     base = GroupFunctionEnv if takes_group(fn) else FunctionEnv
 
-    def __init__(self: Any, tasks: Any = None) -> None:
-        base.__init__(self, tasks, function=fn)
+    def __init__(self: Any, tasks: Any = None, **kwargs: Any) -> None:
+        base.__init__(self, tasks, function=fn, **kwargs)  # relative=True for a group function that ranks
 
     cls = type("PythonReward", (base,), {"__init__": __init__, "__module__": __name__,
                                           "__doc__": f"Reward: the Python function {qualname} (rl.train)."})

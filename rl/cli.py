@@ -51,9 +51,10 @@ def _cmd_train(args: argparse.Namespace) -> None:
     except OSError as e:  # a full or read-only disk while the run writes: checkpoints are written atomically
         raise CommandFailed(f"cannot write to {e.filename or run_dir}: {e.strerror or e}; the last checkpoint in "
                          f"{run_dir}/checkpoints is intact (resume with --resume {run_dir})") from None
+    from rl.loop.held_out import summary_line
+
     print(f"run directory: {run_dir}")
-    print(f"held-out accuracy {summary['initial_accuracy']:.3f} -> {summary['final_accuracy']:.3f} "
-          f"in {summary['iterations']} iterations, {summary['wall_s']:.0f} s")
+    print(f"{summary_line(summary)} in {summary['iterations']} iterations, {summary['wall_s']:.0f} s")
 
 
 def _cmd_check(args: argparse.Namespace) -> None:

@@ -74,6 +74,18 @@ def test_collapse_guard_on_a_task_the_model_rarely_solves_judges_the_share_lost_
     assert CollapseGuard(0.1, best=0.6, relative=0.3).margin() == 0.1  # the absolute drop where it is less
 
 
+def test_collapse_guard_on_the_mean_reward_uses_the_evaluations_own_spread():
+    """run.best_metric: eval_reward. The best is the highest mean reward; a drop counts past min(drop, 0.3·best)
+    unless the evaluation's spread (eval_reward_std / √n, twice) is wider; records without it are not judged."""
+    guard = CollapseGuard(drop=0.1, best=None, relative=0.3, eval_tasks=100, metric="eval_reward")
+    assert not guard.improved({"accuracy": 0.9, "eval_reward": None})
+    assert guard.improved({"accuracy": 0.0, "eval_reward": 0.6}) and guard.best == 0.6
+    assert guard.verdict({"eval_reward": 0.45, "eval_reward_std": 0.1}) == \
+        "held-out mean reward 0.450 is more than 0.1 below the best 0.600"
+    assert guard.verdict({"eval_reward": 0.45, "eval_reward_std": 1.0}) is None  # 2 · 1.0 / √100 = 0.2 of noise
+    assert guard.verdict({"accuracy": 0.0, "eval_reward": None}) is None
+
+
 def test_after_a_rollback_the_reward_window_fills_again_before_it_can_flag():
     health = HealthMonitor(window=2)
     recs = [{"reward_mean": r} for r in (0.6, 0.6, 0.1, 0.1)]

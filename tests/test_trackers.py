@@ -50,7 +50,7 @@ def log_run(cfg, run_dir: Path, records: list[dict], resume: bool = False) -> tu
         log = MetricsLog(run_dir, console, resume_at=records[0]["iteration"] if resume else None)
         for rec in records:
             log.record(rec)
-        plot_curves(log.records, run_dir / "curves.png", 0.125)
+        plot_curves(log.records, run_dir / "curves.png", {"accuracy": 0.125})
         summary = {"initial_accuracy": 0.125, "final_accuracy": 0.5, "iterations": len(log.records), "wall_s": 9.5}
         tracking.finish(summary, run_dir / "curves.png")
     return summary, out.getvalue()

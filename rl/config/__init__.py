@@ -25,9 +25,15 @@ class RunConfig(Strict):
     name: str = "run"
     seed: int = 0
     iterations: int = Field(50, ge=1)
-    eval_every: int = Field(5, ge=1, description="held-out greedy accuracy every N iterations")
+    eval_every: int = Field(5, ge=1, description="held-out greedy accuracy and mean reward every N iterations")
     eval_samples: int = Field(4, ge=0, description="held-out accuracy also sampled at the rollout temperature, "
                                                    "averaged over this many samples per prompt (0: greedy only)")
+    eval_success: float = Field(1.0, allow_inf_nan=False, description="a held-out response counts as solved "
+                                "(accuracy) when its reward is at least this and it ended on its own (not cut at "
+                                "max_tokens); for rewards in [0, 1] that are not 0/1, e.g. 0.5")
+    best_metric: Literal["accuracy", "eval_reward"] = Field(
+        "accuracy", description="the held-out signal best/ is chosen on and the collapse guard watches: accuracy "
+                                "(the share solved) or eval_reward (the greedy responses' mean reward)")
     save_every: int = Field(10, ge=1, description="checkpoint every N iterations (and at the end)")
     keep_checkpoints: int = Field(2, ge=1)
     max_minutes: float | None = Field(None, gt=0, description="wall-clock budget of the RL loop (resumes included): "
@@ -35,10 +41,11 @@ class RunConfig(Strict):
                                       "model and summary, and ends")
     max_env_error_rate: float = Field(0.5, ge=0, le=1, description="stop when a larger share of an iteration's "
                                       "episodes fails in its environment (the first error is named)")
-    collapse_guard: bool = Field(True, description="roll back to the best evaluated weights (kept in best/ with "
-                                 "their trainer state) when the run collapses: held-out accuracy collapse_drop below "
-                                 "the best, or the mean reward halving (rl.loop.health)")
-    collapse_drop: float = Field(0.1, gt=0, le=1, description="held-out accuracy this far below the best so far "
+    collapse_guard: bool | None = Field(None, description="roll back to the best evaluated weights (kept in best/ "
+                                        "with their trainer state) when the run collapses: the held-out best_metric "
+                                        "collapse_drop below the best, or the mean reward halving (rl.loop.health); "
+                                        "None: on where the run has held-out metrics; true: refuse a run without")
+    collapse_drop: float = Field(0.1, gt=0, le=1, description="held-out best_metric this far below the best so far "
                                  "counts as a collapse (or collapse_drop_relative of the best, if less)")
     collapse_drop_relative: float = Field(
         0.3, gt=0, le=1, description="a collapse is also this share of the best held-out accuracy lost (on a task "
@@ -112,11 +119,17 @@ class RewardConfig(Strict):
                                  "or of a prompt's K responses (it names responses or completions)")
     endpoint: RewardEndpointConfig | None = None
     judge: RewardJudgeConfig | None = None
+    relative: bool = Field(False, description="a group function whose rewards compare a prompt's responses with "
+                           "each other (a ranking): held-out evaluation leaves it out; False (TRL's reward "
+                           "functions): each response's reward is its own, and a held-out response is scored alone")
 
     @model_validator(mode="after")
     def _one(self) -> RewardConfig:
         if sum(x is not None for x in (self.function, self.endpoint, self.judge)) != 1:
             raise ValueError("give exactly one of function, endpoint, judge")
+        if self.relative and (self.function is None or self.environment()[0] != "group_function"):
+            raise ValueError("relative: only a group function (one that takes responses or completions) compares "
+                             "responses")
         self.environment()  # a function that does not load is this section's error
         return self
 
@@ -126,7 +139,8 @@ class RewardConfig(Strict):
             from envs.reward_function import RewardFunctionError, reward_function_env
 
             try:  # the function's parameters say whether it rewards one response or a group
-                return reward_function_env(self.function), {"function": self.function}
+                name = reward_function_env(self.function)
+                return name, {"function": self.function, **({"relative": True} if self.relative else {})}
             except RewardFunctionError as e:
                 raise ValueError(str(e)) from None
         return ("endpoint", self.endpoint.model_dump()) if self.endpoint else \

@@ -49,14 +49,15 @@ class LoopState:
     """What the loop needs besides weights to continue where it stopped."""
 
     iteration: int              # last completed iteration
-    initial_accuracy: float
+    initial_accuracy: float | None  # None: the run has no held-out metrics
     wall_s: float               # time spent by earlier attempts
     weights_version: int = 0    # checkpoint-engine updates so far (tags partial-rollout segments)
     partial: dict[str, Any] = field(default_factory=dict)  # the partial-rollout buffer (in state.json: its file)
     workers: int = 1            # trainer ranks that wrote the trainer state (any count may resume it)
     initial_accuracy_sampled: float | None = None
     rollbacks: int = 0          # collapses rolled back so far (rl.loop.health.CollapseGuard)
-    best_accuracy: float | None = None  # the best held-out accuracy so far (what best/ holds)
+    best_accuracy: float | None = None  # the best held-out run.best_metric so far (what best/ holds)
+    initial_eval_reward: float | None = None
     layout: int = 1             # how the checkpoint was written: LAYOUT when sealed with complete.json
 
 

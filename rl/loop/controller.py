@@ -33,12 +33,13 @@ from rl.loop.checkpoint import (
 from rl.loop.cluster import Cluster
 from rl.loop.guards import Budget, check_cluster_fits, check_error_rate, check_max_tokens, check_writable
 from rl.loop.health import CollapseGuard, HealthMonitor
+from rl.loop.held_out import finite, held_out_line, make_guard, save_responses, start_line, summary_figures
 from rl.loop.metrics import MetricsLog, plot_curves
 from rl.loop.recovery import Restarts, WorkerFailed
 from rl.rollout.critic_loop import critic_training_batch
 from rl.rollout.data import TaskSets, check_renderable, load_task_sets, rollout_seq_len
 from rl.rollout.episodes import env_class
-from rl.rollout.evaluate import evaluate
+from rl.rollout.evaluate import evaluate, evaluated
 from rl.rollout.multiturn import Episodes
 from rl.rollout.partial import PartialRolloutBuffer
 from rl.rollout.phase import draw_groups, run_rollout
@@ -101,6 +102,8 @@ def _attempt(cfg: Config, run_dir: Path, resume: bool, console: Console, restart
     check_max_tokens(cfg)
     check_writable(run_dir)
     tasks = load_task_sets(cfg, console)  # validates task files and the env name before any work
+    if (line := held_out_line(cfg, tasks)) is not None:  # what held-out metrics cannot cover, said once
+        console.print(f"[bold yellow]note:[/] {line}")
     ptx = load_ptx(cfg.algorithm.ptx.data) if cfg.algorithm.ptx.coef > 0 else []
     progress = Progress(TextColumn("{task.description:<34}"), BarColumn(), MofNCompleteColumn(),
                         TimeElapsedColumn(), console=console, transient=True)
@@ -153,25 +156,25 @@ def _loop(run: Run, state: LoopState | None, restarts: Restarts) -> dict:
         if not run.settings.updates_carry_base:  # the replicas hold the base: serve the checkpoint's adapters on it
             cluster.rollouts.refill()
         run.buffer.load_state_dict(state.partial, lambda i: run.settings.rollout.task_types.get(run.tasks.type_of(i)))
-        initial, initial_sampled = state.initial_accuracy, state.initial_accuracy_sampled
+        initial = {"accuracy": state.initial_accuracy, "accuracy_sampled": state.initial_accuracy_sampled,
+                   "eval_reward": state.initial_eval_reward}
     else:
-        start = evaluate(cluster.rollouts, run.tasks, run.tok, cfg, run.settings.rollout.task_types, run.progress, it=0)
-        initial, initial_sampled = start["accuracy"], start.get("accuracy_sampled")
-        sampled = "" if initial_sampled is None else \
-            f", sampled {initial_sampled:.3f} (mean of {cfg.run.eval_samples} at the rollout temperature)"
-        console.print(f"warm start: held-out accuracy {initial:.3f} on {len(run.tasks.eval)} prompts{sampled}")
+        start = save_responses(run.run_dir, "warm_start", evaluate(cluster.rollouts, run.tasks, run.tok, cfg,
+                                                                   run.settings.rollout.task_types, run.progress))
+        initial = {k: start.get(k) for k in ("accuracy", "accuracy_sampled", "eval_reward")}
+        if start:
+            console.print(start_line(start, len(evaluated(run.tasks)), cfg.run.eval_samples))
     rollbacks = state.rollbacks if state else 0
-    guard = CollapseGuard(cfg.run.collapse_drop, state.best_accuracy if state else None,
-                          cfg.run.collapse_drop_relative, len(run.tasks.eval)) if cfg.run.collapse_guard else None
-    if guard is not None and guard.improved({"accuracy": initial}):  # the warm start is the first best
-        save_best(run, -1, initial)
+    guard = make_guard(cfg, run.tasks, state.best_accuracy if state else None)
+    if guard is not None and guard.improved(initial):  # the warm start is the first best
+        save_best(run, -1, guard)
     cluster.trainers.offload()
     for it in range(state.iteration + 1 if state else 0, cfg.run.iterations):
         rec = iteration(run, it)
         for warning in health.check(rec):
             console.print(f"[bold yellow]warning:[/] iter {it}: {warning}")
         if guard is not None and guard.improved(rec):
-            save_best(run, it, rec["accuracy"])
+            save_best(run, it, guard)
         elif guard is not None and (why := guard.verdict(rec)):
             if rollbacks >= cfg.run.max_rollbacks:
                 log.record({**rec, "rollbacks": rollbacks})
@@ -183,16 +186,17 @@ def _loop(run: Run, state: LoopState | None, restarts: Restarts) -> dict:
         rec["rollbacks"], rec["recoveries"] = rollbacks, restarts.used
         if budget.reached() and it + 1 < cfg.run.iterations:
             stopped = "max_minutes"
-            if rec["accuracy"] is None:  # end on a measured model, as a run that ran out of iterations
+            if rec.get("accuracy") is None:  # end on a measured model, as a run that ran out of iterations
                 rec.update(eval_metrics(run, it))
         stop_requested = cfg.run.checkpoint_on_stop and (run.run_dir / STOP_FILE).exists()
         log.record(rec)
         if (it + 1) % cfg.run.save_every == 0 or it + 1 == cfg.run.iterations or stopped or stop_requested:
             run.episodes.close([s.key for s in run.buffer.drop_in_flight_episodes()])  # no env fits a checkpoint
-            loop = LoopState(iteration=it, initial_accuracy=initial, wall_s=budget.elapsed(),
+            loop = LoopState(iteration=it, initial_accuracy=initial["accuracy"], wall_s=budget.elapsed(),
                              weights_version=cluster.rollouts.weights_version(), partial=run.buffer.state_dict(),
-                             workers=cfg.cluster.workers, initial_accuracy_sampled=initial_sampled,
-                             rollbacks=rollbacks, best_accuracy=guard and guard.best)
+                             workers=cfg.cluster.workers, initial_accuracy_sampled=initial["accuracy_sampled"],
+                             rollbacks=rollbacks, best_accuracy=guard and guard.best,
+                             initial_eval_reward=initial["eval_reward"])
             saved = save_checkpoint(run.run_dir, loop, cluster.trainers.save, run.start_dir, cfg.run.keep_checkpoints,
                                     run.checkpoint_bytes)
             if cfg.run.export_uri and cfg.run.export_checkpoints:
@@ -210,7 +214,7 @@ def _loop(run: Run, state: LoopState | None, restarts: Restarts) -> dict:
     copy_tokenizer(run.start_dir, final_dir)
     if cfg.run.export_uri:
         export(final_dir, f"{cfg.run.export_uri}/final", console)
-    return summarize(run.run_dir, log.records, initial, initial_sampled, budget.elapsed(), stopped)
+    return summarize(run.run_dir, log.records, initial, budget.elapsed(), stopped)
 
 
 def export(local: Path, uri: str, console: Console) -> None:
@@ -297,21 +301,22 @@ def iteration(run: Run, it: int) -> dict:
 
 
 def eval_metrics(run: Run, it: int) -> dict:
-    """Held-out accuracy (greedy, per task type, sampled at iteration ``it``'s temperature) and the time it took."""
+    """Held-out accuracy (greedy, per task type, sampled at iteration ``it``'s temperature), mean reward and the
+    time it took; the greedy responses go to ``held_out/iter_N.jsonl``."""
     t = time.time()
-    out = evaluate(run.cluster.rollouts, run.tasks, run.tok, run.cfg, run.settings.rollout.task_types, run.progress,
-                   it=it)
-    return {"accuracy": out["accuracy"], **{k: v for k, v in out.items() if k.startswith("accuracy")},
+    out = save_responses(run.run_dir, f"iter_{it:06d}", evaluate(run.cluster.rollouts, run.tasks, run.tok, run.cfg,
+                                                                 run.settings.rollout.task_types, run.progress, it=it))
+    return {"accuracy": out.get("accuracy"), **{k: v for k, v in out.items() if k.startswith(("accuracy", "eval_"))},
             "time_eval": round(time.time() - t, 3)}
 
 
-def save_best(run: Run, it: int, accuracy: float) -> None:
+def save_best(run: Run, it: int, guard: CollapseGuard) -> None:
     """``best/``: the best evaluated weights (Hugging Face format, as ``final/``) with their trainer state, which
     a rollback returns to; written aside and renamed into place (``write_aside``: a full disk is one line)."""
     def fill(tmp: Path) -> None:
         run.cluster.trainers.save(str(tmp), trainer_state=True)
         copy_tokenizer(run.start_dir, tmp)
-        (tmp / "best.json").write_text(json.dumps({"iteration": it, "accuracy": accuracy}))
+        (tmp / "best.json").write_text(json.dumps({"iteration": it, guard.metric: guard.best}))
 
     best = run.run_dir / BEST_DIR
     write_aside(best, fill, "best model", best if (best / "best.json").is_file() else None, "the previous best",
@@ -335,18 +340,11 @@ def roll_back(run: Run, it: int, why: str, done: int) -> tuple[int, float]:
     return done + 1, lr
 
 
-def summarize(run_dir: Path, records: list[dict], initial: float, initial_sampled: float | None, wall_s: float,
-              stopped: str | None) -> dict:
-    """The run's summary (also written to ``summary.json``) and its ``curves.png``."""
-    accs = [r["accuracy"] for r in records if r.get("accuracy") is not None]
-    sampled = [r["accuracy_sampled"] for r in records if r.get("accuracy_sampled") is not None]
+def summarize(run_dir: Path, records: list[dict], initial: dict, wall_s: float, stopped: str | None) -> dict:
+    """The run's summary (also written to ``summary.json``, strict JSON: a metric never measured is null) and its
+    ``curves.png``."""
     summary = {
-        "initial_accuracy": initial,
-        "final_accuracy": accs[-1] if accs else initial,
-        "best_accuracy": max([*accs, initial]),
-        **({"initial_accuracy_sampled": initial_sampled,
-            "final_accuracy_sampled": sampled[-1] if sampled else initial_sampled} if initial_sampled is not None
-           else {}),
+        **summary_figures(records, initial),
         "iterations": len(records),
         "rollbacks": sum(r.get("rollback", 0) for r in records),
         **({"best_model": str(run_dir / BEST_DIR)} if (run_dir / BEST_DIR).is_dir() else {}),
@@ -354,8 +352,9 @@ def summarize(run_dir: Path, records: list[dict], initial: float, initial_sample
         "final_model": str(run_dir / "final"),
         **({"stopped_by": stopped} if stopped else {}),
     }
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    plot_curves(records, run_dir / "curves.png", initial, initial_sampled)
+    summary = finite(summary)
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, allow_nan=False))
+    plot_curves(records, run_dir / "curves.png", initial)
     return summary
 
 

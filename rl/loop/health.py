@@ -16,10 +16,10 @@ Each iteration's record is checked against the run's own history (so a resumed r
   (a metric) is the share of the iteration's groups whose rewards were all equal.
 Each is 1 on the iterations where it holds and 0 otherwise.
 
-``CollapseGuard`` turns them into action (``run.collapse_guard``): held-out accuracy ``collapse_drop``
-below the best evaluated so far, a reward collapse or an entropy blow-up makes the controller roll back to the
-best weights (``best/``, saved with their trainer state at each new best), scale the learning rate by
-``rollback_lr_factor`` and go on; after ``max_rollbacks`` the run stops. The other signals warn.
+``CollapseGuard`` turns them into action (``run.collapse_guard``): the held-out ``run.best_metric`` (accuracy or
+mean reward) ``collapse_drop`` below the best evaluated so far, a reward collapse or an entropy blow-up makes the
+controller roll back to the best weights (``best/``, saved with their trainer state at each new best), scale the
+learning rate by ``rollback_lr_factor`` and go on; after ``max_rollbacks`` the run stops. The other signals warn.
 """
 
 from __future__ import annotations
@@ -124,41 +124,47 @@ class HealthMonitor:
 
 
 class CollapseGuard:
-    """Judges each iteration's record; keeps the best held-out accuracy seen (the warm start's included).
+    """Judges each iteration's record; keeps the best held-out ``metric`` seen (the warm start's included):
+    ``accuracy`` or ``eval_reward`` (``run.best_metric``).
 
-    A drop counts as a collapse when accuracy falls below best − min(drop, relative · best): an absolute drop on
+    A drop counts as a collapse when the metric falls below best − min(drop, relative · |best|): an absolute drop on
     a task the model mostly solves, a share of the best on one it rarely does (0.152 → 0.095 is a third lost,
     though under 0.1). With ``eval_tasks`` known, the margin is at least two standard errors of the estimate
-    (√(best(1 − best)/n)), so evaluation noise alone does not roll a run back."""
+    (accuracy: √(best(1 − best)/n); mean reward: the evaluation's ``eval_reward_std``/√n), so evaluation noise alone
+    does not roll a run back."""
 
     def __init__(self, drop: float, best: float | None = None, relative: float = 0.3,
-                 eval_tasks: int | None = None) -> None:
-        self.drop, self.best, self.relative, self.eval_tasks = drop, best, relative, eval_tasks
+                 eval_tasks: int | None = None, metric: str = "accuracy") -> None:
+        self.drop, self.best, self.relative, self.eval_tasks, self.metric = drop, best, relative, eval_tasks, metric
 
     def improved(self, rec: dict[str, Any]) -> bool:
-        """Whether ``rec`` evaluated a new best held-out accuracy (then ``best`` is it)."""
-        acc = rec.get("accuracy")
-        if acc is None or (self.best is not None and acc <= self.best):
+        """Whether ``rec`` evaluated a new best held-out metric (then ``best`` is it)."""
+        value = rec.get(self.metric)
+        if value is None or (self.best is not None and value <= self.best):
             return False
-        self.best = acc
+        self.best = value
         return True
 
-    def margin(self) -> float:
-        """How far below the best an evaluation may fall before it is a collapse."""
+    def margin(self, spread: float | None = None) -> float:
+        """How far below the best an evaluation may fall before it is a collapse (``spread``: the evaluation's
+        reward standard deviation, for ``eval_reward``)."""
         assert self.best is not None
-        m = min(self.drop, self.relative * self.best)
+        m = min(self.drop, self.relative * abs(self.best))
         if self.eval_tasks:
-            m = max(m, 2 * (self.best * (1 - self.best) / self.eval_tasks) ** 0.5)
+            std = (self.best * (1 - self.best)) ** 0.5 if self.metric == "accuracy" else spread or 0.0
+            m = max(m, 2 * std / self.eval_tasks ** 0.5)
         return m
 
     def verdict(self, rec: dict[str, Any]) -> str | None:
         """Why the run is collapsing at this record (``HealthMonitor.check`` ran on it), or None."""
-        acc = rec.get("accuracy")
-        if acc is not None and self.best is not None and acc < self.best - self.margin():
-            return f"held-out accuracy {acc:.3f} is more than {self.margin():.3g} below the best {self.best:.3f}"
+        value = rec.get(self.metric)
+        if value is not None and self.best is not None:
+            margin = self.margin(rec.get("eval_reward_std"))
+            if value < self.best - margin:
+                name = "accuracy" if self.metric == "accuracy" else "mean reward"
+                return f"held-out {name} {value:.3f} is more than {margin:.3g} below the best {self.best:.3f}"
         if rec.get("warn_reward_collapse"):
             return "the mean reward collapsed"
         if rec.get("warn_entropy_blowup"):
             return f"the policy's entropy blew up ({rec.get('entropy', 0):.3f} nats per token)"
         return None
-

@@ -11,7 +11,7 @@ from rich.console import Console
 
 from rl.loop import trackers
 
-CURVES = [("reward_mean", "mean reward"), ("accuracy", "held-out accuracy (greedy; dashed: sampled)"),
+CURVES = [("reward_mean", "mean reward (dots: held-out)"), ("accuracy", "held-out accuracy (greedy; dashed: sampled)"),
           ("response_len", "mean response length (tokens)")]
 
 
@@ -68,6 +68,7 @@ class MetricsLog:
             extra_acc = f"/{rec['accuracy_sampled']:.3f}"
         else:
             extra_acc = ""
+        held_out_reward = "" if rec.get("eval_reward") is None else f" (reward {rec['eval_reward']:.3f})"
         times = " ".join(f"{k.removeprefix('time_')}={rec[k]:.1f}s" for k in rec
                          if k.startswith("time_") and k not in ("time_onload", "time_offload"))
         extra = ""
@@ -81,35 +82,39 @@ class MetricsLog:
             extra += f"  H {rec['entropy']:.2f}  dlogp {rec['logprob_diff_mean']:.1e}"
         self.console.print(
             f"iter {rec['iteration']:>4}  reward {rec['reward_mean']:.3f}  "
-            f"acc {'  -  ' if acc is None else f'{acc:.3f}'}{extra_acc}  len {rec['response_len']:.1f}  "
+            f"acc {'  -  ' if acc is None else f'{acc:.3f}'}{extra_acc}{held_out_reward}  "
+            f"len {rec['response_len']:.1f}  "
             f"trunc {rec['truncation_rate']:.2f}  T {rec['temperature']:.2f}{extra}  {times}",
             soft_wrap=True,
         )
 
 
-def plot_curves(records: list[dict[str, Any]], path: Path, initial_accuracy: float | None = None,
-                initial_sampled: float | None = None) -> None:
-    """Reward, held-out accuracy (greedy, and sampled where measured) and response length against iteration,
-    as one PNG."""
+def plot_curves(records: list[dict[str, Any]], path: Path,
+                initial: dict[str, Any] | None = None) -> None:
+    """Reward (dots: the held-out greedy mean), held-out accuracy (greedy, and sampled where measured) and response
+    length against iteration, as one PNG; ``initial``: the warm start's held-out metrics, drawn at iteration -1."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    initial = initial or {}
     fig, axes = plt.subplots(1, len(CURVES), figsize=(4.2 * len(CURVES), 3.4))
     for ax, (key, title) in zip(axes, CURVES, strict=True):
         pts = [(r["iteration"], r[key]) for r in records if r.get(key) is not None]
-        if key == "accuracy" and initial_accuracy is not None:
-            pts = [(-1, initial_accuracy), *pts]
+        if key == "accuracy" and initial.get("accuracy") is not None:
+            pts = [(-1, initial["accuracy"]), *pts]
         if pts:
             xs, ys = zip(*pts, strict=True)
             ax.plot(xs, ys, marker="o" if key == "accuracy" else None, markersize=3)
-        sampled = [(r["iteration"], r["accuracy_sampled"]) for r in records if r.get("accuracy_sampled") is not None]
-        if key == "accuracy" and sampled:
-            if initial_sampled is not None:
-                sampled = [(-1, initial_sampled), *sampled]
-            xs, ys = zip(*sampled, strict=True)
-            ax.plot(xs, ys, linestyle="--", marker="o", markersize=3)
+        extra = {"accuracy": ("accuracy_sampled", "--"), "reward_mean": ("eval_reward", "")}.get(key)
+        if extra is not None:
+            more = [(r["iteration"], r[extra[0]]) for r in records if r.get(extra[0]) is not None]
+            if more and initial.get(extra[0]) is not None:
+                more = [(-1, initial[extra[0]]), *more]
+            if more:
+                xs, ys = zip(*more, strict=True)
+                ax.plot(xs, ys, linestyle=extra[1], marker="o", markersize=3)
         ax.set_title(title)
         ax.set_xlabel("iteration")
         ax.grid(alpha=0.3)

@@ -32,10 +32,10 @@ class EpisodeResult:
     error: str | None = None  # set when the environment raised or timed out
 
 
-def solved(result: EpisodeResult, completion) -> bool:
-    """Whether a response counts as right: reward 1 without an environment error, and it ended on its own rather
-    than at its token budget."""
-    return result.error is None and result.reward >= 1.0 and completion.finish_reason == "stop"
+def solved(result: EpisodeResult, completion, success: float = 1.0) -> bool:
+    """Whether a response counts as right: a reward of at least ``success`` (``run.eval_success``) without an
+    environment error, and it ended on its own rather than at its token budget."""
+    return result.error is None and result.reward >= success and completion.finish_reason == "stop"
 
 
 def env_class(entry: EnvConfig) -> type[Env]:
@@ -44,6 +44,13 @@ def env_class(entry: EnvConfig) -> type[Env]:
         return registry.get(entry.name)
     except registry.UnknownEnvironmentError as e:
         raise UserError(f"env.name: {e}") from None
+
+
+def scored_alone(entry: EnvConfig) -> bool:
+    """Whether one single-turn response of ``entry`` has a reward of its own (held-out evaluation, pass rates): not
+    a multi-turn episode, and not rewards that compare a group's responses (``Env.relative_rewards``)."""
+    cls = env_class(entry)
+    return not cls.multi_turn and not cls.rewards_relative(entry.kwargs)
 
 
 def make_env(entry: EnvConfig, cfg: Config) -> Env:

@@ -21,7 +21,7 @@ from envs.tasks import save_tasks
 from rl.config import Config
 from rl.errors import UserError
 from rl.rollout.data import load_task_sets, type_name
-from rl.rollout.episodes import EpisodeRunner, env_class, solved
+from rl.rollout.episodes import EpisodeRunner, scored_alone, solved
 from rl.seeds import difficulty_seed
 from rl.settings import task_types
 from rl.setup.warmstart import prepare_model
@@ -55,7 +55,7 @@ def pass_rates(cfg: Config, model_dir: Path, tasks: list[Task], entries: list, k
             results = runner.map([(e, t, tok.decode(c.token_ids)) for (e, t), c in zip(jobs_meta, outs, strict=True)])
             for i in range(len(chunk)):
                 group = zip(results[i * k:(i + 1) * k], outs[i * k:(i + 1) * k], strict=True)
-                rates.append(sum(solved(r, c) for r, c in group) / k)
+                rates.append(sum(solved(r, c, cfg.run.eval_success) for r, c in group) / k)
     finally:
         runner.close()
     return rates
@@ -67,7 +67,7 @@ def filter_by_difficulty(cfg: Config, out: Path, k: int = 8, min_pass: float = 0
     if not 0 <= min_pass <= max_pass <= 1:
         raise UserError(f"need 0 <= min_pass ({min_pass}) <= max_pass ({max_pass}) <= 1")
     sets = load_task_sets(cfg)
-    idx = [i for i in range(len(sets.train)) if not env_class(sets.train_entry(i)).group_level][:limit]
+    idx = [i for i in range(len(sets.train)) if scored_alone(sets.train_entry(i))][:limit]
     tasks, entries = [sets.train[i] for i in idx], [sets.train_entry(i) for i in idx]
     rates = pass_rates(cfg, prepare_model(cfg), tasks, entries, k, seed)
     kept = [replace(t, meta={**t.meta, "pass_rate": r}) for t, r in zip(tasks, rates, strict=True)
