@@ -307,7 +307,10 @@ def resolve(cfg: Config, arch: ModelConfig | ModelDescription, model_dir: str, c
                             max_batch_tokens=r.max_batch_tokens, attention=attention, seed=cfg.run.seed,
                             tensor_parallel_size=r.tensor_parallel_size, expert_parallel=r.expert_parallel,
                             memory_fraction=r.vllm_memory_fraction, prefix_caching=prefix_caching,
-                            ipc_views=capabilities_of(kind).ipc_views and device == "cuda")
+                            ipc_views=capabilities_of(kind).ipc_views and device == "cuda",
+                            # which families vLLM serves, and updates in place, changes with its releases: each
+                            # replica measures its own as it starts (engines.inference.replica_check)
+                            self_check=kind == "vllm")
     c = cfg.cluster
     return RunSettings(
         cluster=ClusterSettings(parallel=parallel_dims(cfg),

@@ -55,6 +55,9 @@ class EngineSettings:
     build, which caches their recurrent states only with chunked prefill) are vLLM's, and so is ``ipc_views``: updates
     load from views of the checkpoint engine's IPC buffers on the replica's device, no host copy of the weights kept
     (``rl.settings`` turns it on for vLLM on a GPU; ``engines.inference.vllm_engine`` says what it changes).
+    ``self_check``: a run's replica checks itself as it starts (``engines.inference.replica_check``: it can run the
+    model, and on a CPU vLLM replica whose layers an update rebuilds, in-place updates reach them as the trainer's
+    weights), and any failure of its start-up is one line naming the model (``ReplicaCheckError``).
     ``adapter``: a PEFT LoRA adapter directory served on top of ``model_dir``'s weights (with ``load_checkpoint``):
     the native engine merges it into its weights (``merge_adapters``), vLLM applies it to every request (its LoRA).
     (A LoRA run's adapter updates, merged or as low-rank deltas, are what the replica's sink does with them:
@@ -77,6 +80,7 @@ class EngineSettings:
     memory_fraction: float = 0.2
     prefix_caching: bool = True
     ipc_views: bool = False
+    self_check: bool = False
     adapter: str | None = None
 
     def __post_init__(self) -> None:
@@ -158,14 +162,7 @@ def build_engine(settings: EngineSettings, *, load_checkpoint: bool = False) -> 
         return tok.hf.decode(ids, skip_special_tokens=True)
 
     if s.kind == "vllm":
-        from engines.inference.vllm_engine import VllmEngine
-
-        return VllmEngine(s.model_dir, tok.eos_ids, max_seq_len=s.max_seq_len, max_num_seqs=s.max_num_seqs,
-                          dtype=s.dtype, seed=s.seed, kv_cache_bytes=s.kv_cache_bytes,
-                          memory_fraction=s.memory_fraction, tensor_parallel_size=s.tensor_parallel_size,
-                          expert_parallel=s.expert_parallel, prefix_caching=s.prefix_caching, device=s.device,
-                          ipc_views=s.ipc_views, fill_later=not load_checkpoint,
-                          adapter=None if adapter is None else (s.adapter, adapter.spec.rank))
+        return _vllm_engine(s, tok, adapter, load_checkpoint)
     from engines.inference.native import InferenceEngine
 
     if load_checkpoint:  # the same replica, filled (an FP8 one quantised from a checkpoint that is not)
@@ -179,3 +176,43 @@ def build_engine(settings: EngineSettings, *, load_checkpoint: bool = False) -> 
     if adapter is not None:  # W0 + (alpha/r)·B·A, as PEFT computes it; served for good, so no base copy is kept
         engine.merge_adapters(adapter.tensors, adapter.spec.scaling, keep_base=False)
     return engine
+
+
+def _vllm_engine(s: EngineSettings, tok: TextTokenizer, adapter, load_checkpoint: bool) -> RolloutEngine:
+    """A vLLM replica of ``s``; with ``s.self_check`` checked as it starts (``engines.inference.replica_check``),
+    and any start-up failure one line naming the model (``ReplicaCheckError``)."""
+    from engines.inference.replica_check import ReplicaCheckError, check_updates, served_by_vllm
+    from engines.inference.vllm_engine import VllmEngine
+
+    try:
+        engine = VllmEngine(s.model_dir, tok.eos_ids, max_seq_len=s.max_seq_len, max_num_seqs=s.max_num_seqs,
+                            dtype=s.dtype, seed=s.seed, kv_cache_bytes=s.kv_cache_bytes,
+                            memory_fraction=s.memory_fraction, tensor_parallel_size=s.tensor_parallel_size,
+                            expert_parallel=s.expert_parallel, prefix_caching=s.prefix_caching, device=s.device,
+                            ipc_views=s.ipc_views, fill_later=not load_checkpoint,
+                            adapter=None if adapter is None else (s.adapter, adapter.spec.rank))
+    except Exception as e:
+        if not s.self_check:
+            raise
+        model_type, architecture = model_names(s.model_dir)
+        text = (str(e).strip().splitlines() or ["(no message)"])[0]
+        raise ReplicaCheckError(f"vLLM on {s.device} cannot start {model_type} ({architecture}): "
+                                f"{type(e).__name__}: {text}") from e
+    if s.self_check and not s.ipc_views:  # placeholder weights (ipc_views) are not served before the first update
+        model_type, architecture = model_names(s.model_dir)
+        served_by_vllm(engine, model_type, architecture)
+        if engine.weight_load == "reload":  # layers an update rebuilds: MoE, latent attention
+            check_updates(engine, s.model_dir, model_type)
+    return engine
+
+
+def model_names(model_dir: str) -> tuple[str, str]:
+    """(model_type, first architecture) of the config.json in ``model_dir`` ("unknown" where it has none)."""
+    import json
+    from pathlib import Path
+
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        config = {}
+    return str(config.get("model_type", "unknown")), str((config.get("architectures") or ["unknown"])[0])
