@@ -127,28 +127,30 @@ def test_rl_train_accepts_a_family_only_transformers_runs_and_refuses_an_unknown
         prepare_model(parse_config({"model": {"path": str(unknown)}}))
 
 
-@pytest.mark.parametrize("family", ["deepseek_v3", "nemotron_h"])
-def test_moe_models_are_refused_on_vllms_cpu_build_whose_updates_miss_their_experts(tmp_path, tokenizer, family):
-    """MoE models whose in-place updates vLLM 0.32's CPU build is not measured to serve exactly (DeepSeek-V3: latent
-    attention beside the experts), or whose experts it cannot run at all (Nemotron-H's non-gated ones; docs/models.md):
-    such a run is one line."""
-    d = _model_dir(tmp_path, tokenizer, _family(family, tokenizer))
-    native = family in FAMILIES
+def test_moe_experts_vllms_cpu_build_cannot_run_are_refused_in_one_line(tmp_path, tokenizer):
+    """Nemotron-H's experts are non-gated (relu²), which vLLM's CPU fused-MoE kernel does not run at all
+    (docs/models.md): refused before any worker starts, in one line."""
+    d = _model_dir(tmp_path, tokenizer, _family("nemotron_h", tokenizer))
     _one_line(parse_config({"model": {"path": str(d)}, "rollout": {"engine": "vllm"}}), d,
-              "vLLM's CPU build does not apply weight updates to MoE layers" + (
-                  r".*set rollout.engine: native" if native else r".*only on GPU workers"))
-    if native:  # auto keeps the native engine, which updates them exactly
-        assert for_model(parse_config({"model": {"path": str(d)}}), str(d)).rollout.engine.kind == "native"
+              "rollout.engine vllm on CPU workers cannot run the MoE layers of nemotron_h: vLLM's CPU fused-MoE "
+              r"kernel has no non-gated \(relu²\) experts; this model rolls out on GPU workers only")
+    # without its MoE layers (Nemotron-H 8B's kinds) the same family is taken
+    dense = _model_dir(tmp_path, tokenizer, _family("nemotron_h-dense", tokenizer), "dense")
+    assert for_model(parse_config({"model": {"path": str(dense)}, "rollout": {"engine": "vllm"}}),
+                     str(dense)).rollout.engine.kind == "vllm"
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "glm4_moe", "gpt_oss"])
-def test_moe_models_whose_updates_vllms_cpu_build_serves_exactly_roll_out_on_it(tmp_path, tokenizer, family):
-    """Once the worker packs the reloaded experts for vLLM's CPU kernel (tests/test_vllm_moe_update.py) and loads
-    gpt-oss's experts and sinks, which its loader copies around the reload, these MoE models' updates are served
-    exactly (docs/models.md): rollout.engine vllm on CPU workers is taken."""
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "deepseek_v3", "glm4_moe", "gpt_oss", "qwen2_moe"])
+def test_moe_models_roll_out_on_vllms_cpu_build_whose_replicas_check_their_updates(tmp_path, tokenizer, family):
+    """No list of MoE families measured by hand: rollout.engine vllm on CPU workers is taken for any MoE model whose
+    experts the CPU build runs, and each replica checks as it starts that its in-place updates reach them
+    (engines.inference.replica_check; tests/test_replica_check.py, tests/test_hf_families_run.py)."""
     d = _model_dir(tmp_path, tokenizer, _family(family, tokenizer))
-    settings = for_model(parse_config({"model": {"path": str(d)}, "rollout": {"engine": "vllm"}}), str(d))
-    assert settings.rollout.engine.kind == "vllm"
+    engine = for_model(parse_config({"model": {"path": str(d)}, "rollout": {"engine": "vllm"}}), str(d)).rollout.engine
+    assert engine.kind == "vllm" and engine.self_check
+    # the native engine's replica is the trainer's own code: nothing to check
+    if family in FAMILIES:
+        assert not for_model(parse_config({"model": {"path": str(d)}}), str(d)).rollout.engine.self_check
 
 
 def test_memory_plan_takes_a_family_only_transformers_runs(tmp_path, capsys, tokenizer):

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engines.inference.vllm_setup import CPU_MOE_UPDATES_EXACT
+from engines.inference.vllm_setup import CPU_MOE_UNSUPPORTED
 
 __all__ = ["CAPABILITIES", "EngineCapabilities", "capabilities_of", "kinds_with"]
 
@@ -26,8 +26,9 @@ class EngineCapabilities:
     ``fp8``: block-FP8 replicas; ``lora_updates``: how a LoRA run's adapter updates can reach a replica ("merged":
     W0 + s·B·A written into its weights, "unmerged": low-rank deltas beside the base); ``lora_tensor_parallel``:
     those updates reach every rank of a replica spanning devices; ``sleep_levels``: what ``sleep`` takes;
-    ``cpu_moe_updates``: the model types whose MoE layers a weight update reaches in place on a CPU replica (None:
-    every one; on a GPU every engine takes them); ``prompt_logprobs``: scores a prompt's tokens; ``cuda_graphs``:
+    ``cpu_moe_unsupported``: (model type, why) of the MoE models whose experts a CPU replica cannot run at all
+    (whether an update reaches a family's experts in place is measured by each replica as it starts,
+    ``engines.inference.replica_check``, not declared); ``prompt_logprobs``: scores a prompt's tokens; ``cuda_graphs``:
     captures decode steps on a GPU; ``ipc_views``: loads updates from views of the checkpoint engine's IPC buffers;
     ``multimodal_inputs`` and ``routing_capture`` (MoE expert choices reported with the tokens) no engine has yet;
     ``step_top_logprobs``: serves ``SamplingParams.top_logprobs``, the model's own alternatives (temperature 1, no
@@ -41,7 +42,7 @@ class EngineCapabilities:
     lora_updates: tuple[str, ...]
     lora_tensor_parallel: bool
     sleep_levels: tuple[int, ...]
-    cpu_moe_updates: frozenset[str] | None
+    cpu_moe_unsupported: tuple[tuple[str, str], ...]
     prompt_logprobs: bool
     cuda_graphs: bool
     ipc_views: bool
@@ -49,18 +50,19 @@ class EngineCapabilities:
     routing_capture: bool = False
     step_top_logprobs: bool = False
 
-    def takes_moe_updates(self, model_type: str, device: str) -> bool:
-        """Whether a weight update reaches the MoE layers of a ``model_type`` replica on ``device`` in place."""
-        return device != "cpu" or self.cpu_moe_updates is None or model_type in self.cpu_moe_updates
+    def moe_unsupported(self, model_type: str, device: str) -> str | None:
+        """Why a replica on ``device`` cannot serve the experts of a ``model_type`` model (None: it can, or the
+        replica's start-up check will say)."""
+        return dict(self.cpu_moe_unsupported).get(model_type) if device == "cpu" else None
 
 
 NATIVE = EngineCapabilities(kind="native", tensor_parallel=False, fp8=True, lora_updates=("merged", "unmerged"),
-                            lora_tensor_parallel=False, sleep_levels=(1, 2), cpu_moe_updates=None,
+                            lora_tensor_parallel=False, sleep_levels=(1, 2), cpu_moe_unsupported=(),
                             prompt_logprobs=True, cuda_graphs=True, ipc_views=False, step_top_logprobs=True)
-# vLLM's CPU build applies updates to MoE layers exactly only where measured (engines.inference.vllm_setup); a
-# LoRA run's merged weights reach one rank of its replica, so LoRA runs on vLLM stay on one device
+# vLLM's CPU build runs no non-gated experts (engines.inference.vllm_setup); a LoRA run's merged weights reach one
+# rank of its replica, so LoRA runs on vLLM stay on one device
 VLLM = EngineCapabilities(kind="vllm", tensor_parallel=True, fp8=False, lora_updates=("merged",),
-                          lora_tensor_parallel=False, sleep_levels=(1, 2), cpu_moe_updates=CPU_MOE_UPDATES_EXACT,
+                          lora_tensor_parallel=False, sleep_levels=(1, 2), cpu_moe_unsupported=CPU_MOE_UNSUPPORTED,
                           prompt_logprobs=True, cuda_graphs=True, ipc_views=True)
 
 #: every engine kind's declaration (``rollout.engine``'s values but "auto")

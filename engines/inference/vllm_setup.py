@@ -58,10 +58,12 @@ class UntestedVllmError(VllmUnavailableError):
     """The installed vLLM is outside ``TESTED_VLLM`` (and ``COLOCATED_RL_ALLOW_VLLM`` is not ``any``)."""
 
 
-#: MoE model types whose in-place updates vLLM's CPU build serves exactly, measured (docs/models.md, "MoE models"):
-#: their experts go through vLLM's fused-MoE weight loaders, which the layer-wise reload follows, and are packed again
-#: for the CPU kernel after it (``engines.inference.vllm_worker``). Other MoE types are not measured, or wrong.
-CPU_MOE_UPDATES_EXACT = frozenset({"mixtral", "qwen3_moe", "glm4_moe", "gpt_oss"})
+#: MoE model types whose experts vLLM's CPU build cannot run at all, and why: a property of its kernels, refused before
+#: any worker starts. Whether an in-place update reaches a family's experts is not listed anywhere: each replica
+#: measures it as it starts (``engines.inference.replica_check``; docs/models.md, "MoE models").
+CPU_MOE_UNSUPPORTED: tuple[tuple[str, str], ...] = (
+    ("nemotron_h", "vLLM's CPU fused-MoE kernel has no non-gated (relu²) experts"),
+)
 
 
 def vllm_build() -> Literal["gpu", "cpu"] | None:

@@ -1,9 +1,11 @@
 """A run's config checked against what its rollout engine declares it supports (``engines.inference.capabilities``).
 
 ``check_engine`` is the one place where a config is refused for asking an engine what it cannot do: tensor parallel
-replicas, FP8, how LoRA updates reach the replica, sleep levels, MoE updates on CPU. ``rl.settings.resolve`` calls
-it once the engine is chosen; the config's validation calls it too where ``rollout.engine`` names the engine (the
-replica's devices are the config's alone to decide, so that is refused as it is read). Nothing here imports vLLM or
+replicas, FP8, how LoRA updates reach the replica, sleep levels, MoE layers a CPU build cannot run (whether its
+in-place updates reach a family's experts, each vLLM replica measures as it starts:
+``engines.inference.replica_check``). ``rl.settings.resolve`` calls it once the engine is chosen; the config's
+validation calls it too where ``rollout.engine`` names the engine (the replica's devices are the config's alone to
+decide, so that is refused as it is read). Nothing here imports vLLM or
 torch.
 """
 
@@ -40,15 +42,13 @@ def check_engine(cfg: Config, kind: str, why: str, *, backend: str | None = None
                         (", which does not run the transformers backend" if backend == "transformers" else
                          "; set rollout.engine: native"))
     device = "cuda" if cfg.cluster.gpus_per_worker > 0 else "cpu"
-    if moe_model_type is not None and not caps.takes_moe_updates(moe_model_type, device):
+    why_not = None if moe_model_type is None else caps.moe_unsupported(moe_model_type, device)
+    if why_not is not None:  # measured: docs/models.md, "MoE models"
         from engines.model.native.arch import FAMILIES
 
-        # measured: docs/models.md, "MoE models"
-        raise UserError(f"rollout.engine {kind} on CPU workers: vLLM's CPU build does not apply weight updates to MoE "
-                        f"layers of {moe_model_type} (after an update it samples from other weights; measured exact "
-                        f"only for {', '.join(sorted(caps.cpu_moe_updates or ()))}); "
-                        + ("set rollout.engine: native" if moe_model_type in FAMILIES else
-                           "this model rolls out correctly only on GPU workers"))
+        raise UserError(f"rollout.engine {kind} on CPU workers cannot run the MoE layers of {moe_model_type}: "
+                        f"{why_not}; " + ("set rollout.engine: native" if moe_model_type in FAMILIES else
+                                          "this model rolls out on GPU workers only"))
     if sleep_level and sleep_level not in caps.sleep_levels:
         raise UserError(f"rollout.sleep_level {sleep_level}: the {kind} engine sleeps at levels "
                         f"{', '.join(map(str, caps.sleep_levels))} (or 0: never)")
