@@ -49,6 +49,9 @@ FAMILIES: dict[str, tuple[str, dict]] = {
     "glm4_moe": ("MoE with shared experts, a sigmoid router, q/k norm, partial RoPE",
                  dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1,
                       n_group=1, topk_group=1, use_qk_norm=True)),
+    "qwen2_moe": ("MoE with a gated shared expert, a dense layer among MoE ones, q/k/v biases",
+                  dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                       shared_expert_intermediate_size=32, mlp_only_layers=[0], norm_topk_prob=False)),
 }
 
 #: Other layouts of a family: name -> (model_type, overrides on top of the family's)

@@ -27,6 +27,7 @@ LAYOUTS = {
     "qwen3_next": {"no_softmax_attention", "qk_norm"},
     "lfm2": {"no_softmax_attention", "qk_norm"}, "nemotron_h": {"no_softmax_attention", "gqa"}, "phi3": {"mha"},
     "granite": {"gqa"}, "olmo2": {"norm_gain"}, "smollm3": {"gqa"}, "exaone4": {"qk_norm"}, "glm4_moe": {"qk_norm"},
+    "qwen2_moe": {"gqa"},
 }
 STATEFUL = {"qwen3_next", "lfm2", "nemotron_h"}
 
@@ -246,7 +247,7 @@ def test_description_on_the_meta_device_counts_what_the_model_holds(family):
     assert d.root_params + sum(sum(p.numel() for p in layer.parameters()) for layer in model.layers) == \
         d.num_parameters
     assert (d.num_hidden_layers, d.hidden_size, d.vocab_size, d.head_dim) == (4, 64, 128, 32)
-    assert d.is_moe == (name in ("gpt_oss", "qwen3_next", "nemotron_h", "glm4_moe"))
+    assert d.is_moe == (name in ("gpt_oss", "qwen3_next", "nemotron_h", "glm4_moe", "qwen2_moe"))
     assert len(d.layer_types) == 4
 
 
