@@ -87,3 +87,26 @@ def test_replicas_that_cannot_serve_the_run_refuse_to_start_in_one_line(ray_clus
 def test_other_errors_are_not_taken_for_a_start_up_failure():
     """Only a worker that died in its constructor is a start-up failure; any other error is raised as it is."""
     assert worker_startup_error(ValueError("x")) is None
+
+
+def test_a_mamba_update_names_its_tensors_as_the_checkpoint_does(tokenizer, tmp_path):
+    """The update's plan takes its names from transformers' reverse conversion of the model: Mamba's ``backbone.*``,
+    as ``save_pretrained`` wrote them (the plan vLLM's loader reads), tied output head or not."""
+    import torch
+
+    from engines.model.hf.backend import empty_hf_model, read_hf_config
+    from engines.model.io.hf_io import read_tensors
+    from engines.model.layout import placements
+    from tests.hf_families import hf_config
+
+    for tied in (False, True):
+        d = tmp_path / f"mamba-{tied}"
+        save_tiny_model("mamba", d, tokenizer)
+        if tied:  # Mamba's own default: the output head is the embedding, and no checkpoint tensor
+            from transformers import AutoModelForCausalLM
+
+            AutoModelForCausalLM.from_config(hf_config("mamba", tie_word_embeddings=True)).save_pretrained(d)
+        on_disk = read_tensors(d)
+        plan = placements(empty_hf_model(read_hf_config(d), torch.float32))
+        assert set(plan) == set(on_disk) and all(n.startswith("backbone.") for n in plan if n != "lm_head.weight")
+        assert {n: tuple(t.shape) for n, t in on_disk.items()} == {n: p.shape for n, p in plan.items()}
