@@ -100,6 +100,23 @@ def test_three_iterations_on_vllm_with_in_place_updates(ray_cluster, tokenizer, 
     assert any(not torch.equal(saved[k], start[k]) for k in start)
 
 
+def test_a_family_the_rollout_engine_cannot_run_stops_at_start_in_one_line(ray_cluster, tokenizer, reward_file,
+                                                                            tmp_path):
+    """Mamba-1: transformers trains it and vLLM builds it, but vLLM's CPU build has no kernel for its selective scan.
+    The replica's start-up check scores a probe, fails, and the run ends with one line naming the model and the
+    cause (rl.loop.controller.start_cluster), before any iteration; nothing is saved as a result."""
+    from rl.errors import CommandFailed
+
+    model_dir = save_tiny_model("mamba", tmp_path / "model", tokenizer)
+    with pytest.raises(CommandFailed) as failed:
+        train(run_config(model_dir, reward_file), tmp_path / "run")
+    line = str(failed.value)
+    print(line, file=sys.stderr)
+    assert "\n" not in line and line.startswith("a worker failed to start: ReplicaCheckError: vLLM on cpu cannot "
+                                                "run mamba (MambaForCausalLM)") and "selective_scan_fwd" in line
+    assert not (tmp_path / "run" / "final").exists() and not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
 @pytest.mark.slow
 def test_a_resumed_run_with_ptx_and_partial_rollout_ends_bit_exactly(ray_cluster, tokenizer, reward_file, tmp_path):
     """Gemma 3 on the transformers backend and vLLM, with PTX and partial rollout: four iterations straight, and two

@@ -7,7 +7,8 @@ Real vLLM CPU replicas in real Ray actors, as a run places them, on tiny random 
   layout (docs/models.md, "MoE models"), which the check measures and refuses with the difference. With the fix the
   same family trains (tests/test_hf_families_run.py, its logprob_diff within float32 rounding).
 * Mamba (MambaForCausalLM): vLLM builds it, but its CPU build has no Mamba-1 selective-scan kernel, so the first
-  forward fails; the replica says so when it starts instead of the run's first rollout dying in a traceback.
+  forward fails; the replica says so when it starts, and the run ends in that one line
+  (tests/test_hf_families_run.py runs it through rl.train).
 """
 
 from __future__ import annotations
@@ -61,15 +62,11 @@ def _start_error(ref) -> CommandFailed:
     return line
 
 
-def test_replicas_that_cannot_serve_the_run_refuse_to_start_in_one_line(ray_cluster, tokenizer, tmp_path):
+def test_a_replica_whose_updates_miss_the_experts_refuses_to_start_in_one_line(ray_cluster, tokenizer, tmp_path):
     import ray
 
     moe = save_tiny_model("qwen2_moe", tmp_path / "qwen2_moe", tokenizer)
-    mamba = save_tiny_model("mamba", tmp_path / "mamba", tokenizer)
-    actor = ray.remote(num_cpus=1)(Replica)
-    # both start at once, as a run's replicas do (one core each)
-    unfixed = actor.remote(_settings(moe), unfixed=True)
-    ssm = actor.remote(_settings(mamba, prefix_caching=False))  # recurrent state: as rl.settings sets it on CPU
+    unfixed = ray.remote(num_cpus=1)(Replica).remote(_settings(moe), unfixed=True)
 
     moe_line = str(_start_error(unfixed.ready.remote()))
     print(moe_line)
@@ -78,10 +75,6 @@ def test_replicas_that_cannot_serve_the_run_refuse_to_start_in_one_line(ray_clus
     assert found, moe_line
     # vLLM 0.32 alone reads the reloaded experts in the wrong layout: log-probs off by order 1, not rounding
     assert float(found.group(1)) > 0.1
-
-    ssm_line = str(_start_error(ssm.ready.remote()))
-    print(ssm_line)
-    assert "vLLM on cpu cannot run mamba (MambaForCausalLM)" in ssm_line and "selective_scan_fwd" in ssm_line
 
 
 def test_other_errors_are_not_taken_for_a_start_up_failure():

@@ -20,7 +20,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from engines.model.text.tokenizer import TextTokenizer
 from rl.algo.batches import plan_update
 from rl.config import Config, dump_config
-from rl.errors import CommandFailed, TrainingStopped, UserError
+from rl.errors import CommandFailed, TrainingStopped, UserError, worker_startup_error
 from rl.loop.checkpoint import (
     LoopState,
     copy_tokenizer,
@@ -131,7 +131,7 @@ def _attempt(cfg: Config, run_dir: Path, resume: bool, console: Console, restart
         # where the updates carry no base (LoRA), a checkpoint holds the merged policy: a resumed run reads the base
         # it started from (the trainer state brings the adapters back)
         base = str(start_dir) if settings.updates_carry_base or not resume else str(prepare_model(cfg, progress))
-        with Cluster(settings, base, restarts, reference) as cluster:
+        with start_cluster(settings, base, restarts, reference) as cluster:
             r = settings.rollout
             episodes = Episodes(None, tok, r.tool_format, r.max_turns, settings.context, cfg.run.seed)
             run = Run(cfg=cfg, settings=settings, run_dir=run_dir, start_dir=start_dir, tasks=tasks, tok=tok, ptx=ptx,
@@ -141,6 +141,19 @@ def _attempt(cfg: Config, run_dir: Path, resume: bool, console: Console, restart
                 return _loop(run, state, restarts)
             finally:
                 episodes.close_all()
+
+
+def start_cluster(*args) -> Cluster:
+    """The run's workers, started; a worker that dies in its constructor (a replica that cannot serve the model:
+    ``engines.inference.replica_check``) ends the run in one line naming the cause, its traceback in the worker's
+    log."""
+    try:
+        return Cluster(*args)
+    except Exception as e:
+        failed = next((f for f in (worker_startup_error(x) for x in (e, e.__cause__, e.__context__) if x) if f), None)
+        if failed is None:
+            raise
+        raise failed from None
 
 
 def _loop(run: Run, state: LoopState | None, restarts: Restarts) -> dict:

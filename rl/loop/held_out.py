@@ -12,6 +12,7 @@ from typing import Any
 from rl.config import Config
 from rl.errors import UserError
 from rl.loop.health import CollapseGuard
+from rl.loop.metrics import differs
 from rl.rollout.data import TaskSets
 from rl.rollout.evaluate import evaluated, left_out
 
@@ -55,7 +56,7 @@ def start_line(start: dict[str, Any], prompts: int, samples: int) -> str:
     """The warm start's held-out figures, as printed."""
     sampled = "" if start.get("accuracy_sampled") is None else \
         f", sampled {start['accuracy_sampled']:.3f} (mean of {samples} at the rollout temperature)"
-    reward = "" if start.get("eval_reward") is None else f", mean reward {start['eval_reward']:.3f}"
+    reward = f", mean reward {start['eval_reward']:.3f}" if differs(start) else ""
     return f"warm start: held-out accuracy {start['accuracy']:.3f} on {prompts} prompts{reward}{sampled}"
 
 
@@ -88,8 +89,16 @@ def summary_figures(records: list[dict[str, Any]], initial: dict[str, Any]) -> d
 
 
 def summary_line(summary: dict[str, Any]) -> str:
-    """The held-out figures of a run's summary as ``rl train`` prints them at the end."""
-    parts = [f"held-out {name} {summary[f'initial_{key}']:.3f} -> {summary[f'final_{key}']:.3f}"
-             for key, name in (("accuracy", "accuracy"), ("eval_reward", "mean reward"))
-             if summary.get(f"initial_{key}") is not None and summary.get(f"final_{key}") is not None]
-    return ", ".join(parts) or "no held-out metrics"
+    """The held-out figures of a run's summary as ``rl train`` prints them at the end (the mean reward where it
+    differs from the accuracy)."""
+    def pair(key: str) -> tuple[Any, Any]:
+        return summary.get(f"initial_{key}"), summary.get(f"final_{key}")
+
+    if None in pair("accuracy"):
+        return "no held-out metrics"
+    line = "held-out accuracy {:.3f} -> {:.3f}".format(*pair("accuracy"))
+    (r0, r1), (a0, a1) = pair("eval_reward"), pair("accuracy")
+    if None not in (r0, r1) and (differs({"eval_reward": r0, "accuracy": a0}) or
+                                 differs({"eval_reward": r1, "accuracy": a1})):
+        line += f", mean reward {r0:.3f} -> {r1:.3f}"
+    return line

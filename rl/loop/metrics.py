@@ -23,6 +23,13 @@ def _parses(line: str) -> bool:
     return True
 
 
+def differs(rec: dict[str, Any]) -> bool:
+    """Whether the held-out mean reward says more than the accuracy printed beside it (with 0/1 rewards that all
+    end on their own they are the same number, printed once)."""
+    reward, acc = rec.get("eval_reward"), rec.get("accuracy")
+    return reward is not None and (acc is None or f"{reward:.3f}" != f"{acc:.3f}")
+
+
 class MetricsLog:
     """Appends one JSON record per iteration and mirrors it to the console, Prometheus and the trackers."""
 
@@ -68,7 +75,7 @@ class MetricsLog:
             extra_acc = f"/{rec['accuracy_sampled']:.3f}"
         else:
             extra_acc = ""
-        held_out_reward = "" if rec.get("eval_reward") is None else f" (reward {rec['eval_reward']:.3f})"
+        held_out_reward = f" (reward {rec['eval_reward']:.3f})" if differs(rec) else ""
         times = " ".join(f"{k.removeprefix('time_')}={rec[k]:.1f}s" for k in rec
                          if k.startswith("time_") and k not in ("time_onload", "time_offload"))
         extra = ""
