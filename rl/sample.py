@@ -255,6 +255,19 @@ class Sample:
         self.status = "paused" if r.finish_reason is None else "truncated" if r.finish_reason == "length" else \
             "finished"
 
+    def restart(self) -> None:
+        """Forget a single-turn sample's tokens so far: it is generated again from its prompt, under the weights the
+        replicas hold now (``rollout.on_update: abort``)."""
+        if self.multi_turn or self.done:
+            raise ValueError(f"sample {self.key}: only a single-turn sample still generating starts again")
+        self._room = {}
+        self.response_ids, self.logprobs = np.zeros(0, TOKENS), np.zeros(0, LOGPROBS)
+        self.segments, self.status = np.zeros((0, 2), TOKENS), "running"
+
+    def oldest_version(self) -> int | None:
+        """The version of the oldest weights that sampled any of its tokens (None: no token yet)."""
+        return int(self.segments[:, 1].min()) if len(self.segments) else None
+
     def observe(self, token_ids: Any) -> None:
         """Append the environment's observation in place (log-prob 0, loss mask 0): the next turn starts after it."""
         ids = as_tokens(token_ids, "observation")

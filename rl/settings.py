@@ -155,6 +155,14 @@ class ClusterSettings:
     threads_per_worker: int | None
     step_timeout_s: float
     max_restarts: int
+    placement: str = "colocated"  # or "disaggregated": trainers and replicas on workers of their own, at once
+    rollout_workers: int = 1      # replicas: one per worker colocated, cluster.rollout_workers disaggregated
+    max_staleness: int | None = None  # disaggregated: k, versions the replicas may run ahead (None: colocated)
+    on_update: str = "continue"   # disaggregated: what a response in generation does when new weights arrive
+
+    @property
+    def disaggregated(self) -> bool:
+        return self.placement == "disaggregated"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -178,8 +186,9 @@ class RunSettings:
     @property
     def peer_catch_up(self) -> bool:
         """Whether a live replica can fill a restarted one: it keeps a host copy of whole weights (not with
-        ``ipc_views``), and they are the policy (not merged ones where the updates carry adapters)."""
-        return not self.rollout.engine.ipc_views and self.updates_carry_base
+        ``ipc_views``), and they are the policy (not merged ones where the updates carry adapters); not between
+        disaggregated replicas, which share a trainer worker's buffers (the trainers refill one)."""
+        return not self.rollout.engine.ipc_views and self.updates_carry_base and not self.cluster.disaggregated
 
     @property
     def refill_source(self) -> str:
@@ -235,6 +244,11 @@ def sleep_level(cfg: Config) -> tuple[int, str]:
     host copy, the memory of both for the trainer; with LoRA the replica's host copy of the base and the adapters
     refill them), 1 on CPU (the weights stay in RAM either way)."""
     level = cfg.rollout.sleep_level
+    if cfg.cluster.placement == "disaggregated":  # a replica on a worker of its own generates while the trainer trains
+        if level not in ("auto", 0):
+            raise UserError(f"rollout.sleep_level {level}: disaggregated replicas never sleep (the trainer is on "
+                            "workers of its own); set 0 or auto")
+        return 0, "disaggregated: the replicas never sleep"
     if level != "auto":
         return int(level), "set in rollout.sleep_level"
     return (2, "auto: GPU workers (the update refills the weights)") if cfg.cluster.gpus_per_worker > 0 else \
@@ -278,13 +292,16 @@ def resolve(cfg: Config, arch: ModelConfig | ModelDescription, model_dir: str, c
         choices.append(("trainer.attention", trainer_attention, f"auto on {device}"))
     m = a.mismatch
     correction_kind = m.correction
+    stale = bool(cfg.staleness)  # samples from older weights: the decoupled objective (behaviour vs proximal)
     if correction_kind == "auto":
         quantized = cfg.model.lora is not None and cfg.model.lora.quantize_base is not None
-        correction_kind = "tis" if kind == "vllm" or quantized else "none"
+        correction_kind = "tis" if kind == "vllm" or quantized or stale else "none"
         choices.append(("algorithm.mismatch.correction", correction_kind,
                         "auto: vLLM's kernels differ from the trainer's" if kind == "vllm" else
                         "auto: the trainer's quantized base (model.lora.quantize_base) differs from the replica's"
-                        if quantized else "auto: the native engine computes what the trainer does"))
+                        if quantized else "auto: samples up to algorithm.max_staleness versions old are weighted "
+                        "by π_proximal/π_behaviour (the decoupled objective)" if stale else
+                        "auto: the native engine computes what the trainer does"))
     correction = None if correction_kind == "none" else Correction(correction_kind, m.level, m.cap)
     lora = lora_spec(cfg, arch, choices)
     if lora is not None:
@@ -292,9 +309,11 @@ def resolve(cfg: Config, arch: ModelConfig | ModelDescription, model_dir: str, c
     opt_kind, tau = (o.kind, o.qk_clip_tau) if lora is None else (cfg.model.lora.optimizer, None)
     recompute = a.recompute_old_logprobs
     if recompute == "auto":
-        recompute = "bfloat16" in (compute_dtype, rollout_dtype)
+        recompute = "bfloat16" in (compute_dtype, rollout_dtype) or stale
         choices.append(("algorithm.recompute_old_logprobs", str(recompute).lower(),
-                        "auto: bfloat16 compute" if recompute else "auto: float32 on both engines"))
+                        "auto: bfloat16 compute" if "bfloat16" in (compute_dtype, rollout_dtype) else
+                        "auto: stale samples: π_old is the trainer's current (proximal) policy" if stale else
+                        "auto: float32 on both engines"))
     types = task_types(cfg)
     # vLLM's CPU build caches hybrid models' recurrent states only with chunked prefill, which it runs on GPUs only;
     # vLLM on a GPU loads each update from device views of the IPC buffers (no host round trip or copy)
@@ -316,7 +335,9 @@ def resolve(cfg: Config, arch: ModelConfig | ModelDescription, model_dir: str, c
         cluster=ClusterSettings(parallel=parallel_dims(cfg),
                                 gpus_per_worker=c.gpus_per_worker, ray_address=c.ray_address,
                                 threads_per_worker=c.threads_per_worker, step_timeout_s=cfg.run.step_timeout_s,
-                                max_restarts=cfg.run.max_restarts),
+                                max_restarts=cfg.run.max_restarts, placement=c.placement,
+                                rollout_workers=(c.rollout_workers or c.workers) if c.placement == "disaggregated"
+                                else c.workers, max_staleness=cfg.staleness, on_update=r.on_update),
         rollout=RolloutSettings(engine=engine, prompts_per_iteration=r.prompts_per_iteration,
                                 samples_per_prompt=r.samples_per_prompt, token_budget=r.partial.token_budget,
                                 max_age=r.partial.max_age, max_turns=r.max_turns, env_workers=r.env_workers,

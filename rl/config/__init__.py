@@ -85,6 +85,13 @@ class ClusterConfig(Strict):
                                            "limit) shared by the workers placed there")
     gpus_per_worker: float = Field(0, ge=0, description="GPUs of each colocated worker (its trainer and "
                                    "inference engine share them); 0 = CPU only")
+    placement: Literal["colocated", "disaggregated"] = Field(
+        "colocated", description="colocated: each worker's trainer and rollout replica share its devices and take "
+                                 "turns; disaggregated: the trainers (cluster.workers) and the rollout replicas "
+                                 "(cluster.rollout_workers) are separate workers that run at once, the replicas up "
+                                 "to algorithm.max_staleness weight versions ahead of the trainer")
+    rollout_workers: int | None = Field(None, ge=1, description="disaggregated: rollout replicas, each a worker of "
+                                        "its own (None: as many as cluster.workers)")
 
 
 TaskField = Literal["id", "prompt", "answer", "meta", "messages"]
@@ -221,6 +228,10 @@ class RolloutConfig(Strict):
     max_turns: int = Field(8, ge=1, description="most model turns of a multi-turn episode (the env may end it "
                                                 "sooner); its task type's max_tokens is per turn")
     max_batch: int = Field(512, ge=1, description="most sequences decoded together")
+    on_update: Literal["continue", "abort"] = Field(
+        "continue", description="disaggregated: a response being generated when new weights arrive continues "
+                                "under them (its tokens carry each version, as partial rollout's do) or starts "
+                                "again under them (abort; multi-turn episodes always continue)")
     kv_cache_mb: int = Field(512, ge=1, description="KV-cache memory budget of each inference engine (paged: "
                                                     "sequences take blocks as they grow)")
     max_batch_tokens: int = Field(8192, ge=2, description="tokens one engine step computes: a token per decoding "
@@ -313,6 +324,11 @@ class AlgorithmConfig(Strict):
                                 "1 (0: off); None: a fifth of rollout.max_tokens, DAPO's ratio. Meant for budgets "
                                 "far above the answers' length: with answers near max_tokens it teaches brevity "
                                 "over correctness (one transfer pair lost its whole gain), so set 0 there")
+    max_staleness: int | None = Field(
+        None, ge=0, description="cluster.placement disaggregated: a sample is trained only if its oldest token was "
+                                "sampled by weights at most this many versions behind the trainer's, and the "
+                                "replicas run at most this many iterations ahead; 0 is on-policy (the colocated "
+                                "loop's samples); None: 1 (colocated placement: on-policy, unset)")
     kl_coef: float = Field(0.0, ge=0, description="grpo/dapo: β of GRPO's KL penalty against the reference policy "
                            "(the model the run started from; the trainer holds a second copy of it to score each "
                            "batch); 0, off: DAPO and most recent recipes leave it out, and the clip already bounds "
@@ -442,10 +458,28 @@ class Config(Strict):
                 else f"with {self.cluster.workers} workers Ray may place two of them on one GPU, and their trainer "
                      "ranks' NCCL group refuses two ranks on one device") + "; use whole GPUs per worker (or one "
                              "worker on a shared GPU)")
+        c = self.cluster
+        if self.algorithm.max_staleness is not None and c.placement == "colocated":
+            raise ValueError("algorithm.max_staleness counts the weight versions separate rollout workers run ahead "
+                             "of the trainer: set cluster.placement: disaggregated (colocated runs are on-policy)")
+        if c.rollout_workers is not None and c.placement == "colocated":
+            raise ValueError("cluster.rollout_workers: colocated workers hold one replica each (cluster.workers); "
+                             "set cluster.placement: disaggregated for rollout workers of their own")
+        if c.placement == "disaggregated" and gpus > 0:
+            raise ValueError("cluster.placement: disaggregated runs on CPU workers for now: its weight update maps "
+                             "the trainer's host buffers, and the point-to-point transport GPUs on separate "
+                             "workers need is not built yet; set cluster.gpus_per_worker: 0 or placement colocated")
         if tp > 1 and gpus > 0 and gpus != tp:
             raise ValueError(f"rollout.tensor_parallel_size={tp} spans the worker's GPUs: set "
                              f"cluster.gpus_per_worker={tp} (it is {gpus:g})")
         return self
+
+    @property
+    def staleness(self) -> int | None:
+        """The resolved ``algorithm.max_staleness``: None in colocated placement (on-policy), else k (default 1)."""
+        if self.cluster.placement == "colocated":
+            return None
+        return 1 if self.algorithm.max_staleness is None else self.algorithm.max_staleness
 
     @property
     def rollout_dtype(self) -> str:

@@ -1,7 +1,11 @@
-"""The colocated placement: start (or join) the Ray cluster, place each worker's trainer rank(s) and rollout replica
-in one bundle, wire them through the checkpoint engine and fill them from the checkpoint; the loop then talks to the
-two handles it builds, ``trainers`` (``rl.loop.trainer_group.TrainerGroup``) and ``rollouts``
-(``rl.loop.rollout_manager.RolloutManager``)."""
+"""The workers' placement: start (or join) the Ray cluster, place the trainer ranks and rollout replicas, wire them
+through the checkpoint engine and fill them from the checkpoint; the loop then talks to the two handles it builds,
+``trainers`` (``rl.loop.trainer_group.TrainerGroup``) and ``rollouts`` (``rl.loop.rollout_manager.RolloutManager``).
+
+Colocated (``cluster.placement``): each worker's trainer rank(s) and replica share one bundle and take turns.
+Disaggregated: each trainer worker and each replica has a bundle of its own and they run at once; replica ``i`` is
+updated by trainer worker ``i % workers``, whose host IPC buffers it maps (so it must be on that worker's node).
+"""
 
 from __future__ import annotations
 
@@ -23,7 +27,7 @@ from rl.loop.trainer_group import TrainerGroup
 from rl.loop.workers import RolloutWorker, TrainerWorker
 from rl.settings import RunSettings
 
-# Both actors of a worker share one bundle: they alternate, never compute at the same time.
+# Both actors of a colocated worker share one bundle: they alternate, never compute at the same time.
 ACTOR_CPUS = 0.5
 PLACEMENT_WAIT_S = 120
 
@@ -52,22 +56,37 @@ class Cluster:
             )
         dims = self.dims = c.parallel  # the trainers' layout: ranks per worker, each worker's lead rank
         n, gpus = dims.workers, c.gpus_per_worker
+        # replica i: its bundle, and the trainer worker that updates it
+        replicas_n = c.rollout_workers if c.disaggregated else n
+        self.bundle_of = (lambda i: n + i) if c.disaggregated else (lambda i: i)
+        self.owner = (lambda i: i % n) if c.disaggregated else (lambda i: i)
         # a tensor-parallel replica holds all of its bundle's GPUs (Ray hands out whole GPUs above one), and the
         # worker's trainer is as many ranks, one on each of them (FSDP2 over every GPU of the run); otherwise one
         # trainer and one replica, half the bundle's GPUs each: Ray then shows both actors the same device(s)
         spans = settings.rollout.engine.tensor_parallel_size > 1 and gpus > 0
         # one worker slot each where the pods offer them
-        bundle = worker_bundle((1 + dims.ranks_per_worker) * ACTOR_CPUS, gpus)
-        self.pg = placement_group([bundle] * n, strategy="PACK")
+        if c.disaggregated:
+            bundles = [worker_bundle(dims.ranks_per_worker * ACTOR_CPUS, gpus)] * n + \
+                [worker_bundle(ACTOR_CPUS, gpus)] * replicas_n
+        else:
+            bundles = [worker_bundle((1 + dims.ranks_per_worker) * ACTOR_CPUS, gpus)] * n
+        self.pg = placement_group(bundles, strategy="PACK")
         try:
             ray.get(self.pg.ready(), timeout=PLACEMENT_WAIT_S)
         except ray.exceptions.GetTimeoutError:
             remove_placement_group(self.pg)
-            raise UserError(unplaceable(bundle, n, PLACEMENT_WAIT_S)) from None
+            raise UserError(unplaceable(bundles[0], len(bundles), PLACEMENT_WAIT_S)) from None
         prefix = f"rl-{uuid.uuid4().hex[:8]}"
         # each worker's threads from its own pod's CPUs, and the model where its node can read it
-        sites = probe_bundles(self.pg, n, model_dir)
+        sites = probe_bundles(self.pg, len(bundles), model_dir)
         threads, dirs = worker_threads(sites, c.threads_per_worker), reachable_model_dirs(model_dir, sites)
+        apart = [i for i in range(replicas_n) if sites[self.bundle_of(i)].node_id != sites[self.owner(i)].node_id]
+        if apart:  # the update maps the trainer's host buffers: no transport crosses nodes yet
+            remove_placement_group(self.pg)
+            raise UserError(f"cluster.placement: disaggregated: rollout worker {apart[0]} was placed on another node "
+                            f"than trainer worker {self.owner(apart[0])}, whose host buffers its weight updates map; "
+                            "run the trainers and rollout workers on one node (point to point between nodes is "
+                            "not built yet)")
 
         def placed(cls, i):
             strategy = PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i)
@@ -78,9 +97,10 @@ class Cluster:
                               runtime_env=env)(cls)
 
         self._placed = placed
-        self._rollout_args = [(replace(settings.rollout.engine, model_dir=dirs[i]), threads[i], gpus) for i in range(n)]
-        replicas = [placed(RolloutWorker, i).remote(*self._rollout_args[i]) for i in range(n)]
-        devices = ray.get([r.visible_devices.remote() for r in replicas]) if spans else [None] * n
+        self._rollout_args = [(replace(settings.rollout.engine, model_dir=dirs[b]), threads[b], gpus)
+                              for b in map(self.bundle_of, range(replicas_n))]
+        replicas = [placed(RolloutWorker, self.bundle_of(i)).remote(*self._rollout_args[i]) for i in range(replicas_n)]
+        devices = ray.get([r.visible_devices.remote() for r in replicas]) if spans else [None] * replicas_n
         # trainer rank r: on its worker's devices, the local_index(r)-th GPU of that worker's replica
         at = dims.worker_of
         self.trainers = TrainerGroup([placed(TrainerWorker, at(r)).remote(
@@ -96,8 +116,8 @@ class Cluster:
         self._plans = plans
         if spans and settings.rollout.engine.ipc_views:  # each replica rank loads from its own GPU's trainer rank
             ray.get([t.share_replica.remote(dims.ranks_per_worker) for t in self.trainers])
-        ray.get([self._attach(i) for i in range(n)])
-        ray.get([t.connect.remote([self.rollouts[at(r)]] if dims.is_lead(r) else [])
+        ray.get([self._attach(i) for i in range(replicas_n)])
+        ray.get([t.connect.remote(self._replicas_of(at(r)) if dims.is_lead(r) else [])
                  for r, t in enumerate(self.trainers)])
         self.num_buckets = len(plans[0][0].buckets)
         self._startup([dirs[at(r)] for r in range(dims.world)])
@@ -105,17 +125,22 @@ class Cluster:
             refs = reachable_model_dirs(reference_dir or model_dir, sites)
             ray.get([t.load_reference.remote(refs[at(r)]) for r, t in enumerate(self.trainers)])
 
+    def _replicas_of(self, worker: int) -> list:
+        """The replicas trainer worker ``worker``'s lead rank updates."""
+        return [r for i, r in enumerate(self.rollouts) if self.owner(i) == worker]
+
     def _respawn(self, i: int) -> None:
-        """A new, empty replica in place of replica ``i``, attached to its worker's IPC buffers and lead trainer."""
+        """A new, empty replica in place of replica ``i``, attached to its trainer worker's IPC buffers and lead."""
         ray.kill(self.rollouts[i])
-        self.rollouts.actors[i] = self._placed(RolloutWorker, i).remote(*self._rollout_args[i])
+        self.rollouts.actors[i] = self._placed(RolloutWorker, self.bundle_of(i)).remote(*self._rollout_args[i])
         ray.get(self._attach(i))
-        ray.get(self.trainers[self.dims.lead(i)].connect.remote([self.rollouts[i]]))
+        w = self.owner(i)
+        ray.get(self.trainers[self.dims.lead(w)].connect.remote(self._replicas_of(w)))
 
     def _attach(self, i: int):
-        """Engine ``i`` maps its worker's IPC buffers: its lead trainer rank's, and every rank's of the worker for
+        """Engine ``i`` maps its trainer worker's IPC buffers: the lead rank's, and every rank's of the worker for
         a replica whose ranks load from their own GPU's (vLLM's ipc_views)."""
-        handles = [self._plans[r][1] for r in self.dims.ranks_of(i)]
+        handles = [self._plans[r][1] for r in self.dims.ranks_of(self.owner(i))]
         return self.rollouts[i].attach.remote(self._plans[0][0], handles[0], handles, self.settings.adapters)
 
     def _startup(self, dirs: list[str]) -> None:

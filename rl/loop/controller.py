@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,20 +30,18 @@ from rl.loop.checkpoint import (
     write_aside,
 )
 from rl.loop.cluster import Cluster
-from rl.loop.guards import Budget, check_cluster_fits, check_error_rate, check_max_tokens, check_writable
+from rl.loop.guards import Budget, check_cluster_fits, check_max_tokens, check_writable
 from rl.loop.health import CollapseGuard, HealthMonitor
 from rl.loop.held_out import finite, held_out_line, make_guard, save_responses, start_line, summary_figures
 from rl.loop.metrics import MetricsLog, plot_curves
 from rl.loop.recovery import Restarts, WorkerFailed
-from rl.rollout.critic_loop import critic_training_batch
+from rl.loop.stream import RolloutStream, collect, eligible, timed
 from rl.rollout.data import TaskSets, check_renderable, load_task_sets, rollout_seq_len
 from rl.rollout.episodes import env_class
 from rl.rollout.evaluate import evaluate, evaluated
 from rl.rollout.multiturn import Episodes
 from rl.rollout.partial import PartialRolloutBuffer
-from rl.rollout.phase import draw_groups, run_rollout
 from rl.rollout.ptx import load_ptx, ptx_batches
-from rl.rollout.rewards import episode_runner, reward_phase
 from rl.seeds import train_seed
 from rl.settings import RunSettings, model_arch, resolve
 from rl.setup.memory import check_fits, estimate
@@ -75,6 +72,7 @@ class Run:
     progress: Progress
     console: Console
     checkpoint_bytes: int = 0  # what one checkpoint takes, estimated (a first save onto a full disk says it)
+    stream: RolloutStream | None = None  # disaggregated: the batches made ahead of the trainer
 
 
 def train(cfg: Config, run_dir: Path, resume: bool = False, console: Console | None = None) -> dict:
@@ -140,6 +138,8 @@ def _attempt(cfg: Config, run_dir: Path, resume: bool, console: Console, restart
             try:
                 return _loop(run, state, restarts)
             finally:
+                if run.stream is not None:
+                    run.stream.stop()
                 episodes.close_all()
 
 
@@ -181,8 +181,12 @@ def _loop(run: Run, state: LoopState | None, restarts: Restarts) -> dict:
     guard = make_guard(cfg, run.tasks, state.best_accuracy if state else None)
     if guard is not None and guard.improved(initial):  # the warm start is the first best
         save_best(run, -1, guard)
-    cluster.trainers.offload()
-    for it in range(state.iteration + 1 if state else 0, cfg.run.iterations):
+    first = state.iteration + 1 if state else 0
+    if cfg.staleness is None:  # colocated: the trainers leave the devices to the replicas between updates
+        cluster.trainers.offload()
+    else:
+        run.stream = RolloutStream(run, first, cfg.staleness, cluster.rollouts.weights_version())
+    for it in range(first, cfg.run.iterations):
         rec = iteration(run, it)
         for warning in health.check(rec):
             console.print(f"[bold yellow]warning:[/] iter {it}: {warning}")
@@ -204,9 +208,8 @@ def _loop(run: Run, state: LoopState | None, restarts: Restarts) -> dict:
         stop_requested = cfg.run.checkpoint_on_stop and (run.run_dir / STOP_FILE).exists()
         log.record(rec)
         if (it + 1) % cfg.run.save_every == 0 or it + 1 == cfg.run.iterations or stopped or stop_requested:
-            run.episodes.close([s.key for s in run.buffer.drop_in_flight_episodes()])  # no env fits a checkpoint
             loop = LoopState(iteration=it, initial_accuracy=initial["accuracy"], wall_s=budget.elapsed(),
-                             weights_version=cluster.rollouts.weights_version(), partial=run.buffer.state_dict(),
+                             weights_version=cluster.rollouts.weights_version(), partial=partial_state(run),
                              workers=cfg.cluster.workers, initial_accuracy_sampled=initial["accuracy_sampled"],
                              rollbacks=rollbacks, best_accuracy=guard and guard.best,
                              initial_eval_reward=initial["eval_reward"])
@@ -222,12 +225,24 @@ def _loop(run: Run, state: LoopState | None, restarts: Restarts) -> dict:
             console.print(f"run.max_minutes={cfg.run.max_minutes:g} reached after iteration {it} "
                           f"({budget.elapsed() / 60:.1f} min): checkpoint, final model and summary saved")
             break
+    if run.stream is not None:
+        run.stream.stop()
     final_dir = run.run_dir / "final"
     cluster.trainers.save(str(final_dir), trainer_state=False)
     copy_tokenizer(run.start_dir, final_dir)
     if cfg.run.export_uri:
         export(final_dir, f"{cfg.run.export_uri}/final", console)
     return summarize(run.run_dir, log.records, initial, budget.elapsed(), stopped)
+
+
+def partial_state(run: Run) -> dict:
+    """The partial-rollout buffer as a checkpoint holds it. Colocated: its samples, less the multi-turn episodes in
+    flight (no environment fits a checkpoint). Disaggregated: none, as the stream is making later iterations'
+    batches with it; a resumed run draws and generates those again, under the checkpoint's weights."""
+    if run.stream is not None:
+        return PartialRolloutBuffer(run.cfg.rollout.partial.max_age).state_dict()
+    run.episodes.close([s.key for s in run.buffer.drop_in_flight_episodes()])
+    return run.buffer.state_dict()
 
 
 def export(local: Path, uri: str, console: Console) -> None:
@@ -242,41 +257,23 @@ def export(local: Path, uri: str, console: Console) -> None:
     console.print(f"exported {local.name} to {uri} ({done.sent} files sent, {done.kept} already there)")
 
 
-@contextmanager
-def timed(times: dict[str, float], phase: str):
-    """``times["time_" + phase]``: the seconds the block took."""
-    t = time.time()
-    yield
-    times[f"time_{phase}"] = time.time() - t
-
-
 def iteration(run: Run, it: int) -> dict:
     """One RL iteration; returns its metrics record."""
-    cfg, cluster, s, times = run.cfg, run.cluster, run.settings, {}
-    runner = episode_runner(cluster.rollouts, cfg, run.tasks, run.tok, s.rollout.task_types, it)
-    run.episodes.runner = runner
-    try:
-        with timed(times, "rollout"):
-            temps = draw_groups(run.buffer, run.tasks, run.tok, s.rollout, it, cfg.run.seed)
-            generated, engine_stats = run_rollout(cluster.rollouts, run.buffer, run.episodes, run.tasks, it,
-                                                  s.rollout.token_budget, run.progress)
-        with timed(times, "reward"):  # the engines sleep only after rewards: a critic may run the policy on them
-            samples, stats = reward_phase(run.buffer.pop_complete(), run.tasks, run.tok, s.rollout.task_types, runner,
-                                          run.episodes.take_template_errors())
-            if cfg.algorithm.critic_training.enabled:  # the policy's own judgments of verifiable pairs
-                judged, critic_stats = critic_training_batch(cluster.rollouts, run.tok, cfg, samples, it)
-                samples += judged
-                stats.update(critic_stats, trained_samples=len(samples))
-    finally:
-        runner.close()
-    check_error_rate(stats, cfg.run.max_env_error_rate)
-    partial_stats = run.buffer.stats()  # after pop_complete: waiting_groups are the groups carried over
-    t = time.time()
-    cluster.rollouts.sleep()
-    times["time_reward"] += time.time() - t
+    cfg, cluster, s, stream = run.cfg, run.cluster, run.settings, run.stream
+    if stream is None:  # colocated: the replicas generate, then sleep while the trainers train
+        made, extra = collect(run, it, cluster.rollouts), {}
+        t = time.time()
+        cluster.rollouts.sleep()
+        made.times["time_reward"] += time.time() - t
+    else:  # disaggregated: the stream made it ahead; what is older than max_staleness is left out
+        made, extra = stream.take(it)
+        made.samples, staleness = eligible(made.samples, stream.version, stream.k)
+        extra.update(staleness, trained_samples=len(made.samples))
+    samples, times = made.samples, made.times
 
     with timed(times, "train"):
-        times["time_onload"] = cluster.trainers.onload().get("seconds", 0.0)
+        if stream is None:
+            times["time_onload"] = cluster.trainers.onload().get("seconds", 0.0)
         a = cfg.algorithm
         ptx = ptx_batches(run.ptx, run.tok, a.ptx.batch_size, a.minibatches, cfg.run.seed, it) if run.ptx else []
         batches = plan_update(samples, s.update, len(cluster.trainers), train_seed(cfg.run.seed, it), ptx) \
@@ -285,12 +282,18 @@ def iteration(run: Run, it: int) -> dict:
         steps = cluster.trainers.train(batches, on_step=lambda _: run.progress.advance(bar)) if batches else []
         run.progress.remove_task(bar)
         train_peak = cluster.trainers.peak_gib() if steps else None
-        times["time_offload"] = cluster.trainers.offload().get("seconds", 0.0)
+        if stream is None:
+            times["time_offload"] = cluster.trainers.offload().get("seconds", 0.0)
 
     with timed(times, "weight_update"):
         bar = run.progress.add_task(f"iter {it} weight update ({cluster.num_buckets} buckets)", total=1)
-        cluster.rollouts.wake()
-        cluster.rollouts.update_weights(changed=bool(steps))
+        if stream is None:
+            cluster.rollouts.wake()
+            cluster.rollouts.update_weights(changed=bool(steps))
+        else:
+            with stream.lock:  # between two of the stream's generation rounds
+                cluster.rollouts.update_weights(changed=bool(steps))
+                stream.trained(it, cluster.rollouts.weights_version())
         run.progress.remove_task(bar)
 
     held_out = {"accuracy": None}
@@ -300,14 +303,15 @@ def iteration(run: Run, it: int) -> dict:
     first = cfg.env_entries[0]
     return {
         "iteration": it,
-        **stats,
+        **made.stats,
         **held_out,
         "temperature": s.rollout.task_types.get(first.task_type or env_class(first).task_type).temperature.at(it),
-        **({f"temperature/{k}": v for k, v in temps.items()} if len(temps) > 1 else {}),
-        "rollout_tokens": generated,
-        **engine_stats,
+        **({f"temperature/{k}": v for k, v in made.temps.items()} if len(made.temps) > 1 else {}),
+        "rollout_tokens": made.generated,
+        **made.engine,
         "mem_train_peak_gib": train_peak,
-        **{f"partial_{k}": v for k, v in partial_stats.items()},
+        **{f"partial_{k}": v for k, v in made.partial.items()},
+        **extra,
         **step_metrics(steps),
         **{k: round(v, 3) for k, v in times.items()},
     }
@@ -342,11 +346,16 @@ def roll_back(run: Run, it: int, why: str, done: int) -> tuple[int, float]:
     best, cfg = run.run_dir / BEST_DIR, run.cfg
     if not (best / "best.json").is_file():
         raise TrainingStopped(f"iteration {it}: {why}, and no best/ to roll back to (run.collapse_guard was off)")
+    stream = run.stream
+    if stream is not None:  # its batches ahead were drawn by the collapsed policy too
+        stream.stop()
     run.cluster.trainers.load_state(str(best))
     lr = run.cluster.trainers.scale_lr(cfg.run.rollback_lr_factor)
     run.cluster.rollouts.update_weights()
     run.episodes.close(list(run.episodes.live))
     run.buffer = PartialRolloutBuffer(cfg.rollout.partial.max_age)  # sampled by the collapsed policy
+    if stream is not None:
+        run.stream = RolloutStream(run, it + 1, stream.k, run.cluster.rollouts.weights_version())
     came_from = json.loads((best / "best.json").read_text())["iteration"]
     run.console.print(f"[bold yellow]rollback:[/] iter {it}: {why}; back to best/ (iteration {came_from}), learning "
                       f"rate now {lr:.3g} (rollback {done + 1} of at most {cfg.run.max_rollbacks})")

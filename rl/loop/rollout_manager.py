@@ -203,6 +203,7 @@ class RolloutManager:
         weights through the checkpoint engine, or the trainers' when no peer can serve them; ``stale``: the replicas
         sleep, it is filled when they wake."""
         i, n = failure.index, len(self.actors)
+        stale = stale and not self.settings.cluster.disaggregated  # disaggregated replicas never sleep: fill it now
         # a peer serves it where it keeps the policy's whole weights; else the trainers refill it (where their
         # updates carry no base, it reads the base from the checkpoint the run started from first)
         peer = n > 1 and self.settings.peer_catch_up
