@@ -9,6 +9,7 @@ where every held-out task is left out has no held-out metrics at all (never NaN)
 
 from __future__ import annotations
 
+import math
 import statistics
 
 from rich.progress import Progress
@@ -52,7 +53,7 @@ def evaluate(rollouts, tasks: TaskSets, tok: TextTokenizer, cfg: Config, types: 
     - ``accuracy``: the greedy responses' share that is solved (reward ≥ ``run.eval_success``, no environment error,
       ended on its own), overall and, with several task types, per type as ``accuracy/TYPE``;
     - ``eval_reward`` / ``eval_reward_std``: the greedy responses' mean reward and its spread (environment errors
-      left out; None where every response failed);
+      and non-finite rewards left out; None where no response has a reward);
     - with ``run.eval_samples`` k > 0, ``accuracy_sampled``: solved over k samples per prompt at each task type's
       rollout temperature of iteration ``it``;
     - ``responses``: one record per greedy response (task id, text, reward, solved, finish reason, error), which
@@ -86,7 +87,9 @@ def evaluate(rollouts, tasks: TaskSets, tok: TextTokenizer, cfg: Config, types: 
     solved_all = [solved(r, c, success) for r, c in zip(results, outs, strict=True)]
     n = len(keep)
     right, greedy = solved_all[:n], results[:n]
-    rewards = [r.reward for r in greedy if r.error is None]
+    # an environment error, or a reward that is not a finite number (the loop's guards stop a run on those in
+    # training), has no place in a mean
+    rewards = [r.reward for r in greedy if r.error is None and math.isfinite(r.reward)]
     out = {"accuracy": sum(right) / n,
            "eval_reward": statistics.fmean(rewards) if rewards else None,
            "eval_reward_std": statistics.pstdev(rewards) if rewards else None,
@@ -98,7 +101,8 @@ def evaluate(rollouts, tasks: TaskSets, tok: TextTokenizer, cfg: Config, types: 
         for name in sorted(set(names)):
             hits = [r for r, t in zip(right, names, strict=True) if t == name]
             out[f"accuracy/{name}"] = sum(hits) / len(hits)
-    out["responses"] = [{"task_id": tasks.eval[i].id, "response": text, "reward": None if r.error else r.reward,
+    out["responses"] = [{"task_id": tasks.eval[i].id, "response": text,
+                         "reward": r.reward if r.error is None and math.isfinite(r.reward) else None,
                          "solved": ok, "finish_reason": c.finish_reason, **({"error": r.error} if r.error else {})}
                         for i, text, r, ok, c in zip(keep, texts, greedy, right, outs, strict=False)]
     return out
