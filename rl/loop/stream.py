@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from rl.loop.controller import Run
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Collected:
     """What an iteration's rollout phase and rewards made: its training samples and their metrics."""
 
@@ -75,7 +75,8 @@ def collect(run: Run, it: int, rollouts) -> Collected:
         runner.close()
     check_error_rate(stats, cfg.run.max_env_error_rate)
     partial = run.buffer.stats()  # after pop_complete: waiting_groups are the groups carried over
-    return Collected(samples, stats, temps, generated, engine, partial, times)
+    return Collected(samples=samples, stats=stats, temps=temps, generated=generated, engine=engine, partial=partial,
+                     times=times)
 
 
 def eligible(samples: list[Sample], version: int, k: int) -> tuple[list[Sample], dict[str, Any]]:
