@@ -100,15 +100,20 @@ def eligible(samples: list[Sample], version: int, k: int) -> tuple[list[Sample],
 
 
 class _Locked:
-    """The rollout replicas as the stream's rounds use them: each round holds the stream's lock, so that no weight
-    update lands in the middle of one; with ``rollout.on_update: abort`` a single-turn sample that has tokens of
-    older weights than the replicas hold starts again first."""
+    """The rollout replicas as the stream uses them: each generation round (and a critic's generation) holds the
+    stream's lock, so that no weight update lands in the middle of one (a replica between two buckets of an update
+    serves no request); with ``rollout.on_update: abort`` a single-turn sample that has tokens of older weights than
+    the replicas hold starts again first."""
 
     def __init__(self, stream: RolloutStream) -> None:
         self.stream, self.rollouts = stream, stream.run.cluster.rollouts
 
-    def __getattr__(self, name: str) -> Any:  # generate (a critic), everything else: as the manager does it
+    def __getattr__(self, name: str) -> Any:  # everything else: as the manager does it
         return getattr(self.rollouts, name)
+
+    def generate(self, *args, **kwargs):
+        with self.stream.lock:
+            return self.rollouts.generate(*args, **kwargs)
 
     def rollout(self, samples: list[Sample], *args, **kwargs):
         with self.stream.lock:
