@@ -113,6 +113,18 @@ def test_eligible_keeps_groups_within_k_versions_and_counts_their_tokens():
     assert eligible(samples, version=5, k=0)[0] == []
 
 
+def test_an_aborted_sample_starts_again_from_its_prompt():
+    """rollout.on_update: abort forgets a paused single-turn sample's tokens; a done or multi-turn one cannot be."""
+    s = _sample(0, 0, [(0, 2), (2, 3)], 4)
+    assert s.oldest_version() == 2
+    s.status = "paused"
+    s.restart()
+    assert (len(s.response_ids), len(s.logprobs), len(s.segments), s.status) == (0, 0, 0, "running")
+    assert s.oldest_version() is None and list(s.prompt_ids) == [1, 2]
+    with pytest.raises(ValueError, match="only a single-turn sample still generating"):
+        _sample(1, 0, [(0, 2)], 1).restart()  # finished
+
+
 @pytest.mark.parametrize(("raw", "message"), [
     ({"algorithm": {"max_staleness": -1}, "cluster": {"placement": "disaggregated"}},
      r"algorithm\.max_staleness: Input should be greater than or equal to 0"),
