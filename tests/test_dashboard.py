@@ -17,6 +17,7 @@ from rich.console import Console
 
 import engines.training.qk_clip
 import rl.loop.controller
+import rl.loop.stream
 import rl.rollout.critic_loop
 import rl.rollout.evaluate
 import rl.rollout.rewards
@@ -74,8 +75,9 @@ def _records() -> list[dict]:
                              "multi_turn_truncated"],
         rl.rollout.evaluate: ["accuracy", "response_len"],
         rl.rollout.critic_loop: ["critic_prompts", "critic_agreement", "critic_unparseable", "critic_refused"],
-        rl.loop.controller: ["iteration", "accuracy", "temperature", "rollout_tokens", "time_rollout", "time_reward",
-                        "time_onload", "time_offload", "time_train", "time_weight_update", "time_eval"],
+        rl.loop.controller: ["iteration", "accuracy", "temperature", "rollout_tokens", "time_onload", "time_offload",
+                             "time_train", "time_weight_update", "time_eval"],
+        rl.loop.stream: ["time_rollout", "time_reward"],
     }
     for module, keys in sources.items():  # the keys below are the code's own spelling
         text = Path(module.__file__).read_text()

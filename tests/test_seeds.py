@@ -15,6 +15,7 @@ from rich.progress import Progress
 import rl.loop.controller
 import rl.loop.recovery
 import rl.loop.rollout_manager
+import rl.loop.stream
 from envs import Env, Task, register
 from envs.arithmetic import ArithmeticEnv
 from rl import seeds
@@ -203,10 +204,10 @@ def test_iteration_uses_episode_and_train_seeds(monkeypatch):
     tasks = ArithmeticEnv.generate_tasks(20, seed=0)
     sets = TaskSets(tasks, tasks[:2], cfg.env_entries, [0] * 20, [0, 0])
     played = []
-    monkeypatch.setattr(rl.loop.controller, "run_rollout",
+    monkeypatch.setattr(rl.loop.stream, "run_rollout",
                         lambda c, b, episodes, t, it, *a: played.append(seeds.episode_seed(episodes.run_seed, it))
                         or (0, {}))
-    monkeypatch.setattr(rl.loop.controller, "reward_phase", lambda *a: (
+    monkeypatch.setattr(rl.loop.stream, "reward_phase", lambda *a: (
         [make_sample(0, [1], [2], [-1.0], 1.0)], {"env_errors": 0, "trained_samples": 1}))
     cluster = Recorder()
     monkeypatch.setattr(rl.loop.controller, "plan_update", lambda *a: cluster.train_seeds.append(a[3]) or [])
