@@ -129,3 +129,25 @@ def torch_muon_kernels():
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(BF16_KERNELS_ENV, "1")
         yield
+
+
+@pytest.fixture(scope="session")
+def reward_file(tmp_path_factory):
+    """A reward function file, ``PATH:digits``: the share of digits in a response, which differs between random
+    responses (so groups train) without any right answer."""
+    path = tmp_path_factory.mktemp("reward") / "digit_share.py"
+    path.write_text("def digits(response):\n    return sum(c.isdigit() for c in response) / max(len(response), 1)\n")
+    return path
+
+
+@pytest.fixture(scope="session")
+def model_dir():
+    """The warm-started tiny model of test_run's TINY (cached on disk), for runs whose tasks come as lists or files
+    and so take model.path."""
+    import json
+
+    from rl.config import parse_config
+    from rl.setup.warmstart import prepare_model
+    from tests.test_run import TINY
+
+    return prepare_model(parse_config(json.loads(json.dumps(TINY))))

@@ -23,17 +23,7 @@ from engines.inference.sampling import SamplingParams
 from rl.errors import UserError
 from rl.loop.stream import eligible
 from rl.sample import Sample, TaskType
-from rl.setup.warmstart import prepare_model
 from tests.test_run import TINY
-
-REWARD = "def digits(response):\n    return sum(c.isdigit() for c in response) / max(len(response), 1)\n"
-
-
-@pytest.fixture(scope="module")
-def reward_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("reward") / "digit_share.py"
-    path.write_text(REWARD)
-    return path
 
 
 def run_config(model_dir, reward_file, **sections) -> dict:
@@ -49,11 +39,6 @@ def run_config(model_dir, reward_file, **sections) -> dict:
     for k, v in sections.items():
         raw.setdefault(k, {}).update(v)
     return raw
-
-
-@pytest.fixture(scope="module")
-def model_dir():
-    return prepare_model(rl.parse_config(json.loads(json.dumps(TINY))))
 
 
 def records(run_dir) -> list[dict]:

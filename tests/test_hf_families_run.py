@@ -44,16 +44,6 @@ FAMILIES = {
 }
 #: float32 on both engines, different kernels (the survey of docs/models.md: at most 2.1e-5, Mamba layers)
 ROUNDING = 1e-4
-REWARD = "def digits(response):\n    return sum(c.isdigit() for c in response) / max(len(response), 1)\n"
-
-
-@pytest.fixture(scope="module")
-def reward_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("reward") / "digit_share.py"
-    path.write_text(REWARD)
-    return path
-
-
 def run_config(model_dir, reward_file, iterations: int = 3, **sections):
     """Three iterations of 2 prompts x 4 samples of the model in ``model_dir`` on the transformers backend and vLLM."""
     raw = {"run": {"iterations": iterations, "eval_every": 4, "eval_samples": 0, "save_every": 1},

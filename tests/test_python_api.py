@@ -45,12 +45,6 @@ def raw_config(model_dir: Path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def model_dir() -> Path:
-    """The warm-started tiny model of test_run's TINY (a run whose env has no generator takes model.path)."""
-    return prepare_model(rl.parse_config(json.loads(json.dumps(TINY))))
-
-
-@pytest.fixture(scope="module")
 def api_run(ray_cluster, model_dir, tmp_path_factory):
     """One iteration by rl.train, then a resume to two with the function passed again."""
     run_dir = tmp_path_factory.mktemp("api") / "run"

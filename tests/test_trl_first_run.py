@@ -21,7 +21,6 @@ from envs.arithmetic import ArithmeticEnv, extract_answer
 from rl.errors import UserError
 from rl.loop.held_out import finite, held_out_line, summary_figures, summary_line
 from rl.rollout.data import load_task_sets
-from rl.setup.warmstart import prepare_model
 from tests.test_run import TINY
 
 SUCCESS = 0.5  # run.eval_success: a well-formed answer counts as solved here, so the threshold is what decides
@@ -61,11 +60,6 @@ def raw_config(model_dir: Path, **run) -> dict:
     raw["run"] = {"iterations": 2, "eval_every": 1, "save_every": 2, "eval_samples": 2, "eval_success": SUCCESS,
                   "best_metric": "eval_reward", **run}
     return raw
-
-
-@pytest.fixture(scope="module")
-def model_dir() -> Path:
-    return prepare_model(rl.parse_config(json.loads(json.dumps(TINY))))
 
 
 @pytest.fixture(scope="module")
