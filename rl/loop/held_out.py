@@ -37,9 +37,10 @@ def held_out_line(cfg: Config, tasks: TaskSets) -> str | None:
 def make_guard(cfg: Config, tasks: TaskSets, best: float | None) -> CollapseGuard | None:
     """The collapse guard on ``run.best_metric``, resumed at ``best``; None where it is off or has nothing to
     watch (``held_out_line`` said why)."""
-    if cfg.run.collapse_guard is False or not evaluated(tasks):
+    held_out = len(evaluated(tasks))
+    if cfg.run.collapse_guard is False or not held_out:
         return None
-    return CollapseGuard(cfg.run.collapse_drop, best, cfg.run.collapse_drop_relative, len(evaluated(tasks)),
+    return CollapseGuard(cfg.run.collapse_drop, best, cfg.run.collapse_drop_relative, held_out,
                          metric=cfg.run.best_metric)
 
 
