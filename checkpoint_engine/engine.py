@@ -67,6 +67,33 @@ def copy_cast(dst: torch.Tensor, src: torch.Tensor, scratch: torch.Tensor | None
         dst[lo : lo + n].copy_(staged)
 
 
+def stage_bucket(plan: BucketPlan, pieces, tensors: Mapping[str, torch.Tensor], offsets: Mapping[str, int],
+                 quant: OwnerQuantizer | None, into: torch.Tensor, used: int, version: int, bucket: int, rank: int,
+                 scratch=None) -> None:
+    """Copy rank ``rank``'s ``pieces`` of bucket ``bucket`` into ``into`` and write its trailer: cast to the plan's
+    dtypes, or block-quantised by ``quant`` for its FP8 tensors.
+
+    On GPU the source is the offloaded (pinned host) parameter, so each piece is one H2D copy; a piece whose dtype
+    changes crosses in its own dtype and is cast on the device (``copy_cast`` through ``scratch()``'s buffer).
+    """
+    for p in pieces:
+        dst = into[p.offset : p.offset + p.length]
+        if quant is not None and quant.handles(p.name):
+            quant.stage(p, dst)
+            continue
+        if p.name not in tensors:
+            raise KeyError(f"worker {rank} holds no tensor {p.name}")
+        src, wire = tensors[p.name], getattr(torch, plan.tensors[p.name].dtype)  # spec_of's names
+        first = (p.start // wire.itemsize) - offsets.get(p.name, 0)
+        if src.dtype == wire:
+            dst.copy_(as_bytes(src)[first * wire.itemsize : first * wire.itemsize + p.length])
+        else:  # one cast per piece, as the tensor itself would be cast (round to nearest even)
+            piece = src.reshape(-1)[first : first + p.length // wire.itemsize]
+            cross = piece.device != dst.device and scratch is not None
+            copy_cast(dst.view(wire), piece, scratch() if cross else None)
+    write_trailer(into, used, version, bucket)
+
+
 class Reloader(Protocol):
     """How the engine tells its local inference engine to load a bucket, and waits for it."""
 
@@ -265,26 +292,8 @@ class CheckpointEngine:
 
     def _stage(self, plan: BucketPlan, pieces, tensors, offsets, quant: OwnerQuantizer | None, into: torch.Tensor,
                used: int, version: int, bucket: int) -> None:
-        """Stage 1: the synchronous copy of this worker's bucket into its H2D (on CPU: IPC) buffer.
-
-        On GPU the source is the offloaded (pinned host) parameter, so each piece is one H2D copy; a piece
-        whose dtype changes crosses in its own dtype and is cast on the device (``copy_cast``).
-        """
-        for p in pieces:
-            dst = into[p.offset : p.offset + p.length]
-            if quant is not None and quant.handles(p.name):
-                quant.stage(p, dst)
-                continue
-            if p.name not in tensors:
-                raise KeyError(f"worker {self.rank} holds no tensor {p.name}")
-            src, wire = tensors[p.name], getattr(torch, plan.tensors[p.name].dtype)  # spec_of's names
-            first = (p.start // wire.itemsize) - offsets.get(p.name, 0)
-            if src.dtype == wire:
-                dst.copy_(as_bytes(src)[first * wire.itemsize : first * wire.itemsize + p.length])
-            else:  # one cast per piece, as the tensor itself would be cast (round to nearest even)
-                piece = src.reshape(-1)[first : first + p.length // wire.itemsize]
-                copy_cast(dst.view(wire), piece, self._scratch() if piece.device != dst.device else None)
-        write_trailer(into, used, version, bucket)
+        """Stage 1: the synchronous copy of this worker's bucket into its H2D (on CPU: IPC) buffer."""
+        stage_bucket(plan, pieces, tensors, offsets, quant, into, used, version, bucket, self.rank, self._scratch)
 
     def _scratch(self) -> torch.Tensor:
         """The device buffer host sources cross in before a cast (allocated on first use, then kept)."""

@@ -57,6 +57,8 @@ class WeightSink:
     cannot_pack: str | None = None
     #: the updates carry no base: a replica that the trainers fill reads it elsewhere first (``AdapterSink``)
     needs_base: bool = False
+    #: loads go to a spare copy and the served weights change only at the commit: the engine may serve meanwhile
+    stages: bool = False
 
     def set_plan(self, plan: BucketPlan) -> None:
         self.plan = plan
@@ -111,6 +113,10 @@ class TensorSink(WeightSink):
         self._side = torch.cuda.Stream() if cuda and rollback == "journal" else None
         self._ready: dict[int, object] = {}  # bucket -> event: its journal copy is done (side stream)
         self._active = False
+
+    @property
+    def stages(self) -> bool:  # type: ignore[override]
+        return self.rollback_mode == "swap"
 
     def set_plan(self, plan: BucketPlan) -> None:
         """An unhooked engine must hold exactly the plan's tensors (``check_plan``)."""
@@ -243,6 +249,8 @@ class StreamSink(TensorSink):
     def __init__(self, stream: WeightStream, tensors: dict[str, torch.Tensor]) -> None:
         super().__init__(tensors)
         self.stream = stream
+
+    stages = False  # type: ignore[assignment]  # each bucket's tensors go on into the running engine's load
 
     def begin(self, version: int) -> None:
         self.stream.begin(version)  # first: an engine that refuses the version leaves nothing begun

@@ -125,6 +125,10 @@ class WeightReceiver:
         self.buffers = [m[0] for m in mapped]
         self._keep = [m[1] for m in mapped]
         self.version: int | None = None   # last complete update
+        #: a sink that loads into a spare copy (``stages``) keeps a complete update there until ``commit_staged``,
+        #: so the engine can serve the previous weights while an update arrives
+        self.defer_commit = False
+        self.staged: int | None = None    # the complete update waiting for commit_staged
         self.loads = 0                    # buckets applied, over the receiver's life
 
     @property
@@ -144,8 +148,8 @@ class WeightReceiver:
     @property
     def consistent(self) -> bool:
         """False while an update is partly applied (or, for a sink that keeps nothing, after one failed): the
-        engine must not serve then."""
-        return self._loading is None and self.sink.intact
+        engine must not serve then. A sink that loads into a spare copy (``stages``) serves whole weights all along."""
+        return (self._loading is None or self.sink.stages) and self.sink.intact
 
     @property
     def ready(self) -> bool:
@@ -154,8 +158,11 @@ class WeightReceiver:
 
     def load(self, bucket: int, buffer: int, version: int) -> None:
         """Verify bucket ``bucket`` of update ``version`` in IPC buffer ``buffer`` and apply it."""
+        self.load_from(bucket, buffer, self.buffers[buffer], version)
+
+    def load_from(self, bucket: int, buffer: int, src: torch.Tensor, version: int) -> None:
+        """``load`` from ``src``, a buffer this receiver did not map at start (a point-to-point transport's)."""
         used = self.plan.used_bytes(bucket)
-        src = self.buffers[buffer]
         got_version, got_bucket, got_sum = read_trailer(src, used)
         names = sorted({p.name for p in self.plan.buckets[bucket]})
         where = f"bucket {bucket} of update {version} (parameters {', '.join(names[:4])}) from worker " \
@@ -174,7 +181,17 @@ class WeightReceiver:
         self.loads += 1
         self._loading[1].add(bucket)
         if len(self._loading[1]) == len(self.plan.buckets):
-            self._commit(version)
+            if self.defer_commit and self.sink.stages:
+                self.staged = version  # the engine serves the previous weights until commit_staged
+            else:
+                self._commit(version)
+
+    def commit_staged(self, version: int) -> None:
+        """Serve update ``version``, whose every bucket is loaded into the sink's spare copy (``defer_commit``)."""
+        if self.staged != version:
+            raise CorruptUpdateError(f"update {version} is not staged (staged: {self.staged})")
+        self.staged = None
+        self._commit(version)
 
     def pack(self, bucket: int, buffer: int) -> int:
         """Write bucket ``bucket`` of the weights this engine serves into IPC buffer ``buffer`` (as the
@@ -193,6 +210,7 @@ class WeightReceiver:
 
     def rollback(self) -> bool:
         """Undo a partly applied update; True if the previous weights are back in place."""
+        self.staged = None
         if self._loading is None:
             return self.sink.intact
         ok = self.sink.rollback()
