@@ -73,7 +73,8 @@ def test_no_sample_older_than_k_is_trained(ray_cluster, model_dir, reward_file, 
     assert sum(r.get("staleness/1", 0) for r in recs) > 0  # and one version old ones were trained
     for r in recs:  # what was trained is what the histogram counts
         assert r["trained_samples"] == sum(v for k, v in r.items() if k.startswith("staleness/"))
-        assert {"time_trainer_idle", "time_rollout_idle", "queue_depth", "stale_token_share"} <= set(r)
+        assert {"time_trainer_idle", "time_rollout_idle", "queue_depth", "stale_token_share",
+                "time_update_pause"} <= set(r)
 
 
 def _sample(key: int, group: int, segments: list[tuple[int, int]], length: int) -> Sample:

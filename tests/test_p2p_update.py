@@ -125,3 +125,12 @@ def test_a_bucket_its_owner_cannot_stage_rolls_the_replica_back_and_the_link_sta
     assert error is None
     receiver.commit_staged(3)
     assert all(torch.equal(receiver.tensors[n], t) for n, t in served(3).items())
+
+
+def test_benchmark_measures_both_channels_against_the_floor_and_checks_the_bytes():
+    from benchmarks.p2p_update import measure
+
+    rec = measure(8, 1, False, 1)
+    assert rec["bitwise_equal"] and rec["buckets"] == 8 and rec["link_gbps"] > 0
+    assert rec["floor_s"] == pytest.approx(3 * 8 * 2**20 / (rec["copy_gbps"] * 1e9), rel=0.01)
+    assert rec["ratio"] == pytest.approx(rec["update_s"] / rec["floor_s"], rel=0.01)

@@ -24,6 +24,7 @@ from checkpoint_engine.cost_model import (
     predict,
 )
 from checkpoint_engine.cost_model import plan as plan_with
+from checkpoint_engine.cost_p2p import Rates, k2_p2p, predict_p2p
 from engines.model.layout import model_tensors
 from engines.model.native.causal_lm import build_model
 from engines.model.native.fp8 import to_fp8
@@ -143,3 +144,33 @@ def test_cli_table_and_verdicts(capsys):
 def test_cli_rejects_non_positive_sizes():
     with pytest.raises(SystemExit):
         main(["--nodes", "0"])
+
+
+def test_point_to_point_k2_prediction_is_under_5_s_and_says_what_fits():
+    """The disaggregated update of K2 FP8 on 256 H800 (half training, replicas of TP32): each trainer GPU's link
+    carries its 1/128 shard to 4 replicas, 4 x 1.029e12 / 128 B at 40 GB/s = 0.80 s, plus the pipeline's fill."""
+    p, assumed = k2_p2p(256, tp=32)
+    assert p.bound == "send" and abs(p.send_s - 4 * K2_BYTES["fp8"] / 128 / 40e9) < 1e-9
+    assert p.send_s < p.total_s < 5 and p.receive_s == p.send_s  # 128 senders feed 128 receivers evenly
+    assert assumed["rollout_gpu_weights_gib"] <= assumed["rollout_gpu_memory_gib"]
+    _, tp16 = k2_p2p(256, tp=16)  # a double-buffered TP16 shard (2 x 60 GiB) does not fit an 80 GB GPU
+    assert tp16["rollout_gpu_weights_gib"] > tp16["rollout_gpu_memory_gib"]
+    with pytest.raises(ValueError, match="whole replicas"):
+        k2_p2p(256, tp=48)
+
+
+def test_point_to_point_over_shared_memory_is_bound_by_the_slower_copy():
+    rates = Rates(stage=4e9, link=1e9, load=2e9, message_s=0.0)
+    shared = predict_p2p(8e9, 1, 1, 1, 1e9, rates, shared=True)
+    assert shared.send_s == shared.receive_s == 0 and shared.bound == "load"
+    assert shared.total_s == pytest.approx(8e9 / 2e9 + 1e9 / 4e9)  # the load, after the first bucket's staging
+    wire = predict_p2p(8e9, 1, 1, 1, 1e9, rates)
+    assert wire.bound == "send" and wire.total_s == pytest.approx(8 + 1 + 0.25 + 0.5)
+
+
+def test_cli_prints_the_point_to_point_prediction_beside_the_broadcast(capsys):
+    main(["--json"])
+    rec = json.loads(capsys.readouterr().out)
+    assert rec["p2p"]["total_s"] < 5 < rec["total_s"] and rec["p2p"]["assumptions"]["tp"] == 32
+    main([])
+    assert "point to point (disaggregated: 128 trainer GPUs -> 4 replicas x TP32)" in capsys.readouterr().out

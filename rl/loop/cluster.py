@@ -3,8 +3,9 @@ through the checkpoint engine and fill them from the checkpoint; the loop then t
 ``trainers`` (``rl.loop.trainer_group.TrainerGroup``) and ``rollouts`` (``rl.loop.rollout_manager.RolloutManager``).
 
 Colocated (``cluster.placement``): each worker's trainer rank(s) and replica share one bundle and take turns.
-Disaggregated: each trainer worker and each replica has a bundle of its own and they run at once; replica ``i`` is
-updated by trainer worker ``i % workers``, whose host IPC buffers it maps (so it must be on that worker's node).
+Disaggregated: each trainer worker and each replica has a bundle of its own and they run at once; every trainer rank
+sends its buckets straight to every replica (``checkpoint_engine.p2p``: shared memory on one node, gloo between
+nodes), which loads them into a spare copy while it generates and swaps them in when the loop says.
 """
 
 from __future__ import annotations
@@ -80,21 +81,15 @@ class Cluster:
         # each worker's threads from its own pod's CPUs, and the model where its node can read it
         sites = probe_bundles(self.pg, len(bundles), model_dir)
         threads, dirs = worker_threads(sites, c.threads_per_worker), reachable_model_dirs(model_dir, sites)
-        apart = [i for i in range(replicas_n) if sites[self.bundle_of(i)].node_id != sites[self.owner(i)].node_id]
-        if apart:  # the update maps the trainer's host buffers: no transport crosses nodes yet
-            remove_placement_group(self.pg)
-            raise UserError(f"cluster.placement: disaggregated: rollout worker {apart[0]} was placed on another node "
-                            f"than trainer worker {self.owner(apart[0])}, whose host buffers its weight updates map; "
-                            "run the trainers and rollout workers on one node (point to point between nodes is "
-                            "not built yet)")
-
         def placed(cls, i):
             strategy = PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i)
             share = (gpus if cls is RolloutWorker else 0) if spans else gpus / 2
             # a CPU trainer reuses freed host memory instead of faulting it in again (engines.device)
             env = {"env_vars": CPU_TRAINER_MALLOC} if cls is TrainerWorker and not gpus else None
+            # a replica takes a point-to-point update on a thread of its own while it generates
+            groups = {"concurrency_groups": {"update": 1}} if cls is RolloutWorker else {}
             return ray.remote(num_cpus=ACTOR_CPUS, num_gpus=share, scheduling_strategy=strategy,
-                              runtime_env=env)(cls)
+                              runtime_env=env, **groups)(cls)
 
         self._placed = placed
         self._rollout_args = [(replace(settings.rollout.engine, model_dir=dirs[b]), threads[b], gpus)
@@ -114,13 +109,18 @@ class Cluster:
         # and that rank updates it (the worker's other ranks take part in every broadcast)
         plans = ray.get([t.weight_plan.remote() for t in self.trainers])
         self._plans = plans
-        if spans and settings.rollout.engine.ipc_views:  # each replica rank loads from its own GPU's trainer rank
-            ray.get([t.share_replica.remote(dims.ranks_per_worker) for t in self.trainers])
-        ray.get([self._attach(i) for i in range(replicas_n)])
-        ray.get([t.connect.remote(self._replicas_of(at(r)) if dims.is_lead(r) else [])
-                 for r, t in enumerate(self.trainers)])
         self.num_buckets = len(plans[0][0].buckets)
-        self._startup([dirs[at(r)] for r in range(dims.world)])
+        if c.disaggregated:
+            self._endpoints = ray.get([t.p2p_endpoint.remote(c.ray_address is None) for t in self.trainers])
+            ray.get([call for i in range(replicas_n) for call in self._link(i)])
+            self._startup_p2p([dirs[at(r)] for r in range(dims.world)])
+        else:
+            if spans and settings.rollout.engine.ipc_views:  # each replica rank loads from its own GPU's trainer rank
+                ray.get([t.share_replica.remote(dims.ranks_per_worker) for t in self.trainers])
+            ray.get([self._attach(i) for i in range(replicas_n)])
+            ray.get([t.connect.remote(self._replicas_of(at(r)) if dims.is_lead(r) else [])
+                     for r, t in enumerate(self.trainers)])
+            self._startup([dirs[at(r)] for r in range(dims.world)])
         if settings.trainer.reference:  # the reference policy: one more collective read, of the starting model
             refs = reachable_model_dirs(reference_dir or model_dir, sites)
             ray.get([t.load_reference.remote(refs[at(r)]) for r, t in enumerate(self.trainers)])
@@ -129,10 +129,29 @@ class Cluster:
         """The replicas trainer worker ``worker``'s lead rank updates."""
         return [r for i, r in enumerate(self.rollouts) if self.owner(i) == worker]
 
+    def _link(self, i: int) -> list:
+        """Replica ``i`` takes point-to-point updates: every trainer rank links to it (in rank order, as each rank
+        links to the replicas in replica order, so no two wait on each other). Returns the calls to wait for."""
+        node = ray.get(self.rollouts[i].p2p_attach.remote(self._plans[0][0], self.settings.adapters))
+        return [call for r, t in enumerate(self.trainers) for call in
+                (t.p2p_connect.remote(i, node), self.rollouts[i].p2p_connect.remote(r, self._endpoints[r], i))]
+
+    def _startup_p2p(self, dirs: list[str]) -> None:
+        """Disaggregated start-up: the trainers read the checkpoint collectively into their shards, then send it to
+        the replicas as update 0 (a LoRA run's replicas read the base from the checkpoint first)."""
+        reads = ray.get([t.startup.remote(d) for t, d in zip(self.trainers, dirs, strict=True)])
+        self.startup_reads = [r["reads"] for r in reads]
+        ray.get([r.prepare_refill.remote() for r in self.rollouts])
+        self.rollouts.push(0)
+
     def _respawn(self, i: int) -> None:
-        """A new, empty replica in place of replica ``i``, attached to its trainer worker's IPC buffers and lead."""
+        """A new, empty replica in place of replica ``i``, attached to its trainer worker's IPC buffers and lead
+        (disaggregated: linked to every trainer rank)."""
         ray.kill(self.rollouts[i])
         self.rollouts.actors[i] = self._placed(RolloutWorker, self.bundle_of(i)).remote(*self._rollout_args[i])
+        if self.settings.cluster.disaggregated:
+            ray.get(self._link(i))
+            return
         ray.get(self._attach(i))
         w = self.owner(i)
         ray.get(self.trainers[self.dims.lead(w)].connect.remote(self._replicas_of(w)))

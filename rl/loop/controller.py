@@ -290,10 +290,14 @@ def iteration(run: Run, it: int) -> dict:
         if stream is None:
             cluster.rollouts.wake()
             cluster.rollouts.update_weights(changed=bool(steps))
-        else:
-            with stream.lock:  # between two of the stream's generation rounds
-                cluster.rollouts.update_weights(changed=bool(steps))
+        else:  # into the replicas' spare copies while they generate, swapped in between two generation rounds
+            staged = cluster.rollouts.stage_weights() if steps else None
+            with stream.lock:
+                t = time.monotonic()
+                if steps:
+                    cluster.rollouts.swap_weights(staged)
                 stream.trained(it, cluster.rollouts.weights_version())
+                extra["time_update_pause"] = round(time.monotonic() - t, 4)
         run.progress.remove_task(bar)
 
     held_out = {"accuracy": None}

@@ -183,7 +183,7 @@ class RolloutManager:
         level = self.settings.rollout.sleep_level
         try:
             if changed:
-                self.trainers.push_weights(self.weights_version() + 1)
+                self.push(self.weights_version() + 1)
             elif level == 2:
                 self.refill()
         finally:
@@ -194,7 +194,39 @@ class RolloutManager:
         """Every replica gets the trainers' current weights again, as the same version (collective): a replaced
         replica's fill, or a resumed run whose updates carry no base (the start-up filled the base, this serves the
         checkpoint's adapters on it)."""
-        self.trainers.push_weights(self.weights_version())
+        self.push(self.weights_version())
+
+    def push(self, version: int, staged: bool = False) -> None:
+        """The trainers' update ``version`` into every replica (collective). Disaggregated it goes point to point, the
+        replicas receiving it on a thread of their own while they generate, and served at once unless ``staged``
+        (then ``swap_weights`` serves it)."""
+        if not self.settings.cluster.disaggregated:
+            self.trainers.push_weights(version)
+            return
+        refs = [r.receive_update.remote(version) for r in self.actors]
+        self.trainers.push_weights(version)
+        gather(refs, "inference engine", "weight update", self.timeout)
+        if not staged:
+            self.call_all(lambda r: r.commit_update.remote(version), "weight update")
+
+    def stage_weights(self) -> int | None:
+        """Disaggregated: the trainers' next update into every replica's spare copy, while they keep generating;
+        returns its version for ``swap_weights``, or None where a replica loads updates in place (a stream into
+        vLLM's load): then the whole update waits for ``swap_weights``."""
+        if not all(self.call_all(lambda r: r.stages_updates.remote(), "weight update")):
+            return None
+        version = self.weights_version() + 1
+        self.push(version, staged=True)
+        return version
+
+    def swap_weights(self, staged: int | None) -> float:
+        """Serve the update ``stage_weights`` staged (or, None, push one now, loaded in place); between two
+        generation rounds. Returns the longest replica's swap in seconds (None: the whole update's)."""
+        if staged is None:
+            t = time.monotonic()
+            self.push(self.weights_version() + 1)
+            return time.monotonic() - t
+        return max(self.call_all(lambda r: r.commit_update.remote(staged), "weight update"))
 
     # --- a replica that failed ------------------------------------------------------------------------
 

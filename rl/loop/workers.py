@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import ray
 import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_map_only
@@ -20,6 +22,7 @@ from torch.utils._pytree import tree_map_only
 from checkpoint_engine.adapter_sender import update_sender
 from checkpoint_engine.engine import CheckpointEngine
 from checkpoint_engine.model_sender import ModelSender
+from checkpoint_engine.p2p import Endpoint, P2PReceiver, P2PSender, node_name
 from checkpoint_engine.sinks import AdapterUpdates, fill_sink, make_sink
 from checkpoint_engine.topology import free_port
 from checkpoint_engine.transfer import WeightReceiver
@@ -81,6 +84,7 @@ class TrainerWorker:
             os.environ["CUDA_VISIBLE_DEVICES"] = devices
         self.settings, self.update = trainer, update
         self.reloader: RayReloader | None = None
+        self.p2p: P2PSender | None = None  # disaggregated: the point-to-point updates' sending end
 
     def rendezvous(self, local: bool) -> str:
         """The torch.distributed address of this worker (asked of rank 0 only); ``local``: a cluster on one host."""
@@ -140,6 +144,18 @@ class TrainerWorker:
         # update's weights are; start-up fills the base through the model's plan in either case
         self.updates = update_sender(self.sender, t.bucket_bytes, getattr(torch, t.replica_dtype))
         self.ckpt = CheckpointEngine(rank, world, init_method, t.bucket_bytes, shm_prefix, device=device)
+        self._shm_prefix = shm_prefix
+
+    def p2p_endpoint(self, local: bool) -> Endpoint:
+        """Open this rank's end of the point-to-point updates (disaggregated); returns where replicas reach it."""
+        self.p2p = P2PSender(self.rank, self.settings.bucket_bytes, self._shm_prefix,
+                             host="127.0.0.1" if local else _host_ip())
+        return self.p2p.endpoint
+
+    def p2p_connect(self, replica: int, node: str) -> None:
+        """Link this rank to replica ``replica`` (running on ``node``), which links to it at the same time."""
+        assert self.p2p is not None, "p2p_endpoint() first"
+        self.p2p.connect(replica, shared=node == self.p2p.endpoint.node)
 
     def weight_plan(self):
         """The bucket plan of the updates and the IPC buffer handles the inference engines map."""
@@ -188,8 +204,12 @@ class TrainerWorker:
 
     def update_weights(self, version: int) -> None:
         """Push this rank's part of an update to every inference engine (checkpoint engine): its shard of the
-        weights (read from host memory while offloaded: stage 1 is then the H2D copy), or a LoRA run's adapters."""
-        self.updates.send(self.ckpt, self.engine, version, self.reloader)
+        weights (read from host memory while offloaded: stage 1 is then the H2D copy), or a LoRA run's adapters;
+        disaggregated, straight to each replica (``checkpoint_engine.p2p``), which receives it meanwhile."""
+        if self.p2p is not None:
+            self.updates.send(self.p2p, self.engine, version, None)
+        else:
+            self.updates.send(self.ckpt, self.engine, version, self.reloader)
 
     def train(self, batch: RankBatch) -> Iterator[dict[str, float]]:
         """Run this rank's share of the policy update (K1.5, GRPO or DAPO; + PTX); yields each step's metrics,
@@ -256,6 +276,8 @@ class TrainerWorker:
             return {k: v.clone() for k, v in hub_state(self.engine.model, full).items()}
 
     def close(self) -> None:
+        if self.p2p is not None:
+            self.p2p.close()
         self.ckpt.close()
 
 
@@ -272,6 +294,7 @@ class RolloutWorker:
         self.receiver: WeightReceiver | None = None
         self._ipc: tuple | None = None
         self._mapped = False  # the engine mapped the IPC buffers itself (ipc_views)
+        self.p2p: P2PReceiver | None = None  # disaggregated: the point-to-point updates' receiving end
 
     def prepare_refill(self) -> None:
         """A replacement replica that the trainers fill next: where their updates carry no base (LoRA: a peer's
@@ -292,6 +315,44 @@ class RolloutWorker:
         self.sink = make_sink(self.engine, plan, adapters)
         self.receiver = WeightReceiver(plan, handles, self.sink)
 
+    def p2p_attach(self, plan, adapters: AdapterUpdates | None = None) -> str:
+        """Take updates of ``plan`` point to point (disaggregated) into this engine's sink; where its sink loads into a
+        spare copy, a complete update waits there for ``commit_update``. Returns this replica's node."""
+        self._ipc = (plan, [], None, adapters)
+        self.sink = make_sink(self.engine, plan, adapters)
+        self.receiver = WeightReceiver(plan, [], self.sink)
+        self.receiver.defer_commit = True
+        self.p2p = P2PReceiver(plan)
+        return node_name()
+
+    def p2p_connect(self, rank: int, endpoint: Endpoint, replica: int) -> None:
+        """Link this replica (``replica``) to trainer rank ``rank``, which links to it at the same time."""
+        assert self.p2p is not None, "p2p_attach() first"
+        self.p2p.connect(rank, endpoint, replica)
+
+    @ray.method(concurrency_group="update")
+    def receive_update(self, version: int) -> bool:
+        """Take update ``version`` from the trainer ranks while generation goes on (a thread of its own); returns
+        whether it waits in the spare copy for ``commit_update`` (else it is served already)."""
+        assert self.p2p is not None and self.receiver is not None, "p2p_attach() first"
+        self.p2p.receive(self.receiver.plan, version, self.receiver)
+        return self.receiver.staged == version
+
+    def commit_update(self, version: int) -> float:
+        """Serve the staged update ``version`` from now on (between two generation rounds); returns the seconds the
+        swap took, the replica's only pause for the update."""
+        assert self.receiver is not None
+        t = time.perf_counter()
+        if self.receiver.staged == version:
+            self.receiver.commit_staged(version)
+        return time.perf_counter() - t
+
+    @ray.method(concurrency_group="update")
+    def stages_updates(self) -> bool:
+        """Whether this replica keeps serving while an update arrives (its sink loads into a spare copy)."""
+        return self.receiver is not None and self.receiver.sink.stages
+
+    @ray.method(concurrency_group="update")
     def weights_version(self) -> int:
         """The version of the weights this replica holds (its receiver's: updates since the run began)."""
         return 0 if self.receiver is None or self.receiver.version is None else self.receiver.version

@@ -12,6 +12,7 @@ from dataclasses import asdict, replace
 from functools import cache
 
 from checkpoint_engine.cost_model import GPUS, Footprint, GiB, Layout, k2_arch, k2_calibration, plan, table, validation
+from checkpoint_engine.cost_p2p import k2_p2p
 from rl.config import Config, parse_config
 from rl.settings import sleep_level
 
@@ -57,6 +58,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--target-s", type=float, default=30.0)
     ap.add_argument("--table", action="store_true", help="print the table of FP8/bf16 replica layouts")
     ap.add_argument("--validate", action="store_true", help="published runs: measured against predicted")
+    ap.add_argument("--p2p-tp", type=int, default=32,
+                    help="point to point (disaggregated): GPUs per replica of the half of the GPUs that serve (default "
+                         "32: a double-buffered K2 FP8 replica shard fits an H800 from TP32)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     if a.tp < 1 or a.nodes < 1 or (a.bucket_gib is not None and a.bucket_gib <= 0) or a.target_s <= 0:
@@ -73,9 +77,14 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"error: Kimi K2 ({a.dtype}, TP{a.tp}, {a.nodes * 8} {a.gpu}) does not fit: {mem.why()}")
     holds = bool(p.total_s <= a.target_s)
     cal = k2_calibration()
+    try:
+        p2p, assumed = k2_p2p(a.nodes * 8, tp=a.p2p_tp, gpu=a.gpu, dtype=a.dtype)
+    except ValueError as e:
+        ap.error(f"--p2p-tp: {e}")
     if a.json:
         print(json.dumps({**asdict(p), "target_s": a.target_s, "holds": holds, "layout": asdict(replace(
-            layout, bucket_gib=bucket / GiB)), "memory_gib": mem.parts, "calibration": asdict(cal)}))
+            layout, bucket_gib=bucket / GiB)), "memory_gib": mem.parts, "calibration": asdict(cal),
+            "p2p": {**asdict(p2p), "assumptions": assumed}}))
         return
     print(f"Kimi K2, {a.dtype}: {p.bytes / 1e12:.3f} TB on {p.gpus} {a.gpu} ({a.nodes} nodes x 8), TP{a.tp}; "
           f"bucket {bucket / GiB:g} GiB, {p.buckets} broadcasts")
@@ -90,6 +99,13 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{a.target_s:g} s target {'holds' if holds else 'does NOT hold'} "
           f"({'margin' if holds else 'over by'} {abs(a.target_s - p.total_s):.1f} s)")
 
+    fits = assumed["rollout_gpu_weights_gib"] <= assumed["rollout_gpu_memory_gib"]
+    print(f"point to point (disaggregated: {p2p.senders} trainer GPUs -> {p2p.replicas} replicas x TP{p2p.tp}): "
+          f"predicted {p2p.total_s:.2f} s, bound by {p2p.bound}; links {assumed['link_gbps']:g} GB/s per GPU, copies "
+          f"{assumed['copy_gbps']:g} GB/s, {assumed['message_us']:g} us per message, {assumed['bucket_gib']:g} GiB "
+          f"buckets (assumed); a rollout GPU holds its shard twice (swapped in at once): "
+          f"{assumed['rollout_gpu_weights_gib']:.1f} of {assumed['rollout_gpu_memory_gib']:.1f} GiB"
+          + ("" if fits else " - does NOT fit: raise --p2p-tp"))
 
 if __name__ == "__main__":
     main()
