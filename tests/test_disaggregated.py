@@ -121,7 +121,7 @@ def test_an_aborted_sample_starts_again_from_its_prompt():
      r"cluster\.rollout_workers: Input should be greater than or equal to 1"),
     ({"cluster": {"placement": "disaggregated", "workers": 0}}, r"cluster\.workers: Input should be greater"),
     ({"cluster": {"placement": "disaggregated", "gpus_per_worker": 1}},
-     r"disaggregated runs on CPU workers for now: .* point-to-point transport"),
+     r"disaggregated runs on CPU workers for now: its point-to-point transport .* NCCL links"),
 ])
 def test_bad_disaggregated_settings_are_one_line(raw, message):
     with pytest.raises(UserError, match=message):

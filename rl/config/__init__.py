@@ -466,9 +466,10 @@ class Config(Strict):
             raise ValueError("cluster.rollout_workers: colocated workers hold one replica each (cluster.workers); "
                              "set cluster.placement: disaggregated for rollout workers of their own")
         if c.placement == "disaggregated" and gpus > 0:
-            raise ValueError("cluster.placement: disaggregated runs on CPU workers for now: its weight update maps "
-                             "the trainer's host buffers, and the point-to-point transport GPUs on separate "
-                             "workers need is not built yet; set cluster.gpus_per_worker: 0 or placement colocated")
+            raise ValueError("cluster.placement: disaggregated runs on CPU workers for now: its point-to-point "
+                             "transport stages buckets in host memory and sends them over gloo, and NCCL links "
+                             "between GPU workers are not built yet; set cluster.gpus_per_worker: 0 or placement "
+                             "colocated")
         if tp > 1 and gpus > 0 and gpus != tp:
             raise ValueError(f"rollout.tensor_parallel_size={tp} spans the worker's GPUs: set "
                              f"cluster.gpus_per_worker={tp} (it is {gpus:g})")
