@@ -58,8 +58,9 @@ class Link:
     """A two-rank gloo group: the trainer rank is 0, the replica 1. ``shared``: the replica maps the sender's slots
     (same node), so the link carries signals and acknowledgements only."""
 
-    def __init__(self, store: dist.Store, replica: int, rank: int, shared: bool, timeout_s: float) -> None:
-        prefixed = dist.PrefixStore(f"replica{replica}", store)
+    def __init__(self, store: dist.Store, key: str, rank: int, shared: bool, timeout_s: float) -> None:
+        """``key`` names this link in the sender's store, different for a replica that replaces another."""
+        prefixed = dist.PrefixStore(f"link-{key}", store)
         self.group = dist.ProcessGroupGloo(prefixed, rank, 2, timedelta(seconds=timeout_s))
         self.peer, self.shared = 1 - rank, shared
 
@@ -88,10 +89,12 @@ class P2PSender:
         self.endpoint = Endpoint(host, self.store.port, node_name() if shm else f"{node_name()}-wire",
                                  tuple(("shm", b.name, b.nbytes) for b in self.slots))
         self.links: dict[int, Link] = {}
+        self.targets: list[int] | None = None  # the replicas the next update goes to (None: every linked one)
 
-    def connect(self, replica: int, shared: bool) -> None:
-        """Open the link to replica ``replica`` (which calls ``P2PReceiver.connect`` at the same time)."""
-        self.links[replica] = Link(self.store, replica, 0, shared, self.timeout_s)
+    def connect(self, replica: int, shared: bool, key: str | None = None) -> None:
+        """Open the link to replica ``replica`` (which calls ``P2PReceiver.connect`` with the same ``key`` at the same
+        time; default: the replica's index)."""
+        self.links[replica] = Link(self.store, key or str(replica), 0, shared, self.timeout_s)
 
     def disconnect(self, replica: int) -> None:
         """Forget a replica's link (a replica that died; its replacement connects anew)."""
@@ -118,7 +121,8 @@ class P2PSender:
                 except Exception as e:  # sent all the same, marked: its replicas roll back instead of waiting
                     failure = failure or e
                     write_trailer(dst, used, version, ABORT)
-                busy[slot] = [self._hand(link, dst, version, k, slot) for link in self.links.values()]
+                busy[slot] = [self._hand(link, dst, version, k, slot) for i, link in self.links.items()
+                              if self.targets is None or i in self.targets]
             for waits in busy:
                 for wait in waits:
                     wait()
@@ -160,11 +164,12 @@ class P2PReceiver:
         size = plan.bucket_bytes + TRAILER
         self.buffers = [torch.empty(size, dtype=torch.uint8) for _ in range(2)]
 
-    def connect(self, rank: int, endpoint: Endpoint, replica: int) -> None:
-        """Open the link to trainer rank ``rank`` (which calls ``P2PSender.connect`` at the same time)."""
+    def connect(self, rank: int, endpoint: Endpoint, replica: int, key: str | None = None) -> None:
+        """Open the link to trainer rank ``rank`` (which calls ``P2PSender.connect`` with the same ``key`` at the same
+        time)."""
         shared = endpoint.node == node_name()
         store = dist.TCPStore(endpoint.host, endpoint.port, is_master=False, timeout=timedelta(seconds=self.timeout_s))
-        self.links[rank] = Link(store, replica, 1, shared, self.timeout_s)
+        self.links[rank] = Link(store, key or str(replica), 1, shared, self.timeout_s)
         if shared:
             self.slots[rank] = [map_ipc(h) for h in endpoint.slots]
 

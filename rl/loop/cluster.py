@@ -112,6 +112,7 @@ class Cluster:
         self.num_buckets = len(plans[0][0].buckets)
         if c.disaggregated:
             self._endpoints = ray.get([t.p2p_endpoint.remote(c.ray_address is None) for t in self.trainers])
+            self._links: dict[int, int] = {}  # replica -> its links' incarnation
             ray.get([call for i in range(replicas_n) for call in self._link(i)])
             self._startup_p2p([dirs[at(r)] for r in range(dims.world)])
         else:
@@ -133,8 +134,11 @@ class Cluster:
         """Replica ``i`` takes point-to-point updates: every trainer rank links to it (in rank order, as each rank
         links to the replicas in replica order, so no two wait on each other). Returns the calls to wait for."""
         node = ray.get(self.rollouts[i].p2p_attach.remote(self._plans[0][0], self.settings.adapters))
+        self._links[i] = self._links.get(i, -1) + 1  # a replacement's links rendezvous under keys of their own
+        key = f"{i}.{self._links[i]}"
+        replica = self.rollouts[i]
         return [call for r, t in enumerate(self.trainers) for call in
-                (t.p2p_connect.remote(i, node), self.rollouts[i].p2p_connect.remote(r, self._endpoints[r], i))]
+                (t.p2p_connect.remote(i, node, key), replica.p2p_connect.remote(r, self._endpoints[r], i, key))]
 
     def _startup_p2p(self, dirs: list[str]) -> None:
         """Disaggregated start-up: the trainers read the checkpoint collectively into their shards, then send it to

@@ -8,6 +8,7 @@ between its onload and offload; the checkpoint engine then moves the new weights
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from dataclasses import dataclass
@@ -271,34 +272,38 @@ def iteration(run: Run, it: int) -> dict:
         extra.update(staleness, trained_samples=len(made.samples))
     samples, times = made.samples, made.times
 
-    with timed(times, "train"):
-        if stream is None:
-            times["time_onload"] = cluster.trainers.onload().get("seconds", 0.0)
-        a = cfg.algorithm
-        ptx = ptx_batches(run.ptx, run.tok, a.ptx.batch_size, a.minibatches, cfg.run.seed, it) if run.ptx else []
-        batches = plan_update(samples, s.update, len(cluster.trainers), train_seed(cfg.run.seed, it), ptx) \
-            if samples else []
-        bar = run.progress.add_task(f"iter {it} train", total=len(batches[0].steps) if batches else 0)
-        steps = cluster.trainers.train(batches, on_step=lambda _: run.progress.advance(bar)) if batches else []
-        run.progress.remove_task(bar)
-        train_peak = cluster.trainers.peak_gib() if steps else None
-        if stream is None:
-            times["time_offload"] = cluster.trainers.offload().get("seconds", 0.0)
+    with contextlib.ExitStack() as fill_guard:
+        if stream is not None:  # a replica replaced meanwhile is filled after the update goes out, at its version
+            fill_guard.enter_context(cluster.rollouts.weights_lock)
+        with timed(times, "train"):
+            if stream is None:
+                times["time_onload"] = cluster.trainers.onload().get("seconds", 0.0)
+            a = cfg.algorithm
+            ptx = ptx_batches(run.ptx, run.tok, a.ptx.batch_size, a.minibatches, cfg.run.seed, it) if run.ptx else []
+            batches = plan_update(samples, s.update, len(cluster.trainers), train_seed(cfg.run.seed, it), ptx) \
+                if samples else []
+            bar = run.progress.add_task(f"iter {it} train", total=len(batches[0].steps) if batches else 0)
+            steps = cluster.trainers.train(batches, on_step=lambda _: run.progress.advance(bar)) if batches else []
+            run.progress.remove_task(bar)
+            train_peak = cluster.trainers.peak_gib() if steps else None
+            if stream is None:
+                times["time_offload"] = cluster.trainers.offload().get("seconds", 0.0)
 
-    with timed(times, "weight_update"):
-        bar = run.progress.add_task(f"iter {it} weight update ({cluster.num_buckets} buckets)", total=1)
-        if stream is None:
-            cluster.rollouts.wake()
-            cluster.rollouts.update_weights(changed=bool(steps))
-        else:  # into the replicas' spare copies while they generate, swapped in between two generation rounds
-            staged = cluster.rollouts.stage_weights() if steps else None
-            with stream.lock:
-                t = time.monotonic()
-                if steps:
-                    cluster.rollouts.swap_weights(staged)
-                stream.trained(it, cluster.rollouts.weights_version())
-                extra["time_update_pause"] = round(time.monotonic() - t, 4)
-        run.progress.remove_task(bar)
+        with timed(times, "weight_update"):
+            bar = run.progress.add_task(f"iter {it} weight update ({cluster.num_buckets} buckets)", total=1)
+            if stream is None:
+                cluster.rollouts.wake()
+                cluster.rollouts.update_weights(changed=bool(steps))
+            else:  # into the replicas' spare copies while they generate, swapped in between two generation rounds
+                staged = cluster.rollouts.stage_weights() if steps else None
+                fill_guard.close()  # before the rounds' lock, which a fill inside a round holds
+                with stream.lock:
+                    t = time.monotonic()
+                    if steps:
+                        cluster.rollouts.swap_weights(staged)
+                    stream.trained(it, cluster.rollouts.weights_version())
+                    extra["time_update_pause"] = round(time.monotonic() - t, 4)
+            run.progress.remove_task(bar)
 
     held_out = {"accuracy": None}
     if (it + 1) % cfg.run.eval_every == 0 or it + 1 == cfg.run.iterations:

@@ -10,6 +10,7 @@ placed and wired to its worker's trainer is the placement's (``respawn``: ``rl.l
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterator
 
@@ -37,6 +38,11 @@ class RolloutManager:
         self.timeout = settings.cluster.step_timeout_s
         self.lead = settings.cluster.parallel.lead  # worker -> the trainer rank that updates its replica
         self._stale: set[int] = set()  # replicas replaced while asleep: filled at wake-up
+        self._version: int | None = None  # the weights the replicas serve, as last seen or sent
+        self._staged: int | None = None   # disaggregated: an update waiting in the replicas' spare copies
+        #: disaggregated: held by the loop while the trainers train and send their update, and while a replaced replica
+        #: is filled, so that the fill knows which version the trainers' weights are
+        self.weights_lock = threading.RLock()
 
     def __len__(self) -> int:
         return len(self.actors)
@@ -170,11 +176,13 @@ class RolloutManager:
 
     def weights_version(self) -> int:
         """The version of the weights the replicas hold: their receivers' count of updates (the one owner)."""
-        return max(self.call_all(lambda r: r.weights_version.remote(), "weights version"))
+        self._version = max(self.call_all(lambda r: r.weights_version.remote(), "weights version"))
+        return self._version
 
     def adopt_version(self, version: int) -> None:
         """A resumed run: the replicas' start-up weights are the checkpoint's, of ``version``."""
         self.call_all(lambda r: r.adopt_version.remote(version), "weights version")
+        self._version = version
 
     def update_weights(self, changed: bool = True) -> None:
         """The trainers' update of every replica (checkpoint engine): new weights (``changed``), or, where the
@@ -196,18 +204,25 @@ class RolloutManager:
         checkpoint's adapters on it)."""
         self.push(self.weights_version())
 
-    def push(self, version: int, staged: bool = False) -> None:
-        """The trainers' update ``version`` into every replica (collective). Disaggregated it goes point to point, the
-        replicas receiving it on a thread of their own while they generate, and served at once unless ``staged``
-        (then ``swap_weights`` serves it)."""
+    def push(self, version: int, staged: bool = False, replicas: list[int] | None = None) -> None:
+        """The trainers' update ``version`` into every replica (collective). Disaggregated it goes point to point (to
+        ``replicas`` only, where given), the replicas receiving it on a thread of their own while they generate, and
+        served at once unless ``staged`` (then ``swap_weights`` serves it)."""
         if not self.settings.cluster.disaggregated:
             self.trainers.push_weights(version)
             return
-        refs = [r.receive_update.remote(version) for r in self.actors]
-        self.trainers.push_weights(version)
-        gather(refs, "inference engine", "weight update", self.timeout)
-        if not staged:
+        to = list(range(len(self.actors))) if replicas is None else replicas
+        refs = [self.actors[i].receive_update.remote(version) for i in to]
+        self.trainers.push_weights(version, replicas)
+        gather(refs, "inference engine", "weight update", self.timeout, to)
+        if replicas is not None:  # a replaced replica's fill: the others are left as they are
+            gather([self.actors[i].commit_update.remote(version) for i in to], "inference engine", "weight update",
+                   self.timeout, to)
+        elif staged:
+            self._staged = version
+        else:
             self.call_all(lambda r: r.commit_update.remote(version), "weight update")
+            self._version, self._staged = version, None
 
     def stage_weights(self) -> int | None:
         """Disaggregated: the trainers' next update into every replica's spare copy, while they keep generating;
@@ -226,7 +241,9 @@ class RolloutManager:
             t = time.monotonic()
             self.push(self.weights_version() + 1)
             return time.monotonic() - t
-        return max(self.call_all(lambda r: r.commit_update.remote(staged), "weight update"))
+        pause = max(self.call_all(lambda r: r.commit_update.remote(staged), "weight update"))
+        self._version, self._staged = staged, None
+        return pause
 
     # --- a replica that failed ------------------------------------------------------------------------
 
@@ -235,7 +252,9 @@ class RolloutManager:
         weights through the checkpoint engine, or the trainers' when no peer can serve them; ``stale``: the replicas
         sleep, it is filled when they wake."""
         i, n = failure.index, len(self.actors)
-        stale = stale and not self.settings.cluster.disaggregated  # disaggregated replicas never sleep: fill it now
+        if self.settings.cluster.disaggregated:  # they never sleep: fill it now
+            self._replace_apart(failure)
+            return
         # a peer serves it where it keeps the policy's whole weights; else the trainers refill it (where their
         # updates carry no base, it reads the base from the checkpoint the run started from first)
         peer = n > 1 and self.settings.peer_catch_up
@@ -251,6 +270,19 @@ class RolloutManager:
         else:
             ray.get(self.actors[i].prepare_refill.remote())
             self.refill()
+
+    def _replace_apart(self, failure: WorkerFailed) -> None:
+        """A disaggregated replica's replacement, filled point to point by the trainers with the weights they hold,
+        labelled with their version: the update waiting in the replicas' spare copies if one is, else the last one
+        served (one more if the trainers trained since; ``weights_lock`` keeps them from training meanwhile). The
+        other replicas keep generating and serving what they serve."""
+        i = failure.index
+        self.restarts.take(failure, f"inference engine {i} replaced in place ({self.settings.refill_source})")
+        with self.weights_lock:
+            version = self._staged if self._staged is not None else (self._version or 0) + int(self.trainers.ahead)
+            self.respawn(i)
+            ray.get(self.actors[i].prepare_refill.remote())
+            self.push(version, replicas=[i])
 
     def restart(self, i: int, source: int) -> float:
         """Replace replica ``i`` by a fresh one that copies replica ``source``'s weights point to point (the others

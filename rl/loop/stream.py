@@ -1,10 +1,12 @@
 """An iteration's batch: its rollout phase and rewards (``collect``), made in turn with training (colocated) or ahead
 of it on a thread of the driver (``RolloutStream``, the disaggregated placement).
 
-Disaggregated, the rollout replicas and the trainers are separate workers that run at once. The stream makes
-iteration ``j``'s batch — its new groups drawn, generated round by round, the finished groups rewarded — as soon as
-the trainer has trained iterations up to ``j − k − 1`` (``k``: ``algorithm.max_staleness``), so the replicas work at
-most ``k`` iterations ahead; the trainer takes batch ``j`` when it is ready. A weight update and a generation round
+Disaggregated, the rollout replicas and the trainers are separate workers that run at once. The stream generates
+iteration ``j``'s batch — its new groups drawn, generated round by round — as soon as the trainer has trained
+iterations up to ``j − k − 1`` (``k``: ``algorithm.max_staleness``), so the replicas work at most ``k`` iterations
+ahead; its finished groups are rewarded on a thread of their own while the replicas go on to batch ``j + 1`` (a
+verifier that waits, a sandbox, a judge, overlap generation; up to ``k`` batches are rewarded at once), and the
+trainer takes batch ``j`` when it is rewarded. A weight update and a generation round
 never overlap (``lock``): an update waits for the round in flight to end, and the responses still generating go on
 under the new weights, their tokens tagged with each version (or start again, ``rollout.on_update: abort``). With
 ``k = 0`` nothing overlaps and the batches are the colocated loop's.
@@ -18,6 +20,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -53,9 +56,24 @@ def timed(times: dict[str, float], phase: str):
     times[f"time_{phase}"] = time.time() - t
 
 
-def collect(run: Run, it: int, rollouts) -> Collected:
-    """Iteration ``it``'s rollout phase on ``rollouts`` (new groups drawn, every running sample generated under the
-    token budget) and the rewards of the groups that finished."""
+@dataclass(kw_only=True)
+class Generated:
+    """An iteration's rollout phase, before its rewards: the groups that finished and what ``Collected`` keeps."""
+
+    it: int
+    groups: list[list[Sample]]
+    runner: Any                      # the iteration's environment runner (rl.rollout.rewards.episode_runner)
+    template_errors: int
+    temps: dict[str, float]
+    generated: int
+    engine: dict[str, Any]
+    partial: dict[str, int]
+    times: dict[str, float]
+
+
+def generate(run: Run, it: int, rollouts) -> Generated:
+    """Iteration ``it``'s rollout phase on ``rollouts``: new groups drawn, every running sample generated under the
+    token budget; the groups that finished are taken out of the buffer."""
     cfg, s, times = run.cfg, run.settings, {}
     runner = episode_runner(rollouts, cfg, run.tasks, run.tok, s.rollout.task_types, it)
     run.episodes.runner = runner
@@ -64,19 +82,36 @@ def collect(run: Run, it: int, rollouts) -> Collected:
             temps = draw_groups(run.buffer, run.tasks, run.tok, s.rollout, it, cfg.run.seed)
             generated, engine = run_rollout(rollouts, run.buffer, run.episodes, run.tasks, it,
                                             s.rollout.token_budget, run.progress)
+    except BaseException:
+        runner.close()
+        raise
+    groups = run.buffer.pop_complete()
+    partial = run.buffer.stats()  # after pop_complete: waiting_groups are the groups carried over
+    return Generated(it=it, groups=groups, runner=runner, template_errors=run.episodes.take_template_errors(),
+                     temps=temps, generated=generated, engine=engine, partial=partial, times=times)
+
+
+def reward(run: Run, gen: Generated, rollouts) -> Collected:
+    """The rewards of ``gen``'s finished groups (and a critic's judged pairs, generated on ``rollouts``)."""
+    cfg, s, times = run.cfg, run.settings, dict(gen.times)
+    try:
         with timed(times, "reward"):  # the engines sleep only after rewards: a critic may run the policy on them
-            samples, stats = reward_phase(run.buffer.pop_complete(), run.tasks, run.tok, s.rollout.task_types, runner,
-                                          run.episodes.take_template_errors())
+            samples, stats = reward_phase(gen.groups, run.tasks, run.tok, s.rollout.task_types, gen.runner,
+                                          gen.template_errors)
             if cfg.algorithm.critic_training.enabled:  # the policy's own judgments of verifiable pairs
-                judged, critic_stats = critic_training_batch(rollouts, run.tok, cfg, samples, it)
+                judged, critic_stats = critic_training_batch(rollouts, run.tok, cfg, samples, gen.it)
                 samples += judged
                 stats.update(critic_stats, trained_samples=len(samples))
     finally:
-        runner.close()
+        gen.runner.close()
     check_error_rate(stats, cfg.run.max_env_error_rate)
-    partial = run.buffer.stats()  # after pop_complete: waiting_groups are the groups carried over
-    return Collected(samples=samples, stats=stats, temps=temps, generated=generated, engine=engine, partial=partial,
-                     times=times)
+    return Collected(samples=samples, stats=stats, temps=gen.temps, generated=gen.generated, engine=gen.engine,
+                     partial=gen.partial, times=times)
+
+
+def collect(run: Run, it: int, rollouts) -> Collected:
+    """Iteration ``it``'s rollout phase on ``rollouts`` and the rewards of the groups that finished."""
+    return reward(run, generate(run, it, rollouts), rollouts)
 
 
 def eligible(samples: list[Sample], version: int, k: int) -> tuple[list[Sample], dict[str, Any]]:
@@ -144,23 +179,40 @@ class RolloutStream:
         self._thread.start()
 
     def _run(self, j: int) -> None:
+        # the rewards of up to k batches at once (each with its own env_workers): a slow verifier's batch overlaps the
+        # next ones' generation and rewards instead of holding the replicas k batches ahead of nothing
+        rewarding = ThreadPoolExecutor(max(1, self.k), thread_name_prefix="rollout-rewards")
         try:
             while j < self.run.cfg.run.iterations:
                 t = time.monotonic()
                 with self._cond:
-                    self._cond.wait_for(lambda j=j: self._stopping or self._trained >= j - self.k)
-                    if self._stopping:
+                    self._cond.wait_for(lambda j=j: self._stopping or self._error is not None
+                                        or self._trained >= j - self.k)
+                    if self._stopping or self._error is not None:
                         return
                     self._idle += time.monotonic() - t
-                made = collect(self.run, j, self._rollouts)
-                with self._cond:
-                    self._ready[j] = made
-                    self._cond.notify_all()
+                rewarding.submit(self._reward, generate(self.run, j, self._rollouts))  # the next batch generates
                 j += 1
         except BaseException as e:  # the trainer thread raises it at its next take
-            with self._cond:
-                self._error = e
-                self._cond.notify_all()
+            self._fail(e)
+        finally:
+            rewarding.shutdown(wait=True)
+
+    def _reward(self, gen: Generated) -> None:
+        """Batch ``gen.it``'s rewards, on the rewards' thread while the replicas generate the next batch."""
+        try:
+            made = reward(self.run, gen, self._rollouts)
+        except BaseException as e:
+            self._fail(e)
+            return
+        with self._cond:
+            self._ready[gen.it] = made
+            self._cond.notify_all()
+
+    def _fail(self, e: BaseException) -> None:
+        with self._cond:
+            self._error = self._error or e
+            self._cond.notify_all()
 
     def take(self, it: int) -> tuple[Collected, dict[str, float]]:
         """Batch ``it`` once it is made (an error of the stream is raised here), and how the two sides waited:

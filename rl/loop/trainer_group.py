@@ -22,6 +22,7 @@ class TrainerGroup:
     def __init__(self, actors: list, timeout_s: float) -> None:
         self.actors, self.timeout = actors, timeout_s
         self.broken = False  # a rank failed: closing does not wait on the ranks
+        self.ahead = False   # trained since the last update went out to every replica
 
     def __len__(self) -> int:
         return len(self.actors)
@@ -40,6 +41,7 @@ class TrainerGroup:
         from engines.training.engine import NonFiniteError
         from rl.errors import TrainingStopped
 
+        self.ahead = True
         gens = [t.train.remote(ray.put(b)) for t, b in zip(self.actors, batches, strict=True)]
         steps = []
         try:
@@ -107,9 +109,12 @@ class TrainerGroup:
 
     # --- weights out ----------------------------------------------------------------------------------
 
-    def push_weights(self, version: int) -> None:
-        """Every rank sends its part of update ``version`` to the replicas (collective: the checkpoint engine)."""
-        self.call([t.update_weights.remote(version) for t in self.actors], "weight update")
+    def push_weights(self, version: int, replicas: list[int] | None = None) -> None:
+        """Every rank sends its part of update ``version`` to the replicas (collective: the checkpoint engine);
+        disaggregated, to ``replicas`` only where given (a replaced one's fill)."""
+        self.call([t.update_weights.remote(version, replicas) for t in self.actors], "weight update")
+        if replicas is None:
+            self.ahead = False
 
     def catch_up(self, source: int, target: int) -> float:
         """Rank ``target``'s replica copies rank ``source``'s, point to point (the two leads alone); returns the

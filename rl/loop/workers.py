@@ -152,10 +152,11 @@ class TrainerWorker:
                              host="127.0.0.1" if local else _host_ip())
         return self.p2p.endpoint
 
-    def p2p_connect(self, replica: int, node: str) -> None:
-        """Link this rank to replica ``replica`` (running on ``node``), which links to it at the same time."""
+    def p2p_connect(self, replica: int, node: str, key: str) -> None:
+        """Link this rank to replica ``replica`` (running on ``node``), which links to it with ``key`` at the same
+        time."""
         assert self.p2p is not None, "p2p_endpoint() first"
-        self.p2p.connect(replica, shared=node == self.p2p.endpoint.node)
+        self.p2p.connect(replica, node == self.p2p.endpoint.node, key)
 
     def weight_plan(self):
         """The bucket plan of the updates and the IPC buffer handles the inference engines map."""
@@ -202,12 +203,17 @@ class TrainerWorker:
         assert self.reloader is not None
         return self.ckpt.catch_up(self.sender.plan, peer, self.reloader)
 
-    def update_weights(self, version: int) -> None:
+    def update_weights(self, version: int, replicas: list[int] | None = None) -> None:
         """Push this rank's part of an update to every inference engine (checkpoint engine): its shard of the
         weights (read from host memory while offloaded: stage 1 is then the H2D copy), or a LoRA run's adapters;
-        disaggregated, straight to each replica (``checkpoint_engine.p2p``), which receives it meanwhile."""
+        disaggregated, straight to each replica (``checkpoint_engine.p2p``; to ``replicas`` only where given), which
+        receives it meanwhile."""
         if self.p2p is not None:
-            self.updates.send(self.p2p, self.engine, version, None)
+            self.p2p.targets = replicas
+            try:
+                self.updates.send(self.p2p, self.engine, version, None)
+            finally:
+                self.p2p.targets = None
         else:
             self.updates.send(self.ckpt, self.engine, version, self.reloader)
 
@@ -325,10 +331,10 @@ class RolloutWorker:
         self.p2p = P2PReceiver(plan)
         return node_name()
 
-    def p2p_connect(self, rank: int, endpoint: Endpoint, replica: int) -> None:
-        """Link this replica (``replica``) to trainer rank ``rank``, which links to it at the same time."""
+    def p2p_connect(self, rank: int, endpoint: Endpoint, replica: int, key: str) -> None:
+        """Link this replica (``replica``) to trainer rank ``rank``, which links to it with ``key`` at the same time."""
         assert self.p2p is not None, "p2p_attach() first"
-        self.p2p.connect(rank, endpoint, replica)
+        self.p2p.connect(rank, endpoint, replica, key)
 
     @ray.method(concurrency_group="update")
     def receive_update(self, version: int) -> bool:
