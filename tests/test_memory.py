@@ -345,3 +345,26 @@ def test_a_vllm_replica_counts_its_graph_pool_forward_update_staging_and_host_co
     assert cpu.vllm.host_copies == 2 * cpu.params * 2 and cpu.vllm.graphs == cpu.vllm.staging == 0
     assert cpu.host_total == (cpu.trainer_weights + cpu.trainer_grads + cpu.optimizer + cpu.activations + cpu.replica
                               + cpu.kv_cache + cpu.vllm.host_copies + cpu.vllm.forward)
+
+
+def test_disaggregated_runs_count_each_role_and_refuse_more_than_the_ram():
+    """Disaggregated, the trainer and the replica are processes of their own: the trainer worker holds its shard,
+    activations and two point-to-point slots; the rollout worker its replica twice (the spare copy an update loads
+    into while it serves), its KV cache and two receive buffers. A Llama-8B run with four replicas beside the
+    trainer needs more than this machine's RAM, and is refused in one line naming both roles."""
+    arch = make_config("llama", **LLAMA8B)
+    raw = {"model": {"dtype": "bfloat16"}, "rollout": {"max_seq_len": 4096, "kv_cache_mb": 3000},
+           "cluster": {"placement": "disaggregated", "rollout_workers": 4}}
+    est = estimate(parse_config(raw), arch, 4096)
+    slots = 2 * parse_config(raw).checkpoint_engine.bucket_bytes
+    assert est.roles == {"trainer worker": est.trainer_weights + est.trainer_grads + est.optimizer +
+                         est.activations + slots,
+                         "rollout worker": 2 * est.replica + est.kv_cache + est.decode_work + slots}
+    assert "disaggregated: per rollout worker" in est.table()
+    assert estimate(parse_config({k: v for k, v in raw.items() if k != "cluster"}), arch, 4096).roles is None
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert est.roles["trainer worker"] + 4 * est.roles["rollout worker"] > ram
+    with pytest.raises(UserError, match=r"cluster.placement: disaggregated needs about .* \(1 trainer workers x "
+                                        r".* \+ 4 rollout workers x .*\) but this machine has") as err:
+        check_fits(parse_config(raw), est)
+    assert "\n" not in str(err.value)

@@ -201,6 +201,9 @@ class MemoryEstimate:
     engine: str = "native"  # the rollout engine counted ("auto": not resolved, counted as native)
     vllm: VllmRows | None = None  # a vLLM replica's own rows (None: the native engine)
     adapters: int = 0      # LoRA adapters' parameters (gradients and optimizer state are theirs alone)
+    #: disaggregated placement: bytes of one worker of each role ("trainer worker", "rollout worker"), each a
+    #: process of its own (None: colocated, both roles in one worker)
+    roles: dict[str, int] | None = None
 
     def table(self) -> str:
         rows = [("parameters", f"{self.params / 1e6:,.1f} M")]
@@ -220,6 +223,8 @@ class MemoryEstimate:
                      ("vLLM largest forward (est.)", _gib(v.forward)),
                      ("vLLM update staging on the device (split tensors)", _gib(v.staging)),
                      ("vLLM host copies of the weights (no IPC views)", _gib(v.host_copies))]
+        if self.roles:
+            rows += [(f"disaggregated: per {role}, CPU", _gib(n)) for role, n in self.roles.items()]
         rows += [("peak per worker, GPU phases", _gib(self.device_peak)),
                 ("pinned host memory per worker, GPU", _gib(self.host_pinned)),
                 ("total per worker, CPU", _gib(self.host_total))]
@@ -346,6 +351,13 @@ def estimate(cfg: Config, arch: ModelConfig | ModelDescription, max_seq_len: int
     copies = vllm.host_copies if vllm is not None else 0
     checkpoint, run_dir = run_dir_bytes(shape, cfg.model.dtype, cfg.trainer.master_dtype, opt_kind,
                                         cfg.run.keep_checkpoints)
+    roles = None
+    if cfg.cluster.placement == "disaggregated":
+        # each role a process of its own: the trainer with its two point-to-point slots; the replica with the spare
+        # copy an update loads into while it serves (vLLM: its host copies), its KV cache and two receive buffers
+        slots = 2 * cfg.checkpoint_engine.bucket_bytes
+        roles = {"trainer worker": trainer + work + slots,
+                 "rollout worker": replica + (copies if vllm is not None else replica) + kv + decode + slots}
     return MemoryEstimate(params=shape.params, trainer_weights=weights, trainer_grads=grads, optimizer=opt,
                           replica=replica, kv_cache=kv, kv_sequences=seqs, kv_per_sequence=per_seq,
                           max_seq_len=max_seq_len, device_peak=max(rollout_phase, train_phase, update_phase),
@@ -353,7 +365,7 @@ def estimate(cfg: Config, arch: ModelConfig | ModelDescription, max_seq_len: int
                           (vllm.forward if vllm is not None else 0),
                           activations=work, host_pinned=pinned if cfg.cluster.gpus_per_worker > 0 else 0,
                           decode_work=decode, checkpoint=checkpoint, run_dir=run_dir, engine=kind, vllm=vllm,
-                          adapters=shape.adapter_params)
+                          adapters=shape.adapter_params, roles=roles)
 
 
 def _vllm_settings(cfg: Config, max_seq_len: int) -> EngineSettings:
@@ -435,6 +447,9 @@ def check_fits(cfg: Config, est: MemoryEstimate) -> None:
             raise UserError(f"a worker pins about {_gib(est.host_pinned)} of host memory (offloaded trainer, "
                             f"sleeping replica, rollback journal) but has {_gib(ram)} of RAM; set "
                             "trainer.offload: false or rollout.sleep_level: 2, or use fewer workers per machine")
+    if est.roles and cfg.cluster.ray_address is None and cfg.cluster.gpus_per_worker == 0:
+        _check_roles_fit(cfg, est.roles)
+        return
     have = available_per_worker(cfg)
     if have is None:
         return
@@ -452,6 +467,18 @@ def check_fits(cfg: Config, est: MemoryEstimate) -> None:
     knob = max(parts, key=parts.get)
     raise UserError(f"a worker needs about {_gib(need)} but has {_gib(limit)} of {what}; the largest part is "
                     f"{_gib(parts[knob])} set by {knob} (activations come on top)")
+
+
+def _check_roles_fit(cfg: Config, roles: dict[str, int]) -> None:
+    """A disaggregated run on this machine: its trainer and rollout workers together within its RAM."""
+    c = cfg.cluster
+    count = {"trainer worker": c.workers, "rollout worker": c.rollout_workers or c.workers}
+    need, ram = sum(count[r] * n for r, n in roles.items()), _ram()
+    if need > ram:
+        parts = " + ".join(f"{count[r]} {r}s x {_gib(n)}" for r, n in roles.items())
+        raise UserError(f"cluster.placement: disaggregated needs about {_gib(need)} of RAM ({parts}) but this "
+                        f"machine has {_gib(ram)}; lower cluster.rollout_workers or cluster.workers, or "
+                        "rollout.kv_cache_mb")
 
 
 def kv_shortfall(cfg: Config, est: MemoryEstimate) -> str | None:
