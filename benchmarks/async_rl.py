@@ -39,7 +39,9 @@ def slow_verifier(response: str, answer: str, task_id: str) -> float:
     return float(got is not None and int(got) == int(answer))
 
 
-def config(variant: dict, iterations: int) -> dict:
+def config(variant: dict, iterations: int, pair: str | None = None) -> dict:
+    """The run of ``variant``: the quick start's warm start, or ``pair``'s of the transfer suite (its model family,
+    tokenizer and arithmetic task; 300 held-out prompts), graded by ``slow_verifier``."""
     raw = {"run": {"name": "async-rl", "iterations": iterations, "eval_every": iterations, "save_every": iterations,
                    "eval_samples": 0, "collapse_guard": False},
            "warmstart": {"steps": 260, "batch_size": 64, "lr": 3.0e-3},
@@ -49,24 +51,35 @@ def config(variant: dict, iterations: int) -> dict:
            "algorithm": {"tau": 0.2, "minibatches": 2},
            "optimizer": {"lr": 4.0e-4},
            "checkpoint_engine": {"bucket_mb": 1}}
+    if pair is not None:
+        from benchmarks.transfer import PAIRS, pair_config
+
+        if PAIRS[pair]["env"]["name"] != "arithmetic" or PAIRS[pair].get("backend"):
+            raise SystemExit(f"--pair {pair}: the slow verifier grades the arithmetic task on the native engines")
+        theirs = pair_config(pair, iterations, [])
+        raw["warmstart"] = theirs["warmstart"]
+        raw["model"] = theirs["model"]
+        raw["env"] = {**theirs["env"], "num_eval": 300, "reward": raw["env"]["reward"]}
     if "k" in variant:
         raw["cluster"] = {"placement": "disaggregated"}
         raw["algorithm"]["max_staleness"] = variant["k"]
     return raw
 
 
-def run_variant(name: str, iterations: int, out: Path) -> dict:
+def run_variant(name: str, iterations: int, out: Path, pair: str | None = None) -> dict:
     import rl
 
-    run_dir = out / name.replace(" ", "-").replace("=", "")
-    summary = rl.train(config(VARIANTS[name], iterations), run_dir)
+    run_dir = out / (pair or "quickstart") / name.replace(" ", "-").replace("=", "")
+    raw = config(VARIANTS[name], iterations, pair)
+    summary = rl.train(raw, run_dir)
     records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
     trained = sum(r.get("trained_samples", 0) for r in records)
     wall = summary["wall_s"]
     row = {"variant": name, "iterations": len(records), "trained_samples": trained, "loop_s": wall,
            "samples_per_s": round(trained / wall, 3),
            "reward_s_per_iter": round(sum(r["time_reward"] for r in records) / len(records), 3),
-           "initial_accuracy": summary["initial_accuracy"], "final_accuracy": summary["final_accuracy"]}
+           "initial_accuracy": summary["initial_accuracy"], "final_accuracy": summary["final_accuracy"],
+           "pair": pair or "quickstart", "held_out_prompts": raw["env"]["num_eval"]}
     if "k" in VARIANTS[name]:
         row.update(trainer_idle_share=round(sum(r["time_trainer_idle"] for r in records) / wall, 3),
                    rollout_idle_share=round(sum(r["time_rollout_idle"] for r in records) / wall, 3),
@@ -83,10 +96,12 @@ def main() -> None:
     p.add_argument("--delay-s", type=float, default=0.08, help="the verifier's median seconds per response")
     p.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
     p.add_argument("--out", type=Path, default=ROOT / "runs" / "async-rl")
+    p.add_argument("--pair", default=None, help="a transfer-suite pair of the arithmetic task (benchmarks.transfer) "
+                                                "instead of the quick start's warm start, e.g. qwen2-arith")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
     os.environ[DELAY_ENV] = str(args.delay_s)
-    rows = [run_variant(v, args.iterations, args.out) for v in args.variants]
+    rows = [run_variant(v, args.iterations, args.out, args.pair) for v in args.variants]
     base = next((r["samples_per_s"] for r in rows if r["variant"] == "colocated"), None)
     print("| variant | samples/s | × colocated | reward s/iter | trainer idle | rollout idle | staleness max | "
           "dropped | accuracy |")
