@@ -341,3 +341,55 @@ def test_a_sample_grows_in_place_and_what_was_read_stays_as_it_was():
     assert back == s and back is not s and len(pickle.dumps(s)) < arrays + 2000
     with pytest.raises(ValueError, match="one sequence of token ids"):
         s.prompt_ids = [[1, 2]]
+
+
+def test_an_update_staged_while_serving_changes_nothing_until_swapped(tiny_model, tokenizer):
+    """Disaggregated (``checkpoint_engine.p2p``): an update arrives in the engine's spare copy while generation goes
+    on; a round generated meanwhile is the old weights' (version 0), and after the swap the same responses go on under
+    the new ones (version 1): segments and log-probs against a full recompute under each."""
+    from checkpoint_engine.buckets import plan_buckets, spec_of
+    from checkpoint_engine.engine import stage_bucket
+    from checkpoint_engine.sinks import whole_sink
+    from checkpoint_engine.trailer import TRAILER
+    from checkpoint_engine.transfer import WeightReceiver
+
+    prompts = [tokenizer.encode(t) for t in TEXTS[:2]]
+    params = [SamplingParams(1.0, 12, ignore_eos=True, seed=3 + i) for i in range(2)]
+    buf = PartialRolloutBuffer(max_age=2)
+    trajs = trajectories(prompts, params, group_size=2)
+    buf.add_group(trajs)
+    old_model, new_model = copy.deepcopy(tiny_model), copy.deepcopy(tiny_model)
+    eng = engine(tiny_model, tokenizer, max_num_seqs=2)
+    buf.record(advance(eng, buf.pending(0)[0], 4, version=0))
+    new = {n: t.clone() for n, t in eng.named_tensors().items()}
+    with torch.no_grad():
+        new["model.layers.0.mlp.down_proj.weight"].add_(0.3)
+        new["lm_head.weight"].mul_(1.2)
+        for n, t in new_model.state_dict().items():
+            t.copy_(new[n])
+    plan = plan_buckets([spec_of(n, t) for n, t in new.items()], 4096)
+    receiver = WeightReceiver(plan, [], whole_sink(eng))
+    receiver.defer_commit = True
+    bucket = torch.empty(plan.bucket_bytes + TRAILER, dtype=torch.uint8)
+    for k, pieces in enumerate(plan.buckets):
+        stage_bucket(plan, pieces, new, {}, None, bucket, plan.used_bytes(k), 1, k, 0)
+        receiver.load_from(k, 0, bucket, 1)
+        if k == len(plan.buckets) // 2:  # a round in the middle of the update: the old weights still serve
+            assert receiver.consistent
+            buf.record(advance(eng, buf.pending(0)[0], 4, version=0))
+    assert receiver.staged == 1 and receiver.version is None
+    buf.record(advance(eng, buf.pending(0)[0], 2, version=0))  # and after it is complete, until the swap
+    prior = {t.key: len(t.response_ids) for t in trajs}
+    assert sorted(prior.values()) == [5, 5]
+    receiver.commit_staged(1)
+    buf.record(advance(eng, buf.pending(1)[0], None, version=1))
+    (group,) = buf.pop_complete()
+    for t in group:
+        n = prior[t.key]
+        segments = t.segments.tolist()  # one per round: three before the swap, all of version 0
+        assert len(t.response_ids) == 12 and segments[-1] == [n, 1] and {v for _, v in segments[:-1]} == {0}
+        old = recompute(old_model, t.prompt_ids.tolist(), t.response_ids.tolist())
+        upd = recompute(new_model, t.prompt_ids.tolist(), t.response_ids.tolist())
+        torch.testing.assert_close(torch.tensor(t.logprobs[:n].tolist()), old[:n], atol=1e-5, rtol=0)
+        torch.testing.assert_close(torch.tensor(t.logprobs[n:].tolist()), upd[n:], atol=1e-5, rtol=0)
+        assert (upd[n:] - old[n:]).abs().max() > 1e-3
