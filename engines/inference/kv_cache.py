@@ -9,17 +9,22 @@ through its block table, up to its own position (and within a sliding window whe
 Multi-head latent attention (DeepSeek-V3, Kimi K2) caches only its compressed latent and rotary key per
 token, one "head" whose first ``kv_lora_rank`` dimensions double as the values.
 
-Three ways to attend, same results up to rounding: ``torch`` gathers each sequence's rows and runs two matmuls
+Four ways to attend, same results up to rounding: ``torch`` gathers each sequence's rows and runs two matmuls
 (every device; the reference), ``flex`` runs PyTorch's flex_attention over the whole pool with a block mask
 built from the block tables, so a query reads only its own blocks and nothing is gathered (the GPU
-path, compiled there; eager elsewhere, which the tests use to check it against ``torch``), and ``paged`` (CPU)
+path, compiled there; eager elsewhere, which the tests use to check it against ``torch``), ``paged`` (CPU)
 runs decode queries through a C++ kernel that reads each sequence's blocks in place
-(``engines.inference.cpu_kernel``), prompt chunks as ``torch`` does.
+(``engines.inference.cpu_kernel``), prompt chunks as ``torch`` does, and ``triton`` (CUDA, opt-in only) does the
+same with a Triton kernel (``engines.inference.triton_decode``, imported only when chosen); a decode step that
+kernel cannot compute (e.g. MLA's 576-wide latent) goes the torch way after one warning.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import logging
 import math
+import os
 import warnings
 from dataclasses import dataclass
 
@@ -29,10 +34,12 @@ from engines.inference import cpu_kernel
 from engines.inference.uploads import upload_rows
 from engines.model.native.arch import ModelConfig
 
+log = logging.getLogger(__name__)
+
 #: Tokens per block.
 BLOCK_SIZE = 16
 #: The ways to attend over the pool (see the module's docstring).
-BACKENDS = ("torch", "flex", "paged")
+BACKENDS = ("torch", "flex", "paged", "triton")
 
 
 def decode_attention(attention: str | None, device: torch.device | str) -> str:
@@ -44,6 +51,12 @@ def decode_attention(attention: str | None, device: torch.device | str) -> str:
         raise ValueError(f"attention must be auto, {', '.join(BACKENDS)}; got {attention!r}")
     if attention == "paged" and device.type != "cpu":
         raise ValueError(f"attention 'paged' is the CPU decode kernel; on {device} use torch or flex")
+    if attention == "triton":
+        # never picked by auto; on a CPU only under Triton's interpreter (the tests')
+        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1":
+            raise ValueError(f"attention 'triton' is the CUDA decode kernel; on {device} use torch, flex or paged")
+        if importlib.util.find_spec("triton") is None:
+            raise ValueError("attention 'triton' needs the triton package, which is not installed")
     if attention in (None, "auto", "paged"):
         return "paged" if device.type == "cpu" and cpu_kernel.available() else "torch"
     return attention
@@ -166,7 +179,7 @@ class Ragged:
 class PagedPass:
     """``AttentionCache`` of one engine step: ``write_rows`` [N] are the pool rows of the step's N new
     tokens; ``groups`` are the queries (decode rows, prefill chunks) and the keys each may see;
-    ``backend`` is "torch", "flex" or "paged" (see the module's docstring)."""
+    ``backend`` is "torch", "flex", "paged" or "triton" (see the module's docstring)."""
 
     def __init__(self, cache: PagedKVCache, write_rows: torch.Tensor, groups: list[Ragged],
                  backend: str = "torch") -> None:
@@ -199,6 +212,9 @@ class PagedPass:
                     out[:s] = cpu_kernel.paged_decode(
                         qf[:s], kc, self._values(layer), g.table, g.q_pos[:, 0], c.block_size, scale, window,
                         k[:, :s].transpose(0, 1), None if v is None else v[:, :s].transpose(0, 1))
+                elif self.backend == "triton" and (kernel := _triton_decode(qf, kc, self._values(layer))):
+                    out[:s] = kernel.paged_decode(qf[:s], kc, self._values(layer), g.table, g.q_pos[:, 0],
+                                                  c.block_size, scale, window)
                 else:
                     out[:s] = attend(i, g, layer, qf[:s, None], scale, window)[:, 0]
                 continue
@@ -262,6 +278,23 @@ class PagedPass:
         out = _flex_attention(q.transpose(1, 2), keys, values, block_mask=self._memo[key], scale=scale,
                               enable_gqa=True)
         return out.transpose(1, 2)  # [S, Q, H, Dv]
+
+
+_TRITON_REFUSED: set[str] = set()
+
+
+def _triton_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor):
+    """The Triton decode module when its kernel can attend over this layer, else None (the torch path then
+    computes the same attention), saying why once per reason."""
+    from engines.inference import triton_decode  # imports triton: only where the "triton" attention was chosen
+
+    reason = triton_decode.unsupported(q, keys, values)
+    if reason is None:
+        return triton_decode
+    if reason not in _TRITON_REFUSED:
+        _TRITON_REFUSED.add(reason)
+        log.warning("%s; those decode steps gather each sequence's blocks instead", reason)
+    return None
 
 
 def _gather_blocks(pool: torch.Tensor, blocks: torch.Tensor, block_size: int,
