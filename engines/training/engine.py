@@ -18,7 +18,7 @@ import math
 import numbers
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch.distributed.fsdp import FSDPModule
@@ -30,10 +30,11 @@ from engines.model.native.attention import FLEX_COMPILED_DEVICES, FLEX_FALLBACK,
 from engines.model.native.causal_lm import CausalLM
 from engines.model.native.document_mask import DocumentMask
 from engines.model.sharded import local_shards, local_tensor
-from engines.training.distributed import all_reduce_sum, is_sharded, world_size
+from engines.training.distributed import all_reduce_tensor, is_sharded, world_size
 from engines.training.offload import HostOffloader
 from engines.training.packing import PackedBatch, flex_row_width, pack
-from engines.training.qk_clip import qk_clip
+from engines.training.qk_clip import check_tau, clip_from_maxima, max_logit_table
+from engines.training.readback import Deferred, HostReads
 
 ATTENTION_BACKENDS = ("auto", "sdpa", "flex")
 
@@ -85,6 +86,25 @@ def inverse_temperatures(temperature: float | Sequence[float] | torch.Tensor, n:
     return [1.0 / t if t > 0 else 1.0 for t in temps]
 
 
+@dataclass
+class StepMetrics:
+    """One optimizer step's metrics: per optimizer the update RMS, whose sums stay on the device until the next host
+    read (or until asked for), and QK-Clip's, on the host already."""
+
+    kinds: list[str] = field(default_factory=list)  # ``_kind`` of each optimizer
+    totals: Deferred | None = None                  # [Σ (Δw)², elements] per optimizer, summed over ranks
+    qk_clip: dict[str, float] = field(default_factory=dict)
+
+    def update_rms(self) -> dict[str, float]:
+        """Root mean square of the weight change per optimizer kind that moved any weight."""
+        v = self.totals.values if self.totals is not None else []
+        return {kind: (v[2 * i] / v[2 * i + 1]) ** 0.5 for i, kind in enumerate(self.kinds) if v[2 * i + 1]}
+
+    def as_dict(self) -> dict[str, float]:
+        """``update_rms/<kind>`` and the QK-Clip metrics."""
+        return {**{f"update_rms/{k}": v for k, v in self.update_rms().items()}, **self.qk_clip}
+
+
 class NonFiniteError(RuntimeError):
     """A non-finite loss or gradient: the optimizer step was not taken (the weights are as before it)."""
 
@@ -106,6 +126,10 @@ class TrainingEngine:
     optimizer ("muon", "adamw"), over all ranks. With ``qk_clip`` the step ends with QK-Clip
     (``engines.training.qk_clip``: heads whose max logit exceeded ``qk_clip_tau`` rescaled; None only reports the
     maxima); ``last_step`` holds the step's update RMS and QK-Clip metrics.
+
+    A step waits for the device once, to read the gradient norm; ``reads`` queues other device values to read in
+    that same copy (a caller's losses), and the step's update RMS waits on the device for the next such read
+    (``step_metrics``), or is read on its own when ``update_rms``/``last_step`` ask first.
     """
 
     def __init__(self, model: CausalLM, optimizers: list[torch.optim.Optimizer], pad_id: int,
@@ -117,15 +141,25 @@ class TrainingEngine:
         self.max_grad_norm = max_grad_norm
         self.device = local_tensor(next(model.parameters())).device
         self.attention = resolve_attention(attention, self.device.type, model.config)
-        self.update_rms: dict[str, float] = {}
         self.qk_clip, self.qk_clip_tau = qk_clip, qk_clip_tau
-        self.last_step: dict[str, float] = {}
+        self.reads = HostReads()
+        self.step_metrics = StepMetrics()
         self._offloader = HostOffloader()
         self._host_shards: dict[str, tuple[torch.Tensor, int]] = {}
 
     @property
     def sharded(self) -> bool:
         return is_sharded(self.model)
+
+    @property
+    def update_rms(self) -> dict[str, float]:
+        """The last step's root mean square weight change per optimizer kind (reads the device if not yet read)."""
+        return self.step_metrics.update_rms()
+
+    @property
+    def last_step(self) -> dict[str, float]:
+        """The last step's update RMS and QK-Clip metrics (reads the device if not yet read)."""
+        return self.step_metrics.as_dict()
 
     @property
     def offloaded(self) -> bool:
@@ -208,28 +242,38 @@ class TrainingEngine:
 
     def step(self) -> float:
         """Clip gradients, step every optimizer, zero gradients (and QK-Clip, with ``qk_clip``); returns the global
-        pre-clip grad norm. With a sharded model the norm is over all ranks' shards (a collective)."""
+        pre-clip grad norm. With a sharded model the norm is over all ranks' shards (a collective).
+
+        The host waits for the device once: the norm (a non-finite one refuses the step before any weight moves),
+        QK-Clip's maxima and everything queued on ``reads`` come back in one copy.
+        """
         self._check_onloaded()
+        if self.qk_clip:
+            check_tau(self.qk_clip_tau)
         params = [p for p in self.model.parameters() if p.grad is not None]
+        # the clip factor is applied as a device tensor: clipping itself needs no host read
         norm = torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
-        grad_norm = float(norm)  # the step's one read of the gradient norm
+        read = self.reads.defer(norm)
+        # the maxima were tracked by the forwards, so they ride along the norm's read rather than a read of their own
+        table = max_logit_table(self.model) if self.qk_clip else None
+        maxima = self.reads.defer(table) if table is not None else None
+        grad_norm = read.values[0]  # the step's one wait for the device
         check_finite_grad_norm(grad_norm, self)
-        sums: list[torch.Tensor | float] = []
+        sums: list[torch.Tensor] = []
         for opt in self.optimizers:
-            sums += _step_measured(opt)
+            sums += _step_measured(opt, self.device)
             opt.zero_grad(set_to_none=True)
         self.model.zero_grad(set_to_none=True)
-        totals = all_reduce_sum(_read_back(sums))
-        self.update_rms = {}
-        for i, opt in enumerate(self.optimizers):
-            sq, n = totals[2 * i], totals[2 * i + 1]
-            if n:
-                self.update_rms[_kind(opt)] = (sq / n) ** 0.5
-        self.last_step = {f"update_rms/{k}": v for k, v in self.update_rms.items()}
+        qk: dict[str, float] = {}
         if self.qk_clip:
-            self.last_step.update(qk_clip(self.model, self.qk_clip_tau))
+            heads = table.size(1) if table is not None else 0
+            rows = maxima.values if maxima is not None else []
+            qk = clip_from_maxima(self.model, [rows[i:i + heads] for i in range(0, len(rows), heads)],
+                                  self.qk_clip_tau)
+        totals = self.reads.defer(all_reduce_tensor(torch.stack(sums), "sum")) if sums else None
+        self.step_metrics = StepMetrics([_kind(opt) for opt in self.optimizers], totals, qk)
         return grad_norm
 
     # ---- offload / onload -------------------------------------------------------------------
@@ -335,29 +379,24 @@ def _kind(opt: torch.optim.Optimizer) -> str:
     return "muon" if isinstance(opt, torch.optim.Muon) else type(opt).__name__.lower()
 
 
-def _step_measured(opt: torch.optim.Optimizer) -> list[torch.Tensor | float]:
-    """Step ``opt``; returns [Σ (Δw)², elements] over this rank's shards of the parameters it moved (the sum
-    may stay on the device: ``_read_back`` reads all of a step's sums at once).
+def _step_measured(opt: torch.optim.Optimizer, device: torch.device) -> list[torch.Tensor]:
+    """Step ``opt``; returns [Σ (Δw)², elements] over this rank's shards of the parameters it moved, as float64
+    tensors on ``device`` (not read: the caller reads them with other values).
 
     An optimizer that measures its own step (``last_update_sq``, ``last_update_numel``: ShardedMuon) is
     trusted; for others the stepped parameters' local shards are copied first.
     """
     if hasattr(opt, "last_update_sq"):
         opt.step()
-        return [opt.last_update_sq, float(opt.last_update_numel)]
-    params = [local_tensor(p) for g in opt.param_groups for p in g["params"] if p.grad is not None]
-    before = [p.detach().clone() for p in params]
-    opt.step()
-    if not params:
-        return [0.0, 0.0]
-    sq = torch.stack([(p.detach().float() - b.float()).square().sum() for p, b in zip(params, before, strict=True)])
-    return [sq.sum(), float(sum(p.numel() for p in params))]
-
-
-def _read_back(values: list[torch.Tensor | float]) -> list[float]:
-    """``values`` as floats, the device ones read in one copy (one wait for the device, not one per value)."""
-    tensors = [v.detach().reshape(()).double() for v in values if isinstance(v, torch.Tensor)]
-    if not tensors:
-        return [float(v) for v in values]
-    read = iter(torch.stack([t.to(tensors[0].device) for t in tensors]).tolist())
-    return [next(read) if isinstance(v, torch.Tensor) else float(v) for v in values]
+        sq, numel = opt.last_update_sq, opt.last_update_numel
+    else:
+        params = [local_tensor(p) for g in opt.param_groups for p in g["params"] if p.grad is not None]
+        before = [p.detach().clone() for p in params]
+        opt.step()
+        sq = torch.stack([(p.detach().float() - b.float()).square().sum()
+                          for p, b in zip(params, before, strict=True)]).sum() if params else 0.0
+        numel = sum(p.numel() for p in params)
+    # a fill, not an upload of host data: no wait on the host
+    return [sq.to(device, torch.float64) if isinstance(sq, torch.Tensor)
+            else torch.full((), float(sq), dtype=torch.float64, device=device),
+            torch.full((), float(numel), dtype=torch.float64, device=device)]

@@ -105,13 +105,14 @@ def newton_schulz_(x: Tensor, ns_coefficients: Sequence[float], ns_steps: int, e
 
 
 def orthogonalize(shapes: Sequence[tuple[int, int]], fill: Callable[[int, Tensor], None],
-                  consume: Callable[[int, Tensor], None], ns_coefficients: Sequence[float], ns_steps: int,
+                  consume: Callable[[list[int], Tensor], None], ns_coefficients: Sequence[float], ns_steps: int,
                   eps: float, device: torch.device | str = "cpu", max_batch_bytes: int | None = None,
                   emulate: bool | None = None) -> None:
     """Newton–Schulz of matrices ``i < len(shapes)``, batching those of equal shape.
 
     ``fill(i, slot)`` writes matrix i into a bfloat16 slot of ``shapes[i]`` (the cast is Muon's own);
-    ``consume(i, result)`` receives its bfloat16 result, valid until the next batch starts.
+    ``consume(idx, results)`` receives a batch's bfloat16 results [len(idx), *shape], ``results[k]`` matrix
+    ``idx[k]``'s, valid until the next batch starts (one call per batch lets the caller batch its work too).
     """
     if max_batch_bytes is None:
         max_batch_bytes = MAX_BATCH_BYTES.get(torch.device(device).type, DEFAULT_MAX_BATCH_BYTES)
@@ -125,9 +126,7 @@ def orthogonalize(shapes: Sequence[tuple[int, int]], fill: Callable[[int, Tensor
             batch = torch.empty((len(chunk), *shape), dtype=torch.bfloat16, device=device)
             for j, i in enumerate(chunk):
                 fill(i, batch[j])
-            res = newton_schulz_(batch, ns_coefficients, ns_steps, eps, emulate)
-            for j, i in enumerate(chunk):
-                consume(i, res[j])
+            consume(chunk, newton_schulz_(batch, ns_coefficients, ns_steps, eps, emulate))
 
 
 def _nesterov_into(out: Tensor, grad: Tensor, buf: Tensor, momentum: float, nesterov: bool) -> None:
@@ -183,8 +182,10 @@ class ShardedMuon(torch.optim.Muon):
         # Newton–Schulz's matmuls: None emulates bfloat16 in float32 where the device has no bfloat16 GEMM
         # (newton_schulz_); False keeps torch.optim.Muon's bfloat16 kernels, and so its exact results
         self.ns_emulate = ns_emulate
-        # Σ (Δw)² and the element count over this rank's shards of the last step (update RMS, a health metric)
-        self.last_update_sq, self.last_update_numel = 0.0, 0
+        # Σ (Δw)² and the element count over this rank's shards of the last step (update RMS, a health metric);
+        # the sum stays a device tensor: the caller reads it with the step's other values, in one wait
+        self.last_update_sq: Tensor | float = 0.0
+        self.last_update_numel = 0
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -202,7 +203,7 @@ class ShardedMuon(torch.optim.Muon):
             self._init_group(group, params, grads, bufs)
             if params:
                 self._step_group(group, params, grads, bufs)
-        self.last_update_sq = float(torch.stack(self._update_sq).sum()) if self._update_sq else 0.0
+        self.last_update_sq = torch.cat(self._update_sq).sum() if self._update_sq else 0.0
         return loss
 
     def _step_group(self, group: dict, params: list[Tensor], grads: list[Tensor], bufs: list[Tensor]) -> None:
@@ -243,30 +244,38 @@ class ShardedMuon(torch.optim.Muon):
             i = job[0]
             _nesterov_into(out, pick(g_loc[i], job), pick(b_loc[i], job), momentum, nesterov)
 
-        def apply(job: tuple[int, int | None], ortho: Tensor) -> None:
-            target = pick(p_loc[job[0]], job)
-            step = _adjust_lr(lr, group["adjust_lr_fn"], params[job[0]].shape[-2:])
-            # the change this applies, Δ = (decay − 1)·w − step·O, measured before applying it
-            self._update_sq.append((target.float() * (decay - 1) - step * ortho.float()).square().sum())
-            self.last_update_numel += target.numel()
-            target.mul_(decay)
-            target.add_(ortho, alpha=-step)
+        def apply(jobs: list[tuple[int, int | None]], orthos: Tensor | Sequence[Tensor]) -> None:
+            """Decay matrices ``jobs`` (of one shape, so one step size) and subtract their updates, a few launches
+            for the whole batch rather than a few per matrix."""
+            targets = [pick(p_loc[i], (i, j)) for i, j in jobs]
+            step = _adjust_lr(lr, group["adjust_lr_fn"], params[jobs[0][0]].shape[-2:])
+            ortho = (orthos if isinstance(orthos, Tensor) else torch.stack(list(orthos))).float()
+            # the change this applies, Δ = (decay − 1)·w − step·O, measured before applying it (one sum per matrix)
+            delta = torch.stack(targets).float().mul_(decay - 1).sub_(ortho, alpha=step)
+            self._update_sq.append(delta.square_().sum(dim=(1, 2)))
+            self.last_update_numel += sum(t.numel() for t in targets)
+            torch._foreach_mul_(targets, decay)
+            # a float32 target takes the float32 copy (the same values as bfloat16 O), one dtype for the fused path
+            others = ortho.unbind(0) if targets[0].dtype == ortho.dtype else list(orthos)
+            torch._foreach_add_(targets, others, alpha=-step)
 
         if whole:
             orthogonalize([tuple(pick(p_loc[i], (i, j)).shape) for i, j in whole],
-                          lambda k, out: fill_local(whole[k], out), lambda k, o: apply(whole[k], o), *ns,
+                          lambda k, out: fill_local(whole[k], out), lambda ks, o: apply([whole[k] for k in ks], o), *ns,
                           device=p_loc[whole[0][0]].device, max_batch_bytes=self.max_batch_bytes,
                           emulate=self.ns_emulate)
         for key, jobs in by_mesh.items():
             self._sharded_step(meshes[key], [tuple(params[i].shape) for i, _ in jobs],
                                lambda k, out, jobs=jobs: fill_local(jobs[k], out),
-                               lambda k, o, jobs=jobs: apply(jobs[k], o), ns, p_loc[jobs[0][0]].device)
+                               lambda ks, o, jobs=jobs: apply([jobs[k] for k in ks], o), ns,
+                               p_loc[jobs[0][0]].device)
 
     def _sharded_step(self, mesh, shapes: list[tuple[int, int]], fill: Callable[[int, Tensor], None],
-                      apply: Callable[[int, Tensor], None], ns: tuple, device: torch.device) -> None:
+                      apply: Callable[[list[int], list[Tensor]], None], ns: tuple, device: torch.device) -> None:
         """Gather each full update to its owner, orthogonalise there, scatter the rows back and ``apply`` them.
 
-        ``fill(j, out)`` writes this rank's rows of matrix j's update; collective over ``mesh``.
+        ``fill(j, out)`` writes this rank's rows of matrix j's update; ``apply(js, rows)`` takes this rank's rows
+        of matrices ``js``, all of one shape; collective over ``mesh``.
         """
         pg, world, rank = mesh.get_group(), mesh.size(), mesh.get_local_rank()
         owners = assign_owners([r * c * min(r, c) for r, c in shapes], world)
@@ -309,11 +318,12 @@ class ShardedMuon(torch.optim.Muon):
                 out[start:start + rows[j][r]].copy_(rows_of(inbox[r], j, r))
                 start += rows[j][r]
 
-        def split_full(k: int, ortho: Tensor) -> None:
-            j, start = mine[k], 0
-            for r in range(world):
-                rows_of(outbox[r], j, r).copy_(ortho[start:start + rows[j][r]])
-                start += rows[j][r]
+        def split_full(ks: list[int], orthos: Tensor) -> None:
+            for k, ortho in zip(ks, orthos, strict=True):
+                j, start = mine[k], 0
+                for r in range(world):
+                    rows_of(outbox[r], j, r).copy_(ortho[start:start + rows[j][r]])
+                    start += rows[j][r]
 
         orthogonalize([shapes[j] for j in mine], fill_full, split_full, *ns, device=device,
                       max_batch_bytes=self.max_batch_bytes, emulate=self.ns_emulate)
@@ -329,5 +339,8 @@ class ShardedMuon(torch.optim.Muon):
                                       if r == rank else None, group=pg, group_src=r, async_op=True))
         for w in works:
             w.wait()
-        for j in range(len(shapes)):
-            apply(j, rows_of(received[owners[j]], j, rank))
+        same_shape: dict[tuple[int, int], list[int]] = defaultdict(list)
+        for j, shape in enumerate(shapes):
+            same_shape[tuple(shape)].append(j)
+        for js in same_shape.values():
+            apply(js, [rows_of(received[owners[j]], j, rank) for j in js])

@@ -10,7 +10,9 @@ S_max > τ, asks its attention module to scale that head by γ = τ / S_max (``c
   shared by every head and never scaled;
 - q/k RMSNorm (Qwen3): the norm undoes any weight scaling, so nothing is clipped (the norm already
   bounds the logits); the maxima are still reported.
-Works on plain tensors and on FSDP2 ``Shard(0)`` DTensors, whose local rows are scaled in place.
+Works on plain tensors and on FSDP2 ``Shard(0)`` DTensors, whose local rows are scaled in place. The training engine
+splits it: ``max_logit_table`` stays on the device until the step's one host read (with the gradient norm), then
+``clip_from_maxima`` clips from the values on the host.
 """
 
 from __future__ import annotations
@@ -26,11 +28,12 @@ from engines.model.native.causal_lm import attention_layers
 log = logging.getLogger(__name__)
 
 
-def gathered_max_logits(model: nn.Module, group: dist.ProcessGroup | None = None) -> list[Tensor]:
-    """Per-layer tracked max logit per head [H] (-inf where nothing was tracked), MAX-reduced across ranks."""
+def max_logit_table(model: nn.Module, group: dist.ProcessGroup | None = None) -> Tensor | None:
+    """Tracked max logit per layer and head [layers, H] (-inf where nothing was tracked), MAX-reduced across ranks,
+    on the device (no host read); None for a model without attention layers."""
     layers = attention_layers(model)
     if not layers:
-        return []
+        return None
     # where the forward ran (the activations' device), so that e.g. NCCL reduces a CUDA tensor
     device = next((m.max_logits.device for m in layers if m.max_logits is not None),
                   next(layers[0].parameters()).device)
@@ -43,7 +46,7 @@ def gathered_max_logits(model: nn.Module, group: dist.ProcessGroup | None = None
     if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
         # every rank saw different data: the step's S_max is the max over all of them
         dist.all_reduce(table, op=dist.ReduceOp.MAX, group=group)
-    return list(table.cpu().unbind(0))
+    return table
 
 
 @torch.no_grad()
@@ -53,23 +56,36 @@ def qk_clip(model: nn.Module, tau: float | None, group: dist.ProcessGroup | None
     Returns ``max_logit_layer{i}`` and ``max_logit`` (before clipping) and ``qk_clipped_heads``. Collective
     when torch.distributed is initialised: every rank of ``group`` must call it.
     """
+    check_tau(tau)
+    table = max_logit_table(model, group)
+    return clip_from_maxima(model, [] if table is None else table.tolist(), tau)
+
+
+def check_tau(tau: float | None) -> None:
+    """Refuse a threshold that is neither None nor positive."""
     if tau is not None and not tau > 0:
         raise ValueError(f"qk_clip tau must be a positive number or None, got {tau!r}")
+
+
+@torch.no_grad()
+def clip_from_maxima(model: nn.Module, maxima: list[list[float]], tau: float | None) -> dict[str, float]:
+    """``qk_clip`` given the maxima already read to the host (``max_logit_table``'s rows): no host read and no
+    collective; resets the tracked maxima."""
+    check_tau(tau)
     layers = attention_layers(model)
-    maxima = gathered_max_logits(model, group)
     metrics: dict[str, float] = {}
     clipped = 0
     overall = float("-inf")
     for i, (attn, s_max) in enumerate(zip(layers, maxima, strict=True)):
         attn.max_logits = None
-        top = float(s_max.max())
+        top = max(s_max)
         if top == float("-inf"):
             continue  # no training forward reached this layer since the last reset
         metrics[f"max_logit_layer{i}"] = top
         overall = max(overall, top)
         if tau is None:
             continue
-        gammas = {h: tau / float(v) for h, v in enumerate(s_max.tolist()) if v > tau}
+        gammas = {h: tau / v for h, v in enumerate(s_max) if v > tau}
         if gammas and attn.clip_heads(gammas):
             clipped += len(gammas)
         elif gammas and not getattr(attn, "_warned_unclippable", False):

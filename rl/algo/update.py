@@ -5,10 +5,11 @@ The objective (K1.5 by default, or GRPO/DAPO) is in ``rl.algo.objectives``; the 
 (``to_device``: each micro-batch packed and uploaded, with its own-token mask, the sampler's log-probs, π_old,
 advantages and weights), optionally recomputes π_old with the trainer's weights and corrects the train–inference
 mismatch (``rl.algo.mismatch``), scores the reference policy once (a KL penalty), then runs one optimizer step per
-minibatch. Losses and diagnostics accumulate on the device and are read once per optimizer step, after their
-reduction over ranks. With FSDP every forward/backward is collective: each rank runs as many passes as the busiest
-rank (``RankBatch.passes``), padding with dummy passes. Total loss of a step: L_RL + λ_ptx·L_PTX, the PTX part the
-token-mean NLL of curated responses.
+minibatch. Losses and diagnostics accumulate on the device and, reduced over ranks, are read with the optimizer step's
+one host read (``TrainingEngine.reads``); a step's update RMS comes back with the next step's read, so each step's
+metrics are yielded once the next step has run (the last step's after one final read). With FSDP every
+forward/backward is collective: each rank runs as many passes as the busiest rank (``RankBatch.passes``), padding with
+dummy passes. Total loss of a step: L_RL + λ_ptx·L_PTX, the PTX part the token-mean NLL of curated responses.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 
 from engines.device import to_device as upload
 from engines.training.distributed import all_reduce_tensor
-from engines.training.engine import TokenScores, TrainingEngine, inverse_temperatures
+from engines.training.engine import NonFiniteError, StepMetrics, TokenScores, TrainingEngine, inverse_temperatures
 from engines.training.packing import PackedBatch, pack
 from rl.algo.batches import PtxShare, RankBatch
 from rl.algo.mismatch import correct
@@ -127,10 +128,18 @@ class Measures:
         self.add(rho_sum=stats[0], rho_n=stats[1], is_hit=stats[2], is_units=stats[3])
         self.top(neg_rho_min=-stats[4], rho_max=stats[5])
 
+    def reduced(self) -> torch.Tensor:
+        """Every value, reduced over ranks (sums summed, maxima maximised), in one device tensor (no host read)."""
+        return torch.cat([all_reduce_tensor(self.sums, "sum"), all_reduce_tensor(self.maxima, "max")])
+
+    @classmethod
+    def named(cls, values: Sequence[float]) -> dict[str, float]:
+        """``reduced``'s values, read to the host, by name."""
+        return dict(zip(cls.SUMS + cls.MAXIMA, values, strict=True))
+
     def read(self) -> dict[str, float]:
-        """Every value, reduced over ranks (sums summed, maxima maximised): one read of the device."""
-        both = torch.cat([all_reduce_tensor(self.sums, "sum"), all_reduce_tensor(self.maxima, "max")])
-        return dict(zip(self.SUMS + self.MAXIMA, both.tolist(), strict=True))
+        """Every value, reduced over ranks: one read of the device."""
+        return self.named(self.reduced().tolist())
 
 
 def _metrics(v: dict[str, float], tokens: bool, residuals: bool, correction) -> dict[str, float]:
@@ -256,22 +265,38 @@ def rl_update(engine: TrainingEngine, batch: RankBatch, settings: UpdateSettings
         if reference is None:
             raise ValueError("a KL penalty (kl_coef) needs the reference policy's engine")
         score_all(reference, steps, batch.scoring_passes, into="ref")
+    held: tuple[dict[str, float], StepMetrics] | None = None  # the last step's metrics, short of its update RMS
     for j, micros in enumerate(steps):
         measures = pre if j == 0 else Measures(engine.device)
         accumulate(engine, micros, batch.passes[j], objective, tokens[j], measures,
                    measure_tokens=j == 0 and not settings.recompute_old)
         if batch.ptx and batch.ptx[j] is not None:
             ptx_accumulate(engine, batch.ptx[j], settings.ptx_coef, measures)
-        values = measures.read()
+        read = engine.reads.defer(measures.reduced())
+        try:
+            grad_norm = engine.step()  # the one read: this step's losses, the last step's update RMS
+        except NonFiniteError:
+            if held is not None:  # its values were read before the refusal: the completed steps are reported
+                yield _completed(*held)
+            raise
+        if held is not None:
+            yield _completed(*held)
+        values = Measures.named(read.values)
         metrics = _metrics(values, tokens=j == 0, residuals=batch.passes[j] > 0,
                            correction=settings.correction if j == 0 else None)
         if batch.ptx and batch.ptx[j] is not None:
             metrics["ptx_loss"] = values["ptx_loss"]
         if j == 0:
             metrics.update(batch.counts)
-        metrics["grad_norm"] = engine.step()
-        metrics.update(engine.last_step)
-        yield metrics
+        metrics["grad_norm"] = grad_norm
+        held = metrics, engine.step_metrics
+    if held is not None:
+        yield _completed(*held)  # the iteration's last read: the last step's update RMS
+
+
+def _completed(metrics: dict[str, float], step: StepMetrics) -> dict[str, float]:
+    metrics.update(step.as_dict())
+    return metrics
 
 
 def sft_update(engine: TrainingEngine, prompts: Sequence[list[int]], responses: Sequence[list[int]],
@@ -284,4 +309,6 @@ def sft_update(engine: TrainingEngine, prompts: Sequence[list[int]], responses: 
                         n_tokens)
         loss.backward()
         total += loss.detach()
-    return {"loss": float(total), "grad_norm": engine.step()}
+    loss = engine.reads.defer(total)
+    grad_norm = engine.step()  # reads the loss too
+    return {"loss": loss.values[0], "grad_norm": grad_norm}
