@@ -204,3 +204,13 @@ def test_an_engine_decoding_with_triton_samples_the_torch_paths_tokens(family, m
         assert a.token_ids == b.token_ids and len(a.token_ids) == 10
         torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
     assert len(calls) >= 2 * 9  # each layer of each decode step went through the kernel
+
+
+def test_the_run_config_takes_triton_on_gpu_workers_only():
+    from rl.config import parse_config
+    from rl.errors import UserError
+
+    assert parse_config({"rollout": {"attention": "triton"}, "cluster": {"gpus_per_worker": 1}}).rollout.attention \
+        == "triton"
+    with pytest.raises(UserError, match=r"rollout.attention: triton is the GPU decode kernel; with CPU workers"):
+        parse_config({"rollout": {"attention": "triton"}})

@@ -236,11 +236,12 @@ class RolloutConfig(Strict):
                                                     "sequences take blocks as they grow)")
     max_batch_tokens: int = Field(8192, ge=2, description="tokens one engine step computes: a token per decoding "
                                                          "sequence, the rest in prompt chunks")
-    attention: Literal["auto", "torch", "flex", "paged"] = Field(
+    attention: Literal["auto", "torch", "flex", "paged", "triton"] = Field(
         "auto", description="paged attention of the native inference engines: torch gathers each sequence's "
                             "blocks; flex runs flex_attention through block masks (compiled on a GPU); paged (CPU) "
-                            "decodes through a C++ kernel that reads the blocks in place, built on first use; auto: "
-                            "paged on CPU where the kernel builds, torch on a GPU")
+                            "decodes through a C++ kernel that reads the blocks in place, built on first use; triton "
+                            "(GPU, opt-in, not yet measured on one) decodes through a Triton kernel that reads them "
+                            "in place; auto: paged on CPU where the kernel builds, torch on a GPU")
     max_seq_len: int | None = Field(
         None, ge=2, description="tokens per sequence (prompt + response) the KV cache is sized for; None = the "
                                 "run's longest prompt + largest max_tokens (the model's context when prompts are "
@@ -452,6 +453,9 @@ class Config(Strict):
         if self.rollout.attention == "paged" and gpus > 0:
             raise ValueError("rollout.attention: paged is the CPU decode kernel; with cluster.gpus_per_worker > 0 "
                              "use auto, torch or flex")
+        if self.rollout.attention == "triton" and gpus == 0:
+            raise ValueError("rollout.attention: triton is the GPU decode kernel; with CPU workers "
+                             "(cluster.gpus_per_worker: 0) use auto, torch, flex or paged")
         if gpus > 0 and gpus != int(gpus) and (gpus > 1 or self.cluster.workers > 1):
             raise ValueError(f"cluster.gpus_per_worker={gpus:g}: " + (
                 "more than one GPU per worker must be a whole number (Ray places whole GPUs above one)" if gpus > 1
