@@ -23,16 +23,15 @@ from __future__ import annotations
 
 import socket
 from dataclasses import dataclass
-from datetime import timedelta
 
 import torch
-import torch.distributed as dist
 
 from checkpoint_engine.buckets import BucketPlan
 from checkpoint_engine.engine import UpdateError, stage_bucket
 from checkpoint_engine.quantize import OwnerQuantizer
 from checkpoint_engine.shm import SharedBuffer
 from checkpoint_engine.trailer import ABORT, TRAILER, write_trailer
+from checkpoint_engine.wire import PairLink, rendezvous_store
 from engines.device import map_ipc
 
 DATA, SIGNAL, ACK = 0, 1, 2  # message tags of a link
@@ -55,20 +54,19 @@ def node_name() -> str:
 
 
 class Link:
-    """A two-rank gloo group: the trainer rank is 0, the replica 1. ``shared``: the replica maps the sender's slots
-    (same node), so the link carries signals and acknowledgements only."""
+    """One replica's link to one trainer rank (trainer rank 0, replica 1; ``checkpoint_engine.wire.PairLink``).
+    ``shared``: the replica maps the sender's slots (same node), so the link carries signals and acknowledgements
+    only."""
 
-    def __init__(self, store: dist.Store, key: str, rank: int, shared: bool, timeout_s: float) -> None:
+    def __init__(self, store, key: str, rank: int, shared: bool, timeout_s: float) -> None:
         """``key`` names this link in the sender's store, different for a replica that replaces another."""
-        prefixed = dist.PrefixStore(f"link-{key}", store)
-        self.group = dist.ProcessGroupGloo(prefixed, rank, 2, timedelta(seconds=timeout_s))
-        self.peer, self.shared = 1 - rank, shared
+        self.pair, self.shared = PairLink(store, key, rank, timeout_s), shared
 
     def isend(self, t: torch.Tensor, tag: int):
-        return self.group.send([t], self.peer, tag)
+        return self.pair.isend(t, tag)
 
     def irecv(self, t: torch.Tensor, tag: int):
-        return self.group.recv([t], self.peer, tag)
+        return self.pair.irecv(t, tag)
 
 
 class P2PSender:
@@ -84,8 +82,7 @@ class P2PSender:
         self.rank, self.timeout_s = rank, timeout_s
         size = bucket_bytes + TRAILER
         self.slots = [SharedBuffer.create(f"{name}-p2p{i}", size) for i in range(2)]
-        self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
-                                   timeout=timedelta(seconds=timeout_s))
+        self.store = rendezvous_store(host, 0, True, timeout_s)
         self.endpoint = Endpoint(host, self.store.port, node_name() if shm else f"{node_name()}-wire",
                                  tuple(("shm", b.name, b.nbytes) for b in self.slots))
         self.links: dict[int, Link] = {}
@@ -168,7 +165,7 @@ class P2PReceiver:
         """Open the link to trainer rank ``rank`` (which calls ``P2PSender.connect`` with the same ``key`` at the same
         time)."""
         shared = endpoint.node == node_name()
-        store = dist.TCPStore(endpoint.host, endpoint.port, is_master=False, timeout=timedelta(seconds=self.timeout_s))
+        store = rendezvous_store(endpoint.host, endpoint.port, False, self.timeout_s)
         self.links[rank] = Link(store, key or str(replica), 1, shared, self.timeout_s)
         if shared:
             self.slots[rank] = [map_ipc(h) for h in endpoint.slots]

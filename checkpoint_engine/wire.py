@@ -8,6 +8,8 @@ devices when they differ; control words (versions, acknowledgements) are made on
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import torch
 import torch.distributed as dist
 
@@ -58,3 +60,31 @@ class Wire:
     def all_reduce(self, t: torch.Tensor, op=dist.ReduceOp.SUM, group=None) -> None:
         """``t`` reduced with ``op`` over ``group``, in place."""
         dist.all_reduce(check_device(self.device, "all_reduce", t), op=op, group=group)
+
+
+def rendezvous_store(host: str, port: int, master: bool, timeout_s: float) -> dist.TCPStore:
+    """A TCP store for pair links to meet in: the master's (``port`` 0: a free one, then ``.port``) or a client's."""
+    timeout = timedelta(seconds=timeout_s)
+    if master:
+        return dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timeout)
+    return dist.TCPStore(host, port, is_master=False, timeout=timeout)
+
+
+class PairLink:
+    """A two-rank gloo group of its own, outside the default group (a trainer rank and one replica): tagged,
+    asynchronous point-to-point calls, each checking its tensor is on ``device`` first. ``key`` names the group in
+    ``store``; both ends call this at the same time, with ranks 0 and 1."""
+
+    def __init__(self, store: dist.Store, key: str, rank: int, timeout_s: float,
+                 device: torch.device | None = None) -> None:
+        self.group = dist.ProcessGroupGloo(dist.PrefixStore(f"link-{key}", store), rank, 2,
+                                           timedelta(seconds=timeout_s))
+        self.peer, self.device = 1 - rank, device or torch.device("cpu")
+
+    def isend(self, t: torch.Tensor, tag: int):
+        """Send ``t`` to the other end; returns its work handle."""
+        return self.group.send([check_device(self.device, "isend", t)], self.peer, tag)
+
+    def irecv(self, t: torch.Tensor, tag: int):
+        """Receive into ``t`` from the other end; returns its work handle."""
+        return self.group.recv([check_device(self.device, "irecv", t)], self.peer, tag)

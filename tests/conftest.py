@@ -12,6 +12,10 @@ import os
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 # vLLM's CPU build would otherwise pin its threads to every core, in each test process alike
 os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
+# Without a GPU the Triton kernels under test run in Triton's interpreter. It must be chosen before anything imports
+# triton (its language functions are made then), so it is set here, first, for every test process.
+if not os.path.exists("/dev/nvidiactl"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 import torch

@@ -11,24 +11,17 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET")
-os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: its kernels then run on CPU tensors
 pytest.importorskip("triton")
+if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":  # tests/conftest.py sets it
+    pytest.skip("without a GPU the kernel runs only in Triton's interpreter (TRITON_INTERPRET=1 before triton is "
+                "imported)", allow_module_level=True)
 
-from engines.inference import kv_cache, triton_decode  # noqa: E402
-from engines.inference.kv_cache import PagedKVCache, PagedPass, Ragged, decode_attention, rows_of  # noqa: E402
-from engines.inference.native import InferenceEngine  # noqa: E402
-from engines.inference.sampling import SamplingParams  # noqa: E402
-from engines.model.native.arch import make_config  # noqa: E402
-from engines.model.native.causal_lm import build_model  # noqa: E402
-
-
-def teardown_module():
-    """Leave the variable as it was for the tests that run after these (the kernel here stays interpreted)."""
-    if _INTERPRET is None:
-        os.environ.pop("TRITON_INTERPRET", None)
-    else:
-        os.environ["TRITON_INTERPRET"] = _INTERPRET
+from engines.inference import kv_cache, triton_decode
+from engines.inference.kv_cache import PagedKVCache, PagedPass, Ragged, decode_attention, rows_of
+from engines.inference.native import InferenceEngine
+from engines.inference.sampling import SamplingParams
+from engines.model.native.arch import make_config
+from engines.model.native.causal_lm import build_model
 
 
 def pool(seed, positions, heads, kv_heads, dim, block_size, value_dim=None, dtype=torch.float32):
