@@ -68,7 +68,7 @@ class Step:
 GPU_TEST_FILES = tuple(f"tests/test_{n}.py" for n in (
     "sync_capture", "training_sync", "checkpoint_engine", "pinned_buffers", "inference", "arena", "flex_eligibility",
     "training_engine", "packed_training", "algorithm", "memory", "worker_device", "vllm_gpu_path", "engine_factory",
-    "server"))
+    "server", "triton_decode"))
 
 #: the most seconds the lease plan's step limits may add up to: a leased machine runs one command for 10 minutes at
 #: most, and a cold machine needs some of them before the first step
