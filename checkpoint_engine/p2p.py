@@ -53,20 +53,14 @@ def node_name() -> str:
     return socket.gethostname()
 
 
-class Link:
-    """One replica's link to one trainer rank (trainer rank 0, replica 1; ``checkpoint_engine.wire.PairLink``).
-    ``shared``: the replica maps the sender's slots (same node), so the link carries signals and acknowledgements
-    only."""
+class Link(PairLink):
+    """One replica's link to one trainer rank (trainer rank 0, replica 1). ``shared``: the replica maps the sender's
+    slots (same node), so the link carries signals and acknowledgements only."""
 
     def __init__(self, store, key: str, rank: int, shared: bool, timeout_s: float) -> None:
         """``key`` names this link in the sender's store, different for a replica that replaces another."""
-        self.pair, self.shared = PairLink(store, key, rank, timeout_s), shared
-
-    def isend(self, t: torch.Tensor, tag: int):
-        return self.pair.isend(t, tag)
-
-    def irecv(self, t: torch.Tensor, tag: int):
-        return self.pair.irecv(t, tag)
+        super().__init__(store, key, rank, timeout_s)
+        self.shared = shared
 
 
 class P2PSender:
@@ -93,10 +87,6 @@ class P2PSender:
         time; default: the replica's index)."""
         self.links[replica] = Link(self.store, key or str(replica), 0, shared, self.timeout_s)
 
-    def disconnect(self, replica: int) -> None:
-        """Forget a replica's link (a replica that died; its replacement connects anew)."""
-        self.links.pop(replica, None)
-
     def update(self, plan: BucketPlan, tensors, version: int, reloader=None, offsets=None, tap=None) -> None:
         """Send this rank's buckets of update ``version`` to every linked replica (``tensors``: this rank's own, as
         for ``CheckpointEngine.update``; every trainer rank calls this, for FP8 quantisation is collective)."""
@@ -118,8 +108,8 @@ class P2PSender:
                 except Exception as e:  # sent all the same, marked: its replicas roll back instead of waiting
                     failure = failure or e
                     write_trailer(dst, used, version, ABORT)
-                busy[slot] = [self._hand(link, dst, version, k, slot) for i, link in self.links.items()
-                              if self.targets is None or i in self.targets]
+                busy[slot] = [self._hand(link, dst, version, k, slot) for r, link in self.links.items()
+                              if self.targets is None or r in self.targets]
             for waits in busy:
                 for wait in waits:
                     wait()

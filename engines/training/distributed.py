@@ -28,17 +28,12 @@ world_size, rank = sharded.world_size, sharded.rank
 
 PARAM_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
-#: The CUDA device this process's NCCL collectives run on (set by ``init_distributed``; None: the current one).
-_nccl_device: torch.device | None = None
-
 
 def init_distributed(rank: int, world: int, init_method: str, device: str = "cpu", timeout_s: float = 300) -> None:
     """Initialise the default process group (gloo on CPU, NCCL on CUDA) unless it already exists."""
-    global _nccl_device
     dev = torch.device(device)
-    if dev.type == "cuda" and dev.index is not None:
+    if dev.type == "cuda" and dev.index is not None:  # NCCL's collectives run on the current device
         torch.cuda.set_device(dev)
-        _nccl_device = dev
     if dist.is_initialized():
         if (dist.get_rank(), dist.get_world_size()) != (rank, world):
             raise RuntimeError(f"the process group is already initialised as rank {dist.get_rank()} of "
@@ -47,21 +42,6 @@ def init_distributed(rank: int, world: int, init_method: str, device: str = "cpu
     backend = "nccl" if dev.type == "cuda" else "gloo"
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
                             timeout=timedelta(seconds=timeout_s))
-
-
-def _reduce(values: list[float], op) -> list[float]:
-    if world_size() == 1 or not values:
-        return [float(v) for v in values]
-    # the engine's own GPU, not whichever device is current when the reduction runs
-    dev = (_nccl_device or torch.device("cuda", torch.cuda.current_device())) if dist.get_backend() == "nccl" else "cpu"
-    t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=dev)
-    dist.all_reduce(t, op=op)
-    return t.tolist()
-
-
-def all_reduce_sum(values: list[float]) -> list[float]:
-    """Each of ``values`` summed over all ranks, in one collective (every rank passes as many)."""
-    return _reduce(values, dist.ReduceOp.SUM)
 
 
 def all_reduce_tensor(t: torch.Tensor, op: str = "sum") -> torch.Tensor:

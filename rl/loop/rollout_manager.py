@@ -234,16 +234,14 @@ class RolloutManager:
         self.push(version, staged=True)
         return version
 
-    def swap_weights(self, staged: int | None) -> float:
+    def swap_weights(self, staged: int | None) -> None:
         """Serve the update ``stage_weights`` staged (or, None, push one now, loaded in place); between two
-        generation rounds. Returns the longest replica's swap in seconds (None: the whole update's)."""
+        generation rounds."""
         if staged is None:
-            t = time.monotonic()
             self.push(self.weights_version() + 1)
-            return time.monotonic() - t
-        pause = max(self.call_all(lambda r: r.commit_update.remote(staged), "weight update"))
+            return
+        self.call_all(lambda r: r.commit_update.remote(staged), "weight update")
         self._version, self._staged = staged, None
-        return pause
 
     # --- a replica that failed ------------------------------------------------------------------------
 

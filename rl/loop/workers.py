@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import socket
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -344,14 +343,12 @@ class RolloutWorker:
         self.p2p.receive(self.receiver.plan, version, self.receiver)
         return self.receiver.staged == version
 
-    def commit_update(self, version: int) -> float:
-        """Serve the staged update ``version`` from now on (between two generation rounds); returns the seconds the
-        swap took, the replica's only pause for the update."""
+    def commit_update(self, version: int) -> None:
+        """Serve the staged update ``version`` from now on (between two generation rounds): the replica's only pause
+        for the update."""
         assert self.receiver is not None
-        t = time.perf_counter()
         if self.receiver.staged == version:
             self.receiver.commit_staged(version)
-        return time.perf_counter() - t
 
     @ray.method(concurrency_group="update")
     def stages_updates(self) -> bool:
