@@ -79,6 +79,23 @@ def test_vllm_greedy_gives_the_native_engines_tokens_and_the_trainers_logprobs(s
         torch.testing.assert_close(torch.tensor(c.logprobs), r, atol=1e-4, rtol=0)
 
 
+def test_vllm_steps_on_a_fresh_thread_when_torchs_thread_count_is_not_the_environments(served, tokenizer):
+    """A server's loop thread (or a Ray concurrency group's) drives the engine: with torch set to more threads than
+    OMP_NUM_THREADS, vLLM's CPU attention must still serve there, the same tokens as on the thread that built it."""
+    import threading
+
+    engine, _ = served
+    want, got, old = _greedy(engine, tokenizer), [], torch.get_num_threads()
+    torch._C.set_num_threads(old + 1)  # vLLM's CPU worker turned torch.set_num_threads into a no-op
+    try:
+        t = threading.Thread(target=lambda: got.append(_greedy(engine, tokenizer)))
+        t.start()
+        t.join()
+    finally:
+        torch._C.set_num_threads(old)
+    assert got == [want]
+
+
 def test_vllm_sampled_logprobs_are_the_trainers_at_the_sampling_temperature(served, tokenizer):
     """π_old of the K1.5 objective: log softmax(logits / T) of each sampled token, per request seed."""
     engine, model = served

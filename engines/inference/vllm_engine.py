@@ -253,10 +253,19 @@ class VllmEngine(VllmWeights):
         self._check_awake()
         finished, self._finished = self._finished, []
         self.peak_running = max(self.peak_running, len(self._live))
-        outs = self.engine.step()
+        outs = self._engine_step()
         if self._blocks is not None:
             self.peak_blocks = max(self.peak_blocks, self._blocks.num_gpu_blocks - self._blocks.get_num_free_blocks())
         return finished + self._record(outs)
+
+    def _engine_step(self) -> list:
+        """vLLM's step, on the calling thread with OpenMP's thread count settled first."""
+        # OpenMP keeps its thread count per thread, and torch sets a new thread's count lazily, at its first
+        # parallel op. vLLM's CPU attention sizes its scheduler metadata before that op and checks the count
+        # again in the kernel after it: a step on a fresh thread (a server's loop, a Ray concurrency group) would
+        # fail its check ("thread_num 1 vs. 2") whenever torch's count is not the environment's.
+        torch.get_num_threads()
+        return self.engine.step()
 
     def _record(self, outs) -> list[Completion]:
         """Add a step's new tokens to their requests; returns those that finished."""
@@ -296,7 +305,7 @@ class VllmEngine(VllmWeights):
         self.engine.add_request(rid, {"prompt_token_ids": ids}, sp, lora_request=self._lora)
         done = None
         while done is None:
-            outs = self.engine.step()
+            outs = self._engine_step()
             done = next((o for o in outs if o.request_id == rid and o.finished), None)
             self._finished += self._record(o for o in outs if o.request_id != rid)
         scores: list[TokenLogprob | None] = [None]
