@@ -43,7 +43,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = (LatentAttention if cfg.is_mla else Attention)(cfg, layer, fused)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MoE(cfg, fused) if cfg.is_moe_layer(layer) else \
+        # numbered among the MoE layers alone: routes are [tokens, MoE layers, k]
+        self.mlp = MoE(cfg, fused, sum(map(cfg.is_moe_layer, range(layer)))) if cfg.is_moe_layer(layer) else \
             MLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, fused)
 
     def forward(self, x, cos, sin, mask, layer: int, cache: AttentionCache | None):

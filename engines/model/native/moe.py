@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engines.model.native import routing
 from engines.model.native.arch import ModelConfig
 from engines.model.native.layers import MLP
 
@@ -24,10 +25,13 @@ class Router(nn.Module):
     ``e_score_correction_bias`` within the ``topk_group`` groups whose two best such scores sum highest;
     weights are the uncorrected scores of the chosen, renormalised if ``norm_topk_prob``, times
     ``routed_scaling_factor``. The bias only steers the choice and gets no gradient (see ``engines.training.optim``).
+    Inside ``routing.replaying`` the experts are the replayed ones and the weights the same scores at them;
+    inside ``routing.recording`` the choice is kept (``moe_index``: this layer's place among the MoE layers).
     """
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, moe_index: int = 0) -> None:
         super().__init__()
+        self.moe_index = moe_index
         self.kind = "sigmoid" if cfg.is_mla else "softmax"
         self.top_k, self.num_experts = cfg.num_experts_per_tok, cfg.num_experts
         self.renormalise = cfg.norm_topk_prob or cfg.model_type == "mixtral"
@@ -47,24 +51,41 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [N, k] float32, expert indices [N, k]) for tokens x [N, hidden]."""
+        tape = routing.active()
+        replay = tape is not None and tape.replay is not None
         if self.kind == "softmax":
             probs = F.linear(x, self.weight).float().softmax(dim=-1)
-            weights, index = probs.topk(self.top_k, dim=-1)
+            if replay:
+                index = routing.take(tape, self.moe_index, probs.shape[0], self.top_k)
+                weights = probs.gather(1, index)
+            else:
+                weights, index = probs.topk(self.top_k, dim=-1)
+            if tape is not None:
+                routing.note(tape, self.moe_index, index, probs)
             if self.renormalise:
                 weights = weights / weights.sum(dim=-1, keepdim=True)
             return weights, index
         scores = F.linear(x.float(), self.weight.float()).sigmoid()
+        if replay:
+            index = routing.take(tape, self.moe_index, scores.shape[0], self.top_k)
+        else:
+            index = self._grouped_top_k(scores)
+        if tape is not None:
+            routing.note(tape, self.moe_index, index, scores / scores.sum(dim=-1, keepdim=True))
+        weights = scores.gather(1, index)
+        if self.renormalise:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * self.scaling, index
+
+    def _grouped_top_k(self, scores: torch.Tensor) -> torch.Tensor:
+        """DeepSeek's choice: top-k of the bias-corrected scores within the best ``topk_group`` groups."""
         choice = scores + self.e_score_correction_bias
         per_group = choice.view(-1, self.n_group, self.num_experts // self.n_group)
         group_scores = per_group.topk(min(2, per_group.shape[-1]), dim=-1).values.sum(dim=-1)
         groups = group_scores.topk(self.topk_group, dim=-1, sorted=False).indices
         keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, groups, True)
         choice = choice.masked_fill(~keep.repeat_interleave(self.num_experts // self.n_group, dim=1), float("-inf"))
-        index = choice.topk(self.top_k, dim=-1, sorted=False).indices
-        weights = scores.gather(1, index)
-        if self.renormalise:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return weights * self.scaling, index
+        return choice.topk(self.top_k, dim=-1, sorted=False).indices
 
 
 class Experts(nn.Module):
@@ -115,14 +136,14 @@ class Experts(nn.Module):
 class MoE(nn.Module):
     """Router + routed experts (+ always-on shared experts, DeepSeek-V3/Kimi K2)."""
 
-    def __init__(self, cfg: ModelConfig, fused: bool = False) -> None:
+    def __init__(self, cfg: ModelConfig, fused: bool = False, moe_index: int = 0) -> None:
         super().__init__()
         inter = cfg.moe_intermediate_size or cfg.intermediate_size
         # Mixtral checkpoints call this block ``block_sparse_moe`` and the expert matrices w1/w3/w2
         self.hub_alias = "block_sparse_moe" if cfg.model_type == "mixtral" else None
         self.hub_names = {"gate": "w1", "up": "w3", "down": "w2"} if cfg.model_type == "mixtral" else \
             {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
-        self.gate = Router(cfg)
+        self.gate = Router(cfg, moe_index)
         self.experts = Experts(cfg.num_experts, cfg.hidden_size, inter, fused)
         self.shared_experts = MLP(cfg.hidden_size, inter * cfg.n_shared_experts, fused=fused) \
             if cfg.n_shared_experts else None

@@ -1,0 +1,125 @@
+"""Routing replay and router health on the native MoE families (engines.model.native.routing): recorded routes
+have Sample.routed_experts' layout, replaying them reproduces the forward bit for bit, replaying other routes makes
+the experts run be exactly those (checked inside the experts' own forward) while gradients still reach the router,
+and the health metrics match numbers computed by hand."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from engines.model.native import routing
+from engines.model.native.arch import make_config
+from engines.model.native.attention import padded_causal_mask
+from engines.model.native.causal_lm import build_model
+from engines.model.native.moe import Experts
+
+FAMILIES = {
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, num_hidden_layers=2),
+    # layer 1 dense, layers 0 and 2 MoE: the MoE numbering skips it
+    "qwen3_moe": dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=16, head_dim=8,
+                      norm_topk_prob=False, mlp_only_layers=[1], num_hidden_layers=3),
+    "deepseek_v3": dict(q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
+                        n_routed_experts=8, n_shared_experts=1, n_group=4, topk_group=2, num_experts_per_tok=2,
+                        routed_scaling_factor=2.5, first_k_dense_replace=1, num_hidden_layers=3),
+}
+MOE_LAYERS = {"mixtral": 2, "qwen3_moe": 2, "deepseek_v3": 2}
+
+
+def _model(family: str, seed: int = 0):
+    cfg = make_config(family, vocab_size=64, hidden_size=32, intermediate_size=48, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=64, **FAMILIES[family])
+    torch.manual_seed(seed)
+    model = build_model(cfg, init=True)
+    with torch.no_grad():  # sharper than the init, so that routes depend on the weights
+        for p in model.parameters():
+            p.mul_(8.0)
+    return model.eval(), cfg
+
+
+def _ids(n: int = 12) -> torch.Tensor:
+    return torch.randint(0, 64, (1, n), generator=torch.Generator().manual_seed(3))
+
+
+def _forward(model, ids: torch.Tensor) -> torch.Tensor:
+    valid = torch.ones_like(ids, dtype=torch.bool)
+    return model(ids, torch.arange(ids.shape[1])[None], padded_causal_mask(valid))
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_recorded_routes_replayed_give_the_same_forward_bit_for_bit(family):
+    model, cfg = _model(family)
+    ids = _ids()
+    with routing.recording() as tape:
+        want = _forward(model, ids)
+    routes = routing.stacked(tape)
+    assert routes.shape == (ids.numel(), MOE_LAYERS[family], cfg.num_experts_per_tok)
+    with routing.replaying(routes) as again:
+        got = _forward(model, ids)
+    assert torch.equal(got, want)
+    assert torch.equal(routing.stacked(again), routes)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_replayed_routes_are_the_experts_that_run_and_the_router_still_learns(family, monkeypatch):
+    model, _ = _model(family)
+    other, _ = _model(family, seed=1)
+    ids = _ids()
+    with routing.recording() as tape:
+        _forward(other, ids)
+    routes = routing.stacked(tape)
+    with routing.recording() as own:
+        _forward(model, ids)
+    # another model's routes differ from this one's own choice: the replay is not a no-op
+    assert routing.route_mismatch(routing.stacked(own), routes) > 0.3
+    used = []
+    forward = Experts.forward
+    monkeypatch.setattr(Experts, "forward", lambda self, x, w, index: used.append(index) or forward(self, x, w, index))
+    model.train()
+    with routing.replaying(routes):
+        _forward(model, ids).float().logsumexp(-1).sum().backward()
+    assert len(used) == MOE_LAYERS[family]
+    for layer, index in enumerate(used):
+        assert torch.equal(index, routes[:, layer])
+    for name, p in model.named_parameters():
+        if name.endswith("gate.weight"):
+            assert p.grad is not None and p.grad.abs().sum() > 0, name
+
+
+def test_replay_gates_are_the_routers_own_softmax_at_the_replayed_experts():
+    """Mixtral renormalises its top-k softmax: under replay each token's weights are its softmax probabilities at
+    the replayed experts over their sum, computed here from the router's matrix."""
+    model, _ = _model("mixtral")
+    gate = model.model.layers[0].mlp.gate
+    x = torch.randn(5, 32, generator=torch.Generator().manual_seed(0))
+    routes = torch.tensor([[0, 3], [1, 2], [3, 1], [2, 0], [0, 1]])
+    with routing.replaying(routes[:, None, :]):
+        w, index = gate(x)
+    probs = torch.softmax(x @ gate.weight.T, dim=-1)
+    want = probs.gather(1, routes)
+    torch.testing.assert_close(w, want / want.sum(-1, keepdim=True))
+    assert torch.equal(index, routes)
+
+
+def test_router_health_is_the_hand_computed_balance_and_entropy():
+    tape = routing.RouteTape()
+    # 4 experts, top-1, 4 tokens: loads 3, 1, 0, 0 -> mean 1, std sqrt((4 + 0 + 1 + 1) / 4), max share 3/4 of 4 slots
+    probs = torch.tensor([[0.5, 0.5, 0.0, 0.0]] * 4)
+    routing.note(tape, 0, torch.tensor([[0], [0], [0], [1]]), probs)
+    h = routing.router_health(tape, 4, reference=torch.tensor([[[0]], [[1]], [[0]], [[1]]]))
+    assert h["load_cv"] == pytest.approx((6 / 4) ** 0.5)
+    assert h["max_load"] == pytest.approx(3 / 4 * 4)
+    assert h["entropy"] == pytest.approx(np.log(2))
+    assert h["route_mismatch"] == pytest.approx(1 / 4)
+
+
+def test_routes_that_do_not_fit_the_model_are_refused_in_one_line():
+    with pytest.raises(ValueError, match=r"\[tokens, 2 MoE layers, top-2\]"):
+        routing.check_routes(np.zeros((5, 3, 2), np.int32), layers=2, top_k=2, num_experts=4)
+    with pytest.raises(ValueError, match="outside 0..3"):
+        routing.check_routes(np.full((5, 2, 2), 4, np.int32), layers=2, top_k=2, num_experts=4)
+    model, _ = _model("mixtral")
+    with pytest.raises(ValueError, match="do not fit MoE layer 0 with 12 tokens"), \
+            routing.replaying(torch.zeros(7, 2, 2, dtype=torch.long)):
+        _forward(model, _ids())
