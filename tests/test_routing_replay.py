@@ -123,3 +123,36 @@ def test_routes_that_do_not_fit_the_model_are_refused_in_one_line():
     with pytest.raises(ValueError, match="do not fit MoE layer 0 with 12 tokens"), \
             routing.replaying(torch.zeros(7, 2, 2, dtype=torch.long)):
         _forward(model, _ids())
+
+
+def test_packed_routes_put_each_sequences_routes_at_its_tokens():
+    """Sequences recorded alone, packed with first-fit rows: the packed routes replayed reproduce each sequence's
+    own forward at its tokens, and a sequence one route short (its last token never fed) is accepted."""
+    from engines.training.packing import pack
+    from engines.training.routes import pack_routes
+
+    model, _ = _model("qwen3_moe")
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 64, (n,), generator=g).tolist() for n in (3, 5, 2)]
+    responses = [torch.randint(0, 64, (n,), generator=g).tolist() for n in (4, 1, 6)]
+    alone, routes = [], []
+    for p, r in zip(prompts, responses, strict=True):
+        with routing.recording() as tape:
+            alone.append(_forward(model, torch.tensor([p + r]))[0])
+        routes.append(routing.stacked(tape).numpy())
+    routes[2] = routes[2][:-1]
+    batch = pack(prompts, responses, pad_id=0, width=9)
+    assert batch.ids.shape[0] > 1  # several rows, one with two sequences
+    packed = pack_routes(batch, routes, layers=2, top_k=2, num_experts=6)
+    assert packed.shape == (batch.ids.numel(), 2, 2)
+    with routing.replaying(packed):
+        logits = model(batch.ids, batch.positions, batch.mask)
+    doc, pos = batch.mask.doc, batch.mask.positions
+    for i, want in enumerate(alone):
+        got = logits[doc == i][pos[doc == i].argsort()]
+        # the last token of sequence 2 took its previous token's route: every other position is the same forward
+        keep = slice(None, -1) if i == 2 else slice(None)
+        # fp32 sums in another order (rows of another width) on logits of tens: a wrong route moves them by units
+        torch.testing.assert_close(got[keep], want[keep], atol=1e-4, rtol=1e-5)
+    with pytest.raises(ValueError, match="sequence 1 has 2 routes for 6 tokens"):
+        pack_routes(batch, [routes[0], routes[1][:2], routes[2]], layers=2, top_k=2, num_experts=6)
