@@ -207,3 +207,35 @@ def test_the_run_config_takes_triton_on_gpu_workers_only():
         == "triton"
     with pytest.raises(UserError, match=r"rollout.attention: triton is the GPU decode kernel; with CPU workers"):
         parse_config({"rollout": {"attention": "triton"}})
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_graphs_of_an_engine_on_triton_are_captured_at_start_and_replay_the_eager_tokens():
+    """Every capture size (1, 2, 4, 8, 12) captured at the table's full width as the engine starts, none while it
+    decodes, sleeps and decodes again (the arenas keep every address), and the tokens of the engine without graphs
+    (CPU proofs of the same: tests/test_decode_graphs.py)."""
+    torch.manual_seed(0)
+    model = build_model(make_config("llama", vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64),
+                        init=True, fused=True).cuda()
+    prompts = [[3 + i, 4, 5 + i, 6][: 1 + i % 4] + [9] * (i % 3) for i in range(10)]
+    params = [SamplingParams(1.0, 2 + (5 * i) % 9, ignore_eos=True, seed=i) for i in range(10)]
+
+    def run(**kw):
+        return InferenceEngine(model, eos_id=None, max_seq_len=32, kv_cache_bytes=1 << 16, block_size=4,
+                               max_batch_tokens=64, max_num_seqs=12, attention="triton", **kw)
+
+    want = run(cuda_graphs=False).generate(prompts, params)
+    eng = run()
+    g = eng.runner.graphs
+    assert g is not None and g.in_place and g.failed is None
+    assert eng.stats()["cuda_graph_captures"] == 5 and set(g.graphs) == set(g.plan())
+    assert {width for _, width in g.graphs} == {eng.max_blocks * eng.block_size}
+    for _ in range(2):
+        got = eng.generate(prompts, params)
+        assert [c.token_ids for c in got] == [c.token_ids for c in want]
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4, rtol=0)
+        assert eng.stats()["cuda_graph_captures"] == 5 and eng.stats()["cuda_graphs_fallback"] == 0
+        eng.sleep(1)
+        eng.wake_up()

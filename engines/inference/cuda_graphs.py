@@ -1,27 +1,46 @@
 """CUDA graphs of the inference engine's decode step.
 
-A decode step of a small batch is a few hundred tiny kernels: on a GPU their launches, not the
-arithmetic, set the pace. One graph per (batch bucket, attention width bucket) replays the whole
-step with one launch. A graph reads the model runner's persistent state (last tokens, positions, block
-tables, the KV pool, the weights) in place; rows past the running batch are padding, pointed before
-each replay at position 0 of the engine's scratch block (which no sequence is given), so their key and
-value writes never land in a live sequence's blocks. Only decode-only steps replay a graph (a step with
-prefill chunks runs eagerly). Graphs are captured on first use and kept while the memory they point at
-stays: the engine's weights and pool live in arenas whose addresses survive sleep; they are dropped
-when an address moves (weights rebound to other tensors, no arena on this device). Capture runs on the
-engine's device and on a stream of it, whatever device is current on the calling thread. If a capture
-fails, the engine decodes eagerly from then on (same tokens, slower) after one warning, and its
+A decode step of a small batch is a few hundred tiny kernels: on a GPU their launches, not the arithmetic, set the
+pace. A graph replays the whole step with one launch. Its batch is one of the capture sizes (``capture_sizes``:
+1, 2, 4, 8, then steps of 8 up to 256 and of 16 past it, ending at ``max_num_seqs``, as vLLM's list goes), the
+smallest at least the running batch (``capture_size``). Its attention width depends on the decode backend: a
+backend that reads each row's keys up to that row's own position (``kv_cache.decode_reads_in_place``: the triton
+kernel) gives the same step at any width, so its graphs take the block table's full width and are keyed by batch
+size alone; the others (torch gathers and masks every key of the width, flex sizes its block mask by it) are keyed
+by (batch, width), each rounded up to a power of two (the width to at least ``MIN_WIDTH``), which keeps the pairs
+they capture lazily few.
+
+A graph reads the model runner's persistent state (last tokens, positions, block tables, the KV pool, the weights)
+in place; rows past the running batch are padding, pointed before each replay at position 0 of the engine's
+scratch block (which no sequence is given), so their key and value writes never land in a live sequence's blocks
+(``capture_all`` points every row there while it captures, and gives the rows their state back after). Only
+decode-only steps replay a graph (a step with prefill chunks runs eagerly). Every graph copies its logits into one
+buffer of ``max_num_seqs`` rows, so the graphs' outputs cost one batch's logits, not one per graph (with 50-odd
+graphs and a 150k vocabulary that is gigabytes), and their temporaries share one memory pool.
+
+Keyed by batch size alone, the graphs are few enough to capture all at once: by default the engine does so as it
+starts (``capture_all``, largest first, so the smaller ones reuse the pool's memory), and no capture is left for a
+timed decode loop; ``capture_at_start=False`` leaves them to first use, as graphs keyed by width always are. They
+are kept while the memory they point at stays: the engine's weights and pool live in arenas whose addresses
+survive sleep; they are dropped when an address moves (weights rebound to other tensors, no arena on this device)
+or the engine changes what a step computes (LoRA deltas), and captured again, all of them, at the next decode step.
+Capture runs on the engine's device and on a stream of it, whatever device is current on the calling thread. If
+a capture fails, the engine decodes eagerly from then on (same tokens, slower) after one warning, and its
 ``stats()`` say so (``cuda_graphs_fallback``).
 """
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import logging
 import weakref
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
+
+from engines.inference.kv_cache import decode_reads_in_place
 
 if TYPE_CHECKING:
     from engines.inference.model_runner import ModelRunner
@@ -30,6 +49,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 MIN_WIDTH = 64  # the smallest attention-width bucket (tokens)
+#: Capture sizes step by 8 up to here, then by 16: past it a batch's padding is a small share of it.
+FINE_STEPS_UP_TO = 256
 
 
 def graphs_supported(device: torch.device, cfg: ModelConfig) -> bool:
@@ -46,36 +67,106 @@ def bucket(n: int, limit: int, least: int = 1) -> int:
     return min(b, limit)
 
 
-class DecodeGraphs:
-    """Captured decode steps of one engine's model runner, keyed by (batch bucket, width bucket)."""
+def capture_sizes(max_batch: int) -> list[int]:
+    """The batch sizes graphs are captured for, ascending: 1, 2, 4, 8, every multiple of 8 up to 256, every multiple
+    of 16 past it, each below ``max_batch``, then ``max_batch`` itself."""
+    if max_batch < 1:
+        raise ValueError(f"a batch holds at least one row, got max_batch={max_batch}")
+    steps = itertools.chain((1, 2, 4), range(8, FINE_STEPS_UP_TO, 8), itertools.count(FINE_STEPS_UP_TO, 16))
+    return [*itertools.takewhile(lambda s: s < max_batch, steps), max_batch]
 
-    def __init__(self, runner: ModelRunner) -> None:
+
+def capture_size(n: int, sizes: Sequence[int]) -> int:
+    """The smallest of ``sizes`` (ascending) that holds a batch of ``n`` rows."""
+    i = bisect.bisect_left(sizes, n)
+    if i == len(sizes):
+        raise ValueError(f"a batch of {n} rows is over the largest capture size {sizes[-1]}")
+    return sizes[i]
+
+
+def graph_key(n: int, width: int, sizes: Sequence[int], full_width: int, in_place: bool) -> tuple[int, int]:
+    """(rows, width) of the graph that decodes ``n`` rows whose longest sequence has ``width`` tokens: where attention
+    reads in place, the smallest capture size ≥ n and the table's ``full_width`` (one graph per batch size); else
+    the power-of-two buckets of both, so that the lazily captured (batch, width) pairs stay a few dozen."""
+    if in_place:
+        return capture_size(n, sizes), full_width
+    return bucket(n, sizes[-1]), bucket(width, full_width, MIN_WIDTH)
+
+
+class DecodeGraphs:
+    """Captured decode steps of one engine's model runner, keyed by (batch size, width): the width is the table's
+    full width for every graph where the attention reads in place (see the module's docstring).
+
+    ``capture_at_start``: capture every batch size at once (``capture_all``) rather than each at first use; None
+    means so wherever the key is the batch size alone, and True where it is not raises ValueError."""
+
+    def __init__(self, runner: ModelRunner, capture_at_start: bool | None = None) -> None:
         # a weak reference: no cycle, so a dropped engine gives its KV pool and graph pool back at once
         self.runner = weakref.proxy(runner)
+        self.sizes = capture_sizes(runner.max_num_seqs)
+        self.full_width = runner.max_blocks * runner.block_size
+        self.in_place = decode_reads_in_place(runner.attention, runner.model.config, runner.dtype, runner.device)
+        if capture_at_start and not self.in_place:
+            raise ValueError(f"graphs are captured at start only where decode attention reads the cache in place "
+                             f"(attention 'triton', on layers its kernel takes), not with {runner.attention!r}: "
+                             "their widths are only known as sequences grow")
+        self.at_start = self.in_place if capture_at_start is None else capture_at_start
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None
+        self._out: torch.Tensor | None = None  # [max_num_seqs, V]: every graph's logits, copied in by its replay
         self._where: tuple[int, ...] = ()
         self._stream: torch.cuda.Stream | None = None  # capture stream, on the engine's device
         self.captures = 0  # over the engine's life (tests and benchmarks read it)
         self.failed: str | None = None  # why a capture failed: the engine then decodes eagerly
 
     def clear(self) -> None:
-        """Drop every graph and the memory pool they share."""
+        """Drop every graph, the memory pool they share and their logits buffer."""
         self.graphs.clear()
         self.pool = None
+        self._out = None
+
+    def key(self, n: int, width: int) -> tuple[int, int]:
+        """The key of the graph that decodes ``n`` rows whose longest sequence has ``width`` tokens."""
+        return graph_key(n, width, self.sizes, self.full_width, self.in_place)
+
+    def plan(self) -> list[tuple[int, int]]:
+        """The keys ``capture_all`` captures, in its order: every capture size, largest first (none when lazy)."""
+        return [(rows, self.full_width) for rows in reversed(self.sizes)] if self.at_start else []
+
+    def capture_all(self) -> int:
+        """Capture each key of ``plan`` not captured yet; returns how many. Every row decodes at the scratch block
+        meanwhile (a row that looks idle may still be due to move into a live one) and gets its table and position
+        back after."""
+        self._check_addresses()
+        todo = [k for k in self.plan() if k not in self.graphs]
+        if not todo or self.failed is not None:
+            return 0
+        e = self.runner
+        rows = max(r for r, _ in todo)
+        saved = e.block_table[:rows].clone(), e.pos[:rows].clone()
+        self._pad(0, rows)
+        try:
+            for key in todo:
+                self.graphs[key] = self._capture(*key)
+        except Exception as err:
+            self._give_up(err)
+            return 0
+        finally:
+            e.block_table[:rows].copy_(saved[0])
+            e.pos[:rows].copy_(saved[1])
+        return len(todo)
 
     def logits(self, n: int, width: int) -> torch.Tensor:
         """Next-token logits [n, V] of decoding rows 0..n-1 whose longest sequence has ``width`` tokens,
         as the eager decode step computes them."""
         e = self.runner
-        where = self._addresses()
-        if where != self._where:
-            self.clear()
-            self._where = where
-        key = (bucket(n, e.max_num_seqs), bucket(width, e.max_blocks * e.block_size, MIN_WIDTH))
-        if key[0] > n:  # padding rows hold whatever rows finished there last: send them to the scratch block
-            e.block_table[n: key[0]].fill_(e.scratch_block)
-            e.pos[n: key[0]].zero_()
+        self._check_addresses()
+        if self.at_start and not self.graphs:  # dropped since the start: all again, before this step's replay
+            self.capture_all()
+            if self.failed is not None:
+                return e.decode_logits(n, width)
+        key = self.key(n, width)
+        self._pad(n, key[0])
         if key not in self.graphs:
             try:
                 self.graphs[key] = self._capture(*key)
@@ -85,6 +176,20 @@ class DecodeGraphs:
         graph, out = self.graphs[key]
         graph.replay()
         return out[:n]
+
+    def _check_addresses(self) -> None:
+        """Drop the graphs when anything they read has moved since they were captured."""
+        where = self._addresses()
+        if where != self._where:
+            self.clear()
+            self._where = where
+
+    def _pad(self, n: int, rows: int) -> None:
+        """Send rows n..rows-1 to the scratch block: they hold whatever rows finished there last."""
+        e = self.runner
+        if rows > n:
+            e.block_table[n: rows].fill_(e.scratch_block)
+            e.pos[n: rows].zero_()
 
     def _addresses(self) -> tuple[int, ...]:
         e = self.runner
@@ -110,11 +215,16 @@ class DecodeGraphs:
             # warm-up on the capture stream, as capture requires; its cache writes are the ones the replay makes
             self._stream.wait_stream(torch.cuda.current_stream(dev))
             with torch.cuda.stream(self._stream):
-                self.runner.decode_logits(rows, width)
+                warm = self.runner.decode_logits(rows, width)
             torch.cuda.current_stream(dev).wait_stream(self._stream)
+            if self._out is None:  # outside the graph's pool, on the engine's stream: it outlives every graph
+                self._out = torch.empty(self.runner.max_num_seqs, warm.shape[-1], dtype=warm.dtype, device=dev)
+            del warm
+            out = self._out[:rows]
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool, stream=self._stream):
-                out = self.runner.decode_logits(rows, width)
+                # the graph's own logits go back to the pool when this capture ends, for the next capture's use
+                out.copy_(self.runner.decode_logits(rows, width))
         self.pool = graph.pool()
         self.captures += 1
         return graph, out

@@ -62,6 +62,22 @@ def decode_attention(attention: str | None, device: torch.device | str) -> str:
     return attention
 
 
+def decode_reads_in_place(backend: str, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> bool:
+    """Whether ``backend``'s decode attention over this model reads each row's keys up to its own position only,
+    whatever the width it is given: the triton kernel, where it can attend over the model's layers."""
+    if backend != "triton":
+        # torch gathers (and masks) every key of the width, flex sizes its block mask by it; "paged" never graphs
+        return False
+    from engines.inference import triton_decode  # triton is importable: decode_attention checked it
+
+    heads, dk, dv = cache_dims(cfg)
+    # empty stand-ins of one layer's query, keys and values: the kernel's checks read only shapes, dtypes, devices
+    q = torch.empty(0, cfg.num_attention_heads, dk, dtype=dtype, device=device)
+    keys = torch.empty(heads, 0, dk, dtype=dtype, device=device)
+    values = torch.empty(heads, 0, dv if dv is not None else cfg.kv_lora_rank, dtype=dtype, device=device)
+    return triton_decode.unsupported(q, keys, values) is None
+
+
 def cache_dims(cfg: ModelConfig) -> tuple[int, int, int | None]:
     """(heads, key dim, value dim) cached per token and layer; value dim None when the values are the
     first dimensions of the keys (MLA's latent: kv_lora_rank + rope dims, values = the latent part)."""

@@ -45,21 +45,22 @@ class StepOutput:
 class ModelRunner:
     """Forward, sampling, per-row state and CUDA graphs of one engine's model.
 
-    ``attention`` is the resolved decode backend ("torch", "flex" or "paged"); the pool has ``num_blocks`` blocks
-    of ``block_size`` tokens (laid in ``memory``'s KV arena where it has one), a block table holds ``max_blocks``
-    of them, and at most ``max_num_seqs`` rows decode at once. ``scratch_block`` (a block no sequence gets) is
-    where the padding rows of a captured graph write; with ``cuda_graphs`` decode-only steps replay graphs."""
+    ``attention`` is the resolved decode backend ("torch", "flex", "paged" or "triton"); the pool has ``num_blocks``
+    blocks of ``block_size`` tokens (laid in ``memory``'s KV arena where it has one), a block table holds
+    ``max_blocks`` of them, and at most ``max_num_seqs`` rows decode at once. ``scratch_block`` (a block no
+    sequence gets) is where the padding rows of a captured graph write; with ``cuda_graphs`` decode-only steps
+    replay graphs, captured all at once or each at first use as ``capture_at_start`` says (``DecodeGraphs``)."""
 
     def __init__(self, model: CausalLM, memory: EngineMemory, eos_ids: list[int], *, attention: str,
                  block_size: int, max_blocks: int, num_blocks: int, max_num_seqs: int, scratch_block: int | None,
-                 cuda_graphs: bool) -> None:
+                 cuda_graphs: bool, capture_at_start: bool | None = None) -> None:
         self.model, self.memory = model, memory
         p = next(model.parameters())
         self.dtype, self.device = p.dtype, p.device
         self.attention, self.block_size, self.max_blocks = attention, block_size, max_blocks
         self.num_blocks, self.max_num_seqs, self.scratch_block = num_blocks, max_num_seqs, scratch_block
         self.kv: PagedKVCache | None = None
-        self.graphs = DecodeGraphs(self) if cuda_graphs else None
+        self.graphs = DecodeGraphs(self, capture_at_start) if cuda_graphs else None
         # allocated once and kept through sleep: graphs read these addresses, and the host table stays pinned
         s, dev = max_num_seqs, self.device
         z = dict(dtype=torch.long, device=dev)

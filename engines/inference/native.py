@@ -71,7 +71,10 @@ class InferenceEngine(RolloutEngine):
     ``kv_memory_fraction``: on a CUDA device, the KV budget is at most this fraction of the memory free
     when the engine is built (None: ``kv_cache_bytes`` as given, which must then fit). ``onednn_linear``: on a CPU,
     the model's linear layers compute through oneDNN (``engines.inference.cpu_linear``; the model is the
-    engine's from then on, inference only).
+    engine's from then on, inference only). ``cuda_graphs``: decode steps replay CUDA graphs where the device
+    allows (``engines.inference.cuda_graphs``); ``capture_graphs_at_start``: capture them all as the engine starts,
+    so none is captured while it decodes (None: wherever they are keyed by batch size alone, as with "triton";
+    False: each at first use).
     """
 
     kind = "native"
@@ -83,7 +86,7 @@ class InferenceEngine(RolloutEngine):
                  max_batch_tokens: int = 8192, block_size: int | None = None, seed: int = 0,
                  detokenize: Callable[[list[int]], str] | None = None, cuda_graphs: bool = True,
                  attention: str | None = None, kv_memory_fraction: float | None = None,
-                 onednn_linear: bool = True) -> None:
+                 onednn_linear: bool = True, capture_graphs_at_start: bool | None = None) -> None:
         self.model = model.eval().requires_grad_(False)
         cfg = model.config
         # a model may end a turn with any of several tokens (Llama 3: <|eot_id|> and <|end_of_text|>)
@@ -131,7 +134,9 @@ class InferenceEngine(RolloutEngine):
         self.peak_blocks = 0  # most KV blocks held at once (callers may reset it)
         self.runner = ModelRunner(model, self.memory, self.eos_ids, attention=self.attention,
                                   block_size=self.block_size, max_blocks=self.max_blocks, num_blocks=self.num_blocks,
-                                  max_num_seqs=max_num_seqs, scratch_block=self.scratch_block, cuda_graphs=use_graphs)
+                                  max_num_seqs=max_num_seqs, scratch_block=self.scratch_block, cuda_graphs=use_graphs,
+                                  capture_at_start=capture_graphs_at_start)
+        self.capture_graphs()
 
     def _new_scheduler(self) -> Scheduler:
         blocks = self.num_blocks - (self.scratch_block is not None)
@@ -214,6 +219,15 @@ class InferenceEngine(RolloutEngine):
         CUDA graphs need."""
         width = width if width is not None else max(r.context_len for r in self.running[:rows])
         return self.runner.decode_logits(rows, width)
+
+    def capture_graphs(self) -> int:
+        """Capture every decode graph the engine captures at start and lacks (laying out the KV pool first);
+        returns how many (0 without graphs, or where they are captured at first use)."""
+        g = self.runner.graphs
+        if g is None or not g.at_start or g.failed is not None:
+            return 0
+        self._check_awake()
+        return g.capture_all()
 
     def stats(self) -> dict[str, float]:
         """Counters: prompt tokens found in the prefix cache and computed, blocks, preemptions, tokens, steps,
