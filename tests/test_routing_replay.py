@@ -156,3 +156,35 @@ def test_packed_routes_put_each_sequences_routes_at_its_tokens():
         torch.testing.assert_close(got[keep], want[keep], atol=1e-4, rtol=1e-5)
     with pytest.raises(ValueError, match="sequence 1 has 2 routes for 6 tokens"):
         pack_routes(batch, [routes[0], routes[1][:2], routes[2]], layers=2, top_k=2, num_experts=6)
+
+
+def test_the_native_engine_returns_each_fed_tokens_routes_prefix_cache_and_pause_included():
+    """An MoE engine recording routes: every completion carries the experts of the prompt and of the generated tokens
+    the model read, as a whole-sequence forward of the same tokens chooses them, including the samples whose prompt
+    came from the prefix cache (their routes are kept with the cached blocks) and requests paused midway."""
+    from engines.inference.native import InferenceEngine
+    from engines.inference.sampling import SamplingParams
+
+    model, cfg = _model("qwen3_moe")
+    eng = InferenceEngine(model, eos_id=None, max_seq_len=48, kv_cache_bytes=1 << 20, block_size=4,
+                          max_num_seqs=8, record_routes=True)
+    prompts = [[5, 9, 2, 7, 7, 1, 3], [5, 9, 2, 7, 7, 1, 3], [4, 4, 8], [5, 9, 2, 7, 7, 1, 3, 11, 12]]
+    params = [SamplingParams(1.0, 6 + i, ignore_eos=True, seed=i) for i in range(4)]
+    done = eng.generate(prompts, params)
+    assert eng.stats()["prefix_hit_tokens"] > 0  # some prompts' routes came from cached blocks
+    for c in done:
+        fed = c.prompt_ids + c.token_ids[:-1]
+        with routing.recording() as tape:
+            _forward(model, torch.tensor([fed]))
+        assert c.routed_experts.shape == (len(fed), 2, cfg.num_experts_per_tok)
+        assert routing.route_mismatch(torch.as_tensor(c.routed_experts).long(), routing.stacked(tape)) == 0
+    rid = eng.add_request(prompts[2], SamplingParams(1.0, 10, ignore_eos=True, seed=7))
+    for _ in range(3):
+        eng.step()
+    (c,) = eng.pause()
+    assert c.request_id == rid and c.finish_reason is None
+    assert len(c.routed_experts) == len(c.prompt_ids) + len(c.token_ids) - 1
+    with pytest.raises(ValueError, match="no mixture-of-experts layers"):
+        InferenceEngine(build_model(make_config("llama", vocab_size=64, hidden_size=32, intermediate_size=48,
+                                                num_attention_heads=4, num_key_value_heads=2), init=True),
+                        eos_id=None, max_seq_len=16, kv_cache_bytes=1 << 16, record_routes=True)

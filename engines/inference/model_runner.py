@@ -23,6 +23,7 @@ from engines.inference.requests import MAX_STOP_IDS, TokenLogprob, TopLogprobs
 from engines.inference.sampling import RowParams, mask_logits, sample
 from engines.inference.scheduler import RowStart, StepPlan
 from engines.inference.uploads import upload, upload_rows
+from engines.model.native import routing
 from engines.model.native.attention import padded_causal_mask, positions_from_valid
 from engines.model.native.causal_lm import CausalLM
 
@@ -60,6 +61,7 @@ class ModelRunner:
         self.attention, self.block_size, self.max_blocks = attention, block_size, max_blocks
         self.num_blocks, self.max_num_seqs, self.scratch_block = num_blocks, max_num_seqs, scratch_block
         self.kv: PagedKVCache | None = None
+        self.routes: torch.Tensor | None = None  # [pool slots, MoE layers, k]: see record_routes
         self.graphs = DecodeGraphs(self, capture_at_start) if cuda_graphs else None
         # allocated once and kept through sleep: graphs read these addresses, and the host table stays pinned
         s, dev = max_num_seqs, self.device
@@ -84,6 +86,10 @@ class ModelRunner:
         for src, dst in plan.moves:
             self._move(src, dst)
         cache.copy_blocks(plan.copies)
+        if self.routes is not None:  # a block copied before it is written keeps the routes of what it holds
+            bs = self.block_size
+            for src, dst in plan.copies:
+                self.routes[dst * bs:(dst + 1) * bs] = self.routes[src * bs:(src + 1) * bs]
         if not plan.computes:
             return None
         n = plan.decode
@@ -101,7 +107,29 @@ class ModelRunner:
         table = self.block_table[:rows]
         write = rows_of(table, pos[:, None], self.block_size)[:, 0]
         step = PagedPass(self.cache(), write, [Ragged.decode(table, pos, width)], self.attention)
-        return self.model(self.last[None, :rows], pos[None], cache=step)[0]
+        return self._model(write, self.last[None, :rows], pos[None], cache=step)[0]
+
+    def record_routes(self, layers: int, top_k: int) -> None:
+        """From now on keep each computed token's experts (``layers`` MoE layers, top-``top_k``) at its cache slot,
+        as its key and value are kept: requests sharing a cached prefix share its routes too."""
+        self.routes = torch.zeros(self.num_blocks * self.block_size, layers, top_k, dtype=torch.int32,
+                                  device=self.device)
+
+    def read_routes(self, blocks: list[int], n: int) -> torch.Tensor:
+        """The routes [n, layers, k] (on the host) of positions 0..n-1 of a sequence laid in ``blocks``."""
+        assert self.routes is not None
+        bs = self.block_size
+        slots = [blocks[p // bs] * bs + p % bs for p in range(n)]
+        return self.routes[upload(slots, self.device)].cpu()
+
+    def _model(self, write: torch.Tensor, *args, **kw) -> torch.Tensor:
+        """The model's forward; with routes recorded, each computed token's experts go to its cache slot."""
+        if self.routes is None:
+            return self.model(*args, **kw)
+        with routing.recording() as tape:
+            out = self.model(*args, **kw)
+        self.routes[write] = routing.stacked(tape).to(self.routes.dtype)
+        return out
 
     def score(self, token_ids: list[int], top: int) -> list[TokenLogprob | None]:
         """Each token's log-probability given those before it (None for the first) and the ``top`` likeliest
@@ -176,7 +204,7 @@ class ModelRunner:
             flat_write = torch.cat((rows_of(table, pos[:, None], bs)[:, 0], flat_write))
         select = torch.cat((torch.arange(n, device=dev), sel))
         step = PagedPass(self.cache(), flat_write, groups, self.attention)
-        return self.model(flat_ids[None], flat_pos[None], cache=step, select=select)
+        return self._model(flat_write, flat_ids[None], flat_pos[None], cache=step, select=select)
 
     def _set_rows(self, starts: list[RowStart]) -> None:
         """Per-row state of requests that start decoding: one upload for all of them, not a device write per

@@ -24,6 +24,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
+import numpy as np
 import torch
 
 from engines.device import host_buffer
@@ -86,7 +87,8 @@ class InferenceEngine(RolloutEngine):
                  max_batch_tokens: int = 8192, block_size: int | None = None, seed: int = 0,
                  detokenize: Callable[[list[int]], str] | None = None, cuda_graphs: bool = True,
                  attention: str | None = None, kv_memory_fraction: float | None = None,
-                 onednn_linear: bool = True, capture_graphs_at_start: bool | None = None) -> None:
+                 onednn_linear: bool = True, capture_graphs_at_start: bool | None = None,
+                 record_routes: bool = False) -> None:
         self.model = model.eval().requires_grad_(False)
         cfg = model.config
         # a model may end a turn with any of several tokens (Llama 3: <|eot_id|> and <|end_of_text|>)
@@ -136,6 +138,12 @@ class InferenceEngine(RolloutEngine):
                                   block_size=self.block_size, max_blocks=self.max_blocks, num_blocks=self.num_blocks,
                                   max_num_seqs=max_num_seqs, scratch_block=self.scratch_block, cuda_graphs=use_graphs,
                                   capture_at_start=capture_graphs_at_start)
+        self.record_routes = record_routes
+        if record_routes:
+            if not cfg.is_moe:
+                raise ValueError("record_routes: this model has no mixture-of-experts layers to record")
+            self.runner.record_routes(sum(map(cfg.is_moe_layer, range(cfg.num_hidden_layers))),
+                                      cfg.num_experts_per_tok)
         self.capture_graphs()
 
     def _new_scheduler(self) -> Scheduler:
@@ -199,7 +207,11 @@ class InferenceEngine(RolloutEngine):
     def pause(self) -> list[Completion]:
         """Stop every unfinished request; returns them (finish_reason None) with tokens so far. Their full
         blocks stay cached, so resuming before the weights change recomputes little."""
-        return [r.completion(None) for r in self.sched.clear()]
+        routes = {r.id: self._routes(r) for r in self.sched.running + self.sched.prefilling}
+        out = [r.completion(None) for r in self.sched.clear()]
+        for c in out:
+            c.routed_experts = routes.get(c.request_id, self._routes(None)) if self.record_routes else None
+        return out
 
     def progress(self, since: Mapping[int, int]) -> dict[int, Progress]:
         """What each unfinished request among ``since``'s ids generated from the token ``since[id]`` on."""
@@ -400,6 +412,15 @@ class InferenceEngine(RolloutEngine):
         self.generated += len(plan.sampled)
         return self._release(finished)
 
+    def _routes(self, r: Request | None) -> np.ndarray | None:
+        """The experts each position of ``r`` the model has read took (its blocks' routes), before they are freed;
+        an empty array for a request not computed yet."""
+        if not self.record_routes:
+            return None
+        if r is None or r.seq is None or not r.seq.computed:
+            return _no_routes(self.runner)
+        return self.runner.read_routes(r.seq.blocks, r.seq.computed).numpy()
+
     def _stop_string(self, r: Request) -> str | None:
         longest = max(map(len, r.params.stop))
         # a token is at least one byte, so the last `longest` tokens (+1 for a split character) hold any new match
@@ -421,8 +442,13 @@ class InferenceEngine(RolloutEngine):
             r = self.running[row]
             why = self._stop_reason(r)
             out.append(r.completion("length" if why is None else "stop", why))
+            out[-1].routed_experts = self._routes(r) if self.record_routes else None
             self.sched.release(row)  # the row move it makes reaches the runner with the next plan
         return out[::-1]
+
+
+def _no_routes(runner) -> np.ndarray:
+    return np.zeros((0, *runner.routes.shape[1:]), np.int32)
 
 
 def _grammar_done(matcher, token: int) -> bool:

@@ -29,6 +29,9 @@ class Completion:
     request_id: int = -1
     params: SamplingParams | None = None
     top_logprobs: list[TopLogprobs | None] | None = None
+    #: with routes recorded (an MoE model's engine asked for them), the experts each fed token took: an int
+    #: [tokens, MoE layers, k] array over the prompt and the generated tokens the model read (all but the last)
+    routed_experts: Any = None
 
 
 @dataclass(frozen=True)
