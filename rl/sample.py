@@ -120,6 +120,7 @@ class TurnRequest:
     turn: int
     logprobs: np.ndarray
     keep: bool = False
+    routes_from: int = 0  # the sample holds the routes of its first ``routes_from`` context tokens already
 
 
 @dataclass
@@ -134,6 +135,7 @@ class TurnResult:
     finish_reason: str | None
     error: str | None = None
     version: int = 0
+    routes: np.ndarray | None = None  # MoE: the routes of context tokens from the request's ``routes_from`` on
 
     def __post_init__(self) -> None:
         self.token_ids, self.logprobs = as_tokens(self.token_ids), as_logprobs(self.logprobs)
@@ -166,8 +168,10 @@ class Sample:
     status: Status = "running"
     reward: float | None = None
     error: str | None = None
-    #: per response token, per MoE layer, its top-k routed expert ids ([tokens, layers, k] ints), for replaying the
-    #: sampler's routing in training (slime's ``rollout_routed_experts``); filled by nothing yet
+    #: MoE with routing replay: per context token the model read (prompt, then response; the last token is never
+    #: read), per MoE layer, the top-k experts the sampler routed it to ([tokens, layers, k] int32), for replaying
+    #: them in training (slime's ``rollout_routed_experts``). A resumed turn keeps the routes its earlier tokens were
+    #: sampled with: each version segment's own.
     routed_experts: np.ndarray | None = None
     #: the prompt's images etc. as the multimodal processor's outputs (name -> array: pixel values, grid sizes),
     #: as slime's ``multimodal_inputs``; filled by nothing yet
@@ -230,7 +234,8 @@ class Sample:
                              f"{known}")
         tokens = self.response_ids[known - p:] if known >= p else \
             np.concatenate((self.prompt_ids[known:], self.response_ids))
-        return TurnRequest(self.key, self.params, known, tokens, p + cut, self.logprobs[cut:], self.multi_turn)
+        return TurnRequest(self.key, self.params, known, tokens, p + cut, self.logprobs[cut:], self.multi_turn,
+                           0 if self.routed_experts is None else len(self.routed_experts))
 
     def take(self, r: TurnResult) -> None:
         """Append the engine's result ``r`` for the current turn in place: the new tokens become a segment of
@@ -246,6 +251,10 @@ class Sample:
             self.status = "error"
             return
         new = len(r.token_ids)
+        if r.routes is not None and len(r.routes):
+            if self.routed_experts is None:
+                self.routed_experts = np.zeros((0, *r.routes.shape[1:]), np.int32)
+            self._append("routed_experts", np.asarray(r.routes, np.int32))
         if new:
             self._append("segments", np.array([[len(self.response_ids), r.version]], TOKENS))
             self._append("response_ids", r.token_ids)
@@ -263,6 +272,7 @@ class Sample:
         self._room = {}
         self.response_ids, self.logprobs = np.zeros(0, TOKENS), np.zeros(0, LOGPROBS)
         self.segments, self.status = np.zeros((0, 2), TOKENS), "running"
+        self.routed_experts = None
 
     def oldest_version(self) -> int | None:
         """The version of the oldest weights that sampled any of its tokens (None: no token yet)."""

@@ -188,3 +188,46 @@ def test_the_native_engine_returns_each_fed_tokens_routes_prefix_cache_and_pause
         InferenceEngine(build_model(make_config("llama", vocab_size=64, hidden_size=32, intermediate_size=48,
                                                 num_attention_heads=4, num_key_value_heads=2), init=True),
                         eos_id=None, max_seq_len=16, kv_cache_bytes=1 << 16, record_routes=True)
+
+
+def test_a_sample_paused_across_an_update_keeps_each_segments_routes():
+    """A turn paused by the budget, the weights changed, the turn resumed: the sample's routes cover every context
+    token the model read, those read before the pause as the old weights routed them (the tokens they sampled were
+    drawn under those routes), the rest as the new weights route the whole context."""
+    from engines.inference.native import InferenceEngine
+    from engines.inference.sampling import SamplingParams
+    from rl.algo.schedules import Schedule
+    from rl.rollout.turns import serve_turns
+    from rl.sample import Sample, TaskType
+
+    model, _ = _model("qwen3_moe")
+    eng = InferenceEngine(model, eos_id=None, max_seq_len=48, kv_cache_bytes=1 << 20, block_size=4, max_num_seqs=4,
+                          record_routes=True)
+    kind = TaskType("text", 12, 0.0, Schedule("constant", 1.0, 1.0, 10))
+    s = Sample(0, 0, 0, kind, [5, 9, 2, 7, 7, 1], SamplingParams(1.0, 12, ignore_eos=True, seed=3), 0)
+
+    def turn(version, budget):
+        (r,), _ = serve_turns(eng, {}, [s.turn_request()], budget, version)
+        s.take(r)
+
+    turn(0, 5)
+    assert s.status == "paused" and len(s.routed_experts) == len(s.prompt_ids) + len(s.response_ids) - 1
+    with routing.recording() as old:
+        _forward(model, torch.tensor([list(s.prompt_ids) + list(s.response_ids)]))
+    first = s.routed_experts.copy()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(-1.0)  # other routes everywhere
+    eng.weights_loaded()
+    turn(1, None)
+    assert s.status == "truncated"
+    ctx = list(s.prompt_ids) + list(s.response_ids)
+    assert s.routed_experts.shape == (len(ctx) - 1, 2, 2)
+    assert np.array_equal(s.routed_experts[:len(first)], first)
+    assert routing.route_mismatch(torch.as_tensor(first).long(), routing.stacked(old)[:len(first)]) == 0
+    with routing.recording() as new:
+        _forward(model, torch.tensor([ctx]))
+    n = len(first)
+    assert routing.route_mismatch(torch.as_tensor(s.routed_experts[n:]).long(), routing.stacked(new)[n:-1]) == 0
+    # the new weights route the old tokens otherwise: the kept routes are not the recomputed ones
+    assert routing.route_mismatch(torch.as_tensor(first).long(), routing.stacked(new)[:n]) > 0

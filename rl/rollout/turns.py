@@ -142,7 +142,8 @@ def serve_turns(engine: RolloutEngine, held: dict[int, list[int]], requests: Seq
             continue
         if len(c.token_ids) < n or c.token_ids[:n] != ctx[r.turn:]:
             raise ValueError(f"result {c.request_id} does not continue sample {r.key}'s tokens")
-        out = TurnResult(r.key, c.token_ids[n:], c.logprobs[n:], c.finish_reason, c.error, version)
+        routes = None if c.routed_experts is None else c.routed_experts[r.routes_from:]
+        out = TurnResult(r.key, c.token_ids[n:], c.logprobs[n:], c.finish_reason, c.error, version, routes)
         if r.keep and out.turn_ended:
             ctx.extend(c.token_ids[n:])
             held[r.key] = ctx
