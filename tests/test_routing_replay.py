@@ -231,3 +231,22 @@ def test_a_sample_paused_across_an_update_keeps_each_segments_routes():
     assert routing.route_mismatch(torch.as_tensor(s.routed_experts[n:]).long(), routing.stacked(new)[n:-1]) == 0
     # the new weights route the old tokens otherwise: the kept routes are not the recomputed ones
     assert routing.route_mismatch(torch.as_tensor(first).long(), routing.stacked(new)[:n]) > 0
+
+
+def test_replay_under_activation_checkpointing_gives_the_same_gradients():
+    """The backward's recompute runs outside the replay block: it must replay the same routes, not route anew."""
+    other, _ = _model("mixtral", seed=1)
+    ids = _ids()
+    with routing.recording() as tape:
+        _forward(other, ids)
+    routes = routing.stacked(tape)
+    grads = []
+    for checkpointing in (False, True):
+        model, _ = _model("mixtral")
+        model.train().activation_checkpointing = checkpointing
+        with routing.replaying(routes):
+            loss = _forward(model, ids).float().logsumexp(-1).sum()
+        loss.backward()  # as the trainer does: the forward under the replay, the backward after it
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    for n, g in grads[0].items():
+        torch.testing.assert_close(grads[1][n], g, atol=1e-5, rtol=1e-5, msg=n)

@@ -15,6 +15,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from engines.model.logprobs import selected_logprobs
+from engines.model.native import routing
 from engines.model.native.arch import ModelConfig, make_config
 from engines.model.native.attention import (
     Attention,
@@ -142,6 +143,7 @@ def _checkpointed(layer: DecoderLayer, x, cos, sin, mask, index: int) -> torch.T
     """``layer`` under activation checkpointing: only its input is kept; the backward recomputes the rest.
     The recompute does not fold its (identical) attention logits into the tracked maxima again."""
     calls = [0]
+    tape = routing.active()  # the backward's recompute runs outside the caller's replay: it replays the same routes
 
     def run(x, cos, sin):
         calls[0] += 1
@@ -149,7 +151,8 @@ def _checkpointed(layer: DecoderLayer, x, cos, sin, mask, index: int) -> torch.T
         tracking = attn.track_logits
         attn.track_logits = tracking and calls[0] == 1
         try:
-            return layer(x, cos, sin, mask, index, None)
+            with routing.using(tape):
+                return layer(x, cos, sin, mask, index, None)
         finally:
             attn.track_logits = tracking
 

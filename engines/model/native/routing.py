@@ -66,6 +66,17 @@ def replaying(routes: torch.Tensor) -> Iterator[RouteTape]:
         _tape.reset(token)
 
 
+@contextmanager
+def using(tape: RouteTape | None) -> Iterator[RouteTape | None]:
+    """Run the forwards inside under ``tape`` (a recomputed layer under activation checkpointing re-enters the tape
+    its first forward ran under: the backward runs outside any ``replaying`` block)."""
+    token = _tape.set(tape)
+    try:
+        yield tape
+    finally:
+        _tape.reset(token)
+
+
 def check_routes(routes, layers: int, top_k: int, num_experts: int) -> None:
     """Refuse, in one line, routes (an int [tokens, layers, k] array, on the host) that do not fit a model with
     ``layers`` MoE layers of ``num_experts`` experts and top-``top_k`` routing (checked once on the host, so the
