@@ -30,7 +30,8 @@ class EngineCapabilities:
     (whether an update reaches a family's experts in place is measured by each replica as it starts,
     ``engines.inference.replica_check``, not declared); ``prompt_logprobs``: scores a prompt's tokens; ``cuda_graphs``:
     captures decode steps on a GPU; ``ipc_views``: loads updates from views of the checkpoint engine's IPC buffers;
-    ``multimodal_inputs`` and ``routing_capture`` (MoE expert choices reported with the tokens) no engine has yet;
+    ``routing_capture``: MoE expert choices reported with the tokens (``record_routes``); ``multimodal_inputs`` no
+    engine has yet;
     ``step_top_logprobs``: serves ``SamplingParams.top_logprobs``, the model's own alternatives (temperature 1, no
     filters) from the decode step that sampled each token (vLLM's step alternatives would be at the request's
     temperature and filters: a server scores its tokens instead).
@@ -58,7 +59,8 @@ class EngineCapabilities:
 
 NATIVE = EngineCapabilities(kind="native", tensor_parallel=False, fp8=True, lora_updates=("merged", "unmerged"),
                             lora_tensor_parallel=False, sleep_levels=(1, 2), cpu_moe_unsupported=(),
-                            prompt_logprobs=True, cuda_graphs=True, ipc_views=False, step_top_logprobs=True)
+                            prompt_logprobs=True, cuda_graphs=True, ipc_views=False, step_top_logprobs=True,
+                            routing_capture=True)
 # vLLM's CPU build runs no non-gated experts (engines.inference.vllm_setup); a LoRA run's merged weights reach one
 # rank of its replica, so LoRA runs on vLLM stay on one device
 VLLM = EngineCapabilities(kind="vllm", tensor_parallel=True, fp8=False, lora_updates=("merged",),

@@ -58,6 +58,7 @@ class EngineSettings:
     ``self_check``: a run's replica checks itself as it starts (``engines.inference.replica_check``: it can run the
     model, and on a CPU vLLM replica whose layers an update rebuilds, in-place updates reach them as the trainer's
     weights), and any failure of its start-up is one line naming the model (``ReplicaCheckError``).
+    ``record_routes``: an MoE replica reports each token's experts with its completions (routing replay).
     ``adapter``: a PEFT LoRA adapter directory served on top of ``model_dir``'s weights (with ``load_checkpoint``):
     the native engine merges it into its weights (``merge_adapters``), vLLM applies it to every request (its LoRA).
     (A LoRA run's adapter updates, merged or as low-rank deltas, are what the replica's sink does with them:
@@ -82,6 +83,7 @@ class EngineSettings:
     ipc_views: bool = False
     self_check: bool = False
     adapter: str | None = None
+    record_routes: bool = False
 
     def __post_init__(self) -> None:
         problems = []
@@ -124,6 +126,8 @@ def _unsupported(s: EngineSettings, caps: EngineCapabilities) -> list[str]:
                         "engine")
     if not caps.fp8 and s.fp8:
         problems.append(f"fp8 replicas are served by the {' or '.join(kinds_with('fp8'))} engine only")
+    if not caps.routing_capture and s.record_routes:
+        problems.append(f"MoE routes are recorded by the {' or '.join(kinds_with('routing_capture'))} engine only")
     if not caps.ipc_views and s.ipc_views:
         problems.append("ipc_views is vLLM's (the native engine's receiver writes into its tensors on the device)")
     return problems
@@ -172,7 +176,7 @@ def build_engine(settings: EngineSettings, *, load_checkpoint: bool = False) -> 
     engine = InferenceEngine(model, tok.eos_ids, tok.pad_id, max_num_seqs=s.max_num_seqs,
                              max_seq_len=s.max_seq_len, kv_cache_bytes=s.kv_cache_bytes,
                              max_batch_tokens=s.max_batch_tokens, seed=s.seed, detokenize=detokenize,
-                             attention=s.attention)
+                             attention=s.attention, record_routes=s.record_routes)
     if adapter is not None:  # W0 + (alpha/r)·B·A, as PEFT computes it; served for good, so no base copy is kept
         engine.merge_adapters(adapter.tensors, adapter.spec.scaling, keep_base=False)
     return engine

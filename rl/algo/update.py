@@ -15,14 +15,17 @@ dummy passes. Total loss of a step: L_RL + λ_ptx·L_PTX, the PTX part the token
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
 
 from engines.device import to_device as upload
+from engines.model.native import routing
 from engines.training.distributed import all_reduce_tensor
 from engines.training.engine import NonFiniteError, StepMetrics, TokenScores, TrainingEngine, inverse_temperatures
 from engines.training.packing import PackedBatch, pack
+from engines.training.routes import pack_routes
 from rl.algo.batches import PtxShare, RankBatch
 from rl.algo.mismatch import correct
 from rl.algo.mismatch import metrics as correction_metrics
@@ -44,10 +47,13 @@ class Micro:
     advantage: torch.Tensor   # [B]
     weight: torch.Tensor      # [B] loss weight, times any mismatch correction
     ref: torch.Tensor | None = None  # the reference policy's log-probs (a KL penalty)
+    routes: torch.Tensor | None = None  # MoE routing replay: the rollout's experts per packed token
 
     def score(self, engine: TrainingEngine) -> TokenScores:
-        """The trainer's log-probs and entropies of this micro-batch (differentiable unless under no_grad)."""
-        scores = engine.score_packed(self.packed, self.inv_temp)
+        """The trainer's log-probs and entropies of this micro-batch (differentiable unless under no_grad); with
+        ``routes``, every MoE layer takes the rollout's experts (π_θ, π_old and the reference alike)."""
+        with routing.replaying(self.routes) if self.routes is not None else nullcontext():
+            scores = engine.score_packed(self.packed, self.inv_temp)
         self.packed.mask.clear_cache()  # the dense or block mask: built again next pass, not held meanwhile
         return scores
 
@@ -80,9 +86,21 @@ def to_device(engine: TrainingEngine, batch: RankBatch) -> list[list[Micro]]:
                 old=sampler,
                 old_seq=upload(torch.tensor([s.policy_logprob() for s in chosen], dtype=torch.float32), dev),
                 advantage=upload(torch.tensor([batch.advantages[i] for i in part], dtype=torch.float32), dev),
-                weight=upload(torch.tensor([batch.weights[i] for i in part], dtype=torch.float32), dev)))
+                weight=upload(torch.tensor([batch.weights[i] for i in part], dtype=torch.float32), dev),
+                routes=_routes(engine, host, chosen)))
         out.append(step)
     return out
+
+
+def _routes(engine: TrainingEngine, host: PackedBatch, chosen: Sequence) -> torch.Tensor | None:
+    """The micro-batch's rollout routes laid out as its packed tokens, on the device, when its samples carry them
+    (the rollout engine recorded them: ``algorithm.routing_replay``), else None."""
+    if not chosen or all(s.routed_experts is None for s in chosen):
+        return None
+    cfg = engine.model.config
+    layers = sum(map(cfg.is_moe_layer, range(cfg.num_hidden_layers)))
+    routes = pack_routes(host, [s.routed_experts for s in chosen], layers, cfg.num_experts_per_tok, cfg.num_experts)
+    return upload(routes, engine.device)
 
 
 class Measures:
