@@ -250,3 +250,52 @@ def test_replay_under_activation_checkpointing_gives_the_same_gradients():
         grads.append({n: p.grad for n, p in model.named_parameters()})
     for n, g in grads[0].items():
         torch.testing.assert_close(grads[1][n], g, atol=1e-5, rtol=1e-5, msg=n)
+
+
+def test_the_update_trains_on_the_rollouts_routes_and_reports_the_routers_health(monkeypatch):
+    """Samples rolled out by another model's routers (their routes recorded by the engine) through ``rl_update``: the
+    trainer's forwards run exactly the recorded experts at every real token, and the step's metrics carry the router
+    health, its route mismatch being the share of token-layer pairs the trainer's own routers choose otherwise
+    (computed here from a forward of each sequence alone)."""
+    from engines.inference.native import InferenceEngine
+    from engines.inference.sampling import SamplingParams
+    from engines.training.engine import TrainingEngine
+    from engines.training.packing import pack
+    from tests.conftest import make_sample
+    from tests.test_algorithm import settings, update
+
+    model, _ = _model("qwen3_moe")
+    rollout, _ = _model("qwen3_moe", seed=1)
+    eng = InferenceEngine(rollout, eos_id=None, max_seq_len=48, kv_cache_bytes=1 << 20, block_size=4,
+                          max_num_seqs=8, record_routes=True)
+    prompts = [[5, 9, 2, 7], [5, 9, 2, 7], [4, 4, 8, 1, 3], [4, 4, 8, 1, 3]]
+    done = eng.generate(prompts, [SamplingParams(1.0, 5 + i, ignore_eos=True, seed=i) for i in range(4)])
+    samples = []
+    for i, c in enumerate(done):
+        s = make_sample(i // 2, c.prompt_ids, c.token_ids, c.logprobs, reward=float(i % 2))
+        s.routed_experts = c.routed_experts
+        samples.append(s)
+    differ = pairs = 0
+    for s in samples:  # the trainer's own choice at each read token (under the replay), against the rollout's
+        routes = torch.as_tensor(s.routed_experts).long()
+        with routing.replaying(torch.cat((routes, routes[-1:]))) as tape:
+            _forward(model, torch.tensor([list(s.prompt_ids) + list(s.response_ids)]))
+        mine = torch.stack([tape.own[layer][:-1] for layer in (0, 1)], dim=1)
+        differ += routing.route_mismatch(mine, routes) * mine.shape[0] * 2
+        pairs += mine.shape[0] * 2
+    used = []
+    forward = Experts.forward
+    monkeypatch.setattr(Experts, "forward", lambda self, x, w, index: used.append(index) or forward(self, x, w, index))
+    (metrics,) = update(TrainingEngine(model, [], 0), samples, settings())
+    assert metrics["route_mismatch"] == pytest.approx(differ / pairs) and 0 < metrics["route_mismatch"] < 1
+    assert metrics["router_load_cv"] >= 0 and metrics["router_max_load"] >= 1 and metrics["router_entropy"] > 0
+    # one packed forward: each sequence's read tokens ran the rollout's experts (filler aside)
+    assert len(used) == 2
+    lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
+    batch = pack([s.prompt_ids for s in samples], [s.response_ids for s in samples], 0)
+    doc, pos = batch.mask.doc.flatten(), batch.mask.positions.flatten()
+    for layer, index in enumerate(used):
+        for i, s in enumerate(samples):
+            at = torch.nonzero(doc == i).squeeze(1)
+            got = index[at[pos[at].argsort()]][: lengths[i] - 1]
+            assert torch.equal(got, torch.as_tensor(s.routed_experts[:, layer]).long())

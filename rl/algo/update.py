@@ -22,6 +22,7 @@ import torch
 
 from engines.device import to_device as upload
 from engines.model.native import routing
+from engines.model.native.causal_lm import CausalLM
 from engines.training.distributed import all_reduce_tensor
 from engines.training.engine import NonFiniteError, StepMetrics, TokenScores, TrainingEngine, inverse_temperatures
 from engines.training.packing import PackedBatch, pack
@@ -49,11 +50,19 @@ class Micro:
     ref: torch.Tensor | None = None  # the reference policy's log-probs (a KL penalty)
     routes: torch.Tensor | None = None  # MoE routing replay: the rollout's experts per packed token
 
-    def score(self, engine: TrainingEngine) -> TokenScores:
+    def score(self, engine: TrainingEngine, router: routing.RouterTally | None = None) -> TokenScores:
         """The trainer's log-probs and entropies of this micro-batch (differentiable unless under no_grad); with
-        ``routes``, every MoE layer takes the rollout's experts (π_θ, π_old and the reference alike)."""
-        with routing.replaying(self.routes) if self.routes is not None else nullcontext():
+        ``routes``, every MoE layer takes the rollout's experts (π_θ, π_old and the reference alike). ``router``
+        (an MoE policy) counts its routers' health over this forward's tokens."""
+        tape = routing.replaying(self.routes) if self.routes is not None else \
+            routing.recording() if router is not None else nullcontext()
+        with tape as routes:
             scores = engine.score_packed(self.packed, self.inv_temp)
+        if router is not None:
+            # the tokens the rollout read: real ones, each sequence's last one aside (never read, its replayed route
+            # a stand-in); a sequence lies in one row, so the next flat position is the next token or another's
+            doc = self.packed.mask.doc.flatten()
+            router.add(routes, (doc >= 0) & (doc == torch.cat((doc[1:], doc.new_full((1,), -1)))))
         self.packed.mask.clear_cache()  # the dense or block mask: built again next pass, not held meanwhile
         return scores
 
@@ -92,14 +101,24 @@ def to_device(engine: TrainingEngine, batch: RankBatch) -> list[list[Micro]]:
     return out
 
 
+def _moe_shape(engine: TrainingEngine) -> tuple[int, int] | None:
+    """(MoE layers, experts) of a native MoE policy, whose routers' health the update counts; else None."""
+    if not isinstance(engine.model, CausalLM) or not engine.model.config.is_moe:
+        return None  # a transformers model's routers are its own: neither counted nor replayed
+    cfg = engine.model.config
+    return sum(map(cfg.is_moe_layer, range(cfg.num_hidden_layers))), cfg.num_experts
+
+
 def _routes(engine: TrainingEngine, host: PackedBatch, chosen: Sequence) -> torch.Tensor | None:
     """The micro-batch's rollout routes laid out as its packed tokens, on the device, when its samples carry them
     (the rollout engine recorded them: ``algorithm.routing_replay``), else None."""
     if not chosen or all(s.routed_experts is None for s in chosen):
         return None
-    cfg = engine.model.config
-    layers = sum(map(cfg.is_moe_layer, range(cfg.num_hidden_layers)))
-    routes = pack_routes(host, [s.routed_experts for s in chosen], layers, cfg.num_experts_per_tok, cfg.num_experts)
+    shape = _moe_shape(engine)
+    if shape is None:
+        raise ValueError("samples carry MoE routes, but the policy is not a native MoE model to replay them in")
+    routes = pack_routes(host, [s.routed_experts for s in chosen], shape[0], engine.model.config.num_experts_per_tok,
+                         shape[1])
     return upload(routes, engine.device)
 
 
@@ -116,9 +135,11 @@ class Measures:
             "scored", "kl", "kl_tokens", "rho_sum", "rho_n", "is_hit", "is_units")
     MAXIMA = ("diff_max", "residual_absmax", "neg_rho_min", "rho_max")
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, router: tuple[int, int] | None = None) -> None:
         self.sums = torch.zeros(len(self.SUMS), dtype=torch.float64, device=device)
         self.maxima = torch.full((len(self.MAXIMA),), float("-inf"), dtype=torch.float64, device=device)
+        #: an MoE policy's (MoE layers, experts): its routers' health is counted too (``routing.RouterTally``)
+        self.router = routing.RouterTally(*router, device) if router is not None else None
 
     def add(self, **values: torch.Tensor | float) -> None:
         for k, v in values.items():
@@ -148,12 +169,18 @@ class Measures:
 
     def reduced(self) -> torch.Tensor:
         """Every value, reduced over ranks (sums summed, maxima maximised), in one device tensor (no host read)."""
-        return torch.cat([all_reduce_tensor(self.sums, "sum"), all_reduce_tensor(self.maxima, "max")])
+        parts = [all_reduce_tensor(self.sums, "sum"), all_reduce_tensor(self.maxima, "max")]
+        if self.router is not None:
+            parts.append(all_reduce_tensor(self.router.flat(), "sum"))
+        return torch.cat(parts)
 
-    @classmethod
-    def named(cls, values: Sequence[float]) -> dict[str, float]:
-        """``reduced``'s values, read to the host, by name."""
-        return dict(zip(cls.SUMS + cls.MAXIMA, values, strict=True))
+    def named(self, values: Sequence[float]) -> dict[str, float]:
+        """``reduced``'s values, read to the host, by name (the router's as ``RouterTally.metrics`` names them)."""
+        n = len(self.SUMS) + len(self.MAXIMA)
+        out = dict(zip(self.SUMS + self.MAXIMA, values[:n], strict=True))
+        if self.router is not None:
+            out.update(self.router.metrics(list(values[n:])))
+        return out
 
     def read(self) -> dict[str, float]:
         """Every value, reduced over ranks: one read of the device."""
@@ -173,6 +200,7 @@ def _metrics(v: dict[str, float], tokens: bool, residuals: bool, correction) -> 
         out["clip_fraction"] = v["clipped"] / v["scored"]
     if residuals and v["kl_tokens"]:
         out["kl_ref"] = v["kl"] / v["kl_tokens"]
+    out.update({k: x for k, x in v.items() if k.startswith(("router_", "route_"))})
     if correction is not None and v["rho_n"]:
         out.update(correction_metrics([v["rho_sum"], v["rho_n"], v["is_hit"], v["is_units"], -v["neg_rho_min"],
                                        v["rho_max"]], correction))
@@ -221,7 +249,7 @@ def accumulate(engine: TrainingEngine, micros: list[Micro], passes: int, objecti
     """Accumulate the gradient of one step's RL loss over this rank's ``micros`` (dummy backwards pad to
     ``passes``); its loss and diagnostics go to ``measures``."""
     for micro in micros:
-        scores = micro.score(engine)
+        scores = micro.score(engine, measures.router)
         own = micro.own & scores.mask
         if objective.kind == "k15":
             new = (scores.logprobs * own).sum(-1)
@@ -273,7 +301,8 @@ def rl_update(engine: TrainingEngine, batch: RankBatch, settings: UpdateSettings
     trainer/sampler. With a KL penalty, ``reference`` (the reference policy's engine) scores the samples once."""
     objective = settings.objective
     steps = to_device(engine, batch)
-    pre = Measures(engine.device)
+    router = _moe_shape(engine)
+    pre = Measures(engine.device, router)
     tokens: list[torch.Tensor | int] = list(batch.tokens)
     if settings.recompute_old and batch.samples:
         score_all(engine, steps, batch.scoring_passes, pre)
@@ -285,7 +314,7 @@ def rl_update(engine: TrainingEngine, batch: RankBatch, settings: UpdateSettings
         score_all(reference, steps, batch.scoring_passes, into="ref")
     held: tuple[dict[str, float], StepMetrics] | None = None  # the last step's metrics, short of its update RMS
     for j, micros in enumerate(steps):
-        measures = pre if j == 0 else Measures(engine.device)
+        measures = pre if j == 0 else Measures(engine.device, router)
         accumulate(engine, micros, batch.passes[j], objective, tokens[j], measures,
                    measure_tokens=j == 0 and not settings.recompute_old)
         if batch.ptx and batch.ptx[j] is not None:
@@ -299,7 +328,7 @@ def rl_update(engine: TrainingEngine, batch: RankBatch, settings: UpdateSettings
             raise
         if held is not None:
             yield _completed(*held)
-        values = Measures.named(read.values)
+        values = measures.named(read.values)
         metrics = _metrics(values, tokens=j == 0, residuals=batch.passes[j] > 0,
                            correction=settings.correction if j == 0 else None)
         if batch.ptx and batch.ptx[j] is not None:

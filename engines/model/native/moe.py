@@ -55,23 +55,23 @@ class Router(nn.Module):
         replay = tape is not None and tape.replay is not None
         if self.kind == "softmax":
             probs = F.linear(x, self.weight).float().softmax(dim=-1)
+            own = probs.topk(self.top_k, dim=-1)
             if replay:
                 index = routing.take(tape, self.moe_index, probs.shape[0], self.top_k)
                 weights = probs.gather(1, index)
             else:
-                weights, index = probs.topk(self.top_k, dim=-1)
+                weights, index = own
             if tape is not None:
-                routing.note(tape, self.moe_index, index, probs)
+                routing.note(tape, self.moe_index, index, probs, own.indices if replay else None)
             if self.renormalise:
                 weights = weights / weights.sum(dim=-1, keepdim=True)
             return weights, index
         scores = F.linear(x.float(), self.weight.float()).sigmoid()
-        if replay:
-            index = routing.take(tape, self.moe_index, scores.shape[0], self.top_k)
-        else:
-            index = self._grouped_top_k(scores)
+        own = self._grouped_top_k(scores)
+        index = routing.take(tape, self.moe_index, scores.shape[0], self.top_k) if replay else own
         if tape is not None:
-            routing.note(tape, self.moe_index, index, scores / scores.sum(dim=-1, keepdim=True))
+            routing.note(tape, self.moe_index, index, scores / scores.sum(dim=-1, keepdim=True),
+                         own if replay else None)
         weights = scores.gather(1, index)
         if self.renormalise:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)

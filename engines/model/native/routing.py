@@ -29,8 +29,8 @@ class RouteTape:
 
     replay: torch.Tensor | None = None  # [tokens, layers, k] to impose, else None (recording)
     recorded: dict[int, torch.Tensor] = field(default_factory=dict)  # MoE layer -> [tokens, k]
-    probs: dict[int, torch.Tensor] = field(default_factory=dict)  # MoE layer -> mean router probabilities [E]
-    entropy: dict[int, torch.Tensor] = field(default_factory=dict)  # MoE layer -> mean per-token entropy (nats)
+    entropy: dict[int, torch.Tensor] = field(default_factory=dict)  # MoE layer -> per-token router entropy (nats)
+    own: dict[int, torch.Tensor] = field(default_factory=dict)  # under replay: the layer's own top-k [tokens, k]
 
 
 _tape: ContextVar[RouteTape | None] = ContextVar("route_tape", default=None)
@@ -99,13 +99,15 @@ def take(tape: RouteTape, layer: int, tokens: int, top_k: int) -> torch.Tensor:
     return r[:, layer]
 
 
-def note(tape: RouteTape, layer: int, index: torch.Tensor, probs: torch.Tensor) -> None:
-    """Keep what MoE layer ``layer`` chose and its router's statistics (``probs``: [tokens, E] float32, the
-    normalised scores the choice was made from)."""
+def note(tape: RouteTape, layer: int, index: torch.Tensor, probs: torch.Tensor,
+         own: torch.Tensor | None = None) -> None:
+    """Keep what MoE layer ``layer`` used, its router's per-token entropy (``probs``: [tokens, E] float32, the
+    normalised scores) and, under replay, the experts it would have chosen itself (``own``)."""
     tape.recorded[layer] = index.detach()
     p = probs.detach()
-    tape.probs[layer] = p.mean(dim=0)
-    tape.entropy[layer] = -(p * p.clamp_min(1e-20).log()).sum(dim=-1).mean()
+    tape.entropy[layer] = -(p * p.clamp_min(1e-20).log()).sum(dim=-1)
+    if own is not None:
+        tape.own[layer] = own.detach()
 
 
 def stacked(tape: RouteTape) -> torch.Tensor:
@@ -133,7 +135,7 @@ def router_health(tape: RouteTape, num_experts: int, reference: torch.Tensor | N
         cvs.append(float(load.std(unbiased=False) / mean) if mean > 0 else 0.0)
         maxes.append(float(load.max() / load.sum() * num_experts) if load.sum() > 0 else 0.0)
     out = {"load_cv": sum(cvs) / len(cvs), "max_load": max(maxes),
-           "entropy": float(torch.stack(list(tape.entropy.values())).mean())}
+           "entropy": float(torch.stack([e.mean() for e in tape.entropy.values()]).mean())}
     if reference is not None:
         out["route_mismatch"] = route_mismatch(stacked(tape), reference)
     return out
@@ -147,3 +149,47 @@ def route_mismatch(routes: torch.Tensor, reference: torch.Tensor) -> float:
         return 0.0
     a, b = routes.sort(dim=-1).values, reference.to(routes.device).long().sort(dim=-1).values
     return float((a != b).any(dim=-1).double().mean())
+
+
+def _differ(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Per token, whether two [tokens, k] expert choices differ as sets."""
+    return (a.sort(dim=-1).values != b.sort(dim=-1).values).any(dim=-1)
+
+
+class RouterTally:
+    """Router health summed on the device over a step's forwards, read with the step's one host read: tokens per
+    expert in each MoE layer, the routers' entropy, and (under replay) how many token-layer pairs the trainer would
+    have routed otherwise than the rollout did. ``flat`` is what crosses ranks and the read; ``metrics`` names it."""
+
+    def __init__(self, layers: int, experts: int, device: torch.device | str) -> None:
+        self.layers, self.experts = layers, experts
+        self.loads = torch.zeros(layers, experts, dtype=torch.float64, device=device)
+        self.sums = torch.zeros(4, dtype=torch.float64, device=device)  # entropy, tokens, differing, compared
+
+    def add(self, tape: RouteTape, keep: torch.Tensor) -> None:
+        """Count one forward's real tokens (``keep``: bool per token of the forward; filler is left out)."""
+        w = keep.double()
+        for layer, index in tape.recorded.items():
+            self.loads[layer].index_add_(0, index.reshape(-1), w.repeat_interleave(index.shape[1]))
+            self.sums[0] += (tape.entropy[layer].double() * w).sum()
+            self.sums[1] += w.sum()
+            if layer in tape.own:
+                self.sums[2] += (_differ(index, tape.own[layer]).double() * w).sum()
+                self.sums[3] += w.sum()
+
+    def flat(self) -> torch.Tensor:
+        return torch.cat((self.loads.flatten(), self.sums))
+
+    def metrics(self, values: list[float]) -> dict[str, float]:
+        """``flat``'s values, read and reduced over ranks, as ``router_health``'s metrics averaged over layers."""
+        loads = torch.tensor(values[: self.layers * self.experts], dtype=torch.float64).view(self.layers, -1)
+        entropy, tokens, differing, compared = values[self.layers * self.experts:]
+        if not tokens:
+            return {}
+        mean = loads.mean(dim=1).clamp_min(1e-20)
+        out = {"router_load_cv": float((loads.std(dim=1, unbiased=False) / mean).mean()),
+               "router_max_load": float((loads.max(dim=1).values / mean).max()),
+               "router_entropy": entropy / tokens}
+        if compared:
+            out["route_mismatch"] = differing / compared
+        return out
