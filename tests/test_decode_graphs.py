@@ -3,8 +3,10 @@
 The capture sizes and the key are pure functions; which graphs an engine captures at start, in which order, with
 which rows pointed at the scratch block, and that replaying them gives the eager engine's tokens are checked
 through a stand-in for ``torch.cuda.CUDAGraph`` whose replay runs the captured step eagerly (reading the runner's
-state as a replay reads its addresses). That the triton kernel gives the same logits at the table's full width as
-at the bucketed one runs for real, in Triton's interpreter. The real graphs are tested on a GPU in
+state as a replay reads its addresses), and so is the sampler inside the graph: its draw, taken where every row
+samples plainly, is ``sample``'s bit for bit, and rows that filter their draw sample the replayed logits eagerly.
+That the triton kernel gives the same logits at the table's full width as at the bucketed one runs for real, in
+Triton's interpreter. The real graphs are tested on a GPU in
 tests/test_triton_decode.py."""
 
 import importlib.util
@@ -15,7 +17,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from engines.inference import native
+from engines.inference import model_runner, native
 from engines.inference.cuda_graphs import (
     MIN_WIDTH,
     DecodeGraphs,
@@ -26,7 +28,7 @@ from engines.inference.cuda_graphs import (
 )
 from engines.inference.kv_cache import decode_reads_in_place
 from engines.inference.native import InferenceEngine
-from engines.inference.sampling import SamplingParams
+from engines.inference.sampling import SamplingParams, sample
 from engines.model.native.arch import make_config
 from engines.model.native.causal_lm import build_model
 
@@ -110,13 +112,13 @@ def test_which_backends_read_the_cache_in_place():
 # --- captures planned and made, through a stand-in for CUDA graphs --------------------
 
 class FakeGraph:
-    """A captured step on a CPU: its replay runs ``decode_logits`` at the captured rows and width into its output,
-    first checking that the rows past the live batch point at position 0 of the scratch block and that the live ones
-    are as the step handed them to ``DecodeGraphs.logits``."""
+    """A captured step on a CPU: its replay runs the step a graph captures (``DecodeGraphs._write``: the decode
+    forward and the plain sampler into the shared buffers) at the captured rows and width, first checking that the
+    rows past the live batch point at position 0 of the scratch block and that the live ones are as the step handed
+    them to ``DecodeGraphs.logits``."""
 
     def __init__(self, rec, graphs, rows, width):
         self.rec, self.graphs, self.rows, self.width = rec, graphs, rows, width
-        self.out = None
 
     def replay(self):
         r, live = self.graphs.runner, self.graphs.live
@@ -125,7 +127,7 @@ class FakeGraph:
         tables, positions = self.graphs.entry
         assert torch.equal(r.block_table[:live], tables) and torch.equal(r.pos[:live], positions)
         self.rec.replays.append((live, self.rows, self.width))
-        self.out.copy_(r.decode_logits(self.rows, self.width))
+        self.graphs._write(self.rows, self.width)
 
 
 @pytest.fixture
@@ -142,10 +144,9 @@ def fake_graphs(monkeypatch):
     def capture(self, rows, width):
         r = self.runner
         rec.captured.append((rows, width, r.block_table[:rows].clone(), r.pos[:rows].clone()))
-        g = FakeGraph(rec, self, rows, width)
-        g.out = r.decode_logits(rows, width)  # the warm-up a real capture runs; its output stands for the graph's
+        self._lay_out(self._step(rows, width))  # the warm-up a real capture runs, which lays out the buffers
         self.captures += 1
-        return g, g.out
+        return FakeGraph(rec, self, rows, width), self._out[0][:rows]
 
     monkeypatch.setattr(native, "graphs_supported", lambda device, cfg: True)
     monkeypatch.setattr(DecodeGraphs, "logits", logits)
@@ -259,6 +260,94 @@ def test_capture_graphs_between_steps_leaves_the_rows_as_they_were(fake_graphs, 
     while eng.has_unfinished():
         done += eng.step()
     same_completions(sorted(done, key=lambda c: c.request_id), want)
+
+
+# --- the sampler inside the graph -------------------------------------------------------
+
+class EvenTokens:
+    """A grammar stand-in: only even token ids, never terminating."""
+
+    def matcher(self):
+        return self
+
+    def allowed_mask(self):
+        return torch.arange(SMALL["vocab_size"]) % 2 == 0
+
+    def accept(self, token):
+        return token % 2 == 0
+
+    def is_terminated(self):
+        return False
+
+
+@pytest.fixture
+def draws(fake_graphs, monkeypatch):
+    """Per step, how its tokens were drawn: the rows (n), whether a graph replayed them, whether the replay's draw
+    was taken (checked to be exactly what ``sample`` draws from the replayed logits with the rows' parameters and
+    counters) and, where the step ran the eager sampler instead, the kinds it was given."""
+    steps = []
+    real_sampled, real_sample = DecodeGraphs.sampled, model_runner.sample
+
+    def sampled(self, n):
+        replayed = self._replayed == n
+        got = real_sampled(self, n)
+        if got is not None:
+            r = self.runner
+            want = sample(self._out[0][:n], r.rows[:n], r.gen[:n].clone(), [0] * n)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        steps.append(dict(n=n, replayed=replayed, offered=got is not None, eager=None))
+        return got
+
+    def eager(logits, rows, counters, kinds=None):
+        steps[-1]["eager"] = tuple(kinds)
+        return real_sample(logits, rows, counters, kinds)
+
+    monkeypatch.setattr(DecodeGraphs, "sampled", sampled)
+    monkeypatch.setattr(model_runner, "sample", eager)
+    return steps
+
+
+def exactly_the_same(got, want):
+    assert [c.token_ids for c in got] == [c.token_ids for c in want]
+    assert [c.logprobs for c in got] == [c.logprobs for c in want]
+    assert [c.top_logprobs for c in got] == [c.top_logprobs for c in want]
+
+
+@interpreted
+def test_a_replay_samples_plain_rows_in_the_graph_as_the_eager_sampler_does(draws, fake_graphs):
+    """Temperatures from greedy to 1.7 and seeds of every size: every replay's draw is taken, equal bit for bit to
+    ``sample`` on the replayed logits, no replayed step runs the eager sampler, and the engine's tokens and log-probs
+    are those of an engine without graphs."""
+    model = model_of()
+    temps = [0.0, 0.3, 1.0, 1.7, 0.0, 0.8, 1.0, 1.2, 0.5, 1.0]
+    params = [SamplingParams(t, 2 + (5 * i) % 9, ignore_eos=True, seed=(2**62 + 977 * i) if i % 2 else i)
+              for i, t in enumerate(temps)]
+    want = new_engine(model).generate(PROMPTS, params)
+    exactly_the_same(new_engine(model).generate(PROMPTS, params), want)
+    assert all(s["offered"] == s["replayed"] == (s["eager"] is None) for s in draws)
+    assert sum(s["offered"] for s in draws) == len(fake_graphs.replays) >= 10
+    assert {rows for _, rows, _ in fake_graphs.replays} == {12, 8, 4, 2, 1}
+
+
+@interpreted
+def test_rows_that_filter_their_draw_sample_the_replayed_logits_eagerly(draws):
+    """Top-k, top-p and a grammar make their steps sample the replayed logits eagerly, with the tokens of an engine
+    without graphs; once those requests finish, the plain ones take the replay's draw, alternatives
+    (``top_logprobs``) included: those come from the replayed logits."""
+    model = model_of()
+    short = dict(max_tokens=3, ignore_eos=True)
+    params = [SamplingParams(1.0, **short, seed=1, top_k=5), SamplingParams(0.9, **short, seed=2, top_p=0.7),
+              SamplingParams(1.0, **short, seed=3, grammar=EvenTokens()),
+              *(SamplingParams(1.0, 12, ignore_eos=True, seed=4 + i, top_logprobs=3 * (i % 2)) for i in range(4))]
+    prompts = PROMPTS[: len(params)]
+    want = new_engine(model).generate(prompts, params)
+    assert all(t % 2 == 0 for t in want[2].token_ids)
+    exactly_the_same(new_engine(model).generate(prompts, params), want)
+    replayed = [s for s in draws if s["replayed"]]
+    assert all(s["offered"] for s in replayed)
+    eager = [s for s in replayed if s["eager"] is not None]  # every row, the filtering ones too, sampled eagerly
+    assert {s["n"] for s in eager} == {7} and all(sorted(s["eager"]) == [0] * 5 + [1, 2] for s in eager)
+    assert {s["n"] for s in replayed if s["eager"] is None} == {4}  # the replay's draw taken
 
 
 @interpreted

@@ -125,6 +125,21 @@ def test_sampler_has_no_host_sync():
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
+def test_the_step_a_graph_captures_samples_with_no_host_sync(tiny_model, tokenizer):
+    """``DecodeGraphs._step``: the decode forward at a fixed width, then the plain sampler reading each row's
+    temperature, seed and counter in place: no op may need the host, and the rows draw what ``sample`` draws
+    from the same logits."""
+    prompts = [tokenizer.encode(t) for t in TEXTS]
+    params = [SamplingParams(t, 30, ignore_eos=True, seed=i) for i, t in enumerate((0.0, 1.0, 0.6, 1.4))]
+    eng = decoding_engine(engine(tiny_model, tokenizer, attention="torch", kv_cache_bytes=4 << 20), prompts, params)
+    n, r = len(eng.running), eng.runner
+    width = bucket(max(q.context_len for q in eng.running), eng.max_blocks * eng.block_size, MIN_WIDTH)
+    with no_host_sync("cpu"):
+        logits, tokens, logprobs = DecodeGraphs(r)._step(n, width)
+    want = sample(logits, r.rows[:n], r.gen[:n].clone(), [q.filter_kind for q in eng.running])
+    assert torch.equal(tokens, want[0]) and torch.equal(logprobs, want[1])
+
+
 def test_a_step_syncs_the_host_once(tiny_model, tokenizer):
     """Every step, with prefill chunks or without: one read of the step's tokens, logprobs and stop flags,
     no other sync and no blocking upload."""

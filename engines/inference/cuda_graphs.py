@@ -1,4 +1,4 @@
-"""CUDA graphs of the inference engine's decode step.
+"""CUDA graphs of the inference engine's decode step: the forward and the plain sampler.
 
 A decode step of a small batch is a few hundred tiny kernels: on a GPU their launches, not the arithmetic, set the
 pace. A graph replays the whole step with one launch. Its batch is one of the capture sizes (``capture_sizes``:
@@ -10,13 +10,23 @@ size alone; the others (torch gathers and masks every key of the width, flex siz
 by (batch, width), each rounded up to a power of two (the width to at least ``MIN_WIDTH``), which keeps the pairs
 they capture lazily few.
 
-A graph reads the model runner's persistent state (last tokens, positions, block tables, the KV pool, the weights)
-in place; rows past the running batch are padding, pointed before each replay at position 0 of the engine's
-scratch block (which no sequence is given), so their key and value writes never land in a live sequence's blocks
-(``capture_all`` points every row there while it captures, and gives the rows their state back after). Only
-decode-only steps replay a graph (a step with prefill chunks runs eagerly). Every graph copies its logits into one
-buffer of ``max_num_seqs`` rows, so the graphs' outputs cost one batch's logits, not one per graph (with 50-odd
-graphs and a 150k vocabulary that is gigabytes), and their temporaries share one memory pool.
+A graph holds the decode forward (``ModelRunner.decode_logits``) and, after it, the sampler of rows without top-k,
+top-p or a grammar (``sampling.sample_plain``: one log-softmax at each row's temperature and the inverse-CDF draw of
+the counter-based uniform, the tokens ``sampling.sample`` draws), so one replay gives every row's logits, token and
+token log-prob. Every decode-only step replays one; when each of its rows samples plainly, the runner takes the
+replay's tokens and log-probs (``sampled``), and otherwise it samples the replay's logits eagerly as before (the
+graph's own draw is then unused). Advancing the rows (last token, counters, positions) and the stop checks stay
+outside, in the runner, shared by both ways: a graph changes no per-row state but the KV cache.
+
+A graph reads the model runner's persistent state (last tokens, positions, counters, temperatures and seeds, block
+tables, the KV pool, the weights) in place; rows past the running batch are padding, pointed before each replay at
+position 0 of the engine's scratch block (which no sequence is given), so their key and value writes never land in
+a live sequence's blocks (``capture_all`` points every row there while it captures, and gives the rows their state
+back after); what they sample is ignored. Only decode-only steps replay a graph (a step with prefill chunks runs
+eagerly). Every graph copies its logits, tokens and log-probs into three buffers of ``max_num_seqs`` rows shared by
+all graphs, so their outputs cost one batch's, not one per graph (with 50-odd graphs and a 150k vocabulary the
+logits alone would be gigabytes), and their temporaries share one memory pool: the largest graph's forward, then
+its sampler's two float32 [rows, vocabulary] buffers (``sample_plain`` exponentiates and sums in place).
 
 Keyed by batch size alone, the graphs are few enough to capture all at once: by default the engine does so as it
 starts (``capture_all``, largest first, so the smaller ones reuse the pool's memory), and no capture is left for a
@@ -41,6 +51,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engines.inference.kv_cache import decode_reads_in_place
+from engines.inference.sampling import sample_plain
 
 if TYPE_CHECKING:
     from engines.inference.model_runner import ModelRunner
@@ -113,17 +124,20 @@ class DecodeGraphs:
         self.at_start = self.in_place if capture_at_start is None else capture_at_start
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None
-        self._out: torch.Tensor | None = None  # [max_num_seqs, V]: every graph's logits, copied in by its replay
+        # [max_num_seqs, V] logits, [max_num_seqs] tokens and log-probs: every graph's outputs, copied in by its replay
+        self._out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._replayed: int | None = None  # the rows of the last replay, until ``sampled`` hands its draw over
         self._where: tuple[int, ...] = ()
         self._stream: torch.cuda.Stream | None = None  # capture stream, on the engine's device
         self.captures = 0  # over the engine's life (tests and benchmarks read it)
         self.failed: str | None = None  # why a capture failed: the engine then decodes eagerly
 
     def clear(self) -> None:
-        """Drop every graph, the memory pool they share and their logits buffer."""
+        """Drop every graph, the memory pool they share and their output buffers."""
         self.graphs.clear()
         self.pool = None
         self._out = None
+        self._replayed = None
 
     def key(self, n: int, width: int) -> tuple[int, int]:
         """The key of the graph that decodes ``n`` rows whose longest sequence has ``width`` tokens."""
@@ -158,8 +172,9 @@ class DecodeGraphs:
 
     def logits(self, n: int, width: int) -> torch.Tensor:
         """Next-token logits [n, V] of decoding rows 0..n-1 whose longest sequence has ``width`` tokens,
-        as the eager decode step computes them."""
+        as the eager decode step computes them; a replay also samples each row plainly (see ``sampled``)."""
         e = self.runner
+        self._replayed = None
         self._check_addresses()
         if self.at_start and not self.graphs:  # dropped since the start: all again, before this step's replay
             self.capture_all()
@@ -175,7 +190,16 @@ class DecodeGraphs:
                 return e.decode_logits(n, width)
         graph, out = self.graphs[key]
         graph.replay()
+        self._replayed = n
         return out[:n]
+
+    def sampled(self, n: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The tokens [n] and log-probs [n] that ``sampling.sample_plain`` drew for rows 0..n-1 in the last
+        replay, handed over once (None: no replay of n rows since ``logits`` was last called)."""
+        rows, self._replayed = self._replayed, None
+        if rows != n or self._out is None:
+            return None
+        return self._out[1][:n], self._out[2][:n]
 
     def _check_addresses(self) -> None:
         """Drop the graphs when anything they read has moved since they were captured."""
@@ -196,7 +220,8 @@ class DecodeGraphs:
         kv = e.cache()
         # buffers too: FP8 weights and their scales are buffers, and RoPE tables move with the model
         weights = itertools.chain(e.model.parameters(), e.model.buffers())
-        return (e.last.data_ptr(), e.pos.data_ptr(), e.block_table.data_ptr(), kv.k.data_ptr(),
+        state = (e.last, e.pos, e.gen, e.rows.temperature, e.rows.seed, e.block_table, kv.k)
+        return (*(t.data_ptr() for t in state),
                 kv.v.data_ptr() if kv.v is not None else 0, *(t.data_ptr() for t in weights))
 
     def _give_up(self, err: Exception) -> None:
@@ -205,6 +230,25 @@ class DecodeGraphs:
         self.failed = f"{type(err).__name__}: {err}".splitlines()[0]
         log.warning("CUDA graph capture failed on %s (%s); decoding eagerly from now on", self.runner.device,
                     self.failed)
+
+    def _step(self, rows: int, width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """What a graph computes: the logits of rows 0..rows-1 and each row's plain draw (token, log-prob) from its
+        temperature, seed and counter, all read in place."""
+        e = self.runner
+        logits = e.decode_logits(rows, width)
+        return (logits, *sample_plain(logits, e.rows.temperature[:rows], e.rows.seed[:rows], e.gen[:rows]))
+
+    def _lay_out(self, warm: tuple[torch.Tensor, ...]) -> None:
+        """The shared output buffers, shaped as a warm-up's outputs, made at the first capture since ``clear``."""
+        if self._out is None:
+            self._out = tuple(torch.empty(self.runner.max_num_seqs, *t.shape[1:], dtype=t.dtype, device=t.device)
+                              for t in warm)
+
+    def _write(self, rows: int, width: int) -> None:
+        """The captured step: ``_step`` into the first ``rows`` rows of the shared buffers."""
+        # the step's own outputs go back to the pool when the capture ends, for the next capture's use
+        for buf, t in zip(self._out, self._step(rows, width), strict=True):
+            buf[:rows].copy_(t)
 
     def _capture(self, rows: int, width: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         dev = self.runner.device
@@ -215,16 +259,13 @@ class DecodeGraphs:
             # warm-up on the capture stream, as capture requires; its cache writes are the ones the replay makes
             self._stream.wait_stream(torch.cuda.current_stream(dev))
             with torch.cuda.stream(self._stream):
-                warm = self.runner.decode_logits(rows, width)
+                warm = self._step(rows, width)
             torch.cuda.current_stream(dev).wait_stream(self._stream)
-            if self._out is None:  # outside the graph's pool, on the engine's stream: it outlives every graph
-                self._out = torch.empty(self.runner.max_num_seqs, warm.shape[-1], dtype=warm.dtype, device=dev)
+            self._lay_out(warm)  # outside the graph's pool, on the engine's stream: they outlive every graph
             del warm
-            out = self._out[:rows]
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool, stream=self._stream):
-                # the graph's own logits go back to the pool when this capture ends, for the next capture's use
-                out.copy_(self.runner.decode_logits(rows, width))
+                self._write(rows, width)
         self.pool = graph.pool()
         self.captures += 1
-        return graph, out
+        return graph, self._out[0][:rows]

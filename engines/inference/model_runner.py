@@ -231,17 +231,23 @@ class ModelRunner:
 
     def _sample(self, plan: StepPlan, logits: torch.Tensor) -> StepOutput:
         """The next token of every sampled row from ``logits``; the decode rows wrote their last token's
-        key/value this step, so their positions advance."""
+        key/value this step, so their positions advance. Where a graph replayed the step and no row filters its
+        draw, the graph's own draw is taken: the tokens and log-probs ``sample`` gives, already computed."""
         reqs = plan.sampled
         sl = slice(0, len(reqs))
+        # asked first, every step: the replay's draw is handed over once and must not outlive its step
+        drawn = self.graphs.sampled(len(reqs)) if self.graphs is not None else None
         gen = self.gen[sl].clone()  # a copy: the counters advance below
         want = [r.params.top_logprobs for r in reqs]
         # from the logits before any grammar mask, at temperature 1: the model's own alternatives
         tops = _top_logprobs(logits, want) if any(want) else None
-        if any(r.matcher is not None for r in reqs):
-            # logprobs are then those of the masked distribution, the one the tokens are drawn from
-            logits = mask_logits(logits, [r.matcher for r in reqs])
-        tok, lp = sample(logits, self.rows[sl], gen, [r.filter_kind for r in reqs])
+        if drawn is not None and all(r.filter_kind == 0 and r.matcher is None for r in reqs):
+            tok, lp = drawn  # alternatives asked for come from the logits all the same
+        else:
+            if any(r.matcher is not None for r in reqs):
+                # logprobs are then those of the masked distribution, the one the tokens are drawn from
+                logits = mask_logits(logits, [r.matcher for r in reqs])
+            tok, lp = sample(logits, self.rows[sl], gen, [r.filter_kind for r in reqs])
         self.last[sl] = tok
         self.gen[sl] = gen + 1
         self.pos[: plan.decode] += 1

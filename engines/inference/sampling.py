@@ -183,6 +183,28 @@ def sample(logits: torch.Tensor, rows: RowParams, counters: torch.Tensor,
     return tokens, logp.gather(1, tokens[:, None]).squeeze(1)
 
 
+def sample_plain(logits: torch.Tensor, temperature: torch.Tensor, seed: torch.Tensor,
+                 counters: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``sample`` for rows without top-k, top-p or a grammar: the same (tokens [n], logprobs [n]) from the same
+    draws, as one log-softmax, one scan and two row reductions that a decode graph captures (and torch.compile
+    could fuse into a couple of passes over the vocabulary)."""
+    greedy = temperature <= 0
+    temp = torch.where(greedy, torch.ones_like(temperature), temperature)
+    logp = torch.log_softmax(logits.float() / temp[:, None], dim=-1)
+    # the same inverse-CDF draw as ``_draw``, exponentiated and summed in place: a graph's pool then holds two
+    # [n, V] float buffers at most, not four
+    cdf = logp.exp().cumsum_(-1)
+    total = cdf[:, -1:]
+    u = counter_uniform(seed, counters)
+    target = torch.minimum((u[:, None] * total.double()).float(), torch.nextafter(total, torch.zeros_like(total)))
+    # the columns at or below the target, counted: what searchsorted(right=True) returns on the nondecreasing cdf,
+    # as a reduction a compiler fuses with the scan instead of a binary search it cannot
+    drawn = (cdf <= target).sum(-1).clamp_(max=logits.shape[-1] - 1)
+    # the argmax of the logits themselves, as ``sample`` takes it (a float32 copy has the same order and ties)
+    tokens = torch.where(greedy, logits.argmax(-1), drawn)
+    return tokens, logp.gather(1, tokens[:, None]).squeeze(1)
+
+
 def _draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Inverse-CDF draw of a column per row of (unnormalised) ``probs`` at the uniforms ``u``."""
     cdf = probs.cumsum(-1)
