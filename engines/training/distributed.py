@@ -3,7 +3,9 @@
 Every worker's trainer is one rank of the default torch.distributed group (gloo on CPU, NCCL on
 CUDA); the checkpoint engine reuses that group. ``shard_model`` shards each decoder layer and the
 root with ``fully_shard`` (dim-0 shards, torch.chunk sizes) and makes gradient reduction a plain
-SUM, because the RL losses are already weighted by global (all-rank) counts.
+SUM, because the RL losses are already weighted by global (all-rank) counts. On a mesh of one rank (mixed
+precision on one GPU) a layer keeps its gathered compute-dtype copy from the forward to its backward instead of
+casting it again (``reshard_after_forward``).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 
 from engines.model import sharded
 from engines.model.hf.spec import decoder_layers
@@ -57,8 +60,25 @@ def is_sharded(model: nn.Module) -> bool:
     return isinstance(model, FSDPModule)
 
 
+def keeps_gathered(model: nn.Module) -> bool:
+    """Whether sharded ``model``'s layers stay gathered after a forward: a mesh of one rank (``shard_model``)."""
+    if not is_sharded(model):
+        return False
+    p = next(model.parameters())
+    return isinstance(p, DTensor) and p.device_mesh.size() == 1
+
+
+def reshard_all(model: nn.Module) -> None:
+    """Free every gathered (unsharded) parameter copy of a sharded ``model``, leaving only the shards; a no-op for
+    modules already resharded and for a plain model. A copy left by a no-grad forward would otherwise outlive the
+    next optimizer step, stale."""
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
+
+
 def shard_model(model: CausalLM, param_dtype: str = "float32", device: torch.device | str | None = None,
-                mesh=None) -> CausalLM:
+                mesh=None, reshard_after_forward: bool | None = None) -> CausalLM:
     """Shard ``model`` in place over ``mesh`` (a ``ParallelDims``' mesh; default: the whole default group, one
     dimension): each decoder layer, then the root.
 
@@ -67,6 +87,11 @@ def shard_model(model: CausalLM, param_dtype: str = "float32", device: torch.dev
     the model is on this rank's device with identical weights on every rank, or it is on the meta
     device: it is then moved to ``device`` with uninitialised local shards, for the caller to load (buffers built
     off the meta device, such as a transformers model's rotary tables, keep their values).
+
+    ``reshard_after_forward`` (None: whether the mesh has more than one rank) frees each layer's gathered copy after
+    its forward. On one rank there is nothing to gather, only the cast to the compute dtype, so the copy is kept
+    until the layer's backward (which frees it) rather than cast again there: the same numbers, the whole model in
+    the compute dtype held through the forward (a no-grad forward leaves it gathered until ``reshard_all``).
     """
     if param_dtype not in PARAM_DTYPES:
         raise ValueError(f"param_dtype must be one of {sorted(PARAM_DTYPES)}, got {param_dtype!r}")
@@ -82,9 +107,11 @@ def shard_model(model: CausalLM, param_dtype: str = "float32", device: torch.dev
     if mesh is None:
         mesh = init_device_mesh(dev.type, (dist.get_world_size(),))
     policy = MixedPrecisionPolicy(param_dtype=PARAM_DTYPES[param_dtype], reduce_dtype=torch.float32)
+    if reshard_after_forward is None:
+        reshard_after_forward = mesh.size() > 1
     for layer in decoder_layers(model):  # the native model's layers, or a transformers model's _no_split_modules
-        fully_shard(layer, mesh=mesh, mp_policy=policy)
-    fully_shard(model, mesh=mesh, mp_policy=policy)
+        fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     for m in model.modules():
         if isinstance(m, FSDPModule):
             # factor 1 with sum-only collectives: a SUM reduce-scatter and no division afterwards

@@ -21,7 +21,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
-from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from engines.device import to_device
@@ -30,11 +29,13 @@ from engines.model.native.attention import FLEX_COMPILED_DEVICES, FLEX_FALLBACK,
 from engines.model.native.causal_lm import CausalLM
 from engines.model.native.document_mask import DocumentMask
 from engines.model.sharded import local_shards, local_tensor
-from engines.training.distributed import all_reduce_tensor, is_sharded, world_size
+from engines.training.compile import use_compile_cache
+from engines.training.distributed import all_reduce_tensor, is_sharded, keeps_gathered, reshard_all, world_size
 from engines.training.offload import HostOffloader
 from engines.training.packing import PackedBatch, flex_row_width, pack
 from engines.training.qk_clip import check_tau, clip_from_maxima, max_logit_table
 from engines.training.readback import Deferred, HostReads
+from engines.training.timing import Mark, StepTiming
 
 ATTENTION_BACKENDS = ("auto", "sdpa", "flex")
 
@@ -89,20 +90,32 @@ def inverse_temperatures(temperature: float | Sequence[float] | torch.Tensor, n:
 @dataclass
 class StepMetrics:
     """One optimizer step's metrics: per optimizer the update RMS, whose sums stay on the device until the next host
-    read (or until asked for), and QK-Clip's, on the host already."""
+    read (or until asked for), QK-Clip's, on the host already, and the step's timing (``engines.training.timing``:
+    on CUDA events that the same read lets the host measure without a wait of their own)."""
 
     kinds: list[str] = field(default_factory=list)  # ``_kind`` of each optimizer
     totals: Deferred | None = None                  # [Σ (Δw)², elements] per optimizer, summed over ranks
     qk_clip: dict[str, float] = field(default_factory=dict)
+    timing: StepTiming | None = None
 
     def update_rms(self) -> dict[str, float]:
         """Root mean square of the weight change per optimizer kind that moved any weight."""
         v = self.totals.values if self.totals is not None else []
         return {kind: (v[2 * i] / v[2 * i + 1]) ** 0.5 for i, kind in enumerate(self.kinds) if v[2 * i + 1]}
 
+    def seconds(self) -> dict[str, float]:
+        """This rank's ``fwd_bwd_s`` (from the step's first differentiable forward to its start) and ``optimizer_s``
+        (the step: clipping, the optimizers, QK-Clip); read after the update sums, whose read they ride on."""
+        if self.timing is None:
+            return {}
+        if self.totals is not None:
+            self.totals.values  # noqa: B018 -- the queued read that the step's events finished before
+        return self.timing.seconds()
+
     def as_dict(self) -> dict[str, float]:
-        """``update_rms/<kind>`` and the QK-Clip metrics."""
-        return {**{f"update_rms/{k}": v for k, v in self.update_rms().items()}, **self.qk_clip}
+        """``update_rms/<kind>``, the QK-Clip metrics and the step's ``train_fwd_bwd_s``/``train_optimizer_s``."""
+        return {**{f"update_rms/{k}": v for k, v in self.update_rms().items()}, **self.qk_clip,
+                **{f"train_{k}": v for k, v in self.seconds().items()}}
 
 
 class NonFiniteError(RuntimeError):
@@ -129,7 +142,9 @@ class TrainingEngine:
 
     A step waits for the device once, to read the gradient norm; ``reads`` queues other device values to read in
     that same copy (a caller's losses), and the step's update RMS waits on the device for the next such read
-    (``step_metrics``), or is read on its own when ``update_rms``/``last_step`` ask first.
+    (``step_metrics``), or is read on its own when ``update_rms``/``last_step`` ask first. ``step_metrics`` also
+    times the step: forward and backward (from the first differentiable forward after the previous step) apart
+    from the optimizer step, with CUDA events on a GPU (no wait of their own).
     """
 
     def __init__(self, model: CausalLM, optimizers: list[torch.optim.Optimizer], pad_id: int,
@@ -141,11 +156,16 @@ class TrainingEngine:
         self.max_grad_norm = max_grad_norm
         self.device = local_tensor(next(model.parameters())).device
         self.attention = resolve_attention(attention, self.device.type, model.config)
+        if self.attention == "flex" and self.device.type in FLEX_COMPILED_DEVICES:
+            use_compile_cache()  # flex_attention's compiled kernels, kept for the next process as compiled layers
         self.qk_clip, self.qk_clip_tau = qk_clip, qk_clip_tau
         self.reads = HostReads()
         self.step_metrics = StepMetrics()
         self._offloader = HostOffloader()
         self._host_shards: dict[str, tuple[torch.Tensor, int]] = {}
+        self._forward_mark: Mark | None = None  # the first differentiable forward since the last step
+        # one rank under mixed precision: a forward leaves the layers gathered (distributed.shard_model)
+        self._keeps_gathered = keeps_gathered(model)
 
     @property
     def sharded(self) -> bool:
@@ -176,9 +196,20 @@ class TrainingEngine:
 
     def _run(self, batch: PackedBatch, inv_temp: torch.Tensor | float) -> tuple[torch.Tensor, torch.Tensor]:
         """(log-prob, entropy) of every target of ``batch`` (on this engine's device)."""
+        grad = torch.is_grad_enabled()
+        if grad and self._forward_mark is None:
+            self.mark_forward()
         # select: the targets' flat positions, so the forward needs no boolean mask (a host sync)
-        return self.model(batch.ids, batch.positions, batch.mask, select=batch.target_flat, targets=batch.targets,
-                          inv_temp=inv_temp)
+        out = self.model(batch.ids, batch.positions, batch.mask, select=batch.target_flat, targets=batch.targets,
+                         inv_temp=inv_temp)
+        if not grad and self._keeps_gathered:  # no backward will free the gathered copies: free them now
+            reshard_all(self.model)
+        return out
+
+    def mark_forward(self) -> None:
+        """Start timing the step's forward and backward here (``score`` does it at the step's first differentiable
+        forward; a caller that runs the model itself calls it first)."""
+        self._forward_mark = Mark(self.device)
 
     def score(self, prompts, responses, temperature: float | Sequence[float]) -> TokenScores:
         """Log-probabilities (differentiable) and entropies of the response tokens, packed into one pass.
@@ -248,8 +279,11 @@ class TrainingEngine:
         QK-Clip's maxima and everything queued on ``reads`` come back in one copy.
         """
         self._check_onloaded()
+        start, forward, self._forward_mark = Mark(self.device), self._forward_mark, None
         if self.qk_clip:
             check_tau(self.qk_clip_tau)
+        if self._keeps_gathered:
+            reshard_all(self.model)  # a forward without its backward left copies that the step would make stale
         params = [p for p in self.model.parameters() if p.grad is not None]
         # the clip factor is applied as a device tensor: clipping itself needs no host read
         norm = torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm)
@@ -273,7 +307,8 @@ class TrainingEngine:
             qk = clip_from_maxima(self.model, [rows[i:i + heads] for i in range(0, len(rows), heads)],
                                   self.qk_clip_tau)
         totals = self.reads.defer(all_reduce_tensor(torch.stack(sums), "sum")) if sums else None
-        self.step_metrics = StepMetrics([_kind(opt) for opt in self.optimizers], totals, qk)
+        timing = StepTiming(forward, start, Mark(self.device))
+        self.step_metrics = StepMetrics([_kind(opt) for opt in self.optimizers], totals, qk, timing)
         return grad_norm
 
     # ---- offload / onload -------------------------------------------------------------------
@@ -295,9 +330,7 @@ class TrainingEngine:
         """
         self._check_onloaded()
         if self.sharded:
-            for m in self.model.modules():
-                if isinstance(m, FSDPModule):
-                    m.reshard()  # a no-grad forward of the root leaves its parameters gathered
+            reshard_all(self.model)  # a no-grad forward of the root leaves its parameters gathered
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
         self.model.zero_grad(set_to_none=True)

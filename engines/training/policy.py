@@ -29,6 +29,7 @@ from engines.model.lora.adapters import (
 from engines.model.lora.quant import exact_base, quantize_base, quantized_weights
 from engines.model.native.causal_lm import build_model
 from engines.training import distributed
+from engines.training.compile import compile_layers
 from engines.training.parallel_dims import ParallelDims
 
 LORA_SEED = 0  # LoRA's A matrices: the same draw on every rank and in every run (B starts at zero)
@@ -37,8 +38,9 @@ LORA_SEED = 0  # LoRA's A matrices: the same draw on every rank and in every run
 @dataclass(frozen=True, kw_only=True)
 class PolicySpec:
     """How a rank holds the policy: the model code (``backend``: "native" or "transformers"), master and compute
-    dtypes, the replicas' dtype (``served_dtype``), whether transformers may run the model's own code, and the LoRA
-    adapters it trains (None: every weight)."""
+    dtypes, the replicas' dtype (``served_dtype``), whether transformers may run the model's own code, the LoRA
+    adapters it trains (None: every weight) and whether each decoder layer's forward is compiled
+    (``engines.training.compile``)."""
 
     backend: str = "native"
     master_dtype: str = "float32"
@@ -46,6 +48,7 @@ class PolicySpec:
     served_dtype: str = "float32"
     trust_remote_code: bool = False
     lora: LoraSpec | None = None
+    compile: bool = False
 
     def sharded(self, world: int) -> bool:
         """Whether the model is sharded with FSDP2: over several ranks, or on one for mixed precision (LoRA on one
@@ -57,7 +60,8 @@ def empty_policy(arch, spec: PolicySpec, dims: ParallelDims, device: str, lora: 
     """An empty model of ``arch`` in the master dtype, sharded over ``dims``' mesh where the spec shards it (FSDP2,
     compute in the compute dtype), for the start-up read to fill. The transformers backend builds transformers' own
     model (``HFCausalLM``) under the same contract. ``lora`` (sharded only): the adapters go on before sharding and are
-    drawn once sharded, A alike on every rank (each keeps its rows)."""
+    drawn once sharded, A alike on every rank (each keeps its rows). With ``spec.compile`` the decoder layers'
+    forwards are compiled (``engines.training.compile``) before FSDP2 wraps the layers."""
     from engines.model.hf.backend import empty_hf_model, materialize
 
     dtype = getattr(torch, spec.master_dtype)
@@ -68,6 +72,8 @@ def empty_policy(arch, spec: PolicySpec, dims: ParallelDims, device: str, lora: 
             materialize(model, device)
     else:
         model = build_model(arch, device="meta" if shard else device, dtype=dtype)
+    if spec.compile:
+        compile_layers(model)
     if not shard:
         return model
     if lora is not None:
