@@ -13,11 +13,14 @@ record says how many sequences came out identical (near-ties of the logits can f
 between two implementations). ``generate`` runs the whole batch at once, left-padded, as an RL loop
 built on it does; rows that have stopped are carried until the longest ends.
 
+The RL scale (``--prompts 64 --samples 8`` on ``qwen3-0.6b``): 512 sequences, prompts uniform in 128..512 tokens,
+outputs log-normal with median 256 (σ = 1: a quarter under 130, a quarter over 505) clipped to 2048 tokens, from
+seed 0: about 2 × 10^5 generated tokens, and 2048 steps at least (the longest response).
+
 Besides throughput and the speedup, the record gives the KV capacity of the paged cache against a
 slot cache (a full-length row per sequence) at equal bytes for this workload's lengths, the prefix
-hit rate, and the decode memory-bandwidth roofline: the bytes a decode step must read (every weight
-once, plus each sequence's cached keys/values) over the measured copy bandwidth of this device,
-summed over the run, and the fraction of it the engine reached.
+hit rate, and the read roofline of the engine's steps, whole and split into ramp, body and tail, with the CUDA-graph
+check (``benchmarks.engine_steps``; ``step_log``: every step as a JSON line).
 """
 
 from __future__ import annotations
@@ -26,15 +29,18 @@ import time
 
 import torch
 
-from benchmarks.timing import best_seconds, say
+from benchmarks.engine_steps import TimedRun, run_record, timed_generate, write_step_log
+from benchmarks.roofline import device_name, read_bandwidth
+from benchmarks.timing import say
 from engines.device import synchronize
-from engines.inference.kv_cache import BLOCK_SIZE, bytes_per_slot, bytes_per_token, paged_pool
+from engines.inference.kv_cache import BLOCK_SIZE, bytes_per_slot, paged_pool
 from engines.inference.native import InferenceEngine
 from engines.inference.sampling import SamplingParams
 from engines.model.native.causal_lm import CausalLM
 
 #: (shortest prompt, longest prompt, longest output) per model.
-RL_LENGTHS = {"demo": (16, 48, 64), "100m": (64, 192, 256), "qwen3-0.6b": (128, 512, 2048)}
+RL_LENGTHS = {"demo": (16, 48, 64), "100m": (64, 192, 256), "qwen3-0.6b": (128, 512, 2048),
+              "qwen3-8b": (128, 512, 2048)}
 #: On a GPU the KV cache takes at most this fraction of the memory free after the weights (the slot-cache
 #: budget of the qwen3-0.6b workload, 512 x 2560 tokens x 114,688 B = 140 GiB, fits no single GPU); the
 #: rest holds the decode step's gathered keys/values, the CUDA graphs' pool and the sampler's logits.
@@ -54,16 +60,10 @@ def draw_workload(n_prompts: int, samples: int, prompt_range: tuple[int, int], m
     return prompts, out
 
 
-def copy_bandwidth(device: torch.device, nbytes: int = 256 * 2**20, reps: int = 5) -> float:
-    """Bytes per second of a large device-to-device copy (the best of ``reps``)."""
-    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).fill_(1.0)
-    dst = torch.empty_like(src)
-    return nbytes / best_seconds(lambda: dst.copy_(src), device, reps)
-
-
-def run_engine_rl(model: CausalLM, prompts, lengths, kv_bytes: int, max_seq_len: int,
-                  cuda_graphs: bool = True, attention: str = "auto") -> tuple[float, list[list[int]], InferenceEngine]:
-    """Engine wall time and outputs (in prompt-major order) of the workload."""
+def run_engine_rl(model: CausalLM, prompts, lengths, kv_bytes: int, max_seq_len: int, cuda_graphs: bool = True,
+                  attention: str = "auto") -> tuple[TimedRun, InferenceEngine, dict]:
+    """The engine's timed run of the workload (outputs in prompt-major order, ``benchmarks.engine_steps``), the
+    engine, and its counters' growth over the run."""
     engine = InferenceEngine(model, eos_id=1, pad_id=0, max_seq_len=max_seq_len, kv_cache_bytes=kv_bytes,
                              max_num_seqs=sum(map(len, lengths)), cuda_graphs=cuda_graphs,
                              kv_memory_fraction=KV_MEMORY_FRACTION, attention=attention)
@@ -73,17 +73,12 @@ def run_engine_rl(model: CausalLM, prompts, lengths, kv_bytes: int, max_seq_len:
     engine.generate([p for p, _ in reqs[:4]], [SamplingParams(0.0, 2, ignore_eos=True)] * 4)  # warm-up
     engine.weights_loaded()  # forget the warm-up's cached prefixes
     say("rollout", f"warm-up done; timing {len(reqs)} sequences, {sum(map(sum, lengths))} tokens")
-    dev = next(model.parameters()).device
     start = engine.stats()
-    synchronize(dev)
-    t0 = time.perf_counter()
-    outs = engine.generate([p for p, _ in reqs], [s for _, s in reqs])
-    synchronize(dev)
-    elapsed = time.perf_counter() - t0
-    say("rollout", f"{mode}: {elapsed:.2f} s")
-    engine.run_stats = {k: v - start.get(k, 0) for k, v in engine.stats().items()
-                        if isinstance(v, (int, float)) and k != "prefix_hit_rate"}
-    return elapsed, [o.token_ids for o in outs], engine
+    run = timed_generate(engine, [p for p, _ in reqs], [s for _, s in reqs])
+    say("rollout", f"{mode}: {run.seconds:.2f} s, {len(run.steps)} steps")
+    stats = {k: v - start.get(k, 0) for k, v in engine.stats().items()
+             if isinstance(v, (int, float)) and k != "prefix_hit_rate"}
+    return run, engine, stats
 
 
 def run_vllm_rl(model_dir: str, dtype: torch.dtype, prompts, lengths, max_seq_len: int, graphs: bool = True
@@ -150,21 +145,13 @@ def kv_capacity(cfg, dtype: torch.dtype, prompts, lengths, kv_bytes: int) -> tup
     return blocks / per_seq, kv_bytes // bytes_per_slot(cfg, longest, dtype)
 
 
-def decode_bytes(model: CausalLM, prompts, lengths, steps: int) -> int:
-    """Bytes the decode steps must read: every weight once per step, and per generated token the keys and
-    values of everything before it."""
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    per_token = bytes_per_token(model.config, next(model.parameters()).dtype)
-    kv = sum(sum(len(p) + t for t in range(n)) for p, ns in zip(prompts, lengths, strict=True) for n in ns)
-    return steps * weights + kv * per_token
-
-
-def measure_rl(model: CausalLM, model_dir: str, name: str, prompts_n: int, samples: int, *, dtype: torch.dtype,
-               device: str, skip_hf: bool = False, seed: int = 0, attention: str = "auto",
-               longest: int | None = None) -> dict:
-    """The RL-workload record for ``model`` (already on ``device``), saved in ``model_dir`` for ``generate``;
-    ``attention``: the native engine's attention backend (auto, torch, flex or paged; the record names the one
-    run); ``longest``: the longest output (default: the model's in ``RL_LENGTHS``)."""
+def measure_rl(model: CausalLM, model_dir: str | None, name: str, prompts_n: int, samples: int, *,
+               dtype: torch.dtype, device: str, seed: int = 0, attention: str = "auto", longest: int | None = None,
+               eager: bool = True, step_log: str | None = None) -> dict:
+    """The RL-workload record for ``model`` (already on ``device``), saved in ``model_dir`` for ``generate`` (None:
+    no ``generate``); ``attention``: the native engine's attention backend (auto, torch, flex, paged or triton; the
+    record names the one run); ``longest``: the longest output (default: the model's in ``RL_LENGTHS``); ``eager``:
+    on a GPU also time the engine without CUDA graphs; ``step_log``: a file to append each step to."""
     lo, hi, default_longest = RL_LENGTHS[name]
     longest = longest or default_longest
     cfg = model.config
@@ -174,30 +161,33 @@ def measure_rl(model: CausalLM, model_dir: str, name: str, prompts_n: int, sampl
     # a budget that holds every sequence of the workload at once at its full length, as a slot cache would need
     # (on a GPU capped at a fraction of its free memory: the capacities below compare equal bytes either way)
     kv_bytes = bytes_per_slot(cfg, max_seq, dtype) * prompts_n * samples
-    engine_s, engine_out, engine = run_engine_rl(model, prompts, lengths, kv_bytes, max_seq, attention=attention)
-    stats, kv_bytes, backend = engine.run_stats, engine.kv_cache_bytes, engine.attention
+    graphs = device == "cuda"
+    run, engine, stats = run_engine_rl(model, prompts, lengths, kv_bytes, max_seq, attention=attention)
+    dev = torch.device(device)
+    read_bps = read_bandwidth(dev)
+    figures = run_record(engine, run, read_bps, device_name(dev), graphs)
+    if step_log:
+        write_step_log(step_log, run.steps, workload="rl", model=name, attention=engine.attention)
+    kv_bytes, backend = engine.kv_cache_bytes, engine.attention
     del engine  # its KV pool and graphs go back before the eager engine takes its own
     if device == "cuda":
         torch.cuda.empty_cache()
     paged, slots = kv_capacity(cfg, dtype, prompts, lengths, kv_bytes)
-    bw = copy_bandwidth(torch.device(device))
-    roofline_s = decode_bytes(model, prompts, lengths, stats["steps"]) / bw
-    eager_s = run_engine_rl(model, prompts, lengths, kv_bytes, max_seq, cuda_graphs=False, attention=attention)[0] \
-        if device == "cuda" else None
+    eager_s = run_engine_rl(model, prompts, lengths, kv_bytes, max_seq, cuda_graphs=False,
+                            attention=attention)[0].seconds if graphs and eager else None
     hf_s, same = None, None
-    if not skip_hf:
+    if model_dir is not None:
         hf_s, hf_out = run_hf_rl(model_dir, dtype, prompts, lengths, device)
-        same = sum(a == b for a, b in zip(engine_out, hf_out, strict=True)) / len(hf_out)
+        same = sum(a == b for a, b in zip(run.outputs, hf_out, strict=True)) / len(hf_out)
     looked = stats["prefix_hit_tokens"] + stats["prefix_miss_tokens"]
     return {
         "workload": "rl",
         "model": name,
         "params": sum(p.numel() for p in model.parameters()),
-        "engine_tok_s": round(tokens / engine_s, 1),
+        **figures,
         "hf_generate_tok_s": None if hf_s is None else round(tokens / hf_s, 1),
-        "speedup": None if hf_s is None else round(hf_s / engine_s, 3),
+        "speedup": None if hf_s is None else round(hf_s / run.seconds, 3),
         "same_tokens": same,
-        "engine_s": round(engine_s, 3),
         "hf_generate_s": None if hf_s is None else round(hf_s, 3),
         "tokens": tokens,
         "sequences": prompts_n * samples,
@@ -209,17 +199,10 @@ def measure_rl(model: CausalLM, model_dir: str, name: str, prompts_n: int, sampl
         "kv_capacity_slot_seqs": slots,
         "kv_capacity_ratio": round(paged / max(slots, 1), 2),
         "prefix_hit_rate": round(stats["prefix_hit_tokens"] / looked, 3) if looked else 0.0,
-        "preemptions": stats["preemptions"],
-        "engine_steps": stats["steps"],
         "attention": backend,
-        "cuda_graph_captures": stats.get("cuda_graph_captures", 0),
-        "cuda_graphs_fallback": stats.get("cuda_graphs_fallback", 0),
-        "copy_gb_s": round(bw / 1e9, 2),
-        "roofline_s": round(roofline_s, 3),
-        "roofline_fraction": round(roofline_s / engine_s, 3),
         "dtype": str(dtype).removeprefix("torch."),
         "device": device,
         "threads": torch.get_num_threads(),
-        **({"engine_eager_tok_s": round(tokens / eager_s, 1), "cuda_graph_speedup": round(eager_s / engine_s, 3)}
+        **({"engine_eager_tok_s": round(tokens / eager_s, 1), "cuda_graph_speedup": round(eager_s / run.seconds, 3)}
            if eager_s else {}),
     }

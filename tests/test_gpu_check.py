@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 
 import pytest
@@ -87,51 +88,110 @@ def test_steps_run_in_the_order_asked_and_a_spent_deadline_skips_them(tmp_path):
     assert "train step" in steps[0] and "weight update" in steps[1] and all("(skipped" in x for x in steps)
 
 
-def test_the_lease_plan_fits_one_command_in_value_order_and_says_why_a_step_is_skipped():
-    """Issue 41: the limits add up to at most 540 s on a GPU, with or without vLLM; the steps come in value order,
-    the colocated smoke among them; without vLLM its step stays in the plan, skipped with the reason."""
-    for with_vllm in (False, True):
-        steps = gpu_check.lease_plan(dry_run=False, with_vllm=with_vllm)
-        assert [s.name for s in steps] == ["preflight", "tests", "weight_update", "weight_update", "decode",
-                                           "train_step", "colocated_smoke", "decode"]
-        assert sum(s.timeout_s for s in steps if not s.skip) <= gpu_check.LEASE_S == 540
-        assert steps[0].timeout_s <= 15 and steps[1].timeout_s <= 150
-        assert all(s.timeout_s <= 120 for s in steps[4:7])
-        assert {s.extra.get("weights") for s in steps if s.name == "weight_update"} == {"bf16", "fp32-to-bf16"}
-        assert all("4" == s.argv[s.argv.index("--gib") + 1] for s in steps if s.name == "weight_update")
-        assert "qwen3-0.6b" in steps[5].argv and "--device" in steps[6].argv
-        assert steps[-1].skip == ("" if with_vllm else "vLLM not installed")
-    assert all(s.timeout_s for s in gpu_check.lease_plan(dry_run=True, with_vllm=False))  # the CPU dry run builds it
+def _arg(step: gpu_check.Step, flag: str) -> list[str]:
+    """The values after ``flag`` in a step's argv (up to the next flag)."""
+    rest = step.argv[step.argv.index(flag) + 1:]
+    return rest[: next((i for i, x in enumerate(rest) if x.startswith("--")), len(rest))]
 
 
-def test_a_dry_run_prints_the_lease_plan_and_a_lease_records_skipped_steps_in_place(tmp_path, capsys):
-    assert gpu_check.main(["--dry-run", "--plan-only"]) == 0
+def test_the_lease_plan_fits_the_lease_in_value_order():
+    """Issue "GPU speed", item 7: about 100 s of cold start, then a command whose limits add up to at most 560 s
+    and an optional second of at most 180 s, each in value order."""
+    steps = gpu_check.lease_plan(dry_run=False)
+    first, second = [s for s in steps if s.call == 1], [s for s in steps if s.call == 2]
+    assert [s.name for s in first] == ["preflight", "decode_sweep", "rollout_rl", "rollout_peer", "train_step",
+                                       "colocated_smoke"]
+    assert [s.name for s in second] == ["tests", "rollout_rl"] and len(first) + len(second) == len(steps)
+    assert sum(s.timeout_s for s in first) <= gpu_check.LEASE_S == 560
+    assert sum(s.timeout_s for s in second) <= gpu_check.LEASE_SECOND_S == 180
+    sweep, rl, peer, train, smoke = first[1:]
+    assert _arg(sweep, "--models") == ["qwen3-0.6b", "qwen3-8b"] and _arg(sweep, "--backends") == ["torch", "triton"]
+    assert "--batches" not in sweep.argv  # the default: 1..512
+    assert _arg(rl, "--model") == ["qwen3-0.6b"] and _arg(rl, "--prompts") == ["64"] and _arg(rl, "--samples") == ["8"]
+    assert _arg(rl, "--step-log")[0].startswith("{out}/{gpu}-") and _arg(rl, "--attention") == ["triton"]
+    assert "--hf-static" in peer.argv and _arg(peer, "--workload") == ["fixed"] and "--skip-hf" not in peer.argv
+    assert _arg(train, "--model") == ["qwen3-1.7b"] and _arg(train, "--tokens") == ["16384", "32768"]
+    assert smoke.argv[0] == "benchmarks.colocated_smoke"
+    assert second[0].argv[0] == "pytest" and set(second[0].argv) >= {"tests/test_triton_decode.py", "cuda"}
+    assert _arg(second[1], "--model") == ["qwen3-8b"]
+    assert all(s.argv[s.argv.index("--device") + 1] == "cuda" for s in steps if "--device" in s.argv)
+    toy = gpu_check.lease_plan(dry_run=True)  # the CPU dry run: the same steps, toy sizes
+    assert [(s.name, s.call) for s in toy] == [(s.name, s.call) for s in steps]
+    assert all(s.argv[s.argv.index("--device") + 1] == "cpu" for s in toy if "--device" in s.argv)
+
+
+def test_plan_only_prints_both_commands_with_limits_within_their_budgets(capsys):
+    assert gpu_check.main(["--lease", "--plan-only"]) == 0
     out = capsys.readouterr().out
-    assert "plan on a leased GPU (--lease):" in out and "colocated_smoke" in out
-    total = int(out.split("limits add up to ")[1].split()[0])
-    assert total <= 540
-    status = gpu_check.main(["--dry-run", "--lease", "--only", "preflight", "tests", "--out", str(tmp_path)])
-    recs = [json.loads(x) for p in sorted(tmp_path.glob("*.jsonl")) for x in p.read_text().splitlines()]
-    by_step = {r["step"]: r for r in recs}
-    assert status == 1  # a skipped step is not a success
-    assert by_step["preflight"]["status"] == "ok" and by_step["preflight"]["torch"]
-    assert by_step["tests"]["status"] == "skipped" and "need a GPU" in by_step["tests"]["output_tail"]
+    totals = [int(x) for x in re.findall(r"limits add up to (\d+) s", out)]
+    assert "command 1:" in out and "command 2 (optional):" in out and "decode_sweep" in out
+    assert len(totals) == 2 and totals[0] <= 560 and totals[1] <= 180
+    assert gpu_check.main(["--dry-run", "--plan-only"]) == 0  # a full dry run prints the lease plan beside its own
+    assert "plan on a leased GPU (--lease):" in capsys.readouterr().out
+
+
+def test_the_lease_dry_run_runs_every_step_on_cpu(tmp_path):
+    """`python -m benchmarks.gpu_check --lease --dry-run`: every step of both commands at toy sizes, each record
+    written as its step ends (about a minute and a half on two cores)."""
+    status = gpu_check.main(["--lease", "--dry-run", "--out", str(tmp_path)])
+    records = {p.name: [json.loads(x) for x in p.read_text().splitlines()] for p in tmp_path.glob("cpu-dryrun-*.jsonl")
+               if not p.name.endswith("-steps.jsonl")}
+    failed = [(r["label"], r.get("output_tail", "")[-600:]) for rs in records.values() for r in rs
+              if r["status"] != "ok"]
+    assert status == 0 and not failed, failed
+    steps = {name.removeprefix("cpu-dryrun-").removesuffix(".jsonl"): rs for name, rs in records.items()}
+    assert set(steps) == {"preflight", "decode_sweep", "rollout_rl", "rollout_peer", "train_step", "colocated_smoke",
+                          "tests"}
+    [pre] = steps["preflight"]
+    assert pre["read_gb_s"] > 0 and pre["copy_gb_s"] > 0 and pre["gemm_tflops"] > 0
+    sweep = [r for r in steps["decode_sweep"] if "skipped" not in r]
+    # triton runs on a CPU only in its interpreter, which tests/conftest.py picks without a GPU
+    backends = ["torch", "triton"] if os.environ.get("TRITON_INTERPRET") == "1" else ["torch"]
+    assert [(r["backend"], r["batch"]) for r in sweep] == [(b, n) for b in backends for n in (1, 2, 4)]
+    assert all(0 < r["roofline_fraction"] for r in sweep)
+    assert [r["call"] for r in steps["rollout_rl"]] == [1, 2]
+    for rec in steps["rollout_rl"] + steps["rollout_peer"]:
+        assert rec["captures_in_window"] == 0 and "checks_failed" not in rec
+        assert rec["parts"]["body"]["tokens"] > 0 and rec["roofline_fraction"] > 0
+    [peer] = steps["rollout_peer"]
+    assert peer["hf_cache"] == "static" and peer["hf_generate_tok_s"] > 0 and peer["speedup"] > 0
+    log = [json.loads(x) for x in (tmp_path / "cpu-dryrun-rollout_rl-demo-steps.jsonl").read_text().splitlines()]
+    assert len({x["run"] for x in log}) == 2 and sum(x["sampled"] for x in log) == 2 * steps["rollout_rl"][0]["tokens"]
+    assert steps["colocated_smoke"][0]["replica_equals_cast_master"] is True
+    assert "CHECK FAILED" not in (tmp_path / "cpu-dryrun-summary.md").read_text()
+
+
+def test_a_failed_capture_check_is_flagged_and_fails_the_check():
+    rec = {"step": "rollout_rl", "label": "RL", "status": "ok", "wall_s": 1, "model": "m", "engine_tok_s": 1.0,
+           "roofline_fraction": 0.5, "parts": {}, "captures_in_window": 3, "checks_failed": ["captures_in_window"]}
+    assert "CHECK FAILED: captures_in_window = 3" in gpu_check.summary_line(rec)
+
+
+def test_a_step_cut_at_its_limit_keeps_the_records_it_printed(tmp_path):
+    (tmp_path / "prints_then_hangs.py").write_text(
+        "import json, time\nprint(json.dumps({'batch': 1}), flush=True)\nprint('{\"cut', flush=True)\n"
+        "time.sleep(60)\n")
+    env = {**__import__("os").environ, "PYTHONPATH": str(tmp_path)}
+    recs = gpu_check.run_step(gpu_check.Step("sweep", "a sweep cut short", ["prints_then_hangs"], 3, call=1), env)
+    assert [(r["status"], r.get("batch")) for r in recs] == [("partial", 1), ("timeout", None)]
+    assert all(r["call"] == 1 for r in recs)
 
 
 def test_every_model_the_train_step_accepts_has_a_workload():
     """The 2026-11-27 lease's train step died with KeyError 'qwen3-0.6b': --model accepted a shape with no
-    workload, which the CPU dry run (the demo model) never reached."""
+    workload, which the CPU dry run (the demo model) never reached. The lease's train steps need qwen3-1.7b and
+    qwen3-8b in benchmarks.train_step."""
     from benchmarks import train_step
 
     assert set(train_step.WORKLOADS) == set(train_step.CONFIGS)
-    gpu_models = {s.argv[s.argv.index("--model") + 1] for s in gpu_check.lease_plan(dry_run=False, with_vllm=True)
-                  if "--model" in s.argv}
-    assert gpu_models <= set(train_step.CONFIGS)
+    gpu_models = {s.argv[s.argv.index("--model") + 1] for s in gpu_check.lease_plan(dry_run=False)
+                  if s.name == "train_step"}
+    assert gpu_models <= set(train_step.CONFIGS), sorted(gpu_models - set(train_step.CONFIGS))
 
 
 def test_the_lease_collects_every_test_file_that_asks_for_cuda():
-    """The lease's tests step collects only ``GPU_TEST_FILES`` (collecting all of tests/ cost its time limit): a new
-    test file that skips without CUDA must be listed there, or no lease ever runs it."""
+    """The tests step collects only ``GPU_TEST_FILES`` (collecting all of tests/ cost a lease its time limit): a new
+    test file that skips without CUDA must be listed there, or no GPU check ever runs it."""
     import re
     from pathlib import Path
 
@@ -144,11 +204,11 @@ def test_the_lease_collects_every_test_file_that_asks_for_cuda():
 
 def test_limit_sets_a_steps_time_raised_or_lowered_and_refuses_an_unknown_step(capsys):
     """A lease that skips steps measured before gives the rest more time (the 2026-11-28 lease: tests=320)."""
-    assert gpu_check.main(["--lease", "--plan-only", "--only", "preflight", "tests", "--limit", "tests=320",
-                           "preflight=9"]) == 0
+    assert gpu_check.main(["--lease", "--plan-only", "--only", "preflight", "decode_sweep", "--limit",
+                           "decode_sweep=320", "preflight=9"]) == 0
     out = capsys.readouterr().out
-    assert re.search(r"preflight\s+9 s", out) and re.search(r"tests\s+320 s", out) and "add up to 329 s" in out
-    for bad in ("decode=60", "tests=soon"):  # decode: not in this plan's --only
+    assert re.search(r"preflight\s+9 s", out) and re.search(r"decode_sweep\s+320 s", out) and "add up to 329 s" in out
+    for bad in ("rollout_rl=60", "decode_sweep=soon"):  # rollout_rl: not in this plan's --only
         with pytest.raises(SystemExit):
-            gpu_check.main(["--lease", "--plan-only", "--only", "tests", "--limit", bad])
+            gpu_check.main(["--lease", "--plan-only", "--only", "decode_sweep", "--limit", bad])
         assert "--limit" in capsys.readouterr().err
