@@ -123,6 +123,7 @@ class TrainerSettings:
     trust_remote_code: bool = False
     rollout_engine: str = "native"  # the replicas' engine, whose layout the weight update is planned for
     lora: LoraSpec | None = None  # train adapters on the frozen base (model.lora), targets resolved
+    compile: bool = False         # each decoder layer's forward compiled (trainer.compile, resolved)
 
     parallel: ParallelDims | None = None  # the trainers' layout (None: one rank)
 
@@ -130,7 +131,8 @@ class TrainerSettings:
     def policy(self) -> PolicySpec:
         """How the rank holds the policy (``engines.training.policy``)."""
         return PolicySpec(backend=self.backend, master_dtype=self.master_dtype, compute_dtype=self.compute_dtype,
-                          served_dtype=self.replica_dtype, trust_remote_code=self.trust_remote_code, lora=self.lora)
+                          served_dtype=self.replica_dtype, trust_remote_code=self.trust_remote_code, lora=self.lora,
+                          compile=self.compile)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -278,6 +280,7 @@ def resolve(cfg: Config, arch: ModelConfig | ModelDescription, model_dir: str, c
     experts = arch.largest_layer_experts > 0 if isinstance(arch, ModelDescription) else arch.is_moe
     check_engine(cfg, kind, why, backend=backend, sleep_level=level,
                  moe_model_type=arch.model_type if experts else None)
+    replay = routing_replay(cfg, experts, backend, kind)
     if cfg.rollout.sleep_level == "auto":
         choices.append(("rollout.sleep_level", str(level), level_why))
     # a native replica on CPU attends with the decode kernel: decode_attention builds it here, once, on the driver,
@@ -306,6 +309,7 @@ def resolve(cfg: Config, arch: ModelConfig | ModelDescription, model_dir: str, c
     lora = lora_spec(cfg, arch, choices)
     if lora is not None:
         lora_run_checks(cfg, compute_dtype)
+    compiled = trainer_compile(t.compile, device, backend, lora is not None, choices)
     opt_kind, tau = (o.kind, o.qk_clip_tau) if lora is None else (cfg.model.lora.optimizer, None)
     recompute = a.recompute_old_logprobs
     if recompute == "auto":
@@ -329,7 +333,7 @@ def resolve(cfg: Config, arch: ModelConfig | ModelDescription, model_dir: str, c
                             ipc_views=capabilities_of(kind).ipc_views and device == "cuda",
                             # which families vLLM serves, and updates in place, changes with its releases: each
                             # replica measures its own as it starts (engines.inference.replica_check)
-                            self_check=kind == "vllm")
+                            self_check=kind == "vllm", record_routes=replay)
     c = cfg.cluster
     return RunSettings(
         cluster=ClusterSettings(parallel=parallel_dims(cfg),
@@ -352,7 +356,7 @@ def resolve(cfg: Config, arch: ModelConfig | ModelDescription, model_dir: str, c
                                 reference=a.kl_coef > 0, bucket_bytes=cfg.checkpoint_engine.bucket_bytes,
                                 replica_dtype=rollout_dtype, replica_fp8=r.fp8, backend=backend,
                                 trust_remote_code=cfg.model.trust_remote_code, rollout_engine=kind, lora=lora,
-                                parallel=parallel_dims(cfg)),
+                                compile=compiled, parallel=parallel_dims(cfg)),
         update=UpdateSettings(objective=objective_of(cfg), minibatches=a.minibatches,
                               micro_batch_tokens=a.micro_batch_tokens, micro_batch=a.micro_batch,
                               drop_equal_groups=a.drop_equal_reward_groups,
@@ -360,6 +364,41 @@ def resolve(cfg: Config, arch: ModelConfig | ModelDescription, model_dir: str, c
                               ptx_coef=a.ptx.coef),
         context=context, choices=tuple(choices),
         adapters=None if lora is None else AdapterUpdates(lora.scaling, cfg.model.lora.unmerged))
+
+
+def routing_replay(cfg: Config, moe: bool, backend: str, engine: str) -> bool:
+    """``algorithm.routing_replay`` checked against the run: whether the replicas record routes for the trainer to
+    replay (one line when it cannot run)."""
+    if cfg.algorithm.routing_replay == "off":
+        return False
+    if not moe:
+        raise UserError("algorithm.routing_replay: rollout replays MoE routes, and this model has no "
+                        "mixture-of-experts layers; set it off")
+    if backend != "native":
+        raise UserError("algorithm.routing_replay: rollout needs the native trainer (the transformers backend's "
+                        "routers are transformers' own); set it off or use a native MoE family")
+    if not capabilities_of(engine).routing_capture:
+        raise UserError(f"algorithm.routing_replay: rollout needs routes from the rollout engine, and the {engine} "
+                        f"engine does not report them; set rollout.engine: native or routing_replay: off")
+    return True
+
+
+def trainer_compile(want: bool | str, device: str, backend: str, lora: bool,
+                    choices: list[tuple[str, str, str]]) -> bool:
+    """``trainer.compile`` resolved (``engines.training.compile``): auto on GPU workers; only the native model's
+    layers, and not under LoRA (its adapter and quantized-base modules are not traced). A line in ``choices`` when
+    auto decided or a request was refused."""
+    why_not = "the transformers backend's layers run eagerly" if backend != "native" else \
+        "model.lora: the adapted layers run eagerly" if lora else None
+    if want == "auto":
+        on = device == "cuda" and why_not is None
+        choices.append(("trainer.compile", "on" if on else "off",
+                        f"auto on {device}" + (f" ({why_not})" if why_not and device == "cuda" else "")))
+        return on
+    if want and why_not:
+        choices.append(("trainer.compile", "off", why_not))
+        return False
+    return bool(want)
 
 
 def lora_spec(cfg: Config, arch: ModelConfig | ModelDescription,

@@ -299,3 +299,22 @@ def test_the_update_trains_on_the_rollouts_routes_and_reports_the_routers_health
             at = torch.nonzero(doc == i).squeeze(1)
             got = index[at[pos[at].argsort()]][: lengths[i] - 1]
             assert torch.equal(got, torch.as_tensor(s.routed_experts[:, layer]).long())
+
+
+def test_routing_replay_is_asked_of_the_native_engine_and_refused_in_one_line_where_it_cannot_run():
+    from rl.config import parse_config
+    from rl.errors import UserError
+    from rl.settings import resolve, routing_replay
+
+    _, moe = _model("qwen3_moe")
+    on = {"algorithm": {"routing_replay": "rollout"}}
+    assert resolve(parse_config(on), moe, "unused", 64).rollout.engine.record_routes
+    assert not resolve(parse_config({}), moe, "unused", 64).rollout.engine.record_routes
+    dense = make_config("llama", vocab_size=64, hidden_size=32, intermediate_size=48, num_attention_heads=4,
+                        num_key_value_heads=2)
+    with pytest.raises(UserError, match="this model has no mixture-of-experts layers; set it off"):
+        resolve(parse_config(on), dense, "unused", 64)
+    with pytest.raises(UserError, match="the vllm engine does not report them"):
+        resolve(parse_config({**on, "rollout": {"engine": "vllm"}}), moe, "unused", 64)
+    with pytest.raises(UserError, match="needs the native trainer"):  # transformers' routers are its own
+        routing_replay(parse_config(on), True, "transformers", "native")

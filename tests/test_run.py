@@ -56,10 +56,13 @@ def test_weight_update_makes_inference_bitwise_equal(ray_cluster, sleep_level, w
     two workers), offload, wake, update from the offloaded shards: every inference engine then holds
     the trainer's full weights bit for bit (cast to bfloat16 where its replica is bfloat16; the Kimi K2
     layout's experts and latent attention included; fused q/k/v and gate/up in the replica) and
-    generates again."""
+    generates again. The MoE case replays the rollout's routes in the FSDP2 trainers (algorithm.routing_replay): the
+    completions carry each read token's experts across Ray, and the update reports the routers' health."""
     ws = json.loads(json.dumps(TINY["warmstart"]))
     ws["architecture"].update(arch)
-    cfg = tiny(rollout={"sleep_level": sleep_level, "dtype": dtype}, cluster={"workers": workers}, warmstart=ws)
+    replay = {"routing_replay": "rollout" if arch else "off"}
+    cfg = tiny(rollout={"sleep_level": sleep_level, "dtype": dtype}, cluster={"workers": workers}, warmstart=ws,
+               algorithm=replay)
     model_dir = prepare_model(cfg)
     with Cluster(for_model(cfg, str(model_dir)), str(model_dir)) as cluster:
         assert cluster.num_buckets > 3
@@ -71,7 +74,14 @@ def test_weight_update_makes_inference_bitwise_equal(ray_cluster, sleep_level, w
         cluster.rollouts.sleep()
         cluster.trainers.onload()
         samples = [make_sample(0, o.prompt_ids, o.token_ids, o.logprobs, float(i % 2)) for i, o in enumerate(outs)]
-        train_on(cluster, samples)
+        for s, o in zip(samples, outs, strict=True):
+            s.routed_experts = o.routed_experts
+            assert (o.routed_experts is not None) == bool(arch)
+            if arch:
+                assert o.routed_experts.shape[0] == len(o.prompt_ids) + len(o.token_ids) - 1
+        metrics = train_on(cluster, samples)
+        if arch:  # bf16 trainer against a bf16 replica: its own routers mostly agree, the metric is measured
+            assert 0 <= metrics[0]["route_mismatch"] < 0.5 and metrics[0]["router_entropy"] > 0
         cluster.trainers.offload()
         trained = ray.get([t.state_dict.remote() for t in cluster.trainers])[0]
         assert any(not torch.equal(trained[k], before[k]) for k in trained)

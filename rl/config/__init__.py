@@ -330,6 +330,10 @@ class AlgorithmConfig(Strict):
                                 "sampled by weights at most this many versions behind the trainer's, and the "
                                 "replicas run at most this many iterations ahead; 0 is on-policy (the colocated "
                                 "loop's samples); None: 1 (colocated placement: on-policy, unset)")
+    routing_replay: Literal["off", "rollout"] = Field(
+        "off", description="MoE models: rollout replays in every trainer forward (π_θ, π_old, the reference) the "
+                           "experts the rollout engine routed each token to, gates still the trainer's own scores "
+                           "(rollout routing replay); the native rollout engine and native trainer only")
     kl_coef: float = Field(0.0, ge=0, description="grpo/dapo: β of GRPO's KL penalty against the reference policy "
                            "(the model the run started from; the trainer holds a second copy of it to score each "
                            "batch); 0, off: DAPO and most recent recipes leave it out, and the clip already bounds "
@@ -389,6 +393,11 @@ class TrainerConfig(Strict):
     attention: Literal["auto", "sdpa", "flex"] = Field(
         "auto", description="training attention over packed sequences: flex_attention block masks (GPU), a dense "
                             "document mask with SDPA (CPU); auto picks by device")
+    compile: bool | Literal["auto"] = Field(
+        False, description="compile each decoder layer's forward with torch.compile (the attention kernel and MoE "
+                           "blocks stay eager), its artifacts cached across processes; auto: on GPU workers, off on "
+                           "CPU ones (a CPU compile takes minutes); the native backend without model.lora only. Off "
+                           "by default until a GPU check has run it (no GPU has yet)")
 
     @model_validator(mode="after")
     def _check(self) -> TrainerConfig:
