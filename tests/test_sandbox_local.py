@@ -429,7 +429,9 @@ def test_sandbox_failure_is_error(session):
 
 
 def test_slot_exhaustion(tmp_path):
-    b = LocalBackend(tmp_path / "root", max_sessions=2)
+    # uids of its own: slots are claimed host-wide, and a backend of another test (another xdist worker) holding the
+    # default range's first uids would leave this one fewer than two
+    b = LocalBackend(tmp_path / "root", max_sessions=2, uid_base=63800)
     try:
         s1, _ = b.create_session(), b.create_session()
         with pytest.raises(SandboxError) as e:
