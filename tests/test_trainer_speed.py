@@ -122,6 +122,7 @@ def test_compile_cache_goes_to_the_project_cache_unless_the_environment_names_on
                                    "TRITON_CACHE_DIR": str(tmp_path / "compile" / "triton")}
 
 
+@pytest.mark.slow  # inductor's C++ compile takes about 40 s on two cores; trainer.compile is off by default
 def test_compiled_layers_give_the_eager_loss_gradients_and_step(monkeypatch, tmp_path):
     """One training step through the engine (packed documents, max-logit tracking, SGD so that the update is the
     clipped gradient itself) with every decoder layer compiled by inductor (C++ on CPU), against the same model
