@@ -40,7 +40,8 @@ import time
 import torch
 
 from benchmarks.rollout import MODELS, QWEN3_8B
-from benchmarks.timing import best_seconds, say
+from benchmarks.roofline import gemm_flops
+from benchmarks.timing import say
 from engines.device import synchronize
 from engines.inference.sampling import token_logprobs
 from engines.model.native.arch import ModelConfig, make_config
@@ -65,15 +66,6 @@ CONFIGS = {**MODELS, "1b": QWEN3_1B, "qwen3-1.7b": QWEN3_1_7B, "qwen3-8b": QWEN3
 WORKLOADS = {"demo": (8192, 40, 120), "100m": (2048, 128, 512), "qwen3-0.6b": (8192, 256, 1024),
              "1b": (16384, 512, 4096), "qwen3-1.7b": (32768, 512, 4096), "qwen3-8b": (4096, 512, 4096)}
 VARIANTS = ("base", "checkpointing", "no_smax", "full_logits")
-
-
-def matmul_peak(device: torch.device, dtype: torch.dtype, n: int | None = None, tries: int = 3) -> float:
-    """This device's FLOP/s on an n×n GEMM in ``dtype`` (best of ``tries``)."""
-    n = n or (8192 if device.type == "cuda" else 1024)
-    a = torch.randn(n, n, device=device).to(dtype)
-    b = torch.randn(n, n, device=device).to(dtype)
-    a @ b
-    return 2 * n ** 3 / best_seconds(lambda: a @ b, device, tries)
 
 
 def make_batch(tokens: int, min_len: int, max_len: int, vocab: int, seed: int = 0):
@@ -198,7 +190,7 @@ def measure_all(model_name: str, repeats: int = 3, warmup: int = 1, device: str 
     engine = build(model_name, device, dtype, seed, lora, lora_base_dtype, compile, reshard_after_forward)
     model = engine.model
     say("train_step", f"{model_name} built on {device}" + (" (layers compiled)" if compile else ""))
-    peak_flops = matmul_peak(engine.device, getattr(torch, dtype))
+    peak_flops = gemm_flops(engine.device, getattr(torch, dtype))
     head = {"model": model_name, "device": device, "dtype": dtype, "threads": torch.get_num_threads(),
             "compile": compile, "reshard_after_forward": _resharded(model), "lora_rank": lora,
             "lora_base_dtype": lora_base_dtype if lora else None}

@@ -16,7 +16,7 @@ routes differ from a reference recording.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 
@@ -41,29 +41,17 @@ def active() -> RouteTape | None:
     return _tape.get()
 
 
-@contextmanager
-def recording() -> Iterator[RouteTape]:
+def recording() -> AbstractContextManager[RouteTape]:
     """Record every MoE layer's routes (and its router's statistics) in the forwards run inside."""
-    tape = RouteTape()
-    token = _tape.set(tape)
-    try:
-        yield tape
-    finally:
-        _tape.reset(token)
+    return using(RouteTape())
 
 
-@contextmanager
-def replaying(routes: torch.Tensor) -> Iterator[RouteTape]:
+def replaying(routes: torch.Tensor) -> AbstractContextManager[RouteTape]:
     """Make every MoE layer take ``routes`` ([tokens, MoE layers, k] ints) in the forwards run inside; what the
     layers took is recorded too (a test compares the two)."""
     if routes.dim() != 3:
         raise ValueError(f"routes must be [tokens, MoE layers, k], got shape {tuple(routes.shape)}")
-    tape = RouteTape(replay=routes.long())
-    token = _tape.set(tape)
-    try:
-        yield tape
-    finally:
-        _tape.reset(token)
+    return using(RouteTape(replay=routes.long()))
 
 
 @contextmanager
