@@ -135,12 +135,11 @@ def route_mismatch(routes: torch.Tensor, reference: torch.Tensor) -> float:
         raise ValueError(f"route shapes differ: {tuple(routes.shape)} vs {tuple(reference.shape)}")
     if routes.numel() == 0:
         return 0.0
-    a, b = routes.sort(dim=-1).values, reference.to(routes.device).long().sort(dim=-1).values
-    return float((a != b).any(dim=-1).double().mean())
+    return float(_differ(routes, reference.to(routes.device).long()).double().mean())
 
 
 def _differ(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Per token, whether two [tokens, k] expert choices differ as sets."""
+    """Per token (and layer), whether two [..., k] expert choices differ as sets."""
     return (a.sort(dim=-1).values != b.sort(dim=-1).values).any(dim=-1)
 
 
