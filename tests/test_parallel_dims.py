@@ -17,14 +17,19 @@ def test_each_worker_has_a_lead_and_its_ranks_in_order():
     assert [r for r in range(6) if dims.is_lead(r)] == [0, 2, 4]
     assert list(dims.ranks_of(1)) == [2, 3]
     assert dims.mesh_shape() == (("dp_shard",), (6,))
+    # expert parallel: consecutive ranks share experts, the grid's rows hold the same ones
+    ep = ParallelDims(workers=4, ep=2)
+    assert ep.mesh_shape() == (("dp_shard",), (4,)) and ep.expert_replicas == 2
     single = ParallelDims(workers=1)
     assert single.world == 1 and not single.sharded and single.mesh_shape() == (("dp_shard",), (1,))
 
 
 def test_a_layout_it_cannot_train_is_refused_in_one_line():
-    with pytest.raises(ValueError, match="expert and tensor parallel training are not supported yet"):
-        ParallelDims(workers=2, ep=2)
-    with pytest.raises(ValueError, match="dp_shard=3 .* must equal the 4 trainer ranks"):
+    with pytest.raises(ValueError, match="tensor parallel training is not supported yet"):
+        ParallelDims(workers=2, tp=2)
+    with pytest.raises(ValueError, match="ep=3 does not divide the 2 trainer ranks"):
+        ParallelDims(workers=2, ep=3)
+    with pytest.raises(ValueError, match="dp_shard=3 must equal the 4 trainer ranks"):
         ParallelDims(workers=2, ranks_per_worker=2, dp_shard=3)
     with pytest.raises(ValueError, match="rank 4 is not one of the 4 trainer ranks"):
         ParallelDims(workers=4).worker_of(4)

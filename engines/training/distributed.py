@@ -78,7 +78,7 @@ def reshard_all(model: nn.Module) -> None:
 
 
 def shard_model(model: CausalLM, param_dtype: str = "float32", device: torch.device | str | None = None,
-                mesh=None, reshard_after_forward: bool | None = None) -> CausalLM:
+                mesh=None, reshard_after_forward: bool | None = None, expert_mesh=None) -> CausalLM:
     """Shard ``model`` in place over ``mesh`` (a ``ParallelDims``' mesh; default: the whole default group, one
     dimension): each decoder layer, then the root.
 
@@ -92,6 +92,9 @@ def shard_model(model: CausalLM, param_dtype: str = "float32", device: torch.dev
     its forward. On one rank there is nothing to gather, only the cast to the compute dtype, so the copy is kept
     until the layer's backward (which frees it) rather than cast again there: the same numbers, the whole model in
     the compute dtype held through the forward (a no-grad forward leaves it gathered until ``reshard_all``).
+
+    ``expert_mesh`` (``ParallelDims.build_expert_mesh``): the MoE experts are split over its "ep" ranks instead
+    (``engines.training.expert_parallel``) and FSDP2 shards the rest.
     """
     if param_dtype not in PARAM_DTYPES:
         raise ValueError(f"param_dtype must be one of {sorted(PARAM_DTYPES)}, got {param_dtype!r}")
@@ -109,9 +112,16 @@ def shard_model(model: CausalLM, param_dtype: str = "float32", device: torch.dev
     policy = MixedPrecisionPolicy(param_dtype=PARAM_DTYPES[param_dtype], reduce_dtype=torch.float32)
     if reshard_after_forward is None:
         reshard_after_forward = mesh.size() > 1
+    experts = None
+    if expert_mesh is not None:
+        from engines.training.expert_parallel import shard_experts
+
+        experts = shard_experts(model, expert_mesh, PARAM_DTYPES[param_dtype])
     for layer in decoder_layers(model):  # the native model's layers, or a transformers model's _no_split_modules
-        fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+        fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward,
+                    ignored_params=experts)
+    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward,
+                ignored_params=experts)
     for m in model.modules():
         if isinstance(m, FSDPModule):
             # factor 1 with sum-only collectives: a SUM reduce-scatter and no division afterwards

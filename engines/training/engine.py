@@ -29,6 +29,7 @@ from engines.model.native.attention import FLEX_COMPILED_DEVICES, FLEX_FALLBACK,
 from engines.model.native.causal_lm import CausalLM
 from engines.model.native.document_mask import DocumentMask
 from engines.model.sharded import local_shards, local_tensor
+from engines.training import expert_parallel
 from engines.training.compile import use_compile_cache
 from engines.training.distributed import all_reduce_tensor, is_sharded, keeps_gathered, reshard_all, world_size
 from engines.training.offload import HostOffloader
@@ -166,6 +167,7 @@ class TrainingEngine:
         self._forward_mark: Mark | None = None  # the first differentiable forward since the last step
         # one rank under mixed precision: a forward leaves the layers gathered (distributed.shard_model)
         self._keeps_gathered = keeps_gathered(model)
+        self._expert_parallel = expert_parallel.is_expert_parallel(model)
 
     @property
     def sharded(self) -> bool:
@@ -286,7 +288,11 @@ class TrainingEngine:
             reshard_all(self.model)  # a forward without its backward left copies that the step would make stale
         params = [p for p in self.model.parameters() if p.grad is not None]
         # the clip factor is applied as a device tensor: clipping itself needs no host read
-        norm = torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm)
+        if self._expert_parallel:  # two meshes: FSDP2's and the experts'
+            expert_parallel.reduce_expert_grads(self.model)
+            norm = expert_parallel.clip_grad_norm(self.model, params, self.max_grad_norm)
+        else:
+            norm = torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
         read = self.reads.defer(norm)

@@ -70,11 +70,13 @@ def newton_schulz_(x: Tensor, ns_coefficients: Sequence[float], ns_steps: int, e
     """
     if ns_steps >= 100:
         raise ValueError("Number of steps must be less than 100 for computational efficiency")
-    if x.ndim != 3 or x.dtype != torch.bfloat16:
-        raise ValueError(f"expected a bfloat16 batch of matrices [B, n, m], got {x.dtype} {tuple(x.shape)}")
+    if x.ndim != 3 or x.dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"expected a bfloat16 or float32 batch of matrices [B, n, m], got {x.dtype} {tuple(x.shape)}")
     if len(ns_coefficients) != 3:
         raise ValueError("Coefficients must be a tuple of exactly 3 values")
-    if emulate is None:
+    if x.dtype == torch.float32:  # ``ShardedMuon(ns_dtype=float32)``: float32 throughout, nothing to emulate
+        emulate = False
+    elif emulate is None:
         emulate = emulate_bf16_matmul(x.device.type)
     a, b, c = ns_coefficients
     tall = x.size(1) > x.size(2)
@@ -107,8 +109,9 @@ def newton_schulz_(x: Tensor, ns_coefficients: Sequence[float], ns_steps: int, e
 def orthogonalize(shapes: Sequence[tuple[int, int]], fill: Callable[[int, Tensor], None],
                   consume: Callable[[list[int], Tensor], None], ns_coefficients: Sequence[float], ns_steps: int,
                   eps: float, device: torch.device | str = "cpu", max_batch_bytes: int | None = None,
-                  emulate: bool | None = None) -> None:
-    """Newton–Schulz of matrices ``i < len(shapes)``, batching those of equal shape.
+                  emulate: bool | None = None, dtype: torch.dtype = torch.bfloat16) -> None:
+    """Newton–Schulz of matrices ``i < len(shapes)``, batching those of equal shape (in ``dtype``: Muon's
+    bfloat16, or float32 where a run must be exact to float32's precision).
 
     ``fill(i, slot)`` writes matrix i into a bfloat16 slot of ``shapes[i]`` (the cast is Muon's own);
     ``consume(idx, results)`` receives a batch's bfloat16 results [len(idx), *shape], ``results[k]`` matrix
@@ -120,10 +123,10 @@ def orthogonalize(shapes: Sequence[tuple[int, int]], fill: Callable[[int, Tensor
     for i, shape in enumerate(shapes):
         by_shape[tuple(shape)].append(i)
     for shape, idx in by_shape.items():
-        per_batch = max(1, max_batch_bytes // max(1, 2 * shape[0] * shape[1]))
+        per_batch = max(1, max_batch_bytes // max(1, dtype.itemsize * shape[0] * shape[1]))
         for s in range(0, len(idx), per_batch):
             chunk = idx[s:s + per_batch]
-            batch = torch.empty((len(chunk), *shape), dtype=torch.bfloat16, device=device)
+            batch = torch.empty((len(chunk), *shape), dtype=dtype, device=device)
             for j, i in enumerate(chunk):
                 fill(i, batch[j])
             consume(chunk, newton_schulz_(batch, ns_coefficients, ns_steps, eps, emulate))
@@ -182,6 +185,9 @@ class ShardedMuon(torch.optim.Muon):
         # Newton–Schulz's matmuls: None emulates bfloat16 in float32 where the device has no bfloat16 GEMM
         # (newton_schulz_); False keeps torch.optim.Muon's bfloat16 kernels, and so its exact results
         self.ns_emulate = ns_emulate
+        # Newton–Schulz's dtype: Muon's bfloat16, or float32 for comparisons that must hold to float32's precision
+        # (two layouts of one model, whose gradients differ in the last bits, would otherwise differ by bf16 steps)
+        self.ns_dtype = torch.bfloat16
         # Σ (Δw)² and the element count over this rank's shards of the last step (update RMS, a health metric);
         # the sum stays a device tensor: the caller reads it with the step's other values, in one wait
         self.last_update_sq: Tensor | float = 0.0
@@ -263,7 +269,7 @@ class ShardedMuon(torch.optim.Muon):
             orthogonalize([tuple(pick(p_loc[i], (i, j)).shape) for i, j in whole],
                           lambda k, out: fill_local(whole[k], out), lambda ks, o: apply([whole[k] for k in ks], o), *ns,
                           device=p_loc[whole[0][0]].device, max_batch_bytes=self.max_batch_bytes,
-                          emulate=self.ns_emulate)
+                          emulate=self.ns_emulate, dtype=self.ns_dtype)
         for key, jobs in by_mesh.items():
             self._sharded_step(meshes[key], [tuple(params[i].shape) for i, _ in jobs],
                                lambda k, out, jobs=jobs: fill_local(jobs[k], out),
@@ -298,7 +304,7 @@ class ShardedMuon(torch.optim.Muon):
         for r in range(world):
             if totals[r] == 0:
                 continue
-            send = torch.zeros(totals[r], dtype=torch.bfloat16, device=device)
+            send = torch.zeros(totals[r], dtype=self.ns_dtype, device=device)
             for j in owned[r]:
                 fill(j, rows_of(send, j, rank))
             if r == rank:
@@ -310,7 +316,7 @@ class ShardedMuon(torch.optim.Muon):
 
         # 2. the owner orthogonalises its full matrices, writing each rank's rows into that rank's outbox
         mine = owned[rank]
-        outbox = [torch.zeros(totals[rank], dtype=torch.bfloat16, device=device) for _ in range(world)]
+        outbox = [torch.zeros(totals[rank], dtype=self.ns_dtype, device=device) for _ in range(world)]
 
         def fill_full(k: int, out: Tensor) -> None:
             j, start = mine[k], 0
@@ -326,7 +332,7 @@ class ShardedMuon(torch.optim.Muon):
                     start += rows[j][r]
 
         orthogonalize([shapes[j] for j in mine], fill_full, split_full, *ns, device=device,
-                      max_batch_bytes=self.max_batch_bytes, emulate=self.ns_emulate)
+                      max_batch_bytes=self.max_batch_bytes, emulate=self.ns_emulate, dtype=self.ns_dtype)
 
         # 3. scatter every rank's rows back and update the local shards
         received: dict[int, Tensor] = {}
@@ -334,7 +340,7 @@ class ShardedMuon(torch.optim.Muon):
         for r in range(world):
             if totals[r] == 0:
                 continue
-            received[r] = torch.empty(totals[r], dtype=torch.bfloat16, device=device)
+            received[r] = torch.empty(totals[r], dtype=self.ns_dtype, device=device)
             works.append(dist.scatter(received[r].view(torch.uint8), [t.view(torch.uint8) for t in outbox]
                                       if r == rank else None, group=pg, group_src=r, async_op=True))
         for w in works:

@@ -2,9 +2,11 @@
 
 A run has ``workers`` colocated workers; each holds ``ranks_per_worker`` trainer ranks (one per GPU of a
 tensor-parallel replica, else one). Every rank of every worker is one rank of the default process group, and FSDP2
-shards the model over all of them (``dp_shard``). Expert parallel (``ep``) and tensor parallel (``tp``) training are
-the next dimensions; they are declared here, at 1, so the mesh, the settings and the cluster already ask this object
-rather than reason about world sizes themselves. The first rank of a worker (its lead) sends the worker's replica its
+shards the model over all of them (``dp_shard``). With expert parallel (``ep`` > 1) the same ranks also form a
+(world/ep × ep) grid: along ``ep`` each rank holds whole experts of every MoE layer
+(``engines.training.expert_parallel``), while FSDP2 still shards everything else over all the ranks. Tensor parallel
+(``tp``) training is declared here, at 1, so the mesh, the settings and the cluster already ask this object rather
+than reason about world sizes themselves. The first rank of a worker (its lead) sends the worker's replica its
 updates and maps its IPC buffers; the worker's other ranks take part in every collective.
 """
 
@@ -12,13 +14,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-MESH_DIMS = ("dp_shard", "ep", "tp")
-
 
 @dataclass(frozen=True, kw_only=True)
 class ParallelDims:
     """``workers`` workers of ``ranks_per_worker`` trainer ranks; the ranks shard the model ``dp_shard`` ways (0: all
-    of them), times ``ep`` and ``tp`` (1 for now)."""
+    of them); ``ep`` ranks share each MoE layer's experts (it divides the world); ``tp`` is 1 for now."""
 
     workers: int
     ranks_per_worker: int = 1
@@ -30,12 +30,13 @@ class ParallelDims:
         if self.workers < 1 or self.ranks_per_worker < 1:
             raise ValueError(f"parallel dims: workers and ranks_per_worker must be at least 1, got {self.workers} and "
                              f"{self.ranks_per_worker}")
-        if self.ep != 1 or self.tp != 1:
-            raise ValueError(f"parallel dims: expert and tensor parallel training are not supported yet (ep={self.ep}, "
-                             f"tp={self.tp})")
+        if self.tp != 1:
+            raise ValueError(f"parallel dims: tensor parallel training is not supported yet (tp={self.tp})")
+        if self.ep < 1 or self.world % self.ep:
+            raise ValueError(f"parallel dims: expert parallel size ep={self.ep} does not divide the {self.world} "
+                             f"trainer ranks")
         if self.dp_shard not in (0, self.world):
-            raise ValueError(f"parallel dims: dp_shard={self.dp_shard} × ep={self.ep} × tp={self.tp} must equal the "
-                             f"{self.world} trainer ranks")
+            raise ValueError(f"parallel dims: dp_shard={self.dp_shard} must equal the {self.world} trainer ranks")
 
     @property
     def world(self) -> int:
@@ -75,10 +76,22 @@ class ParallelDims:
         return range(self.lead(worker), self.lead(worker) + self.ranks_per_worker)
 
     def mesh_shape(self) -> tuple[tuple[str, ...], tuple[int, ...]]:
-        """The device mesh's dimension names and sizes: the dimensions above 1, or ``dp_shard`` alone."""
-        sizes = {"dp_shard": self.shard_degree, "ep": self.ep, "tp": self.tp}
-        used = [d for d in MESH_DIMS if sizes[d] > 1] or ["dp_shard"]
-        return tuple(used), tuple(sizes[d] for d in used)
+        """FSDP2's device mesh's dimension names and sizes: ``dp_shard``, over every rank."""
+        return ("dp_shard",), (self.shard_degree,)
+
+    @property
+    def expert_replicas(self) -> int:
+        """Ranks that hold the same experts (world / ep)."""
+        return self.world // self.ep
+
+    def build_expert_mesh(self, device_type: str):
+        """The (``dp_mod_ep`` × ``ep``) grid the experts are split along (collective); None without expert parallel.
+        Consecutive ranks share an expert-parallel group, so on a multi-GPU worker its tokens stay on the node."""
+        if self.ep == 1:
+            return None
+        from torch.distributed.device_mesh import init_device_mesh
+
+        return init_device_mesh(device_type, (self.expert_replicas, self.ep), mesh_dim_names=("dp_mod_ep", "ep"))
 
     def build_mesh(self, device_type: str):
         """The device mesh FSDP2 shards over (collective: every rank builds it)."""

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engines.model.native import routing
+from engines.model.native import expert_dispatch, routing
 from engines.model.native.arch import ModelConfig
 from engines.model.native.layers import MLP
 
@@ -101,6 +101,9 @@ class Experts(nn.Module):
             self.gate_proj = nn.Parameter(torch.empty(num_experts, intermediate, hidden))
             self.up_proj = nn.Parameter(torch.empty(num_experts, intermediate, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+        #: set by the trainer for expert-parallel training (``engines.training.expert_parallel``): then this rank holds
+        #: some of the experts and tokens travel to them (``expert_dispatch``)
+        self.shard: expert_dispatch.ExpertShard | None = None
 
     def matrix(self, name: str, e: int, dtype: torch.dtype) -> torch.Tensor:
         """Expert ``e``'s matrix of projection ``name`` (an FP8 replica dequantises it here:
@@ -110,6 +113,8 @@ class Experts(nn.Module):
     def forward(self, x: torch.Tensor, weights: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         """Σ_k weights[n, k] · expert_{index[n, k]}(x[n]) for tokens x [N, hidden]; each expert runs
         once on all the tokens routed to it, experts in ascending order (so sums add up in a fixed order)."""
+        if self.shard is not None:
+            return expert_dispatch.routed_forward(self, x, weights, index)
         out = torch.zeros_like(x)
         flat = index.reshape(-1)
         order = flat.argsort(stable=True)

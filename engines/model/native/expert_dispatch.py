@@ -1,0 +1,135 @@
+"""Expert-parallel routing: each rank holds whole experts, and tokens travel to them instead of weights to tokens.
+
+With ``ep`` ranks in an expert-parallel group, rank r holds experts [r·E/ep, (r+1)·E/ep) of every MoE layer (the
+stacked parameters are ``Shard(0)`` DTensors on the group's mesh, ``engines.training.expert_parallel``). A layer's
+forward then runs in four steps over the group:
+
+1. **dispatch**: every (token, choice) pair is sorted by expert, so by owner, and one all-to-all sends each owner
+   the hidden states routed to its experts (counts first, so each rank knows what it receives);
+2. each owner runs each of its experts once on all the rows it received, in (expert, source rank) order;
+3. **combine**: the reverse all-to-all brings every row's expert output back to the rank the token lives on;
+4. the token's rank weighs each output by its router weight and sums them, experts in ascending order, as the
+   unsharded ``Experts.forward`` does.
+
+The router weights never leave the token's rank, so the router's gradient stays local; the experts' gradients come
+back through the all-to-alls' backward (the reverse exchange), summed over every token of the group that used them.
+Every rank of the group must run the same number of MoE forwards and backwards, as under FSDP2.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from engines.model.sharded import local_tensor
+
+
+@dataclass
+class ExpertShard:
+    """Where an ``Experts`` block's experts live: ``size`` ranks of ``group``, this one ``rank`` of them, holding
+    ``per_rank`` consecutive experts; ``dtype`` is the compute dtype its matrices are cast to (None: their own);
+    ``replicas``, the ranks holding the same experts, whose gradients a trainer sums (None: no other)."""
+
+    group: dist.ProcessGroup
+    size: int
+    rank: int
+    per_rank: int
+    dtype: torch.dtype | None = None
+    replicas: dist.ProcessGroup | None = None
+    #: elements this rank sent through the all-to-alls since the last ``take_sent`` (forward and backward)
+    sent_elements: int = 0
+
+    def take_sent(self) -> int:
+        n, self.sent_elements = self.sent_elements, 0
+        return n
+
+
+class _AllToAll(torch.autograd.Function):
+    """Rows of ``x`` split ``send`` ways out, ``recv`` ways in, over ``shard.group``; its backward is the reverse
+    exchange. Sent as bytes, so any dtype crosses any backend."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, send: list[int], recv: list[int], shard: ExpertShard) -> torch.Tensor:
+        ctx.send, ctx.recv, ctx.shard = send, recv, shard
+        return _exchange(x, send, recv, shard)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _exchange(grad.contiguous(), ctx.recv, ctx.send, ctx.shard), None, None, None
+
+
+def _exchange(x: torch.Tensor, send: list[int], recv: list[int], shard: ExpertShard) -> torch.Tensor:
+    out = x.new_empty((sum(recv), *x.shape[1:]))
+    shard.sent_elements += x.numel()
+    row = math.prod(x.shape[1:]) * x.element_size()
+    # as bytes: gloo's all-to-all takes no bfloat16; every rank calls it, even with nothing to move
+    dist.all_to_all_single(out.view(torch.uint8).view(out.shape[0], row), x.contiguous().view(torch.uint8)
+                           .view(x.shape[0], row), list(recv), list(send), group=shard.group)
+    return out
+
+
+def all_to_all(x: torch.Tensor, send: list[int], recv: list[int], shard: ExpertShard) -> torch.Tensor:
+    """Differentiable all-to-all of ``x``'s rows: ``send[r]`` rows to rank r, ``recv[r]`` from it."""
+    return _AllToAll.apply(x, send, recv, shard)
+
+
+def routed_forward(experts, x: torch.Tensor, weights: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Σ_k weights[n, k] · expert_{index[n, k]}(x[n]) for this rank's tokens x [N, hidden], the experts spread over
+    ``experts.shard`` (an ``ExpertShard``).
+
+    Every matmul is the one the unsharded ``Experts.forward`` runs on the token's own rank (expert e on that rank's
+    rows of e, in the same order), and every sum is taken in its order, so on two ranks expert-parallel training
+    equals FSDP2's bit for bit; on more, an expert's gradient sums the ranks' parts in another order than the
+    reduce-scatter does (float32 rounding, nothing else).
+    """
+    shard: ExpertShard = experts.shard
+    per, k = shard.per_rank, index.shape[1]
+    flat = index.reshape(-1)
+    order = flat.argsort(stable=True)
+    token = order // k
+    w = weights.reshape(-1)[order]
+    counts = torch.bincount(flat, minlength=experts.num_experts)
+    # how many rows of each of my experts every rank sends me: [source rank, my expert]
+    theirs = torch.empty_like(counts)
+    dist.all_to_all_single(theirs, counts, group=shard.group)
+    mine, got = counts.tolist(), theirs.view(shard.size, per).tolist()
+    send = [sum(mine[r * per:(r + 1) * per]) for r in range(shard.size)]
+    recv = [sum(row) for row in got]
+    # 1. dispatch: each expert's rows gathered on their own (as the unsharded forward does), in expert order
+    starts = [0, *torch.tensor(mine).cumsum(0).tolist()]
+    parts = [x[token[starts[e]:starts[e + 1]]] for e in range(experts.num_experts) if mine[e]]
+    rows = all_to_all(torch.cat(parts) if parts else x[:0], send, recv, shard)  # source-major, then expert
+    # 2. my experts, each on each source's rows separately: the matmuls that source would have run itself
+    mats = {n: local_tensor(getattr(experts, n)) for n in
+            (("gate_up_proj",) if experts.fused else ("gate_proj", "up_proj")) + ("down_proj",)}
+    dtype = shard.dtype or x.dtype
+    offset = [0, *torch.tensor([n for row in got for n in row]).cumsum(0).tolist()]
+    outs: list = [None] * (shard.size * per)
+    for e in range(per):
+        if not any(got[s][e] for s in range(shard.size)):
+            continue
+        m = {n: t[e].to(dtype) for n, t in mats.items()}
+        for s in range(shard.size):
+            if got[s][e]:
+                h = rows[offset[s * per + e]:offset[s * per + e + 1]].to(dtype)
+                if experts.fused:
+                    gate, up = F.linear(h, m["gate_up_proj"]).chunk(2, dim=-1)
+                else:
+                    gate, up = F.linear(h, m["gate_proj"]), F.linear(h, m["up_proj"])
+                outs[s * per + e] = F.linear(F.silu(gate) * up, m["down_proj"])
+    done = [o for o in outs if o is not None]
+    y = torch.cat(done) if done else rows.new_zeros((0, x.shape[1]), dtype=dtype)
+    # 3. combine: every row back to its token's rank, in the order it was sent
+    y = all_to_all(y, recv, send, shard)
+    # 4. weigh and add, expert by expert, as the unsharded forward does
+    out, start = torch.zeros_like(x), 0
+    for e in range(experts.num_experts):
+        n = mine[e]
+        if n:
+            out.index_add_(0, token[start:start + n], (y[start:start + n] * w[start:start + n, None]).to(out.dtype))
+            start += n
+    return out

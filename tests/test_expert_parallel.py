@@ -1,0 +1,208 @@
+"""Expert-parallel training equals the FSDP2-only trainer: the same losses, gradients, grad norm and weights after two
+Muon steps (fp32, ≤ 1e-6), for the native MoE families (Mixtral, Qwen3-MoE, DeepSeek-V3 / a K2-shaped miniature with
+MLA and a shared expert), at EP = 2 on 2 ranks and EP = 4 and 2 on 4 ranks (where two ranks hold the same experts and
+sum their gradients); each rank holds 1/EP of the experts' bytes; the weight-update plan sends each expert from the
+rank that holds it; bad sizes are refused in one line.
+
+Both trainers run in the same rank processes (one spawn per world size), on the same per-rank batches, so the only
+difference is where the experts live and how tokens reach them.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from checkpoint_engine.model_sender import local_parts, plan_model_update
+from engines.model.native.arch import make_config
+from engines.model.native.causal_lm import build_model
+from engines.model.sharded import full_state_dict, local_shards, local_tensor
+from engines.training import expert_parallel
+from engines.training.distributed import init_distributed, shard_model
+from engines.training.engine import TrainingEngine
+from engines.training.muon import ShardedMuon
+from engines.training.optim import build_optimizers
+from engines.training.parallel_dims import ParallelDims
+from tests.ranks import rank_body, run_ranks
+
+VOCAB = 64
+FAMILIES = {
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, num_hidden_layers=2),
+    "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16, head_dim=8,
+                      norm_topk_prob=False, mlp_only_layers=[1], num_hidden_layers=3),
+    # K2's shape in miniature: MLA, many small experts in groups, one shared expert, a dense first layer
+    "deepseek_v3": dict(q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
+                        n_routed_experts=16, n_shared_experts=1, n_group=4, topk_group=2, num_experts_per_tok=4,
+                        moe_intermediate_size=8, routed_scaling_factor=2.5, first_k_dense_replace=1,
+                        num_hidden_layers=3),
+}
+STEPS = 2
+SHARP = 2.0  # weights scaled up from the init, so that routes and losses depend on them
+
+
+def _model(family: str):
+    cfg = make_config(family, vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0, **FAMILIES[family])
+    torch.manual_seed(0)
+    model = build_model(cfg, init=True)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(SHARP)
+    return model
+
+
+def _batch(step: int, n: int = 8):
+    rng = random.Random(100 + step)
+    prompts = [[rng.randrange(2, VOCAB) for _ in range(rng.randint(2, 7))] for _ in range(n)]
+    responses = [[rng.randrange(2, VOCAB) for _ in range(rng.randint(2, 7))] for _ in range(n)]
+    return prompts, responses
+
+
+def _train(family: str, dims: ParallelDims, me: int) -> dict:
+    """Two Muon steps of the global token-mean NLL, this rank's rows me::world; what a user would compare."""
+    model = shard_model(_model(family), expert_mesh=dims.build_expert_mesh("cpu"))
+    engine = TrainingEngine(model, build_optimizers(model, "muon", lr=2e-2, weight_decay=0.1), 0, max_grad_norm=1e9)
+    for opt in engine.optimizers:
+        if isinstance(opt, ShardedMuon):  # float32 throughout: bf16 Newton–Schulz would turn last-bit differences of
+            opt.ns_dtype = torch.float32  # the gradients into bf16 steps of the update (see the benchmark)
+    grads: dict = {}
+
+    def keep_grads(opt, *_):
+        if not grads:
+            grads.update({n: local_tensor(p.grad).clone() for n, p in model.named_parameters() if p.grad is not None})
+    for opt in engine.optimizers:
+        opt.register_step_pre_hook(keep_grads)
+    out = {"loss": [], "norm": []}
+    for step in range(STEPS):
+        prompts, responses = _batch(step)
+        n = sum(len(r) for r in responses)
+        lp, _ = engine.response_logprobs(prompts[me::dims.world], responses[me::dims.world], 1.0)
+        loss = -lp.sum() / n
+        loss.backward()
+        out["loss"].append(loss.item())
+        out["norm"].append(engine.step())
+        if step == 0:
+            out["grads"] = _full(model, grads)
+    out["weights"] = full_state_dict(model)
+    # who sends what in a weight update to a replica of the unsharded model (hub names: one tensor per expert)
+    plan = plan_model_update(model, local_parts(local_shards(model)), 1 << 14, build_model(model.config, device="meta"))
+    senders: dict[str, set[int]] = {}
+    for k, bucket in enumerate(plan.buckets):
+        for piece in bucket:
+            senders.setdefault(piece.name, set()).add(plan.owners[k])
+    out["senders"] = senders
+    experts = [p for b in expert_parallel.expert_blocks(model) for p in b.parameters(recurse=False)]
+    out["expert_bytes"] = (sum(local_tensor(p).numel() * p.element_size() for p in experts),
+                           sum(p.numel() * p.element_size() for p in experts))
+    return out
+
+
+def _full(model, grads: dict) -> dict:
+    """Each gradient whole (gathered from its shards: FSDP2's over all ranks, the experts' over their EP group)."""
+    params = dict(model.named_parameters())
+    out = {}
+    for n, g in grads.items():
+        p = params[n]
+        if isinstance(p, torch.distributed.tensor.DTensor):
+            d = torch.distributed.tensor.DTensor.from_local(g, p.device_mesh, p.placements, shape=p.shape,
+                                                            stride=p.stride())
+            out[n] = d.full_tensor()
+        else:
+            out[n] = g
+    return out
+
+
+def _rank(me: int, world: int, port: int, out_dir: str, eps: list[int]) -> None:
+    with rank_body(me, out_dir):
+        init_distributed(me, world, f"tcp://127.0.0.1:{port}")
+        torch.manual_seed(0)
+        res = {}
+        for family in FAMILIES:
+            res[family] = {ep: _train(family, ParallelDims(workers=world, ep=ep), me) for ep in [1, *eps]}
+        torch.save(res, f"{out_dir}/rank{me}.pt")
+
+
+@pytest.fixture(scope="module", params=[(2, [2]), (4, [4, 2])], ids=["2ranks", "4ranks"])
+def runs(request, tmp_path_factory):
+    world, eps = request.param
+    return world, eps, run_ranks(_rank, tmp_path_factory.mktemp(f"ep{world}"), eps, world=world)
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
+    """|a − b| ≤ 1e-6 elementwise, relative to |b| where that exceeds 1 (float32 resolves 36.78 to 4e-6)."""
+    assert a.shape == b.shape, what
+    err = ((a - b).abs() / b.abs().clamp(min=1.0)).max().item() if a.numel() else 0.0
+    assert err <= 1e-6, f"{what}: max |Δ| {err:.2e}"
+
+
+def _equal(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
+    assert torch.equal(a, b), f"{what}: max |Δ| {(a - b).abs().max().item():.2e}"
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_expert_parallel_equals_the_fsdp_trainer(runs, family):
+    """≤ 1e-6 everywhere; on two ranks, where the expert-parallel forward runs FSDP2's own matmuls and sums two
+    parts as its reduce-scatter does, losses, gradients and weights are equal bit for bit."""
+    world, eps, ranks = runs
+    for me, res in enumerate(ranks):
+        ref = res[family][1]
+        for ep in eps:
+            got = res[family][ep]
+            same = _close if world > 2 else _equal
+            for s in range(STEPS):
+                same(torch.tensor(got["loss"][s]), torch.tensor(ref["loss"][s]), f"ep={ep} rank {me} loss {s}")
+                _close(torch.tensor(got["norm"][s]), torch.tensor(ref["norm"][s]), f"ep={ep} rank {me} norm {s}")
+            assert set(got["grads"]) == set(ref["grads"])
+            for n in ref["grads"]:
+                same(got["grads"][n], ref["grads"][n], f"ep={ep} rank {me} grad {n}")
+            assert set(got["weights"]) == set(ref["weights"])
+            for n in ref["weights"]:
+                same(got["weights"][n], ref["weights"][n], f"ep={ep} rank {me} weight {n} after {STEPS} steps")
+    # the steps moved the weights: the comparison is not of two untouched models
+    start = _model(family).state_dict()
+    moved = [n for n in start if n in ranks[0][family][1]["weights"]
+             and not torch.equal(start[n], ranks[0][family][1]["weights"][n])]
+    assert any(".experts." in n for n in moved) and any("q_proj" in n or "q_a_proj" in n for n in moved)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_each_rank_holds_one_ep_th_of_the_experts(runs, family):
+    world, eps, ranks = runs
+    for res in ranks:
+        for ep in eps:
+            local, total = res[family][ep]["expert_bytes"]
+            assert local * ep == total, (ep, local, total)
+        local, total = res[family][1]["expert_bytes"]
+        assert local * world == total  # FSDP2 alone stores 1/world too, but gathers them whole at each layer
+
+
+def test_each_expert_reaches_a_replica_whole_from_the_rank_that_holds_it(runs):
+    world, eps, ranks = runs
+    for family in FAMILIES:
+        for ep in eps:
+            senders = ranks[0][family][ep]["senders"]
+            assert all(s == ranks[1][family][ep]["senders"][n] for n, s in senders.items())  # one plan on all ranks
+            experts = {n: s for n, s in senders.items() if ".experts." in n and ".shared_experts." not in n}
+            assert experts
+            per = _model(family).config.num_experts // ep
+            for n, s in experts.items():
+                e = int(n.split(".experts.")[1].split(".")[0])
+                assert s == {e // per}, (ep, n, s)  # its EP owner (the lowest of the ranks holding it)
+            # the rest is FSDP2's: row shards of every rank
+            assert set().union(*(s for n, s in senders.items() if n not in experts)) == set(range(world))
+
+
+def test_bad_expert_parallel_sizes_are_refused_in_one_line():
+    with pytest.raises(ValueError, match="ep=3 does not divide the 4 trainer ranks"):
+        ParallelDims(workers=4, ep=3)
+    with pytest.raises(ValueError, match="ep=4 does not divide the model's 6 experts"):
+        expert_parallel.check_experts(build_model(make_config(
+            "qwen3_moe", vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_attention_heads=4,
+            num_key_value_heads=2, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=16,
+            num_hidden_layers=1), device="meta"), 4)
+    with pytest.raises(ValueError, match="needs a mixture-of-experts model"):
+        expert_parallel.check_experts(build_model(make_config(
+            "llama", vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_attention_heads=4,
+            num_key_value_heads=2, num_hidden_layers=1), device="meta"), 2)
