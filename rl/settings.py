@@ -203,10 +203,13 @@ class RunSettings:
 
 def parallel_dims(cfg: Config) -> ParallelDims:
     """The trainers' layout: ``cluster.workers`` workers, each with one trainer rank per GPU where its replica spans
-    them (tensor parallel), else one; FSDP2 over all the ranks."""
+    them (tensor parallel), else one; FSDP2 over all the ranks, the experts over ``trainer.expert_parallel`` of them."""
     gpus = cfg.cluster.gpus_per_worker
     per = int(gpus) if cfg.rollout.tensor_parallel_size > 1 and gpus > 0 else 1
-    return ParallelDims(workers=cfg.cluster.workers, ranks_per_worker=per)
+    try:
+        return ParallelDims(workers=cfg.cluster.workers, ranks_per_worker=per, ep=cfg.trainer.expert_parallel)
+    except ValueError as e:
+        raise UserError(f"trainer.expert_parallel: {e}") from None
 
 
 def objective_of(cfg: Config) -> Objective:
@@ -281,6 +284,7 @@ def resolve(cfg: Config, arch: ModelConfig | ModelDescription, model_dir: str, c
     check_engine(cfg, kind, why, backend=backend, sleep_level=level,
                  moe_model_type=arch.model_type if experts else None)
     replay = routing_replay(cfg, experts, backend, kind)
+    check_expert_parallel(cfg, arch, experts, backend)
     if cfg.rollout.sleep_level == "auto":
         choices.append(("rollout.sleep_level", str(level), level_why))
     # a native replica on CPU attends with the decode kernel: decode_attention builds it here, once, on the driver,
@@ -381,6 +385,24 @@ def routing_replay(cfg: Config, moe: bool, backend: str, engine: str) -> bool:
         raise UserError(f"algorithm.routing_replay: rollout needs routes from the rollout engine, and the {engine} "
                         f"engine does not report them; set rollout.engine: native or routing_replay: off")
     return True
+
+
+def check_expert_parallel(cfg: Config, arch: ModelConfig | ModelDescription, moe: bool, backend: str) -> None:
+    """``trainer.expert_parallel`` checked against the model, in one line (the ranks: ``parallel_dims``)."""
+    ep = cfg.trainer.expert_parallel
+    if ep == 1:
+        return
+    if not moe:
+        raise UserError(f"trainer.expert_parallel: {ep} splits MoE experts, and this model has no mixture-of-experts "
+                        f"layers; set it to 1")
+    if backend != "native":
+        raise UserError("trainer.expert_parallel: the transformers backend's MoE blocks are transformers' own, not "
+                        "split; use a native MoE family or set it to 1")
+    if cfg.model.lora is not None:
+        raise UserError("trainer.expert_parallel: LoRA trains adapters on a frozen base; set it to 1 with model.lora")
+    if arch.num_experts % ep:
+        raise UserError(f"trainer.expert_parallel: {ep} does not divide the model's {arch.num_experts} experts")
+    parallel_dims(cfg)
 
 
 def trainer_compile(want: bool | str, device: str, backend: str, lora: bool,

@@ -206,3 +206,24 @@ def test_bad_expert_parallel_sizes_are_refused_in_one_line():
         expert_parallel.check_experts(build_model(make_config(
             "llama", vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_attention_heads=4,
             num_key_value_heads=2, num_hidden_layers=1), device="meta"), 2)
+
+
+def test_a_run_asks_for_expert_parallel_in_its_config_and_bad_ones_are_refused_in_one_line():
+    from rl.config import parse_config
+    from rl.errors import UserError
+    from rl.settings import resolve
+
+    moe = _model("qwen3_moe").config  # 8 experts
+    dense = make_config("llama", vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_attention_heads=4,
+                        num_key_value_heads=2)
+
+    def run(ep: int, workers: int = 4, **extra) -> dict:
+        return {"cluster": {"workers": workers}, "trainer": {"expert_parallel": ep}, **extra}
+    settings = resolve(parse_config(run(4)), moe, "unused", 64)
+    assert settings.trainer.parallel == ParallelDims(workers=4, ep=4)
+    with pytest.raises(UserError, match="ep=4 does not divide the 2 trainer ranks"):
+        resolve(parse_config(run(4, workers=2)), moe, "unused", 64)
+    with pytest.raises(UserError, match="3 does not divide the model's 8 experts"):
+        resolve(parse_config(run(3, workers=3)), moe, "unused", 64)
+    with pytest.raises(UserError, match="this model has no mixture-of-experts layers; set it to 1"):
+        resolve(parse_config(run(2)), dense, "unused", 64)

@@ -56,13 +56,14 @@ def test_weight_update_makes_inference_bitwise_equal(ray_cluster, sleep_level, w
     two workers), offload, wake, update from the offloaded shards: every inference engine then holds
     the trainer's full weights bit for bit (cast to bfloat16 where its replica is bfloat16; the Kimi K2
     layout's experts and latent attention included; fused q/k/v and gate/up in the replica) and
-    generates again. The MoE case replays the rollout's routes in the FSDP2 trainers (algorithm.routing_replay): the
+    generates again. The MoE case trains expert-parallel (trainer.expert_parallel: each trainer holds half the
+    experts, the replicas still receive all of them) and replays the rollout's routes (algorithm.routing_replay): the
     completions carry each read token's experts across Ray, and the update reports the routers' health."""
     ws = json.loads(json.dumps(TINY["warmstart"]))
     ws["architecture"].update(arch)
     replay = {"routing_replay": "rollout" if arch else "off"}
     cfg = tiny(rollout={"sleep_level": sleep_level, "dtype": dtype}, cluster={"workers": workers}, warmstart=ws,
-               algorithm=replay)
+               algorithm=replay, trainer={"expert_parallel": 2} if arch else {})
     model_dir = prepare_model(cfg)
     with Cluster(for_model(cfg, str(model_dir)), str(model_dir)) as cluster:
         assert cluster.num_buckets > 3

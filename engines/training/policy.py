@@ -79,7 +79,8 @@ def empty_policy(arch, spec: PolicySpec, dims: ParallelDims, device: str, lora: 
     if lora is not None:
         apply_lora(model, lora, dtype)  # on meta: the adapters' shapes
     mesh = dims.build_mesh(torch.device(device).type)
-    model = distributed.shard_model(model, param_dtype=spec.compute_dtype, device=device, mesh=mesh)
+    model = distributed.shard_model(model, param_dtype=spec.compute_dtype, device=device, mesh=mesh,
+                                    expert_mesh=dims.build_expert_mesh(torch.device(device).type))
     if lora is not None:
         init_adapters(model, lora, torch.Generator(device=device).manual_seed(LORA_SEED))
     return model

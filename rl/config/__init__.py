@@ -398,6 +398,11 @@ class TrainerConfig(Strict):
                            "blocks stay eager), its artifacts cached across processes; auto: on GPU workers, off on "
                            "CPU ones (a CPU compile takes minutes); the native backend without model.lora only. Off "
                            "by default until a GPU check has run it (no GPU has yet)")
+    expert_parallel: int = Field(
+        1, ge=1, description="expert-parallel size (EP) of an MoE model: each group of this many trainer ranks "
+                             "splits every MoE layer's experts between them, tokens travel to their experts by "
+                             "all-to-all, and FSDP2 shards the rest over all ranks; must divide the trainer ranks "
+                             "and the experts. 1: FSDP2 alone (every rank gathers each layer's experts whole)")
 
     @model_validator(mode="after")
     def _check(self) -> TrainerConfig:
