@@ -45,6 +45,7 @@ def plan_model_update(model: nn.Module, parts: LocalParts, bucket_bytes: int, re
         dist.all_gather_object(everyone, mine)
     theirs, their_tensors = placements(replica), model_tensors(replica)
     specs, owners, fp8 = [], {}, {}
+    load = [0] * len(everyone)  # bytes each rank sends so far: a run several ranks hold goes to the least loaded
     for name, p in placements(model).items():
         if name not in theirs:
             raise ValueError(f"the inference model has no tensor {name}")
@@ -52,11 +53,17 @@ def plan_model_update(model: nn.Module, parts: LocalParts, bucket_bytes: int, re
         el = dtype.itemsize
         specs.append(TensorSpec(name, p.shape, str(dtype).removeprefix("torch."), p.numel * el))
         ranges, covered = [], p.offset
-        # FSDP shards are disjoint runs in rank order; a tensor FSDP leaves whole (a buffer such as the
-        # router's score-correction bias) is held by every rank, and the lowest rank sends it
-        for lo, hi, rank in sorted((*held[p.target], rank) for rank, held in enumerate(everyone)):
+        # FSDP shards are disjoint runs in rank order. Some runs are held by several ranks: a tensor FSDP leaves
+        # whole (the router's score-correction bias) by every rank, an expert by each of its expert-parallel
+        # replicas; the least loaded of them sends it (ties: the lowest rank), so no few ranks send all the experts
+        holders: dict[tuple[int, int], list[int]] = {}
+        for rank, held in enumerate(everyone):
+            holders.setdefault(tuple(held[p.target]), []).append(rank)
+        for (lo, hi), ranks in sorted(holders.items()):
             a, b = max(lo, covered), min(hi, p.offset + p.numel)
             if a < b:
+                rank = min(ranks, key=lambda r: (load[r], r))
+                load[rank] += (b - a) * el
                 ranges.append((rank, (a - p.offset) * el, (b - p.offset) * el))
                 covered = b
         owners[name] = ranges

@@ -40,11 +40,12 @@ class ExpertShard:
     per_rank: int
     dtype: torch.dtype | None = None
     replicas: dist.ProcessGroup | None = None
-    #: elements this rank sent through the all-to-alls since the last ``take_sent`` (forward and backward)
-    sent_elements: int = 0
+    #: bytes this rank sent other ranks through the all-to-alls (forward and backward), for ``take_sent``
+    sent_bytes: int = 0
 
     def take_sent(self) -> int:
-        n, self.sent_elements = self.sent_elements, 0
+        """Bytes sent to other ranks since the last call (what a traffic plan predicts)."""
+        n, self.sent_bytes = self.sent_bytes, 0
         return n
 
 
@@ -64,8 +65,8 @@ class _AllToAll(torch.autograd.Function):
 
 def _exchange(x: torch.Tensor, send: list[int], recv: list[int], shard: ExpertShard) -> torch.Tensor:
     out = x.new_empty((sum(recv), *x.shape[1:]))
-    shard.sent_elements += x.numel()
     row = math.prod(x.shape[1:]) * x.element_size()
+    shard.sent_bytes += (sum(send) - send[shard.rank]) * row
     # as bytes: gloo's all-to-all takes no bfloat16; every rank calls it, even with nothing to move
     dist.all_to_all_single(out.view(torch.uint8).view(out.shape[0], row), x.contiguous().view(torch.uint8)
                            .view(x.shape[0], row), list(recv), list(send), group=shard.group)
