@@ -96,7 +96,7 @@ def _train(ep: int, world: int, rank: int, steps: int, wire: Wire) -> dict:
     dims = ParallelDims(workers=world, ep=ep)
     model = shard_model(build_model(cfg, init=True), expert_mesh=dims.build_expert_mesh("cpu"))
     engine = TrainingEngine(model, build_optimizers(model, "muon", lr=2e-2, weight_decay=0.0), 0, max_grad_norm=1.0)
-    shards = [b.shard for b in expert_parallel.expert_blocks(model) if b.shard is not None]
+    shards = expert_parallel.expert_shards(model)
     losses, seconds, traffic = [], [], {}
     for step in range(steps):
         prompts, responses = _batch(step, rank, cfg.vocab_size)

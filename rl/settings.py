@@ -395,13 +395,18 @@ def check_expert_parallel(cfg: Config, arch: ModelConfig | ModelDescription, moe
     if not moe:
         raise UserError(f"trainer.expert_parallel: {ep} splits MoE experts, and this model has no mixture-of-experts "
                         f"layers; set it to 1")
-    if backend != "native":
-        raise UserError("trainer.expert_parallel: the transformers backend's MoE blocks are transformers' own, not "
-                        "split; use a native MoE family or set it to 1")
     if cfg.model.lora is not None:
         raise UserError("trainer.expert_parallel: LoRA trains adapters on a frozen base; set it to 1 with model.lora")
     if arch.num_experts % ep:
         raise UserError(f"trainer.expert_parallel: {ep} does not divide the model's {arch.num_experts} experts")
+    if backend != "native":  # transformers' own expert blocks: those of its standard layout only (not gpt-oss's)
+        from engines.model.hf.backend import empty_hf_model
+        from engines.training.expert_parallel import check_experts
+
+        try:
+            check_experts(empty_hf_model(arch.hf_config, trust_remote_code=cfg.model.trust_remote_code), ep)
+        except ValueError as e:
+            raise UserError(f"trainer.expert_parallel: {e}") from None
     parallel_dims(cfg)
 
 

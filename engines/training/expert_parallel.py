@@ -12,19 +12,26 @@ each expert from the rank that holds it.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
-from engines.model.native.expert_dispatch import ExpertShard
+from engines.model.native.expert_dispatch import ExpertShard, routed_forward
 from engines.model.native.moe import Experts
 from engines.model.sharded import local_tensor
 
 
-def expert_blocks(model: nn.Module) -> list[Experts]:
-    """The model's stacked-experts blocks, in layer order."""
-    return [m for m in model.modules() if isinstance(m, Experts)]
+def _transformers_experts(m: nn.Module) -> bool:
+    """transformers' stacked experts (its ``use_experts_implementation`` classes: Qwen2/3-MoE, Mixtral, GLM-4.5, …)."""
+    return hasattr(m, "is_concatenated") and hasattr(m, "gate_up_proj") and hasattr(m, "down_proj")
+
+
+def expert_blocks(model: nn.Module) -> list[nn.Module]:
+    """The model's stacked-experts blocks (native ``Experts``, or transformers' own), in layer order."""
+    return [m for m in model.modules() if isinstance(m, Experts) or _transformers_experts(m)]
 
 
 def check_experts(model: nn.Module, ep: int) -> None:
@@ -32,6 +39,11 @@ def check_experts(model: nn.Module, ep: int) -> None:
     blocks = expert_blocks(model)
     if not blocks:
         raise ValueError(f"expert parallel (ep={ep}) needs a mixture-of-experts model; this one has no experts")
+    odd = next((b for b in blocks if _transformers_experts(b) and (
+        b.has_bias or b.is_transposed or not b.is_concatenated or not b.has_gate)), None)
+    if odd is not None:  # gpt-oss: biases and interleaved gate/up, another expert function
+        raise ValueError(f"expert parallel: transformers' {type(odd).__name__} (biases, transposed or interleaved "
+                         f"weights) is not supported; set it to 1")
     if blocks[0].num_experts % ep:
         raise ValueError(f"expert parallel: ep={ep} does not divide the model's {blocks[0].num_experts} experts")
 
@@ -53,18 +65,30 @@ def shard_experts(model: nn.Module, mesh, dtype: torch.dtype | None = None) -> s
             setattr(block, name, nn.Parameter(d, requires_grad=p.requires_grad))
             params.add(getattr(block, name))
         block.shard = ExpertShard(ep_mesh.get_group(), ep, me, per, dtype, replicas=replicas)
+        if _transformers_experts(block):  # its forward(hidden_states, top_k_index, top_k_weights), routed instead
+            block.forward = functools.partial(_transformers_forward, block)
     return params
+
+
+def _transformers_forward(block: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                          top_k_weights: torch.Tensor) -> torch.Tensor:
+    return routed_forward(block, hidden_states, top_k_weights, top_k_index, slot_major=True)
+
+
+def expert_shards(model: nn.Module) -> list[ExpertShard]:
+    """The ``ExpertShard`` of each split experts block (their all-to-all byte counters, say)."""
+    return [b.shard for b in expert_blocks(model) if getattr(b, "shard", None) is not None]
 
 
 def is_expert_parallel(model: nn.Module) -> bool:
     """Whether ``model``'s experts are split over ranks (``shard_experts``)."""
-    return any(b.shard is not None for b in expert_blocks(model))
+    return any(getattr(b, "shard", None) is not None for b in expert_blocks(model))
 
 
 def reduce_expert_grads(model: nn.Module) -> None:
     """Sum each expert's gradient over the ranks that hold the same experts (none when ep is the whole world)."""
     for block in expert_blocks(model):
-        if block.shard is None or block.shard.replicas is None:
+        if getattr(block, "shard", None) is None or block.shard.replicas is None:
             continue
         grads = [local_tensor(p.grad) for p in block.parameters(recurse=False) if p.grad is not None]
         for g in grads:

@@ -143,7 +143,8 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     found: list[nn.Module] = []
     inside: set[int] = set()  # modules within a layer already found: a listed sub-block is not a layer
     for m in model.modules():
-        if type(m).__name__ in names and id(m) not in inside:
+        # FSDP2 swaps a sharded module's class for a subclass of its own (FSDPQwen2MoeDecoderLayer): ask the bases too
+        if any(c.__name__ in names for c in type(m).__mro__) and id(m) not in inside:
             found.append(m)
             inside.update(id(c) for c in m.modules())
     if not found:

@@ -78,19 +78,27 @@ def all_to_all(x: torch.Tensor, send: list[int], recv: list[int], shard: ExpertS
     return _AllToAll.apply(x, send, recv, shard)
 
 
-def routed_forward(experts, x: torch.Tensor, weights: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+def routed_forward(experts, x: torch.Tensor, weights: torch.Tensor, index: torch.Tensor,
+                   slot_major: bool = False) -> torch.Tensor:
     """Σ_k weights[n, k] · expert_{index[n, k]}(x[n]) for this rank's tokens x [N, hidden], the experts spread over
-    ``experts.shard`` (an ``ExpertShard``).
+    ``experts.shard`` (an ``ExpertShard``): a native ``Experts`` block, or transformers' stacked experts (gate_up_proj
+    [E, 2I, H], down_proj [E, H, I], ``act_fn``), whose eager forward takes an expert's rows slot by slot
+    (``slot_major``) where the native one takes them token by token.
 
-    Every matmul is the one the unsharded ``Experts.forward`` runs on the token's own rank (expert e on that rank's
-    rows of e, in the same order), and every sum is taken in its order, so on two ranks expert-parallel training
-    equals FSDP2's bit for bit; on more, an expert's gradient sums the ranks' parts in another order than the
-    reduce-scatter does (float32 rounding, nothing else).
+    Every matmul is the one the unsharded forward runs on the token's own rank (expert e on that rank's rows of e, in
+    the same order), and every sum is taken in its order, so on two ranks expert-parallel training equals FSDP2's bit
+    for bit; on more, an expert's gradient sums the ranks' parts in another order than the reduce-scatter does
+    (float32 rounding, nothing else).
     """
     shard: ExpertShard = experts.shard
     per, k = shard.per_rank, index.shape[1]
     flat = index.reshape(-1)
-    order = flat.argsort(stable=True)
+    if slot_major:
+        n = index.shape[0]
+        slot = torch.arange(k, device=flat.device).repeat(n)
+        order = (flat * (k * n) + slot * n + torch.arange(n, device=flat.device).repeat_interleave(k)).argsort()
+    else:
+        order = flat.argsort(stable=True)
     token = order // k
     w = weights.reshape(-1)[order]
     counts = torch.bincount(flat, minlength=experts.num_experts)
@@ -105,8 +113,10 @@ def routed_forward(experts, x: torch.Tensor, weights: torch.Tensor, index: torch
     parts = [x[token[starts[e]:starts[e + 1]]] for e in range(experts.num_experts) if mine[e]]
     rows = all_to_all(torch.cat(parts) if parts else x[:0], send, recv, shard)  # source-major, then expert
     # 2. my experts, each on each source's rows separately: the matmuls that source would have run itself
+    fused = hasattr(experts, "gate_up_proj")
+    act = getattr(experts, "act_fn", F.silu)
     mats = {n: local_tensor(getattr(experts, n)) for n in
-            (("gate_up_proj",) if experts.fused else ("gate_proj", "up_proj")) + ("down_proj",)}
+            (("gate_up_proj",) if fused else ("gate_proj", "up_proj")) + ("down_proj",)}
     dtype = shard.dtype or x.dtype
     offset = [0, *torch.tensor([n for row in got for n in row]).cumsum(0).tolist()]
     outs: list = [None] * (shard.size * per)
@@ -117,11 +127,11 @@ def routed_forward(experts, x: torch.Tensor, weights: torch.Tensor, index: torch
         for s in range(shard.size):
             if got[s][e]:
                 h = rows[offset[s * per + e]:offset[s * per + e + 1]].to(dtype)
-                if experts.fused:
+                if fused:
                     gate, up = F.linear(h, m["gate_up_proj"]).chunk(2, dim=-1)
                 else:
                     gate, up = F.linear(h, m["gate_proj"]), F.linear(h, m["up_proj"])
-                outs[s * per + e] = F.linear(F.silu(gate) * up, m["down_proj"])
+                outs[s * per + e] = F.linear(act(gate) * up, m["down_proj"])
     done = [o for o in outs if o is not None]
     y = torch.cat(done) if done else rows.new_zeros((0, x.shape[1]), dtype=dtype)
     # 3. combine: every row back to its token's rank, in the order it was sent
