@@ -384,6 +384,16 @@ def routing_replay(cfg: Config, moe: bool, backend: str, engine: str) -> bool:
     if not capabilities_of(engine).routing_capture:
         raise UserError(f"algorithm.routing_replay: rollout needs routes from the rollout engine, and the {engine} "
                         f"engine does not report them; set rollout.engine: native or routing_replay: off")
+    if engine == "vllm":
+        if cfg.rollout.partial.token_budget is not None:
+            raise UserError("algorithm.routing_replay: vLLM returns routes with finished requests only, and partial "
+                            "rollout pauses some; use rollout.engine: native or no rollout.partial.token_budget")
+        if cfg.cluster.ray_address is None:  # a remote cluster's workers check their own vLLM when it starts
+            from engines.inference.vllm_routes import routes_unsupported
+
+            why = routes_unsupported("cuda" if cfg.cluster.gpus_per_worker > 0 else "cpu")
+            if why is not None:
+                raise UserError(f"algorithm.routing_replay: {why}")
     return True
 
 

@@ -36,7 +36,7 @@ def test_each_engine_class_points_at_its_kinds_entry_and_every_engine_choice_has
     choices = set(typing.get_args(RolloutConfig.model_fields["engine"].annotation)) - {"auto"}
     assert set(CAPABILITIES) == choices and all(c.kind == k for k, c in CAPABILITIES.items())
     assert not any(c.multimodal_inputs for c in CAPABILITIES.values())
-    assert kinds_with("routing_capture") == ["native"]  # vLLM's capture is not wired (routing replay refuses it)
+    assert kinds_with("routing_capture") == ["native", "vllm"]  # vLLM: its own capture, where its build runs it
     with pytest.raises(dataclasses.FrozenInstanceError):
         NATIVE.fp8 = False  # type: ignore[misc]
     with pytest.raises(ValueError, match="no rollout engine 'sglang': the engines are native, vllm"):

@@ -314,7 +314,46 @@ def test_routing_replay_is_asked_of_the_native_engine_and_refused_in_one_line_wh
                         num_key_value_heads=2)
     with pytest.raises(UserError, match="this model has no mixture-of-experts layers; set it off"):
         resolve(parse_config(on), dense, "unused", 64)
-    with pytest.raises(UserError, match="the vllm engine does not report them"):
+    # vLLM's own capture runs in its Model Runner V2, which needs Triton: refused on this CPU build, in one line
+    with pytest.raises(UserError, match="Model Runner V2, which needs Triton"):
         resolve(parse_config({**on, "rollout": {"engine": "vllm"}}), moe, "unused", 64)
+    with pytest.raises(UserError, match="vLLM returns routes with finished requests only"):
+        resolve(parse_config({**on, "rollout": {"engine": "vllm", "partial": {"token_budget": 64}}}), moe, "unused",
+                64)
     with pytest.raises(UserError, match="needs the native trainer"):  # transformers' routers are its own
         routing_replay(parse_config(on), True, "transformers", "native")
+
+
+def test_vllms_routes_keep_the_moe_layers_in_the_native_engines_layout():
+    """vLLM returns [tokens, decoder layers, k] with a slot for every layer (dense ones too); the trainer numbers the
+    MoE layers only, so the rows keep those, in order."""
+    from engines.inference.vllm_routes import moe_routes
+
+    raw = np.arange(5 * 3 * 2).reshape(5, 3, 2)  # 5 tokens, layers 0 and 2 MoE (layer 1 dense), top-2
+    got = moe_routes(raw, [0, 2])
+    assert got.dtype == np.int32 and got.shape == (5, 2, 2)
+    assert np.array_equal(got[:, 0], raw[:, 0]) and np.array_equal(got[:, 1], raw[:, 2])
+    with pytest.raises(ValueError, match="returned no routes for a finished request"):
+        moe_routes(None, [0, 2])
+    with pytest.raises(ValueError, match=r"not \[tokens, decoder layers, top_k\]"):
+        moe_routes(raw[:, :2], [0, 2])
+
+
+@pytest.mark.skipif(not __import__("importlib").util.find_spec("vllm"), reason="vLLM is not installed")
+def test_a_vllm_replica_asked_for_routes_it_cannot_give_is_refused_in_one_line(tmp_path):
+    """This CPU build of vLLM has the capture option but runs it only in Model Runner V2 (Triton): the engine says
+    so before vLLM starts, rather than serving completions without routes."""
+    import dataclasses
+
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.triton_utils import HAS_TRITON
+
+    from engines.inference.vllm_engine import VllmEngine
+    from engines.inference.vllm_routes import OPTION, routes_unsupported
+
+    assert OPTION in {f.name for f in dataclasses.fields(EngineArgs)}  # the option this code sets exists
+    if HAS_TRITON:
+        pytest.skip("vLLM finds Triton here: its Model Runner V2 may capture routes")
+    assert "Model Runner V2" in routes_unsupported("cpu")
+    with pytest.raises(ValueError, match="record_routes: vLLM returns MoE routes only from its Model Runner V2"):
+        VllmEngine(tmp_path, [0], record_routes=True)

@@ -65,7 +65,8 @@ NATIVE = EngineCapabilities(kind="native", tensor_parallel=False, fp8=True, lora
 # rank of its replica, so LoRA runs on vLLM stay on one device
 VLLM = EngineCapabilities(kind="vllm", tensor_parallel=True, fp8=False, lora_updates=("merged",),
                           lora_tensor_parallel=False, sleep_levels=(1, 2), cpu_moe_unsupported=CPU_MOE_UNSUPPORTED,
-                          prompt_logprobs=True, cuda_graphs=True, ipc_views=True)
+                          prompt_logprobs=True, cuda_graphs=True, ipc_views=True,
+                          routing_capture=True)  # its own capture, where the build has it (vllm_routes)
 
 #: every engine kind's declaration (``rollout.engine``'s values but "auto")
 CAPABILITIES: dict[str, EngineCapabilities] = {c.kind: c for c in (NATIVE, VLLM)}

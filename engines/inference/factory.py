@@ -194,7 +194,8 @@ def _vllm_engine(s: EngineSettings, tok: TextTokenizer, adapter, load_checkpoint
                             memory_fraction=s.memory_fraction, tensor_parallel_size=s.tensor_parallel_size,
                             expert_parallel=s.expert_parallel, prefix_caching=s.prefix_caching, device=s.device,
                             ipc_views=s.ipc_views, fill_later=not load_checkpoint,
-                            adapter=None if adapter is None else (s.adapter, adapter.spec.rank))
+                            adapter=None if adapter is None else (s.adapter, adapter.spec.rank),
+                            record_routes=s.record_routes)
     except Exception as e:
         if not s.self_check:
             raise

@@ -137,7 +137,7 @@ class VllmEngine(VllmWeights):
                  tensor_parallel_size: int = 1, expert_parallel: bool = False, graphs: bool | None = None,
                  prefix_caching: bool = True, weight_load: str = "auto",
                  tokenizer: bool = True, device: str | None = None, ipc_views: bool | None = None,
-                 fill_later: bool = False, adapter: tuple[str, int] | None = None) -> None:
+                 fill_later: bool = False, adapter: tuple[str, int] | None = None, record_routes: bool = False) -> None:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         vllm = self._vllm = import_vllm()  # an untested release is refused before it is imported or patched
         if weight_load not in ("auto", "direct", "reload"):
@@ -164,6 +164,21 @@ class VllmEngine(VllmWeights):
                                 memory_fraction=memory_fraction, tensor_parallel_size=tensor_parallel_size,
                                 expert_parallel=expert_parallel, prefix_caching=prefix_caching, tokenizer=tokenizer,
                                 graphs=graphs is not False, dummy=dummy)
+        self._moe_layers: list[int] | None = None  # record_routes: the decoder layers whose routes completions carry
+        if record_routes:  # vLLM's own capture (engines.inference.vllm_routes)
+            from engines.inference.vllm_routes import OPTION, RUNNER_V2_ENV, routes_unsupported
+            from engines.model.io.hf_io import read_config
+
+            why = routes_unsupported(self.device.type)
+            if why is not None:
+                raise ValueError(f"record_routes: {why}")
+            cfg = read_config(model_dir)
+            self._moe_layers = [i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)]
+            if not self._moe_layers:
+                raise ValueError("record_routes: this model has no mixture-of-experts layers to record")
+            os.environ[RUNNER_V2_ENV] = "1"
+            getattr(vllm.envs, "disable_envs_cache", lambda: None)()
+            self.args[OPTION] = True
         self._lora = None  # a PEFT adapter (directory, rank) applied to every request through vLLM's LoRA
         if adapter is not None:
             from vllm.lora.request import LoRARequest
@@ -282,6 +297,10 @@ class VllmEngine(VllmWeights):
                 del self._live[out.request_id]
                 reason = "length" if c.finish_reason == "length" else "stop"
                 finished.append(live.completion(reason, c.stop_reason if reason == "stop" else None))
+                if self._moe_layers is not None:
+                    from engines.inference.vllm_routes import moe_routes
+
+                    finished[-1].routed_experts = moe_routes(c.routed_experts, self._moe_layers)
         return finished
 
     def progress(self, since: Mapping[int, int]) -> dict[int, Progress]:
