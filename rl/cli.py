@@ -309,7 +309,8 @@ def build_parser() -> argparse.ArgumentParser:
     mp.add_argument("--inference-gpus", type=int, default=1,
                     help="GPUs per inference replica (1: a full replica per GPU, what the engine does today)")
     mp.add_argument("--expert-parallel", type=int, default=1,
-                    help="GPUs sharing a layer's routed experts in training (a plan: the trainer does not do it yet)")
+                    help="trainer.expert_parallel: GPUs splitting each MoE layer's routed experts in training "
+                         "(each holds 1/N of them whole, the rest sharded over all GPUs; default 1: FSDP2 alone)")
     mp.add_argument("--micro-batch-tokens", type=int, default=16384)
     mp.add_argument("--no-activation-checkpointing", action="store_true")
     mp.add_argument("--master-dtype", default="float32", choices=["float32", "bfloat16"])
@@ -438,11 +439,12 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["plan-update"]:  # its own parser, options included
         from rl.setup.update_cost import main as plan_update
 
-        plan_update(argv[1:])
-        return 0
-    args = build_parser().parse_args(argv)
+        command = lambda: plan_update(argv[1:])  # noqa: E731
+    else:
+        args = build_parser().parse_args(argv)
+        command = lambda: args.func(args)  # noqa: E731
     try:
-        args.func(args)
+        command()
     except UserError as e:
         print(f"error: {_own(e)}", file=sys.stderr)
         return EXIT_USER_ERROR

@@ -1,10 +1,11 @@
 """Per-GPU memory of training + inference colocation for a large model, on paper (``rl memory-plan``).
 
 The trainer is this project's: FSDP2 over ``gpus`` ranks (master weights, gradients and optimizer state
-sharded), one decoder layer gathered at a time in the compute dtype (with ``expert_parallel`` > 1, as a
-plan only, each GPU would gather 1/e of a layer's routed experts), activations of one packed
-micro-batch (``rl.setup.memory``). The inference side holds one replica per ``inference_gpus`` GPUs (1: a full
-replica on every GPU, what this project's engine does today; more: weights and KV cache split over a
+sharded), one decoder layer gathered at a time in the compute dtype, activations of one packed micro-batch
+(``rl.setup.memory``). With ``expert_parallel`` e > 1 (``trainer.expert_parallel``) each GPU holds 1/e of the
+routed experts whole and 1/gpus of the rest, and gathers a layer without its experts; the all-to-all buffers and
+the local experts' compute-dtype copies come instead. The inference side holds one replica per ``inference_gpus``
+GPUs (1: a full replica on every GPU, what this project's engine does today; more: weights and KV cache split over a
 tensor- or expert-parallel group, which the engine does not do yet). Three phases take turns on each GPU:
 rollout (replica + KV cache, the trainer offloaded), training (trainer state + working set, the KV cache
 freed and, at ``sleep_level`` 2, the replica too) and the weight update (replica + KV cache + the
@@ -20,7 +21,7 @@ import torch
 
 from engines.inference.kv_cache import bytes_per_token
 from engines.model.native.arch import ModelConfig, make_config
-from rl.setup.memory import GiB, ModelShape, run_dir_bytes, trainer_bytes, training_working_set
+from rl.setup.memory import GiB, ModelShape, check_expert_layout, run_dir_bytes, trainer_bytes, training_working_set
 
 #: Model shapes by name, as their Hugging Face configs give them (random weights are never built).
 PRESETS = {
@@ -60,6 +61,8 @@ class ColocationPlan:
     kv_tokens: int = 0                                      # KV-cache tokens per replica that fit
     checkpoint: int = 0                                     # one checkpoint on disk
     run_dir: int = 0                                        # the run directory at its fullest
+    expert_parallel: int = 1                                # trainer ranks sharing each MoE layer's experts
+    experts: int = 0                                        # routed experts per MoE layer
 
     @property
     def fits(self) -> bool:
@@ -69,6 +72,12 @@ class ColocationPlan:
         lines = [f"{self.model}: {self.params / 1e9:,.1f} B parameters on {self.gpus} GPUs of "
                  f"{self.gpu_bytes / GiB:.0f} GiB, one inference replica per {self.inference_gpus} GPU(s)",
                  "per GPU:"]
+        if self.expert_parallel > 1:
+            ep = self.expert_parallel
+            lines.insert(1, f"expert parallel {ep}: each GPU trains {self.experts // ep} of every MoE layer's "
+                            f"{self.experts} experts whole (the {self.gpus // ep} GPUs holding the same ones keep "
+                            f"copies), the rest sharded over {self.gpus}; experts are not gathered, tokens travel "
+                            "to them (all-to-all)")
         width = max(map(len, [*self.parts, *self.phases])) + 2
         lines += [f"  {k:<{width}}{v / GiB:>10.2f} GiB" for k, v in self.parts.items()]
         lines.append("phases (each holds its parts at once):")
@@ -111,9 +120,9 @@ def colocation_plan(arch: ModelConfig, setup: Colocation, name: str = "model",
     master_dtype, compute_dtype, rollout_dtype = setup.master_dtype, setup.compute_dtype, setup.rollout_dtype
     optimizer, micro_batch_tokens, offload, sleep_level = setup.optimizer, setup.micro_batch_tokens, setup.offload, \
         setup.sleep_level
-    if gpus % inference_gpus or gpus % expert_parallel:
-        raise ValueError(f"{gpus} GPUs do not split into groups of {inference_gpus} (inference) and "
-                         f"{expert_parallel} (expert parallel)")
+    check_expert_layout(arch, expert_parallel, gpus, lora=setup.lora_rank > 0)
+    if gpus % inference_gpus:
+        raise ValueError(f"{gpus} GPUs do not split into groups of {inference_gpus} (inference)")
     if setup.lora_rank:
         from engines.model.lora.adapters import LoraSpec, default_targets
 
@@ -128,9 +137,9 @@ def colocation_plan(arch: ModelConfig, setup: Colocation, name: str = "model",
         if not setup.lora_rank or gpus > 1:
             raise ValueError("a quantized base (QLoRA) needs LoRA (--lora RANK) on one GPU (--gpus 1)")
         base = setup.quantize_base
-    weights, grads, opt = trainer_bytes(shape, gpus, master_dtype, optimizer, base, frozen)
+    weights, grads, opt = trainer_bytes(shape, gpus, master_dtype, optimizer, base, frozen, expert_parallel)
     work = training_working_set(shape, micro_batch_tokens, compute_dtype, setup.activation_checkpointing, gpus > 1,
-                                expert_parallel)
+                                expert_parallel, master_dtype)
     replica = -(-shape.params * getattr(torch, rollout_dtype).itemsize // inference_gpus)
     trainer = weights + grads + opt
     buffers = 3 * setup.bucket_bytes
@@ -142,7 +151,8 @@ def colocation_plan(arch: ModelConfig, setup: Colocation, name: str = "model",
     checkpoint, run_dir = run_dir_bytes(shape, rollout_dtype, master_dtype, optimizer, 2)
     plan = ColocationPlan(model=name, params=shape.params, gpus=gpus, gpu_bytes=gpu_bytes,
                           inference_gpus=inference_gpus, kv_tokens=kv_tokens,
-                          checkpoint=checkpoint, run_dir=run_dir)
+                          checkpoint=checkpoint, run_dir=run_dir, expert_parallel=expert_parallel,
+                          experts=shape.num_experts)
     weights_row = "frozen base + adapters (shard)" if setup.lora_rank else "master weights (shard)"
     plan.parts = {weights_row: weights, "gradients (shard)": grads, "optimizer state (shard)": opt,
                   f"training working set ({micro_batch_tokens} tokens)": work,

@@ -8,7 +8,10 @@ activations of one micro-batch (``algorithm.micro_batch_tokens`` packed tokens: 
 layer's working set) and the chunked log-probability blocks; the inference engine's full replica in the
 rollout dtype and its paged KV cache (``rollout.kv_cache_mb``, all of it, in blocks; how many sequences
 it holds depends on their lengths, at worst ``max_seq_len`` tokens each). Activations are an estimate
-from the layer shapes (the tensors each layer keeps for its backward), not a measurement. On a GPU the
+from the layer shapes (the tensors each layer keeps for its backward), not a measurement. With
+``trainer.expert_parallel`` e > 1 a rank holds 1/e of the routed experts whole (replicated over the ranks / e ranks
+that hold the same ones) and 1/ranks of the rest; FSDP gathers the layers without their experts, and the all-to-all
+buffers and the local experts' compute-dtype copies come instead. On a GPU the
 phases take turns (``trainer.offload`` moves the trainer to host memory while the engine generates,
 ``rollout.sleep_level`` frees the cache, and at 2 the
 replica, while the trainer steps), so the peak is the larger phase; on CPU everything shares RAM.
@@ -37,9 +40,9 @@ from engines.model.hf.spec import ModelDescription
 from engines.model.lora.adapters import LoraSpec
 from engines.model.lora.quant import BYTES_PER_WEIGHT
 from engines.model.native.arch import ModelConfig
-from rl.config import Config
+from rl.config import Config, parse_config
 from rl.errors import UserError
-from rl.settings import RunSettings, parallel_dims, resolve, sleep_level
+from rl.settings import RunSettings, check_expert_parallel, parallel_dims, resolve, sleep_level
 
 GiB = 2**30
 
@@ -60,6 +63,11 @@ class ModelShape:
     adapter_params: int = 0     # LoRA: the adapters' parameters (``params`` is then the frozen base)
     adapter_muon_params: int = 0  # of which Muon would take (the factors of rank 2 and more)
     adapted_params: int = 0     # LoRA: the frozen weights of the adapted projections (kept in the serving dtype)
+    expert_params: int = 0      # routed experts of every MoE layer (of ``params``): what expert parallelism splits
+    expert_muon_params: int = 0  # of which Muon takes (the stacked expert matrices)
+    largest_dense_part: int = 0  # the largest decoder layer without its routed experts (what FSDP gathers under EP)
+    num_experts: int = 0        # routed experts per MoE layer
+    top_k: int = 0              # experts each token visits (its rows the all-to-alls carry under EP)
 
     @classmethod
     def of(cls, arch: ModelConfig | ModelDescription, lora: LoraSpec | None = None) -> ModelShape:
@@ -90,12 +98,37 @@ class ModelShape:
                       sum(p.numel() for n, p in layer.named_parameters() if ".experts." in f".{n}"))
                      for layer in decoder_layers(model)]
         largest = max(per_layer)
+        # routed experts by name, as in per_layer (".shared_experts." does not match: shared experts are dense)
+        experts = [p for n, p in model.named_parameters() if ".experts." in f".{n}"]
         return cls(params=sum(p.numel() for p in params), muon_params=sum(p.numel() for p in params if id(p) in muon),
                    largest_layer=largest[0], largest_layer_experts=largest[1],
                    root_params=sum(p.numel() for p in params) - sum(n for n, _ in per_layer),
                    layers=arch.num_hidden_layers, hidden=arch.hidden_size, vocab=arch.vocab_size,
                    layer_activations=max(layer_activations(arch, i) for i in range(arch.num_hidden_layers)),
-                   adapter_params=adapters[0], adapter_muon_params=adapters[1], adapted_params=adapters[2])
+                   adapter_params=adapters[0], adapter_muon_params=adapters[1], adapted_params=adapters[2],
+                   expert_params=sum(p.numel() for p in experts),
+                   expert_muon_params=sum(p.numel() for p in experts if id(p) in muon),
+                   largest_dense_part=max(n - e for n, e in per_layer),
+                   num_experts=arch.num_experts if arch.is_moe else 0,
+                   top_k=arch.num_experts_per_tok if arch.is_moe else 0)
+
+
+def check_expert_layout(arch: ModelConfig | ModelDescription, ep: int, ranks: int, lora: bool = False) -> None:
+    """Refuse ``--expert-parallel`` ``ep`` for ``arch`` on ``ranks`` trainer ranks in one line (ValueError), by the
+    rules a run's ``trainer.expert_parallel`` meets (``rl.settings.check_expert_parallel``)."""
+    if ep < 1:
+        raise ValueError(f"--expert-parallel must be at least 1, got {ep}")
+    if ep == 1:
+        return
+    if lora:
+        raise ValueError("--expert-parallel: LoRA trains adapters on a frozen base; use 1 with --lora")
+    cfg = parse_config({"cluster": {"workers": ranks}, "trainer": {"expert_parallel": ep}})
+    hf = isinstance(arch, ModelDescription)
+    try:
+        check_expert_parallel(cfg, arch, arch.largest_layer_experts > 0 if hf else arch.is_moe,
+                              "transformers" if hf else "native")
+    except UserError as e:  # the same rule, named as the flag that set it
+        raise ValueError(str(e).replace("trainer.expert_parallel", "--expert-parallel")) from None
 
 
 def layer_activations(arch: ModelConfig | ModelDescription, layer: int) -> int:
@@ -204,15 +237,19 @@ class MemoryEstimate:
     #: disaggregated placement: bytes of one worker of each role ("trainer worker", "rollout worker"), each a
     #: process of its own (None: colocated, both roles in one worker)
     roles: dict[str, int] | None = None
+    expert_parallel: int = 1  # trainer.expert_parallel: the routed experts 1/ep per rank, the rest 1/trainer_ranks
+    trainer_ranks: int = 1
 
     def table(self) -> str:
         rows = [("parameters", f"{self.params / 1e6:,.1f} M")]
         if self.adapters:
             rows.append(("LoRA adapters (trained)", f"{self.adapters / 1e6:,.3f} M"))
-        rows += [("trainer weights (shard" + (", frozen base + adapters)" if self.adapters else ")"),
+        ep = self.expert_parallel
+        shard = f"shard: experts 1/{ep}, the rest 1/{self.trainer_ranks}" if ep > 1 else "shard"
+        rows += [(f"trainer weights ({shard}" + (", frozen base + adapters)" if self.adapters else ")"),
                   _gib(self.trainer_weights)),
-                 ("trainer gradients (shard)", _gib(self.trainer_grads)),
-                 ("optimizer state (shard)", _gib(self.optimizer)),
+                 (f"trainer gradients ({shard})", _gib(self.trainer_grads)),
+                 (f"optimizer state ({shard})", _gib(self.optimizer)),
                  ("activations (one micro-batch, est.)", _gib(self.activations)),
                  ("inference replica", _gib(self.replica)),
                  (f"KV cache ({self.kv_sequences} seqs x {self.max_seq_len} tokens)", _gib(self.kv_cache)),
@@ -241,24 +278,41 @@ def _itemsize(dtype: str) -> int:
 
 
 def trainer_bytes(shape: ModelShape, ranks: int, master_dtype: str, optimizer: str,
-                  base_dtype: str | None = None, frozen_dtype: str | None = None) -> tuple[int, int, int]:
+                  base_dtype: str | None = None, frozen_dtype: str | None = None,
+                  expert_parallel: int = 1) -> tuple[int, int, int]:
     """(master weights, gradients, optimizer state) per rank of an FSDP2 trainer over ``ranks``. With LoRA
     (``shape.adapter_params``) the weights are the adapted projections' frozen weights in ``base_dtype`` (the
     serving dtype, or QLoRA's "nf4"/"int8"), the rest of the frozen model in ``frozen_dtype`` (default the master
     dtype; the compute dtype when a LoRA run computes in another), the adapters in the master dtype, and only
-    they have gradients and optimizer state."""
+    they have gradients and optimizer state. With ``expert_parallel`` e > 1 a rank holds whole routed experts, 1/e
+    of them (not sharded further: the ranks / e ranks holding the same experts keep full copies), and 1/``ranks``
+    of everything else."""
     master = _itemsize(master_dtype)
     shard = lambda b: -(-b // ranks)  # noqa: E731
     lora = shape.adapter_params > 0
+    if expert_parallel > 1:
+        if lora:
+            raise ValueError("expert parallel trains the whole model; LoRA trains adapters on a frozen base")
+        dense, dense_muon = shape.params - shape.expert_params, shape.muon_params - shape.expert_muon_params
+        split = lambda d, e: shard(d) + -(-e // expert_parallel)  # noqa: E731
+        return (split(dense * master, shape.expert_params * master),
+                split(dense * master, shape.expert_params * master),
+                split(_states(dense, dense_muon, optimizer) * master,
+                      _states(shape.expert_params, shape.expert_muon_params, optimizer) * master))
     n, n_muon = (shape.adapter_params, shape.adapter_muon_params) if lora else (shape.params, shape.muon_params)
-    # Muon keeps one momentum per element, AdamW two moments, both in the master dtype
-    states = n_muon * 1 + (n - n_muon) * 2 if optimizer == "muon" else n * 2
+    states = _states(n, n_muon, optimizer)
     # QLoRA: base_dtype "nf4" or "int8", bytes per weight rather than a dtype
     adapted = -int(-shape.adapted_params * BYTES_PER_WEIGHT[base_dtype]) if base_dtype in BYTES_PER_WEIGHT else \
         shape.adapted_params * _itemsize(base_dtype or master_dtype)
     frozen = adapted + (shape.params - shape.adapted_params) * _itemsize(frozen_dtype or master_dtype)
     weights = frozen + n * master if lora else n * master
     return shard(weights), shard(n * master), shard(states * master)
+
+
+def _states(n: int, n_muon: int, optimizer: str) -> int:
+    """Optimizer state elements of ``n`` parameters, ``n_muon`` of them Muon's: Muon keeps one momentum per
+    element, AdamW two moments."""
+    return n_muon * 1 + (n - n_muon) * 2 if optimizer == "muon" else n * 2
 
 
 def run_dir_bytes(shape: ModelShape, model_dtype: str, master_dtype: str, optimizer: str,
@@ -277,14 +331,34 @@ def run_dir_bytes(shape: ModelShape, model_dtype: str, master_dtype: str, optimi
 
 
 def training_working_set(shape: ModelShape, tokens: int, compute_dtype: str, checkpointing: bool,
-                         sharded: bool, expert_parallel: int = 1) -> int:
+                         sharded: bool, expert_parallel: int = 1, master_dtype: str | None = None) -> int:
     """Activations, the log-prob blocks, and (sharded) what FSDP gathers in the compute dtype: the root and two
-    decoder layers (one computing, the next prefetched); with ``expert_parallel`` e > 1 (not built: a plan)
-    each GPU would gather only 1/e of a layer's routed experts."""
+    decoder layers (one computing, the next prefetched). With ``expert_parallel`` e > 1 FSDP gathers the layers
+    without their routed experts (``expert_working_set`` has what the local experts and the all-to-alls add)."""
     cb = _itemsize(compute_dtype)
-    layer = shape.largest_layer - shape.largest_layer_experts + -(-shape.largest_layer_experts // expert_parallel)
-    gathered = (2 * layer + shape.root_params) * cb if sharded else 0
-    return activation_bytes(shape, tokens, cb, checkpointing) + logprob_bytes(tokens, shape.vocab) + gathered
+    work = activation_bytes(shape, tokens, cb, checkpointing) + logprob_bytes(tokens, shape.vocab)
+    if expert_parallel > 1:
+        gathered = (2 * shape.largest_dense_part + shape.root_params) * cb
+        return work + gathered + expert_working_set(shape, tokens, compute_dtype, checkpointing, expert_parallel,
+                                                    master_dtype or compute_dtype)
+    gathered = (2 * shape.largest_layer + shape.root_params) * cb if sharded else 0
+    return work + gathered
+
+
+def expert_working_set(shape: ModelShape, tokens: int, compute_dtype: str, checkpointing: bool,
+                       expert_parallel: int, master_dtype: str) -> int:
+    """What expert parallelism adds to a rank's training working set: the all-to-all buffers of a micro-batch of
+    ``tokens`` tokens (each token's ``top_k`` rows of the hidden size, sent to their experts and back), and its
+    local experts cast to the compute dtype where the master dtype is wider (``expert_dispatch.routed_forward``)."""
+    cb = _itemsize(compute_dtype)
+    # dispatch and combine: tokens x top_k rows each way, about as many received as sent (balanced routing)
+    exchange = 2 * tokens * shape.top_k * shape.hidden * cb
+    if master_dtype == compute_dtype:  # the cast is a view: nothing copied
+        return exchange
+    # each local expert's cast matrices are kept for the backward: one layer's at a time when the layers are
+    # recomputed (activation checkpointing), every MoE layer's otherwise
+    local = shape.largest_layer_experts if checkpointing else shape.expert_params
+    return exchange + -(-local // expert_parallel) * cb
 
 
 def estimate(cfg: Config, arch: ModelConfig | ModelDescription, max_seq_len: int,
@@ -296,7 +370,11 @@ def estimate(cfg: Config, arch: ModelConfig | ModelDescription, max_seq_len: int
     (``TrainerSettings.lora``): gradients and optimizer state of the adapters only, the base in the rollout dtype."""
     shape = ModelShape.of(arch, lora)
     # trainer ranks: one per worker, or one per GPU of a worker whose replica spans its GPUs (rl.loop.cluster)
-    workers = parallel_dims(cfg).world
+    dims = parallel_dims(cfg)
+    workers, ep = dims.world, dims.ep
+    if ep > 1:  # refused as rl.settings refuses it, in one line (callers may not have resolved the settings)
+        check_expert_parallel(cfg, arch, shape.expert_params > 0,
+                              "transformers" if isinstance(arch, ModelDescription) else "native")
     compute_dtype, rollout_dtype_name = cfg.compute_dtype, cfg.rollout_dtype
     opt_kind = cfg.model.lora.optimizer if lora is not None and cfg.model.lora is not None else cfg.optimizer.kind
     sharded = workers > 1 or (compute_dtype != cfg.trainer.master_dtype and lora is None)
@@ -307,9 +385,9 @@ def estimate(cfg: Config, arch: ModelConfig | ModelDescription, max_seq_len: int
         (compute_dtype, compute_dtype) if lora_mixed else (rollout_dtype_name, None)
     if lora is not None and lora.quantize_base is not None:  # QLoRA (one rank): the adapted weights quantized
         base = lora.quantize_base
-    weights, grads, opt = trainer_bytes(shape, workers, cfg.trainer.master_dtype, opt_kind, base, frozen)
+    weights, grads, opt = trainer_bytes(shape, workers, cfg.trainer.master_dtype, opt_kind, base, frozen, ep)
     work = training_working_set(shape, cfg.algorithm.micro_batch_tokens, compute_dtype,
-                                cfg.trainer.activation_checkpointing, sharded)
+                                cfg.trainer.activation_checkpointing, sharded, ep, cfg.trainer.master_dtype)
     # per device: a tensor-parallel replica's ranks hold a shard each (and a KV cache of rollout.kv_cache_mb each)
     replica = shape.params * _itemsize(rollout_dtype_name) // cfg.rollout.tensor_parallel_size
     rollout_dtype = getattr(torch, rollout_dtype_name)
@@ -365,7 +443,7 @@ def estimate(cfg: Config, arch: ModelConfig | ModelDescription, max_seq_len: int
                           (vllm.forward if vllm is not None else 0),
                           activations=work, host_pinned=pinned if cfg.cluster.gpus_per_worker > 0 else 0,
                           decode_work=decode, checkpoint=checkpoint, run_dir=run_dir, engine=kind, vllm=vllm,
-                          adapters=shape.adapter_params, roles=roles)
+                          adapters=shape.adapter_params, roles=roles, expert_parallel=ep, trainer_ranks=workers)
 
 
 def _vllm_settings(cfg: Config, max_seq_len: int) -> EngineSettings:
@@ -461,8 +539,10 @@ def check_fits(cfg: Config, est: MemoryEstimate) -> None:
     need = est.device_peak if cfg.cluster.gpus_per_worker > 0 else est.host_total
     if need <= limit:
         return
+    shards = "cluster.workers (shards the trainer)" if est.expert_parallel == 1 else \
+        "trainer.expert_parallel (each rank holds 1/ep of the experts whole) and cluster.workers (shard the rest)"
     parts = {"rollout.kv_cache_mb": est.kv_cache, "rollout.dtype": est.replica,
-             "cluster.workers (shards the trainer)": est.trainer_weights + est.trainer_grads + est.optimizer,
+             shards: est.trainer_weights + est.trainer_grads + est.optimizer,
              "rollout.attention (flex and paged read the cache in place; torch gathers it)": est.decode_work}
     knob = max(parts, key=parts.get)
     raise UserError(f"a worker needs about {_gib(need)} but has {_gib(limit)} of {what}; the largest part is "

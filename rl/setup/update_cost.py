@@ -2,6 +2,11 @@
 
 The cost model and its calibration are ``checkpoint_engine.cost_model``'s; what the run around the update
 holds per GPU (the trainer's shard, the KV cache) is this package's memory model, ``rl.setup.memory``.
+
+``--expert-parallel`` e (``trainer.expert_parallel``) changes the trainer's shard only: a GPU holds 1/e of the
+experts whole and 1/GPUs of the rest. What each GPU stages and sends stays 1/GPUs of the update (a range its
+GPUs / e holders hold alike is sent by one of them in turn: ``checkpoint_engine.model_sender``), so the time is
+the same as without.
 """
 
 from __future__ import annotations
@@ -11,9 +16,21 @@ import json
 from dataclasses import asdict, replace
 from functools import cache
 
-from checkpoint_engine.cost_model import GPUS, Footprint, GiB, Layout, k2_arch, k2_calibration, plan, table, validation
+from checkpoint_engine.cost_model import (
+    GPUS,
+    TABLE_LAYOUTS,
+    Footprint,
+    GiB,
+    Layout,
+    k2_arch,
+    k2_calibration,
+    plan,
+    table,
+    validation,
+)
 from checkpoint_engine.cost_p2p import k2_p2p
 from rl.config import Config, parse_config
+from rl.errors import UserError
 from rl.settings import sleep_level
 
 
@@ -46,6 +63,28 @@ def k2_footprint(gpus: int, overrides: dict | None = None) -> Footprint:
     return _footprint(gpus, json.dumps(overrides or {}, sort_keys=True))
 
 
+def check_ep(ep: int, gpus: list[int]) -> None:
+    """Refuse an expert-parallel size K2 on ``gpus`` GPUs cannot take, in one line."""
+    from rl.setup.memory import check_expert_layout
+
+    try:
+        for n in gpus:
+            check_expert_layout(k2_arch(), ep, n)
+    except ValueError as e:
+        raise UserError(f"rl plan-update: {e}") from None
+
+
+def expert_parallel_note(ep: int, gpus: int) -> dict | None:
+    """What expert parallel ``ep`` changes in K2's update on ``gpus`` GPUs (None at 1): the trainer's shard per
+    GPU in GiB, against FSDP2 alone; the time does not change (see the module)."""
+    if ep == 1:
+        return None
+    shard, flat = k2_footprint(gpus, {"trainer": {"expert_parallel": ep}}).trainer_bytes, \
+        k2_footprint(gpus).trainer_bytes
+    return {"ep": ep, "experts_per_gpu": 384 // ep, "trainer_shard_gib": round(shard / GiB, 2),
+            "trainer_shard_gib_ep1": round(flat / GiB, 2), "time_changes": False}
+
+
 def main(argv: list[str] | None = None) -> None:
     """The planner's command line (``rl plan-update``)."""
     ap = argparse.ArgumentParser(prog="rl plan-update",
@@ -61,20 +100,32 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--p2p-tp", type=int, default=32,
                     help="point to point (disaggregated): GPUs per replica of the half of the GPUs that serve (default "
                          "32: a double-buffered K2 FP8 replica shard fits an H800 from TP32)")
+    ap.add_argument("--expert-parallel", type=int, default=1, metavar="EP",
+                    help="trainer.expert_parallel of the run: GPUs splitting each MoE layer's 384 experts, each "
+                         "holding 1/EP of them whole (default 1: FSDP2 shards everything over all GPUs)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     if a.tp < 1 or a.nodes < 1 or (a.bucket_gib is not None and a.bucket_gib <= 0) or a.target_s <= 0:
         ap.error("--tp, --nodes, --bucket-gib and --target-s must be positive")
+    ep = a.expert_parallel
+    check_ep(ep, sorted({lay.nodes * 8 for lay in TABLE_LAYOUTS}) if a.table else [a.nodes * 8])
+    overrides = {"trainer": {"expert_parallel": ep}} if ep > 1 else None
+    footprint = lambda gpus: k2_footprint(gpus, overrides)  # noqa: E731
     if a.table:
-        print(table(k2_footprint, a.target_s, a.gpu))
+        print(table(footprint, a.target_s, a.gpu))
         return
     if a.validate:
         print(validation())
         return
     layout = Layout(a.dtype, a.tp, a.nodes, a.bucket_gib)
-    p, mem, bucket = plan(layout, k2_footprint, a.gpu)
+    p, mem, bucket = plan(layout, footprint, a.gpu)
+    experts = expert_parallel_note(ep, a.nodes * 8)
     if p is None:
-        raise SystemExit(f"error: Kimi K2 ({a.dtype}, TP{a.tp}, {a.nodes * 8} {a.gpu}) does not fit: {mem.why()}")
+        raise SystemExit(f"error: Kimi K2 ({a.dtype}, TP{a.tp}, {a.nodes * 8} {a.gpu}"
+                         f"{f', expert parallel {ep}' if ep > 1 else ''}) does not fit: {mem.why()}"
+                         + (f"; at expert parallel {ep} a GPU holds {384 // ep} of every MoE layer's 384 experts "
+                            f"whole ({experts['trainer_shard_gib_ep1']:.1f} GiB of trainer shard at EP 1); a larger "
+                            "--expert-parallel holds fewer" if experts else ""))
     holds = bool(p.total_s <= a.target_s)
     cal = k2_calibration()
     try:
@@ -84,7 +135,7 @@ def main(argv: list[str] | None = None) -> None:
     if a.json:
         print(json.dumps({**asdict(p), "target_s": a.target_s, "holds": holds, "layout": asdict(replace(
             layout, bucket_gib=bucket / GiB)), "memory_gib": mem.parts, "calibration": asdict(cal),
-            "p2p": {**asdict(p2p), "assumptions": assumed}}))
+            "p2p": {**asdict(p2p), "assumptions": assumed}, **({"expert_parallel": experts} if experts else {})}))
         return
     print(f"Kimi K2, {a.dtype}: {p.bytes / 1e12:.3f} TB on {p.gpus} {a.gpu} ({a.nodes} nodes x 8), TP{a.tp}; "
           f"bucket {bucket / GiB:g} GiB, {p.buckets} broadcasts")
@@ -94,6 +145,13 @@ def main(argv: list[str] | None = None) -> None:
     print(f"  broadcast latency   {p.latency_s:7.2f} s")
     print("  memory per GPU: " + ", ".join(f"{k} {v:.1f}" for k, v in mem.parts.items()) +
           f" = {mem.total:.1f} of {mem.limit:.1f} GiB")
+    if experts:
+        print(f"  expert parallel {ep}: a GPU holds {384 // ep} of every MoE layer's 384 experts whole and 1/{p.gpus} "
+              f"of the rest: trainer shard {experts['trainer_shard_gib']:.1f} GiB per GPU "
+              f"({experts['trainer_shard_gib_ep1']:.1f} at EP 1), what its H2D stages from, in pinned host memory "
+              "while offloaded")
+        print(f"  time as at EP 1: each GPU still stages and sends 1/{p.gpus} of the update (an expert range its "
+              f"{p.gpus // ep} holders share is sent by one of them in turn)")
     print(f"  r {cal.rate_gbps:.1f} GB/s per GPU, hop {cal.hop_s * 1e6:.1f} us: {cal.source}")
     print(f"predicted update: {p.total_s:.1f} s; bound by {p.bound}")
     print(f"{a.target_s:g} s target {'holds' if holds else 'does NOT hold'} "
