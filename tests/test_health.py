@@ -137,3 +137,27 @@ def test_update_spikes_logit_growth_and_the_share_without_signal_are_watched():
     # median of the last three before: 0.011 (x5 = 0.055: 0.04 is not a spike), then 0.012 (0.2 is)
     assert spikes == [0, 0, 0, 0, 1]
     assert logits == [0, 0, 0, 0, 1]  # over 2 x 10 only at 21
+
+
+def test_moe_router_collapse_and_route_mismatch_are_watched_and_the_guard_rolls_back_on_a_collapse():
+    """The routers' health (``router_*``, ``route_mismatch`` from rl.algo.update) against their first values: a dense
+    model's records carry none and get no router flags."""
+    m, guard = HealthMonitor(), CollapseGuard(0.1)
+    dense = {"entropy": 1.0}
+    m.check(dense)
+    assert "warn_router_collapse" not in dense and "warn_route_mismatch" not in dense
+    first = {"router_max_load": 1.4, "router_entropy": 1.8, "route_mismatch": 0.02}
+    assert m.check(first) == [] and first["warn_router_collapse"] == first["warn_route_mismatch"] == 0
+    assert guard.verdict(first) is None
+    fine = {"router_max_load": 2.7, "router_entropy": 1.0, "route_mismatch": 0.1}  # under 2x and over 25 %: no flag
+    assert m.check(fine) == [] and fine["warn_router_collapse"] == 0
+    crowded = {"router_max_load": 2.9, "router_entropy": 1.5, "route_mismatch": 0.02}
+    lines = m.check(crowded)
+    assert crowded["warn_router_collapse"] == 1 and "MoE routers collapsed" in lines[0]
+    assert "routers collapsed" in guard.verdict(crowded)
+    narrowed = {"router_max_load": 1.5, "router_entropy": 0.4, "route_mismatch": 0.02}  # under a quarter of 1.8
+    assert m.check(narrowed) and narrowed["warn_router_collapse"] == 1
+    drift = {"router_max_load": 1.4, "router_entropy": 1.8, "route_mismatch": 0.25}
+    lines = m.check(drift)
+    assert drift["warn_route_mismatch"] == 1 and drift["warn_router_collapse"] == 0
+    assert "routing_replay" in lines[0] and guard.verdict(drift) is None  # a warning, not a rollback

@@ -13,13 +13,19 @@ Each iteration's record is checked against the run's own history (so a resumed r
 - ``warn_logit_growth``: the largest attention logit (``max_logit``) above ``logit_ratio`` times its first value
   (QK-Clip caps it at ``optimizer.qk_clip_tau`` where it is on);
 - ``warn_no_signal``: no prompt group had rewards that differ, so the RL loss was empty; ``no_signal_share``
-  (a metric) is the share of the iteration's groups whose rewards were all equal.
+  (a metric) is the share of the iteration's groups whose rewards were all equal;
+- ``warn_router_collapse`` (MoE): the busiest expert's load (``router_max_load``, over the even share) above
+  ``router_ratio`` times its first value, or the routers' entropy below ``entropy_ratio`` of its first: tokens are
+  crowding onto a few experts, which MoE RL without care is known to end in;
+- ``warn_route_mismatch`` (MoE): the trainer's own routes differ from the rollout's on more than ``mismatch_limit``
+  of token-layer pairs (``route_mismatch``), so those tokens' importance ratios compare two different networks.
 Each is 1 on the iterations where it holds and 0 otherwise.
 
 ``CollapseGuard`` turns them into action (``run.collapse_guard``): the held-out ``run.best_metric`` (accuracy or
 mean reward) ``collapse_drop`` below the best evaluated so far, a reward collapse or an entropy blow-up makes the
 controller roll back to the best weights (``best/``, saved with their trainer state at each new best), scale the
-learning rate by ``rollback_lr_factor`` and go on; after ``max_rollbacks`` the run stops. The other signals warn.
+learning rate by ``rollback_lr_factor`` and go on; after ``max_rollbacks`` the run stops. So does a router collapse
+(an MoE's routers crowding tokens onto a few experts). The other signals warn.
 """
 
 from __future__ import annotations
@@ -31,13 +37,16 @@ from typing import Any
 class HealthMonitor:
     def __init__(self, entropy_ratio: float = 0.25, reward_ratio: float = 0.5, window: int = 5,
                  min_reward: float = 0.05, blowup_ratio: float = 3.0, blowup_nats: float = 0.5,
-                 spike_ratio: float = 5.0, logit_ratio: float = 2.0) -> None:
+                 spike_ratio: float = 5.0, logit_ratio: float = 2.0, router_ratio: float = 2.0,
+                 mismatch_limit: float = 0.1) -> None:
         self.entropy_ratio, self.reward_ratio, self.window, self.min_reward = (entropy_ratio, reward_ratio, window,
                                                                                min_reward)
         self.blowup_ratio, self.blowup_nats, self.spike_ratio, self.logit_ratio = (blowup_ratio, blowup_nats,
                                                                                    spike_ratio, logit_ratio)
+        self.router_ratio, self.mismatch_limit = router_ratio, mismatch_limit
         self.first_entropy: float | None = None
         self.first_logit: float | None = None
+        self.first_router: dict[str, float] = {}  # router_max_load and router_entropy at their first measurement
         self.rewards: deque[float] = deque(maxlen=window)
         self.updates: dict[str, deque[float]] = {}
         self.best_reward_mean = float("-inf")
@@ -63,6 +72,7 @@ class HealthMonitor:
                        f"{first:.3f} (the policy is turning to noise: lower optimizer.lr?)")
         rec["warn_entropy_blowup"] = int(blowup)
         out += self._spikes(rec)
+        out += self._routers(rec)
         flag = False
         if "reward_mean" in rec:
             self.rewards.append(rec["reward_mean"])
@@ -108,6 +118,30 @@ class HealthMonitor:
                 out.append(f"attention logits grew: the largest is {logit:.1f}, {self.logit_ratio:g} times the first "
                            f"iteration's {self.first_logit:.1f} (optimizer.qk_clip_tau caps them)")
         rec["warn_logit_growth"] = int(grew)
+        return out
+
+    def _routers(self, rec: dict[str, Any]) -> list[str]:
+        """``warn_router_collapse`` and ``warn_route_mismatch`` on an MoE's ``rec`` (nothing for a dense model)."""
+        if "router_max_load" not in rec:
+            return []
+        out = []
+        first = self.first_router
+        for key in ("router_max_load", "router_entropy"):
+            if rec.get(key) is not None:
+                first.setdefault(key, rec[key])
+        load, entropy = rec.get("router_max_load"), rec.get("router_entropy")
+        crowded = load is not None and load > self.router_ratio * first["router_max_load"]
+        narrowed = entropy is not None and entropy < self.entropy_ratio * first.get("router_entropy", entropy)
+        if crowded or narrowed:
+            out.append(f"MoE routers collapsed: the busiest expert takes {load:.2f}x an even share (first "
+                       f"{first['router_max_load']:.2f}x), router entropy {entropy:.3f} nats (first "
+                       f"{first.get('router_entropy', float('nan')):.3f}): tokens crowd onto a few experts")
+        rec["warn_router_collapse"] = int(crowded or narrowed)
+        mismatch = rec.get("route_mismatch")
+        rec["warn_route_mismatch"] = int(mismatch is not None and mismatch > self.mismatch_limit)
+        if rec["warn_route_mismatch"]:
+            out.append(f"the trainer routes {mismatch:.1%} of token-layer pairs otherwise than the rollout did: those "
+                       "importance ratios compare two networks (algorithm.routing_replay: rollout replays them)")
         return out
 
     def rolled_back(self) -> None:
@@ -167,4 +201,7 @@ class CollapseGuard:
             return "the mean reward collapsed"
         if rec.get("warn_entropy_blowup"):
             return f"the policy's entropy blew up ({rec.get('entropy', 0):.3f} nats per token)"
+        if rec.get("warn_router_collapse"):
+            return (f"the MoE routers collapsed (the busiest expert at {rec.get('router_max_load', 0):.2f}x an even "
+                    f"share)")
         return None
