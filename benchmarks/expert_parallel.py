@@ -4,11 +4,11 @@
 
 The miniature has K2's shape (DeepSeek-V3 layout: latent attention, a dense first layer, many small routed experts
 in groups with a grouped sigmoid router, one shared expert). ``--ranks`` gloo ranks train it with Muon, each on its
-own tokens, once per expert-parallel size (1: FSDP2 alone). Per size, on rank 0: the step's median seconds, the
-loss against EP = 1's (the same numbers up to float32 sums), the bytes of experts the rank holds, and per collective
-the bytes the rank sent in one step, measured (the all-to-alls count their rows; FSDP2's all-gathers, reduce-scatters
-and the experts' all-reduces are counted at the call, as ring collectives send) beside ``rl.setup.traffic``'s
-prediction. On 2 CPU cores the step times say little about a GPU cluster; the traffic and memory do.
+own tokens, once per expert-parallel size (1: FSDP2 alone). Per size, on rank 0: the step's median seconds, the loss
+against EP = 1's (the same numbers up to float32 sums), the bytes of experts the rank holds, and per collective the
+bytes the rank sent in one step, measured (the all-to-alls count their rows; FSDP2's and the experts' all-gathers
+and reduce-scatters are counted at the call, as ring collectives send) beside ``rl.setup.traffic``'s prediction. On
+2 CPU cores the step times say little about a GPU cluster; the traffic and memory do.
 
 One table is printed; ``--json`` adds one JSON record per size (one a line, last); ``--record`` appends them to
 ``benchmarks/results/expert-parallel-cpu-2core.jsonl``.
@@ -43,33 +43,33 @@ def k2_mini():
 
 
 class Wire:
-    """Bytes this rank sends per collective kind, counted at the call (ring algorithms' share of the data)."""
+    """Bytes this rank sends per collective kind, counted at the call (ring algorithms' share of the data): FSDP2's
+    gathers and reduce-scatters over all the ranks, and the experts' over the ranks storing the same ones."""
 
     def __init__(self) -> None:
         import torch.distributed as dist
 
-        self.sent = {"fsdp_all_gather": 0, "fsdp_reduce_scatter": 0, "expert_all_reduce": 0}
-        # FSDP2's own entry points (torch.distributed.fsdp's DefaultAllGather / DefaultReduceScatter)
-        self._orig = {n: getattr(dist, n) for n in ("all_gather_single", "reduce_scatter_single", "all_reduce")}
+        self.sent = dict.fromkeys(("fsdp_all_gather", "fsdp_reduce_scatter", "expert_all_gather",
+                                   "expert_reduce_scatter"), 0)
+        # FSDP2's own entry points (torch.distributed.fsdp's DefaultAllGather / DefaultReduceScatter), which the
+        # experts' gathers use too
+        self._orig = {n: getattr(dist, n) for n in ("all_gather_single", "reduce_scatter_single")}
+
+        def kind(group) -> str:
+            return "fsdp" if dist.get_world_size(group) == dist.get_world_size() else "expert"
 
         def gather(output_tensor, input_tensor, group=None, async_op=False):
             n = dist.get_world_size(group)
-            self.sent["fsdp_all_gather"] += input_tensor.numel() * input_tensor.element_size() * (n - 1)
+            self.sent[kind(group) + "_all_gather"] += input_tensor.numel() * input_tensor.element_size() * (n - 1)
             return self._orig["all_gather_single"](output_tensor, input_tensor, group=group, async_op=async_op)
 
         def scatter(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
             n = dist.get_world_size(group)
-            self.sent["fsdp_reduce_scatter"] += input.numel() * input.element_size() * (n - 1) // n
+            self.sent[kind(group) + "_reduce_scatter"] += input.numel() * input.element_size() * (n - 1) // n
             return self._orig["reduce_scatter_single"](output=output, input=input, op=op, group=group,
                                                        async_op=async_op)
 
-        def reduce(t, op=dist.ReduceOp.SUM, group=None, async_op=False):
-            if group is not None:  # the experts' replicas (the default group's reductions are metrics)
-                n = dist.get_world_size(group)
-                self.sent["expert_all_reduce"] += 2 * (n - 1) * t.numel() * t.element_size() // n
-            return self._orig["all_reduce"](t, op=op, group=group, async_op=async_op)
-
-        dist.all_gather_single, dist.reduce_scatter_single, dist.all_reduce = gather, scatter, reduce
+        dist.all_gather_single, dist.reduce_scatter_single = gather, scatter
 
     def take(self) -> dict[str, int]:
         out, self.sent = self.sent, dict.fromkeys(self.sent, 0)
@@ -167,7 +167,8 @@ def run(world: int, eps: list[int], steps: int, threads: int = 1) -> list[dict]:
 
 
 def table(records: list[dict]) -> str:
-    kinds = ["all_to_all", "fsdp_all_gather", "fsdp_reduce_scatter", "expert_all_reduce", "total"]
+    kinds = ["all_to_all", "fsdp_all_gather", "fsdp_reduce_scatter", "expert_all_gather", "expert_reduce_scatter",
+             "total"]
     lines = [f"K2-mini on {records[0]['ranks']} gloo ranks (rank 0): bytes sent per step, measured / predicted",
              f"{'ep':>3} {'step s':>7} {'|Δloss|':>8} {'experts/rank':>13} " +
              " ".join(f"{k:>25}" for k in kinds)]

@@ -1,8 +1,9 @@
 """Expert-parallel training equals the FSDP2-only trainer: the same losses, gradients, grad norm and weights after two
 Muon steps (fp32, ≤ 1e-6), for the native MoE families (Mixtral, Qwen3-MoE, DeepSeek-V3 / a K2-shaped miniature with
-MLA and a shared expert), at EP = 2 on 2 ranks and EP = 4 and 2 on 4 ranks (where two ranks hold the same experts and
-sum their gradients); each rank holds 1/EP of the experts' bytes; the weight-update plan sends each expert from the
-rank that holds it (replicas of an expert share the sending); bad sizes are refused in one line.
+MLA and a shared expert) and a transformers-backend one (Qwen2-MoE), at EP = 2 on 2 ranks and EP = 4 and 2 on 4 ranks
+(where two groups compute the same experts and store them sharded between them); each rank stores 1/world of the
+experts' bytes (whole experts) and computes 1/EP of them; the weight-update plan sends each expert from the one rank
+that stores it; the planner's traffic matches the wire's; bad sizes are refused in one line.
 
 Both trainers run in the same rank processes (one spawn per world size), on the same per-rank batches, so the only
 difference is where the experts live and how tokens reach them.
@@ -20,7 +21,7 @@ from checkpoint_engine.model_sender import local_parts, plan_model_update
 from engines.model.native import routing
 from engines.model.native.arch import make_config
 from engines.model.native.causal_lm import build_model
-from engines.model.sharded import full_state_dict, local_shards, local_tensor
+from engines.model.sharded import chunk_rows, full_state_dict, local_shards, local_tensor
 from engines.training import expert_parallel
 from engines.training.distributed import init_distributed, shard_model
 from engines.training.engine import TrainingEngine
@@ -78,8 +79,8 @@ def _batch(step: int, n: int = 8):
 
 def _train(family: str, dims: ParallelDims, me: int) -> dict:
     """Two Muon steps of the global token-mean NLL, this rank's rows me::world; what a user would compare."""
-    model = shard_model(_model(family), expert_mesh=dims.build_expert_mesh("cpu"))
-    engine = TrainingEngine(model, build_optimizers(model, "muon", lr=2e-2, weight_decay=0.1), 0, max_grad_norm=1e9)
+    engine = _engine(family, dims)
+    model = engine.model
     for opt in engine.optimizers:
         if isinstance(opt, ShardedMuon):  # float32 throughout: bf16 Newton–Schulz would turn last-bit differences of
             opt.ns_dtype = torch.float32  # the gradients into bf16 steps of the update (see the benchmark)
@@ -120,6 +121,9 @@ def _train(family: str, dims: ParallelDims, me: int) -> dict:
     experts = [p for b in expert_parallel.expert_blocks(model) for p in b.parameters(recurse=False)]
     out["expert_bytes"] = (sum(local_tensor(p).numel() * p.element_size() for p in experts),
                            sum(p.numel() * p.element_size() for p in experts))
+    shards = expert_parallel.expert_shards(model)
+    out["num_experts"] = expert_parallel.expert_blocks(model)[0].num_experts
+    out["computed_experts"] = shards[0].per_rank if shards else out["num_experts"]
     if family in HF_FAMILIES:
         return out
     # who sends what in a weight update to a replica of the unsharded model (hub names: one tensor per expert)
@@ -156,7 +160,43 @@ def _rank(me: int, world: int, port: int, out_dir: str, eps: list[int]) -> None:
         res = {}
         for family in [*FAMILIES, *HF_FAMILIES]:
             res[family] = {ep: _train(family, ParallelDims(workers=world, ep=ep), me) for ep in [1, *eps]}
+        res["resume"] = _resume_across_layouts("deepseek_v3", world, eps[-1], me, out_dir)
         torch.save(res, f"{out_dir}/rank{me}.pt")
+
+
+def _engine(family: str, dims: ParallelDims) -> TrainingEngine:
+    model = shard_model(_model(family), expert_mesh=dims.build_expert_mesh("cpu"))
+    return TrainingEngine(model, build_optimizers(model, "muon", lr=2e-2, weight_decay=0.1), 0, max_grad_norm=1e9)
+
+
+def _full_state(engine: TrainingEngine) -> dict:
+    """Weights and optimizer state, gathered whole, by parameter name."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    weights, optim = get_state_dict(engine.model, engine.optimizers, options=StateDictOptions(full_state_dict=True))
+    return {"weights": weights, "optim": {f"{k}/{n}": v for k, st in optim["state"].items() for n, v in st.items()
+                                          if isinstance(v, torch.Tensor)}}
+
+
+def _resume_across_layouts(family: str, world: int, ep: int, me: int, out_dir: str) -> dict:
+    """A step at EP ``ep``, its trainer state saved; then loaded by a fresh EP trainer and by an FSDP2-only one:
+    what each holds (the checkpoint resumes on either layout)."""
+    from engines.training.trainer_state import load_trainer_state, save_trainer_state
+
+    dims = ParallelDims(workers=world, ep=ep)
+    engine = _engine(family, dims)
+    prompts, responses = _batch(0)
+    lp, _ = engine.response_logprobs(prompts[me::world], responses[me::world], 1.0)
+    (-lp.sum() / sum(len(r) for r in responses)).backward()
+    engine.step()
+    path = f"{out_dir}/state-{family}"
+    save_trainer_state(engine.model, engine.optimizers, path)
+    out = {"saved": _full_state(engine)}
+    for name, layout in (("ep", dims), ("fsdp", ParallelDims(workers=world))):
+        again = _engine(family, layout)
+        load_trainer_state(again.model, again.optimizers, path)
+        out[name] = _full_state(again)
+    return out
 
 
 @pytest.fixture(scope="module", params=[(2, [2]), (4, [4, 2])], ids=["2ranks", "4ranks"])
@@ -208,14 +248,16 @@ def test_expert_parallel_equals_the_fsdp_trainer(runs, family):
 
 
 @pytest.mark.parametrize("family", [*FAMILIES, *HF_FAMILIES])
-def test_each_rank_holds_one_ep_th_of_the_experts(runs, family):
+def test_each_rank_stores_whole_experts_a_world_th_of_them_and_computes_an_ep_th(runs, family):
+    """Measured on the ranks: the experts' bytes each stores are 1/world of all (whole experts, 1/ep of them shared
+    with the other groups' same place), and a forward computes 1/ep of them (the ones its all-to-all feeds)."""
     world, eps, ranks = runs
     for res in ranks:
-        for ep in eps:
+        for ep in [1, *eps]:
             local, total = res[family][ep]["expert_bytes"]
-            assert local * ep == total, (ep, local, total)
-        local, total = res[family][1]["expert_bytes"]
-        assert local * world == total  # FSDP2 alone stores 1/world too, but gathers them whole at each layer
+            assert local * world == total, (ep, local, total)
+        for ep in eps:
+            assert res[family][ep]["computed_experts"] * ep == res[family][ep]["num_experts"]
 
 
 def test_each_expert_reaches_a_replica_whole_from_a_rank_that_holds_it(runs):
@@ -227,18 +269,19 @@ def test_each_expert_reaches_a_replica_whole_from_a_rank_that_holds_it(runs):
             experts = {n: s for n, s in senders.items() if ".experts." in n and ".shared_experts." not in n}
             assert experts
             per = _model(family).config.num_experts // ep
+            counts = chunk_rows(per, world // ep)
             for n, s in experts.items():
                 e = int(n.split(".experts.")[1].split(".")[0])
-                holders = {e // per + ep * j for j in range(world // ep)}  # its EP owner in each row of the grid
-                assert len(s) == 1 and s <= holders, (ep, n, s)
-            # where several ranks hold an expert, they share the sending: all of them send some
-            assert set().union(*experts.values()) == set(range(world)), ep
+                # the one rank storing it: its group place e // per, the replica j whose chunk holds it
+                j = next(j for j in range(len(counts)) if e % per < sum(counts[:j + 1]))
+                assert s == {j * ep + e // per}, (ep, n, s)
+            assert set().union(*experts.values()) == set(range(world)), ep  # every rank sends its own
             # the rest is FSDP2's: row shards of every rank
             assert set().union(*(s for n, s in senders.items() if n not in experts)) == set(range(world))
 
 
 def test_the_planner_predicts_each_ranks_step_traffic(runs):
-    """FSDP2's gathers and reduce-scatters and the experts' all-reduces to the byte; the all-to-alls to the byte of the
+    """FSDP2's and the experts' gathers and reduce-scatters to the byte; the all-to-alls to the byte of the
     routes the tokens took, and within 35 % of the planner's even spread (these few tokens route unevenly), over all
     ranks (a rank sends back what others sent it, which its own tokens do not decide)."""
     _, eps, ranks = runs
@@ -252,9 +295,24 @@ def test_the_planner_predicts_each_ranks_step_traffic(runs):
         for family in FAMILIES:
             for ep in [1, *eps]:
                 got, want = res[family][ep]["traffic"], res[family][ep]["predicted"]
-                for kind in ("fsdp_all_gather", "fsdp_reduce_scatter", "expert_all_reduce"):
+                for kind in ("fsdp_all_gather", "fsdp_reduce_scatter", "expert_all_gather", "expert_reduce_scatter"):
                     assert got[kind] == want[kind], (family, ep, kind, got, want)
                 assert (got["all_to_all"] == 0) == (ep == 1)
+
+
+def test_a_checkpoint_resumes_on_either_layout(runs):
+    """Trainer state saved at EP (on 4 ranks: experts sharded over the two groups' replicas) loads into a fresh EP
+    trainer and into an FSDP2-only one with every weight and optimizer state equal."""
+    _, _, ranks = runs
+    for res in ranks:
+        saved = res["resume"]["saved"]
+        assert any(".experts." in n for n in saved["weights"]) and saved["optim"]
+        for layout in ("ep", "fsdp"):
+            got = res["resume"][layout]
+            assert set(got["weights"]) == set(saved["weights"]) and set(got["optim"]) == set(saved["optim"])
+            for kind in ("weights", "optim"):
+                for n, v in saved[kind].items():
+                    assert torch.equal(got[kind][n], v), (layout, kind, n)
 
 
 def test_bad_expert_parallel_sizes_are_refused_in_one_line():

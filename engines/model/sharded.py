@@ -1,6 +1,7 @@
 """Tensors that may be FSDP2 shards: this rank's rows of a DTensor, where they start, and the whole.
 
-FSDP2 splits each parameter's rows over the ranks (``Shard(0)``, ``torch.chunk`` sizes). The model
+FSDP2 splits each parameter's rows over the ranks (``Shard(0)``, ``torch.chunk`` sizes); expert-parallel training
+splits the stacked experts the same way along each dimension of its grid (whole experts on each rank). The model
 code (QK-Clip scaling rows of a sharded weight), checkpoint I/O and the checkpoint engine read
 parameters through these helpers, so they work the same on a plain tensor and on a shard.
 """
@@ -40,24 +41,28 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
 
 def is_row_sharded(t: torch.Tensor) -> bool:
     """Whether ``t``'s rows are split over several ranks (False: each rank holds it whole); any layout
-    other than ``Shard(0)`` on a 1-D mesh or replication raises UnsupportedShardingError."""
+    other than ``Shard(0)`` on every dimension of its mesh, or replication, raises UnsupportedShardingError."""
     if not isinstance(t, DTensor) or t.device_mesh.size() == 1 or all(isinstance(p, Replicate) for p in t.placements):
         return False
-    if t.device_mesh.ndim != 1 or not (isinstance(t.placements[0], Shard) and t.placements[0].dim == 0):
-        raise UnsupportedShardingError(f"only rows sharded as Shard(0) on a 1-D mesh (or Replicate) are supported, "
-                                       f"got placements {t.placements} on a {t.device_mesh.ndim}-D mesh")
+    if not all(isinstance(p, Shard) and p.dim == 0 for p in t.placements):
+        raise UnsupportedShardingError(f"only rows sharded as Shard(0) on each mesh dimension (or Replicate) are "
+                                       f"supported, got placements {t.placements} on a {t.device_mesh.ndim}-D mesh")
     return True
 
 
 def local_rows(t: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """This rank's local tensor of ``t`` and the global index of its first row (dim-0 sharding)."""
+    """This rank's local tensor of ``t`` and the global index of its first row (dim-0 sharding: on a mesh of several
+    dimensions, the rows split along the first, each part along the next, as DTensor nests them)."""
     local = local_tensor(t)
     if not is_row_sharded(t):
         return local, 0
-    counts, r = chunk_rows(t.shape[0], t.device_mesh.size()), t.device_mesh.get_local_rank()
-    if local.shape[0] != counts[r]:  # a different chunking rule than torch.chunk's would land here
-        raise RuntimeError(f"rank {r} holds {local.shape[0]} rows of {t.shape[0]}, expected {counts[r]}")
-    return local, sum(counts[:r])
+    mesh, rows, first = t.device_mesh, t.shape[0], 0
+    for d, r in enumerate(mesh.get_coordinate()):
+        counts = chunk_rows(rows, mesh.size(d))
+        first, rows = first + sum(counts[:r]), counts[r]
+    if local.shape[0] != rows:  # a different chunking rule than torch.chunk's would land here
+        raise RuntimeError(f"rank {dist.get_rank()} holds {local.shape[0]} rows of {t.shape[0]}, expected {rows}")
+    return local, first
 
 
 def shard_offset(t: torch.Tensor) -> tuple[torch.Tensor, int]:

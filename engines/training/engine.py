@@ -289,7 +289,6 @@ class TrainingEngine:
         params = [p for p in self.model.parameters() if p.grad is not None]
         # the clip factor is applied as a device tensor: clipping itself needs no host read
         if self._expert_parallel:  # two meshes: FSDP2's and the experts'
-            expert_parallel.reduce_expert_grads(self.model)
             norm = expert_parallel.clip_grad_norm(self.model, params, self.max_grad_norm)
         else:
             norm = torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm)

@@ -1,13 +1,15 @@
 """Expert-parallel training: the MoE layers' experts split over ``ep`` ranks, everything else sharded by FSDP2.
 
-The ranks form a (``dp_mod_ep`` × ``ep``) grid (``ParallelDims.build_expert_mesh``). Along ``ep`` each rank holds
-whole experts, E/ep of every layer: the stacked expert parameters become ``Shard(0)`` DTensors on the ``ep`` mesh,
-FSDP2 leaves them alone (``ignored_params``) and tokens travel to them (``engines.model.native.expert_dispatch``).
-The ``dp_mod_ep`` ranks that hold the same experts (world / ep of them) sum those experts' gradients before a step,
-as FSDP2's reduce-scatter sums the rest; the RL losses are weighted by global counts, so a sum is the whole gradient.
-Muon orthogonalises each local expert whole, with no communication (``engines.training.muon``), and checkpoints and
-the weight-update plan read the experts through ``engines.model.sharded`` as any other row shard: a replica receives
-each expert from the rank that holds it.
+The ranks form an (``ep`` × ``dp_mod_ep``) grid (``ParallelDims.build_expert_mesh``). Each expert-parallel group of
+``ep`` consecutive ranks splits every layer's experts, E/ep apiece, and tokens travel to them
+(``engines.model.native.expert_dispatch``). The world/ep ranks that compute the same experts (one per group) store
+them sharded between them, whole experts apiece: the stacked expert parameters are ``Shard(0)``, ``Shard(0)``
+DTensors on the grid, so a rank stores about E/world experts, gathers its group's E/ep for a forward and
+reduce-scatters their gradients in the backward (summed: the RL losses are weighted by global counts), as FSDP2 does
+with everything else, which it shards over all the ranks (the experts are ``ignored_params`` to it). Muon
+orthogonalises each stored expert whole, with no communication (``engines.training.muon``); checkpoints and the
+weight-update plan read the experts through ``engines.model.sharded`` as any other row shard, so a replica receives
+each expert from the one rank that stores it.
 """
 
 from __future__ import annotations
@@ -15,13 +17,12 @@ from __future__ import annotations
 import functools
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from engines.model.native.expert_dispatch import ExpertShard, routed_forward
 from engines.model.native.moe import Experts
-from engines.model.sharded import local_tensor
+from engines.model.sharded import chunk_rows, local_tensor
 
 
 def _transformers_experts(m: nn.Module) -> bool:
@@ -49,22 +50,27 @@ def check_experts(model: nn.Module, ep: int) -> None:
 
 
 def shard_experts(model: nn.Module, mesh, dtype: torch.dtype | None = None) -> set[nn.Parameter]:
-    """Split every ``Experts`` block of ``model`` over ``mesh``'s "ep" dimension (this rank keeps its E/ep experts,
-    ``Shard(0)`` DTensors), computing in ``dtype``; returns the expert parameters, for FSDP2 to ignore. The model is
-    on the meta device or holds the same weights on every rank."""
-    ep_mesh = mesh["ep"]
+    """Split every experts block of ``model`` over ``mesh`` (``ParallelDims.build_expert_mesh``): along "ep" each rank
+    computes E/ep experts, stored sharded over "dp_mod_ep" (``Shard(0)``, ``Shard(0)`` DTensors), computing in
+    ``dtype``; returns the expert parameters, for FSDP2 to ignore. The model is on the meta device or holds the same
+    weights on every rank."""
+    ep_mesh, replica_mesh = mesh["ep"], mesh["dp_mod_ep"]
     ep, me = ep_mesh.size(), ep_mesh.get_local_rank()
+    n, mine = replica_mesh.size(), replica_mesh.get_local_rank()
     check_experts(model, ep)
-    replicas = mesh["dp_mod_ep"].get_group() if mesh["dp_mod_ep"].size() > 1 else None
     params: set[nn.Parameter] = set()
     for block in expert_blocks(model):
         per = block.num_experts // ep
+        counts = chunk_rows(per, n)
+        first = me * per + sum(counts[:mine])
         for name, p in list(block.named_parameters(recurse=False)):
-            local = p.detach()[me * per:(me + 1) * per].clone()
-            d = DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False, shape=p.shape, stride=p.stride())
+            local = p.detach()[first:first + counts[mine]].clone()
+            d = DTensor.from_local(local, mesh, [Shard(0), Shard(0)], run_check=False, shape=p.shape,
+                                   stride=p.stride())
             setattr(block, name, nn.Parameter(d, requires_grad=p.requires_grad))
             params.add(getattr(block, name))
-        block.shard = ExpertShard(ep_mesh.get_group(), ep, me, per, dtype, replicas=replicas)
+        block.shard = ExpertShard(ep_mesh.get_group(), ep, me, per, dtype,
+                                  replicas=replica_mesh.get_group() if n > 1 else None)
         if _transformers_experts(block):  # its forward(hidden_states, top_k_index, top_k_weights), routed instead
             block.forward = functools.partial(_transformers_forward, block)
     return params
@@ -83,16 +89,6 @@ def expert_shards(model: nn.Module) -> list[ExpertShard]:
 def is_expert_parallel(model: nn.Module) -> bool:
     """Whether ``model``'s experts are split over ranks (``shard_experts``)."""
     return any(getattr(b, "shard", None) is not None for b in expert_blocks(model))
-
-
-def reduce_expert_grads(model: nn.Module) -> None:
-    """Sum each expert's gradient over the ranks that hold the same experts (none when ep is the whole world)."""
-    for block in expert_blocks(model):
-        if getattr(block, "shard", None) is None or block.shard.replicas is None:
-            continue
-        grads = [local_tensor(p.grad) for p in block.parameters(recurse=False) if p.grad is not None]
-        for g in grads:
-            dist.all_reduce(g, group=block.shard.replicas)
 
 
 def clip_grad_norm(model: nn.Module, params: list[nn.Parameter], max_norm: float) -> torch.Tensor:

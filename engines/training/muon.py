@@ -142,7 +142,11 @@ def _nesterov_into(out: Tensor, grad: Tensor, buf: Tensor, momentum: float, nest
 
 def _sharded_mesh(p: Tensor):
     """The mesh when ``p`` is row-sharded across more than one rank; None when its local tensor is whole."""
-    return p.device_mesh if is_row_sharded(p) else None
+    if not is_row_sharded(p):
+        return None
+    if p.device_mesh.ndim != 1:  # only stacked experts are sharded on a grid, and they hold whole matrices
+        raise ValueError(f"Muon: a {p.ndim}-D parameter sharded over a {p.device_mesh.ndim}-D mesh is not supported")
+    return p.device_mesh
 
 
 def assign_owners(costs: Sequence[float], world: int) -> list[int]:

@@ -2,12 +2,13 @@
 
 A run has ``workers`` colocated workers; each holds ``ranks_per_worker`` trainer ranks (one per GPU of a
 tensor-parallel replica, else one). Every rank of every worker is one rank of the default process group, and FSDP2
-shards the model over all of them (``dp_shard``). With expert parallel (``ep`` > 1) the same ranks also form a
-(world/ep × ep) grid: along ``ep`` each rank holds whole experts of every MoE layer
-(``engines.training.expert_parallel``), while FSDP2 still shards everything else over all the ranks. Tensor parallel
-(``tp``) training is declared here, at 1, so the mesh, the settings and the cluster already ask this object rather
-than reason about world sizes themselves. The first rank of a worker (its lead) sends the worker's replica its
-updates and maps its IPC buffers; the worker's other ranks take part in every collective.
+shards the model over all of them (``dp_shard``). With expert parallel (``ep`` > 1) the same ranks also form a (ep ×
+world/ep) grid: along ``ep`` each group splits every MoE layer's experts, and the world/ep groups' ranks that hold
+the same experts shard them between them (``engines.training.expert_parallel``), while FSDP2 still shards everything
+else over all the ranks. Tensor parallel (``tp``) training is declared here, at 1, so the mesh, the settings and the
+cluster already ask this object rather than reason about world sizes themselves. The first rank of a worker (its
+lead) sends the worker's replica its updates and maps its IPC buffers; the worker's other ranks take part in every
+collective.
 """
 
 from __future__ import annotations
@@ -85,13 +86,16 @@ class ParallelDims:
         return self.world // self.ep
 
     def build_expert_mesh(self, device_type: str):
-        """The (``dp_mod_ep`` × ``ep``) grid the experts are split along (collective); None without expert parallel.
-        Consecutive ranks share an expert-parallel group, so on a multi-GPU worker its tokens stay on the node."""
+        """The (``ep`` × ``dp_mod_ep``) grid the experts are split along (collective); None without expert parallel.
+        Consecutive ranks form an expert-parallel group (so on a multi-GPU worker its tokens stay on the node); the
+        ``dp_mod_ep`` ranks with the same place in their groups shard those experts between them."""
         if self.ep == 1:
             return None
-        from torch.distributed.device_mesh import init_device_mesh
+        import torch
+        from torch.distributed.device_mesh import DeviceMesh
 
-        return init_device_mesh(device_type, (self.expert_replicas, self.ep), mesh_dim_names=("dp_mod_ep", "ep"))
+        grid = torch.arange(self.world).view(self.expert_replicas, self.ep).t()
+        return DeviceMesh(device_type, grid, mesh_dim_names=("ep", "dp_mod_ep"))
 
     def build_mesh(self, device_type: str):
         """The device mesh FSDP2 shards over (collective: every rank builds it)."""

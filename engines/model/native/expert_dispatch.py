@@ -25,14 +25,16 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from engines.model.sharded import local_tensor
+from engines.model.sharded import chunk_rows, local_tensor
 
 
 @dataclass
 class ExpertShard:
-    """Where an ``Experts`` block's experts live: ``size`` ranks of ``group``, this one ``rank`` of them, holding
-    ``per_rank`` consecutive experts; ``dtype`` is the compute dtype its matrices are cast to (None: their own);
-    ``replicas``, the ranks holding the same experts, whose gradients a trainer sums (None: no other)."""
+    """Where an ``Experts`` block's experts live: ``size`` ranks of ``group``, this one ``rank`` of them, computing
+    ``per_rank`` consecutive experts; ``dtype`` is the compute dtype its matrices are cast to (None: their own).
+    ``replicas``: the ranks of the other expert-parallel groups that compute the same experts (None: no other); they
+    store them sharded, whole experts apiece (``torch.chunk`` of the ``per_rank``), gathered for the forward and
+    their gradients reduce-scattered in the backward (``gather_experts``), as FSDP2 does with the rest."""
 
     group: dist.ProcessGroup
     size: int
@@ -44,9 +46,44 @@ class ExpertShard:
     sent_bytes: int = 0
 
     def take_sent(self) -> int:
-        """Bytes sent to other ranks since the last call (what a traffic plan predicts)."""
+        """Bytes sent to other ranks through the all-to-alls since the last call (what a traffic plan predicts)."""
         n, self.sent_bytes = self.sent_bytes, 0
         return n
+
+
+class _GatherExperts(torch.autograd.Function):
+    """This rank's stored experts [c, ...] -> all ``per_rank`` experts of its place in the group, gathered from the
+    replicas; the backward reduce-scatters (sums) their gradients back to each one's stored experts."""
+
+    @staticmethod
+    def forward(ctx, local: torch.Tensor, shard: ExpertShard) -> torch.Tensor:
+        group = shard.replicas
+        n, me = dist.get_world_size(group), dist.get_rank(group)
+        counts = chunk_rows(shard.per_rank, n)
+        ctx.shard, ctx.counts, ctx.me = shard, counts, me
+        width = counts[0]
+        padded = local.new_zeros((width, *local.shape[1:]))
+        padded[:local.shape[0]] = local
+        out = local.new_empty((n * width, *local.shape[1:]))
+        dist.all_gather_single(out, padded.contiguous(), group=group)
+        return torch.cat([out[j * width:j * width + k] for j, k in enumerate(counts)])
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        counts, width = ctx.counts, ctx.counts[0]
+        padded = grad.new_zeros((len(counts) * width, *grad.shape[1:]))
+        start = 0
+        for j, k in enumerate(counts):
+            padded[j * width:j * width + k] = grad[start:start + k]
+            start += k
+        out = grad.new_empty((width, *grad.shape[1:]))
+        dist.reduce_scatter_single(output=out, input=padded, group=ctx.shard.replicas)
+        return out[:counts[ctx.me]], None
+
+
+def gather_experts(local: torch.Tensor, shard: ExpertShard) -> torch.Tensor:
+    """The ``per_rank`` experts this rank computes, from its stored ones (themselves without replicas)."""
+    return local if shard.replicas is None else _GatherExperts.apply(local, shard)
 
 
 class _AllToAll(torch.autograd.Function):
@@ -115,7 +152,7 @@ def routed_forward(experts, x: torch.Tensor, weights: torch.Tensor, index: torch
     # 2. my experts, each on each source's rows separately: the matmuls that source would have run itself
     fused = hasattr(experts, "gate_up_proj")
     act = getattr(experts, "act_fn", F.silu)
-    mats = {n: local_tensor(getattr(experts, n)) for n in
+    mats = {n: gather_experts(local_tensor(getattr(experts, n)), shard) for n in
             (("gate_up_proj",) if fused else ("gate_proj", "up_proj")) + ("down_proj",)}
     dtype = shard.dtype or x.dtype
     offset = [0, *torch.tensor([n for row in got for n in row]).cumsum(0).tolist()]

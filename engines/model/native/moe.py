@@ -92,6 +92,10 @@ class Experts(nn.Module):
     """``num_experts`` SwiGLU experts, stacked: gate_proj/up_proj [E, I, H], down_proj [E, H, I]
     (``fused``: gate_up_proj [E, 2I, H], the inference layout, one matmul per expert)."""
 
+    #: set by the trainer for expert-parallel training (``engines.training.expert_parallel``): then this rank computes
+    #: some of the experts and tokens travel to them (``expert_dispatch``); a class default, so subclasses have it too
+    shard: expert_dispatch.ExpertShard | None = None
+
     def __init__(self, num_experts: int, hidden: int, intermediate: int, fused: bool = False) -> None:
         super().__init__()
         self.num_experts, self.intermediate, self.fused = num_experts, intermediate, fused
@@ -101,9 +105,6 @@ class Experts(nn.Module):
             self.gate_proj = nn.Parameter(torch.empty(num_experts, intermediate, hidden))
             self.up_proj = nn.Parameter(torch.empty(num_experts, intermediate, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
-        #: set by the trainer for expert-parallel training (``engines.training.expert_parallel``): then this rank holds
-        #: some of the experts and tokens travel to them (``expert_dispatch``)
-        self.shard: expert_dispatch.ExpertShard | None = None
 
     def matrix(self, name: str, e: int, dtype: torch.dtype) -> torch.Tensor:
         """Expert ``e``'s matrix of projection ``name`` (an FP8 replica dequantises it here:
