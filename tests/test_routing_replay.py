@@ -357,3 +357,22 @@ def test_a_vllm_replica_asked_for_routes_it_cannot_give_is_refused_in_one_line(t
     assert "Model Runner V2" in routes_unsupported("cpu")
     with pytest.raises(ValueError, match="record_routes: vLLM returns MoE routes only from its Model Runner V2"):
         VllmEngine(tmp_path, [0], record_routes=True)
+
+
+def test_rl_trains_progress_line_shows_the_routers_health(tmp_path):
+    """An MoE iteration's line carries the busiest expert's load, the load's spread and the route mismatch; a dense
+    model's carries none of it."""
+    import io
+
+    from rich.console import Console
+
+    from rl.loop.metrics import MetricsLog
+
+    out = io.StringIO()
+    log = MetricsLog(tmp_path, Console(file=out, width=400))
+    base = {"iteration": 0, "reward_mean": 0.5, "response_len": 9.0, "truncation_rate": 0.0, "temperature": 1.0}
+    log.record(dict(base))
+    log.record({**base, "iteration": 1, "router_max_load": 1.8, "router_load_cv": 0.42, "route_mismatch": 0.031})
+    dense, moe = out.getvalue().splitlines()[-2:]
+    assert "experts" not in dense
+    assert "experts max-load 1.80x cv 0.42 mismatch 3.1%" in moe

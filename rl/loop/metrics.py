@@ -87,6 +87,10 @@ class MetricsLog:
             extra += f"  env-errors {rec['env_errors']} (first: {str(rec.get('first_env_error', ''))[:160]})"
         if rec.get("entropy") is not None:
             extra += f"  H {rec['entropy']:.2f}  dlogp {rec['logprob_diff_mean']:.1e}"
+        if rec.get("router_max_load") is not None:  # an MoE: its routers' health (rl.loop.health watches it)
+            extra += f"  experts max-load {rec['router_max_load']:.2f}x cv {rec['router_load_cv']:.2f}"
+            if rec.get("route_mismatch") is not None:
+                extra += f" mismatch {rec['route_mismatch']:.1%}"
         self.console.print(
             f"iter {rec['iteration']:>4}  reward {rec['reward_mean']:.3f}  "
             f"acc {'  -  ' if acc is None else f'{acc:.3f}'}{extra_acc}{held_out_reward}  "
