@@ -22,9 +22,9 @@ The cost model of the two-stage pipeline, for B bytes on W = nodes x G GPUs, TP 
 has the same structure (per-bucket NCCL broadcast into IPC buffers, then a reload), so its GPU
 path is predicted with the same r and hop: an assumption until it is measured on a cluster.
 
-Expert-parallel training (``trainer.expert_parallel``) changes none of these terms: each GPU still stages B / W
-(an expert range held by several trainer ranks is sent by one of them in turn, ``model_sender``), so it reaches
-this model only through the trainer's shard, which holds 1/ep of the experts whole (the ``Footprint``).
+Expert-parallel training (``trainer.expert_parallel``) changes none of these terms: each GPU still stages about
+B / W (its trainer rank stores whole experts, at most ⌈E/W⌉ of a layer's E as under FSDP2's row shards, and sends
+each one it stores, ``model_sender``), so it reaches this model only through the trainer's shard (the ``Footprint``).
 
 Memory per GPU: the colocated trainer's shard and the KV cache (a ``Footprint``, given), the
 replica's shard (bf16, or block-FP8 with its scales) and the engine's three buckets (H2D + two IPC)

@@ -310,7 +310,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="GPUs per inference replica (1: a full replica per GPU, what the engine does today)")
     mp.add_argument("--expert-parallel", type=int, default=1,
                     help="trainer.expert_parallel: GPUs splitting each MoE layer's routed experts in training "
-                         "(each holds 1/N of them whole, the rest sharded over all GPUs; default 1: FSDP2 alone)")
+                         "(each computes 1/N of them and stores about 1/GPUs of them whole, the rest sharded over "
+                         "all GPUs; default 1: FSDP2 alone)")
     mp.add_argument("--micro-batch-tokens", type=int, default=16384)
     mp.add_argument("--no-activation-checkpointing", action="store_true")
     mp.add_argument("--master-dtype", default="float32", choices=["float32", "bfloat16"])

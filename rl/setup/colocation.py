@@ -1,16 +1,17 @@
 """Per-GPU memory of training + inference colocation for a large model, on paper (``rl memory-plan``).
 
-The trainer is this project's: FSDP2 over ``gpus`` ranks (master weights, gradients and optimizer state
-sharded), one decoder layer gathered at a time in the compute dtype, activations of one packed micro-batch
-(``rl.setup.memory``). With ``expert_parallel`` e > 1 (``trainer.expert_parallel``) each GPU holds 1/e of the
-routed experts whole and 1/gpus of the rest, and gathers a layer without its experts; the all-to-all buffers and
-the local experts' compute-dtype copies come instead. The inference side holds one replica per ``inference_gpus``
-GPUs (1: a full replica on every GPU, what this project's engine does today; more: weights and KV cache split over a
-tensor- or expert-parallel group, which the engine does not do yet). Three phases take turns on each GPU:
-rollout (replica + KV cache, the trainer offloaded), training (trainer state + working set, the KV cache
-freed and, at ``sleep_level`` 2, the replica too) and the weight update (replica + KV cache + the
-checkpoint engine's three bucket buffers). The KV cache gets what the rollout phase leaves of the usable
-memory, reported as tokens per replica.
+The trainer is this project's: FSDP2 over ``gpus`` ranks (master weights, gradients and optimizer state sharded), one
+decoder layer gathered at a time in the compute dtype, activations of one packed micro-batch (``rl.setup.memory``).
+With ``expert_parallel`` e > 1 (``trainer.expert_parallel``) each GPU computes E/e of every MoE layer's E routed
+experts and stores whole experts, at most ⌈E/gpus⌉ of them (the gpus/e GPUs computing the same ones split them), and
+1/gpus of the rest; FSDP gathers a layer without its experts, and the all-to-all buffers and each MoE layer's E/e
+experts, gathered over those GPUs and kept for the backward, come instead. The inference side holds one replica per
+``inference_gpus`` GPUs (1: a full replica on every GPU, what this project's engine does today; more: weights and KV
+cache split over a tensor- or expert-parallel group, which the engine does not do yet). Three phases take turns on
+each GPU: rollout (replica + KV cache, the trainer offloaded), training (trainer state + working set, the KV cache
+freed and, at ``sleep_level`` 2, the replica too) and the weight update (replica + KV cache + the checkpoint engine's
+three bucket buffers). The KV cache gets what the rollout phase leaves of the usable memory, reported as tokens per
+replica.
 """
 
 from __future__ import annotations
@@ -21,7 +22,15 @@ import torch
 
 from engines.inference.kv_cache import bytes_per_token
 from engines.model.native.arch import ModelConfig, make_config
-from rl.setup.memory import GiB, ModelShape, check_expert_layout, run_dir_bytes, trainer_bytes, training_working_set
+from rl.setup.memory import (
+    GiB,
+    ModelShape,
+    check_expert_layout,
+    run_dir_bytes,
+    stored_experts,
+    trainer_bytes,
+    training_working_set,
+)
 
 #: Model shapes by name, as their Hugging Face configs give them (random weights are never built).
 PRESETS = {
@@ -61,7 +70,7 @@ class ColocationPlan:
     kv_tokens: int = 0                                      # KV-cache tokens per replica that fit
     checkpoint: int = 0                                     # one checkpoint on disk
     run_dir: int = 0                                        # the run directory at its fullest
-    expert_parallel: int = 1                                # trainer ranks sharing each MoE layer's experts
+    expert_parallel: int = 1                                # trainer ranks splitting each MoE layer's experts
     experts: int = 0                                        # routed experts per MoE layer
 
     @property
@@ -73,11 +82,13 @@ class ColocationPlan:
                  f"{self.gpu_bytes / GiB:.0f} GiB, one inference replica per {self.inference_gpus} GPU(s)",
                  "per GPU:"]
         if self.expert_parallel > 1:
-            ep = self.expert_parallel
-            lines.insert(1, f"expert parallel {ep}: each GPU trains {self.experts // ep} of every MoE layer's "
-                            f"{self.experts} experts whole (the {self.gpus // ep} GPUs holding the same ones keep "
-                            f"copies), the rest sharded over {self.gpus}; experts are not gathered, tokens travel "
-                            "to them (all-to-all)")
+            ep, r = self.expert_parallel, self.gpus // self.expert_parallel
+            stored = stored_experts(self.experts, ep, self.gpus)
+            where = "stores them whole" if r == 1 else f"stores at most {stored} of them, whole (the {r} GPUs " \
+                f"computing the same {self.experts // ep} split them, gathered a layer at a time)"
+            lines.insert(1, f"expert parallel {ep}: each GPU computes {self.experts // ep} of every MoE layer's "
+                            f"{self.experts} experts and {where}; the rest sharded over {self.gpus}; tokens travel "
+                            "to their experts (all-to-all)")
         width = max(map(len, [*self.parts, *self.phases])) + 2
         lines += [f"  {k:<{width}}{v / GiB:>10.2f} GiB" for k, v in self.parts.items()]
         lines.append("phases (each holds its parts at once):")
@@ -139,7 +150,7 @@ def colocation_plan(arch: ModelConfig, setup: Colocation, name: str = "model",
         base = setup.quantize_base
     weights, grads, opt = trainer_bytes(shape, gpus, master_dtype, optimizer, base, frozen, expert_parallel)
     work = training_working_set(shape, micro_batch_tokens, compute_dtype, setup.activation_checkpointing, gpus > 1,
-                                expert_parallel, master_dtype)
+                                expert_parallel, master_dtype, gpus)
     replica = -(-shape.params * getattr(torch, rollout_dtype).itemsize // inference_gpus)
     trainer = weights + grads + opt
     buffers = 3 * setup.bucket_bytes

@@ -1,29 +1,27 @@
 """Memory per worker of a run, estimated before anything is allocated (``rl check-config``, ``rl train``), and
 the per-GPU memory plan of training + inference colocation for large models (``rl memory-plan``).
 
-Counts what the colocated worker holds: the trainer's shard (master weights, gradients and optimizer
-state, 1/workers of each under FSDP2), the decoder layer FSDP gathers in the compute dtype, the
-activations of one micro-batch (``algorithm.micro_batch_tokens`` packed tokens: with
-``trainer.activation_checkpointing`` each layer's input and one layer's working set, otherwise every
-layer's working set) and the chunked log-probability blocks; the inference engine's full replica in the
-rollout dtype and its paged KV cache (``rollout.kv_cache_mb``, all of it, in blocks; how many sequences
-it holds depends on their lengths, at worst ``max_seq_len`` tokens each). Activations are an estimate
+Counts what the colocated worker holds: the trainer's shard (master weights, gradients and optimizer state, 1/workers
+of each under FSDP2), the decoder layer FSDP gathers in the compute dtype, the activations of one micro-batch
+(``algorithm.micro_batch_tokens`` packed tokens: with ``trainer.activation_checkpointing`` each layer's input and one
+layer's working set, otherwise every layer's working set) and the chunked log-probability blocks; the inference
+engine's full replica in the rollout dtype and its paged KV cache (``rollout.kv_cache_mb``, all of it, in blocks; how
+many sequences it holds depends on their lengths, at worst ``max_seq_len`` tokens each). Activations are an estimate
 from the layer shapes (the tensors each layer keeps for its backward), not a measurement. With
-``trainer.expert_parallel`` e > 1 a rank holds 1/e of the routed experts whole (replicated over the ranks / e ranks
-that hold the same ones) and 1/ranks of the rest; FSDP gathers the layers without their experts, and the all-to-all
-buffers and the local experts' compute-dtype copies come instead. On a GPU the
-phases take turns (``trainer.offload`` moves the trainer to host memory while the engine generates,
-``rollout.sleep_level`` frees the cache, and at 2 the
-replica, while the trainer steps), so the peak is the larger phase; on CPU everything shares RAM.
+``trainer.expert_parallel`` e > 1 each group of e ranks splits every MoE layer's E experts (E/e apiece to compute),
+and the ranks / e ranks computing the same ones store them sharded, whole experts (``stored_experts``: about E/ranks
+each; a rank holds 1/ranks of the rest); FSDP gathers the layers without their experts, and the all-to-all buffers
+and the experts each MoE layer gathers and keeps for its backward come instead. On a GPU the phases take turns
+(``trainer.offload`` moves the trainer to host memory while the engine generates, ``rollout.sleep_level`` frees the
+cache, and at 2 the replica, while the trainer steps), so the peak is the larger phase; on CPU everything shares RAM.
 
 A vLLM replica has rows of its own (``vllm_rows``): the CUDA graph pool of its decode-only graphs (one decode step's
-working set at the largest captured batch; it is not part of vLLM's sleep mode and stays resident while the
-trainer steps), the working set of its largest forward (a prefill of ``max_num_batched_tokens``, and the sampler's
-float32 logits), host copies of the weights where it takes updates through them (two full copies, the served one
-and the update's, none with IPC views), and, with IPC views, the device bytes of tensors split across buckets
-while an update streams in (about one bucket per trainer rank). With vLLM the weight update is a phase of its own:
-the replica, that staging, the checkpoint engine's three buckets and, unless the wake is two-step (level 2),
-the KV cache.
+working set at the largest captured batch; it is not part of vLLM's sleep mode and stays resident while the trainer
+steps), the working set of its largest forward (a prefill of ``max_num_batched_tokens``, and the sampler's float32
+logits), host copies of the weights where it takes updates through them (two full copies, the served one and the
+update's, none with IPC views), and, with IPC views, the device bytes of tensors split across buckets while an update
+streams in (about one bucket per trainer rank). With vLLM the weight update is a phase of its own: the replica, that
+staging, the checkpoint engine's three buckets and, unless the wake is two-step (level 2), the KV cache.
 """
 
 from __future__ import annotations
@@ -40,6 +38,7 @@ from engines.model.hf.spec import ModelDescription
 from engines.model.lora.adapters import LoraSpec
 from engines.model.lora.quant import BYTES_PER_WEIGHT
 from engines.model.native.arch import ModelConfig
+from engines.model.sharded import chunk_rows
 from rl.config import Config, parse_config
 from rl.errors import UserError
 from rl.settings import RunSettings, check_expert_parallel, parallel_dims, resolve, sleep_level
@@ -101,15 +100,13 @@ class ModelShape:
         # routed experts by name, as in per_layer (".shared_experts." does not match: shared experts are dense)
         experts = [p for n, p in model.named_parameters() if ".experts." in f".{n}"]
         return cls(params=sum(p.numel() for p in params), muon_params=sum(p.numel() for p in params if id(p) in muon),
-                   largest_layer=largest[0], largest_layer_experts=largest[1],
+                   largest_layer=largest[0], largest_layer_experts=largest[1], layers=arch.num_hidden_layers,
                    root_params=sum(p.numel() for p in params) - sum(n for n, _ in per_layer),
-                   layers=arch.num_hidden_layers, hidden=arch.hidden_size, vocab=arch.vocab_size,
+                   hidden=arch.hidden_size, vocab=arch.vocab_size, largest_dense_part=max(n - e for n, e in per_layer),
                    layer_activations=max(layer_activations(arch, i) for i in range(arch.num_hidden_layers)),
                    adapter_params=adapters[0], adapter_muon_params=adapters[1], adapted_params=adapters[2],
-                   expert_params=sum(p.numel() for p in experts),
+                   expert_params=sum(p.numel() for p in experts), num_experts=arch.num_experts if arch.is_moe else 0,
                    expert_muon_params=sum(p.numel() for p in experts if id(p) in muon),
-                   largest_dense_part=max(n - e for n, e in per_layer),
-                   num_experts=arch.num_experts if arch.is_moe else 0,
                    top_k=arch.num_experts_per_tok if arch.is_moe else 0)
 
 
@@ -237,15 +234,17 @@ class MemoryEstimate:
     #: disaggregated placement: bytes of one worker of each role ("trainer worker", "rollout worker"), each a
     #: process of its own (None: colocated, both roles in one worker)
     roles: dict[str, int] | None = None
-    expert_parallel: int = 1  # trainer.expert_parallel: the routed experts 1/ep per rank, the rest 1/trainer_ranks
+    expert_parallel: int = 1  # trainer.expert_parallel: the routed experts split over ep, stored over trainer_ranks
     trainer_ranks: int = 1
+    experts: int = 0       # routed experts per MoE layer
 
     def table(self) -> str:
         rows = [("parameters", f"{self.params / 1e6:,.1f} M")]
         if self.adapters:
             rows.append(("LoRA adapters (trained)", f"{self.adapters / 1e6:,.3f} M"))
         ep = self.expert_parallel
-        shard = f"shard: experts 1/{ep}, the rest 1/{self.trainer_ranks}" if ep > 1 else "shard"
+        shard = "shard" if ep == 1 else f"shard: experts {stored_experts(self.experts, ep, self.trainer_ranks)} of " \
+            f"{self.experts} per layer, the rest 1/{self.trainer_ranks}"
         rows += [(f"trainer weights ({shard}" + (", frozen base + adapters)" if self.adapters else ")"),
                   _gib(self.trainer_weights)),
                  (f"trainer gradients ({shard})", _gib(self.trainer_grads)),
@@ -277,16 +276,14 @@ def _itemsize(dtype: str) -> int:
     return getattr(torch, dtype).itemsize
 
 
-def trainer_bytes(shape: ModelShape, ranks: int, master_dtype: str, optimizer: str,
-                  base_dtype: str | None = None, frozen_dtype: str | None = None,
-                  expert_parallel: int = 1) -> tuple[int, int, int]:
+def trainer_bytes(shape: ModelShape, ranks: int, master_dtype: str, optimizer: str, base_dtype: str | None = None,
+                  frozen_dtype: str | None = None, expert_parallel: int = 1) -> tuple[int, int, int]:
     """(master weights, gradients, optimizer state) per rank of an FSDP2 trainer over ``ranks``. With LoRA
     (``shape.adapter_params``) the weights are the adapted projections' frozen weights in ``base_dtype`` (the
     serving dtype, or QLoRA's "nf4"/"int8"), the rest of the frozen model in ``frozen_dtype`` (default the master
     dtype; the compute dtype when a LoRA run computes in another), the adapters in the master dtype, and only
-    they have gradients and optimizer state. With ``expert_parallel`` e > 1 a rank holds whole routed experts, 1/e
-    of them (not sharded further: the ranks / e ranks holding the same experts keep full copies), and 1/``ranks``
-    of everything else."""
+    they have gradients and optimizer state. With ``expert_parallel`` e > 1 a rank stores whole routed experts,
+    ``stored_experts`` of each MoE layer's at most (what a plan must hold), and 1/``ranks`` of the rest."""
     master = _itemsize(master_dtype)
     shard = lambda b: -(-b // ranks)  # noqa: E731
     lora = shape.adapter_params > 0
@@ -294,11 +291,11 @@ def trainer_bytes(shape: ModelShape, ranks: int, master_dtype: str, optimizer: s
         if lora:
             raise ValueError("expert parallel trains the whole model; LoRA trains adapters on a frozen base")
         dense, dense_muon = shape.params - shape.expert_params, shape.muon_params - shape.expert_muon_params
-        split = lambda d, e: shard(d) + -(-e // expert_parallel)  # noqa: E731
-        return (split(dense * master, shape.expert_params * master),
-                split(dense * master, shape.expert_params * master),
-                split(_states(dense, dense_muon, optimizer) * master,
-                      _states(shape.expert_params, shape.expert_muon_params, optimizer) * master))
+        share, n = stored_experts(shape.num_experts, expert_parallel, ranks), shape.num_experts
+        split = lambda d, e: shard(d) + -(-e * share // n)  # noqa: E731
+        weights = split(dense * master, shape.expert_params * master)
+        return weights, weights, split(_states(dense, dense_muon, optimizer) * master,
+                                       _states(shape.expert_params, shape.expert_muon_params, optimizer) * master)
     n, n_muon = (shape.adapter_params, shape.adapter_muon_params) if lora else (shape.params, shape.muon_params)
     states = _states(n, n_muon, optimizer)
     # QLoRA: base_dtype "nf4" or "int8", bytes per weight rather than a dtype
@@ -307,6 +304,11 @@ def trainer_bytes(shape: ModelShape, ranks: int, master_dtype: str, optimizer: s
     frozen = adapted + (shape.params - shape.adapted_params) * _itemsize(frozen_dtype or master_dtype)
     weights = frozen + n * master if lora else n * master
     return shard(weights), shard(n * master), shard(states * master)
+
+
+def stored_experts(experts: int, expert_parallel: int, ranks: int) -> int:
+    """The most of a MoE layer's ``experts`` a rank stores (``torch.chunk`` of E/e over ranks/e: ⌈E/ranks⌉)."""
+    return chunk_rows(experts // expert_parallel, ranks // expert_parallel)[0]
 
 
 def _states(n: int, n_muon: int, optimizer: str) -> int:
@@ -330,35 +332,41 @@ def run_dir_bytes(shape: ModelShape, model_dtype: str, master_dtype: str, optimi
     return checkpoint, (keep_checkpoints + 2) * checkpoint + model
 
 
-def training_working_set(shape: ModelShape, tokens: int, compute_dtype: str, checkpointing: bool,
-                         sharded: bool, expert_parallel: int = 1, master_dtype: str | None = None) -> int:
+def training_working_set(shape: ModelShape, tokens: int, compute_dtype: str, checkpointing: bool, sharded: bool,
+                         expert_parallel: int = 1, master_dtype: str | None = None, ranks: int = 1) -> int:
     """Activations, the log-prob blocks, and (sharded) what FSDP gathers in the compute dtype: the root and two
-    decoder layers (one computing, the next prefetched). With ``expert_parallel`` e > 1 FSDP gathers the layers
-    without their routed experts (``expert_working_set`` has what the local experts and the all-to-alls add)."""
+    decoder layers (one computing, the next prefetched). With ``expert_parallel`` e > 1 over ``ranks`` ranks FSDP
+    gathers the layers without their routed experts (``expert_working_set`` has what the experts add)."""
     cb = _itemsize(compute_dtype)
     work = activation_bytes(shape, tokens, cb, checkpointing) + logprob_bytes(tokens, shape.vocab)
     if expert_parallel > 1:
         gathered = (2 * shape.largest_dense_part + shape.root_params) * cb
         return work + gathered + expert_working_set(shape, tokens, compute_dtype, checkpointing, expert_parallel,
-                                                    master_dtype or compute_dtype)
+                                                    master_dtype or compute_dtype, ranks)
     gathered = (2 * shape.largest_layer + shape.root_params) * cb if sharded else 0
     return work + gathered
 
 
 def expert_working_set(shape: ModelShape, tokens: int, compute_dtype: str, checkpointing: bool,
-                       expert_parallel: int, master_dtype: str) -> int:
-    """What expert parallelism adds to a rank's training working set: the all-to-all buffers of a micro-batch of
-    ``tokens`` tokens (each token's ``top_k`` rows of the hidden size, sent to their experts and back), and its
-    local experts cast to the compute dtype where the master dtype is wider (``expert_dispatch.routed_forward``)."""
-    cb = _itemsize(compute_dtype)
+                       expert_parallel: int, master_dtype: str, ranks: int) -> int:
+    """What expert parallelism e over ``ranks`` ranks adds to a rank's training working set: the all-to-alls of
+    ``tokens`` tokens, the E/e experts each MoE layer computes as its backward keeps them, one layer's gather."""
+    if ranks % expert_parallel:
+        raise ValueError(f"expert parallel {expert_parallel} does not divide {ranks} ranks")
+    cb, mb = _itemsize(compute_dtype), _itemsize(master_dtype)
     # dispatch and combine: tokens x top_k rows each way, about as many received as sent (balanced routing)
     exchange = 2 * tokens * shape.top_k * shape.hidden * cb
-    if master_dtype == compute_dtype:  # the cast is a view: nothing copied
-        return exchange
-    # each local expert's cast matrices are kept for the backward: one layer's at a time when the layers are
-    # recomputed (activation checkpointing), every MoE layer's otherwise
-    local = shape.largest_layer_experts if checkpointing else shape.expert_params
-    return exchange + -(-local // expert_parallel) * cb
+    n, r = shape.num_experts, ranks // expert_parallel
+    computed, one = n // expert_parallel, shape.largest_layer_experts // n  # one expert of one layer
+    # kept per MoE layer: the computed experts' compute-dtype casts; with no cast the gathered master-dtype experts
+    # themselves (r = 1: the stored parameters, nothing extra); one layer's at a time when the layers are recomputed
+    # (activation checkpointing), every MoE layer's otherwise
+    kept = cb if master_dtype != compute_dtype else mb if r > 1 else 0
+    layers = 1 if checkpointing else shape.expert_params // shape.largest_layer_experts
+    # one layer's gather in flight, in the master dtype: the gathered experts and the all-gather's padded r shares
+    # (forward), or their gradients and the reduce-scatter's padded input (backward, as large)
+    flight = (computed + r * stored_experts(n, expert_parallel, ranks)) * one * mb if r > 1 else 0
+    return exchange + computed * one * layers * kept + flight
 
 
 def estimate(cfg: Config, arch: ModelConfig | ModelDescription, max_seq_len: int,
@@ -378,8 +386,8 @@ def estimate(cfg: Config, arch: ModelConfig | ModelDescription, max_seq_len: int
     compute_dtype, rollout_dtype_name = cfg.compute_dtype, cfg.rollout_dtype
     opt_kind = cfg.model.lora.optimizer if lora is not None and cfg.model.lora is not None else cfg.optimizer.kind
     sharded = workers > 1 or (compute_dtype != cfg.trainer.master_dtype and lora is None)
-    # LoRA on one rank keeps its adapted weights in the serving dtype, and the whole frozen model in the compute
-    # dtype when that is not the master's; sharded (FSDP2) the frozen base is in the master dtype (rl.loop.workers)
+    # LoRA on one rank keeps its adapted weights in the serving dtype, and the whole frozen model in the compute dtype
+    # when that is not the master's; sharded (FSDP2) the frozen base is in the master dtype (rl.loop.workers)
     lora_mixed = lora is not None and compute_dtype != cfg.trainer.master_dtype
     base, frozen = (None, None) if sharded else \
         (compute_dtype, compute_dtype) if lora_mixed else (rollout_dtype_name, None)
@@ -387,7 +395,7 @@ def estimate(cfg: Config, arch: ModelConfig | ModelDescription, max_seq_len: int
         base = lora.quantize_base
     weights, grads, opt = trainer_bytes(shape, workers, cfg.trainer.master_dtype, opt_kind, base, frozen, ep)
     work = training_working_set(shape, cfg.algorithm.micro_batch_tokens, compute_dtype,
-                                cfg.trainer.activation_checkpointing, sharded, ep, cfg.trainer.master_dtype)
+                                cfg.trainer.activation_checkpointing, sharded, ep, cfg.trainer.master_dtype, workers)
     # per device: a tensor-parallel replica's ranks hold a shard each (and a KV cache of rollout.kv_cache_mb each)
     replica = shape.params * _itemsize(rollout_dtype_name) // cfg.rollout.tensor_parallel_size
     rollout_dtype = getattr(torch, rollout_dtype_name)
@@ -396,8 +404,7 @@ def estimate(cfg: Config, arch: ModelConfig | ModelDescription, max_seq_len: int
     seqs = min(cfg.rollout.max_batch, kv // per_seq)  # sequences of the full max_seq_len it holds at least
     # a KL penalty's reference policy: a second copy of the master weights' shard, offloaded with the trainer
     trainer = weights + grads + opt + (weights if cfg.algorithm.kl_coef > 0 else 0)
-    level = sleep_level(cfg)[0]
-    decode = 0
+    level, decode = sleep_level(cfg)[0], 0
     kind = engine.kind if engine is not None else cfg.rollout.engine
     attention = engine.attention if engine is not None else cfg.rollout.attention
     if kind == "vllm" and engine is None:  # as written: resolved the way rl.settings would on these workers
@@ -415,14 +422,14 @@ def estimate(cfg: Config, arch: ModelConfig | ModelDescription, max_seq_len: int
     graphs = vllm.graphs if vllm is not None else 0  # vLLM's sleep mode does not free its graph pool
     rollout_phase = replica + kv + decode + resident + (graphs + vllm.forward if vllm is not None else 0)
     train_phase = trainer + work + (replica if level < 2 else 0) + (kv if level == 0 else 0) + graphs
-    # a vLLM update: the replica, the split tensors, the checkpoint engine's H2D and two IPC buffers, and the KV
-    # cache unless the wake is two-step (level 2: it comes back after the update)
+    # a vLLM update: the replica, the split tensors, the checkpoint engine's H2D and two IPC buffers, and the KV cache
+    # unless the wake is two-step (level 2: it comes back after the update)
     update_phase = replica + vllm.staging + 3 * cfg.checkpoint_engine.bucket_bytes + resident + graphs + \
         (kv if level < 2 else 0) if vllm is not None else 0
     # on a GPU these wait in page-locked host memory (engines.device.host_buffer, exact sizes): the trainer while
-    # offloaded, the replica while asleep at level 1, and the native engine's rollback journal, as large as the
-    # replica (vLLM keeps none: its host copies, where it has them, are pageable);
-    # a LoRA replica also keeps its base there, to merge the adapters from (at most the whole replica: level 2)
+    # offloaded, the replica while asleep at level 1, and the native engine's rollback journal, as large as the replica
+    # (vLLM keeps none: its host copies, where it has them, are pageable); a LoRA replica also keeps its base there, to
+    # merge the adapters from (at most the whole replica: level 2)
     base_copy = replica if shape.adapter_params else 0
     pinned = (trainer if cfg.trainer.offload else 0) + (replica if level == 1 else 0) + \
         (replica if vllm is None else 0) + base_copy
@@ -443,7 +450,8 @@ def estimate(cfg: Config, arch: ModelConfig | ModelDescription, max_seq_len: int
                           (vllm.forward if vllm is not None else 0),
                           activations=work, host_pinned=pinned if cfg.cluster.gpus_per_worker > 0 else 0,
                           decode_work=decode, checkpoint=checkpoint, run_dir=run_dir, engine=kind, vllm=vllm,
-                          adapters=shape.adapter_params, roles=roles, expert_parallel=ep, trainer_ranks=workers)
+                          adapters=shape.adapter_params, roles=roles, expert_parallel=ep, trainer_ranks=workers,
+                          experts=shape.num_experts)
 
 
 def _vllm_settings(cfg: Config, max_seq_len: int) -> EngineSettings:
@@ -539,8 +547,8 @@ def check_fits(cfg: Config, est: MemoryEstimate) -> None:
     need = est.device_peak if cfg.cluster.gpus_per_worker > 0 else est.host_total
     if need <= limit:
         return
-    shards = "cluster.workers (shards the trainer)" if est.expert_parallel == 1 else \
-        "trainer.expert_parallel (each rank holds 1/ep of the experts whole) and cluster.workers (shard the rest)"
+    shards = "cluster.workers (shards the trainer" + (", whole experts over all the ranks too)"
+                                                      if est.expert_parallel > 1 else ")")
     parts = {"rollout.kv_cache_mb": est.kv_cache, "rollout.dtype": est.replica,
              shards: est.trainer_weights + est.trainer_grads + est.optimizer,
              "rollout.attention (flex and paged read the cache in place; torch gathers it)": est.decode_work}

@@ -3,10 +3,11 @@
 The cost model and its calibration are ``checkpoint_engine.cost_model``'s; what the run around the update
 holds per GPU (the trainer's shard, the KV cache) is this package's memory model, ``rl.setup.memory``.
 
-``--expert-parallel`` e (``trainer.expert_parallel``) changes the trainer's shard only: a GPU holds 1/e of the
-experts whole and 1/GPUs of the rest. What each GPU stages and sends stays 1/GPUs of the update (a range its
-GPUs / e holders hold alike is sent by one of them in turn: ``checkpoint_engine.model_sender``), so the time is
-the same as without.
+``--expert-parallel`` e (``trainer.expert_parallel``) changes the trainer's shard only: a GPU computes E/e of each
+MoE layer's E experts but stores whole experts, at most ⌈E/GPUs⌉ of them whatever e is (the GPUs / e computing the
+same ones split them, as FSDP2's row shards split the stacked experts), and 1/GPUs of the rest. Each expert is stored,
+and so sent (``checkpoint_engine.model_sender``), by one rank: what each GPU stages and sends stays about 1/GPUs of
+the update, so the time is the same as without.
 """
 
 from __future__ import annotations
@@ -75,13 +76,16 @@ def check_ep(ep: int, gpus: list[int]) -> None:
 
 
 def expert_parallel_note(ep: int, gpus: int) -> dict | None:
-    """What expert parallel ``ep`` changes in K2's update on ``gpus`` GPUs (None at 1): the trainer's shard per
-    GPU in GiB, against FSDP2 alone; the time does not change (see the module)."""
+    """What expert parallel ``ep`` changes in K2's update on ``gpus`` GPUs (None at 1): the experts a GPU computes
+    and stores, the trainer's shard per GPU in GiB against FSDP2 alone; the time does not change (see the module)."""
+    from rl.setup.memory import stored_experts
+
     if ep == 1:
         return None
     shard, flat = k2_footprint(gpus, {"trainer": {"expert_parallel": ep}}).trainer_bytes, \
         k2_footprint(gpus).trainer_bytes
-    return {"ep": ep, "experts_per_gpu": 384 // ep, "trainer_shard_gib": round(shard / GiB, 2),
+    return {"ep": ep, "experts_computed": 384 // ep, "experts_stored": stored_experts(384, ep, gpus),
+            "trainer_shard_gib": round(shard / GiB, 2),
             "trainer_shard_gib_ep1": round(flat / GiB, 2), "time_changes": False}
 
 
@@ -102,7 +106,8 @@ def main(argv: list[str] | None = None) -> None:
                          "32: a double-buffered K2 FP8 replica shard fits an H800 from TP32)")
     ap.add_argument("--expert-parallel", type=int, default=1, metavar="EP",
                     help="trainer.expert_parallel of the run: GPUs splitting each MoE layer's 384 experts, each "
-                         "holding 1/EP of them whole (default 1: FSDP2 shards everything over all GPUs)")
+                         "computing 1/EP of them and storing about 1/GPUs of them whole (default 1: FSDP2 shards "
+                         "everything over all GPUs)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     if a.tp < 1 or a.nodes < 1 or (a.bucket_gib is not None and a.bucket_gib <= 0) or a.target_s <= 0:
@@ -123,9 +128,10 @@ def main(argv: list[str] | None = None) -> None:
     if p is None:
         raise SystemExit(f"error: Kimi K2 ({a.dtype}, TP{a.tp}, {a.nodes * 8} {a.gpu}"
                          f"{f', expert parallel {ep}' if ep > 1 else ''}) does not fit: {mem.why()}"
-                         + (f"; at expert parallel {ep} a GPU holds {384 // ep} of every MoE layer's 384 experts "
-                            f"whole ({experts['trainer_shard_gib_ep1']:.1f} GiB of trainer shard at EP 1); a larger "
-                            "--expert-parallel holds fewer" if experts else ""))
+                         + (f"; at expert parallel {ep} a GPU stores {experts['experts_stored']} of every MoE "
+                            f"layer's 384 experts whole and 1/{a.nodes * 8} of the rest (trainer shard at EP 1: "
+                            f"{experts['trainer_shard_gib_ep1']:.1f} GiB); more GPUs (--nodes) store less"
+                            if experts else ""))
     holds = bool(p.total_s <= a.target_s)
     cal = k2_calibration()
     try:
@@ -146,12 +152,12 @@ def main(argv: list[str] | None = None) -> None:
     print("  memory per GPU: " + ", ".join(f"{k} {v:.1f}" for k, v in mem.parts.items()) +
           f" = {mem.total:.1f} of {mem.limit:.1f} GiB")
     if experts:
-        print(f"  expert parallel {ep}: a GPU holds {384 // ep} of every MoE layer's 384 experts whole and 1/{p.gpus} "
-              f"of the rest: trainer shard {experts['trainer_shard_gib']:.1f} GiB per GPU "
-              f"({experts['trainer_shard_gib_ep1']:.1f} at EP 1), what its H2D stages from, in pinned host memory "
-              "while offloaded")
-        print(f"  time as at EP 1: each GPU still stages and sends 1/{p.gpus} of the update (an expert range its "
-              f"{p.gpus // ep} holders share is sent by one of them in turn)")
+        print(f"  expert parallel {ep}: a GPU computes {384 // ep} of every MoE layer's 384 experts and stores at "
+              f"most {experts['experts_stored']} of them whole, and 1/{p.gpus} of the rest: trainer shard "
+              f"{experts['trainer_shard_gib']:.1f} GiB per GPU ({experts['trainer_shard_gib_ep1']:.1f} at EP 1), what "
+              "its H2D stages from, in pinned host memory while offloaded")
+        print(f"  time as at EP 1: each GPU still stages and sends about 1/{p.gpus} of the update (each expert from "
+              "the one GPU that stores it)")
     print(f"  r {cal.rate_gbps:.1f} GB/s per GPU, hop {cal.hop_s * 1e6:.1f} us: {cal.source}")
     print(f"predicted update: {p.total_s:.1f} s; bound by {p.bound}")
     print(f"{a.target_s:g} s target {'holds' if holds else 'does NOT hold'} "
