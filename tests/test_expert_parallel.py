@@ -161,6 +161,8 @@ def _rank(me: int, world: int, port: int, out_dir: str, eps: list[int]) -> None:
         for family in [*FAMILIES, *HF_FAMILIES]:
             res[family] = {ep: _train(family, ParallelDims(workers=world, ep=ep), me) for ep in [1, *eps]}
         res["resume"] = _resume_across_layouts("deepseek_v3", world, eps[-1], me, out_dir)
+        res["skewed"] = {family: {ep: _skewed(family, ParallelDims(workers=world, ep=ep), me) for ep in [1, *eps]}
+                         for family in ("mixtral", "deepseek_v3")}
         torch.save(res, f"{out_dir}/rank{me}.pt")
 
 
@@ -176,6 +178,26 @@ def _full_state(engine: TrainingEngine) -> dict:
     weights, optim = get_state_dict(engine.model, engine.optimizers, options=StateDictOptions(full_state_dict=True))
     return {"weights": weights, "optim": {f"{k}/{n}": v for k, st in optim["state"].items() for n, v in st.items()
                                           if isinstance(v, torch.Tensor)}}
+
+
+def _skewed(family: str, dims: ParallelDims, me: int) -> dict:
+    """One backward where rank 0 sends every token to experts 0..k-1 (replayed routes: the other places get no row)
+    while the other ranks run the engine's dummy passes (two filler tokens): the gradients, gathered whole."""
+    engine = _engine(family, dims)
+    prompts, responses = _batch(0)
+    if me == 0:
+        with torch.no_grad(), routing.recording() as tape:
+            engine.response_logprobs(prompts, responses, 1.0)
+        k = engine.model.config.num_experts_per_tok
+        routes = torch.arange(k).expand(routing.stacked(tape).shape).contiguous()
+        with routing.replaying(routes):
+            lp, _ = engine.response_logprobs(prompts, responses, 1.0)
+        (-lp.sum() / sum(len(r) for r in responses)).backward()
+    else:
+        engine.dummy_forward()
+        engine.dummy_backward()
+    return _full(engine.model, {n: local_tensor(p.grad) for n, p in engine.model.named_parameters()
+                                if p.grad is not None})
 
 
 def _resume_across_layouts(family: str, world: int, ep: int, me: int, out_dir: str) -> dict:
@@ -313,6 +335,20 @@ def test_a_checkpoint_resumes_on_either_layout(runs):
             for kind in ("weights", "optim"):
                 for n, v in saved[kind].items():
                     assert torch.equal(got[kind][n], v), (layout, kind, n)
+
+
+def test_ranks_whose_experts_get_no_tokens_still_meet_their_peers(runs):
+    """All of rank 0's tokens go to experts 0..k-1 and the other ranks pass two filler tokens: most experts get no row
+    anywhere, yet every rank runs every collective (no hang) and the gradients equal FSDP2's."""
+    world, eps, ranks = runs
+    for res in ranks:
+        for family, by_ep in res["skewed"].items():
+            ref = by_ep[1]
+            assert any(".experts." in n and g.abs().sum() > 0 for n, g in ref.items())
+            for ep in eps:
+                assert set(by_ep[ep]) == set(ref), (family, ep)
+                for n, g in ref.items():
+                    (_close if world > 2 else _equal)(by_ep[ep][n], g, f"{family} ep={ep} grad {n}")
 
 
 def test_bad_expert_parallel_sizes_are_refused_in_one_line():

@@ -110,6 +110,22 @@ def _exchange(x: torch.Tensor, send: list[int], recv: list[int], shard: ExpertSh
     return out
 
 
+class _Tie(torch.autograd.Function):
+    """``out`` unchanged, with ``anchors`` made part of its graph (their gradient: zero). A rank whose experts got no
+    rows, or whose tokens all went elsewhere, still runs the backward of every collective its peers run: the
+    all-to-alls and the experts' reduce-scatter would otherwise wait for it forever (a dummy pass's two filler tokens
+    reach a few experts only)."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, *anchors: torch.Tensor) -> torch.Tensor:
+        ctx.anchors = [(a.shape, a.dtype, a.device) for a in anchors]
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return (grad, *(torch.zeros(s, dtype=d, device=v) for s, d, v in ctx.anchors))
+
+
 def all_to_all(x: torch.Tensor, send: list[int], recv: list[int], shard: ExpertShard) -> torch.Tensor:
     """Differentiable all-to-all of ``x``'s rows: ``send[r]`` rows to rank r, ``recv[r]`` from it."""
     return _AllToAll.apply(x, send, recv, shard)
@@ -154,13 +170,14 @@ def routed_forward(experts, x: torch.Tensor, weights: torch.Tensor, index: torch
     act = getattr(experts, "act_fn", F.silu)
     mats = {n: gather_experts(local_tensor(getattr(experts, n)), shard) for n in
             (("gate_up_proj",) if fused else ("gate_proj", "up_proj")) + ("down_proj",)}
+    each = {n: t.unbind(0) for n, t in mats.items()}  # one backward node per projection, not one per expert
     dtype = shard.dtype or x.dtype
     offset = [0, *torch.tensor([n for row in got for n in row]).cumsum(0).tolist()]
     outs: list = [None] * (shard.size * per)
     for e in range(per):
         if not any(got[s][e] for s in range(shard.size)):
             continue
-        m = {n: t[e].to(dtype) for n, t in mats.items()}
+        m = {n: t[e].to(dtype) for n, t in each.items()}
         for s in range(shard.size):
             if got[s][e]:
                 h = rows[offset[s * per + e]:offset[s * per + e + 1]].to(dtype)
@@ -170,7 +187,7 @@ def routed_forward(experts, x: torch.Tensor, weights: torch.Tensor, index: torch
                     gate, up = F.linear(h, m["gate_proj"]), F.linear(h, m["up_proj"])
                 outs[s * per + e] = F.linear(act(gate) * up, m["down_proj"])
     done = [o for o in outs if o is not None]
-    y = torch.cat(done) if done else rows.new_zeros((0, x.shape[1]), dtype=dtype)
+    y = torch.cat(done) if done else rows[:0].to(dtype)  # empty, but in the graph (see _Tie)
     # 3. combine: every row back to its token's rank, in the order it was sent
     y = all_to_all(y, recv, send, shard)
     # 4. weigh and add, expert by expert, as the unsharded forward does
@@ -180,4 +197,6 @@ def routed_forward(experts, x: torch.Tensor, weights: torch.Tensor, index: torch
         if n:
             out.index_add_(0, token[start:start + n], (y[start:start + n] * w[start:start + n, None]).to(out.dtype))
             start += n
-    return out
+    if not torch.is_grad_enabled():
+        return out
+    return _Tie.apply(out, y, *(t.reshape(-1)[:1] for t in mats.values()))
