@@ -69,7 +69,7 @@ def shard_experts(model: nn.Module, mesh, dtype: torch.dtype | None = None) -> s
                                    stride=p.stride())
             setattr(block, name, nn.Parameter(d, requires_grad=p.requires_grad))
             params.add(getattr(block, name))
-        block.shard = ExpertShard(ep_mesh.get_group(), ep, me, per, dtype,
+        block.shard = ExpertShard(group=ep_mesh.get_group(), size=ep, rank=me, per_rank=per, dtype=dtype,
                                   replicas=replica_mesh.get_group() if n > 1 else None)
         if _transformers_experts(block):  # its forward(hidden_states, top_k_index, top_k_weights), routed instead
             block.forward = functools.partial(_transformers_forward, block)

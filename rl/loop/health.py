@@ -35,15 +35,17 @@ from typing import Any
 
 
 class HealthMonitor:
+    #: an MoE's router thresholds (``warn_router_collapse``, ``warn_route_mismatch``): the busiest expert's load over
+    #: its first, and the share of token-layer routes that may differ from the rollout's
+    router_ratio, mismatch_limit = 2.0, 0.1
+
     def __init__(self, entropy_ratio: float = 0.25, reward_ratio: float = 0.5, window: int = 5,
                  min_reward: float = 0.05, blowup_ratio: float = 3.0, blowup_nats: float = 0.5,
-                 spike_ratio: float = 5.0, logit_ratio: float = 2.0, router_ratio: float = 2.0,
-                 mismatch_limit: float = 0.1) -> None:
+                 spike_ratio: float = 5.0, logit_ratio: float = 2.0) -> None:
         self.entropy_ratio, self.reward_ratio, self.window, self.min_reward = (entropy_ratio, reward_ratio, window,
                                                                                min_reward)
         self.blowup_ratio, self.blowup_nats, self.spike_ratio, self.logit_ratio = (blowup_ratio, blowup_nats,
                                                                                    spike_ratio, logit_ratio)
-        self.router_ratio, self.mismatch_limit = router_ratio, mismatch_limit
         self.first_entropy: float | None = None
         self.first_logit: float | None = None
         self.first_router: dict[str, float] = {}  # router_max_load and router_entropy at their first measurement

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from engines.model.sharded import chunk_rows, local_tensor
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ExpertShard:
     """Where an ``Experts`` block's experts live: ``size`` ranks of ``group``, this one ``rank`` of them, computing
     ``per_rank`` consecutive experts; ``dtype`` is the compute dtype its matrices are cast to (None: their own).
