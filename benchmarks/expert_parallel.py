@@ -17,7 +17,6 @@ One table is printed; ``--json`` adds one JSON record per size (one a line, last
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import socket
 import statistics
@@ -25,6 +24,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from benchmarks.harness.records import emit
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "expert-parallel-cpu-2core.jsonl"
@@ -192,13 +193,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     eps = [int(e) for e in args.eps.split(",")]
     records = run(args.ranks, eps, args.steps, args.threads)
     print(table(records))
-    if args.json:
-        for r in records:
-            print(json.dumps(r))
-    if args.record:
-        with RESULTS.open("a") as f:
-            for r in records:
-                f.write(json.dumps(r) + "\n")
+    emit(records, args.json, RESULTS if args.record else None)
     return records
 
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import math
 import os
 import time
@@ -28,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.harness.records import emit
 from engines.inference.native import InferenceEngine
 from engines.inference.sampling import SamplingParams
 from engines.model.native import routing
@@ -189,13 +189,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     print("|log π_trainer(fp32) − log π_rollout(bf16)| per generated token; routes differ: token-layer pairs whose "
           "experts differ (trainer's own routing vs the rollout's; under replay: its own choice it did not take)")
     print(table(records))
-    if args.json:
-        for r in records:
-            print(json.dumps(r))
-    if args.record:
-        with RESULTS.open("a") as f:
-            for r in records:
-                f.write(json.dumps(r) + "\n")
+    emit(records, args.json, RESULTS if args.record else None)
     return records
 
 
