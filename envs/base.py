@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import gymnasium
 
+from envs.images import ImageRef
+
 if TYPE_CHECKING:
     from engines.model.text.chat_format import ToolFormat
 
@@ -50,6 +52,9 @@ class Task:
     #: the prompt as chat messages (OpenAI format); when set, the model sees them rendered with its chat
     #: template (``TextTokenizer.prompt_ids``) and ``prompt`` is the last user message, for graders and logs
     messages: list[dict[str, Any]] | None = None
+    #: the images of the prompt, one per ``{"type": "image"}`` content part of ``messages``, in order
+    #: (``envs.images``: paths or bytes, decoded only where the prompt is rendered)
+    images: tuple[ImageRef, ...] = ()
 
 
 class Env(gymnasium.Env):
