@@ -24,7 +24,7 @@ BUILTINS = {"arithmetic": "envs.arithmetic:ArithmeticEnv", "math": "envs.math:Ma
             "puzzles": "envs.puzzles:ReasoningGymEnv", "code": "envs.code:CodeEnv", "swe": "envs.swe:SWEEnv",
             "rubric": "envs.rubric:RubricEnv", "function": "envs.reward_function:FunctionEnv",
             "group_function": "envs.reward_function:GroupFunctionEnv", "endpoint": "envs.reward_endpoint:EndpointEnv",
-            "judge": "envs.reward_judge:JudgeEnv"}
+            "judge": "envs.reward_judge:JudgeEnv", "shapes": "envs.visual:ShapesEnv"}
 BUILTIN_MODULES = tuple(dict.fromkeys(v.split(":")[0] for v in BUILTINS.values()))
 _REGISTRY: dict[str, type[Env]] = {}
 _FAILED: dict[str, str] = {}  # plug-ins that did not import: name -> why

@@ -51,7 +51,7 @@ SWE_TASK = Task("swe-tiny", "f() returns 1 but should return 2.", "", {
 def make_builtin(name: str) -> Env:
     """The built-in environment ``name`` as check_env gets it: from gymnasium.make where it generates its tasks,
     else with tasks (and a local sandbox service, a rule-based critic) given."""
-    if name in ("arithmetic", "math", "puzzles"):
+    if name in ("arithmetic", "math", "puzzles", "shapes"):
         return gymnasium.make(f"rl/{name}").unwrapped
     if name == "code":
         return CodeEnv(CodeEnv.humaneval_tasks(3), wall_s=5.0)
@@ -65,10 +65,11 @@ def make_builtin(name: str) -> Env:
 
 
 def test_every_builtin_has_a_check():
-    assert set(BUILTINS) == {"arithmetic", "math", "puzzles", "code", "swe", "rubric"} | set(CHECKED_ELSEWHERE)
+    assert set(BUILTINS) == {"arithmetic", "math", "puzzles", "code", "swe", "rubric", "shapes"} | set(
+        CHECKED_ELSEWHERE)
 
 
-@pytest.mark.parametrize("name", ["arithmetic", "math", "puzzles", "code", "swe", "rubric"])
+@pytest.mark.parametrize("name", ["arithmetic", "math", "puzzles", "code", "swe", "rubric", "shapes"])
 def test_check_env_passes(name):
     env = make_builtin(name)
     try:
@@ -77,7 +78,7 @@ def test_check_env_passes(name):
         env.close()
 
 
-@pytest.mark.parametrize("name", ["arithmetic", "math", "puzzles"])
+@pytest.mark.parametrize("name", ["arithmetic", "math", "puzzles", "shapes"])
 def test_generating_environments_reset_without_arguments_seeded(name):
     a, b = gymnasium.make(f"rl/{name}"), gymnasium.make(f"rl/{name}")
     first, info = a.reset(seed=0)
