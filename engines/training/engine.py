@@ -19,6 +19,7 @@ import numbers
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -37,6 +38,10 @@ from engines.training.packing import PackedBatch, flex_row_width, pack
 from engines.training.qk_clip import check_tau, clip_from_maxima, max_logit_table
 from engines.training.readback import Deferred, HostReads
 from engines.training.timing import Mark, StepTiming
+
+if TYPE_CHECKING:
+    from engines.model.hf.vision import PackedMedia
+    from engines.model.text.processor import VisionProcessor
 
 ATTENTION_BACKENDS = ("auto", "sdpa", "flex")
 
@@ -168,6 +173,8 @@ class TrainingEngine:
         # one rank under mixed precision: a forward leaves the layers gathered (distributed.shard_model)
         self._keeps_gathered = keeps_gathered(model)
         self._expert_parallel = expert_parallel.is_expert_parallel(model)
+        #: a vision-language model's processor, which expands each sample's image placeholders (set by the caller)
+        self.processor: VisionProcessor | None = None
 
     @property
     def sharded(self) -> bool:
@@ -196,14 +203,15 @@ class TrainingEngine:
         if self.offloaded:
             raise RuntimeError("the training engine is offloaded: call onload() first")
 
-    def _run(self, batch: PackedBatch, inv_temp: torch.Tensor | float) -> tuple[torch.Tensor, torch.Tensor]:
-        """(log-prob, entropy) of every target of ``batch`` (on this engine's device)."""
+    def _run(self, batch: PackedBatch, inv_temp: torch.Tensor | float,
+             media: PackedMedia | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(log-prob, entropy) of every target of ``batch`` (on this engine's device); ``media``: its images."""
         grad = torch.is_grad_enabled()
         if grad and self._forward_mark is None:
             self.mark_forward()
         # select: the targets' flat positions, so the forward needs no boolean mask (a host sync)
         out = self.model(batch.ids, batch.positions, batch.mask, select=batch.target_flat, targets=batch.targets,
-                         inv_temp=inv_temp)
+                         inv_temp=inv_temp, **({"media": media} if media is not None else {}))
         if not grad and self._keeps_gathered:  # no backward will free the gathered copies: free them now
             reshard_all(self.model)
         return out
@@ -223,11 +231,12 @@ class TrainingEngine:
         inv = torch.tensor(inverse_temperatures(temperature, len(prompts)), dtype=torch.float32)[host.target_seq]
         return self.score_packed(host, inv)
 
-    def score_packed(self, host: PackedBatch, inv_temp: torch.Tensor) -> TokenScores:
-        """``score`` of a batch ``pack`` made on the host, with 1/T per target (host): the device part, which
-        uploads without blocking and never waits for the device."""
+    def score_packed(self, host: PackedBatch, inv_temp: torch.Tensor, media: PackedMedia | None = None) -> TokenScores:
+        """``score`` of a batch ``pack`` made on the host, with 1/T per target (host) and its images (``media``,
+        a vision-language model's): the device part, which uploads without blocking and never waits for the
+        device."""
         batch = host.to(self.device)
-        lp, ent = self._run(batch, to_device(inv_temp, self.device))
+        lp, ent = self._run(batch, to_device(inv_temp, self.device), media)
         return TokenScores(batch.per_sequence(lp), batch.response_mask(), batch.per_sequence(ent), batch.tokens)
 
     def response_logprobs(self, prompts, responses,

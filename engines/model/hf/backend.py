@@ -34,7 +34,8 @@ from torch.utils.checkpoint import checkpoint
 
 from engines.model.hf.attention import IMPLEMENTATION, PACKED_KWARG, PackedAttention, recomputing, register
 from engines.model.hf.qk_clip_plan import QKClipRule, qk_clip_plan
-from engines.model.hf.spec import check_supported, decoder_layers, describe
+from engines.model.hf.spec import auto_class, check_supported, decoder_layers, describe, is_vision_language
+from engines.model.hf.vision import PackedMedia, mrope_positions, placeholders_where_images_are
 from engines.model.logprobs import selected_logprobs
 from engines.model.native.arch import UnsupportedModelError
 from engines.model.native.document_mask import DocumentMask
@@ -53,6 +54,14 @@ def _without_dropout(hf_config):
     return cfg
 
 
+def attention_choice(hf_config) -> str | dict[str, str]:
+    """The ``attn_implementation`` to build ``hf_config``'s model with: the document-masked attention for the
+    language model; a vision tower keeps SDPA (its patches attend within their image, not over the packed rows)."""
+    if not is_vision_language(hf_config):
+        return IMPLEMENTATION
+    return {"": IMPLEMENTATION, "text_config": IMPLEMENTATION, "vision_config": "sdpa"}
+
+
 class HFCausalLM(nn.Module):
     """A transformers causal LM behind the native forward contract (see the module docstring)."""
 
@@ -61,8 +70,9 @@ class HFCausalLM(nn.Module):
         whose dropout probabilities are 0 when ``build_hf_model``/``load_hf_model`` made it)."""
         super().__init__()
         register()
-        if hf_model.config._attn_implementation != IMPLEMENTATION:
-            hf_model.set_attn_implementation(IMPLEMENTATION)
+        self.vision = is_vision_language(hf_model.config)
+        if hf_model.config.get_text_config()._attn_implementation != IMPLEMENTATION:
+            hf_model.set_attn_implementation(attention_choice(hf_model.config))
         if any(True for _ in hf_model.named_parameters(recurse=False)):
             raise UnsupportedModelError(f"{type(hf_model).__name__} holds parameters outside its sub-modules")
         self.hf_config = hf_model.config
@@ -73,8 +83,9 @@ class HFCausalLM(nn.Module):
         for name, child in hf_model.named_children():
             self.add_module(name, child)
         object.__setattr__(self, "hf_model", hf_model)
-        self._base = next(n for n, c in hf_model.named_children() if c is hf_model.get_decoder()) \
-            if hasattr(hf_model, "get_decoder") else hf_model.base_model_prefix
+        # a vision-language model runs whole below its head (vision tower, merging, language model): its base
+        self._base = hf_model.base_model_prefix if self.vision or not hasattr(hf_model, "get_decoder") else \
+            next(n for n, c in hf_model.named_children() if c is hf_model.get_decoder())
         head = hf_model.get_output_embeddings()
         self._head = next(n for n, c in hf_model.named_children() if c is head)
         self._no_split_modules = hf_model._no_split_modules
@@ -144,17 +155,21 @@ class HFCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, mask: DocumentMask | None = None,
                 cache=None, select: torch.Tensor | None = None, *, targets: torch.Tensor | None = None,
-                inv_temp: torch.Tensor | float = 1.0) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                inv_temp: torch.Tensor | float = 1.0,
+                media: PackedMedia | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """As ``CausalLM.forward`` without a cache: logits [B, T, V] (or [M, V] at ``select``) for tokens [B, T]
         at positions [B, T] under ``mask`` (None: each row one document), or with ``targets`` the (log-prob,
-        entropy) [N] of each target under softmax(logits · ``inv_temp``), scored in vocabulary chunks."""
+        entropy) [N] of each target under softmax(logits · ``inv_temp``), scored in vocabulary chunks.
+        ``media``: the rows' images (``engines.model.hf.vision.pack_media``), for a vision-language model."""
         if cache is not None:
             raise ValueError("the transformers backend trains and scores; it has no decoding cache")
         if mask is None:
             mask = DocumentMask.from_padded(torch.ones_like(input_ids, dtype=torch.bool))
         elif not isinstance(mask, DocumentMask):
             raise TypeError(f"the transformers backend takes a DocumentMask, not {type(mask).__name__}")
-        hidden = self.hidden_states(input_ids, positions, mask)
+        if media is not None and not self.vision:
+            raise ValueError(f"{self.config.model_type} is a text-only model: it takes no images")
+        hidden = self.hidden_states(input_ids, positions, mask, media)
         weight = getattr(self, self._head).weight
         cap, scale = self.config.final_logit_softcapping, self.config.logit_scale
         if targets is not None:
@@ -167,16 +182,25 @@ class HFCausalLM(nn.Module):
         logits = getattr(self, self._head)(hidden) * scale
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
-    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, mask: DocumentMask) -> torch.Tensor:
+    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, mask: DocumentMask,
+                      media: PackedMedia | None = None) -> torch.Tensor:
         """The base model's last hidden states [B, T, D] (after its final norm) for packed rows."""
         if self.config.packable or not bool((mask.doc >= 0).any()):
-            return self._run(input_ids, positions, mask)
+            return self._run(input_ids, positions, mask, media)
+        if media is not None:
+            raise ValueError(f"{self.config.model_type}: images in rows that must be unpacked are not supported")
         return self._unpacked(input_ids, mask)
 
-    def _run(self, input_ids, positions, mask: DocumentMask) -> torch.Tensor:
+    def _run(self, input_ids, positions, mask: DocumentMask, media: PackedMedia | None = None) -> torch.Tensor:
         base = getattr(self, self._base)
-        out = base(input_ids=input_ids, position_ids=positions, use_cache=False,
-                   **{PACKED_KWARG: PackedAttention(mask)})
+        extra = {}
+        if self.vision:
+            rope = mrope_positions(base, input_ids, mask, media)
+            positions = positions if rope is None else rope
+            extra = dict(media.tensors) if media is not None else {}
+        with placeholders_where_images_are(base, input_ids, media):
+            out = base(input_ids=input_ids, position_ids=positions, use_cache=False,
+                       **{PACKED_KWARG: PackedAttention(mask)}, **extra)
         return out.last_hidden_state
 
     def _unpacked(self, input_ids, mask: DocumentMask) -> torch.Tensor:
@@ -215,13 +239,12 @@ def _checkpoint(run_layer, *args):
 def build_hf_model(hf_config, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
                    trust_remote_code: bool = False) -> HFCausalLM:
     """A randomly initialised (transformers' own init) model of ``hf_config`` on ``device`` in ``dtype``."""
-    from transformers import AutoModelForCausalLM
-
     check_supported(hf_config)
     register()
     with torch.device(device):
-        hf = AutoModelForCausalLM.from_config(_without_dropout(hf_config), attn_implementation=IMPLEMENTATION,
-                                              dtype=dtype, trust_remote_code=trust_remote_code)
+        hf = auto_class(hf_config).from_config(_without_dropout(hf_config),
+                                               attn_implementation=attention_choice(hf_config), dtype=dtype,
+                                               trust_remote_code=trust_remote_code)
     return HFCausalLM(hf, hf_config)
 
 
@@ -248,13 +271,12 @@ def empty_hf_model(hf_config, dtype: torch.dtype = torch.float32, trust_remote_c
     """The model of ``hf_config`` with its parameters on the meta device (no memory, any size) and its buffers
     computed on the host: ``materialize`` (or ``engines.training.distributed.shard_model``) gives the parameters
     storage for a checkpoint read to fill."""
-    from transformers import AutoModelForCausalLM
-
     check_supported(hf_config)
     register()
     with _parameters_on_meta():
-        hf = AutoModelForCausalLM.from_config(_without_dropout(hf_config), attn_implementation=IMPLEMENTATION,
-                                              dtype=dtype, trust_remote_code=trust_remote_code)
+        hf = auto_class(hf_config).from_config(_without_dropout(hf_config),
+                                               attn_implementation=attention_choice(hf_config), dtype=dtype,
+                                               trust_remote_code=trust_remote_code)
     return HFCausalLM(hf, hf_config)
 
 
@@ -315,13 +337,13 @@ def load_hf_model(path: str | Path, device: torch.device | str = "cpu", dtype: t
                   trust_remote_code: bool = False) -> HFCausalLM:
     """The model saved in the Hugging Face directory ``path``, on ``device`` in ``dtype``; a model that needs
     remote code is refused (one line) unless ``trust_remote_code``."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     check_loadable(path, trust_remote_code)
     cfg = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     check_supported(cfg)
     register()
-    hf = AutoModelForCausalLM.from_pretrained(path, config=_without_dropout(cfg), attn_implementation=IMPLEMENTATION,
-                                              dtype=dtype, device_map=None, trust_remote_code=trust_remote_code)
+    hf = auto_class(cfg).from_pretrained(path, config=_without_dropout(cfg), attn_implementation=attention_choice(cfg),
+                                         dtype=dtype, device_map=None, trust_remote_code=trust_remote_code)
     return HFCausalLM(hf.to(device), cfg)
 

@@ -82,16 +82,30 @@ class ModelDescription:
         return self.qk_nope_head_dim + self.qk_rope_head_dim if self.is_mla else self.head_dim
 
 
-def causal_lm_class(hf_config) -> type:
-    """transformers' causal-LM class for ``hf_config``, or UnsupportedModelError naming the model type."""
-    from transformers import AutoModelForCausalLM
+def is_vision_language(hf_config) -> bool:
+    """Whether ``hf_config`` describes a vision-language model (a vision tower beside the language model)."""
+    return getattr(hf_config, "vision_config", None) is not None
 
+
+def auto_class(hf_config) -> type:
+    """transformers' auto class that builds ``hf_config``'s model: ``AutoModelForImageTextToText`` for a
+    vision-language model, ``AutoModelForCausalLM`` otherwise."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText if is_vision_language(hf_config) else AutoModelForCausalLM
+
+
+def causal_lm_class(hf_config) -> type:
+    """transformers' causal-LM (or image-text-to-text) class for ``hf_config``, or UnsupportedModelError naming
+    the model type."""
+    auto = auto_class(hf_config)
     try:
-        return AutoModelForCausalLM._model_mapping[type(hf_config)]
+        return auto._model_mapping[type(hf_config)]
     except KeyError:
-        raise UnsupportedModelError(f"model_type {hf_config.model_type!r} has no causal language model class in "
-                                    f"transformers; the transformers backend runs AutoModelForCausalLM "
-                                    f"models") from None
+        kind = "image-text-to-text" if is_vision_language(hf_config) else "causal language model"
+        raise UnsupportedModelError(f"model_type {hf_config.model_type!r} has no {kind} class in transformers; the "
+                                    "transformers backend runs AutoModelForCausalLM and AutoModelForImageTextToText "
+                                    "models") from None
 
 
 def check_supported(hf_config) -> None:
@@ -139,6 +153,9 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
         names = model.hf_model._no_split_modules
     if not names:
         return list(model.model.layers)
+    hf = getattr(model, "hf_model", model)
+    if is_vision_language(getattr(hf, "config", None)):
+        model = hf.get_decoder()  # the language model's layers, not the vision tower's blocks
     names = set(names)
     found: list[nn.Module] = []
     inside: set[int] = set()  # modules within a layer already found: a listed sub-block is not a layer
@@ -168,11 +185,9 @@ def stateful_mixers(layers: list[nn.Module]) -> list[tuple[int, str]]:
 
 def meta_model(hf_config, trust_remote_code: bool = False) -> nn.Module:
     """The causal LM of ``hf_config`` with every tensor on the meta device (shapes only)."""
-    from transformers import AutoModelForCausalLM
-
     check_supported(hf_config)
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(hf_config, trust_remote_code=trust_remote_code)
+        return auto_class(hf_config).from_config(hf_config, trust_remote_code=trust_remote_code)
 
 
 def _experts_params(layer: nn.Module) -> int:

@@ -23,6 +23,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 if TYPE_CHECKING:
     from engines.model.text.family_tokens import TokenStyle
+    from engines.model.text.processor import VisionProcessor
 
 EOS = "<|endoftext|>"
 PAD = "<|pad|>"
@@ -61,6 +62,8 @@ class TextTokenizer:
         self._hidden = set(self.eos_ids) | {self.pad_id}
         #: render plain prompts as one user message through the chat template (``model.chat_template``)
         self.chat_prompts = False
+        #: a vision-language model's own processor (``engines.model.text.processor``): renders prompts with images
+        self.processor: VisionProcessor | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -96,9 +99,25 @@ class TextTokenizer:
         them (or, with ``chat_prompts``, its prompt as one user message), else its ``prompt`` text. The one
         place every phase turns a task into tokens."""
         messages = getattr(task, "messages", None)
+        if getattr(task, "images", ()):
+            from engines.model.text.processor import VisionPromptError
+
+            if self.processor is None:
+                raise VisionPromptError(f"task {task.id} has images, but {self.source} is a text-only model's "
+                                        "tokenizer (no image processor beside it)")
+            ids = self.processor.render(messages)
+            self.processor.check(ids, task.images, f"task {task.id}")
+            return ids
         if not messages and self.chat_prompts:
             messages = [{"role": "user", "content": task.prompt}]
         return self.apply_chat_template(messages) if messages else self.encode(task.prompt)
+
+    def prompt_length(self, task: Any) -> int:
+        """The number of tokens the model reads for a task's prompt: ``prompt_ids``, with each image's
+        placeholder counted as the tokens it expands into."""
+        ids = self.prompt_ids(task)
+        images = getattr(task, "images", ())
+        return self.processor.expanded_length(ids, images, f"task {task.id}") if images else len(ids)
 
     def save(self, directory: str | Path) -> None:
         """``tokenizer.json`` + ``tokenizer_config.json`` (+ template), loadable by ``AutoTokenizer``."""
@@ -121,6 +140,10 @@ class TextTokenizer:
         pad = gen.get("pad_token_id", cfg.get("pad_token_id"))
         tok = cls(hf, extra, pad if isinstance(pad, int) else None, source=str(directory))
         tok.chat_prompts = chat_prompts
+        from engines.model.text.processor import VisionProcessor, is_vision_dir
+
+        if is_vision_dir(d):
+            tok.processor = VisionProcessor.load(d)
         return tok
 
 
