@@ -35,7 +35,7 @@ def test_each_engine_class_points_at_its_kinds_entry_and_every_engine_choice_has
     # rollout.engine's choices, read from the config schema: every one but auto has a declaration
     choices = set(typing.get_args(RolloutConfig.model_fields["engine"].annotation)) - {"auto"}
     assert set(CAPABILITIES) == choices and all(c.kind == k for k, c in CAPABILITIES.items())
-    assert not any(c.multimodal_inputs for c in CAPABILITIES.values())
+    assert kinds_with("multimodal_inputs") == ["vllm"]  # the native engine runs text-only models
     assert kinds_with("routing_capture") == ["native", "vllm"]  # vLLM: its own capture, where its build runs it
     with pytest.raises(dataclasses.FrozenInstanceError):
         NATIVE.fp8 = False  # type: ignore[misc]

@@ -37,7 +37,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import replace
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 
@@ -70,9 +70,11 @@ class RolloutEngine(ABC):
 
     @abstractmethod
     def add_request(self, prompt_ids: Sequence[int], params: SamplingParams, *, prior: Sequence[int] = (),
-                    prior_logprobs: Sequence[float] = (), request_id: int | None = None) -> int:
-        """Queue a request (``prior``: tokens already generated for it); raises InvalidRequestError and
-        queues nothing when it cannot be served."""
+                    prior_logprobs: Sequence[float] = (), request_id: int | None = None,
+                    images: Sequence[Any] = ()) -> int:
+        """Queue a request (``prior``: tokens already generated for it; ``images``: one per image placeholder of
+        the prompt, on engines with ``capabilities.multimodal_inputs``); raises InvalidRequestError and queues
+        nothing when it cannot be served."""
 
     @abstractmethod
     def has_unfinished(self) -> bool:
@@ -110,15 +112,15 @@ class RolloutEngine(ABC):
             if c.finish_reason is not None or c.params is None:
                 raise InvalidRequestError(f"request {c.request_id} is not a paused request")
             ids.append(self.add_request(c.prompt_ids, c.params, prior=c.token_ids, prior_logprobs=c.logprobs,
-                                        request_id=c.request_id))
+                                        request_id=c.request_id, **({"images": c.images} if c.images else {})))
         return ids
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams],
-                 seed: int | None = None, on_finish: Callable[[Completion], None] | None = None
-                 ) -> list[Completion]:
+                 seed: int | None = None, on_finish: Callable[[Completion], None] | None = None,
+                 images: Sequence[Sequence[Any]] | None = None) -> list[Completion]:
         """Run prompts to completion, results in the prompts' order. A request that cannot be served gets
         finish_reason "error" and its reason, and the others still run. ``seed`` seeds the requests without
-        their own seed by their index in this call (reproducible batches)."""
+        their own seed by their index in this call (reproducible batches); ``images``: each prompt's images."""
         plist = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(plist) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(plist)} sampling params")
@@ -127,9 +129,10 @@ class RolloutEngine(ABC):
                      for i, p in enumerate(plist)]
         out: dict[int, Completion] = {}
         order = []
-        for prompt, p in zip(prompts, plist, strict=True):
+        for n, (prompt, p) in enumerate(zip(prompts, plist, strict=True)):
             try:
-                order.append(self.add_request(prompt, p))
+                pictures = images[n] if images is not None else ()
+                order.append(self.add_request(prompt, p, **({"images": pictures} if pictures else {})))
             except InvalidRequestError as e:
                 rid = next(self._ids)
                 order.append(rid)

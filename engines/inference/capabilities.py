@@ -30,8 +30,8 @@ class EngineCapabilities:
     (whether an update reaches a family's experts in place is measured by each replica as it starts,
     ``engines.inference.replica_check``, not declared); ``prompt_logprobs``: scores a prompt's tokens; ``cuda_graphs``:
     captures decode steps on a GPU; ``ipc_views``: loads updates from views of the checkpoint engine's IPC buffers;
-    ``routing_capture``: MoE expert choices reported with the tokens (``record_routes``); ``multimodal_inputs`` no
-    engine has yet;
+    ``routing_capture``: MoE expert choices reported with the tokens (``record_routes``); ``multimodal_inputs``: prompts
+    with images (``add_request(images=)``, a vision-language model's template ids);
     ``step_top_logprobs``: serves ``SamplingParams.top_logprobs``, the model's own alternatives (temperature 1, no
     filters) from the decode step that sampled each token (vLLM's step alternatives would be at the request's
     temperature and filters: a server scores its tokens instead).
@@ -65,7 +65,7 @@ NATIVE = EngineCapabilities(kind="native", tensor_parallel=False, fp8=True, lora
 # rank of its replica, so LoRA runs on vLLM stay on one device
 VLLM = EngineCapabilities(kind="vllm", tensor_parallel=True, fp8=False, lora_updates=("merged",),
                           lora_tensor_parallel=False, sleep_levels=(1, 2), cpu_moe_unsupported=CPU_MOE_UNSUPPORTED,
-                          prompt_logprobs=True, cuda_graphs=True, ipc_views=True,
+                          prompt_logprobs=True, cuda_graphs=True, ipc_views=True, multimodal_inputs=True,
                           routing_capture=True)  # its own capture, where the build has it (vllm_routes)
 
 #: every engine kind's declaration (``rollout.engine``'s values but "auto")

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -168,11 +169,16 @@ class InferenceEngine(RolloutEngine):
         return [x for p in self.sched.prefilling for x in (p, *p.followers)] + list(self.sched.waiting)
 
     def add_request(self, prompt_ids: Sequence[int], params: SamplingParams, *, prior: Sequence[int] = (),
-                    prior_logprobs: Sequence[float] = (), request_id: int | None = None) -> int:
+                    prior_logprobs: Sequence[float] = (), request_id: int | None = None,
+                    images: Sequence[Any] = ()) -> int:
         """Queue a request; raises InvalidRequestError (and queues nothing) if it cannot be served.
 
-        ``prior``/``prior_logprobs`` are tokens already generated for it (a resumed request).
+        ``prior``/``prior_logprobs`` are tokens already generated for it (a resumed request). ``images`` are
+        refused: the native engine runs text-only models.
         """
+        if images:
+            raise InvalidRequestError("the native engine runs text-only models and takes no images; set "
+                                      "rollout.engine: vllm for a vision-language model")
         cfg = self.model.config
         prompt = check_request(prompt_ids, params, prior, prior_logprobs, vocab=cfg.vocab_size,
                                context=cfg.max_position_embeddings, max_seq_len=self.max_seq_len,

@@ -32,6 +32,8 @@ class Completion:
     #: with routes recorded (an MoE model's engine asked for them), the experts each fed token took: an int
     #: [tokens, MoE layers, k] array over the prompt and the generated tokens the model read (all but the last)
     routed_experts: Any = None
+    #: the images the request's prompt carried (a paused request resumes with them)
+    images: Sequence[Any] = ()
 
 
 @dataclass(frozen=True)

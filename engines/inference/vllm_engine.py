@@ -59,6 +59,7 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -105,12 +106,13 @@ class _Live:
     params: SamplingParams
     prior: list[int]
     prior_logprobs: list[float]
+    images: list = field(default_factory=list)  # decoded, kept for a paused request's resumption
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
 
     def completion(self, reason: str | None, stop_reason: int | str | None = None) -> Completion:
         return Completion(self.prior + self.tokens, self.prior_logprobs + self.logprobs, reason, list(self.prompt),
-                          stop_reason=stop_reason, request_id=self.rid, params=self.params)
+                          stop_reason=stop_reason, request_id=self.rid, params=self.params, images=self.images)
 
 
 class VllmEngine(VllmWeights):
@@ -227,9 +229,11 @@ class VllmEngine(VllmWeights):
     # --- requests -------------------------------------------------------------------------
 
     def add_request(self, prompt_ids: Sequence[int], params: SamplingParams, *, prior: Sequence[int] = (),
-                    prior_logprobs: Sequence[float] = (), request_id: int | None = None) -> int:
-        """Queue a request (``prior``: tokens already generated for it); raises InvalidRequestError and
-        queues nothing when it cannot be served."""
+                    prior_logprobs: Sequence[float] = (), request_id: int | None = None,
+                    images: Sequence[Any] = ()) -> int:
+        """Queue a request (``prior``: tokens already generated for it; ``images``: one per placeholder of the
+        prompt's template ids, which vLLM expands itself, as ``envs.images.ImageRef`` or PIL images); raises
+        InvalidRequestError and queues nothing when it cannot be served."""
         prompt = check_request(prompt_ids, params, prior, prior_logprobs, vocab=self.vocab_size, context=self.context,
                                max_seq_len=self.max_seq_len, detokenizes=self._detokenizes,
                                step_top_logprobs=self.capabilities.step_top_logprobs)
@@ -253,10 +257,16 @@ class VllmEngine(VllmWeights):
             detokenize=bool(params.stop),
             # each step's new tokens only: a cumulative output would be re-read whole at every step
             output_kind=self._vllm.sampling_params.RequestOutputKind.DELTA, structured_outputs=structured)
-        self.engine.add_request(str(rid), {"prompt_token_ids": prompt + [int(t) for t in prior]}, sp,
-                                lora_request=self._lora)
+        request = {"prompt_token_ids": prompt + [int(t) for t in prior]}
+        pil = [im.load() if hasattr(im, "raw") else im for im in images]  # an ImageRef decodes here, on the worker
+        if pil:
+            request["multi_modal_data"] = {"image": pil}
+        try:
+            self.engine.add_request(str(rid), request, sp, lora_request=self._lora)
+        except ValueError as e:  # vLLM's checks of the prompt's images (count, size, a text-only model)
+            raise InvalidRequestError(f"request {rid}: {str(e).splitlines()[0]}") from None
         self._live[str(rid)] = _Live(rid=rid, prompt=prompt, params=params, prior=[int(t) for t in prior],
-                                     prior_logprobs=[float(x) for x in prior_logprobs])
+                                     prior_logprobs=[float(x) for x in prior_logprobs], images=pil)
         return rid
 
     def has_unfinished(self) -> bool:

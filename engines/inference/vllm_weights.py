@@ -240,9 +240,12 @@ class VllmWeights(RolloutEngine):
                                        f"{self._stream} is streaming in")
 
     def weights_loaded(self) -> None:
-        """Drop what was computed with the old weights (vLLM's prefix cache)."""
+        """Drop what was computed with the old weights: vLLM's prefix cache, and the vision encoder's outputs a
+        vision-language model keeps per image (a later prompt with the same image would reuse them)."""
         self._weights_valid = True
         self.engine.reset_prefix_cache()
+        if self.engine.model_config.is_multimodal_model:
+            self.engine.reset_encoder_cache()
 
     def served_weights(self) -> dict[str, torch.Tensor]:
         """The served weights under checkpoint names: the last update's, or the checkpoint vLLM started from."""
