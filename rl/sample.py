@@ -32,6 +32,7 @@ from typing import Any, Literal
 import numpy as np
 
 from engines.inference.sampling import SamplingParams
+from envs.images import ImageRef
 from rl.algo.schedules import Schedule
 
 Status = Literal["running", "paused", "finished", "truncated", "error"]
@@ -121,6 +122,7 @@ class TurnRequest:
     logprobs: np.ndarray
     keep: bool = False
     routes_from: int = 0  # the sample holds the routes of its first ``routes_from`` context tokens already
+    images: tuple[ImageRef, ...] = ()  # the prompt's images (references: the worker decodes them)
 
 
 @dataclass
@@ -173,9 +175,10 @@ class Sample:
     #: them in training (slime's ``rollout_routed_experts``). A resumed turn keeps the routes its earlier tokens were
     #: sampled with: each version segment's own.
     routed_experts: np.ndarray | None = None
-    #: the prompt's images etc. as the multimodal processor's outputs (name -> array: pixel values, grid sizes),
-    #: as slime's ``multimodal_inputs``; filled by nothing yet
-    multimodal_inputs: dict[str, Any] | None = None
+    #: the prompt's images, one per image placeholder of ``prompt_ids`` (its task's, ``envs.images.ImageRef``):
+    #: references the rollout worker and the trainer decode where they need the pixels; ``prompt_ids`` stay the
+    #: chat template's ids, which the trainer expands with the model's processor (``engines.model.text.processor``)
+    images: tuple[ImageRef, ...] = ()
 
     def __post_init__(self) -> None:
         self._room: dict[str, tuple[np.ndarray, int]] = {}  # field -> (its buffer, the length it uses)
@@ -235,7 +238,7 @@ class Sample:
         tokens = self.response_ids[known - p:] if known >= p else \
             np.concatenate((self.prompt_ids[known:], self.response_ids))
         return TurnRequest(self.key, self.params, known, tokens, p + cut, self.logprobs[cut:], self.multi_turn,
-                           0 if self.routed_experts is None else len(self.routed_experts))
+                           0 if self.routed_experts is None else len(self.routed_experts), self.images)
 
     def take(self, r: TurnResult) -> None:
         """Append the engine's result ``r`` for the current turn in place: the new tokens become a segment of

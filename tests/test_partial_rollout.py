@@ -13,6 +13,7 @@ from engines.inference.native import InferenceEngine
 from engines.inference.requests import Completion
 from engines.inference.sampling import SamplingParams
 from engines.training.engine import TrainingEngine
+from envs.images import ImageRef
 from rl.algo.schedules import Schedule
 from rl.rollout.partial import PartialRolloutBuffer, load_state, save_state
 from rl.rollout.turns import generate_with_budget, serve_turns
@@ -248,8 +249,7 @@ def test_binary_state_reads_back_every_field_exactly(tmp_path):
     single[1].take(TurnResult(11, [9], [-1 / 3], "stop", None, 8))
     single[1].reward = 0.1 + 0.2
     single[2].routed_experts = rng.integers(0, 64, (len(single[2].response_ids), 3, 2)).astype(np.int32)
-    single[2].multimodal_inputs = {"pixel_values": rng.random((2, 3, 4)).astype(np.float32),
-                                   "image_grid_thw": np.array([[1, 2, 2]])}
+    single[2].images = (ImageRef(path="/data/a.png"), ImageRef(data=bytes(range(256)) + b"\x00"))
     multi = Sample(20, 5, 1, kind, [1, 2, 3], p, 2, loss_mask=[], multi_turn=True)
     multi.take(TurnResult(20, [4, 5], [-0.25, -1e-300], "stop", None, 1))
     multi.observe([6, 7, 8])
@@ -271,7 +271,8 @@ def test_binary_state_reads_back_every_field_exactly(tmp_path):
         assert a.policy_logprob() == b.policy_logprob() and a.reward == b.reward
     assert got[0].loss_mask is None and got[3].loss_mask.tolist() == [1, 1, 0, 0, 0]
     assert got[3].status == "error" and got[3].turn_start == 5 and got[3].turns == 1 and got[3].params.max_tokens == 4
-    assert got[2].routed_experts.dtype == np.int32 and got[2].multimodal_inputs["pixel_values"].dtype == np.float32
+    assert got[2].routed_experts.dtype == np.int32 and got[0].images == ()
+    assert [(im.path, im.data) for im in got[2].images] == [("/data/a.png", None), (None, bytes(range(256)) + b"\x00")]
     assert got[1].task_type == kind and got[1].params == p and back.stats() == buf.stats()
 
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from engines.device import to_device as upload
+from engines.model.hf.vision import DocumentMedia, PackedMedia, pack_media
 from engines.model.native import routing
 from engines.model.native.causal_lm import CausalLM
 from engines.training.distributed import all_reduce_tensor
@@ -49,6 +50,7 @@ class Micro:
     weight: torch.Tensor      # [B] loss weight, times any mismatch correction
     ref: torch.Tensor | None = None  # the reference policy's log-probs (a KL penalty)
     routes: torch.Tensor | None = None  # MoE routing replay: the rollout's experts per packed token
+    media: PackedMedia | None = None  # a vision-language model: the samples' images as its forward takes them
 
     def score(self, engine: TrainingEngine, router: routing.RouterTally | None = None) -> TokenScores:
         """The trainer's log-probs and entropies of this micro-batch (differentiable unless under no_grad); with
@@ -57,7 +59,7 @@ class Micro:
         tape = routing.replaying(self.routes) if self.routes is not None else \
             routing.recording() if router is not None else nullcontext()
         with tape as routes:
-            scores = engine.score_packed(self.packed, self.inv_temp)
+            scores = engine.score_packed(self.packed, self.inv_temp, self.media)
         if router is not None:
             # the tokens the rollout read: real ones, each sequence's last one aside (never read, its replayed route
             # a stand-in); a sequence lies in one row, so the next flat position is the next token or another's
@@ -82,8 +84,8 @@ def to_device(engine: TrainingEngine, batch: RankBatch) -> list[list[Micro]]:
         step = []
         for part in parts:
             chosen = [batch.samples[i] for i in part]
-            host = pack([s.prompt_ids for s in chosen], [s.response_ids for s in chosen], engine.pad_id,
-                         engine.attention)
+            prompts, media = expand_images(engine, chosen)
+            host = pack(prompts, [s.response_ids for s in chosen], engine.pad_id, engine.attention)
             inv = torch.tensor(inverse_temperatures([s.temperature for s in chosen], len(chosen)),
                                dtype=torch.float32)[host.target_seq]
             width = max(len(s.response_ids) for s in chosen)
@@ -96,9 +98,30 @@ def to_device(engine: TrainingEngine, batch: RankBatch) -> list[list[Micro]]:
                 old_seq=upload(torch.tensor([s.policy_logprob() for s in chosen], dtype=torch.float32), dev),
                 advantage=upload(torch.tensor([batch.advantages[i] for i in part], dtype=torch.float32), dev),
                 weight=upload(torch.tensor([batch.weights[i] for i in part], dtype=torch.float32), dev),
-                routes=_routes(engine, host, chosen)))
+                routes=_routes(engine, host, chosen),
+                media=None if media is None else pack_media(host.mask, media).to(dev)))
         out.append(step)
     return out
+
+
+def expand_images(engine: TrainingEngine, chosen: Sequence) -> tuple[list, list[DocumentMedia | None] | None]:
+    """The prompts the model reads and their images: each sample's template ids with its image placeholders
+    expanded by the model's processor (``engine.processor``), and its images' tensors; text-only samples as they
+    are (media None when no sample has images)."""
+    if not any(s.images for s in chosen):
+        return [s.prompt_ids for s in chosen], None
+    if engine.processor is None:
+        raise ValueError("samples carry images, but the policy is a text-only model")
+    prompts, media = [], []
+    for s in chosen:
+        if not s.images:
+            prompts.append(s.prompt_ids)
+            media.append(None)
+            continue
+        e = engine.processor.expand(s.prompt_ids.tolist(), s.images, f"sample {s.key}")
+        prompts.append(e.ids)
+        media.append(DocumentMedia(e.media, e.mm_token_type_ids))
+    return prompts, media
 
 
 def _moe_shape(engine: TrainingEngine) -> tuple[int, int] | None:

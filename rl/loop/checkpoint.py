@@ -39,9 +39,12 @@ LAYOUT = 2  # state.json's "layout" from the first sealed checkpoints on (older 
 CRASH_ENV = "RL_CRASH_IN_SAVE"
 _ITER = re.compile(r"^iter_(\d+)(\.tmp)?$")
 #: what a saved model carries over from the starting directory: the tokenizer in every format transformers
-#: writes (the chat template may be its own file) and the generation config (EOS lists, sampling defaults)
+#: writes (the chat template may be its own file), the generation config (EOS lists, sampling defaults) and a
+#: vision-language model's processor (image processor settings, its own chat template)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-                   "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json", "generation_config.json")
+                   "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json", "generation_config.json",
+                   "processor_config.json", "preprocessor_config.json", "video_preprocessor_config.json",
+                   "chat_template.json")
 
 
 @dataclass

@@ -56,16 +56,19 @@ class RolloutManager:
     # --- generation ---------------------------------------------------------------------------------
 
     def generate(self, prompts: list[list[int]], params: list[SamplingParams], seed: int,
-                 on_chunk: Callable[[int], None] | None = None) -> list[Completion]:
-        """Spread requests over the replicas in chunks; results keep the prompts' order."""
+                 on_chunk: Callable[[int], None] | None = None, images: list[tuple] | None = None) -> list[Completion]:
+        """Spread requests over the replicas in chunks (``images``: each prompt's); results keep the prompts'
+        order."""
         size = self.settings.rollout.chunk
         chunks = [range(i, min(i + size, len(prompts))) for i in range(0, len(prompts), size)]
         n = len(self.actors)
+        images = images if images and any(images) else None
 
         def submit(i: int):
             c = chunks[i]
+            extra = {"images": [images[j] for j in c]} if images else {}
             return self.actors[i % n].generate.remote([prompts[j] for j in c], [params[j] for j in c],
-                                                      chunk_seed(seed, i))
+                                                      chunk_seed(seed, i), **extra)
 
         index = {submit(i): i for i in range(len(chunks))}
         results: list[list[Completion] | None] = [None] * len(chunks)

@@ -33,6 +33,7 @@ from engines.model import sharded
 from engines.model.io.hf_io import read_config, read_tensors
 from engines.model.layout import hub_state
 from engines.model.native.causal_lm import track_max_logits
+from engines.model.text.processor import VisionProcessor, is_vision_dir
 from engines.training import distributed
 from engines.training.engine import TrainingEngine
 from engines.training.optim import build_optimizers
@@ -133,11 +134,14 @@ class TrainerWorker:
         pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
         self.engine = TrainingEngine(model, opts, pad, o.max_grad_norm, attention=t.attention, qk_clip=True,
                                      qk_clip_tau=o.qk_clip_tau)
+        if is_vision_dir(model_dir):  # the trainer expands the samples' image placeholders as the model expects
+            self.engine.processor = VisionProcessor.load(model_dir, t.trust_remote_code)
         # GRPO's KL penalty: the reference policy, sharded as the policy is, filled by load_reference
         self.reference: TrainingEngine | None = None
         if t.reference:
             ref = empty_policy(arch, self.policy, dims, device).requires_grad_(False)
             self.reference = TrainingEngine(ref, [], pad, attention=t.attention)
+            self.reference.processor = self.engine.processor
         self.sender = ModelSender(model, self._replica(arch, model_dir), t.bucket_bytes)
         # what an update sends: every weight, or a LoRA run's adapters, cast to the replicas' dtype as a full
         # update's weights are; start-up fills the base through the model's plan in either case
@@ -412,10 +416,11 @@ class RolloutWorker:
             raise RuntimeError("weights are partly updated (an update failed midway and could not be rolled "
                                "back); refusing to generate until a complete update arrives")
 
-    def generate(self, prompts: list[list[int]], params: list[SamplingParams], seed: int) -> list[Completion]:
-        """Run requests to completion (held-out evaluation)."""
+    def generate(self, prompts: list[list[int]], params: list[SamplingParams], seed: int,
+                 images: list[tuple] | None = None) -> list[Completion]:
+        """Run requests to completion (held-out evaluation); ``images``: each prompt's, when any has some."""
         self._check_consistent()
-        return self.engine.generate(prompts, params, seed=seed)
+        return self.engine.generate(prompts, params, seed=seed, **({"images": images} if images else {}))
 
     def rollout(self, requests: list[TurnRequest], token_budget: int | None
                 ) -> tuple[list[TurnResult], dict[str, int], list[int]]:

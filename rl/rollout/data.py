@@ -98,11 +98,17 @@ def _entry_sets(entry: EnvConfig, where: str, console=None) -> tuple[list[Task],
             raise UserError(f"{where}.{'tasks_from.' if entry.tasks_from else ''}kwargs: {err}") from None
 
     train = get(entry.train_tasks, entry.num_train, TRAIN_SEED, "train")
-    seen = {t.prompt for t in train}
-    held_out = [t for t in get(entry.eval_tasks, entry.num_eval, EVAL_SEED, "eval") if t.prompt not in seen]
+    seen = {_identity(t) for t in train}
+    held_out = [t for t in get(entry.eval_tasks, entry.num_eval, EVAL_SEED, "eval") if _identity(t) not in seen]
     if not held_out:
         raise UserError(f"{where}: the held-out task set is empty (every prompt also appears in training)")
     return train, held_out
+
+
+def _identity(task: Task) -> tuple:
+    """What makes two tasks the same prompt: the text and its images (the same question about another picture is
+    another prompt)."""
+    return (task.prompt, *(im.identity() for im in task.images))
 
 
 def load_task_sets(cfg: Config, console=None) -> TaskSets:
@@ -149,7 +155,7 @@ def rollout_seq_len(cfg: Config, sets: TaskSets, tok, context: int) -> int:
               for t, e in zip(tasks, envs, strict=True) if not env_class(sets.entries[e]).multi_turn]
     chat = [(t, e) for t, e in single if t.messages or tok.chat_prompts]
     plain = [(t, e) for t, e in single if not (t.messages or tok.chat_prompts)]  # batch-encoded: fast on 10⁵
-    lengths = [len(tok.prompt_ids(t)) for t, _ in chat]
+    lengths = [tok.prompt_length(t) for t, _ in chat]
     if plain:
         lengths += [len(ids) for ids in tok.hf([t.prompt for t, _ in plain], add_special_tokens=False)["input_ids"]]
     longest = max(lengths, default=0)

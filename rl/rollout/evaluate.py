@@ -72,8 +72,10 @@ def evaluate(rollouts, tasks: TaskSets, tok: TextTokenizer, cfg: Config, types: 
                for n, t in enumerate(kinds) for j in range(k)]
     bar = progress.add_task(f"held-out eval (greedy{f' + {k} sampled' if k else ''})", total=len(params)) \
         if progress else None
+    pictures = [t.images for t in held_out]
+    extra = {"images": pictures + [p for p in pictures for _ in range(k)]} if any(pictures) else {}
     outs = rollouts.generate(prompts + [p for p in prompts for _ in range(k)], params, seed=0,
-                            on_chunk=(lambda n: progress.advance(bar, n)) if progress else None)
+                            on_chunk=(lambda n: progress.advance(bar, n)) if progress else None, **extra)
     if progress:
         progress.remove_task(bar)
     index = keep + [i for i in keep for _ in range(k)]

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from engines.inference.sampling import SamplingParams
+from envs.images import ImageRef
 from rl.sample import LOGPROBS, MASK, TOKENS, Sample, TaskType, TurnResult
 
 __all__ = ["PartialRolloutBuffer", "load_state", "save_state"]
@@ -165,7 +166,8 @@ def _header(s: Sample) -> dict[str, Any]:
     """What of a sample is not token data, JSON-serialisable."""
     return {**{k: getattr(s, k) for k in _SCALARS}, "task_type": asdict(s.task_type), "params": asdict(s.params),
             "masked": s.loss_mask is not None, "routed": s.routed_experts is not None,
-            "multimodal": None if s.multimodal_inputs is None else list(s.multimodal_inputs)}
+            # an image file by its path; an image's bytes as an array of their own (``image.<sample>.<n>``)
+            "images": [{"path": im.path} if im.path is not None else None for im in s.images]}
 
 
 def _offsets(lengths: list[int]) -> np.ndarray:
@@ -191,12 +193,9 @@ def _pack(samples: list[Sample]) -> dict[str, np.ndarray]:
     for i, s in enumerate(samples):
         if s.routed_experts is not None:
             out[f"routed_experts.{i}"] = np.asarray(s.routed_experts)
-        for j, value in enumerate((s.multimodal_inputs or {}).values()):
-            a = np.asarray(value)
-            if a.dtype == object:
-                raise ValueError(f"sample {s.key}: multimodal_inputs[{list(s.multimodal_inputs)[j]!r}] is not an "
-                                 "array of numbers and cannot be checkpointed")
-            out[f"multimodal.{i}.{j}"] = a
+        for j, im in enumerate(s.images):
+            if im.data is not None:
+                out[f"image.{i}.{j}"] = np.frombuffer(im.data, np.uint8)
     return out
 
 
@@ -217,8 +216,9 @@ def _unpack(headers: list[dict[str, Any]], arrays: dict[str, np.ndarray]) -> lis
                    **{k: h[k] for k in _SCALARS[4:]})
         if h["routed"]:
             s.routed_experts = arrays[f"routed_experts.{i}"]
-        if h["multimodal"] is not None:
-            s.multimodal_inputs = {name: arrays[f"multimodal.{i}.{j}"] for j, name in enumerate(h["multimodal"])}
+        s.images = tuple(ImageRef(path=im["path"], where=f"sample {s.key} image {j}") if im is not None else
+                         ImageRef(data=arrays[f"image.{i}.{j}"].tobytes(), where=f"sample {s.key} image {j}")
+                         for j, im in enumerate(h.get("images", ())))
         out.append(s)
     return out
 

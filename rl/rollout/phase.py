@@ -41,7 +41,8 @@ def draw_groups(buffer: PartialRolloutBuffer, tasks: TaskSets, tok: TextTokenize
         prompt = [] if multi else tok.prompt_ids(tasks.train[index])  # a multi-turn prompt comes from its env
         buffer.add_group([Sample(key, group, index, kind, prompt,
                                  SamplingParams(temperature, kind.max_tokens, seed=sampling_seed(run_seed, it, key)),
-                                 it, loss_mask=[] if multi else None, multi_turn=multi)
+                                 it, loss_mask=[] if multi else None, multi_turn=multi,
+                                 images=() if multi else tasks.train[index].images)
                           for key in range(group * k, group * k + k)])
     return temps
 

@@ -14,7 +14,7 @@ comes back once, while it stays on that worker: an n-turn episode moves O(n) tur
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from engines.inference.base import RolloutEngine
 from engines.inference.requests import Completion
@@ -56,9 +56,11 @@ class WorkerContexts:
 def generate_with_budget(engine: RolloutEngine, requests: Sequence[tuple[list[int], SamplingParams, int]],
                          partials: Sequence[Completion], token_budget: int | None,
                          on_finish: Callable[[Completion], None] | None = None,
+                         images: Mapping[int, Sequence] | None = None,
                          ) -> tuple[list[Completion], list[Completion]]:
-    """Resume ``partials`` (first: they are older), add ``requests`` (prompt, params, request id) and step
-    until all finish or ``token_budget`` tokens were decoded in this call; returns (finished, paused).
+    """Resume ``partials`` (first: they are older), add ``requests`` (prompt, params, request id; ``images``: the
+    prompt's images by request id) and step until all finish or ``token_budget`` tokens were decoded in this call;
+    returns (finished, paused).
 
     The budget is checked between engine steps, so one step may overshoot it by fewer tokens than
     there are running requests. Paused completions (finish_reason None) carry all their tokens so far
@@ -94,7 +96,8 @@ def generate_with_budget(engine: RolloutEngine, requests: Sequence[tuple[list[in
                                 request_id=c.request_id, params=c.params))
         for prompt, params, rid in requests:
             try:
-                engine.add_request(prompt, params, request_id=rid)
+                pictures = (images or {}).get(rid)
+                engine.add_request(prompt, params, request_id=rid, **({"images": pictures} if pictures else {}))
             except InvalidRequestError as e:
                 done(Completion([], [], "error", list(prompt), error=str(e), request_id=rid, params=params))
         start = engine.generated
@@ -129,10 +132,11 @@ def serve_turns(engine: RolloutEngine, held: dict[int, list[int]], requests: Seq
     held.clear()  # what was not asked for again is no longer needed here
     asked = {r.key: r for r in requests}
     partials = [Completion(contexts[r.key][r.turn:], as_logprobs(r.logprobs).tolist(), None,
-                           contexts[r.key][:r.turn], request_id=r.key, params=r.params)
+                           contexts[r.key][:r.turn], request_id=r.key, params=r.params, images=r.images)
                 for r in requests if r.turn < len(contexts[r.key])]
     new = [(contexts[r.key], r.params, r.key) for r in requests if r.turn == len(contexts[r.key])]
-    finished, paused = generate_with_budget(engine, new, partials, token_budget)
+    finished, paused = generate_with_budget(engine, new, partials, token_budget,
+                                            images={r.key: r.images for r in requests if r.images})
     results = []
     for c in finished + paused:
         r, ctx = asked[c.request_id], contexts[c.request_id]
