@@ -16,7 +16,7 @@ from __future__ import annotations
 import base64
 import binascii
 import io
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +34,7 @@ class ImageRef:
 
     path: str | None = None
     data: bytes | None = None
-    where: str = "image"
+    where: str = field(default="image", compare=False)
 
     def __post_init__(self) -> None:
         if (self.path is None) == (self.data is None):
@@ -99,6 +99,22 @@ class ImageRef:
         except (UnidentifiedImageError, OSError, SyntaxError) as e:
             what = self.path or f"{len(self.data)} bytes"
             raise ImageError(f"{self.where}: the image does not decode ({what}: {e})") from None
+
+    def size(self) -> tuple[int, int]:
+        """(width, height), read from the image's header (no pixels decoded)."""
+        from PIL import Image, UnidentifiedImageError
+
+        try:
+            with Image.open(self.path if self.path is not None else io.BytesIO(self.data)) as im:
+                return im.size
+        except (UnidentifiedImageError, OSError) as e:
+            raise ImageError(f"{self.where}: the image does not decode ({e})") from None
+
+    def identity(self) -> str:
+        """What tells two images apart cheaply: the path of a file, a hash of bytes."""
+        import hashlib
+
+        return self.path if self.path is not None else hashlib.sha256(self.data).hexdigest()
 
     def to_json(self) -> dict[str, str]:
         """``{"path": ...}`` or ``{"bytes": base64}``, what task files store (``of`` reads it back)."""
