@@ -124,6 +124,7 @@ class TrainerSettings:
     rollout_engine: str = "native"  # the replicas' engine, whose layout the weight update is planned for
     lora: LoraSpec | None = None  # train adapters on the frozen base (model.lora), targets resolved
     compile: bool = False         # each decoder layer's forward compiled (trainer.compile, resolved)
+    freeze_vision: bool = False   # model.freeze_vision: a vision-language model's tower is not trained
 
     parallel: ParallelDims | None = None  # the trainers' layout (None: one rank)
 
@@ -132,7 +133,7 @@ class TrainerSettings:
         """How the rank holds the policy (``engines.training.policy``)."""
         return PolicySpec(backend=self.backend, master_dtype=self.master_dtype, compute_dtype=self.compute_dtype,
                           served_dtype=self.replica_dtype, trust_remote_code=self.trust_remote_code, lora=self.lora,
-                          compile=self.compile)
+                          compile=self.compile, freeze_vision=self.freeze_vision)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -360,7 +361,8 @@ def resolve(cfg: Config, arch: ModelConfig | ModelDescription, model_dir: str, c
                                 reference=a.kl_coef > 0, bucket_bytes=cfg.checkpoint_engine.bucket_bytes,
                                 replica_dtype=rollout_dtype, replica_fp8=r.fp8, backend=backend,
                                 trust_remote_code=cfg.model.trust_remote_code, rollout_engine=kind, lora=lora,
-                                compile=compiled, parallel=parallel_dims(cfg)),
+                                compile=compiled, parallel=parallel_dims(cfg),
+                                freeze_vision=cfg.model.freeze_vision),
         update=UpdateSettings(objective=objective_of(cfg), minibatches=a.minibatches,
                               micro_batch_tokens=a.micro_batch_tokens, micro_batch=a.micro_batch,
                               drop_equal_groups=a.drop_equal_reward_groups,

@@ -14,14 +14,17 @@ AdamW takes the rest:
   ``Router``, or a sub-module named ``gate``/``router``/``shared_expert_gate``;
 - ``conv``: a convolution's kernel (the depthwise short convolutions of Mamba, Gated DeltaNet, LFM2);
 - ``norm`` (a 1-D gain of a norm module), ``sink`` (gpt-oss's per-head sink logits), ``vector`` (other 1-D or
-  n×1 parameters: Mamba's ``A_log`` and ``D``, a gate with one output).
+  n×1 parameters: Mamba's ``A_log`` and ``D``, a gate with one output);
+- ``vision``: a vision-language model's vision tower and projector (``engines.model.hf.spec.vision_modules``).
+  Muon and QK-Clip are the language model's: its attention logits are the ones K2 caps, and the tower (a ViT
+  trained apart, with AdamW, as published vision-language models are) keeps the optimizer it was trained with.
 """
 
 from __future__ import annotations
 
 from torch import nn
 
-from engines.model.hf.spec import decoder_layers
+from engines.model.hf.spec import decoder_layers, vision_modules
 from engines.model.native.moe import Router
 
 #: Roles whose parameters Muon optimises.
@@ -53,11 +56,14 @@ def _role_in_layer(name: str, p: nn.Parameter, owner: nn.Module, owner_name: str
 def param_roles(model: nn.Module) -> dict[str, str]:
     """The role (see the module docstring) of every parameter of ``model``, by its (first) name."""
     inside = {id(p) for layer in decoder_layers(model) for p in layer.parameters()}
+    vision = {id(p) for m in vision_modules(model) for p in m.parameters()}
     roles: dict[str, str] = {}
     for name, p in model.named_parameters():
         path = name.rsplit(".", 1)[0] if "." in name else ""
         owner = model.get_submodule(path)
-        if isinstance(owner, nn.Embedding):
+        if id(p) in vision:
+            roles[name] = "vision"
+        elif isinstance(owner, nn.Embedding):
             roles[name] = "embedding"
         elif id(p) not in inside:
             roles[name] = "head"

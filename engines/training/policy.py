@@ -39,8 +39,8 @@ LORA_SEED = 0  # LoRA's A matrices: the same draw on every rank and in every run
 class PolicySpec:
     """How a rank holds the policy: the model code (``backend``: "native" or "transformers"), master and compute
     dtypes, the replicas' dtype (``served_dtype``), whether transformers may run the model's own code, the LoRA
-    adapters it trains (None: every weight) and whether each decoder layer's forward is compiled
-    (``engines.training.compile``)."""
+    adapters it trains (None: every weight), whether each decoder layer's forward is compiled
+    (``engines.training.compile``) and whether a vision-language model's vision side stays frozen."""
 
     backend: str = "native"
     master_dtype: str = "float32"
@@ -49,6 +49,7 @@ class PolicySpec:
     trust_remote_code: bool = False
     lora: LoraSpec | None = None
     compile: bool = False
+    freeze_vision: bool = False  # a vision-language model: its vision tower and projector are not trained
 
     def sharded(self, world: int) -> bool:
         """Whether the model is sharded with FSDP2: over several ranks, or on one for mixed precision (LoRA on one
@@ -92,6 +93,14 @@ def build_policy(arch, spec: PolicySpec, dims: ParallelDims, device: str) -> nn.
     and the adapters in the master dtype."""
     shard = spec.sharded(dims.world)
     model = empty_policy(arch, spec, dims, device, spec.lora)
+    if spec.freeze_vision:
+        from engines.model.hf.spec import vision_modules
+
+        towers = vision_modules(model)
+        if not towers:
+            raise ValueError("model.freeze_vision: the model has no vision tower (a text-only model)")
+        for m in towers:
+            m.requires_grad_(False)
     if spec.lora is not None and not shard:
         master, served = getattr(torch, spec.master_dtype), getattr(torch, spec.served_dtype)
         if spec.compute_dtype != spec.master_dtype:  # the checkpoint's dtype (checked by the settings)

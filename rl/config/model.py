@@ -126,6 +126,8 @@ class PolicyModelConfig(Strict):
                                                  "the chat template), k2, hermes, llama3_json or mistral")
     lora: LoraConfig | None = Field(None, description="train low-rank adapters on the frozen model instead of every "
                                     "weight (docs/configuration.md, LoRA); None = full training")
+    freeze_vision: bool = Field(False, description="a vision-language model: train the language model only (the "
+                                                   "vision tower and its projector keep their weights); false = both")
 
     @field_validator("path", mode="before")
     @classmethod

@@ -170,6 +170,16 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return found
 
 
+def vision_modules(model: nn.Module) -> list[nn.Module]:
+    """A vision-language model's vision side: every child of its base model but the language model (the vision
+    tower, the projector or merger into the language model's width); [] for a text-only model."""
+    hf = getattr(model, "hf_model", model)
+    if not is_vision_language(getattr(hf, "config", None)):
+        return []
+    base, language = getattr(hf, hf.base_model_prefix), hf.get_decoder()
+    return [m for m in base.children() if m is not language]
+
+
 def stateful_mixers(layers: list[nn.Module]) -> list[tuple[int, str]]:
     """(layer index, module class) of every sequence mixer that carries state along a row, or holds a
     convolution over the sequence (``nn.Conv1d``)."""
