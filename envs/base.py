@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import gymnasium
 
-from envs.images import ImageRef
+from engines.model.images import ImageRef
 
 if TYPE_CHECKING:
     from engines.model.text.chat_format import ToolFormat
@@ -53,7 +53,7 @@ class Task:
     #: template (``TextTokenizer.prompt_ids``) and ``prompt`` is the last user message, for graders and logs
     messages: list[dict[str, Any]] | None = None
     #: the images of the prompt, one per ``{"type": "image"}`` content part of ``messages``, in order
-    #: (``envs.images``: paths or bytes, decoded only where the prompt is rendered)
+    #: (``engines.model.images``: paths or bytes, decoded only where the prompt is rendered)
     images: tuple[ImageRef, ...] = ()
 
 

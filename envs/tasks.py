@@ -55,8 +55,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from engines.model.images import ImageError, ImageRef
 from envs.base import Task
-from envs.images import ImageError, ImageRef
 from envs.task_sources import TaskFileError, hub_source, read_jsonl, read_parquet, read_records
 
 __all__ = ["PLACEHOLDER", "TaskFileError", "apply_columns", "check_columns", "check_image", "load_tasks", "read_jsonl",

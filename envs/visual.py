@@ -16,8 +16,8 @@ from typing import Any
 
 from PIL import Image, ImageDraw
 
+from engines.model.images import ImageRef
 from envs.base import Env, Task
-from envs.images import ImageRef
 from envs.registry import register
 
 KINDS = ("circle", "square", "triangle")

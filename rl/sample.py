@@ -32,7 +32,7 @@ from typing import Any, Literal
 import numpy as np
 
 from engines.inference.sampling import SamplingParams
-from envs.images import ImageRef
+from engines.model.images import ImageRef
 from rl.algo.schedules import Schedule
 
 Status = Literal["running", "paused", "finished", "truncated", "error"]
@@ -175,7 +175,7 @@ class Sample:
     #: them in training (slime's ``rollout_routed_experts``). A resumed turn keeps the routes its earlier tokens were
     #: sampled with: each version segment's own.
     routed_experts: np.ndarray | None = None
-    #: the prompt's images, one per image placeholder of ``prompt_ids`` (its task's, ``envs.images.ImageRef``):
+    #: the prompt's images, one per image placeholder of ``prompt_ids`` (its task's, ``engines.model.images.ImageRef``):
     #: references the rollout worker and the trainer decode where they need the pixels; ``prompt_ids`` stay the
     #: chat template's ids, which the trainer expands with the model's processor (``engines.model.text.processor``)
     images: tuple[ImageRef, ...] = ()

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import envs  # noqa: F401  (registers the rl/NAME gymnasium ids)
-from envs.images import image_parts
+from engines.model.images import image_parts
 from envs.registry import BUILTINS, get
 from envs.visual import ShapesEnv, extract_answer
 

@@ -12,8 +12,8 @@ import torch
 from engines.inference.native import InferenceEngine
 from engines.inference.requests import Completion
 from engines.inference.sampling import SamplingParams
+from engines.model.images import ImageRef
 from engines.training.engine import TrainingEngine
-from envs.images import ImageRef
 from rl.algo.schedules import Schedule
 from rl.rollout.partial import PartialRolloutBuffer, load_state, save_state
 from rl.rollout.turns import generate_with_budget, serve_turns

@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image, ImageFile
 
-from envs.images import ImageRef
+from engines.model.images import ImageRef
 from envs.tasks import TaskFileError, load_tasks, save_tasks
 
 IMAGE, TEXT = {"type": "image"}, "text"

@@ -37,6 +37,7 @@ class Submitted:
     prompt: list[int]
     params: SamplingParams
     on_tokens: OnTokens | None = None
+    images: tuple = ()  # the prompt's images (a vision-language model's)
     accepted: Future = field(default_factory=Future)
     done: Future = field(default_factory=Future)
     told: int = 0
@@ -53,9 +54,11 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
-    def submit(self, prompt: list[int], params: SamplingParams, on_tokens: OnTokens | None = None) -> Submitted:
-        """Queue a request; its ``accepted`` and ``done`` futures resolve on the loop's thread."""
-        job = Submitted(prompt, params, on_tokens)
+    def submit(self, prompt: list[int], params: SamplingParams, on_tokens: OnTokens | None = None,
+               images: tuple = ()) -> Submitted:
+        """Queue a request (``images``: its prompt's); its ``accepted`` and ``done`` futures resolve on the loop's
+        thread."""
+        job = Submitted(prompt, params, on_tokens, tuple(images))
         self._inbox.put(job)
         return job
 
@@ -87,7 +90,8 @@ class EngineLoop:
                     fut.set_exception(e)
                 continue
             try:
-                rid = self.engine.add_request(item.prompt, item.params)
+                rid = self.engine.add_request(item.prompt, item.params,
+                                              **({"images": item.images} if item.images else {}))
             except InvalidRequestError as e:
                 item.accepted.set_exception(e)
                 item.done.set_exception(e)

@@ -7,7 +7,7 @@ prompt; 0 only with ``echo`` (the prompt is scored, nothing generated, as vLLM d
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
@@ -47,9 +47,25 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
 
 
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ImageURL(BaseModel):
+    url: str  # a data:image/...;base64, URL (the server reaches no other host)
+    detail: str | None = None
+
+
+class ImagePart(BaseModel):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
 class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str
+    #: text, or OpenAI's content parts: text and images (a vision-language model's)
+    content: str | list[Annotated[TextPart | ImagePart, Field(discriminator="type")]]
 
 
 class ChatRequest(SamplingFields):

@@ -48,8 +48,10 @@ from engines.inference.factory import EngineSettings, build_engine, decode_atten
 from engines.inference.openai_schema import ChatMessage, ChatRequest, CompletionRequest, SamplingFields, error
 from engines.inference.requests import Completion, Progress, TokenLogprob, TopLogprobs
 from engines.inference.sampling import InvalidRequestError, SamplingParams
+from engines.model.images import ImageError, ImageRef
 from engines.model.io.hf_io import read_config
 from engines.model.lora.adapters import ADAPTER_DIR
+from engines.model.text.processor import VisionPromptError, is_vision_dir
 from engines.model.text.tokenizer import TextTokenizer
 
 
@@ -65,7 +67,8 @@ class ServedModel:
         on top of ``model_dir`` (its original base): merged into the native engine's weights, or vLLM's LoRA on
         every request. A LoRA run's ``final/`` is already merged: serve it without ``adapter``."""
         self.name = name or Path(model_dir).name
-        read_config(model_dir)  # a missing or unreadable model directory is named before its tokenizer
+        if not is_vision_dir(model_dir):
+            read_config(model_dir)  # a missing or unreadable model directory is named before its tokenizer
         own = Path(model_dir) / ADAPTER_DIR
         if adapter is not None and own.is_dir() and Path(adapter).resolve() == own.resolve():
             raise ValueError(f"{adapter} is already merged into {model_dir}'s weights (a LoRA run's final/ or "
@@ -88,12 +91,47 @@ class ServedModel:
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.hf.decode(ids, skip_special_tokens=True)
 
-    def chat_ids(self, messages: list[ChatMessage]) -> list[int]:
-        """Prompt ids of a chat request: the model's chat template, else plain role-prefixed turns."""
+    def chat_ids(self, messages: list[ChatMessage]) -> tuple[list[int], tuple[ImageRef, ...]]:
+        """Prompt ids of a chat request, and its images: the model's chat template (its processor's, for content
+        parts with images), else plain role-prefixed turns."""
+        if any(isinstance(m.content, list) for m in messages):
+            return self._vision_ids(messages)
         if self.tokenizer.has_chat_template:
-            return self.tokenizer.apply_chat_template([m.model_dump() for m in messages])
+            return self.tokenizer.apply_chat_template([m.model_dump() for m in messages]), ()
         # no template shipped: plain role-prefixed turns, ending with the assistant's turn
-        return self.encode("".join(f"{m.role.capitalize()}: {m.content}\n" for m in messages) + "Assistant:")
+        return self.encode("".join(f"{m.role.capitalize()}: {m.content}\n" for m in messages) + "Assistant:"), ()
+
+    def _vision_ids(self, messages: list[ChatMessage]) -> tuple[list[int], tuple[ImageRef, ...]]:
+        """Content parts: text parts as they are, each image part a placeholder of the model's processor."""
+        images: list[ImageRef] = []
+        rendered = []
+        for i, m in enumerate(messages):
+            if isinstance(m.content, str):
+                rendered.append({"role": m.role, "content": m.content})
+                continue
+            parts = []
+            for j, part in enumerate(m.content):
+                if part.type == "text":
+                    parts.append({"type": "text", "text": part.text})
+                else:
+                    images.append(ImageRef.of(part.image_url.url, f"messages[{i}].content[{j}]"))
+                    parts.append({"type": "image"})
+            rendered.append({"role": m.role, "content": parts})
+        if images and self.tokenizer.processor is None:
+            raise InvalidRequestError(f"model {self.name} is a text-only model: it takes no images")
+        if not self.engine.capabilities.multimodal_inputs and images:
+            raise InvalidRequestError(f"the {self.engine.kind} engine takes no images; serve with --engine vllm")
+        try:
+            processor = self.tokenizer.processor
+            ids = processor.render(rendered) if processor is not None else \
+                self.tokenizer.apply_chat_template(rendered)
+            if images:
+                for im in images:
+                    im.size()  # an image that does not decode is the request's error, named by its part
+                processor.check(ids, images, "messages")
+        except (ImageError, VisionPromptError) as e:
+            raise InvalidRequestError(str(e)) from None
+        return ids, tuple(images)
 
     def close(self) -> None:
         """Stop the loop thread and the engine."""
@@ -110,6 +148,7 @@ class Choice:
     params: SamplingParams
     max_tokens: int
     job: Submitted | None = None
+    images: tuple = ()  # the prompt's (a vision-language model's chat request)
 
 
 # --- requests --------------------------------------------------------------------------------
@@ -153,7 +192,7 @@ async def _submit(served: ServedModel, choices: list[Choice],
     InvalidRequestError of one it refused)."""
     for c in choices:
         if c.max_tokens:
-            c.job = served.loop.submit(c.prompt, c.params, on_tokens(c.index) if on_tokens else None)
+            c.job = served.loop.submit(c.prompt, c.params, on_tokens(c.index) if on_tokens else None, c.images)
     for c in choices:
         if c.job is not None:
             await asyncio.wrap_future(c.job.accepted)
@@ -464,9 +503,14 @@ def build_app(served: ServedModel) -> FastAPI:
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         if max_tokens == 0:
             return error(400, "max_tokens must be at least 1 (a chat completion has no echo)", "max_tokens")
-        prompt = served.chat_ids(req.messages)
+        try:
+            prompt, images = served.chat_ids(req.messages)
+        except InvalidRequestError as e:
+            return error(400, str(e), "messages")
         top = (req.top_logprobs or 0) if req.logprobs else None
         choices = _choices(served, req, [prompt], max_tokens, echo=False, top=top)
+        for c in choices:
+            c.images = images
         if req.stream:
             events, on_tokens = _events(served, choices)
             await _submit(served, choices, on_tokens)

@@ -232,7 +232,7 @@ class VllmEngine(VllmWeights):
                     prior_logprobs: Sequence[float] = (), request_id: int | None = None,
                     images: Sequence[Any] = ()) -> int:
         """Queue a request (``prior``: tokens already generated for it; ``images``: one per placeholder of the
-        prompt's template ids, which vLLM expands itself, as ``envs.images.ImageRef`` or PIL images); raises
+        prompt's template ids, which vLLM expands itself, as ``engines.model.images.ImageRef`` or PIL images); raises
         InvalidRequestError and queues nothing when it cannot be served."""
         prompt = check_request(prompt_ids, params, prior, prior_logprobs, vocab=self.vocab_size, context=self.context,
                                max_seq_len=self.max_seq_len, detokenizes=self._detokenizes,

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from engines.inference.sampling import SamplingParams
-from envs.images import ImageRef
+from engines.model.images import ImageRef
 from rl.sample import LOGPROBS, MASK, TOKENS, Sample, TaskType, TurnResult
 
 __all__ = ["PartialRolloutBuffer", "load_state", "save_state"]

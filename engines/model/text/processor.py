@@ -112,7 +112,7 @@ class VisionProcessor:
         return media, replacements
 
     def expand(self, ids: Sequence[int], images: Sequence[Any], where: str = "prompt") -> Expanded:
-        """Template ids with their images (``envs.images.ImageRef`` or PIL images) made into what the model's
+        """Template ids with their images (``engines.model.images.ImageRef`` or PIL images) made into what the model's
         forward takes (see ``Expanded``)."""
         self.check(ids, images, where)
         if not images:
