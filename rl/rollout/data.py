@@ -10,6 +10,8 @@ import random
 import time
 from dataclasses import dataclass, field
 
+from engines.model.images import ImageError
+from engines.model.text.processor import VisionPromptError
 from envs import Env, Task, registry
 from envs.tasks import TaskFileError
 from rl.config import Config, EnvConfig
@@ -155,7 +157,10 @@ def rollout_seq_len(cfg: Config, sets: TaskSets, tok, context: int) -> int:
               for t, e in zip(tasks, envs, strict=True) if not env_class(sets.entries[e]).multi_turn]
     chat = [(t, e) for t, e in single if t.messages or tok.chat_prompts]
     plain = [(t, e) for t, e in single if not (t.messages or tok.chat_prompts)]  # batch-encoded: fast on 10⁵
-    lengths = [tok.prompt_length(t) for t, _ in chat]
+    try:
+        lengths = [tok.prompt_length(t) for t, _ in chat]
+    except (VisionPromptError, ImageError) as e:  # an image prompt to a text-only model, an image that does not decode
+        raise UserError(str(e)) from None
     if plain:
         lengths += [len(ids) for ids in tok.hf([t.prompt for t, _ in plain], add_special_tokens=False)["input_ids"]]
     longest = max(lengths, default=0)
