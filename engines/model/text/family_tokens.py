@@ -45,6 +45,20 @@ MISTRAL_TEMPLATE = (
     "<s>{% for m in messages %}{% if m['role'] == 'user' %}[INST] {{ m['content'] }} [/INST]"
     "{% elif m['role'] == 'assistant' %}{{ m['content'] }}</s>{% endif %}{% endfor %}")
 
+def content_parts(image: str) -> str:
+    """Jinja for one message's content: a string as is, or a list of parts (``{"type": "text", "text": ...}``, and
+    ``image`` for each ``{"type": "image"}``), as vision-language models' templates render them."""
+    return ("{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for c in m['content'] %}"
+            f"{{% if c['type'] == 'image' %}}{image}{{% elif c['type'] == 'text' %}}{{{{ c['text'] }}}}{{% endif %}}"
+            "{% endfor %}{% endif %}")
+
+
+# Qwen2-VL / Qwen2.5-VL / Qwen3-VL: ChatML, each image as <|vision_start|><|image_pad|><|vision_end|>
+QWEN_VL_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    + content_parts("<|vision_start|><|image_pad|><|vision_end|>") + "<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
 STYLES: dict[str, TokenStyle] = {
     "k2": TokenStyle(EOS, PAD, (), K2_CHAT_TEMPLATE),
     "chatml": TokenStyle("<|im_end|>", "<|endoftext|>", ("<|im_start|>",), CHATML_TEMPLATE),
@@ -52,4 +66,7 @@ STYLES: dict[str, TokenStyle] = {
                          ("<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>"),
                          LLAMA3_TEMPLATE),
     "mistral": TokenStyle("</s>", None, ("<s>", "[INST]", "[/INST]"), MISTRAL_TEMPLATE),
+    "qwen_vl": TokenStyle("<|im_end|>", "<|endoftext|>",
+                          ("<|im_start|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"),
+                          QWEN_VL_TEMPLATE),
 }
