@@ -310,9 +310,8 @@ class Sample:
         """JSON-serialisable form (the checkpoint format before arrays)."""
         d = {f.name: getattr(self, f.name) for f in fields(self)}
         d["task_type"], d["params"] = asdict(self.task_type), asdict(self.params)
-        return {k: v.tolist() if isinstance(v, np.ndarray) else
-                {n: a.tolist() for n, a in v.items()} if k == "multimodal_inputs" and v is not None else v
-                for k, v in d.items()}
+        d["images"] = [im.to_json() for im in self.images]
+        return {k: v.tolist() if isinstance(v, np.ndarray) else v for k, v in d.items()}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Sample:
@@ -322,6 +321,7 @@ class Sample:
         d["params"] = SamplingParams(**d["params"])
         if d.get("routed_experts") is not None:
             d["routed_experts"] = np.asarray(d["routed_experts"])
-        if d.get("multimodal_inputs") is not None:
-            d["multimodal_inputs"] = {k: np.asarray(v) for k, v in d["multimodal_inputs"].items()}
+        d.pop("multimodal_inputs", None)  # a field of checkpoints before images, never filled
+        d["images"] = tuple(ImageRef.from_json(im, f"sample {d['key']} image {j}")
+                            for j, im in enumerate(d.get("images") or ()))
         return cls(**d)

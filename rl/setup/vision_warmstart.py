@@ -21,8 +21,9 @@ The text warm start (``rl.setup.warmstart``) has a vision counterpart here, for 
 ``python -m rl.setup.vision_warmstart TARGET [--steps ...]`` runs it with an accuracy curve. ``DEFAULTS`` (hidden
 128, 4 heads of 32, 2 layers, a 1-block tower of width 128, 56 px images = 4 image tokens, 300 steps of 32 at Muon
 lr 3e-3) reached 36 % held-out greedy accuracy on 100 tasks (chance ~24 %) in one probe run (4 min on 2 shared
-cores; vLLM's greedy answers identical); smaller models (hidden 64) stayed at chance for 400 steps. One seed only:
-not yet a settled recipe.
+cores; vLLM's greedy answers identical), with the probe's own task and init seeds (the builder now derives them
+through ``rl.seeds``); smaller models (hidden 64) stayed at chance for 400 steps. One seed only: not yet a settled
+recipe.
 """
 
 from __future__ import annotations
@@ -49,12 +50,13 @@ from engines.training.optim import build_optimizers
 from engines.training.packing import pack
 from envs.base import Task
 from envs.visual import ShapesEnv
+from rl.seeds import derive, warmstart_seed
 
 __all__ = ["QWEN_VL_STYLE", "VisionWarmStart", "build_vision_warm_start", "greedy_accuracy", "sft_step",
            "tiny_qwen2_vl"]
 
-#: the seeds of the SFT tasks and of the held-out tasks the accuracy is measured on
-SFT_TASK_SEED, HELD_OUT_SEED = 1234, 98765
+#: the seed of the held-out tasks the accuracy is measured on (the SFT tasks' comes from ``rl.seeds``)
+HELD_OUT_SEED = 98765
 
 
 QWEN_VL_STYLE = STYLES["qwen_vl"]
@@ -203,9 +205,9 @@ def build_vision_warm_start(target_dir: str | Path, spec: VisionWarmStart = DEFA
     and the final held-out accuracy are written beside the weights (``vision_warmstart.json``)."""
     steps, batch_size, lr, seed = spec.steps, spec.batch_size, spec.lr, spec.seed
     started = time.perf_counter()
-    torch.manual_seed(seed)
-    rng = random.Random(seed)
-    tasks = shapes_tasks(spec.num_examples, SFT_TASK_SEED + seed)
+    torch.manual_seed(warmstart_seed(seed))
+    rng = random.Random(warmstart_seed(seed))
+    tasks = shapes_tasks(spec.num_examples, derive("vision_warmstart_tasks", seed))
     held_out = shapes_tasks(spec.eval_tasks, HELD_OUT_SEED) if spec.eval_tasks else []
     tok = vision_tokenizer(tasks, spec.vocab_size)
     cfg, processor = tiny_qwen2_vl(tok, spec)
