@@ -100,13 +100,13 @@ def _serve(request: dict) -> dict:
         engine = VllmEngine(request["model_dir"], request["eos_ids"], max_seq_len=128, max_num_seqs=8,
                             kv_cache_bytes=64 << 20, **{"dtype": "float32", **request["settings"]})
     except Exception as e:  # any start-up failure is the finding
-        return {"loads": False, "error": _one_line(e)}
+        return {"loads": False, "error": one_line(e)}
     try:
         params = [SamplingParams(request["temperature"], request["max_tokens"], seed=100 + i, ignore_eos=True)
                   for i in range(len(request["prompts"]))]
         got = engine.generate(request["prompts"], params)
     except Exception as e:
-        return {"loads": True, "error": _one_line(e)}
+        return {"loads": True, "error": one_line(e)}
     return {"loads": True, "tokens": [list(c.token_ids) for c in got], "logprobs": [list(c.logprobs) for c in got]}
 
 
@@ -119,16 +119,11 @@ def check_vllm_against_trainer(family: str, model_dir: str | Path, prompts: list
     out, start = VllmCheck(family, settings=dict(settings or {})), time.monotonic()
     request = dict(model_dir=str(model_dir), eos_ids=list(eos_ids), prompts=prompts, temperature=temperature,
                    max_tokens=max_tokens, settings=out.settings)
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
     try:
-        p = subprocess.run(["nice", "-n", "10", sys.executable, "-m", "tests.vllm_check", "--serve"],
-                           input=json.dumps(request), capture_output=True, text=True, timeout=timeout_s, env=env)
-        line = next((ln for ln in reversed(p.stdout.splitlines()) if ln.startswith("{")), None)
-        if line is None:
-            tail = [ln for ln in p.stderr.strip().splitlines() if "Error" in ln][-1:] or [f"exit {p.returncode}"]
-            out.error = f"vLLM's process died: {tail[0].strip()[:300]}"
+        served = serve_in_child("tests.vllm_check", request, timeout_s)
+        if "died" in served:
+            out.error = served["died"]
             return out
-        served = json.loads(line)
         out.loads, out.error = served["loads"], served.get("error")
         if "tokens" not in served:
             return out
@@ -144,7 +139,21 @@ def check_vllm_against_trainer(family: str, model_dir: str | Path, prompts: list
         out.seconds = round(time.monotonic() - start, 1)
 
 
-def _one_line(e: BaseException) -> str:
+def serve_in_child(module: str, request: dict, timeout_s: float) -> dict:
+    """``python -m MODULE --serve`` in a child process (vLLM apart from this one, niced), ``request`` as JSON on its
+    stdin; returns the last JSON object it printed, or ``{"died": reason}`` when it printed none. Raises
+    ``subprocess.TimeoutExpired`` after ``timeout_s``."""
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    p = subprocess.run(["nice", "-n", "10", sys.executable, "-m", module, "--serve"], input=json.dumps(request),
+                       capture_output=True, text=True, timeout=timeout_s, env=env)
+    line = next((ln for ln in reversed(p.stdout.splitlines()) if ln.startswith("{")), None)
+    if line is None:
+        tail = [ln for ln in p.stderr.strip().splitlines() if "Error" in ln][-1:] or [f"exit {p.returncode}"]
+        return {"died": f"vLLM's process died: {tail[0].strip()[:300]}"}
+    return json.loads(line)
+
+
+def one_line(e: BaseException) -> str:
     """The error in one line: its type and first lines (pydantic puts the reason on the second)."""
     lines = [ln.strip() for ln in str(e).strip().splitlines() if ln.strip() and "errors.pydantic.dev" not in ln]
     return f"{type(e).__name__}: {' / '.join(lines[:2])}"[:300]

@@ -52,7 +52,6 @@ the language model's alone. For families that attend bidirectionally over images
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -62,6 +61,7 @@ from pathlib import Path
 
 import torch
 
+from tests.vllm_check import one_line, serve_in_child
 from tests.vlm_families import IMAGE_SIZES, VLM_FAMILIES, save_tiny_vlm
 
 QUESTION = "Question: Mia has 3 apples. How many?"
@@ -124,7 +124,7 @@ def _serve(request: dict) -> dict:
                        limit_mm_per_prompt={"image": max(n for _, n in request["prompts"])},
                        **request["settings"])
     except Exception as e:  # any start-up failure is the finding
-        return {"loads": False, "error": _one_line(e)}
+        return {"loads": False, "error": one_line(e)}
     try:
         inputs = [{"prompt": p, "multi_modal_data": {"image": images[0] if n == 1 else images[:n]}} if n else
                   {"prompt": p} for p, n in request["prompts"]]
@@ -132,7 +132,7 @@ def _serve(request: dict) -> dict:
                                       ignore_eos=True) for i in range(len(inputs))]
         outs = llm.generate(inputs, params, use_tqdm=False)
     except Exception as e:
-        return {"loads": True, "error": _one_line(e)}
+        return {"loads": True, "error": one_line(e)}
     result = {"loads": True, "prompt_ids": [], "tokens": [], "logprobs": []}
     for o in outs:
         c = o.outputs[0]
@@ -195,22 +195,17 @@ def check(family: str, model_dir: str | Path, timeout_s: float = 900) -> VlmChec
             ids = processor(text=[one], images=images[:1], return_tensors="pt")["input_ids"][0].tolist()
             out.image_tokens_ok = ids.count(image_id) == fam.image_tokens[0][0]
         except Exception as e:
-            out.error = f"transformers: {_one_line(e)}"
+            out.error = f"transformers: {one_line(e)}"
             return out
         request = dict(model_dir=str(model_dir), prompts=prompts, settings=fam.vllm_settings)
-        env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
         try:
-            p = subprocess.run(["nice", "-n", "10", sys.executable, "-m", "tests.vlm_survey", "--serve"],
-                               input=json.dumps(request), capture_output=True, text=True, timeout=timeout_s, env=env)
+            served = serve_in_child("tests.vlm_survey", request, timeout_s)
         except subprocess.TimeoutExpired:
             out.error = f"vLLM timed out after {timeout_s:.0f} s"
             return out
-        line = next((ln for ln in reversed(p.stdout.splitlines()) if ln.startswith("{")), None)
-        if line is None:
-            tail = [ln for ln in p.stderr.strip().splitlines() if "Error" in ln][-1:] or [f"exit {p.returncode}"]
-            out.error = f"vLLM's process died: {tail[0].strip()[:300]}"
+        if "died" in served:
+            out.error = served["died"]
             return out
-        served = json.loads(line)
         out.vllm_loads, out.error = served["loads"], served.get("error")
         if "tokens" not in served:
             return out
@@ -248,14 +243,8 @@ def run_family(family: str) -> VlmCheck:
         try:
             save_tiny_vlm(family, d)
         except Exception as e:
-            return VlmCheck(family, error=f"save: {_one_line(e)}")
+            return VlmCheck(family, error=f"save: {one_line(e)}")
         return check(family, d)
-
-
-def _one_line(e: BaseException) -> str:
-    """The error in one line: its type and first lines."""
-    lines = [ln.strip() for ln in str(e).strip().splitlines() if ln.strip() and "errors.pydantic.dev" not in ln]
-    return f"{type(e).__name__}: {' / '.join(lines[:2])}"[:300]
 
 
 def table(results: list[VlmCheck]) -> str:
