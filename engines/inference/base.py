@@ -112,7 +112,7 @@ class RolloutEngine(ABC):
             if c.finish_reason is not None or c.params is None:
                 raise InvalidRequestError(f"request {c.request_id} is not a paused request")
             ids.append(self.add_request(c.prompt_ids, c.params, prior=c.token_ids, prior_logprobs=c.logprobs,
-                                        request_id=c.request_id, **({"images": c.images} if c.images else {})))
+                                        request_id=c.request_id, images=c.images))
         return ids
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams],
@@ -131,8 +131,7 @@ class RolloutEngine(ABC):
         order = []
         for n, (prompt, p) in enumerate(zip(prompts, plist, strict=True)):
             try:
-                pictures = images[n] if images is not None else ()
-                order.append(self.add_request(prompt, p, **({"images": pictures} if pictures else {})))
+                order.append(self.add_request(prompt, p, images=images[n] if images is not None else ()))
             except InvalidRequestError as e:
                 rid = next(self._ids)
                 order.append(rid)

@@ -90,8 +90,7 @@ class EngineLoop:
                     fut.set_exception(e)
                 continue
             try:
-                rid = self.engine.add_request(item.prompt, item.params,
-                                              **({"images": item.images} if item.images else {}))
+                rid = self.engine.add_request(item.prompt, item.params, images=item.images)
             except InvalidRequestError as e:
                 item.accepted.set_exception(e)
                 item.done.set_exception(e)

@@ -76,6 +76,7 @@ from engines.inference.vllm_setup import (
 )
 from engines.inference.vllm_weights import VllmWeights
 from engines.inference.vllm_worker import UpdateAbortedError
+from engines.model.images import decoded
 
 __all__ = ["UpdateAbortedError", "VllmEngine", "VllmUnavailableError", "vllm_available"]
 
@@ -258,7 +259,7 @@ class VllmEngine(VllmWeights):
             # each step's new tokens only: a cumulative output would be re-read whole at every step
             output_kind=self._vllm.sampling_params.RequestOutputKind.DELTA, structured_outputs=structured)
         request = {"prompt_token_ids": prompt + [int(t) for t in prior]}
-        pil = [im.load() if hasattr(im, "raw") else im for im in images]  # an ImageRef decodes here, on the worker
+        pil = [decoded(im) for im in images]  # an ImageRef decodes here, on the worker
         if pil:
             request["multi_modal_data"] = {"image": pil}
         try:

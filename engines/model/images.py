@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ImageError", "ImageRef", "image_parts", "to_data_url"]
+__all__ = ["ImageError", "ImageRef", "decoded", "image_parts", "to_data_url"]
 
 
 class ImageError(ValueError):
@@ -131,6 +131,11 @@ class ImageRef:
             except (binascii.Error, ValueError):
                 raise ImageError(f"{where}: 'bytes_b64' is not base64") from None
         return cls.of(value, where, base)
+
+
+def decoded(image: Any):
+    """The PIL image of an ``ImageRef`` (decoded here) or of a PIL image (as it is)."""
+    return image.load() if isinstance(image, ImageRef) else image
 
 
 def image_parts(messages: list[dict[str, Any]] | None) -> int:

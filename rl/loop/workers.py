@@ -420,7 +420,7 @@ class RolloutWorker:
                  images: list[tuple] | None = None) -> list[Completion]:
         """Run requests to completion (held-out evaluation); ``images``: each prompt's, when any has some."""
         self._check_consistent()
-        return self.engine.generate(prompts, params, seed=seed, **({"images": images} if images else {}))
+        return self.engine.generate(prompts, params, seed=seed, images=images)
 
     def rollout(self, requests: list[TurnRequest], token_budget: int | None
                 ) -> tuple[list[TurnResult], dict[str, int], list[int]]:

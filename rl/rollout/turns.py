@@ -96,8 +96,7 @@ def generate_with_budget(engine: RolloutEngine, requests: Sequence[tuple[list[in
                                 request_id=c.request_id, params=c.params))
         for prompt, params, rid in requests:
             try:
-                pictures = (images or {}).get(rid)
-                engine.add_request(prompt, params, request_id=rid, **({"images": pictures} if pictures else {}))
+                engine.add_request(prompt, params, request_id=rid, images=(images or {}).get(rid, ()))
             except InvalidRequestError as e:
                 done(Completion([], [], "error", list(prompt), error=str(e), request_id=rid, params=params))
         start = engine.generated

@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from engines.model.images import ImageRef, decoded
+
 __all__ = ["Expanded", "VisionProcessor", "VisionPromptError", "is_vision_dir"]
 
 
@@ -117,7 +119,7 @@ class VisionProcessor:
         self.check(ids, images, where)
         if not images:
             return Expanded(list(ids), {}, [0] * len(ids))
-        pil = [im.load() if hasattr(im, "raw") else im for im in images]
+        pil = [decoded(im) for im in images]
         media, replacements = self.process_images(pil)
         out: list[int] = []
         k = 0
@@ -136,7 +138,7 @@ class VisionProcessor:
         tokens (checked against a full expansion the first time); otherwise by expanding."""
         if not images:
             return len(ids)
-        if self._counts_by_size is not False and all(hasattr(im, "size") for im in images):
+        if self._counts_by_size is not False and all(isinstance(im, ImageRef) for im in images):
             counted = self._tokens_by_size(images)
             if counted is not None:
                 n = len(ids) - len(images) + sum(counted)
