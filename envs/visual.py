@@ -3,9 +3,12 @@
 Each task is one small RGB image (56x56 by default, white background) holding 1..``max_shapes`` filled circles,
 squares and triangles in red, green or blue, drawn without antialiasing at random non-overlapping places. The
 question asks how many shapes of a kind (circles), of a colour (red) or in all there are; the answer is the count,
-0..``max_shapes``. The grader reads the last ``The answer is N`` in a response (a response that is only an integer
-counts too), so the reward is checked, not judged. Everything follows the seed: the same seed gives the same pixels
-and the same PNG bytes.
+0..``max_shapes``. The reference solution (``meta["solution"]``, what a warm start learns) lists the shapes left to
+right and then answers (``I see: red circle, blue square. The answer is 1.``): supervising what is in the picture,
+not only the count, is what lets a tiny model learn to see (trained on the bare answer, ``meta["direct_solution"]``,
+one stayed at chance for 2,000 steps). The grader reads the last ``The answer is N`` in a response (a response that
+is only an integer counts too), so the reward is checked, not judged. Everything follows the seed: the same seed
+gives the same pixels and the same PNG bytes.
 """
 
 from __future__ import annotations
@@ -115,6 +118,12 @@ def make_problem(rng: random.Random, width: int = 56, height: int = 56,
     return draw(shapes, width, height), question, answer, details
 
 
+def describe(shapes: list[dict[str, Any]]) -> str:
+    """The shapes left to right (top to bottom where two start at one column), e.g. ``red circle, blue square``."""
+    ordered = sorted(shapes, key=lambda s: (s["box"][0], s["box"][1]))
+    return ", ".join(f"{s['colour']} {s['kind']}" for s in ordered)
+
+
 def extract_answer(response: str) -> str | None:
     """The integer after the last ``The answer is`` in ``response``, else the response itself when it is only an
     integer (``3`` or ``3.``), else None."""
@@ -152,7 +161,8 @@ class ShapesEnv(Env):
             image, question, answer, details = make_problem(rng, width, height, max_shapes)
             text = f"{question} {INSTRUCTION}"
             messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": text}]}]
-            meta = details | {"solution": f" The answer is {answer}."}
+            meta = details | {"solution": f" I see: {describe(details['shapes'])}. The answer is {answer}.",
+                              "direct_solution": f" The answer is {answer}."}
             tasks.append(Task(task_id, text, str(answer), meta, messages=messages,
                               images=(ImageRef.of(image, where=f"{task_id} image"),)))
         return tasks

@@ -102,7 +102,9 @@ def test_task_layout():
     assert image_parts(task.messages) == len(task.images) == 1
     image = task.images[0].load()
     assert image.size == (48, 40) and image.mode == "RGB" and task.images[0].where == "shapes-0-0 image"
-    assert task.meta["solution"] == f" The answer is {task.answer}."
+    listed = ", ".join(f"{s['colour']} {s['kind']}" for s in sorted(task.meta["shapes"], key=lambda s: s["box"][:2]))
+    assert task.meta["solution"] == f" I see: {listed}. The answer is {task.answer}."
+    assert task.meta["direct_solution"] == f" The answer is {task.answer}."
 
 
 def test_grading():

@@ -1,6 +1,8 @@
-"""The tiny vision-language warm start (``rl.setup.vision_warmstart``): a few SFT steps on shapes tasks lower the
-loss, and the saved directory loads in transformers (``AutoModelForImageTextToText`` + ``AutoProcessor``) and in the
-project's ``VisionProcessor``, with an image of a shapes task becoming ``(image_size / 28) ** 2`` image tokens."""
+"""The tiny vision-language warm start (``rl.setup.vision_warmstart``), as ``rl train`` builds it for an environment
+with images (``model.path`` null, ``env.name: shapes``): a few SFT steps on shapes tasks lower the loss, the result is
+cached by its settings, and the saved directory loads in transformers (``AutoModelForImageTextToText`` +
+``AutoProcessor``) and in the project's ``VisionProcessor``, with an image of a shapes task becoming
+``(image_size / 28) ** 2`` image tokens."""
 
 from __future__ import annotations
 
@@ -8,23 +10,32 @@ import json
 
 import torch
 
+TINY = {"env": {"name": "shapes"},
+        "warmstart": {"steps": 60, "batch_size": 8, "lr": 3e-3, "num_examples": 64, "vocab_size": 320,
+                      "architecture": {"hidden_size": 64, "num_attention_heads": 2, "num_key_value_heads": 1,
+                                       "intermediate_size": 128, "num_hidden_layers": 2},
+                      "vision": {"hidden_size": 64, "num_heads": 2}}}
 
-def test_a_few_sft_steps_lower_the_loss_and_the_directory_loads(tmp_path):
+
+def test_a_few_sft_steps_lower_the_loss_and_the_directory_loads():
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
     from engines.model.hf.backend import load_hf_model
     from engines.model.text.processor import VisionProcessor
-    from rl.setup.vision_warmstart import VisionWarmStart, build_vision_warm_start, shapes_tasks
+    from rl.config import parse_config
+    from rl.setup.vision_warmstart import shapes_tasks
+    from rl.setup.warmstart import prepare_model
 
-    rows = []
-    recipe = VisionWarmStart(steps=12, batch_size=8, lr=3e-3, num_examples=64, seed=0, image_size=56, eval_tasks=0,
-                             hidden=64, heads=2, kv_heads=1, intermediate=128, vision_dim=64, vision_heads=2)
-    target = build_vision_warm_start(tmp_path / "vw", recipe, progress=rows.append, log_every=1)
-    losses = [r["loss"] for r in rows]
-    assert len(losses) == 12 and all(v == v for v in losses)
-    assert sum(losses[-3:]) / 3 < 0.8 * sum(losses[:3]) / 3, losses
+    target = prepare_model(parse_config(TINY))  # the session's cache: the run below reuses it
     info = json.loads((target / "vision_warmstart.json").read_text())
-    assert info["recipe"]["steps"] == 12 and not (tmp_path / "vw.tmp").exists()
+    losses = [r["loss"] for r in info["log"]]
+    assert len(losses) == 60 and all(v == v for v in losses)
+    assert sum(losses[-3:]) / 3 < 0.8 * sum(losses[:3]) / 3, losses
+    assert info["recipe"]["steps"] == 60 and info["recipe"]["hidden"] == 64 and info["recipe"]["vision_dim"] == 64
+    assert not target.with_name(target.name + ".tmp").exists()
+    assert prepare_model(parse_config(TINY)) == target  # cached by its settings
+    other = prepare_model(parse_config({**TINY, "warmstart": {**TINY["warmstart"], "steps": 1}}))
+    assert other != target and json.loads((other / "vision_warmstart.json").read_text())["recipe"]["steps"] == 1
 
     model = AutoModelForImageTextToText.from_pretrained(target)
     processor = AutoProcessor.from_pretrained(target)
@@ -45,3 +56,55 @@ def test_a_few_sft_steps_lower_the_loss_and_the_directory_loads(tmp_path):
     ours = load_hf_model(target)
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), ours.hf_model.state_dict().values(),
                                                  strict=True))
+
+
+def test_a_language_model_vllm_cannot_attend_with_on_cpu_is_refused_in_one_line(tmp_path, monkeypatch):
+    import pytest
+
+    from rl.config import parse_config
+    from rl.errors import UserError
+    from rl.setup.warmstart import prepare_model
+
+    monkeypatch.setenv("RL_CACHE_DIR", str(tmp_path))
+    arch = {**TINY["warmstart"]["architecture"], "num_attention_heads": 4, "num_key_value_heads": 2}  # head_dim 16
+    with pytest.raises(UserError, match=r"hidden_size / num_attention_heads = 32 .*got 64 / 4"):
+        prepare_model(parse_config({**TINY, "warmstart": {**TINY["warmstart"], "architecture": arch}}))
+    assert not any(tmp_path.glob("warmstart-*/config.json"))
+
+
+def test_rl_train_on_shapes_updates_vllm_exactly_and_saves_a_vision_language_model(ray_cluster, tmp_path):
+    """``rl train`` on the ``shapes`` environment with no model.path: the vision warm start above, rollouts with
+    images on vLLM (chosen automatically), an update of both towers moved into vLLM in place, after which vLLM's
+    log-probs of what it samples equal the trainer's (fp32), and a ``final/`` that transformers loads as an
+    image-text-to-text model with its processor."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from rl.api import train
+    from rl.config import parse_config
+    from rl.setup.warmstart import prepare_model
+
+    if not __import__("engines.inference.vllm_engine", fromlist=["x"]).vllm_available():
+        import pytest
+
+        pytest.skip("vLLM is not installed here (make setup installs it)")
+    raw = {**TINY, "env": {"name": "shapes", "num_train": 64, "num_eval": 8},
+           "run": {"iterations": 2, "eval_every": 2, "save_every": 2},
+           "rollout": {"prompts_per_iteration": 4, "samples_per_prompt": 4, "max_tokens": 40, "max_batch": 16,
+                       "kv_cache_mb": 64},
+           "algorithm": {"drop_equal_reward_groups": False, "minibatches": 1},
+           "optimizer": {"lr": 1e-2}, "checkpoint_engine": {"bucket_mb": 0.01}}
+    summary = train(raw, tmp_path / "run")
+    assert summary["iterations"] == 2
+    records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["loss"] == r["loss"] for r in records)
+    # iteration 1 samples with the weights iteration 0 trained (both towers, moved into vLLM in place)
+    assert records[1]["logprob_diff_mean"] <= 1e-5, records[1]["logprob_diff_mean"]
+    final = tmp_path / "run" / "final"
+    model = AutoModelForImageTextToText.from_pretrained(final)
+    assert type(model).__name__ == "Qwen2VLForConditionalGeneration"
+    assert AutoProcessor.from_pretrained(final).image_token == "<|image_pad|>"
+    start = load_file(str(prepare_model(parse_config(raw)) / "model.safetensors"))
+    trained = load_file(str(final / "model.safetensors"))
+    moved = [k for k in start if not torch.equal(start[k], trained[k])]
+    assert any("visual" in k for k in moved) and any("visual" not in k for k in moved)

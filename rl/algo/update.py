@@ -22,6 +22,7 @@ import torch
 
 from engines.device import to_device as upload
 from engines.model.hf.vision import DocumentMedia, PackedMedia, pack_media
+from engines.model.images import ImageRef
 from engines.model.native import routing
 from engines.model.native.causal_lm import CausalLM
 from engines.training.distributed import all_reduce_tensor
@@ -80,11 +81,12 @@ def to_device(engine: TrainingEngine, batch: RankBatch) -> list[list[Micro]]:
     """Every planned micro-batch of ``batch`` as tensors on the engine's device, per optimizer step (packed and
     uploaded once, without waiting for the device)."""
     dev, out = engine.device, []
+    expanded: dict = {}  # a group's samples share their prompt and images: the processor runs once per group
     for parts in batch.steps:
         step = []
         for part in parts:
             chosen = [batch.samples[i] for i in part]
-            prompts, media = expand_images(engine, chosen)
+            prompts, media = expand_images(engine, chosen, expanded)
             host = pack(prompts, [s.response_ids for s in chosen], engine.pad_id, engine.attention)
             inv = torch.tensor(inverse_temperatures([s.temperature for s in chosen], len(chosen)),
                                dtype=torch.float32)[host.target_seq]
@@ -104,10 +106,11 @@ def to_device(engine: TrainingEngine, batch: RankBatch) -> list[list[Micro]]:
     return out
 
 
-def expand_images(engine: TrainingEngine, chosen: Sequence) -> tuple[list, list[DocumentMedia | None] | None]:
+def expand_images(engine: TrainingEngine, chosen: Sequence,
+                  cache: dict | None = None) -> tuple[list, list[DocumentMedia | None] | None]:
     """The prompts the model reads and their images: each sample's template ids with its image placeholders
     expanded by the model's processor (``engine.processor``), and its images' tensors; text-only samples as they
-    are (media None when no sample has images)."""
+    are (media None when no sample has images). ``cache`` keeps expansions by prompt and images across calls."""
     if not any(s.images for s in chosen):
         return [s.prompt_ids for s in chosen], None
     if engine.processor is None:
@@ -118,7 +121,13 @@ def expand_images(engine: TrainingEngine, chosen: Sequence) -> tuple[list, list[
             prompts.append(s.prompt_ids)
             media.append(None)
             continue
-        e = engine.processor.expand(s.prompt_ids.tolist(), s.images, f"sample {s.key}")
+        ids = s.prompt_ids.tolist()
+        key = (tuple(ids), *(im.identity() if isinstance(im, ImageRef) else id(im) for im in s.images))
+        e = cache.get(key) if cache is not None else None
+        if e is None:
+            e = engine.processor.expand(ids, s.images, f"sample {s.key}")
+            if cache is not None:
+                cache[key] = e
         prompts.append(e.ids)
         media.append(DocumentMedia(e.media, e.mm_token_type_ids))
     return prompts, media

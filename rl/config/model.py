@@ -57,6 +57,17 @@ class Architecture(Strict):
                 "topk_group": 1, "rope_interleave": False}
 
 
+class VisionTower(Strict):
+    """The vision side of the warm start built for an environment whose tasks carry images (a tiny Qwen2-VL whose
+    language model is ``warmstart.architecture``'s sizes: rl.setup.vision_warmstart)."""
+
+    image_size: int = Field(56, ge=28, multiple_of=28, description="pixels a side every picture is resized to: "
+                                                                    "(image_size / 28)^2 image tokens")
+    depth: int = Field(1, ge=1, description="transformer blocks of the vision tower")
+    hidden_size: int = Field(128, ge=8, description="width of the vision tower")
+    num_heads: int = Field(4, ge=1)
+
+
 class WarmStartConfig(Strict):
     """SFT of the embedded tiny model on reference solutions, cached by these settings."""
 
@@ -69,6 +80,7 @@ class WarmStartConfig(Strict):
         "k2", description="special tokens and chat template of the trained tokenizer, as a family ships them: k2 "
                           "(Kimi K2), chatml (Qwen), llama3, mistral; EOS is the family's end of turn")
     architecture: Architecture = Architecture()
+    vision: VisionTower = VisionTower()
     seed: int = 0
 
 

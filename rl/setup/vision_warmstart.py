@@ -48,8 +48,9 @@ from engines.model.text.tokenizer import TextTokenizer, train_tokenizer
 from engines.training.engine import TrainingEngine
 from engines.training.optim import build_optimizers
 from engines.training.packing import pack
-from envs.base import Task
+from envs.base import Env, Task
 from envs.visual import ShapesEnv
+from rl.config.model import WarmStartConfig
 from rl.seeds import derive, warmstart_seed
 
 __all__ = ["QWEN_VL_STYLE", "VisionWarmStart", "build_vision_warm_start", "greedy_accuracy", "sft_step",
@@ -82,7 +83,9 @@ class VisionWarmStart:
     vision_depth: int = 1
     vision_dim: int = 128
     vision_heads: int = 4
+    max_positions: int = 512
     eval_tasks: int = 200
+    max_new_tokens: int = 48
 
 
 DEFAULTS = VisionWarmStart()
@@ -90,6 +93,17 @@ DEFAULTS = VisionWarmStart()
 
 def shapes_tasks(n: int, seed: int) -> list[Task]:
     return ShapesEnv.generate_tasks(n, seed)
+
+
+def from_config(ws: WarmStartConfig) -> VisionWarmStart:
+    """The recipe of a run's ``warmstart`` section: its SFT settings, ``architecture``'s sizes for the language
+    model and ``vision`` for the tower; no held-out evaluation (the run measures the warm start at its start)."""
+    a, v = ws.architecture, ws.vision
+    return VisionWarmStart(steps=ws.steps, batch_size=ws.batch_size, lr=ws.lr, num_examples=ws.num_examples,
+                           seed=ws.seed, image_size=v.image_size, vocab_size=ws.vocab_size, hidden=a.hidden_size,
+                           layers=a.num_hidden_layers, heads=a.num_attention_heads, kv_heads=a.num_key_value_heads,
+                           intermediate=a.intermediate_size, max_positions=a.max_position_embeddings,
+                           vision_depth=v.depth, vision_dim=v.hidden_size, vision_heads=v.num_heads, eval_tasks=0)
 
 
 def vision_tokenizer(tasks: Sequence[Task], vocab_size: int) -> TextTokenizer:
@@ -108,8 +122,9 @@ def tiny_qwen2_vl(tok: TextTokenizer, spec: VisionWarmStart = DEFAULTS):
     hf = tok.hf
     ids = {s: hf.convert_tokens_to_ids(s) for s in QWEN_VL_STYLE.specials}
     text = dict(hidden_size=spec.hidden, intermediate_size=spec.intermediate, num_hidden_layers=spec.layers,
-                num_attention_heads=spec.heads, num_key_value_heads=spec.kv_heads, max_position_embeddings=512,
-                vocab_size=len(hf), eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"],
+                num_attention_heads=spec.heads, num_key_value_heads=spec.kv_heads,
+                max_position_embeddings=spec.max_positions, vocab_size=len(hf), eos_token_id=ids["<|im_end|>"],
+                pad_token_id=ids["<|endoftext|>"],
                 bos_token_id=None,
                 # M-RoPE over (t, h, w): head_dim 32 -> 16 frequencies
                 rope_parameters={"rope_type": "default", "mrope_section": [4, 6, 6], "rope_theta": 10000.0})
@@ -181,24 +196,25 @@ def greedy_responses(hf_model, processor, tasks: Sequence[Task], max_new_tokens:
     return out
 
 
-def score(tasks: Sequence[Task], responses: Sequence[str]) -> float:
-    env = ShapesEnv()
+def score(env: Env, tasks: Sequence[Task], responses: Sequence[str]) -> float:
     return sum(env.score(t, r)[0] for t, r in zip(tasks, responses, strict=True)) / max(len(tasks), 1)
 
 
-def greedy_accuracy(model: HFCausalLM, processor, tasks: Sequence[Task]) -> float:
+def greedy_accuracy(model: HFCausalLM, processor, env: Env, tasks: Sequence[Task], max_new_tokens: int = 48) -> float:
     """Held-out greedy accuracy of the trainer's model (decoded by transformers' ``generate`` on its weights)."""
     was = model.training
     with plain_attention(model) as hf:
-        acc = score(tasks, greedy_responses(hf, processor, tasks))
+        acc = score(env, tasks, greedy_responses(hf, processor, tasks, max_new_tokens))
     model.train(was)
     return acc
 
 
-def build_vision_warm_start(target_dir: str | Path, spec: VisionWarmStart = DEFAULTS, *, eval_every: int = 0,
-                            log_every: int = 25, progress: Callable[[dict[str, Any]], None] | None = None) -> Path:
+def build_vision_warm_start(target_dir: str | Path, spec: VisionWarmStart = DEFAULTS, *, env: Env | None = None,
+                            tasks: Sequence[Task] | None = None, eval_every: int = 0, log_every: int = 25,
+                            progress: Callable[[dict[str, Any]], None] | None = None) -> Path:
     """Train and save the tiny vision-language warm start of recipe ``spec`` in ``target_dir`` (replaced
-    atomically); returns it.
+    atomically); returns it. ``tasks`` (each with ``meta["solution"]``) are the SFT data, by default
+    ``spec.num_examples`` of ``env``'s (by default ``shapes``); the held-out ones are ``env``'s of another seed.
 
     ``progress`` is called with a dict per logged step (every ``log_every``: ``step``, ``loss``, ``seconds``; and
     ``accuracy`` every ``eval_every`` steps and at the end; ``spec.eval_tasks`` 0 skips the evaluation). The recipe
@@ -207,8 +223,11 @@ def build_vision_warm_start(target_dir: str | Path, spec: VisionWarmStart = DEFA
     started = time.perf_counter()
     torch.manual_seed(warmstart_seed(seed))
     rng = random.Random(warmstart_seed(seed))
-    tasks = shapes_tasks(spec.num_examples, derive("vision_warmstart_tasks", seed))
-    held_out = shapes_tasks(spec.eval_tasks, HELD_OUT_SEED) if spec.eval_tasks else []
+    env = env if env is not None else ShapesEnv()
+    if tasks is None:
+        tasks = env.generate_tasks(spec.num_examples, derive("vision_warmstart_tasks", seed),
+                                   **env.generate_options)
+    held_out = env.generate_tasks(spec.eval_tasks, HELD_OUT_SEED, **env.generate_options) if spec.eval_tasks else []
     tok = vision_tokenizer(tasks, spec.vocab_size)
     cfg, processor = tiny_qwen2_vl(tok, spec)
     vp = VisionProcessor(processor, "vision warm start")
@@ -228,7 +247,7 @@ def build_vision_warm_start(target_dir: str | Path, spec: VisionWarmStart = DEFA
     def report(step: int, loss: float, evaluate: bool) -> None:
         row: dict[str, Any] = {"step": step, "loss": round(loss, 4)}
         if evaluate and held_out:
-            row["accuracy"] = greedy_accuracy(model, processor, held_out)
+            row["accuracy"] = greedy_accuracy(model, processor, env, held_out, spec.max_new_tokens)
         row["seconds"] = round(time.perf_counter() - started, 1)
         log.append(row)
         if progress is not None:

@@ -86,6 +86,24 @@ def prepare_model(cfg: Config, progress: Progress | None = None) -> Path:
     return target
 
 
+def build_vision(cfg: Config, tasks: list, env, target: Path, progress: Progress | None = None) -> None:
+    """The warm start of an environment with images: rl.setup.vision_warmstart's tiny Qwen2-VL by SFT on ``tasks``
+    (``warmstart.architecture`` sizes its language model, ``warmstart.vision`` its tower)."""
+    from rl.setup.vision_warmstart import build_vision_warm_start, from_config
+
+    spec = from_config(cfg.warmstart)
+    if spec.hidden // spec.heads != 32 or spec.hidden % spec.heads:
+        raise UserError(f"warmstart.architecture: a vision-language warm start needs hidden_size / "
+                        f"num_attention_heads = 32 (vLLM's CPU attention), got {spec.hidden} / {spec.heads}")
+    bar = progress.add_task("warm start (vision SFT)", total=spec.steps) if progress else None
+
+    def step(row: dict) -> None:
+        if progress is not None:
+            progress.update(bar, completed=row["step"], description=f"warm start (vision SFT) loss {row['loss']:.3f}")
+
+    build_vision_warm_start(target, spec, env=env, tasks=tasks, log_every=1, progress=step)
+
+
 def build_warmstart(cfg: Config, target: Path, progress: Progress | None = None) -> None:
     """Train the tokenizer and the tiny model with SFT on reference solutions; save atomically. The SFT
     optimizer is MuonClip with the run's ``optimizer.qk_clip_tau``, as in K2's pre-training, so the model
@@ -98,6 +116,9 @@ def build_warmstart(cfg: Config, target: Path, progress: Progress | None = None)
         raise UserError(f"environment {name!r} cannot generate warm-start data; set model.path") from None
     if any("solution" not in t.meta for t in tasks[:1]):
         raise UserError(f"environment {name!r} gives no reference solutions; set model.path")
+    if any(t.images for t in tasks):  # a task with images: a tiny vision-language model learns them
+        build_vision(cfg, tasks, maker(**kwargs), target, progress)
+        return
     # one seed for both: torch's and Python's generators are different algorithms, their draws do not correlate
     torch.manual_seed(warmstart_seed(ws.seed))
     rng = random.Random(warmstart_seed(ws.seed))
