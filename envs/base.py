@@ -3,7 +3,9 @@
 A rollout calls ``reset(options={"task": task})`` to get the first observation (the prompt), then
 ``step(response)`` with each model response until ``terminated`` or ``truncated``. The reward comes
 from ``step``. Single-turn environments terminate on the first step; multi-turn ones return the
-next observation (tool results, a user turn) instead.
+next observation (tool results, a user turn) instead. An observation of a multi-turn environment given as chat
+messages (``info["messages"]``) may show images: ``info["images"]`` holds one per ``{"type": "image"}`` content
+part of those messages, in order (``engines.model.images.ImageRef``, a PIL image, a path or bytes).
 
 The RL loop reads an environment's optional capabilities from the class attributes and methods declared
 below with their defaults (``uses_sandbox``, ``group_level``/``score_group``, ``relative_rewards``, ``attach``,

@@ -56,6 +56,15 @@ def as_logprobs(values: Any, name: str = "logprobs") -> np.ndarray:
     return a
 
 
+def image_positions(image_token: int, ids: Any, prompt_len: int, loss_mask: Any = None) -> list[int]:
+    """Where the images stand in a sample's template ids ``ids`` (prompt, then response and observations): its
+    prompt's image placeholders and those of the environment's observations (loss mask 0). One the policy sampled
+    (loss mask 1) is text, as the rollout engine read it."""
+    return [i for i, t in enumerate(ids) if t == image_token and (
+        i < prompt_len or (loss_mask is not None and i - prompt_len < len(loss_mask)
+                           and not loss_mask[i - prompt_len]))]
+
+
 def _mask(values: Any) -> np.ndarray | None:
     if values is None:
         return None

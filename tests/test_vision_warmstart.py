@@ -7,13 +7,17 @@ cached by its settings, and the saved directory loads in transformers (``AutoMod
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import torch
+
+ROOT = Path(__file__).resolve().parents[1]
 
 TINY = {"env": {"name": "shapes"},
         "warmstart": {"steps": 60, "batch_size": 8, "lr": 3e-3, "num_examples": 64, "vocab_size": 320,
                       "architecture": {"hidden_size": 64, "num_attention_heads": 2, "num_key_value_heads": 1,
-                                       "intermediate_size": 128, "num_hidden_layers": 2},
+                                       "intermediate_size": 128, "num_hidden_layers": 2,
+                                       "max_position_embeddings": 256},
                       "vision": {"hidden_size": 64, "num_heads": 2}}}
 
 
@@ -73,10 +77,10 @@ def test_a_language_model_vllm_cannot_attend_with_on_cpu_is_refused_in_one_line(
 
 
 def test_rl_train_on_shapes_updates_vllm_exactly_and_saves_a_vision_language_model(ray_cluster, tmp_path):
-    """``rl train`` on the ``shapes`` environment with no model.path: the vision warm start above, rollouts with
-    images on vLLM (chosen automatically), an update of both towers moved into vLLM in place, after which vLLM's
-    log-probs of what it samples equal the trainer's (fp32), and a ``final/`` that transformers loads as an
-    image-text-to-text model with its processor."""
+    """``configs/shapes.yaml`` (the visual quick start) with the warm start above and a smaller batch: the run builds
+    no other warm start, rolls out with images on vLLM (chosen automatically), moves an update of both towers into
+    vLLM in place, after which vLLM's log-probs of what it samples equal the trainer's (fp32), and saves a
+    ``final/`` that transformers loads as an image-text-to-text model with its processor."""
     from safetensors.torch import load_file
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
@@ -88,13 +92,13 @@ def test_rl_train_on_shapes_updates_vllm_exactly_and_saves_a_vision_language_mod
         import pytest
 
         pytest.skip("vLLM is not installed here (make setup installs it)")
-    raw = {**TINY, "env": {"name": "shapes", "num_train": 64, "num_eval": 8},
-           "run": {"iterations": 2, "eval_every": 2, "save_every": 2},
-           "rollout": {"prompts_per_iteration": 4, "samples_per_prompt": 4, "max_tokens": 40, "max_batch": 16,
-                       "kv_cache_mb": 64},
-           "algorithm": {"drop_equal_reward_groups": False, "minibatches": 1},
-           "optimizer": {"lr": 1e-2}, "checkpoint_engine": {"bucket_mb": 0.01}}
-    summary = train(raw, tmp_path / "run")
+    small = {"warmstart": TINY["warmstart"], "env.num_train": 64, "env.num_eval": 8, "run.iterations": 2,
+             "run.eval_every": 2, "run.save_every": 2, "rollout.prompts_per_iteration": 4,
+             "rollout.samples_per_prompt": 4, "rollout.max_tokens": 40, "rollout.max_batch": 16,
+             "rollout.kv_cache_mb": 64, "algorithm.minibatches": 1, "algorithm.drop_equal_reward_groups": False,
+             "optimizer.lr": 1e-2,
+             "checkpoint_engine.bucket_mb": 0.01}
+    summary = train(ROOT / "configs" / "shapes.yaml", tmp_path / "run", overrides=small)
     assert summary["iterations"] == 2
     records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert all(r["loss"] == r["loss"] for r in records)
@@ -104,7 +108,7 @@ def test_rl_train_on_shapes_updates_vllm_exactly_and_saves_a_vision_language_mod
     model = AutoModelForImageTextToText.from_pretrained(final)
     assert type(model).__name__ == "Qwen2VLForConditionalGeneration"
     assert AutoProcessor.from_pretrained(final).image_token == "<|image_pad|>"
-    start = load_file(str(prepare_model(parse_config(raw)) / "model.safetensors"))
+    start = load_file(str(prepare_model(parse_config(TINY)) / "model.safetensors"))
     trained = load_file(str(final / "model.safetensors"))
     moved = [k for k in start if not torch.equal(start[k], trained[k])]
     assert any("visual" in k for k in moved) and any("visual" not in k for k in moved)

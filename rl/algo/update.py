@@ -18,6 +18,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from engines.device import to_device as upload
@@ -25,6 +26,7 @@ from engines.model.hf.vision import DocumentMedia, PackedMedia, pack_media
 from engines.model.images import ImageRef
 from engines.model.native import routing
 from engines.model.native.causal_lm import CausalLM
+from engines.model.text.processor import Expanded
 from engines.training.distributed import all_reduce_tensor
 from engines.training.engine import NonFiniteError, StepMetrics, TokenScores, TrainingEngine, inverse_temperatures
 from engines.training.packing import PackedBatch, pack
@@ -33,6 +35,7 @@ from rl.algo.batches import PtxShare, RankBatch
 from rl.algo.mismatch import correct
 from rl.algo.mismatch import metrics as correction_metrics
 from rl.algo.objectives import Objective, clip_fraction, clipped_surrogate, k15_loss, kl_to_reference, token_weights
+from rl.sample import image_positions
 from rl.settings import UpdateSettings
 
 
@@ -86,14 +89,16 @@ def to_device(engine: TrainingEngine, batch: RankBatch) -> list[list[Micro]]:
         step = []
         for part in parts:
             chosen = [batch.samples[i] for i in part]
-            prompts, media = expand_images(engine, chosen, expanded)
-            host = pack(prompts, [s.response_ids for s in chosen], engine.pad_id, engine.attention)
+            prompts, media, turns = expand_images(engine, chosen, expanded)
+            responses = [t.response_ids if t else s.response_ids for s, t in zip(chosen, turns, strict=True)]
+            host = pack(prompts, responses, engine.pad_id, engine.attention)
             inv = torch.tensor(inverse_temperatures([s.temperature for s in chosen], len(chosen)),
                                dtype=torch.float32)[host.target_seq]
-            width = max(len(s.response_ids) for s in chosen)
-            own = _rows([s.loss_mask if s.loss_mask is not None else [1] * len(s.response_ids) for s in chosen],
-                        width, torch.bool)
-            sampler = upload(_rows([s.logprobs for s in chosen], width, torch.float32), dev)
+            width = max(len(r) for r in responses)
+            own = _rows([t.loss_mask if t else s.loss_mask if s.loss_mask is not None else [1] * len(s.response_ids)
+                         for s, t in zip(chosen, turns, strict=True)], width, torch.bool)
+            sampler = upload(_rows([t.logprobs if t else s.logprobs for s, t in zip(chosen, turns, strict=True)],
+                                   width, torch.float32), dev)
             step.append(Micro(
                 index=part, packed=host.to(dev), inv_temp=upload(inv, dev), own=upload(own, dev), sampler=sampler,
                 old=sampler,
@@ -106,31 +111,61 @@ def to_device(engine: TrainingEngine, batch: RankBatch) -> list[list[Micro]]:
     return out
 
 
-def expand_images(engine: TrainingEngine, chosen: Sequence,
-                  cache: dict | None = None) -> tuple[list, list[DocumentMedia | None] | None]:
+@dataclass
+class ExpandedTurns:
+    """A multi-turn sample whose observations show images, as the model reads it: the response with each
+    observation image's placeholder expanded, and its loss mask and sampler log-probs laid out to match (0 on the
+    image tokens)."""
+
+    response_ids: list[int]
+    loss_mask: np.ndarray
+    logprobs: np.ndarray
+
+
+def expand_images(engine: TrainingEngine, chosen: Sequence, cache: dict | None = None
+                  ) -> tuple[list, list[DocumentMedia | None] | None, list[ExpandedTurns | None]]:
     """The prompts the model reads and their images: each sample's template ids with its image placeholders
     expanded by the model's processor (``engine.processor``), and its images' tensors; text-only samples as they
-    are (media None when no sample has images). ``cache`` keeps expansions by prompt and images across calls."""
+    are (media None when no sample has images). A sample whose observations show images also gets its response
+    expanded (``ExpandedTurns``; None for the others). ``cache`` keeps prompt expansions across calls."""
+    turns: list[ExpandedTurns | None] = [None] * len(chosen)
     if not any(s.images for s in chosen):
-        return [s.prompt_ids for s in chosen], None
-    if engine.processor is None:
+        return [s.prompt_ids for s in chosen], None, turns
+    vp = engine.processor
+    if vp is None:
         raise ValueError("samples carry images, but the policy is a text-only model")
     prompts, media = [], []
-    for s in chosen:
+    for j, s in enumerate(chosen):
         if not s.images:
             prompts.append(s.prompt_ids)
             media.append(None)
             continue
         ids = s.prompt_ids.tolist()
+        if vp.placeholders(ids) < len(s.images):  # images in the observations too: the whole conversation
+            e, turns[j] = _expand_turns(vp, s)
+            prompts.append(e.ids[:len(e.ids) - len(turns[j].response_ids)])
+            media.append(DocumentMedia(e.media, e.mm_token_type_ids))
+            continue
         key = (tuple(ids), *(im.identity() if isinstance(im, ImageRef) else id(im) for im in s.images))
         e = cache.get(key) if cache is not None else None
         if e is None:
-            e = engine.processor.expand(ids, s.images, f"sample {s.key}")
+            e = vp.expand(ids, s.images, f"sample {s.key}")
             if cache is not None:
                 cache[key] = e
         prompts.append(e.ids)
         media.append(DocumentMedia(e.media, e.mm_token_type_ids))
-    return prompts, media
+    return prompts, media, turns
+
+
+def _expand_turns(vp, s) -> tuple[Expanded, ExpandedTurns]:
+    """The whole conversation of ``s`` expanded (prompt and observations' images, in order), and its response."""
+    p = len(s.prompt_ids)
+    own = s.loss_mask if s.loss_mask is not None else np.ones(len(s.response_ids), dtype=bool)
+    ids = [*s.prompt_ids.tolist(), *s.response_ids.tolist()]
+    e = vp.expand(ids, s.images, f"sample {s.key}", at=image_positions(vp.image_token_id, ids, p, own))
+    origin = np.asarray(e.origin)
+    tail = origin[origin >= p] - p  # each response token's original position (an image's: its placeholder's)
+    return e, ExpandedTurns(e.ids[len(e.ids) - len(tail):], np.asarray(own)[tail], np.asarray(s.logprobs)[tail])
 
 
 def _moe_shape(engine: TrainingEngine) -> tuple[int, int] | None:

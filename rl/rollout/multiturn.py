@@ -9,7 +9,11 @@ mask 1, with the sampler's log-probs) and the environment's observations. An env
 conversation as chat messages (``info["messages"]``, e.g. the tool-using SWE environment) is rendered with the
 tokenizer's own chat template (``engines.model.text.conversation``: observations are the template's text between the
 model's turns) and parses calls in the model family's format (``model.tool_format``, detected from the template);
-a turn the template cannot render ends the episode there as truncated. An episode ends when the environment says
+a turn the template cannot render ends the episode there as truncated. An observation may show images: the
+environment returns them in ``info["images"]`` (ImageRef, PIL image, path or bytes), one per ``{"type": "image"}``
+part of its observation messages, in order; they join the sample's images (the rollout engine gets all of them with
+each turn, the trainer expands their placeholders where they stand in the conversation), and the context counts
+their tokens. An episode ends when the environment says
 so, after ``rollout.max_turns`` turns (truncated: its task type's truncation penalty), or when the conversation no
 longer fits the context; an environment error drops that sample and is counted. The environments live here, not
 in the sample: a paused episode waits in the partial-rollout buffer with its environment kept here.
@@ -21,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engines.inference.sampling import SamplingParams
+from engines.model.images import ImageError, ImageRef
 from engines.model.text.chat_format import ChatFormatError, ToolFormat, detect_format
 from engines.model.text.conversation import Conversation
 from engines.model.text.tokenizer import TextTokenizer
@@ -28,7 +33,7 @@ from envs import Env, Task
 from rl.config import EnvConfig
 from rl.errors import UserError
 from rl.rollout.episodes import EpisodeRunner
-from rl.sample import Sample
+from rl.sample import Sample, image_positions
 from rl.seeds import episode_seed, turn_seed
 
 
@@ -61,10 +66,23 @@ class Episodes:
                 raise UserError(f"model.tool_format: {err}") from None
         return self._format
 
+    def _image_tokens(self, s: Sample, more: list[int] | None = None, images: tuple = ()) -> int:
+        """The tokens the sample's images (and ``images`` of the observation ``more``) add to its template ids: each
+        placeholder becomes the tokens the model reads for its image."""
+        vp = getattr(self.tok, "processor", None)
+        pictures = (*s.images, *images)
+        if not pictures or vp is None:
+            return 0
+        more = list(more or ())
+        own = s.loss_mask.tolist() if s.loss_mask is not None else [1] * len(s.response_ids)
+        ids = [*s.prompt_ids.tolist(), *s.response_ids.tolist(), *more]
+        at = image_positions(vp.image_token_id, ids, len(s.prompt_ids), own + [0] * len(more))
+        return vp.expanded_length([vp.image_token_id] * len(at), pictures, f"sample {s.key}") - len(at)
+
     def _params(self, s: Sample) -> SamplingParams:
         """The next turn's sampling: the sample's temperature, its task type's budget within what the context leaves,
         the turn's own seed (from the iteration it was drawn in)."""
-        room = self.context - len(s.prompt_ids) - len(s.response_ids)
+        room = self.context - len(s.prompt_ids) - len(s.response_ids) - self._image_tokens(s)
         seed = turn_seed(episode_seed(self.run_seed, s.started), s.key, s.turns)
         return SamplingParams(s.temperature, max(min(s.task_type.max_tokens, room), 1), seed=seed)
 
@@ -89,8 +107,15 @@ class Episodes:
             if info.get("messages") and self.tok.has_chat_template:
                 ep.conv = Conversation(self.tok, info["messages"], info.get("tools"), fmt)
                 s.prompt_ids = ep.conv.prompt_ids
+                images = info.get("images") or ()
             else:
                 s.prompt_ids = self.tok.prompt_ids(ep.task) if ep.task.messages else self.tok.encode(obs)
+                images = ep.task.images
+            try:
+                s.images = self._images(s, images, s.prompt_ids.tolist(), "first observation")
+            except (ImageError, ValueError) as e:
+                s.status, s.error = "error", str(e)
+                continue
             s.params = self._params(s)
         self.close([s.key for s in samples if s.done])
 
@@ -134,14 +159,37 @@ class Episodes:
                 s.status = "truncated"
                 self.template_errors += 1
                 return
+        elif info.get("images"):
+            s.status, s.error = "error", ("an observation with images needs chat messages: return them in "
+                                          "info['messages'] from reset and step")
+            return
         else:
             obs_ids = self.tok.encode(obs)
-        if len(s.prompt_ids) + len(s.response_ids) + len(obs_ids) + 1 >= self.context:
+        try:
+            images = self._images(s, info.get("images") or (), obs_ids, f"observation {s.turns}")
+        except (ImageError, ValueError) as e:
+            s.status, s.error = "error", str(e)
+            return
+        added = self._image_tokens(s, obs_ids, images[len(s.images):])
+        if len(s.prompt_ids) + len(s.response_ids) + len(obs_ids) + added + 1 >= self.context:
             s.status = "truncated"  # no room for another turn
             return
         s.observe(obs_ids)  # appended in place; the next turn starts after it
+        s.images = images
         s.status = "running"
         s.params = self._params(s)
+
+    def _images(self, s: Sample, given, ids: list[int], what: str) -> tuple:
+        """The sample's images with those of ``what`` (template ids ``ids``) appended; ValueError (one line) when
+        they do not match its image placeholders, or the model takes no images."""
+        vp = getattr(self.tok, "processor", None)
+        if vp is None:
+            if given:
+                raise ValueError(f"{what} has images, but {self.tok.source} is a text-only model's tokenizer")
+            return s.images
+        refs = tuple(ImageRef.of(im, f"sample {s.key} {what} image {j}") for j, im in enumerate(given))
+        vp.check(ids, refs, f"sample {s.key} {what}")
+        return (*s.images, *refs)
 
     def close(self, keys: list[int]) -> None:
         """Close the environments of the samples ``keys`` (ended or dropped); None of the others."""

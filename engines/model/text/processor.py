@@ -14,7 +14,7 @@ costs the context and the budget, known before rollout.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +49,8 @@ class Expanded:
     ids: list[int]
     media: dict[str, torch.Tensor]
     mm_token_type_ids: list[int]
+    #: for each token of ``ids``, the index of the template id it comes from (an image's tokens: its placeholder's)
+    origin: list[int] = field(default_factory=list)
 
 
 class VisionProcessor:
@@ -113,24 +115,35 @@ class VisionProcessor:
                  if k not in getattr(self.hf, "unused_input_names", ())}
         return media, replacements
 
-    def expand(self, ids: Sequence[int], images: Sequence[Any], where: str = "prompt") -> Expanded:
+    def expand(self, ids: Sequence[int], images: Sequence[Any], where: str = "prompt",
+               at: Sequence[int] | None = None) -> Expanded:
         """Template ids with their images (``engines.model.images.ImageRef`` or PIL images) made into what the model's
-        forward takes (see ``Expanded``)."""
-        self.check(ids, images, where)
+        forward takes (see ``Expanded``). ``at``: the positions of the placeholders that are images (default: every
+        one); another placeholder token stays as the text it is (type 0), as one a policy sampled."""
+        if at is None:
+            self.check(ids, images, where)
+            at = [i for i, t in enumerate(ids) if t == self.image_token_id]
+        elif len(at) != len(images) or any(ids[i] != self.image_token_id for i in at):
+            raise VisionPromptError(f"{where}: {len(at)} image position(s) for {len(images)} image(s)")
+        elif self.max_images is not None and len(images) > self.max_images:
+            raise VisionPromptError(f"{where}: {len(images)} images, more than the model's limit of "
+                                    f"{self.max_images} per prompt")
         if not images:
-            return Expanded(list(ids), {}, [0] * len(ids))
+            return Expanded(list(ids), {}, [0] * len(ids), list(range(len(ids))))
         pil = [decoded(im) for im in images]
         media, replacements = self.process_images(pil)
         out: list[int] = []
-        k = 0
-        for t in ids:
-            if t == self.image_token_id:
-                out.extend(self.tokenizer.encode(replacements[k], add_special_tokens=False))
-                k += 1
-            else:
-                out.append(int(t))
-        types = [int(x) for x in self.hf.create_mm_token_type_ids([out])[0]]
-        return Expanded(out, media, types)
+        origin: list[int] = []
+        images_at = dict(zip(at, replacements, strict=True))
+        for i, t in enumerate(ids):
+            rep = self.tokenizer.encode(images_at[i], add_special_tokens=False) if i in images_at else [int(t)]
+            out.extend(rep)
+            origin.extend([i] * len(rep))
+        # an image's tokens are typed as the processor types them; every other token is text (0), a placeholder
+        # or video token the policy sampled included
+        types = [int(x) if origin[j] in images_at else 0
+                 for j, x in enumerate(self.hf.create_mm_token_type_ids([out])[0])]
+        return Expanded(out, media, types, origin)
 
     def expanded_length(self, ids: Sequence[int], images: Sequence[Any], where: str = "prompt") -> int:
         """The number of tokens the model reads for template ids with their images. From the images' sizes alone
