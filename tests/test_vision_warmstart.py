@@ -112,3 +112,20 @@ def test_rl_train_on_shapes_updates_vllm_exactly_and_saves_a_vision_language_mod
     trained = load_file(str(final / "model.safetensors"))
     moved = [k for k in start if not torch.equal(start[k], trained[k])]
     assert any("visual" in k for k in moved) and any("visual" not in k for k in moved)
+    # vLLM serves final/ as it is: its greedy answers to held-out pictures are transformers' own
+    from engines.inference.sampling import SamplingParams
+    from engines.inference.vllm_engine import VllmEngine
+    from engines.model.text.processor import VisionProcessor
+    from rl.setup.vision_warmstart import greedy_responses, shapes_tasks
+
+    tasks, vp = shapes_tasks(4, seed=11), VisionProcessor.load(final)
+    want = greedy_responses(model, AutoProcessor.from_pretrained(final), tasks, max_new_tokens=12)
+    engine = VllmEngine(final, [vp.tokenizer.eos_token_id], max_seq_len=256, max_num_seqs=4,
+                        kv_cache_bytes=32 << 20, dtype="float32")
+    try:
+        outs = engine.generate([vp.render(t.messages) for t in tasks], SamplingParams(0.0, 12),
+                               images=[t.images for t in tasks])
+    finally:
+        engine.close()
+    got = [vp.tokenizer.decode(o.token_ids, skip_special_tokens=True) for o in outs]
+    assert got == want and any(got)
