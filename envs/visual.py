@@ -6,7 +6,7 @@ question asks how many shapes of a kind (circles), of a colour (red) or in all t
 0..``max_shapes``. The reference solution (``meta["solution"]``, what a warm start learns) lists the shapes left to
 right and then answers (``I see: red circle, blue square. The answer is 1.``): supervising what is in the picture,
 not only the count, is what lets a tiny model learn to see (trained on the bare answer, ``meta["direct_solution"]``,
-one stayed at chance for 2,000 steps). The grader reads the last ``The answer is N`` in a response (a response that
+one stayed at chance for 1,600 steps). The grader reads the last ``The answer is N`` in a response (a response that
 is only an integer counts too), so the reward is checked, not judged. Everything follows the seed: the same seed
 gives the same pixels and the same PNG bytes.
 """

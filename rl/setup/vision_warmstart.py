@@ -24,7 +24,7 @@ rl.setup.vision_warmstart TARGET [--steps ...]`` builds one with a held-out accu
 ``configs/shapes.yaml``'s recipe (hidden 128, 4 layers, 4 heads of 32, a 1-block tower of width 128, 112 px images
 = 16 image tokens, 200 steps of 32 at Muon lr 3e-3); on the ``shapes`` reference solutions (the shapes listed, then
 the answer) its curve was 0.405 held-out greedy accuracy at 250 steps, 0.605 at 500, 0.685 at 750 (one seed, 2
-cores, about 0.3 s a step). Trained on the bare answer, a 56 px model stayed at chance (about 0.24) for 2,000 steps.
+cores, about 0.3 s a step). Trained on the bare answer, a 56 px model stayed at chance (about 0.24) for 1,600 steps.
 """
 
 from __future__ import annotations
