@@ -90,15 +90,17 @@ def to_device(engine: TrainingEngine, batch: RankBatch) -> list[list[Micro]]:
         for part in parts:
             chosen = [batch.samples[i] for i in part]
             prompts, media, turns = expand_images(engine, chosen, expanded)
-            responses = [t.response_ids if t else s.response_ids for s, t in zip(chosen, turns, strict=True)]
-            host = pack(prompts, responses, engine.pad_id, engine.attention)
+            # each response as the model reads it: a multi-turn one with observation images expanded, the rest as is
+            responses, masks, logprobs = zip(*(
+                (t.response_ids, t.loss_mask, t.logprobs) if t else
+                (s.response_ids, s.loss_mask if s.loss_mask is not None else [1] * len(s.response_ids), s.logprobs)
+                for s, t in zip(chosen, turns, strict=True)), strict=True)
+            host = pack(prompts, list(responses), engine.pad_id, engine.attention)
             inv = torch.tensor(inverse_temperatures([s.temperature for s in chosen], len(chosen)),
                                dtype=torch.float32)[host.target_seq]
             width = max(len(r) for r in responses)
-            own = _rows([t.loss_mask if t else s.loss_mask if s.loss_mask is not None else [1] * len(s.response_ids)
-                         for s, t in zip(chosen, turns, strict=True)], width, torch.bool)
-            sampler = upload(_rows([t.logprobs if t else s.logprobs for s, t in zip(chosen, turns, strict=True)],
-                                   width, torch.float32), dev)
+            own = _rows(masks, width, torch.bool)
+            sampler = upload(_rows(logprobs, width, torch.float32), dev)
             step.append(Micro(
                 index=part, packed=host.to(dev), inv_temp=upload(inv, dev), own=upload(own, dev), sampler=sampler,
                 old=sampler,

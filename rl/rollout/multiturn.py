@@ -79,10 +79,13 @@ class Episodes:
         at = image_positions(vp.image_token_id, ids, len(s.prompt_ids), own + [0] * len(more))
         return vp.expanded_length([vp.image_token_id] * len(at), pictures, f"sample {s.key}") - len(at)
 
-    def _params(self, s: Sample) -> SamplingParams:
-        """The next turn's sampling: the sample's temperature, its task type's budget within what the context leaves,
-        the turn's own seed (from the iteration it was drawn in)."""
-        room = self.context - len(s.prompt_ids) - len(s.response_ids) - self._image_tokens(s)
+    def _params(self, s: Sample, image_tokens: int | None = None) -> SamplingParams:
+        """The next turn's sampling: the sample's temperature, its task type's budget within what the context leaves
+        (``image_tokens``: what its images add, counted here when not given), the turn's own seed (from the iteration
+        it was drawn in)."""
+        if image_tokens is None:
+            image_tokens = self._image_tokens(s)
+        room = self.context - len(s.prompt_ids) - len(s.response_ids) - image_tokens
         seed = turn_seed(episode_seed(self.run_seed, s.started), s.key, s.turns)
         return SamplingParams(s.temperature, max(min(s.task_type.max_tokens, room), 1), seed=seed)
 
@@ -170,14 +173,14 @@ class Episodes:
         except (ImageError, ValueError) as e:
             s.status, s.error = "error", str(e)
             return
-        added = self._image_tokens(s, obs_ids, images[len(s.images):])
-        if len(s.prompt_ids) + len(s.response_ids) + len(obs_ids) + added + 1 >= self.context:
+        image_tokens = self._image_tokens(s, obs_ids, images[len(s.images):])  # with the observation's
+        if len(s.prompt_ids) + len(s.response_ids) + len(obs_ids) + image_tokens + 1 >= self.context:
             s.status = "truncated"  # no room for another turn
             return
         s.observe(obs_ids)  # appended in place; the next turn starts after it
         s.images = images
         s.status = "running"
-        s.params = self._params(s)
+        s.params = self._params(s, image_tokens)
 
     def _images(self, s: Sample, given, ids: list[int], what: str) -> tuple:
         """The sample's images with those of ``what`` (template ids ``ids``) appended; ValueError (one line) when

@@ -88,6 +88,13 @@ class VisionWarmStart:
     eval_tasks: int = 200
     max_new_tokens: int = 48
 
+    def __post_init__(self) -> None:
+        if self.hidden % self.heads or self.hidden // self.heads != 32:
+            raise ValueError(f"a vision-language warm start needs hidden_size / num_attention_heads = 32 (vLLM's CPU "
+                             f"attention), got {self.hidden} / {self.heads}")
+        if self.image_size % 28:
+            raise ValueError(f"image_size {self.image_size}: a multiple of 28 (14 px patches merged 2x2)")
+
 
 DEFAULTS = VisionWarmStart()
 
@@ -116,10 +123,6 @@ def tiny_qwen2_vl(tok: TextTokenizer, spec: VisionWarmStart = DEFAULTS):
     """(Qwen2VLConfig, Qwen2VLProcessor) of a tiny model over ``tok``'s vocabulary."""
     from transformers import Qwen2VLConfig, Qwen2VLImageProcessor, Qwen2VLProcessor, Qwen2VLVideoProcessor
 
-    if spec.hidden % spec.heads or spec.hidden // spec.heads != 32:
-        raise ValueError(f"hidden {spec.hidden} / heads {spec.heads}: head_dim must be 32 (vLLM's CPU attention)")
-    if spec.image_size % 28:
-        raise ValueError(f"image_size {spec.image_size}: a multiple of 28 (14 px patches merged 2x2)")
     hf = tok.hf
     ids = {s: hf.convert_tokens_to_ids(s) for s in QWEN_VL_STYLE.specials}
     text = dict(hidden_size=spec.hidden, intermediate_size=spec.intermediate, num_hidden_layers=spec.layers,

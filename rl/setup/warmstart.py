@@ -91,10 +91,10 @@ def build_vision(cfg: Config, tasks: list, env, target: Path, progress: Progress
     (``warmstart.architecture`` sizes its language model, ``warmstart.vision`` its tower)."""
     from rl.setup.vision_warmstart import build_vision_warm_start, from_config
 
-    spec = from_config(cfg.warmstart)
-    if spec.hidden // spec.heads != 32 or spec.hidden % spec.heads:
-        raise UserError(f"warmstart.architecture: a vision-language warm start needs hidden_size / "
-                        f"num_attention_heads = 32 (vLLM's CPU attention), got {spec.hidden} / {spec.heads}")
+    try:
+        spec = from_config(cfg.warmstart)
+    except ValueError as e:  # the recipe's own check, before anything trains
+        raise UserError(f"warmstart.architecture: {e}") from None
     bar = progress.add_task("warm start (vision SFT)", total=spec.steps) if progress else None
 
     def step(row: dict) -> None:
