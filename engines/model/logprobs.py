@@ -4,8 +4,8 @@
 for every row, and the entropy of each row's distribution, holding at most one [N, chunk] block of
 logits at a time in the forward and again in the backward (which recomputes the chunks instead of
 keeping them). Peak memory grows with N·chunk, not with N·vocabulary. Each chunk's logits are the
-matmul in the weights' dtype, then float32, exactly as the inference engine scores a token (its
-``lm_head`` output, ``.float()``, divided by the temperature), so the two agree to float32 rounding.
+matmul in the weights' dtype, then float32 (float64 for a float64 model), exactly as the inference engine scores a
+token (its ``lm_head`` output, ``.float()``, divided by the temperature), so the two agree to float32 rounding.
 """
 
 from __future__ import annotations
@@ -31,18 +31,23 @@ def _in_chunk(targets: torch.Tensor, lo: int, width: int) -> tuple[torch.Tensor,
     return inside, (targets - lo).clamp(0, width - 1)[:, None]
 
 
+def _accumulation_dtype(weight: torch.Tensor) -> torch.dtype:
+    """float32, or the weights' dtype where that is wider (a float64 model keeps float64 log-probs)."""
+    return torch.promote_types(weight.dtype, torch.float32)
+
+
 class _SelectedLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, targets, inv_temp, chunk, softcap):
         n, vocab = hidden.shape[0], weight.shape[0]
-        dev = hidden.device
-        best = torch.full((n,), float("-inf"), device=dev)
-        total = torch.zeros(n, device=dev)        # Σ exp(z - best)
-        weighted = torch.zeros(n, device=dev)     # Σ exp(z - best)·z, for the entropy
-        chosen = torch.zeros(n, device=dev)
+        dev, acc = hidden.device, _accumulation_dtype(weight)
+        best = torch.full((n,), float("-inf"), device=dev, dtype=acc)
+        total = torch.zeros(n, device=dev, dtype=acc)        # Σ exp(z - best)
+        weighted = torch.zeros(n, device=dev, dtype=acc)     # Σ exp(z - best)·z, for the entropy
+        chosen = torch.zeros(n, device=dev, dtype=acc)
         scale = inv_temp[:, None]
         for lo in range(0, vocab, chunk):
-            z = _capped((hidden @ weight[lo:lo + chunk].T).float(), softcap) * scale
+            z = _capped((hidden @ weight[lo:lo + chunk].T).to(acc), softcap) * scale
             inside, col = _in_chunk(targets, lo, z.shape[1])
             chosen = torch.where(inside, z.gather(1, col).squeeze(1), chosen)
             new_best = torch.maximum(best, z.amax(dim=-1))
@@ -63,13 +68,14 @@ class _SelectedLogprobs(torch.autograd.Function):
         hidden, weight, targets, inv_temp, lse = ctx.saved_tensors
         chunk, softcap, vocab = ctx.chunk, ctx.softcap, weight.shape[0]
         # d log p(y) / d z_v = 1[v = y] − p_v, and z = inv_temp · h·wᵀ
-        g = (grad_logp.float() * inv_temp)[:, None]
+        acc = _accumulation_dtype(weight)
+        g = (grad_logp.to(acc) * inv_temp)[:, None]
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        grad_h = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) if need_h else None
+        grad_h = torch.zeros(hidden.shape, dtype=acc, device=hidden.device) if need_h else None
         grad_w = torch.empty_like(weight) if need_w else None
         for lo in range(0, vocab, chunk):
             w = weight[lo:lo + chunk]
-            raw = (hidden @ w.T).float()
+            raw = (hidden @ w.T).to(acc)
             z = _capped(raw, softcap) * inv_temp[:, None]
             coef = torch.exp(z - lse[:, None]).mul_(-g)
             inside, col = _in_chunk(targets, lo, w.shape[0])
@@ -78,7 +84,7 @@ class _SelectedLogprobs(torch.autograd.Function):
                 coef.mul_(1 - torch.tanh(raw / softcap).square())
             coef = coef.to(hidden.dtype)
             if need_h:
-                grad_h += (coef @ w).float()
+                grad_h += (coef @ w).to(acc)
             if need_w:
                 grad_w[lo:lo + chunk] = coef.T @ hidden
         return (grad_h.to(hidden.dtype) if need_h else None), grad_w, None, None, None, None

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 #: the default group's size and this process's rank; defined beside the shards, where the checkpoint engine reads them
 world_size, rank = sharded.world_size, sharded.rank
 
-PARAM_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+PARAM_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
 
 def init_distributed(rank: int, world: int, init_method: str, device: str = "cpu", timeout_s: float = 300) -> None:
@@ -109,7 +109,8 @@ def shard_model(model: CausalLM, param_dtype: str = "float32", device: torch.dev
         dev = torch.device(device)
     if mesh is None:
         mesh = init_device_mesh(dev.type, (dist.get_world_size(),))
-    policy = MixedPrecisionPolicy(param_dtype=PARAM_DTYPES[param_dtype], reduce_dtype=torch.float32)
+    compute = PARAM_DTYPES[param_dtype]
+    policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.promote_types(compute, torch.float32))
     if reshard_after_forward is None:
         reshard_after_forward = mesh.size() > 1
     experts = None

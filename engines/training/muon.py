@@ -70,11 +70,12 @@ def newton_schulz_(x: Tensor, ns_coefficients: Sequence[float], ns_steps: int, e
     """
     if ns_steps >= 100:
         raise ValueError("Number of steps must be less than 100 for computational efficiency")
-    if x.ndim != 3 or x.dtype not in (torch.bfloat16, torch.float32):
-        raise ValueError(f"expected a bfloat16 or float32 batch of matrices [B, n, m], got {x.dtype} {tuple(x.shape)}")
+    if x.ndim != 3 or x.dtype not in (torch.bfloat16, torch.float32, torch.float64):
+        raise ValueError(f"expected a bfloat16, float32 or float64 batch of matrices [B, n, m], got {x.dtype} "
+                         f"{tuple(x.shape)}")
     if len(ns_coefficients) != 3:
         raise ValueError("Coefficients must be a tuple of exactly 3 values")
-    if x.dtype == torch.float32:  # ``ShardedMuon(ns_dtype=float32)``: float32 throughout, nothing to emulate
+    if x.dtype != torch.bfloat16:  # ``ShardedMuon(ns_dtype=float32)``: that dtype throughout, nothing to emulate
         emulate = False
     elif emulate is None:
         emulate = emulate_bf16_matmul(x.device.type)

@@ -6,7 +6,8 @@ collectives):
 - ``fsdp_all_gather``: FSDP2 gathers each unit's sharded parameters (every decoder layer, and the root: embeddings,
   head, final norm) in the compute dtype for its forward and again for its backward (resharded in between): a rank
   sends its shard to the world − 1 others; under expert parallel the routed experts are not among them.
-- ``fsdp_reduce_scatter``: each unit's gradients once, in float32: (world − 1) / world of the unit's bytes.
+- ``fsdp_reduce_scatter``: each unit's gradients once, in float32 (float64 for a float64 model): (world − 1) / world
+  of the unit's bytes.
 - ``all_to_all``: per MoE layer, the dispatch and the combine each carry tokens · top_k rows of ``hidden`` values in the
   compute dtype, of which (ep − 1) / ep leave the rank when routes spread evenly over the experts; the backward sends
   as much again, and activation checkpointing's recompute a forward's worth more.
@@ -48,7 +49,7 @@ def step_traffic(arch: ModelConfig, tokens: int, world: int, ep: int = 1, comput
     others = world - 1
     units = [d + (e if ep == 1 else 0) for d, e in zip(dense, experts, strict=True)]
     gather = sum(2 * u * compute_bytes * others // world for u in [*units, root])
-    reduce = sum(u * 4 * others // world for u in [*units, root])
+    reduce = sum(u * max(4, compute_bytes) * others // world for u in [*units, root])
     out = {"fsdp_all_gather": gather, "fsdp_reduce_scatter": reduce, "all_to_all": 0, "expert_all_gather": 0,
            "expert_reduce_scatter": 0}
     if ep > 1:
