@@ -131,7 +131,9 @@ def test_packed_routes_put_each_sequences_routes_at_its_tokens():
     from engines.training.packing import pack
     from engines.training.routes import pack_routes
 
-    model, _ = _model("qwen3_moe")
+    # float64: in float32 the packed rows' other widths sum in other orders, 2.2e-4 apart on these logits of 25 with two
+    # threads (3e-5 with one), too near the tolerance; in float64 they are 4e-15 apart and a wrong route moves units
+    model = _model("qwen3_moe")[0].double()
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, 64, (n,), generator=g).tolist() for n in (3, 5, 2)]
     responses = [torch.randint(0, 64, (n,), generator=g).tolist() for n in (4, 1, 6)]
@@ -152,7 +154,6 @@ def test_packed_routes_put_each_sequences_routes_at_its_tokens():
         got = logits[doc == i][pos[doc == i].argsort()]
         # the last token of sequence 2 took its previous token's route: every other position is the same forward
         keep = slice(None, -1) if i == 2 else slice(None)
-        # fp32 sums in another order (rows of another width) on logits of tens: a wrong route moves them by units
         torch.testing.assert_close(got[keep], want[keep], atol=1e-4, rtol=1e-5)
     with pytest.raises(ValueError, match="sequence 1 has 2 routes for 6 tokens"):
         pack_routes(batch, [routes[0], routes[1][:2], routes[2]], layers=2, top_k=2, num_experts=6)
