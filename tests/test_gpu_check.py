@@ -130,6 +130,8 @@ def test_plan_only_prints_both_commands_with_limits_within_their_budgets(capsys)
     assert "plan on a leased GPU (--lease):" in capsys.readouterr().out
 
 
+# slow tier: it guards the lease script (61 s), which only a GPU session runs; CI's slow tier still runs it
+@pytest.mark.slow
 def test_the_lease_dry_run_runs_every_step_on_cpu(tmp_path):
     """`python -m benchmarks.gpu_check --lease --dry-run`: every step of both commands at toy sizes, each record
     written as its step ends (about a minute and a half on two cores)."""

@@ -16,6 +16,9 @@ if not vllm_engine.vllm_available():
 SERVED = ["gpt_oss"]
 
 
+# slow tier: test_hf_families_run's gpt_oss run checks the same agreement in make test (its iteration 0 scores what
+# vLLM sampled before any update, then again after each in-place update); this is the standalone check, 45 s
+@pytest.mark.slow
 @pytest.mark.parametrize("family", SERVED)
 def test_vllm_samples_what_the_transformers_backend_scores(family, tokenizer):
     r = run_family(family, tokenizer)

@@ -286,6 +286,10 @@ def _fp8_copy(model_dir, tmp_path, block: int):
     return d, tensors
 
 
+# slow tier (49 s): make test has its parts, test_checkpoint_engine's read-once FP8 start-up, FP8 updates of shards
+# whose rows split blocks, against the reference quantisation, and a restarted replica's catch-up; this composes them
+# on Ray
+@pytest.mark.slow
 def test_fp8_checkpoint_is_read_once_and_fp8_updates_are_exact(ray_cluster, tmp_path):
     """Kimi K2's path on two workers: the FP8 checkpoint is read once (each file by one trainer) into the
     FP8 replicas as stored and into the trainers' shards dequantised; an update then quantises the

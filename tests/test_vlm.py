@@ -210,6 +210,9 @@ def test_vllm_samples_images_and_takes_in_place_updates_of_both_towers(family, t
         engine.close()
 
 
+# slow tier: make test has the rl train path of a VLM (test_vision_warmstart), both towers updated in place per family
+# (above) and several images per sample through the trainer (test_vlm_multiturn); this adds qwen2_5_vl on Ray, 58 s
+@pytest.mark.slow
 def test_a_run_trains_on_image_samples_and_vllm_serves_the_trained_towers(ray_cluster, tmp_path):
     """The whole path with real Ray workers (``rl.loop.cluster.Cluster`` as ``rl train`` builds it): vLLM samples
     prompts with images, the trainer takes a K1.5 step on them (expanding each sample's placeholders with the
