@@ -48,9 +48,15 @@ def _render(files: tuple[tuple[str, str], ...], config: str, _config_text: str, 
     for s in sets:
         args += ["--set", s]
     text = helm(*args).stdout
-    errors = validate_documents(text)
+    # Ray's token authentication (on by default where rayVersion >= 2.52) needs KubeRay >= 1.6, whose CRD has
+    # authOptions: the 1.2.2 CRD's finding is what `rl launch` refuses on such an operator (test_helm_day_two, D1)
+    errors = [e for e in validate_documents(text) if not e.endswith(AUTH_ON_OLD_KUBERAY)]
     assert not errors, "\n".join(errors)
     return [d for d in yaml.safe_load_all(text) if d]
+
+
+AUTH_ON_OLD_KUBERAY = "spec.rayClusterSpec.authOptions: unknown field (did you mean 'autoscalerOptions'?) " \
+    "(the kuberay v1.2.2 CRD)"
 
 
 def one(docs: list[dict], kind: str) -> dict:

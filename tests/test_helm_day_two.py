@@ -100,7 +100,7 @@ def test_d2_rdma_pinning_is_the_nodes_or_a_root_workers_never_a_lost_capability(
 def test_d3_host_network_workers_go_one_per_node_of_any_run(tmp_path):
     docs = render(values(tmp_path, {"workerGroups": [{"name": "w", "replicas": 4, "cpu": "4", "memory": "16Gi",
                                                       "hostNetwork": True}],
-                                    "storage": {"accessMode": "ReadWriteMany"},
+                                    "storage": {"accessMode": "ReadWriteMany"}, "rayJob": {"rayVersion": "2.60.0"},
                                     "networkPolicy": {"nodeCIDRs": ["10.0.0.0/16"]}}))
     t = ray(docs)["ray-worker w"]
     [term] = t["spec"]["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]

@@ -172,7 +172,7 @@ def test_2_worker_groups_take_what_nccl_needs_for_rdma(tmp_path, fabric, group):
     """The schema rejected every one of these fields; now each reaches the worker pods (and only them). RDMA's
     memory pinning is the nodes' (memlock: node, checked by an init container) or a root worker's with IPC_LOCK
     (memlock: root): a capability added to the uid-1000 worker would be lost at its first execve (issue 44, D2)."""
-    docs = render(values_file(tmp_path, {"workerGroups": [gpu_group(**group)],
+    docs = render(values_file(tmp_path, {"workerGroups": [gpu_group(**group)], "rayJob": {"rayVersion": "2.60.0"},
                                          "storage": {"accessMode": "ReadWriteMany"},
                                          "networkPolicy": {"nodeCIDRs": ["10.0.0.0/16"]}}))
     head, worker = pod_templates(one(docs, "RayJob"))
@@ -286,7 +286,7 @@ def test_7_the_sandbox_endpoint_takes_a_token_and_only_the_runs_ray_pods():
     assert "RL_SANDBOX_TOKEN" not in str(job["spec"]["submitterPodTemplate"])
     policy = next(d for d in docs if d["metadata"]["name"] == "myrun-sandbox-ingress")["spec"]
     assert matches(policy["podSelector"], service["metadata"]["labels"]) and policy["policyTypes"] == ["Ingress"]
-    grpc, metrics = policy["ingress"]
+    [grpc] = policy["ingress"]  # the metrics port stays closed: metrics.scrapeFrom names nobody by default (N5)
     assert grpc["ports"] == [{"protocol": "TCP", "port": 50051}]
     peer = grpc["from"][0]["podSelector"]
     head, worker = (t["metadata"]["labels"] for t in pod_templates(job))
@@ -294,7 +294,10 @@ def test_7_the_sandbox_endpoint_takes_a_token_and_only_the_runs_ray_pods():
     session = {"colocated-rl/run": "myrun", "app.kubernetes.io/managed-by": "rl-sandbox"}
     for stranger in (session, service["metadata"]["labels"], {**worker, "colocated-rl/run": "other"}, {}):
         assert not matches(peer, stranger)
-    assert metrics == {"ports": [{"protocol": "TCP", "port": 9100}]}
+    scraped = render(sets=("metrics.scrapeFrom[0].namespaceSelector.matchLabels.team=observability",))
+    policy = next(d for d in scraped if d["metadata"]["name"] == "myrun-sandbox-ingress")["spec"]
+    assert policy["ingress"][1] == {"from": [{"namespaceSelector": {"matchLabels": {"team": "observability"}}}],
+                                    "ports": [{"protocol": "TCP", "port": 9100}]}
 
 
 def test_7_sandbox_sessions_get_only_allowed_images(tmp_path):

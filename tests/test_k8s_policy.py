@@ -23,7 +23,7 @@ EGRESS = ("networkPolicy.egress.enabled=true", "networkPolicy.egress.apiServerCI
           "networkPolicy.egress.cidrs={52.216.0.0/15}")
 HOST_NETWORK = ("storage.accessMode=ReadWriteMany", "workerGroups[0].name=workers", "workerGroups[0].replicas=2",
                 "workerGroups[0].cpu=4000m", "workerGroups[0].memory=16Gi", "workerGroups[0].hostNetwork=true",
-                "networkPolicy.nodeCIDRs={10.0.0.0/16}")
+                "rayJob.rayVersion=2.60.0", "networkPolicy.nodeCIDRs={10.0.0.0/16}")
 CASES = {
     "defaults": ((), ()),
     **{v.stem: ((v,), ()) for v in EXAMPLES},
@@ -58,8 +58,9 @@ class World:
     def __init__(self, docs: list[dict]):
         values_ns = next(d for d in docs if d["kind"] == "NetworkPolicy" and d["metadata"]["name"] == "myrun-ray-head"
                          ) if any(d["metadata"]["name"] == "myrun-ray-head" for d in docs) else None
-        operator_ns = (values_ns["spec"]["ingress"][1]["from"][0]["namespaceSelector"]["matchLabels"]
-                       ["kubernetes.io/metadata.name"]) if values_ns else "default"
+        operator_ns = next(p["namespaceSelector"]["matchLabels"]["kubernetes.io/metadata.name"]
+                           for rule in values_ns["spec"]["ingress"] for p in rule.get("from", [])
+                           if "namespaceSelector" in p) if values_ns else "default"
         self.cluster = Cluster(docs, NS, {"monitoring": {"team": "observability"}})
         ray = {where: t for where, t in pod_templates(docs) if where.startswith("ray-")}
         ip = iter(f"10.244.{i}.{j}" for i in range(1, 9) for j in range(2, 250))
@@ -84,6 +85,10 @@ class World:
         self.spoofed = Endpoint("a tenant's pod labelled as the operator", "tenant", next(ip), operator)
         self.prometheus = Endpoint("prometheus", "monitoring", next(ip), {"app.kubernetes.io/name": "prometheus"})
         self.stranger = Endpoint("a tenant's pod", "tenant", next(ip), {"app": "x"})
+        # on the nodes' network (inside networkPolicy.nodeCIDRs where a case sets them): another tenant's hostNetwork
+        # pod, and a process of the node itself (no pod at all)
+        self.host_stranger = Endpoint("a tenant's hostNetwork pod", "tenant", "10.0.1.200", {"app": "x"}, True)
+        self.node = Endpoint("a process on a node", None, "10.0.1.201")
         self.dns = Endpoint("kube-dns", "kube-system", next(ip), {"k8s-app": "kube-dns"})
         other = dict(self.workers[0].labels, **{"colocated-rl/run": "other", "app.kubernetes.io/instance": "other"})
         self.other_run = Endpoint("another run's worker", NS, next(ip), other)
@@ -112,22 +117,50 @@ def test_the_jobs_api_admits_the_run_and_the_operator_in_its_namespace_only(case
     for stranger in (w.spoofed, w.stranger, w.other_run, *filter(None, (w.sandbox, w.session, w.stray))):
         assert not w.ok(stranger, w.head, "dashboard"), stranger.name
         assert not w.ok(stranger, w.head, "gcs"), stranger.name
-    for pod in w.ray_pods():
-        assert w.ok(pod, w.head, "gcs") and w.ok(pod, w.head, "dashboard"), pod.name
+    for pod in w.ray_pods():  # a hostNetwork worker needs Ray's ports, not the Jobs API (N1)
+        assert w.ok(pod, w.head, "gcs") and w.ok(pod, w.head, "dashboard") is not pod.host_network, pod.name
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_prometheus_reaches_every_scrape_target(case):
+def test_prometheus_reaches_every_scrape_target_that_scrape_from_names_and_nobody_else_does(case):
     """D10: the controller's metrics, Ray's own on every Ray pod (they were blocked by the chart's own policies), the
-    sandbox's; with metrics.scrapeFrom, Prometheus only."""
+    sandbox's, for whom metrics.scrapeFrom names (the GPU example: Prometheus's namespace). N5: with scrapeFrom empty
+    (the default) they stay closed; they were open to every namespace."""
     docs = docs_of(case)
     w = World(docs)
-    targets = [(w.head, "rl-metrics"), *((p, "metrics") for p in [w.head, *w.workers])]
+    targets = [(w.head, "rl-metrics"), *((p, "metrics") for p in [w.head, *w.workers] if not p.host_network)]
     targets += [(w.sandbox, "metrics")] if w.sandbox else []
-    restricted = bool(CASES[case][0] and CASES[case][0][0] == GPU)  # the GPU example names Prometheus's namespace
+    named = bool(CASES[case][0] and CASES[case][0][0] == GPU)
     for pod, port in targets:
-        assert w.ok(w.prometheus, pod, port), (pod.name, port)
-        assert w.ok(w.stranger, pod, port) is not restricted, (pod.name, port)
+        assert w.ok(w.prometheus, pod, port) is named, (pod.name, port)
+        assert not w.ok(w.stranger, pod, port) and not w.ok(w.other_run, pod, port), (pod.name, port)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_no_stranger_reaches_the_jobs_api_ray_client_or_a_dashboard_agent(case):
+    """N1: a tenant's pod, another namespace's, another run's, a hostNetwork pod and a process on a node never reach
+    8265 or 10001 on the head nor 52365 (the dashboard agent, which takes job submissions) on a Ray pod on the pod
+    network; in the examples (no hostNetwork) nor the sandbox service. With hostNetwork workers the nodes' addresses
+    reach the head on Ray's internal ports only, and the chart turns Ray's token authentication on for them."""
+    docs = docs_of(case)
+    w = World(docs)
+    strangers = [w.stranger, w.spoofed, w.other_run, w.host_stranger, w.node, w.metadata]
+    for who in strangers:
+        for port in (8265, 10001, 52365):
+            assert not w.ok(who, w.head, port), (who.name, port)
+        for pod in w.workers:
+            assert pod.host_network or not w.ok(who, pod, 52365), (who.name, pod.name)
+        if w.sandbox and "hostNetwork" not in case:
+            assert not w.ok(who, w.sandbox, "grpc"), who.name
+    job = next(d for d in docs if d["kind"] == "RayJob")
+    host = "hostNetwork" in case
+    assert ("authOptions" in job["spec"]["rayClusterSpec"]) is (host or bool(CASES[case][0] and GPU in CASES[case][0]))
+    if host:
+        head = job["spec"]["rayClusterSpec"]["headGroupSpec"]["rayStartParams"]
+        assert (head["node-manager-port"], head["object-manager-port"]) == ("6380", "6381")
+        assert (head["min-worker-port"], head["max-worker-port"]) == ("10002", "19999")
+        for port, ok in ((6379, True), (6381, True), (10002, True), (19999, True), (20000, False), (8080, False)):
+            assert w.ok(w.host_stranger, w.head, port) is ok, port  # what token authentication has to guard
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if "local-sandbox" not in c])
@@ -147,8 +180,10 @@ def test_nothing_in_the_session_namespace_opens_a_connection(case):
 def test_the_run_reaches_itself_and_its_sandbox_and_nobody_else_does(case):
     w = World(docs_of(case))
     for src in w.ray_pods():
-        for dst in [w.head, *w.workers]:
+        for dst in w.workers:
             assert w.ok(src, dst, 29500), (src.name, dst.name)  # NCCL (and Ray) pick any port
+        # the head holds no trainer: from the nodes' addresses only Ray's ports (a worker's reply to the driver)
+        assert w.ok(src, w.head, 15000) and w.ok(src, w.head, 29500) is not src.host_network, src.name
     for pod in [w.head, *w.workers]:
         assert w.ok(pod, w.sandbox, "grpc") if w.sandbox else True
     if w.sandbox:
@@ -178,6 +213,26 @@ def test_host_network_workers_reach_the_head_and_are_reached(case):
     [worker] = w.workers
     assert worker.host_network and worker.ip.startswith("10.0.")
     assert w.ok(worker, w.head, "gcs") and w.ok(w.head, worker, 6380) and w.ok(worker, w.sandbox, "grpc")
+
+
+def test_without_token_authentication_host_network_workers_and_a_head_without_its_policy_are_refused():
+    """N1, N2: either would leave the Jobs API or Ray's ports to whoever reaches them. Token authentication is on by
+    default where rayJob.rayVersion is 2.52 or newer, off where older or unset, and can be set either way."""
+    args = ["template", "myrun", str(CHART), "-n", NS, "--set-file", f"runConfig={QUICKSTART}"]
+    hostnet = tuple(s for s in HOST_NETWORK if not s.startswith("rayJob."))
+    for sets, says in ((hostnet, "workerGroups[0].hostNetwork: a pod on the node's network is outside every "
+                                 "NetworkPolicy"),
+                       (("head.networkPolicy.enabled=false",), "head.networkPolicy.enabled=false with Ray's token "
+                                                               "authentication off"),
+                       (("head.networkPolicy.enabled=false", "rayJob.rayVersion=2.60.0", "rayJob.authToken=false"),
+                        "head.networkPolicy.enabled=false with Ray's token authentication off")):
+        proc = helm(*args, *[x for s in sets for x in ("--set", s)], check=False)
+        assert proc.returncode != 0 and says in proc.stderr and "rayJob.authToken=true" in proc.stderr, proc.stderr
+    for version, on in (("", False), ("2.49.0", False), ("2.52.0", True), ("2.60", True)):
+        job = next(d for d in render(sets=(f"rayJob.rayVersion={version}",)) if d["kind"] == "RayJob")
+        assert ("authOptions" in job["spec"]["rayClusterSpec"]) is on, version
+    assert helm(*args, *[x for s in ("head.networkPolicy.enabled=false", "rayJob.rayVersion=2.52.0")
+                         for x in ("--set", s)]).returncode == 0
 
 
 def test_host_network_is_refused_where_the_policies_would_cut_it():

@@ -52,10 +52,16 @@
 {{- fail "sandbox.pods.agentImage.repository needs a tag or a digest" -}}
 {{- end -}}
 {{- $np := $v.head.networkPolicy -}}
-{{- if and $np.enabled $np.dashboardCIDRs (not $v.rayJob.authToken) -}}
+{{- $auth := include "rl.authToken" . -}}
+{{- if and $np.enabled $np.dashboardCIDRs (not $auth) -}}
 {{- fail (printf "head.networkPolicy.dashboardCIDRs %s opens the Ray dashboard and Jobs API (8265: it runs any code it is sent, with the run's GPUs and tokens) to those addresses without authentication: set rayJob.authToken=true (KubeRay >= 1.6, Ray >= 2.52), or drop them and use kubectl port-forward" (toJson $np.dashboardCIDRs)) -}}
 {{- end -}}
-{{- if $v.rayJob.authToken -}}
+{{- if not $np.enabled -}}
+{{- if not $auth -}}
+{{- fail "head.networkPolicy.enabled=false with Ray's token authentication off: nothing would stand between the Jobs API (8265: it runs any code it is sent, with the run's GPUs and tokens) and whoever reaches the head; set rayJob.authToken=true with rayJob.rayVersion 2.52.0 or newer (KubeRay >= 1.6), or keep the policy on" -}}
+{{- end -}}
+{{- end -}}
+{{- if $auth -}}
 {{- $ray := regexFind `^[0-9]+\.[0-9]+(\.[0-9]+)?` ($v.rayJob.rayVersion | default "") -}}
 {{- if or (not $ray) (semverCompare "<2.52.0" $ray) -}}
 {{- fail (printf "rayJob.authToken needs rayJob.rayVersion 2.52.0 or newer (KubeRay refuses token authentication otherwise), got %q" $v.rayJob.rayVersion) -}}
@@ -65,6 +71,9 @@
 {{- range $i, $g := $v.workerGroups -}}
 {{- if and $g.hostNetwork $policies (not $v.networkPolicy.nodeCIDRs) -}}
 {{- fail (printf "workerGroups[%d].hostNetwork: its traffic comes from the node's address, which the chart's NetworkPolicies (pod selectors) do not admit, so it could not reach the head or the other workers: set networkPolicy.nodeCIDRs to the nodes' addresses (e.g. [10.0.0.0/16]), or turn hostNetwork off" $i) -}}
+{{- end -}}
+{{- if and $g.hostNetwork (not $auth) -}}
+{{- fail (printf "workerGroups[%d].hostNetwork: a pod on the node's network is outside every NetworkPolicy, so its Ray ports (GCS, and the dashboard agent on 52365, which takes job submissions) are open to anything that reaches the node: set rayJob.authToken=true with rayJob.rayVersion 2.52.0 or newer (KubeRay >= 1.6), or turn hostNetwork off" $i) -}}
 {{- end -}}
 {{- if and $g.capabilities (ne ($g.memlock | default "") "root") -}}
 {{- fail (printf "workerGroups[%d].capabilities %s: a capability added to a container is lost at the first execve of a non-root process (kubernetes#56374), and the workers run as uid 1000, so it would only put the pod at the privileged level; for RDMA set workerGroups[%d].memlock=node (the nodes' runtime gives RLIMIT_MEMLOCK unlimited: no capability needed) or memlock=root (the worker runs as root, keeping IPC_LOCK)" $i (toJson $g.capabilities) $i) -}}

@@ -305,6 +305,21 @@ podSelector:
 {{- if $any }}true{{ end -}}
 {{- end -}}
 
+{{/* Ray's internal ports, pinned in every pod's rayStartParams so that the nodes' addresses (hostNetwork workers)
+     can be admitted to them and to nothing else: GCS, raylet and object manager; the workers' (and driver's) range. */}}
+{{- define "rl.rayInternalPorts" -}}
+- {protocol: TCP, port: 6379, endPort: 6381}
+- {protocol: TCP, port: 10002, endPort: 19999}
+{{- end -}}
+
+{{/* The same in rayStartParams (the head's GCS is 6379 by default). */}}
+{{- define "rl.rayPortParams" -}}
+node-manager-port: "6380"
+object-manager-port: "6381"
+min-worker-port: "10002"
+max-worker-port: "19999"
+{{- end -}}
+
 {{/* A rule's `from` (or `to`) items for the nodes' addresses, where hostNetwork workers' traffic comes from. */}}
 {{- define "rl.nodePeers" -}}
 {{- range .Values.networkPolicy.nodeCIDRs }}
@@ -312,17 +327,29 @@ podSelector:
 {{- end }}
 {{- end -}}
 
-{{/* An ingress rule admitting metrics.scrapeFrom (any source where empty) to the given ports. Called with root and
-     ports. */}}
+{{/* An ingress rule admitting metrics.scrapeFrom to the given ports; none where it is empty (the ports stay closed:
+     an empty `from` would admit every source). Called with root and ports. */}}
 {{- define "rl.metricsIngress" -}}
-- ports:
-    {{- range .ports }}
+{{- with .root.Values.metrics.scrapeFrom }}
+- from:
+    {{- toYaml . | nindent 4 }}
+  ports:
+    {{- range $.ports }}
     - {protocol: TCP, port: {{ . }}}
     {{- end }}
-  {{- with .root.Values.metrics.scrapeFrom }}
-  from:
-    {{- toYaml . | nindent 4 }}
-  {{- end }}
+{{- end }}
+{{- end -}}
+
+{{/* "true" where Ray's token authentication is on: rayJob.authToken, or where that is null, a rayVersion of 2.52 or
+     newer (the first with token authentication). */}}
+{{- define "rl.authToken" -}}
+{{- $t := .Values.rayJob.authToken -}}
+{{- if kindIs "bool" $t -}}
+{{- if $t }}true{{ end -}}
+{{- else -}}
+{{- $ray := regexFind `^[0-9]+\.[0-9]+(\.[0-9]+)?` (.Values.rayJob.rayVersion | default "") -}}
+{{- if and $ray (semverCompare ">=2.52.0" $ray) }}true{{ end -}}
+{{- end -}}
 {{- end -}}
 
 {{/* Volumes every Ray pod mounts: the run config, the run storage, /dev/shm, the model claim. */}}
