@@ -138,8 +138,14 @@ def test_d5_the_session_namespace_is_bounded_by_rbac_policy_and_admission():
     proc = helm("template", "myrun", str(CHART), "-n", "rl", "--set-file", f"runConfig={QUICKSTART}",
                 "--kube-version", "1.29.0", check=False)
     assert proc.returncode != 0 and "ValidatingAdmissionPolicy" in proc.stderr and "1.30" in proc.stderr
-    gpu = yaml.safe_load(GPU.read_text())["sandbox"]["sessionNamespace"]["name"]
-    assert "math-32gpu" in gpu  # the example's session namespace is its run's, not one every run shares
+    # N3: the example's session namespace is each release's own (it named one every release of it would share)
+    assert "name" not in yaml.safe_load(GPU.read_text())["sandbox"]["sessionNamespace"]
+    for release in ("math-32gpu", "math-32gpu-b"):
+        text = helm("template", release, str(CHART), "-n", "rl", "--set-file", f"runConfig={QUICKSTART}", "--values",
+                    str(GPU)).stdout
+        [ns] = [d for d in yaml.safe_load_all(text) if d and d["kind"] == "ValidatingAdmissionPolicyBinding"]
+        assert ns["spec"]["matchResources"]["namespaceSelector"]["matchLabels"] == {
+            "kubernetes.io/metadata.name": f"rl-{release}-sandbox"}
 
 
 # --- D6: disruptions ------------------------------------------------------------------------------------------------

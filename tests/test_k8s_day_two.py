@@ -334,9 +334,52 @@ def test_d5_the_admission_policy_admits_the_backends_pods_and_nothing_that_reach
         "privileged": lambda p: p["spec"]["containers"][0]["securityContext"].update(privileged=True),
         "the node's network": lambda p: p["spec"].update(hostNetwork=True),
         "the node's kernel": lambda p: p["spec"].pop("runtimeClassName"),
+        # N3: Pod Security's restricted profile, held by the policy whatever the namespace's labels
+        "the node's processes": lambda p: p["spec"].update(hostPID=True),
+        "the node's IPC": lambda p: p["spec"].update(hostIPC=True),
+        "a host port": lambda p: p["spec"]["containers"][0]["ports"][0].update(hostPort=8000),
+        "an added capability": lambda p: p["spec"]["containers"][0]["securityContext"]["capabilities"].update(
+            add=["SYS_ADMIN"]),
+        "capabilities kept": lambda p: p["spec"]["initContainers"][0]["securityContext"].pop("capabilities"),
+        "root by uid": lambda p: p["spec"]["containers"][0]["securityContext"].update(runAsUser=0),
+        "root allowed": lambda p: p["spec"]["initContainers"][0]["securityContext"].update(runAsNonRoot=False),
+        "privilege escalation": lambda p: p["spec"]["containers"][0]["securityContext"].update(
+            allowPrivilegeEscalation=True),
+        "no seccomp": lambda p: [p["spec"]["securityContext"].pop("seccompProfile"),
+                                 p["spec"]["containers"][0]["securityContext"].pop("seccompProfile")],
+        "seccomp unconfined": lambda p: p["spec"]["initContainers"][0]["securityContext"].update(
+            seccompProfile={"type": "Unconfined"}),
+        "a node chosen": lambda p: p["spec"].update(nodeName="gpu-node-1"),
+        "a toleration of every taint": lambda p: p["spec"].update(tolerations=[{"operator": "Exists"}]),
+        "another agent image": lambda p: p["spec"]["initContainers"][0].update(image="attacker/agent:1"),
+        "an image nobody allowed": lambda p: p["spec"]["containers"][0].update(image="docker:dind"),
     }
     for what, change in bad.items():
         evil = json.loads(json.dumps(pod))
         change(evil)
         assert len(_admits(vap, evil, service)) == 1, what
         assert _admits(vap, evil, "system:serviceaccount:rl-myrun-sandbox:default") == [], what  # not the service's
+    # what the API server's DefaultTolerationSeconds plug-in adds before validating is admitted
+    defaults = [{"key": f"node.kubernetes.io/{k}", "operator": "Exists", "effect": "NoExecute",
+                 "tolerationSeconds": 300} for k in ("not-ready", "unreachable")]
+    assert _admits(vap, {**pod, "spec": {**pod["spec"], "tolerations": defaults}}, service) == []
+
+
+def test_n3_the_policy_admits_what_the_chart_lets_sessions_run_and_their_tolerations():
+    """Allowed images are the service's fnmatch patterns; the tolerations given to session pods are admitted."""
+    sets = ("sandbox.pods.allowedImages={python:3.1?-*,registry.example.com/swe/*}",
+            "sandbox.pods.tolerations[0].key=sandbox", "sandbox.pods.tolerations[0].operator=Exists",
+            "sandbox.pods.tolerations[0].effect=NoSchedule")
+    docs = render(sets=sets)
+    vap = one(docs, "ValidatingAdmissionPolicy")
+    args = one(docs, "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
+    given = dict(a.removeprefix("--set=sandbox.kubernetes.").split("=", 1) for a in args
+                 if a.startswith("--set=sandbox.kubernetes."))
+    service = "system:serviceaccount:rl:myrun-sandbox"
+    for image, ok in (("python:3.11-slim", True), ("python:3.12-bookworm", True), ("python:3.9-slim", False),
+                      ("registry.example.com/swe/django:4", True), ("registry.example.com/other", False),
+                      ("python:3x11-slim", False)):  # the default's dot is a dot, not any character
+        pod = m.sandbox_pod(name="rl-sbx-1", namespace=given["namespace"], session_id="s1", owner="myrun-sandbox-0",
+                            image=image, agent_image=given["agent_image"], labels=json.loads(given["labels"]),
+                            runtime_class=given["runtime_class"], tolerations=json.loads(given["tolerations"]))
+        assert (_admits(vap, pod, service) == []) is ok, (image, _admits(vap, pod, service))

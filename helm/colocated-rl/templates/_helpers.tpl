@@ -422,3 +422,10 @@ ports:
 {{- printf "%s-run" (include "rl.fullname" .) -}}
 {{- end -}}
 {{- end -}}
+
+{{/* A list of strings as CEL string literals, comma-separated (backslashes and quotes escaped). */}}
+{{- define "rl.celStrings" -}}
+{{- $out := list -}}
+{{- range . }}{{ $out = append $out (printf "'%s'" (. | replace "\\" "\\\\" | replace "'" "\\'")) }}{{ end -}}
+{{- join ", " $out -}}
+{{- end -}}
