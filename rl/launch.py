@@ -265,10 +265,16 @@ def launch(config: str, options: LaunchOptions | None = None, *, chart: Path = C
     return proc.stdout
 
 
+#: how KubeRay's installs label the operator's pods: its Helm chart name=kuberay-operator, its kustomization
+#: name=kuberay; both component=kuberay-operator (what the chart's head policy admits when operatorPodLabels is empty)
+OPERATOR_SELECTORS = ("app.kubernetes.io/name=kuberay-operator", "app.kubernetes.io/component=kuberay-operator")
+
+
 def check_operator_namespace(manifests: str, kube: Kube, out: TextIO) -> None:
-    """Refuse a release whose head admits the KubeRay operator from a namespace it does not run in (the run would
-    wait forever for its job's status), where the operator's pods can be seen: those the head's NetworkPolicy
-    selects by label, in any namespace. Says so, and goes on, where they cannot be listed."""
+    """Refuse a release where no KubeRay operator runs (the RayJob would hold its GPUs and never start), or whose head
+    admits the operator from a namespace it does not run in (the run would wait forever for its job's status): the
+    operator's pods are looked for by the labels the head's NetworkPolicy selects (KubeRay's own where it has none),
+    in any namespace. Says so, and goes on, where they cannot be listed."""
     import urllib3
     import yaml
     from kubernetes.client.exceptions import ApiException
@@ -277,32 +283,35 @@ def check_operator_namespace(manifests: str, kube: Kube, out: TextIO) -> None:
                    and d["metadata"]["name"].endswith("-ray-head")), None)
     peers = [peer for rule in (policy or {}).get("spec", {}).get("ingress", []) for peer in rule.get("from", [])
              if "namespaceSelector" in peer and "podSelector" in peer]
-    if not peers:
-        return  # no head policy (head.networkPolicy.enabled false): the operator reaches the head anyway
-    wanted = peers[0]["namespaceSelector"]["matchLabels"]["kubernetes.io/metadata.name"]
-    labels = peers[0]["podSelector"].get("matchLabels") or {}
-    selector = ",".join(f"{k}={v}" for k, v in labels.items())
+    wanted = peers[0]["namespaceSelector"]["matchLabels"]["kubernetes.io/metadata.name"] if peers else None
+    selectors = [",".join(f"{k}={v}" for k, v in (p["podSelector"].get("matchLabels") or {}).items())
+                 for p in peers] or list(OPERATOR_SELECTORS)
+    named = " or ".join(selectors)
+    found: set[str] = set()
     try:
-        pods = kube.core.list_pod_for_all_namespaces(label_selector=selector, _request_timeout=30).items
+        for selector in selectors:
+            pods = kube.core.list_pod_for_all_namespaces(label_selector=selector, _request_timeout=30).items
+            found |= {p.metadata.namespace for p in pods}
     except ApiException as e:
         if e.status not in (401, 403):
             raise CommandFailed(f"looking for the KubeRay operator's pods: HTTP {e.status} {e.reason} from the "
                                 f"Kubernetes API at {kube.host}") from None
-        print(f"note: cannot list pods cluster-wide (HTTP {e.status}) to check that the KubeRay operator ({selector})"
-              f" runs in namespace {wanted} (head.networkPolicy.operatorNamespace)", file=out, flush=True)
+        print(f"note: cannot list pods cluster-wide (HTTP {e.status}) to check that the KubeRay operator ({named}) "
+              f"runs{f' in namespace {wanted} (head.networkPolicy.operatorNamespace)' if wanted else ''}", file=out,
+              flush=True)
         return
     except (urllib3.exceptions.HTTPError, OSError) as e:
         raise CommandFailed(f"looking for the KubeRay operator's pods: cannot reach the Kubernetes API at {kube.host} "
                             f"({type(e).__name__}: {str(e)[:300]}); is kubectl's context the cluster?") from None
-    found = sorted({p.metadata.namespace for p in pods})
-    if found and wanted not in found:
-        raise UserError(f"head.networkPolicy.operatorNamespace is {wanted}, but the KubeRay operator's pods "
-                        f"({selector}) run in {', '.join(found)}: its status polls of the Ray head (port 8265) would "
-                        f"be refused and the run would never finish; --set head.networkPolicy.operatorNamespace=NS "
-                        "naming the operator's namespace")
     if not found:
-        print(f"warning: no pod labelled {selector} in any namespace: is the KubeRay operator installed?", file=out,
-              flush=True)
+        raise UserError(f"no KubeRay operator runs in this cluster (no pod labelled {named} in any namespace): the "
+                        "RayJob would hold its pods and never start; install KubeRay (its Helm chart or "
+                        "kustomization), or name its pods' labels in head.networkPolicy.operatorPodLabels")
+    if wanted is not None and wanted not in found:
+        raise UserError(f"head.networkPolicy.operatorNamespace is {wanted}, but the KubeRay operator's pods "
+                        f"({named}) run in {', '.join(sorted(found))}: its status polls of the Ray head (port 8265) "
+                        "would be refused and the run would never finish; --set head.networkPolicy.operatorNamespace="
+                        "NS naming the operator's namespace")
 
 
 def seconds_left(name: str, limit_s: float, run_dir: str | Path, *, namespace: str | None = None,

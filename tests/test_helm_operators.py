@@ -251,8 +251,9 @@ def test_10_the_ray_dashboard_is_reachable_only_from_the_run_and_the_operator():
     assert not matches(peer, sandbox) and not matches(peer, session)  # untrusted code never reaches the Jobs API
     assert not matches(peer, {**worker, "colocated-rl/run": "otherrun"})
     in_its_namespace = {"matchLabels": {"kubernetes.io/metadata.name": "kuberay-system"}}
-    assert operator["from"] == [{"namespaceSelector": in_its_namespace,
-                                 "podSelector": {"matchLabels": {"app.kubernetes.io/name": "kuberay-operator"}}}]
+    assert operator["from"] == [{"namespaceSelector": in_its_namespace, "podSelector": {"matchLabels": labels}}
+                                for labels in ({"app.kubernetes.io/name": "kuberay-operator"},  # its Helm chart's
+                                               {"app.kubernetes.io/component": "kuberay-operator"})]  # and kustomize's
     assert operator["ports"] == [{"protocol": "TCP", "port": 8265}]
     assert metrics["ports"] == [{"protocol": "TCP", "port": 9090}, {"protocol": "TCP", "port": 8080}]
     assert metrics["from"][0]["namespaceSelector"] == {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}

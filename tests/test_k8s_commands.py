@@ -38,7 +38,16 @@ def api(tmp_path, monkeypatch):
     """The stand-in, with kubectl's configuration (KUBECONFIG) pointing at it, namespace rl."""
     with KubeApiStandIn() as standin:
         kubeconfig(tmp_path, monkeypatch, standin.url)
+        standin.seed("api/v1/pods", operator_pod("default", {"app.kubernetes.io/name": "kuberay-operator",
+                                                             "app.kubernetes.io/component": "kuberay-operator"}))
         yield standin
+
+
+def operator_pod(namespace: str, labels: dict[str, str]) -> dict:
+    """A running KubeRay operator pod (rl launch refuses a cluster without one), labelled as an install labels it."""
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "kuberay-operator-0", "namespace": namespace,
+                                                             "labels": labels},
+            "spec": {"containers": [{"name": "c", "image": "i"}]}, "status": {"phase": "Running"}}
 
 
 def rayjob(name: str, job: str = "RUNNING", deployment: str = "Running") -> dict:
@@ -155,7 +164,8 @@ def test_delete_removes_the_run_and_what_its_sandbox_left(api, capsys):
                       "metadata": {"name": "quickstart-data", "namespace": NS, "labels": {RUN_LABEL: "quickstart"}}})
     assert rl_main(["delete", "quickstart"]) == 0
     assert (RAYJOBS, NS, "quickstart") not in api.objects
-    assert {n for (_, n) in api.pods} == {"other-head", "rl-sbx-sessions-other-rl", "rl-sbx-sessions-quickstart-team-b"}
+    assert {n for (ns, n) in api.pods if ns != "default"} == {"other-head", "rl-sbx-sessions-other-rl",
+                                                              "rl-sbx-sessions-quickstart-team-b"}  # not the operator
     [listing] = [r for r in api.requests if r.path == "/api/v1/pods"]
     assert listing.query["labelSelector"] == (f"{RUN_LABEL}=quickstart,{RUN_NAMESPACE_LABEL}={NS},"
                                               "app.kubernetes.io/managed-by=rl-sandbox")
@@ -189,7 +199,7 @@ def test_launch_replace_deletes_the_old_run_first(api, capsys):
     captured = capsys.readouterr()
     assert "replacing run quickstart" in captured.out and "helm install failed" in captured.err
     assert (RAYJOBS, NS, "quickstart") not in api.objects
-    assert {n for (_, n) in api.pods} == {"other-head"}
+    assert {n for (ns, n) in api.pods if ns == NS} == {"other-head"}
 
 
 def test_the_rayjob_owns_the_sandbox_fleet_and_takes_it_along(api, capsys):

@@ -249,6 +249,29 @@ def test_d1_rl_launch_refuses_an_operator_namespace_where_no_operator_runs(api, 
     assert "run in kuberay" in err and (RAYJOBS, "rl", "quickstart") not in api.objects
 
 
+def test_n8_rl_launch_finds_a_kustomize_installed_operator_and_refuses_a_cluster_without_one(api, capsys):
+    """KubeRay's kustomization labels its pods name=kuberay (component=kuberay-operator) in ray-system: the head's
+    policy admits them there, and rl launch finds them; with no operator at all it refuses in one line (the RayJob
+    would hold its GPUs and never start) where it only warned."""
+    from tests.test_k8s_commands import operator_pod
+
+    assert rl_main(["launch", "--k8s", str(QUICKSTART), "-n", "rl"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: no KubeRay operator runs in this cluster (no pod labelled "
+                          "app.kubernetes.io/name=kuberay-operator or app.kubernetes.io/component=kuberay-operator")
+    assert "\n" not in err and (RAYJOBS, "rl", "quickstart") not in api.objects
+    api.seed("api/v1/pods", operator_pod("ray-system", {"app.kubernetes.io/name": "kuberay",
+                                                        "app.kubernetes.io/component": "kuberay-operator"}))
+    assert rl_main(["launch", "--k8s", str(QUICKSTART), "-n", "rl"]) == 2
+    assert "head.networkPolicy.operatorNamespace is default, but the KubeRay operator's pods " \
+           "(app.kubernetes.io/name=kuberay-operator or app.kubernetes.io/component=kuberay-operator) run in " \
+           "ray-system" in capsys.readouterr().err
+    # named there, the check passes: the install itself needs a real API server (helm's discovery)
+    assert rl_main(["launch", "--k8s", str(QUICKSTART), "-n", "rl", "--set",
+                    "head.networkPolicy.operatorNamespace=ray-system"]) == 1
+    assert "helm install failed" in capsys.readouterr().err
+
+
 def _session_backend(api: KubeApiStandIn, namespace: str) -> KubernetesBackend:
     options = KubernetesOptions(namespace=namespace, agent_image="rl-runtime:test", default_image="task:default",
                                 runtime_class="none", labels={"colocated-rl/run": "myrun",

@@ -83,6 +83,9 @@ class World:
         operator = {"app.kubernetes.io/name": "kuberay-operator"}
         self.operator = Endpoint("kuberay operator", operator_ns, next(ip), operator)
         self.spoofed = Endpoint("a tenant's pod labelled as the operator", "tenant", next(ip), operator)
+        # KubeRay installed by its kustomization labels its pods otherwise (N8)
+        kustomized = {"app.kubernetes.io/name": "kuberay", "app.kubernetes.io/component": "kuberay-operator"}
+        self.kustomized = Endpoint("kuberay operator (kustomize)", operator_ns, next(ip), kustomized)
         self.prometheus = Endpoint("prometheus", "monitoring", next(ip), {"app.kubernetes.io/name": "prometheus"})
         self.stranger = Endpoint("a tenant's pod", "tenant", next(ip), {"app": "x"})
         # on the nodes' network (inside networkPolicy.nodeCIDRs where a case sets them): another tenant's hostNetwork
@@ -113,7 +116,7 @@ def test_the_jobs_api_admits_the_run_and_the_operator_in_its_namespace_only(case
     """D1: 8265 runs any code it is sent. A pod labelled as the KubeRay operator in another namespace is refused (a
     label is set by whoever makes the pod; a namespace's name label by the API server)."""
     w = World(docs_of(case))
-    assert w.ok(w.operator, w.head, "dashboard")
+    assert w.ok(w.operator, w.head, "dashboard") and w.ok(w.kustomized, w.head, "dashboard")
     for stranger in (w.spoofed, w.stranger, w.other_run, *filter(None, (w.sandbox, w.session, w.stray))):
         assert not w.ok(stranger, w.head, "dashboard"), stranger.name
         assert not w.ok(stranger, w.head, "gcs"), stranger.name
