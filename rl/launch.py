@@ -93,6 +93,7 @@ class Kube:
         self.core = kubernetes.client.CoreV1Api(api_client)
         self.custom = kubernetes.client.CustomObjectsApi(api_client)
         self.apps = kubernetes.client.AppsV1Api(api_client)
+        self.extensions = kubernetes.client.ApiextensionsV1Api(api_client)
 
     def call(self, what: str, fn: Callable[..., Any], *args: Any, missing_ok: bool = False, **kw: Any) -> Any:
         """``fn(*args, **kw)``; API and connection errors become CommandFailed naming ``what`` (None for a
@@ -240,6 +241,7 @@ def launch(config: str, options: LaunchOptions | None = None, *, chart: Path = C
         return rendered.stdout
     kube = kube or Kube(namespace)
     check_operator_namespace(rendered.stdout, kube, out)
+    check_token_auth_support(rendered.stdout, kube, out)
     existing = kube.rayjob(release)
     if existing is not None:
         if not options.replace:
@@ -312,6 +314,38 @@ def check_operator_namespace(manifests: str, kube: Kube, out: TextIO) -> None:
                         f"({named}) run in {', '.join(sorted(found))}: its status polls of the Ray head (port 8265) "
                         "would be refused and the run would never finish; --set head.networkPolicy.operatorNamespace="
                         "NS naming the operator's namespace")
+
+
+def check_token_auth_support(manifests: str, kube: Kube, out: TextIO) -> None:
+    """Refuse a release that turns Ray's token authentication on where the installed RayJob CRD has no
+    ``authOptions`` (KubeRay < 1.6): the API server would prune it without a word, and the run would go unguarded.
+    Says so, and goes on, where the CRD cannot be read."""
+    import json
+
+    import yaml
+    from kubernetes.client.exceptions import ApiException
+
+    job = next((d for d in yaml.safe_load_all(manifests) if d and d.get("kind") == "RayJob"), None)
+    if not job or "authOptions" not in job["spec"].get("rayClusterSpec", {}):
+        return
+    try:
+        crd = json.loads(kube.extensions.read_custom_resource_definition("rayjobs.ray.io", _preload_content=False,
+                                                                         _request_timeout=30).data)
+    except ApiException as e:
+        if e.status not in (401, 403):
+            raise CommandFailed(f"reading the RayJob CRD (rayjobs.ray.io): HTTP {e.status} {e.reason} from the "
+                                f"Kubernetes API at {kube.host}") from None
+        print(f"note: cannot read the RayJob CRD (HTTP {e.status}) to check that the installed KubeRay keeps "
+              "authOptions (KubeRay >= 1.6)", file=out, flush=True)
+        return
+    version = job["apiVersion"].split("/")[-1]
+    schema = next((v["schema"]["openAPIV3Schema"] for v in crd["spec"]["versions"] if v["name"] == version), {})
+    cluster = schema.get("properties", {}).get("spec", {}).get("properties", {}).get("rayClusterSpec", {})
+    if "authOptions" not in cluster.get("properties", {}):
+        raise UserError("Ray's token authentication is on (rayJob.authToken, or rayJob.rayVersion >= 2.52), but the "
+                        "installed KubeRay's RayJob CRD has no authOptions (KubeRay < 1.6): the API server would drop "
+                        "it and the run's Jobs API and Ray ports would take no token; upgrade KubeRay to 1.6 or newer, "
+                        "or set rayJob.authToken=false with the head's NetworkPolicy on and no hostNetwork group")
 
 
 def seconds_left(name: str, limit_s: float, run_dir: str | Path, *, namespace: str | None = None,

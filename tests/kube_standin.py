@@ -169,7 +169,7 @@ class KubeApiStandIn:
         ``log``: what GET .../pods/NAME/log answers."""
         obj = copy.deepcopy(obj)
         meta = obj.setdefault("metadata", {})
-        meta.setdefault("namespace", "default")
+        meta.setdefault("namespace", "default")  # "" for a cluster-scoped object
         meta.setdefault("uid", str(uuid.uuid4()))
         meta.setdefault("creationTimestamp", _now())
         key = (meta["namespace"], meta["name"])
@@ -502,6 +502,10 @@ class _Handler(BaseHTTPRequestHandler):
             return self._json(200, pol) if pol else self._json(404, _status(404, "NotFound", "not found", name))
         if parts[-2:-1] != ["pods"] and (found := s._objects(method, parts, {**query, "_body": body})) is not None:
             return self._json(*found)
+        if "namespaces" not in parts and method == "GET" and len(parts) >= 4:  # a cluster-scoped object (a CRD)
+            obj = s.objects.get(("/".join(parts[:-1]), "", parts[-1]))
+            if obj is not None:
+                return self._json(200, copy.deepcopy(obj))
         return self._json(404, _status(404, "NotFound", f"the stand-in does not serve {method} {url.path}"))
 
     def _watch(self, ns: str, query: dict[str, str]) -> None:

@@ -34,7 +34,7 @@ from sandbox.options import KubernetesOptions
 from tests.k8s_policy import pod_templates
 from tests.kube_standin import KubeApiStandIn
 from tests.test_helm_chart import HELM, QUICKSTART, helm, one, render, run_configmap
-from tests.test_k8s_commands import kubeconfig, rayjob
+from tests.test_k8s_commands import kubeconfig, operator_pod, rayjob
 
 pytestmark = pytest.mark.skipif(HELM is None, reason="helm is not installed (make setup installs it)")
 ROOT = Path(__file__).resolve().parents[1]
@@ -249,12 +249,36 @@ def test_d1_rl_launch_refuses_an_operator_namespace_where_no_operator_runs(api, 
     assert "run in kuberay" in err and (RAYJOBS, "rl", "quickstart") not in api.objects
 
 
+def test_n2_rl_launch_refuses_token_auth_that_the_installed_rayjob_crd_would_drop(api, capsys):
+    """KubeRay 1.2.2's CRD has no authOptions: the API server would prune it without a word and the run's Jobs API
+    would take no token. rl launch reads the installed CRD (the real ones, tests/data/crds) and refuses in one line;
+    with KubeRay 1.7.0's it goes on (to the install, which needs a real API server)."""
+    from tests.k8s_validation import CRD_DIR
+
+    api.seed("api/v1/pods", operator_pod("default", {"app.kubernetes.io/name": "kuberay-operator"}))
+    sets = ["--set", "rayJob.rayVersion=2.60.0"]  # token authentication on by default
+    for release, refused in (("v1.2.2", True), ("v1.7.0", False)):
+        with (CRD_DIR / "kuberay" / release / "ray.io_rayjobs.yaml").open() as f:
+            crd = yaml.load(f, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+        crd["metadata"]["namespace"] = ""
+        api.seed("apis/apiextensions.k8s.io/v1/customresourcedefinitions", crd)
+        code = rl_main(["launch", "--k8s", str(QUICKSTART), "-n", "rl", *sets])
+        err = capsys.readouterr().err.strip()
+        if refused:
+            assert code == 2 and "\n" not in err and err.startswith("error: Ray's token authentication is on") \
+                and "has no authOptions (KubeRay < 1.6)" in err, err
+        else:
+            assert code == 1 and "helm install failed" in err, err
+    # without token authentication nothing is read
+    reads = len([r for r in api.requests if "customresourcedefinitions" in r.path])
+    rl_main(["launch", "--k8s", str(QUICKSTART), "-n", "rl"])
+    assert len([r for r in api.requests if "customresourcedefinitions" in r.path]) == reads
+
+
 def test_n8_rl_launch_finds_a_kustomize_installed_operator_and_refuses_a_cluster_without_one(api, capsys):
     """KubeRay's kustomization labels its pods name=kuberay (component=kuberay-operator) in ray-system: the head's
     policy admits them there, and rl launch finds them; with no operator at all it refuses in one line (the RayJob
     would hold its GPUs and never start) where it only warned."""
-    from tests.test_k8s_commands import operator_pod
-
     assert rl_main(["launch", "--k8s", str(QUICKSTART), "-n", "rl"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: no KubeRay operator runs in this cluster (no pod labelled "
