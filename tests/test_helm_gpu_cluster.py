@@ -502,7 +502,8 @@ def test_15_the_operator_selector_is_the_operators_own(tmp_path):
     policy = next(d for d in render() if d["metadata"]["name"] == "myrun-ray-head")["spec"]
     assert policy["ingress"][1]["from"] == [{
         "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "default"}},
-        "podSelector": {"matchLabels": {"app.kubernetes.io/name": "kuberay-operator"}}}]
+        "podSelector": {"matchLabels": labels}} for labels in (  # KubeRay's Helm chart's labels, and kustomize's too
+        {"app.kubernetes.io/name": "kuberay-operator"}, {"app.kubernetes.io/component": "kuberay-operator"})]
     f = values_file(tmp_path, {"head": {"networkPolicy": {
         "operatorPodLabels": {"app": "ray-operator"}, "operatorNamespace": "kuberay"}}})
     policy = next(d for d in render(f) if d["metadata"]["name"] == "myrun-ray-head")["spec"]
