@@ -18,7 +18,7 @@ from rl.launch import CHART
 from sandbox import k8s_manifests as m
 from tests.k8s_policy import pod_templates
 from tests.k8s_validation import validate_documents
-from tests.test_helm_chart import EXAMPLES, HELM, QUICKSTART, helm, one, render, run_configmap
+from tests.test_helm_chart import EXAMPLES, HELM, QUICKSTART, helm, one, render, run_configmap, train_args
 
 pytestmark = pytest.mark.skipif(HELM is None, reason="helm is not installed (make setup installs it)")
 ROOT = Path(__file__).resolve().parents[1]
@@ -107,6 +107,23 @@ def test_d3_host_network_workers_go_one_per_node_of_any_run(tmp_path):
     assert term["topologyKey"] == "kubernetes.io/hostname" and term["namespaceSelector"] == {}  # every namespace
     assert m.selects(term["labelSelector"], t["metadata"]["labels"])  # its own kind, of this run or another
     assert not m.selects(term["labelSelector"], ray(render())["ray-worker workers"]["metadata"]["labels"])
+
+
+def test_n9_gpu_and_cpu_worker_groups_together_are_refused_and_gpu_groups_are_counted_whole(tmp_path):
+    """A colocated run counts every worker as run.gpusPerWorker GPUs: a CPU group beside GPU groups made 18 GPU
+    bundles for 16 GPUs (never placed). Refused in one line; GPU groups alone ask for exactly their GPUs."""
+    cpu = {"name": "cpu", "replicas": 2, "cpu": "8", "memory": "32Gi"}
+    mixed = values(tmp_path, {"workerGroups": [gpu_group(replicas=2), cpu], "storage": {"accessMode": "ReadWriteMany"}})
+    proc = helm("template", "myrun", str(CHART), "-n", "rl", "--set-file", f"runConfig={QUICKSTART}", "--values",
+                str(mixed), *[x for s in AGENT for x in ("--set", s)], check=False)
+    err = proc.stderr.split("\n")[0]
+    assert proc.returncode != 0
+    assert 'workerGroups mix GPU groups ["gpu"] and CPU groups ["cpu"]' in err, proc.stderr
+    docs = render(values(tmp_path, {"workerGroups": [gpu_group(replicas=2), gpu_group(name="gpu2", replicas=1)],
+                                    "storage": {"accessMode": "ReadWriteMany"}}), sets=AGENT)
+    argv = train_args(docs)
+    sets = dict(argv[i + 1].split("=", 1) for i, a in enumerate(argv) if a == "--set")
+    assert int(sets["cluster.workers"]) * int(sets["cluster.gpus_per_worker"]) == 3 * 8  # the pods' GPUs, no more
 
 
 # --- D4: a run's session pods are its namespace's -------------------------------------------------------------------

@@ -67,6 +67,13 @@
 {{- fail (printf "rayJob.authToken needs rayJob.rayVersion 2.52.0 or newer (KubeRay refuses token authentication otherwise), got %q" $v.rayJob.rayVersion) -}}
 {{- end -}}
 {{- end -}}
+{{- $gpuGroups := list -}}{{- $cpuGroups := list -}}
+{{- range $i, $g := $v.workerGroups -}}
+{{- if gt (int $g.gpus) 0 }}{{ $gpuGroups = append $gpuGroups $g.name }}{{ else }}{{ $cpuGroups = append $cpuGroups $g.name }}{{ end -}}
+{{- end -}}
+{{- if and $gpuGroups $cpuGroups -}}
+{{- fail (printf "workerGroups mix GPU groups %s and CPU groups %s: a colocated run makes every worker one of run.gpusPerWorker GPUs (a trainer rank and a replica each), so it would ask for a GPU bundle per CPU worker too and never be placed; give every group GPUs, or drop the CPU groups (the chart has no disaggregated roles yet)" (toJson $gpuGroups) (toJson $cpuGroups)) -}}
+{{- end -}}
 {{- $policies := or $np.enabled $v.networkPolicy.workers $v.networkPolicy.egress.enabled -}}
 {{- range $i, $g := $v.workerGroups -}}
 {{- if and $g.hostNetwork $policies (not $v.networkPolicy.nodeCIDRs) -}}
