@@ -97,6 +97,115 @@ def test_d15_d6_launch_sh_guards_its_run_directory_and_keeps_each_attempts_conso
                 env).returncode == 0  # its own run again (a retry, rl launch --replace)
 
 
+#: the N6 test's root worker (another pod in a cluster): without CAP_DAC_OVERRIDE, the trainer's umask, it makes each
+#: directory the head asks for (a line on the request FIFO) and writes a shard there, answering on the reply FIFO
+_ROOT_WORKER = "setpriv --bounding-set=-dac_override,-dac_read_search,-fowner --groups 1000".split()
+_WORKER = """
+import os, sys
+from rl.loop.workers import apply_run_umask
+apply_run_umask()
+with open(sys.argv[1]) as requests, open(sys.argv[2], "w") as replies:
+    for line in requests:
+        try:
+            os.makedirs(line.strip(), exist_ok=True)
+            open(os.path.join(line.strip(), "__0_0.shard"), "w").write("x")
+            replies.write("ok\\n")
+        except OSError as e:
+            replies.write(f"{e}\\n")
+        replies.flush()
+"""
+#: the test's "rl train" (the head, uid 1000): two checkpoints saved by rl.loop.checkpoint.write_aside, the first
+#: deleted once the second is sealed; final/ made by the worker, a file added to it by the head
+_SAVES = """
+import os, shutil, sys
+from pathlib import Path
+from rl.loop.checkpoint import write_aside
+run, requests, replies = Path(sys.argv[1]), open(sys.argv[2], "w"), open(sys.argv[3])
+def worker(path):
+    requests.write(f"{path}\\n"); requests.flush()
+    answer = replies.readline().strip()
+    if answer != "ok":
+        raise OSError(f"the root worker could not write {path}: {answer}")
+for i in (1, 2):
+    write_aside(run / "checkpoints" / f"iter_{i}", lambda tmp: worker(tmp / "shards"), "checkpoint", None, "", "")
+shutil.rmtree(run / "checkpoints" / "iter_1")
+worker(run / "final")
+(run / "final" / "tokenizer.json").write_text("{}")
+print("saved", os.getuid())
+"""
+
+
+def _pythonpath() -> str:
+    import site
+
+    return os.pathsep.join([str(ROOT), *site.getsitepackages()])
+
+
+def _python_for(user: list[str]) -> str:
+    """An interpreter ``user`` may run with this checkout's packages: this one, or the system's of the same version
+    where this one lies under a directory only root may enter (a pyenv under /root)."""
+    for python in (sys.executable, "/usr/bin/python3"):
+        probe = subprocess.run([*user, "bash", "-c", f"cd / && exec {python} -c 'import rl.loop.checkpoint, sys; "
+                                f"sys.exit(sys.version_info[:2] != {tuple(sys.version_info[:2])})'"],
+                               capture_output=True, env={"PYTHONPATH": _pythonpath(), "PATH": "/usr/bin:/bin"})
+        if probe.returncode == 0:
+            return python
+    pytest.skip("uid 1000 can run no Python with this checkout's packages")
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"), reason="needs root and setpriv (util-linux)")
+def test_n6_a_root_rdma_worker_and_the_uid_1000_head_write_and_delete_each_others_checkpoints(tmp_path):
+    """memlock: root without IPC_LOCK is refused (it ran as root with every capability dropped). With it, the worker is
+    root without CAP_DAC_OVERRIDE, and could not write into the uid-1000 head's iter_N.tmp (0755): the first save
+    failed. launch.sh now makes the run directory setgid and its processes' umask 0002, as RL_RUN_UMASK does the
+    trainer's: real processes as uid 1000 (the head) and as root without DAC override (the worker) save, seal and
+    delete checkpoints, and fill final/ together."""
+    sets = ("workerGroups[0].name=w", "workerGroups[0].replicas=1", "workerGroups[0].cpu=2000m",
+            "workerGroups[0].memory=16Gi", "workerGroups[0].memlock=root")
+    err = helm("template", "myrun", str(CHART), "-n", "rl", "--set-file", f"runConfig={QUICKSTART}",
+               *[x for s in sets for x in ("--set", s)], check=False).stderr
+    assert "workerGroups[0].memlock root: the worker runs as root only to keep IPC_LOCK" in err
+    top = Path(tempfile.mkdtemp(dir="/tmp"))  # pytest's own is root's alone (0700)
+    try:
+        top.chmod(0o755)
+        data = top / "data"
+        data.mkdir()
+        os.chown(data, 1000, 1000)
+        head = ["setpriv", "--reuid", "1000", "--regid", "1000", "--groups", "1000"]
+        python = _python_for(head)
+        # without the fix, as the chart had it: the root worker is refused in a directory of the head's
+        (data / "plain").mkdir()
+        os.chown(data / "plain", 1000, 1000)
+        assert subprocess.run([*_ROOT_WORKER, "touch", str(data / "plain" / "shard")], capture_output=True
+                              ).returncode != 0
+        script = run_configmap(render(sets=(f"storage.mountPath={data}", "sandbox.enabled=false")))["data"]["launch.sh"]
+        bin_dir = top / "bin"
+        bin_dir.mkdir()
+        (bin_dir / "saves.py").write_text(_SAVES)
+        fifos = [top / "requests", top / "replies"]
+        for f in fifos:
+            os.mkfifo(f)
+            f.chmod(0o666)
+        # launch.sh runs `rl train CONFIG --run-dir RUN_DIR ...`
+        (bin_dir / "rl").write_text(f'#!/bin/bash\nexec {python} {bin_dir}/saves.py "$4" {fifos[0]} {fifos[1]}\n')
+        (bin_dir / "rl").chmod(0o755)
+        run_dir = data / "runs" / "myrun"  # the release's name where run.name is unset
+        env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "PYTHONPATH": _pythonpath(), "RL_RUN_UMASK": "0002"}
+        worker = subprocess.Popen([*_ROOT_WORKER, sys.executable, "-c", _WORKER, *map(str, fifos)], env=env,
+                                  stderr=subprocess.PIPE, text=True)
+        proc = subprocess.run([*head, "bash", "-c", script], env=env,
+                              capture_output=True, text=True, timeout=120)
+        worker.wait(timeout=60)
+        assert proc.returncode == 0 and "saved 1000" in proc.stdout, proc.stdout + proc.stderr
+        assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["iter_2"]  # iter_1 deleted by uid 1000
+        shard = run_dir / "checkpoints" / "iter_2" / "shards" / "__0_0.shard"
+        assert shard.stat().st_uid == 0 and shard.stat().st_gid == 1000 and (run_dir / "checkpoints" / "iter_2" /
+                                                                              "complete.json").is_file()
+        assert (run_dir / "final").stat().st_uid == 0 and (run_dir / "final" / "tokenizer.json").stat().st_uid == 1000
+    finally:
+        shutil.rmtree(top, ignore_errors=True)
+
+
 @pytest.mark.serial
 def test_d18_launch_sh_stops_a_run_past_its_deadline_and_bounds_the_attempt(tmp_path):
     data = tmp_path / "data"

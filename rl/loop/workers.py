@@ -72,6 +72,14 @@ def _host_ip() -> str:
         return "127.0.0.1"
 
 
+def apply_run_umask() -> None:
+    """Take the umask ``RL_RUN_UMASK`` names (octal; the chart's pods: 0002): a root RDMA worker, which has no
+    CAP_DAC_OVERRIDE, and the uid-1000 head then write and delete each other's files in the setgid run directory
+    through their common group (the pods' fsGroup)."""
+    if umask := os.environ.get("RL_RUN_UMASK"):
+        os.umask(int(umask, 8))
+
+
 class TrainerWorker:
     """Holds one rank of the (sharded) training engine and the sending end of the checkpoint engine."""
 
@@ -80,6 +88,7 @@ class TrainerWorker:
         """``devices``: the GPU of this rank's worker's tensor-parallel replica it computes on (its
         CUDA_VISIBLE_DEVICES: Ray assigned the worker's GPUs to the replica; the worker has a rank on each)."""
         _set_threads(threads)
+        apply_run_umask()
         if devices is not None:  # before anything initialises CUDA in this process
             os.environ["CUDA_VISIBLE_DEVICES"] = devices
         self.settings, self.update = trainer, update

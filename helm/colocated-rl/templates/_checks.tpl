@@ -82,6 +82,9 @@
 {{- if and $g.hostNetwork (not $auth) -}}
 {{- fail (printf "workerGroups[%d].hostNetwork: a pod on the node's network is outside every NetworkPolicy, so its Ray ports (GCS, and the dashboard agent on 52365, which takes job submissions) are open to anything that reaches the node: set rayJob.authToken=true with rayJob.rayVersion 2.52.0 or newer (KubeRay >= 1.6), or turn hostNetwork off" $i) -}}
 {{- end -}}
+{{- if and (eq ($g.memlock | default "") "root") (not (has "IPC_LOCK" ($g.capabilities | default list))) -}}
+{{- fail (printf "workerGroups[%d].memlock root: the worker runs as root only to keep IPC_LOCK (to pin NCCL's RDMA buffers), which is dropped with every other capability unless given: set workerGroups[%d].capabilities=[IPC_LOCK], or memlock=node where the nodes' runtime gives an unlimited RLIMIT_MEMLOCK" $i $i) -}}
+{{- end -}}
 {{- if and $g.capabilities (ne ($g.memlock | default "") "root") -}}
 {{- fail (printf "workerGroups[%d].capabilities %s: a capability added to a container is lost at the first execve of a non-root process (kubernetes#56374), and the workers run as uid 1000, so it would only put the pod at the privileged level; for RDMA set workerGroups[%d].memlock=node (the nodes' runtime gives RLIMIT_MEMLOCK unlimited: no capability needed) or memlock=root (the worker runs as root, keeping IPC_LOCK)" $i (toJson $g.capabilities) $i) -}}
 {{- end -}}

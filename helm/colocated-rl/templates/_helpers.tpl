@@ -227,6 +227,8 @@ app.kubernetes.io/instance: {{ .Release.Name }}
   value: {{ printf "%s/cache" $v.storage.mountPath | quote }}
 - name: RL_WORKER_SLOTS  # place workers by the pods' rl_worker slots, also while worker pods are still joining
   value: "1"
+- name: RL_RUN_UMASK  # what a root RDMA worker and the uid-1000 pods write in the run directory stays group-writable
+  value: "0002"
 {{- if $v.logging.rayToStderr }}
 - name: RAY_LOG_TO_STDERR  # Ray's own logs to the container's stderr: the cluster's log collector ships them
   value: "1"

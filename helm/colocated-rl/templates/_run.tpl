@@ -93,9 +93,14 @@ preStop:
 {{- $creds := ternary " --credentials-dir /var/run/rl-export" "" (not (empty $v.model.credentialsSecret)) -}}
 {{- $train := printf "rl train %s --run-dir \"$run_dir\" --auto-resume%s" (printf "%s/config.yaml" $v.run.configMountPath | squote) (include "rl.trainArgs" .) -}}
 set -e
+# A root RDMA worker (memlock: root, without CAP_DAC_OVERRIDE) saves its shards beside this uid-1000 head: the run
+# directory is setgid and what each makes group-writable, so both (the pods' fsGroup is their common group) can add
+# to and delete what the other made.
+umask 0002
 run_dir={{ include "rl.runDir" . | squote }}
 owner={{ printf "%s/%s" .Release.Namespace .Release.Name | squote }}
 mkdir -p "$run_dir/logs"
+chmod 2775 "$run_dir" "$run_dir/logs" 2>/dev/null || echo "warning: $run_dir is not this uid's: a root worker may not write in it" >&2
 # One run per directory: a run of another release (here or in another namespace) would resume from this one's saves.
 if [ -s "$run_dir/.owner" ] && [ "$(cat "$run_dir/.owner")" != "$owner" ]; then
   echo "error: run directory $run_dir belongs to run $(cat "$run_dir/.owner") (its .owner file), not $owner: give this run another run.name, or delete that file to take the directory over" >&2
