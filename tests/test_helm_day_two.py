@@ -251,22 +251,35 @@ def test_d10_ray_exports_metrics_on_every_ray_pod_and_logs_to_stderr(tmp_path):
 
 # --- D11: what leaves the cluster -----------------------------------------------------------------------------------
 
-def test_d11_the_final_model_goes_to_object_storage_with_credentials_for_the_upload_only():
+def test_d11_n4_the_final_model_goes_to_object_storage_with_credentials_only_the_export_container_mounts():
+    """N4: the export's keys were model.credentialsSecret's (the download's), mounted in the head's Ray container,
+    readable by the driver and any code the Jobs API runs. Now storage.export.credentialsSecret is mounted in the
+    head's export container alone, which uploads what launch.sh asks for."""
     docs = render(GPU, config=GPU_CONFIG)
     head = ray(docs)["ray-head"]["spec"]
     [volume] = [v for v in head["volumes"] if v["name"] == "export-credentials"]
-    assert volume["secret"]["secretName"] == "run-credentials"
-    c = head["containers"][0]
-    assert "envFrom" not in c and {"name": "export-credentials", "mountPath": "/var/run/rl-export",
-                                   "readOnly": True} in c["volumeMounts"]
+    assert volume["secret"]["secretName"] == "export-credentials"
+    ray_head, export = head["containers"]
+    assert ray_head["name"] == "ray-head" and export["name"] == "export"
+    mounts = {c["name"]: {m["name"] for m in c.get("volumeMounts", [])} for c in [*head["initContainers"], ray_head]}
+    assert all("export-credentials" not in m for m in mounts.values()) and "envFrom" not in ray_head
+    assert {"name": "export-credentials", "mountPath": "/var/run/rl-export", "readOnly": True} in export["volumeMounts"]
+    assert export["command"] == ["python3", "-m", "engines.model.io.upload_service", "serve",
+                                 "/data/runs/myrun/.exports", "--allow", "s3://rl-results/qwen3-8b-math", "--root",
+                                 "/data/runs", "--credentials-dir", "/var/run/rl-export"]
+    [fetch] = [c for c in head["initContainers"] if c["name"] == "fetch-model"]  # the download keeps its own
+    assert fetch["envFrom"] == [{"secretRef": {"name": "run-credentials"}}]
     script = run_configmap(docs)["data"]["launch.sh"]
-    assert "python3 -m engines.model.io.uploads \"$run_dir/final\" 's3://rl-results/qwen3-8b-math/final'" in script
+    assert ("python3 -m engines.model.io.upload_service request \"$run_dir/.exports\" \"$run_dir/final\" "
+            "'s3://rl-results/qwen3-8b-math/final'") in script
     assert "--newest-checkpoint" not in script  # checkpoints only when asked for
     script = run_configmap(render(GPU, config=GPU_CONFIG, sets=("storage.export.checkpoints=true",)))["data"][
         "launch.sh"]
-    assert "--newest-checkpoint \"$run_dir/checkpoints\" 's3://rl-results/qwen3-8b-math/checkpoints'" in script
+    assert "\"$run_dir/checkpoints\" 's3://rl-results/qwen3-8b-math/checkpoints' --newest-checkpoint" in script
     assert all(not any(v["name"] == "export-credentials" for v in t["spec"].get("volumes", []))
                for w, t in ray(docs).items() if w != "ray-head")
+    err = refused("storage.export.uri=s3://rl-results/x", "model.credentialsSecret=run-credentials")
+    assert "storage.export.uri s3://rl-results/x takes its credentials from storage.export.credentialsSecret" in err
 
 
 def test_d11_the_notes_print_sizes_only_for_the_models_own_parameters():

@@ -383,8 +383,8 @@ def test_9_a_run_that_succeeded_releases_its_sandbox_fleet(tmp_path):
         lines = calls.read_text().splitlines()
         assert lines[0] == f"python3 -m rl.launch deadline myrun --namespace rl --limit 172800 --run-dir {run_dir}"
         assert lines[1].startswith("train /etc/rl/config.yaml --run-dir")
-        assert lines[2:] == ([f"python3 -m engines.model.io.uploads {run_dir}/final "
-                              "s3://rl-results/qwen3-8b-math/final --credentials-dir /var/run/rl-export",
+        assert lines[2:] == ([f"python3 -m engines.model.io.upload_service request {run_dir}/.exports "
+                              f"{run_dir}/final s3://rl-results/qwen3-8b-math/final",
                               "sandbox release myrun-sandbox --namespace rl"] if status == 0 else [])
 
 

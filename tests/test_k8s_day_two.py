@@ -227,17 +227,16 @@ def test_d18_launch_sh_stops_a_run_past_its_deadline_and_bounds_the_attempt(tmp_
 def test_d11_launch_sh_uploads_the_newest_checkpoint_always_and_final_on_success(tmp_path):
     data = tmp_path / "data"
     sets = (f"storage.mountPath={data}", "storage.export.uri=gs://results/run", "storage.export.checkpoints=true",
-            "model.credentialsSecret=creds", "sandbox.enabled=false")
+            "storage.export.credentialsSecret=creds", "sandbox.enabled=false")
     script = run_configmap(render(sets=sets))["data"]["launch.sh"]
     run_dir = data / "runs" / "myrun"
     for status in (0, 1):
         env, calls = stand_ins(tmp_path)
         calls.unlink(missing_ok=True)
         assert bash(script, {**env, "TRAIN_STATUS": str(status)}).returncode == status
-        ckpt = (f"python3 -m engines.model.io.uploads --newest-checkpoint {run_dir}/checkpoints gs://results/run/checkpoints"
-                " --credentials-dir /var/run/rl-export")
-        final = f"python3 -m engines.model.io.uploads {run_dir}/final gs://results/run/final --credentials-dir " \
-                "/var/run/rl-export"
+        box = f"python3 -m engines.model.io.upload_service request {run_dir}/.exports"
+        ckpt = f"{box} {run_dir}/checkpoints gs://results/run/checkpoints --newest-checkpoint"
+        final = f"{box} {run_dir}/final gs://results/run/final"
         assert calls.read_text().splitlines()[1:] == [ckpt, *([final] if status == 0 else [])]
 
 

@@ -153,3 +153,55 @@ def test_a_stop_request_checkpoints_exports_and_ends_the_run_so_its_retry_resume
     assert [json.loads(x)["iteration"] for x in (run / "metrics.jsonl").read_text().splitlines()] == [0, 1]
     got = fetch_model("s3://models/runs/stopped/final", tmp_path / "cache")
     assert (got / "model.safetensors").read_bytes() == (run / "final" / "model.safetensors").read_bytes()
+
+
+def test_the_export_container_uploads_what_the_run_asks_for_and_the_run_never_holds_the_keys(s3, tmp_path, s3_server):
+    """The chart's split (issue 57, N4): `upload_service serve` holds the export's keys (a mounted Secret's files) and
+    uploads what a process without any key asks for through the run directory: final/ and the newest checkpoint, to a
+    prefix under storage.export.uri and from the run directories only; with no server, a request ends in one line."""
+    import time
+
+    from engines.model.io import upload_service
+
+    secret = tmp_path / "secret"
+    secret.mkdir()
+    for name, value in (("AWS_ACCESS_KEY_ID", "AKTEST"), ("AWS_SECRET_ACCESS_KEY", "secret"),
+                        ("AWS_ENDPOINT_URL", s3_server), ("AWS_REGION", "us-east-1")):
+        (secret / name).write_text(value)
+    runs = tmp_path / "runs"
+    run = runs / "math"
+    files = _final(run / "final")
+    ckpt = run / "checkpoints" / "iter_000003"
+    ckpt.mkdir(parents=True)
+    (ckpt / "complete.json").write_text("{}")
+    box = run / ".exports"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    env.update(PYTHONPATH=str(ROOT), AWS_EC2_METADATA_DISABLED="true", AWS_CONFIG_FILE=str(tmp_path / "none"),
+               AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "none"))
+    module = [sys.executable, "-m", "engines.model.io.upload_service"]
+    server = subprocess.Popen([*module, "serve", str(box), "--allow", "s3://models/exported/math", "--root", str(runs),
+                               "--credentials-dir", str(secret)], env=env, stderr=subprocess.DEVNULL)
+    try:
+        def ask(*args: str) -> subprocess.CompletedProcess:
+            return subprocess.run([*module, "request", str(box), *args], capture_output=True, text=True, env=env,
+                                  timeout=120)
+        done = ask(str(run / "final"), "s3://models/exported/math/final")
+        assert done.returncode == 0 and "4 file(s) sent" in done.stderr, done.stderr
+        got = fetch_model("s3://models/exported/math/final", tmp_path / "cache")
+        assert (got / "config.json").read_bytes() == files["config.json"]
+        done = ask(str(run / "checkpoints"), "s3://models/exported/math/checkpoints", "--newest-checkpoint")
+        assert done.returncode == 0, done.stderr
+        assert s3.head_object(Bucket="models", Key="exported/math/checkpoints/iter_000003/complete.json")
+        inside = "s3://models/exported/math/x"
+        for args, why in (((str(run / "final"), "s3://models/elsewhere"), "is not under storage.export.uri"),
+                          ((str(tmp_path / "secret"), inside), "is not under the run directories"),
+                          ((str(run / "final/../../../secret"), inside), "is not under the run directories")):
+            refused = ask(*args)
+            assert refused.returncode == 1 and refused.stderr.count("\n") == 1 and why in refused.stderr, args
+    finally:
+        server.kill()
+        server.wait()
+    time.sleep(1.2)
+    status, message = upload_service.request(box, run / "final", "s3://models/exported/math/final", stale_s=1.0)
+    assert status == 1 and message.startswith(f"no export container serves {box} (its heartbeat is ")
+    assert not list(box.glob("*.json"))  # the unanswered request withdrawn

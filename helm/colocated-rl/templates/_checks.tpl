@@ -67,6 +67,9 @@
 {{- fail (printf "rayJob.authToken needs rayJob.rayVersion 2.52.0 or newer (KubeRay refuses token authentication otherwise), got %q" $v.rayJob.rayVersion) -}}
 {{- end -}}
 {{- end -}}
+{{- if and $v.storage.export.uri $v.model.credentialsSecret (not $v.storage.export.credentialsSecret) -}}
+{{- fail (printf "storage.export.uri %s takes its credentials from storage.export.credentialsSecret (keys that may write to the bucket and nothing else), no longer from model.credentialsSecret %s (the download's, readable wherever the model is fetched): name the export's own Secret, or leave both to the pods' identity by removing model.credentialsSecret" $v.storage.export.uri $v.model.credentialsSecret) -}}
+{{- end -}}
 {{- $gpuGroups := list -}}{{- $cpuGroups := list -}}
 {{- range $i, $g := $v.workerGroups -}}
 {{- if gt (int $g.gpus) 0 }}{{ $gpuGroups = append $gpuGroups $g.name }}{{ else }}{{ $cpuGroups = append $cpuGroups $g.name }}{{ end -}}

@@ -90,7 +90,6 @@ preStop:
 {{- $v := .Values -}}
 {{- $limit := int $v.rayJob.activeDeadlineSeconds -}}
 {{- $export := $v.storage.export -}}
-{{- $creds := ternary " --credentials-dir /var/run/rl-export" "" (not (empty $v.model.credentialsSecret)) -}}
 {{- $train := printf "rl train %s --run-dir \"$run_dir\" --auto-resume%s" (printf "%s/config.yaml" $v.run.configMountPath | squote) (include "rl.trainArgs" .) -}}
 set -e
 # A root RDMA worker (memlock: root, without CAP_DAC_OVERRIDE) saves its shards beside this uid-1000 head: the run
@@ -129,10 +128,11 @@ status=0
 {{- if $export.uri }}
 {{- if $export.checkpoints }}
 # the newest complete checkpoint of this attempt, whatever its outcome
-python3 -m engines.model.io.uploads --newest-checkpoint "$run_dir/checkpoints" {{ printf "%s/checkpoints" (trimSuffix "/" $export.uri) | squote }}{{ $creds }} || echo "warning: the newest checkpoint was not uploaded (above); it stays on the claim" >&2
+# (by the head's export container, which alone holds the export's credentials)
+python3 -m engines.model.io.upload_service request "$run_dir/.exports" "$run_dir/checkpoints" {{ printf "%s/checkpoints" (trimSuffix "/" $export.uri) | squote }} --newest-checkpoint || echo "warning: the newest checkpoint was not uploaded (above); it stays on the claim" >&2
 {{- end }}
 if [ "$status" = 0 ]; then
-  python3 -m engines.model.io.uploads "$run_dir/final" {{ printf "%s/final" (trimSuffix "/" $export.uri) | squote }}{{ $creds }} || status=$?
+  python3 -m engines.model.io.upload_service request "$run_dir/.exports" "$run_dir/final" {{ printf "%s/final" (trimSuffix "/" $export.uri) | squote }} || status=$?
 fi
 {{- end }}
 {{- if $v.sandbox.enabled }}
