@@ -312,6 +312,53 @@ def test_d6_prestop_asks_the_run_for_a_checkpoint_and_waits_while_it_lives(tmp_p
         assert 1 <= time.monotonic() - t0 < 10
         (run_dir / "stop-requested").unlink(missing_ok=True)
         (run_dir / ".running").unlink(missing_ok=True)
+    # N7: a .running left by a head that was killed (OOM) goes stale: no later pod's preStop waits out its grace on it
+    (run_dir / ".running").touch()
+    os.utime(run_dir / ".running", (time.time() - 120, time.time() - 120))
+    t0 = time.monotonic()
+    assert subprocess.run(cmd, timeout=30).returncode == 0 and time.monotonic() - t0 < 5
+    assert not (run_dir / "stop-requested").exists()
+
+
+@pytest.mark.serial
+def test_n7_launch_sh_keeps_running_fresh_while_the_run_lives_and_removes_it_after(tmp_path):
+    """The heartbeat that tells a preStop the run is alive: touched every 10 s by the attempt, gone when it ends."""
+    data = tmp_path / "data"
+    script = run_configmap(render(sets=(f"storage.mountPath={data}", "sandbox.enabled=false")))["data"]["launch.sh"]
+    env, _ = stand_ins(tmp_path)
+    marker = data / "runs" / "myrun" / ".running"
+    (tmp_path / "bin" / "rl").write_text(f'#!/bin/bash\nsleep 1; a=$(stat -c %Y {marker}); sleep 11; '
+                                         f'b=$(stat -c %Y {marker}); echo "beats $a $b"\n')
+    proc = bash(script, env)
+    assert proc.returncode == 0, proc.stderr
+    a, b = map(int, proc.stdout.split("beats ")[1].split())
+    assert b - a >= 9 and not marker.exists()  # touched while the run lived, removed when it ended
+
+
+def test_n7_a_grace_period_too_short_for_one_save_is_refused():
+    """preStop sized from the model's bytes and the storage's measured write rate (what the run prints per save)."""
+    args = ["template", "myrun", str(CHART), "-n", "rl", "--set-file", f"runConfig={QUICKSTART}", "--set-json",
+            "model.parametersBillions=8.2", "--set-json", "disruption.saveGBps=0.2"]
+    proc = helm(*args, check=False)
+    assert proc.returncode != 0 and ("disruption.terminationGracePeriodSeconds 300 leaves 290 s for the checkpoint a "
+                                     "stopped pod asks for, but one of 8.2B parameters (about 90 GB") in proc.stderr
+    assert "takes about 451 s: set terminationGracePeriodSeconds to at least 491" in proc.stderr
+    assert helm(*args, "--set", "disruption.terminationGracePeriodSeconds=600").returncode == 0
+
+
+def test_n7_each_save_says_its_rate(tmp_path):
+    import io
+
+    from rich.console import Console
+
+    from rl.loop.controller import save_line
+
+    (tmp_path / "iter_000004" / "trainer").mkdir(parents=True)
+    (tmp_path / "iter_000004" / "trainer" / "__0_0.distcp").write_bytes(b"x" * 3_000_000)
+    (tmp_path / "iter_000004" / "state.json").write_bytes(b"y" * 1_000_000)
+    out = io.StringIO()
+    save_line(tmp_path / "iter_000004", 2.0, Console(file=out, width=200))
+    assert out.getvalue().strip() == "checkpoint iter_000004: 0.00 GB saved in 2.0 s (0.002 GB/s)"
 
 
 # --- the API: deadline, operator, backend ---------------------------------------------------------------------------

@@ -157,6 +157,13 @@ def start_cluster(*args) -> Cluster:
         raise failed from None
 
 
+def save_line(saved: Path, seconds: float, console: Console) -> None:
+    """Say how fast a checkpoint went to the run storage: what a stop must wait for (the chart's
+    disruption.saveGBps sizes the pods' grace period by it)."""
+    gb = sum(p.stat().st_size for p in saved.rglob("*") if p.is_file()) / 1e9
+    console.print(f"checkpoint {saved.name}: {gb:.2f} GB saved in {seconds:.1f} s ({gb / max(seconds, 1e-9):.3f} GB/s)")
+
+
 def _loop(run: Run, state: LoopState | None, restarts: Restarts) -> dict:
     """The iterations of one attempt, from the start or ``state`` (a checkpoint's), to the summary."""
     cfg, cluster, console = run.cfg, run.cluster, run.console
@@ -214,8 +221,10 @@ def _loop(run: Run, state: LoopState | None, restarts: Restarts) -> dict:
                              workers=cfg.cluster.workers, initial_accuracy_sampled=initial["accuracy_sampled"],
                              rollbacks=rollbacks, best_accuracy=guard and guard.best,
                              initial_eval_reward=initial["eval_reward"])
+            t_save = time.perf_counter()
             saved = save_checkpoint(run.run_dir, loop, cluster.trainers.save, run.start_dir, cfg.run.keep_checkpoints,
                                     run.checkpoint_bytes)
+            save_line(saved, time.perf_counter() - t_save, console)
             if cfg.run.export_uri and cfg.run.export_checkpoints:
                 export(saved, f"{cfg.run.export_uri}/checkpoints/{saved.name}", console)
         if stop_requested:

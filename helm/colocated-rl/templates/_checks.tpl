@@ -70,6 +70,15 @@
 {{- if and $v.storage.export.uri $v.model.credentialsSecret (not $v.storage.export.credentialsSecret) -}}
 {{- fail (printf "storage.export.uri %s takes its credentials from storage.export.credentialsSecret (keys that may write to the bucket and nothing else), no longer from model.credentialsSecret %s (the download's, readable wherever the model is fetched): name the export's own Secret, or leave both to the pods' identity by removing model.credentialsSecret" $v.storage.export.uri $v.model.credentialsSecret) -}}
 {{- end -}}
+{{- $rate := float64 ($v.disruption.saveGBps | default 0) -}}
+{{- $params := float64 ($v.model.parametersBillions | default 0) -}}
+{{- if and (gt $rate 0.0) (gt $params 0.0) -}}
+{{- $save := ceil (divf (mulf $params 11.0) $rate) | int -}}
+{{- $left := sub (int $v.disruption.terminationGracePeriodSeconds) 10 -}}
+{{- if lt $left (add $save 30) -}}
+{{- fail (printf "disruption.terminationGracePeriodSeconds %d leaves %d s for the checkpoint a stopped pod asks for, but one of %gB parameters (about %.0f GB, 11 bytes per parameter) at disruption.saveGBps %g takes about %d s: set terminationGracePeriodSeconds to at least %d plus an iteration's time" (int $v.disruption.terminationGracePeriodSeconds) $left $params (mulf $params 11.0) $rate $save (add $save 40)) -}}
+{{- end -}}
+{{- end -}}
 {{- $gpuGroups := list -}}{{- $cpuGroups := list -}}
 {{- range $i, $g := $v.workerGroups -}}
 {{- if gt (int $g.gpus) 0 }}{{ $gpuGroups = append $gpuGroups $g.name }}{{ else }}{{ $cpuGroups = append $cpuGroups $g.name }}{{ end -}}

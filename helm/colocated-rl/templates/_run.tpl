@@ -11,7 +11,7 @@ preStop:
     command:
       - sh
       - -c
-      - {{ printf `d=%s; [ -e "$d/.running" ] || exit 0; echo "$(hostname) $(date +%%s)" >> "$d/stop-requested"; t=0; while [ -e "$d/stop-requested" ] && [ -e "$d/.running" ] && [ $t -lt %d ]; do sleep 1; t=$((t+1)); done` ($dir | squote) $wait | quote }}
+      - {{ printf `d=%s; live() { [ -e "$d/.running" ] && [ $(( $(date +%%s) - $(stat -c %%Y "$d/.running") )) -lt 60 ]; }; live || exit 0; echo "$(hostname) $(date +%%s)" >> "$d/stop-requested"; t=0; while [ -e "$d/stop-requested" ] && live && [ $t -lt %d ]; do sleep 1; t=$((t+1)); done` ($dir | squote) $wait | quote }}
 {{- end -}}
 
 {{/* The head's init containers, in order: the image's Ray against rayJob.rayVersion; the run volume's owner (with
@@ -108,10 +108,13 @@ fi
 echo "$owner" > "$run_dir/.owner"
 # This attempt's console, also on the claim: KubeRay deletes a failed attempt's submitter pod, and its log, to retry.
 exec > >(tee -a "$run_dir/logs/attempt-$(date -u +%Y%m%dT%H%M%SZ).log") 2>&1
-# While .running exists, a Ray pod's preStop asks the run for a checkpoint (stop-requested) and waits for it.
+# While .running is fresh (this attempt touches it every 10 s), a Ray pod's preStop asks the run for a checkpoint
+# (stop-requested) and waits for it; a .running left by a head that was killed goes stale, and no preStop waits on it.
 rm -f "$run_dir/stop-requested"
 touch "$run_dir/.running"
-trap 'rm -f "$run_dir/.running"' EXIT
+( while sleep 10; do touch "$run_dir/.running"; done ) &
+heartbeat=$!
+trap 'kill $heartbeat 2>/dev/null; rm -f "$run_dir/.running"' EXIT
 {{- if $limit }}
 # rayJob.activeDeadlineSeconds holds for the whole run, from its first attempt (KubeRay's restarts at each retry).
 left=$(python3 -m rl.launch deadline {{ .Release.Name }} --namespace {{ .Release.Namespace }} --limit {{ $limit }} --run-dir "$run_dir") || {
