@@ -298,13 +298,18 @@ def test_the_disruption_budget_and_the_session_quota_are_there_when_enabled(case
     """D6, D7: a drain waits for the run; the session namespace holds at most the quota's pods."""
     docs = docs_of(case)
     w = World(docs)
-    [pdb] = [d for d in docs if d["kind"] == "PodDisruptionBudget"]
-    assert pdb["spec"]["maxUnavailable"] == 0
-    selector = pdb["spec"]["selector"]
+    pdbs = {d["metadata"]["name"]: d["spec"] for d in docs if d["kind"] == "PodDisruptionBudget"}
+    pdb = pdbs.pop("myrun-ray")
+    assert pdb["maxUnavailable"] == 0 and pdb["unhealthyPodEvictionPolicy"] == "AlwaysAllow"  # a broken run: no hold
+    selector = pdb["selector"]
     from sandbox.k8s_manifests import selects
 
     assert all(selects(selector, p.labels) for p in [w.head, *w.workers])
     assert not selects(selector, w.sandbox.labels) and not selects(selector, w.other_run.labels)
+    # N10: the sandbox service's replicas go one at a time (it had none)
+    sandbox = pdbs.pop("myrun-sandbox")
+    assert sandbox["maxUnavailable"] == 1 and selects(sandbox["selector"], w.sandbox.labels) and not pdbs
+    assert not any(selects(sandbox["selector"], p.labels) for p in [w.head, *w.workers, *filter(None, [w.session])])
     quotas = [d for d in docs if d["kind"] == "ResourceQuota"]
     if w.session is None:
         assert quotas == []
