@@ -320,6 +320,29 @@ def test_d6_prestop_asks_the_run_for_a_checkpoint_and_waits_while_it_lives(tmp_p
     assert not (run_dir / "stop-requested").exists()
 
 
+def test_n10_a_ray_pods_logs_are_kept_on_the_claim_when_it_goes(tmp_path):
+    """Ray's logs lived only in the kubelet's rotation, gone with the pod (KubeRay deletes every pod when the run ends):
+    the preStop copies this pod's (files under 256 MB) to <run dir>/logs/ray/<pod>, whether or not a run lives."""
+    data = tmp_path / "data"
+    cmd = head_spec(render(sets=(f"storage.mountPath={data}",)))["containers"][0]["lifecycle"]["preStop"]["exec"][
+        "command"]
+    logs = tmp_path / "ray-logs"
+    (logs / "old").mkdir(parents=True)
+    (logs / "raylet.out").write_text("raylet started\n")
+    (logs / "old" / "worker-1.err").write_text("Traceback: the NCCL timeout\n")
+    with open(logs / "huge.log", "wb") as f:
+        f.truncate(300 << 20)  # sparse: 300 MB long, nothing written
+    run_dir = data / "runs" / "myrun"
+    run_dir.mkdir(parents=True)
+    t0 = time.monotonic()
+    assert subprocess.run(cmd, env={**os.environ, "RL_RAY_LOGS": str(logs)}, timeout=30).returncode == 0
+    assert time.monotonic() - t0 < 5
+    kept = run_dir / "logs" / "ray" / os.uname().nodename
+    assert (kept / "raylet.out").read_text() == "raylet started\n"
+    assert (kept / "old" / "worker-1.err").read_text() == "Traceback: the NCCL timeout\n"
+    assert not (kept / "huge.log").exists()
+
+
 @pytest.mark.serial
 def test_n7_launch_sh_keeps_running_fresh_while_the_run_lives_and_removes_it_after(tmp_path):
     """The heartbeat that tells a preStop the run is alive: touched every 10 s by the attempt, gone when it ends."""

@@ -2,7 +2,8 @@
 
 {{/* A Ray pod's preStop: on SIGTERM while the run lives (launch.sh's <run dir>/.running), ask the run for a checkpoint
      (<run dir>/stop-requested) and wait until it answers by removing the file, the run ends, or the grace period
-     (less 10 s) is spent. */}}
+     (less 10 s) is spent. Then keep Ray's logs of this pod on the claim (<run dir>/logs/ray/<pod>, files under
+     256 MB): the kubelet's rotation loses them with the pod, and KubeRay deletes every pod when the run ends. */}}
 {{- define "rl.preStop" -}}
 {{- $dir := include "rl.runDir" . -}}
 {{- $wait := sub (int .Values.disruption.terminationGracePeriodSeconds) 10 -}}
@@ -11,7 +12,7 @@ preStop:
     command:
       - sh
       - -c
-      - {{ printf `d=%s; live() { [ -e "$d/.running" ] && [ $(( $(date +%%s) - $(stat -c %%Y "$d/.running") )) -lt 60 ]; }; live || exit 0; echo "$(hostname) $(date +%%s)" >> "$d/stop-requested"; t=0; while [ -e "$d/stop-requested" ] && live && [ $t -lt %d ]; do sleep 1; t=$((t+1)); done` ($dir | squote) $wait | quote }}
+      - {{ printf `d=%s; keep() { src=${RL_RAY_LOGS:-/tmp/ray/session_latest/logs}; [ -d "$src" ] && [ -d "$d" ] || return 0; dst="$d/logs/ray/$(hostname)"; mkdir -p "$dst" && (cd "$src" && find . -type f -size -256M -exec cp --parents {} "$dst" \;) 2>/dev/null || true; }; live() { [ -e "$d/.running" ] && [ $(( $(date +%%s) - $(stat -c %%Y "$d/.running") )) -lt 60 ]; }; if live; then echo "$(hostname) $(date +%%s)" >> "$d/stop-requested"; t=0; while [ -e "$d/stop-requested" ] && live && [ $t -lt %d ]; do sleep 1; t=$((t+1)); done; fi; keep` ($dir | squote) $wait | quote }}
 {{- end -}}
 
 {{/* The head's init containers, in order: the image's Ray against rayJob.rayVersion; the run volume's owner (with
