@@ -219,7 +219,7 @@ def test_the_rayjob_owns_the_sandbox_fleet_and_takes_it_along(api, capsys):
         stored[d["kind"], d["metadata"]["name"]] = api.seed(f"{group}/{plural}", d)
     uid = stored["RayJob", "quickstart"]["metadata"]["uid"]
 
-    assert own_by_rayjob("quickstart", Kube(NS), manifests) == 13
+    assert own_by_rayjob("quickstart", Kube(NS), manifests) == 14
     owned = {(c.rsplit("/", 1)[1], name) for (c, ns, name), o in api.objects.items()
              if o["metadata"].get("ownerReferences") == [{"apiVersion": "ray.io/v1", "kind": "RayJob",
                                                            "name": "quickstart", "uid": uid}]}
@@ -227,14 +227,14 @@ def test_the_rayjob_owns_the_sandbox_fleet_and_takes_it_along(api, capsys):
     assert owned == {("deployments", "quickstart-sandbox"), ("services", "quickstart-sandbox"),
                      ("horizontalpodautoscalers", "quickstart-sandbox"), ("secrets", "quickstart-sandbox-token"),
                      ("serviceaccounts", "quickstart-sandbox"), ("configmaps", config),
-                     ("poddisruptionbudgets", "quickstart-ray"),
+                     ("poddisruptionbudgets", "quickstart-ray"), ("poddisruptionbudgets", "quickstart-sandbox"),
                      ("networkpolicies", "quickstart-sandbox-ingress"), ("networkpolicies", "quickstart-ray-head"),
                      ("networkpolicies", "quickstart-ray-workers"), ("serviceaccounts", "quickstart-run"),
                      ("roles", "quickstart-run"), ("rolebindings", "quickstart-run")}
     patched = [r.path for r in api.requests if r.method == "PATCH"]
     # cluster-scoped objects (the admission policy and its binding) are never given a namespaced owner: the garbage
     # collector would delete them at once
-    assert len(patched) == 13 and all(f"/namespaces/{NS}/" in p for p in patched)
+    assert len(patched) == 14 and all(f"/namespaces/{NS}/" in p for p in patched)
 
     api.requests.clear()
     Kube(NS).custom.delete_namespaced_custom_object("ray.io", "v1", NS, "rayjobs", "quickstart")
