@@ -95,16 +95,17 @@ class Kube:
         self.apps = kubernetes.client.AppsV1Api(api_client)
         self.extensions = kubernetes.client.ApiextensionsV1Api(api_client)
 
-    def call(self, what: str, fn: Callable[..., Any], *args: Any, missing_ok: bool = False, **kw: Any) -> Any:
+    def call(self, what: str, fn: Callable[..., Any], *args: Any, missing_ok: bool = False,
+             forbidden_ok: bool = False, **kw: Any) -> Any:
         """``fn(*args, **kw)``; API and connection errors become CommandFailed naming ``what`` (None for a
-        404 when ``missing_ok``)."""
+        404 when ``missing_ok``, for a 401 or 403 when ``forbidden_ok``: a check this account may not make)."""
         import urllib3
         from kubernetes.client.exceptions import ApiException
 
         try:
             return fn(*args, _request_timeout=kw.pop("_request_timeout", 30), **kw)
         except ApiException as e:
-            if e.status == 404 and missing_ok:
+            if (e.status == 404 and missing_ok) or (e.status in (401, 403) and forbidden_ok):
                 return None
             raise CommandFailed(f"{what}: HTTP {e.status} {e.reason} from the Kubernetes API at {self.host}"
                                 + (f": {_api_message(e)}" if _api_message(e) else "")) from None
@@ -277,9 +278,7 @@ def check_operator_namespace(manifests: str, kube: Kube, out: TextIO) -> None:
     admits the operator from a namespace it does not run in (the run would wait forever for its job's status): the
     operator's pods are looked for by the labels the head's NetworkPolicy selects (KubeRay's own where it has none),
     in any namespace. Says so, and goes on, where they cannot be listed."""
-    import urllib3
     import yaml
-    from kubernetes.client.exceptions import ApiException
 
     policy = next((d for d in yaml.safe_load_all(manifests) if d and d.get("kind") == "NetworkPolicy"
                    and d["metadata"]["name"].endswith("-ray-head")), None)
@@ -290,21 +289,15 @@ def check_operator_namespace(manifests: str, kube: Kube, out: TextIO) -> None:
                  for p in peers] or list(OPERATOR_SELECTORS)
     named = " or ".join(selectors)
     found: set[str] = set()
-    try:
-        for selector in selectors:
-            pods = kube.core.list_pod_for_all_namespaces(label_selector=selector, _request_timeout=30).items
-            found |= {p.metadata.namespace for p in pods}
-    except ApiException as e:
-        if e.status not in (401, 403):
-            raise CommandFailed(f"looking for the KubeRay operator's pods: HTTP {e.status} {e.reason} from the "
-                                f"Kubernetes API at {kube.host}") from None
-        print(f"note: cannot list pods cluster-wide (HTTP {e.status}) to check that the KubeRay operator ({named}) "
-              f"runs{f' in namespace {wanted} (head.networkPolicy.operatorNamespace)' if wanted else ''}", file=out,
-              flush=True)
-        return
-    except (urllib3.exceptions.HTTPError, OSError) as e:
-        raise CommandFailed(f"looking for the KubeRay operator's pods: cannot reach the Kubernetes API at {kube.host} "
-                            f"({type(e).__name__}: {str(e)[:300]}); is kubectl's context the cluster?") from None
+    for selector in selectors:
+        pods = kube.call("looking for the KubeRay operator's pods", kube.core.list_pod_for_all_namespaces,
+                         label_selector=selector, forbidden_ok=True)
+        if pods is None:
+            print(f"note: cannot list pods cluster-wide (forbidden) to check that the KubeRay operator ({named}) "
+                  f"runs{f' in namespace {wanted} (head.networkPolicy.operatorNamespace)' if wanted else ''}",
+                  file=out, flush=True)
+            return
+        found |= {p.metadata.namespace for p in pods.items}
     if not found:
         raise UserError(f"no KubeRay operator runs in this cluster (no pod labelled {named} in any namespace): the "
                         "RayJob would hold its pods and never start; install KubeRay (its Helm chart or "
@@ -323,21 +316,17 @@ def check_token_auth_support(manifests: str, kube: Kube, out: TextIO) -> None:
     import json
 
     import yaml
-    from kubernetes.client.exceptions import ApiException
 
     job = next((d for d in yaml.safe_load_all(manifests) if d and d.get("kind") == "RayJob"), None)
     if not job or "authOptions" not in job["spec"].get("rayClusterSpec", {}):
         return
-    try:
-        crd = json.loads(kube.extensions.read_custom_resource_definition("rayjobs.ray.io", _preload_content=False,
-                                                                         _request_timeout=30).data)
-    except ApiException as e:
-        if e.status not in (401, 403):
-            raise CommandFailed(f"reading the RayJob CRD (rayjobs.ray.io): HTTP {e.status} {e.reason} from the "
-                                f"Kubernetes API at {kube.host}") from None
-        print(f"note: cannot read the RayJob CRD (HTTP {e.status}) to check that the installed KubeRay keeps "
-              "authOptions (KubeRay >= 1.6)", file=out, flush=True)
+    raw = kube.call("reading the RayJob CRD (rayjobs.ray.io)", kube.extensions.read_custom_resource_definition,
+                    "rayjobs.ray.io", _preload_content=False, forbidden_ok=True)
+    if raw is None:
+        print("note: cannot read the RayJob CRD (forbidden) to check that the installed KubeRay keeps authOptions "
+              "(KubeRay >= 1.6)", file=out, flush=True)
         return
+    crd = json.loads(raw.data)
     version = job["apiVersion"].split("/")[-1]
     schema = next((v["schema"]["openAPIV3Schema"] for v in crd["spec"]["versions"] if v["name"] == version), {})
     cluster = schema.get("properties", {}).get("spec", {}).get("properties", {}).get("rayClusterSpec", {})

@@ -453,6 +453,16 @@ def test_n2_rl_launch_refuses_token_auth_that_the_installed_rayjob_crd_would_dro
     assert len([r for r in api.requests if "customresourcedefinitions" in r.path]) == reads
 
 
+def test_an_account_that_may_not_read_cluster_wide_gets_a_note_for_each_check_and_goes_on(api, capsys):
+    """Listing pods in every namespace and reading a CRD are cluster-wide reads a namespaced account may lack: both
+    checks say so and the launch goes on (to the install, which needs a real API server)."""
+    api.forbidden.add(("GET", ""))  # every cluster-scoped read: all namespaces' pods, the CRD
+    assert rl_main(["launch", "--k8s", str(QUICKSTART), "-n", "rl", "--set", "rayJob.rayVersion=2.60.0"]) == 1
+    captured = capsys.readouterr()
+    assert "note: cannot list pods cluster-wide (forbidden) to check that the KubeRay operator" in captured.out
+    assert "note: cannot read the RayJob CRD (forbidden)" in captured.out and "helm install failed" in captured.err
+
+
 def test_n8_rl_launch_finds_a_kustomize_installed_operator_and_refuses_a_cluster_without_one(api, capsys):
     """KubeRay's kustomization labels its pods name=kuberay (component=kuberay-operator) in ray-system: the head's
     policy admits them there, and rl launch finds them; with no operator at all it refuses in one line (the RayJob
