@@ -91,7 +91,8 @@ def _disk_full(err: BaseException, free: int) -> bool:
         "No space left on device" in str(err) or "Disk quota exceeded" in str(err) or free < FULL_BYTES
 
 
-def _tree_bytes(path: Path) -> int:
+def tree_bytes(path: Path) -> int:
+    """Bytes of the files under ``path`` (0 where it is not a directory)."""
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.is_dir() else 0
 
 
@@ -170,14 +171,14 @@ def write_aside(final: Path, fill: Callable[[Path], None], noun: str, kept: Path
         _seal(final, files)
     except Exception as e:
         full = _disk_full(e, shutil.disk_usage(final.parent).free if final.parent.exists() else 0)
-        written = _tree_bytes(final if placed else tmp)
+        written = tree_bytes(final if placed else tmp)
         shutil.rmtree(final if placed else tmp, ignore_errors=True)
         if old.exists() and not final.exists():
             old.rename(final)
         if not isinstance(e, (OSError, TrainerStateError)) and not full:
             raise
         last = f"{kept_as}, {kept}, is intact{resume}" if kept else f"no earlier {noun} exists"
-        need = _tree_bytes(kept) if kept else need or 0
+        need = tree_bytes(kept) if kept else need or 0
         size = f"a {noun} takes about {need:,} bytes" if need else f"{written:,} bytes written before it failed"
         why = "no space left on the device" if full else f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
         free = shutil.disk_usage(final.parent).free if final.parent.exists() else 0

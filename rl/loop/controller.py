@@ -28,6 +28,7 @@ from rl.loop.checkpoint import (
     list_checkpoints,
     remove_stale,
     save_checkpoint,
+    tree_bytes,
     write_aside,
 )
 from rl.loop.cluster import Cluster
@@ -160,7 +161,7 @@ def start_cluster(*args) -> Cluster:
 def save_line(saved: Path, seconds: float, console: Console) -> None:
     """Say how fast a checkpoint went to the run storage: what a stop must wait for (the chart's
     disruption.saveGBps sizes the pods' grace period by it)."""
-    gb = sum(p.stat().st_size for p in saved.rglob("*") if p.is_file()) / 1e9
+    gb = tree_bytes(saved) / 1e9
     console.print(f"checkpoint {saved.name}: {gb:.2f} GB saved in {seconds:.1f} s ({gb / max(seconds, 1e-9):.3f} GB/s)")
 
 

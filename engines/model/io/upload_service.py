@@ -26,7 +26,7 @@ import time
 import uuid
 from pathlib import Path
 
-from engines.model.io.sources import SourceError
+from engines.model.io.sources import SourceError, _write_json
 from engines.model.io.uploads import UploadError, load_credentials, newest_checkpoint, upload_directory
 
 HEARTBEAT = "serving"
@@ -35,19 +35,13 @@ STALE_S = 60.0
 POLL_S = 0.5
 
 
-def _write(path: Path, data: dict) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(data))
-    tmp.rename(path)
-
-
 def request(box: str | Path, directory: str | Path, uri: str, newest: bool = False,
             stale_s: float = STALE_S) -> tuple[int, str]:
     """Ask the serving container to upload ``directory`` to ``uri``; returns its (status, message): 0 when done."""
     box = Path(box)
     box.mkdir(parents=True, exist_ok=True)
     rid = uuid.uuid4().hex
-    _write(box / f"{rid}.json", {"directory": str(directory), "uri": uri, "newest_checkpoint": newest})
+    _write_json(box / f"{rid}.json", {"directory": str(directory), "uri": uri, "newest_checkpoint": newest})
     result = box / f"{rid}.result"
     while not result.exists():
         beat = box / HEARTBEAT
@@ -105,7 +99,7 @@ def serve(box: str | Path, allow: str, root: str | Path, stop: threading.Event |
                 continue  # withdrawn meanwhile
             status, message = handle(spec, allow, Path(root))
             print(message, file=sys.stderr, flush=True)
-            _write(path.with_suffix(".result"), {"status": status, "message": message})
+            _write_json(path.with_suffix(".result"), {"status": status, "message": message})
             path.unlink(missing_ok=True)
         stop.wait(POLL_S)
 
