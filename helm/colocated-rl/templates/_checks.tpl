@@ -56,16 +56,11 @@
 {{- if and $np.enabled $np.dashboardCIDRs (not $auth) -}}
 {{- fail (printf "head.networkPolicy.dashboardCIDRs %s opens the Ray dashboard and Jobs API (8265: it runs any code it is sent, with the run's GPUs and tokens) to those addresses without authentication: set rayJob.authToken=true (KubeRay >= 1.6, Ray >= 2.52), or drop them and use kubectl port-forward" (toJson $np.dashboardCIDRs)) -}}
 {{- end -}}
-{{- if not $np.enabled -}}
-{{- if not $auth -}}
+{{- if and (not $np.enabled) (not $auth) -}}
 {{- fail "head.networkPolicy.enabled=false with Ray's token authentication off: nothing would stand between the Jobs API (8265: it runs any code it is sent, with the run's GPUs and tokens) and whoever reaches the head; set rayJob.authToken=true with rayJob.rayVersion 2.52.0 or newer (KubeRay >= 1.6), or keep the policy on" -}}
 {{- end -}}
-{{- end -}}
-{{- if $auth -}}
-{{- $ray := regexFind `^[0-9]+\.[0-9]+(\.[0-9]+)?` ($v.rayJob.rayVersion | default "") -}}
-{{- if or (not $ray) (semverCompare "<2.52.0" $ray) -}}
+{{- if and $auth (not (include "rl.rayHasTokenAuth" .)) -}}
 {{- fail (printf "rayJob.authToken needs rayJob.rayVersion 2.52.0 or newer (KubeRay refuses token authentication otherwise), got %q" $v.rayJob.rayVersion) -}}
-{{- end -}}
 {{- end -}}
 {{- if and $v.storage.export.uri $v.model.credentialsSecret (not $v.storage.export.credentialsSecret) -}}
 {{- fail (printf "storage.export.uri %s takes its credentials from storage.export.credentialsSecret (keys that may write to the bucket and nothing else), no longer from model.credentialsSecret %s (the download's, readable wherever the model is fetched): name the export's own Secret, or leave both to the pods' identity by removing model.credentialsSecret" $v.storage.export.uri $v.model.credentialsSecret) -}}

@@ -342,15 +342,19 @@ max-worker-port: "19999"
 {{- end }}
 {{- end -}}
 
-{{/* "true" where Ray's token authentication is on: rayJob.authToken, or where that is null, a rayVersion of 2.52 or
-     newer (the first with token authentication). */}}
+{{/* "true" where rayJob.rayVersion has token authentication (2.52 or newer). */}}
+{{- define "rl.rayHasTokenAuth" -}}
+{{- $ray := regexFind `^[0-9]+\.[0-9]+(\.[0-9]+)?` (.Values.rayJob.rayVersion | default "") -}}
+{{- if and $ray (semverCompare ">=2.52.0" $ray) }}true{{ end -}}
+{{- end -}}
+
+{{/* "true" where Ray's token authentication is on: rayJob.authToken, or where that is null, the Ray version's. */}}
 {{- define "rl.authToken" -}}
 {{- $t := .Values.rayJob.authToken -}}
 {{- if kindIs "bool" $t -}}
 {{- if $t }}true{{ end -}}
 {{- else -}}
-{{- $ray := regexFind `^[0-9]+\.[0-9]+(\.[0-9]+)?` (.Values.rayJob.rayVersion | default "") -}}
-{{- if and $ray (semverCompare ">=2.52.0" $ray) }}true{{ end -}}
+{{- include "rl.rayHasTokenAuth" . -}}
 {{- end -}}
 {{- end -}}
 
