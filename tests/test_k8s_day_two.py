@@ -544,15 +544,22 @@ def _admits(vap: dict, pod: dict, user: str) -> list[str]:
             if not env.program(env.compile(v["expression"])).evaluate(activation)]
 
 
-def test_d5_the_admission_policy_admits_the_backends_pods_and_nothing_that_reaches_a_secret():
-    docs = render()
-    vap = one(docs, "ValidatingAdmissionPolicy")
+def _session_pod(docs: list[dict], image: str, **extra) -> dict:
+    """A session pod as the chart's sandbox service would make it: the real backend's pod, from the service's
+    --set=sandbox.kubernetes.* arguments (its namespace, agent image, labels, runtime class, tolerations)."""
     args = one(docs, "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
     given = dict(a.removeprefix("--set=sandbox.kubernetes.").split("=", 1) for a in args
                  if a.startswith("--set=sandbox.kubernetes."))
-    pod = m.sandbox_pod(name="rl-sbx-1", namespace=given["namespace"], session_id="s1", owner="myrun-sandbox-0",
-                        image="python:3.11-slim", agent_image=given["agent_image"], token="t",
-                        labels=json.loads(given["labels"]), runtime_class=given["runtime_class"])
+    return m.sandbox_pod(name="rl-sbx-1", namespace=given["namespace"], session_id="s1", owner="myrun-sandbox-0",
+                         image=image, agent_image=given["agent_image"], labels=json.loads(given["labels"]),
+                         runtime_class=given["runtime_class"], tolerations=json.loads(given.get("tolerations", "[]")),
+                         **extra)
+
+
+def test_d5_the_admission_policy_admits_the_backends_pods_and_nothing_that_reaches_a_secret():
+    docs = render()
+    vap = one(docs, "ValidatingAdmissionPolicy")
+    pod = _session_pod(docs, "python:3.11-slim", token="t")
     service = "system:serviceaccount:rl:myrun-sandbox"
     assert _admits(vap, pod, service) == []
     secret_volume = {"name": "s", "secret": {"secretName": "registry-credentials"}}
@@ -607,14 +614,9 @@ def test_n3_the_policy_admits_what_the_chart_lets_sessions_run_and_their_tolerat
             "sandbox.pods.tolerations[0].effect=NoSchedule")
     docs = render(sets=sets)
     vap = one(docs, "ValidatingAdmissionPolicy")
-    args = one(docs, "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
-    given = dict(a.removeprefix("--set=sandbox.kubernetes.").split("=", 1) for a in args
-                 if a.startswith("--set=sandbox.kubernetes."))
     service = "system:serviceaccount:rl:myrun-sandbox"
     for image, ok in (("python:3.11-slim", True), ("python:3.12-bookworm", True), ("python:3.9-slim", False),
                       ("registry.example.com/swe/django:4", True), ("registry.example.com/other", False),
                       ("python:3x11-slim", False)):  # the default's dot is a dot, not any character
-        pod = m.sandbox_pod(name="rl-sbx-1", namespace=given["namespace"], session_id="s1", owner="myrun-sandbox-0",
-                            image=image, agent_image=given["agent_image"], labels=json.loads(given["labels"]),
-                            runtime_class=given["runtime_class"], tolerations=json.loads(given["tolerations"]))
+        pod = _session_pod(docs, image)
         assert (_admits(vap, pod, service) == []) is ok, (image, _admits(vap, pod, service))
