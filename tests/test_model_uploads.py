@@ -205,3 +205,6 @@ def test_the_export_container_uploads_what_the_run_asks_for_and_the_run_never_ho
     status, message = upload_service.request(box, run / "final", "s3://models/exported/math/final", stale_s=1.0)
     assert status == 1 and message.startswith(f"no export container serves {box} (its heartbeat is ")
     assert not list(box.glob("*.json"))  # the unanswered request withdrawn
+    # a server that never came up: waited for as long as a stale one, then one line
+    status, message = upload_service.request(tmp_path / "nobody", run / "final", "s3://models/x", stale_s=0.5)
+    assert status == 1 and "(its heartbeat is missing after " in message

@@ -6,7 +6,7 @@ the keys. The two share the run directory (on the claim), and talk through a dir
 
 - ``request(box, directory, uri)`` writes ``<id>.json`` (atomically) and waits for ``<id>.result``; it gives up, in
   one line, when the server's heartbeat (the file ``serving``, touched every ``HEARTBEAT_S``) is older than
-  ``STALE_S``: no container is serving.
+  ``STALE_S``, or still missing that long after the request: no container is serving.
 - ``serve(box, allow, root)`` loads the credentials and then answers every request: an upload of a directory under
   ``root`` to a prefix under ``allow`` (``engines.model.io.uploads``; with ``newest_checkpoint``, the newest complete
   checkpoint of the directory, to ``<uri>/iter_N``); anything else is refused in one line.
@@ -42,13 +42,14 @@ def request(box: str | Path, directory: str | Path, uri: str, newest: bool = Fal
     box.mkdir(parents=True, exist_ok=True)
     rid = uuid.uuid4().hex
     _write_json(box / f"{rid}.json", {"directory": str(directory), "uri": uri, "newest_checkpoint": newest})
-    result = box / f"{rid}.result"
+    result, asked = box / f"{rid}.result", time.time()
     while not result.exists():
         beat = box / HEARTBEAT
-        age = time.time() - beat.stat().st_mtime if beat.exists() else float("inf")
+        # a server still starting has no heartbeat yet: it gets as long as a stale one would
+        age = time.time() - (beat.stat().st_mtime if beat.exists() else asked)
         if age > stale_s:
             (box / f"{rid}.json").unlink(missing_ok=True)
-            heartbeat = "missing" if age == float("inf") else f"{age:.0f} s old"
+            heartbeat = f"{age:.0f} s old" if beat.exists() else f"missing after {age:.0f} s"
             return 1, (f"no export container serves {box} (its heartbeat is {heartbeat}): the upload of {directory} "
                        f"to {uri} was not made")
         time.sleep(POLL_S)
