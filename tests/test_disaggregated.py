@@ -1,8 +1,9 @@
 """The disaggregated placement (``cluster.placement``): trainers and rollout replicas as separate Ray workers that run
 at once, the replicas at most ``algorithm.max_staleness`` (k) weight versions ahead (rl/loop/stream.py).
 
-* k = 0 is the colocated loop's run: the same rewards every iteration and the same final weights, bit for bit, on
-  the same seeds (and the weights moved: the comparison is not of two untrained models);
+* k = 0 is the colocated loop's run (here stopped while its trainer waits for a batch, and resumed): the same rewards
+  every iteration and the same final weights, bit for bit, on the same seeds (and the weights moved: the comparison
+  is not of two untrained models);
 * with k = 1 and a token budget that pauses responses over updates, the trainer never trains a sample whose oldest
   token is more than one version old (a carried-over group that aged past it is left out, and counted), while
   batches made ahead of the trainer are trained one version old;
@@ -21,6 +22,9 @@ from safetensors.torch import load_file
 import rl
 from engines.inference.sampling import SamplingParams
 from rl.errors import UserError
+from rl.loop import stream
+from rl.loop.checkpoint import list_checkpoints
+from rl.loop.controller import RunStopped
 from rl.loop.stream import eligible
 from rl.sample import Sample, TaskType
 from tests.test_run import TINY
@@ -45,10 +49,25 @@ def records(run_dir) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_k0_is_the_colocated_run_bit_for_bit(ray_cluster, model_dir, reward_file, tmp_path):
+def test_k0_is_the_colocated_run_bit_for_bit(ray_cluster, model_dir, reward_file, tmp_path, monkeypatch):
+    """The disaggregated run is also stopped (rl.loop.stop) while its trainer waits for iteration 2's batch: it saves
+    iteration 1's state and ends; its resume still ends on the colocated run's weights."""
     rl.train(run_config(model_dir, reward_file), tmp_path / "colocated")
-    rl.train(run_config(model_dir, reward_file, cluster={"placement": "disaggregated"},
-                        algorithm={"max_staleness": 0}), tmp_path / "k0")
+    k0 = tmp_path / "k0"
+    real_rollout = stream.run_rollout
+
+    def stop_at_2(rollouts, buffer, episodes, tasks, it, *rest):
+        if it == 2:
+            (k0 / "stop-requested").write_text("node-1 1700000000\n")
+        return real_rollout(rollouts, buffer, episodes, tasks, it, *rest)
+
+    monkeypatch.setattr(stream, "run_rollout", stop_at_2)
+    with pytest.raises(RunStopped, match="during iteration 2's rollout .*: its state saved as iter_000001; "):
+        rl.train(run_config(model_dir, reward_file, cluster={"placement": "disaggregated"},
+                            algorithm={"max_staleness": 0}), k0)
+    monkeypatch.setattr(stream, "run_rollout", real_rollout)
+    assert [p.name for p in list_checkpoints(k0)] == ["iter_000001"] and not (k0 / "stop-requested").exists()
+    rl.train(run_dir=k0, resume=True)
     a, b = records(tmp_path / "colocated"), records(tmp_path / "k0")
     assert [r["reward_mean"] for r in a] == [r["reward_mean"] for r in b]
     assert [r["optimizer_steps"] for r in a] == [r["optimizer_steps"] for r in b] and all(r["optimizer_steps"]

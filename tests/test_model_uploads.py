@@ -125,15 +125,18 @@ def test_load_credentials_sets_only_variable_names(tmp_path, monkeypatch):
     assert uploads.load_credentials(tmp_path) == ["HF_TOKEN"] and os.environ["HF_TOKEN"] == "hf_x"
 
 
-def test_a_stop_request_checkpoints_exports_and_ends_the_run_so_its_retry_resumes(s3, ray_cluster, tmp_path):
-    """The chart's preStop writes stop-requested in the run directory: after the iteration the run saves a sealed
-    checkpoint (exported with run.export_checkpoints), removes the file and ends with exit status 1; its retry
-    (--auto-resume) goes on from that checkpoint to the end, and the final model reaches object storage too."""
+def test_a_stop_request_checkpoints_exports_and_ends_the_run_so_its_retry_resumes(s3, ray_cluster, tmp_path,
+                                                                                   monkeypatch):
+    """The chart's preStop writes stop-requested in the run directory, here while the trainers train: after the
+    iteration the run saves a sealed checkpoint (exported with run.export_checkpoints), removes the file and ends
+    with exit status 1; its retry (--auto-resume) goes on from that checkpoint to the end, and the final model reaches
+    object storage too. (Asked during a rollout, the iteration is abandoned instead: tests/test_run.py.)"""
     import json
 
     import yaml
 
     from rl.cli import main as rl_main
+    from rl.loop import controller
     from rl.loop.checkpoint import list_checkpoints
     from tests.test_run import TINY
 
@@ -144,8 +147,15 @@ def test_a_stop_request_checkpoints_exports_and_ends_the_run_so_its_retry_resume
     config, run = tmp_path / "run.yaml", tmp_path / "run"
     config.write_text(yaml.safe_dump(raw))
     run.mkdir()
-    (run / "stop-requested").write_text("node-1 1700000000\n")
+    plan = controller.plan_update
+
+    def asked_while_training(*args, **kwargs):
+        (run / "stop-requested").write_text("node-1 1700000000\n")
+        return plan(*args, **kwargs)
+
+    monkeypatch.setattr(controller, "plan_update", asked_while_training)
     assert rl_main(["train", str(config), "--run-dir", str(run), "--auto-resume"]) == 1
+    monkeypatch.setattr(controller, "plan_update", plan)
     assert [p.name for p in list_checkpoints(run)] == ["iter_000000"] and not (run / "stop-requested").exists()
     keys = {o["Key"] for o in s3.list_objects_v2(Bucket="models", Prefix="runs/stopped/")["Contents"]}
     assert f"runs/stopped/checkpoints/iter_000000/{SHA256SUMS}" in keys

@@ -3,6 +3,7 @@
 import json
 import shutil
 
+import numpy as np
 import pytest
 import ray
 import torch
@@ -14,9 +15,11 @@ from engines.inference.sampling import SamplingParams
 from engines.model.io.hf_io import read_config
 from envs.arithmetic import ArithmeticEnv
 from rl.config import parse_config
-from rl.loop.checkpoint import LoopState, SaveFailed, latest_checkpoint, save_checkpoint
+from rl.loop import stream
+from rl.loop.checkpoint import PARTIAL_FILE, LoopState, SaveFailed, latest_checkpoint, save_checkpoint
 from rl.loop.cluster import Cluster
-from rl.loop.controller import train
+from rl.loop.controller import RunStopped, train
+from rl.rollout.partial import load_state
 from rl.settings import for_model
 from rl.setup.memory import estimate
 from rl.setup.warmstart import prepare_model
@@ -99,9 +102,9 @@ def test_weight_update_makes_inference_bitwise_equal(ray_cluster, sleep_level, w
             assert replica[k].dtype == want[k].dtype and torch.equal(replica[k], want[k]), k
 
 
-def test_run_outputs_and_exact_resume(ray_cluster, tmp_path):
+def test_run_outputs_and_exact_resume(ray_cluster, tmp_path, monkeypatch):
     """A run with partial rollout and PTX: its outputs, and a resume that continues exactly (the
-    partial-rollout buffer is part of the checkpoint)."""
+    partial-rollout buffer is part of the checkpoint), here from a stop asked in the middle of an iteration."""
     ptx = tmp_path / "ptx.jsonl"
     ptx.write_text("".join(json.dumps({"prompt": t.prompt, "response": t.meta["solution"]}) + "\n"
                            for t in ArithmeticEnv.generate_tasks(20, seed=5)))
@@ -123,11 +126,31 @@ def test_run_outputs_and_exact_resume(ray_cluster, tmp_path):
     assert type(hf).__name__ == "LlamaForCausalLM"
     assert transformers.AutoTokenizer.from_pretrained(full / "final").eos_token == "<|endoftext|>"
 
-    # stop after 2 iterations, then resume to 4: same weights and metrics as the uninterrupted run
+    # a stop asked while iteration 2 generates (the chart's preStop, rl.loop.stop): iteration 1's state is saved,
+    # though save_every would not save it, with the partial-rollout buffer as iteration 2 found it; resumed: the same
+    # weights and metrics as the uninterrupted run
     split = tmp_path / "split"
-    train(tiny(run={"iterations": 2}, **features), split)
+    real_rollout = stream.run_rollout
+
+    def stop_at_2(rollouts, buffer, episodes, tasks, it, *rest):
+        if it == 2:  # iteration 2's groups are drawn: the buffer differs from the one iteration 2 started from
+            (split / "stop-requested").write_text("node-1 1700000000\n")
+        return real_rollout(rollouts, buffer, episodes, tasks, it, *rest)
+
+    monkeypatch.setattr(stream, "run_rollout", stop_at_2)
+    with pytest.raises(RunStopped, match="during iteration 2's rollout .*: its state saved as iter_000001; "):
+        train(tiny(run={"save_every": 3}, **features), split)
+    monkeypatch.setattr(stream, "run_rollout", real_rollout)
+    assert not (split / "stop-requested").exists()  # answered: the waiting preStop lets its pod go
     ckpt, state = latest_checkpoint(split)
     assert state.iteration == 1 and (ckpt / "trainer" / "__0_0.distcp").is_file()
+    ended = full / "checkpoints" / "iter_000001"  # what full saved as iteration 1 ended: all of it but the time
+    assert {**json.loads((ckpt / "state.json").read_text()), "wall_s": 0} == \
+        {**json.loads((ended / "state.json").read_text()), "wall_s": 0}
+    at_1 = load_state(ended / PARTIAL_FILE)
+    stopped = load_state(ckpt / PARTIAL_FILE)
+    assert {k: v for k, v in stopped.items() if k != "arrays"} == {k: v for k, v in at_1.items() if k != "arrays"}
+    assert stopped["samples"] and all(np.array_equal(stopped["arrays"][k], v) for k, v in at_1["arrays"].items())
     # what rl check-config says a checkpoint takes on the claim: the model's file as counted (its header apart), and
     # the tensors of the trainer's shards (as their metadata lists them) exactly the master weights and optimizer
     # state counted; the files' per-tensor framing is small next to a real model's tensors, not a tiny one's
@@ -136,7 +159,6 @@ def test_run_outputs_and_exact_resume(ray_cluster, tmp_path):
     meta = FileSystemReader(str(ckpt / "trainer")).read_metadata().state_dict_metadata.values()
     tensors = sum(m.size.numel() * m.properties.dtype.itemsize for m in meta if hasattr(m, "properties"))
     assert abs(tensors - (est.trainer_weights + est.optimizer)) <= 64 + 0.001 * tensors, (tensors, est)
-    (split / "config.yaml").write_text((split / "config.yaml").read_text().replace("iterations: 2", "iterations: 4"))
     from rl.config import load_config
 
     train(load_config(split / "config.yaml"), split, resume=True)

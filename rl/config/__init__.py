@@ -62,8 +62,10 @@ class RunConfig(Strict):
                               "place, the workers restarted from the last checkpoint) before the run stops")
     checkpoint_on_stop: bool = Field(True, description="a stop request (the file stop-requested in the run directory, "
                                      "which the chart's preStop writes when a pod of the run is going away) is "
-                                     "answered after the iteration: a checkpoint is saved, the file removed and the "
-                                     "run ends with exit status 1, so its retry resumes from that checkpoint")
+                                     "answered at once during the rollout phase (the iteration is abandoned and the "
+                                     "state it started from saved) or after the training phase (the iteration's "
+                                     "checkpoint saved): the file is removed and the run ends with exit status 1, so "
+                                     "its retry resumes from that checkpoint exactly (rl/loop/stop.py)")
     export_uri: str | None = Field(None, description="s3://bucket/prefix or gs://bucket/prefix: the final model goes "
                                    "to <uri>/final when the run ends (the credentials the model download uses)")
     export_checkpoints: bool = Field(False, description="with export_uri, every checkpoint also goes to "

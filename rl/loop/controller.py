@@ -11,8 +11,10 @@ from __future__ import annotations
 import contextlib
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -23,6 +25,7 @@ from rl.config import Config, dump_config
 from rl.errors import CommandFailed, TrainingStopped, UserError, worker_startup_error
 from rl.loop.checkpoint import (
     LoopState,
+    checkpoint_dir,
     copy_tokenizer,
     latest_checkpoint,
     list_checkpoints,
@@ -37,6 +40,7 @@ from rl.loop.health import CollapseGuard, HealthMonitor
 from rl.loop.held_out import finite, held_out_line, make_guard, save_responses, start_line, summary_figures
 from rl.loop.metrics import MetricsLog, plot_curves
 from rl.loop.recovery import Restarts, WorkerFailed
+from rl.loop.stop import STOP_FILE, StopRequested, StopWatch
 from rl.loop.stream import RolloutStream, collect, eligible, timed
 from rl.rollout.data import TaskSets, check_renderable, load_task_sets, rollout_seq_len
 from rl.rollout.episodes import env_class
@@ -50,7 +54,6 @@ from rl.setup.memory import check_fits, estimate
 from rl.setup.warmstart import prepare_model
 
 BEST_DIR = "best"
-STOP_FILE = "stop-requested"  # written by the chart's preStop: a pod of the run is going away
 
 
 class RunStopped(CommandFailed):
@@ -191,12 +194,26 @@ def _loop(run: Run, state: LoopState | None, restarts: Restarts) -> dict:
     if guard is not None and guard.improved(initial):  # the warm start is the first best
         save_best(run, -1, guard)
     first = state.iteration + 1 if state else 0
+    watch = cluster.rollouts.stop = StopWatch(run.run_dir if cfg.run.checkpoint_on_stop else None)
+
+    def after(i: int, partial: dict) -> LoopState:
+        """What a checkpoint after iteration ``i`` holds besides the workers' state."""
+        return LoopState(iteration=i, initial_accuracy=initial["accuracy"], wall_s=budget.elapsed(),
+                         weights_version=cluster.rollouts.weights_version(), partial=partial,
+                         workers=cfg.cluster.workers, initial_accuracy_sampled=initial["accuracy_sampled"],
+                         rollbacks=rollbacks, best_accuracy=guard and guard.best,
+                         initial_eval_reward=initial["eval_reward"])
+
     if cfg.staleness is None:  # colocated: the trainers leave the devices to the replicas between updates
         cluster.trainers.offload()
     else:
         run.stream = RolloutStream(run, first, cfg.staleness, cluster.rollouts.weights_version())
     for it in range(first, cfg.run.iterations):
-        rec = iteration(run, it)
+        at_start = run.buffer.state_dict() if watch.path and run.stream is None else None
+        try:
+            rec = iteration(run, it)
+        except StopRequested:  # asked during the rollout phase: the trainers hold iteration it − 1's state
+            stop_mid_iteration(run, it, after, at_start)
         for warning in health.check(rec):
             console.print(f"[bold yellow]warning:[/] iter {it}: {warning}")
         if guard is not None and guard.improved(rec):
@@ -214,22 +231,12 @@ def _loop(run: Run, state: LoopState | None, restarts: Restarts) -> dict:
             stopped = "max_minutes"
             if rec.get("accuracy") is None:  # end on a measured model, as a run that ran out of iterations
                 rec.update(eval_metrics(run, it))
-        stop_requested = cfg.run.checkpoint_on_stop and (run.run_dir / STOP_FILE).exists()
+        stop_requested = watch.asked()
         log.record(rec)
         if (it + 1) % cfg.run.save_every == 0 or it + 1 == cfg.run.iterations or stopped or stop_requested:
-            loop = LoopState(iteration=it, initial_accuracy=initial["accuracy"], wall_s=budget.elapsed(),
-                             weights_version=cluster.rollouts.weights_version(), partial=partial_state(run),
-                             workers=cfg.cluster.workers, initial_accuracy_sampled=initial["accuracy_sampled"],
-                             rollbacks=rollbacks, best_accuracy=guard and guard.best,
-                             initial_eval_reward=initial["eval_reward"])
-            t_save = time.perf_counter()
-            saved = save_checkpoint(run.run_dir, loop, cluster.trainers.save, run.start_dir, cfg.run.keep_checkpoints,
-                                    run.checkpoint_bytes)
-            save_line(saved, time.perf_counter() - t_save, console)
-            if cfg.run.export_uri and cfg.run.export_checkpoints:
-                export(saved, f"{cfg.run.export_uri}/checkpoints/{saved.name}", console)
+            checkpoint(run, after(it, partial_state(run)))
         if stop_requested:
-            (run.run_dir / STOP_FILE).unlink(missing_ok=True)
+            watch.answered()
             raise RunStopped(f"stopped on request after iteration {it} ({STOP_FILE} in {run.run_dir}): checkpoint "
                              f"saved; rl train --auto-resume (the chart's retry) continues from it")
         if stopped:
@@ -246,14 +253,47 @@ def _loop(run: Run, state: LoopState | None, restarts: Restarts) -> dict:
     return summarize(run.run_dir, log.records, initial, budget.elapsed(), stopped)
 
 
-def partial_state(run: Run) -> dict:
-    """The partial-rollout buffer as a checkpoint holds it. Colocated: its samples, less the multi-turn episodes in
-    flight (no environment fits a checkpoint). Disaggregated: none, as the stream is making later iterations'
-    batches with it; a resumed run draws and generates those again, under the checkpoint's weights."""
+def partial_state(run: Run, snapshot: dict | None = None) -> dict:
+    """The partial-rollout buffer as a checkpoint holds it: now, or as it was in ``snapshot`` (its ``state_dict``).
+    Colocated: its samples, less the multi-turn episodes in flight (no environment fits a checkpoint).
+    Disaggregated: none, as the stream is making later iterations' batches with it; a resumed run draws and
+    generates those again, under the checkpoint's weights."""
     if run.stream is not None:
         return PartialRolloutBuffer(run.cfg.rollout.partial.max_age).state_dict()
-    run.episodes.close([s.key for s in run.buffer.drop_in_flight_episodes()])
-    return run.buffer.state_dict()
+    buffer = run.buffer
+    if snapshot is not None:
+        buffer = PartialRolloutBuffer(run.cfg.rollout.partial.max_age)
+        buffer.load_state_dict(snapshot)
+    run.episodes.close([s.key for s in buffer.drop_in_flight_episodes()])
+    return buffer.state_dict()
+
+
+def checkpoint(run: Run, loop: LoopState) -> None:
+    """Save the workers' state and ``loop`` as ``checkpoints/iter_N`` (N: ``loop.iteration``), and export it."""
+    cfg, t_save = run.cfg, time.perf_counter()
+    saved = save_checkpoint(run.run_dir, loop, run.cluster.trainers.save, run.start_dir, cfg.run.keep_checkpoints,
+                            run.checkpoint_bytes)
+    save_line(saved, time.perf_counter() - t_save, run.console)
+    if cfg.run.export_uri and cfg.run.export_checkpoints:
+        export(saved, f"{cfg.run.export_uri}/checkpoints/{saved.name}", run.console)
+
+
+def stop_mid_iteration(run: Run, it: int, after: Callable[[int, dict], LoopState], snapshot: dict | None) -> NoReturn:
+    """Answer a stop asked during iteration ``it``'s rollout phase (``rl.loop.stop``): the state the iteration started
+    from is saved as iteration ``it − 1``'s checkpoint (``after(it − 1, partial)``, the partial-rollout buffer as in
+    ``snapshot``), unless a checkpoint holds it already or no iteration has ended; then the run ends."""
+    saved = checkpoint_dir(run.run_dir, it - 1)
+    if it == 0:
+        what = "no iteration had ended, nothing to save"
+    elif saved in list_checkpoints(run.run_dir):
+        what = f"{saved.name} holds its state already"
+    else:
+        checkpoint(run, after(it - 1, partial_state(run, snapshot)))
+        what = f"its state saved as {saved.name}"
+    run.episodes.close(list(run.episodes.live))
+    run.cluster.rollouts.stop.answered()
+    raise RunStopped(f"stopped on request during iteration {it}'s rollout ({STOP_FILE} in {run.run_dir}): {what}; "
+                     f"rl train --auto-resume (the chart's retry) repeats iteration {it} exactly")
 
 
 def export(local: Path, uri: str, console: Console) -> None:
@@ -272,12 +312,15 @@ def iteration(run: Run, it: int) -> dict:
     """One RL iteration; returns its metrics record."""
     cfg, cluster, s, stream = run.cfg, run.cluster, run.settings, run.stream
     if stream is None:  # colocated: the replicas generate, then sleep while the trainers train
-        made, extra = collect(run, it, cluster.rollouts), {}
+        with cluster.rollouts.stop.armed():  # a safe point to stop (rl.loop.stop): nothing of it trained yet
+            made, extra = collect(run, it, cluster.rollouts), {}
+            cluster.rollouts.stop.check()
         t = time.time()
         cluster.rollouts.sleep()
         made.times["time_reward"] += time.time() - t
     else:  # disaggregated: the stream made it ahead; what is older than max_staleness is left out
-        made, extra = stream.take(it)
+        with cluster.rollouts.stop.armed():
+            made, extra = stream.take(it)
         made.samples, staleness = eligible(made.samples, stream.version, stream.k)
         extra.update(staleness, trained_samples=len(made.samples))
     samples, times = made.samples, made.times

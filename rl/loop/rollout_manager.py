@@ -19,6 +19,7 @@ import ray
 from engines.inference.requests import Completion
 from engines.inference.sampling import SamplingParams
 from rl.loop.recovery import Restarts, WorkerFailed, gather
+from rl.loop.stop import STOP_POLL_S, StopWatch
 from rl.loop.trainer_group import TrainerGroup
 from rl.rollout.turns import WorkerContexts
 from rl.sample import Sample, TurnRequest, TurnResult
@@ -43,6 +44,7 @@ class RolloutManager:
         #: disaggregated: held by the loop while the trainers train and send their update, and while a replaced replica
         #: is filled, so that the fill knows which version the trainers' weights are
         self.weights_lock = threading.RLock()
+        self.stop = StopWatch(None)  # the run's (rl.loop.stop): a stop asked while the loop waits on the replicas
 
     def __len__(self) -> int:
         return len(self.actors)
@@ -86,12 +88,19 @@ class RolloutManager:
         return [c for r in results for c in r]  # type: ignore[union-attr]
 
     def _first(self, refs: list, workers: list[int], phase: str) -> tuple:
-        """The first of the replicas' calls ``refs`` (made on replicas ``workers``) to finish, and its value."""
+        """The first of the replicas' calls ``refs`` (made on replicas ``workers``) to finish, and its value; a stop
+        asked meanwhile is raised (``self.stop``, while the loop has it armed)."""
         t0 = time.monotonic()
-        done, _ = ray.wait(refs, num_returns=1, timeout=self.timeout)
-        if not done:  # none of them answered: the first still busy is named (each replica has one call here)
-            raise WorkerFailed("inference engine", workers[0], phase,
-                               f"stalled (no answer in run.step_timeout_s={self.timeout:g} s)", time.monotonic() - t0)
+        while True:
+            self.stop.check()
+            left = self.timeout - (time.monotonic() - t0)
+            done, _ = ray.wait(refs, num_returns=1, timeout=max(min(left, STOP_POLL_S), 0))
+            if done:
+                break
+            if left <= STOP_POLL_S:  # none of them answered: the first still busy is named (one call per replica)
+                raise WorkerFailed("inference engine", workers[0], phase,
+                                   f"stalled (no answer in run.step_timeout_s={self.timeout:g} s)",
+                                   time.monotonic() - t0)
         k = refs.index(done[0])
         return refs[k], gather([refs[k]], "inference engine", phase, self.timeout, [workers[k]])[0]
 

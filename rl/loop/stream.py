@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from rl.loop.guards import check_error_rate
+from rl.loop.stop import STOP_POLL_S
 from rl.rollout.critic_loop import critic_training_batch
 from rl.rollout.phase import draw_groups, run_rollout
 from rl.rollout.rewards import episode_runner, reward_phase
@@ -217,10 +218,12 @@ class RolloutStream:
     def take(self, it: int) -> tuple[Collected, dict[str, float]]:
         """Batch ``it`` once it is made (an error of the stream is raised here), and how the two sides waited:
         ``time_trainer_idle`` (this wait), ``time_rollout_idle`` (the stream's waits for weights since the last
-        take), ``queue_depth`` (batches made beyond this one)."""
+        take), ``queue_depth`` (batches made beyond this one). A stop asked while it waits is raised
+        (``rl.loop.stop``)."""
         t = time.monotonic()
         with self._cond:
-            self._cond.wait_for(lambda: it in self._ready or self._error is not None)
+            while not self._cond.wait_for(lambda: it in self._ready or self._error is not None, STOP_POLL_S):
+                self.run.cluster.rollouts.stop.check()  # the trainers hold the state after iteration it − 1
             if it not in self._ready:
                 raise self._error  # type: ignore[misc]
             made = self._ready.pop(it)

@@ -71,7 +71,7 @@
 {{- $save := ceil (divf (mulf $params 11.0) $rate) | int -}}
 {{- $left := sub (int $v.disruption.terminationGracePeriodSeconds) 10 -}}
 {{- if lt $left (add $save 30) -}}
-{{- fail (printf "disruption.terminationGracePeriodSeconds %d leaves %d s for the checkpoint a stopped pod asks for, but one of %gB parameters (about %.0f GB, 11 bytes per parameter) at disruption.saveGBps %g takes about %d s: set terminationGracePeriodSeconds to at least %d plus an iteration's time" (int $v.disruption.terminationGracePeriodSeconds) $left $params (mulf $params 11.0) $rate $save (add $save 40)) -}}
+{{- fail (printf "disruption.terminationGracePeriodSeconds %d leaves %d s for the checkpoint a stopped pod asks for, but one of %gB parameters (about %.0f GB, 11 bytes per parameter) at disruption.saveGBps %g takes about %d s: set terminationGracePeriodSeconds to at least %d plus a training phase's time" (int $v.disruption.terminationGracePeriodSeconds) $left $params (mulf $params 11.0) $rate $save (add $save 40)) -}}
 {{- end -}}
 {{- end -}}
 {{- $gpuGroups := list -}}{{- $cpuGroups := list -}}
