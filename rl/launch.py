@@ -238,6 +238,7 @@ def launch(config: str, options: LaunchOptions | None = None, *, chart: Path = C
                                            dry_run=True, chart=chart), capture_output=True, text=True)
     if rendered.returncode != 0:  # values that fail the schema or the chart's checks: the user's to fix
         raise UserError(f"helm template failed:\n{rendered.stderr.strip()}")
+    check_run_config(config, rendered.stdout)
     if options.dry_run:
         return rendered.stdout
     kube = kube or Kube(namespace)
@@ -266,6 +267,32 @@ def launch(config: str, options: LaunchOptions | None = None, *, chart: Path = C
         print(f"warning: the sandbox service is not tied to RayJob {release} ({e}); rl delete {release} removes it",
               file=out, flush=True)
     return proc.stdout
+
+
+def chart_settings(manifests: str) -> list[str]:
+    """The ``--set`` arguments the chart's launch.sh gives ``rl train`` (the workers, the placement, the sandbox)."""
+    import shlex
+
+    import yaml
+
+    for d in yaml.safe_load_all(manifests):
+        if d and d.get("kind") == "ConfigMap" and "launch.sh" in (d.get("data") or {}):
+            line = next((x for x in d["data"]["launch.sh"].splitlines() if "rl train " in x), "")
+            words = shlex.split(line[line.index("rl train "):]) if line else []
+            return [words[i + 1] for i, w in enumerate(words[:-1]) if w == "--set"]
+    return []
+
+
+def check_run_config(config: str, manifests: str) -> None:
+    """The run config as the chart's pods will run it (its ``--set`` arguments applied) is validated here, so that a
+    run the workers would refuse (say, GPU workers in a placement that takes none yet) fails before any pod starts."""
+    from rl.config import load_config
+
+    sets = chart_settings(manifests)
+    try:
+        load_config(config, sets)
+    except UserError as e:
+        raise UserError(f"the run config with the chart's settings ({' '.join(sets)}): {e}") from None
 
 
 #: how KubeRay's installs label the operator's pods: its Helm chart name=kuberay-operator, its kustomization

@@ -21,7 +21,14 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from engines.device import CPU_TRAINER_MALLOC
 from rl.errors import UserError
-from rl.loop.placement import probe_bundles, reachable_model_dirs, unplaceable, worker_bundle, worker_threads
+from rl.loop.placement import (
+    ROLLOUT_SLOT,
+    probe_bundles,
+    reachable_model_dirs,
+    unplaceable,
+    worker_bundle,
+    worker_threads,
+)
 from rl.loop.recovery import Restarts
 from rl.loop.rollout_manager import RolloutManager
 from rl.loop.trainer_group import TrainerGroup
@@ -68,7 +75,7 @@ class Cluster:
         # one worker slot each where the pods offer them
         if c.disaggregated:
             bundles = [worker_bundle(dims.ranks_per_worker * ACTOR_CPUS, gpus)] * n + \
-                [worker_bundle(ACTOR_CPUS, gpus)] * replicas_n
+                [worker_bundle(ACTOR_CPUS, gpus, ROLLOUT_SLOT)] * replicas_n  # on the rollout pods, where there are
         else:
             bundles = [worker_bundle((1 + dims.ranks_per_worker) * ACTOR_CPUS, gpus)] * n
         self.pg = placement_group(bundles, strategy="PACK")

@@ -1,8 +1,10 @@
-"""Where the colocated workers go, and what each of them finds on its node.
+"""Where the workers go, and what each of them finds on its node.
 
-A placement group holds one bundle per worker. On Kubernetes every worker pod advertises the Ray resource
-``rl_worker`` once per colocated worker it was sized for (1 on a CPU pod, its GPU count on a GPU pod) and each
-bundle takes one, so a pod never gets more workers than the chart counted for it. Before the workers start, a
+A placement group holds one bundle per worker. On Kubernetes every worker pod advertises a Ray resource once per
+worker it was sized for (1 on a CPU pod, its GPUs / gpusPerWorker on a GPU pod) and each bundle takes one, so a pod
+never gets more workers than the chart counted for it: ``rl_worker`` on colocated and trainer pods, ``rl_rollout`` on
+the rollout pods of a disaggregated run (the chart's ``workerGroups[].role``), so that trainer ranks and replicas go
+to the pods sized and labelled for them. Before the workers start, a
 probe in each bundle reports its node, the CPUs the pod may use (its cgroup CPU limit) and whether it sees the
 model directory; torch threads follow from the first two, and a node that cannot see the model directory (the
 head's warm start in the head's own cache, say) gets a copy through Ray's object store.
@@ -21,18 +23,30 @@ from pathlib import Path
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
-WORKER_SLOT = "rl_worker"  # custom Ray resource of the worker pods (helm/colocated-rl sets it)
-SLOTS_ENV = "RL_WORKER_SLOTS"  # set (the chart does): bundles take a slot even before any worker pod has joined
+WORKER_SLOT = "rl_worker"  # custom Ray resource of the colocated and trainer pods (helm/colocated-rl sets it)
+ROLLOUT_SLOT = "rl_rollout"  # of the rollout pods of a disaggregated run
+#: the slots the cluster's pods offer, comma-separated ("1": rl_worker), set by the chart: bundles take them even
+#: before any worker pod has joined
+SLOTS_ENV = "RL_WORKER_SLOTS"
 SHIP_CHUNK_BYTES = 32 << 20
 SHIP_IN_FLIGHT = 4  # chunks on their way to one node at a time: bounds the object store's share
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 
 
-def worker_bundle(cpus: float, gpus: float) -> dict[str, float]:
-    """The resources of one worker's bundle; it takes a worker slot when the cluster's pods offer them."""
+def offered_slots() -> set[str]:
+    """The worker slots the cluster's pods offer: named by ``RL_WORKER_SLOTS``, or seen among its resources."""
+    named = os.environ.get(SLOTS_ENV, "")
+    slots = {WORKER_SLOT} if named == "1" else {x.strip() for x in named.split(",") if x.strip()}
+    have = ray.cluster_resources()
+    return slots | {k for k in (WORKER_SLOT, ROLLOUT_SLOT) if have.get(k)}
+
+
+def worker_bundle(cpus: float, gpus: float, slot: str = WORKER_SLOT) -> dict[str, float]:
+    """The resources of one worker's bundle; it takes one ``slot`` (``WORKER_SLOT``: a colocated worker or a trainer,
+    ``ROLLOUT_SLOT``: a disaggregated replica) where the cluster's pods offer them."""
     bundle = {"CPU": cpus} | ({"GPU": gpus} if gpus else {})
-    if os.environ.get(SLOTS_ENV) or ray.cluster_resources().get(WORKER_SLOT):
-        bundle[WORKER_SLOT] = 1
+    if slot in offered_slots():
+        bundle[slot] = 1
     return bundle
 
 
@@ -40,7 +54,7 @@ def unplaceable(bundle: dict[str, float], n: int, waited_s: float) -> str:
     """Why ``n`` bundles did not fit, for the error a user sees: what was asked and what the cluster has."""
     have = ray.cluster_resources()
     parts = [f"{have.get(k, 0):g} {k}" for k in bundle]
-    slots = ("" if WORKER_SLOT in bundle else
+    slots = ("" if {WORKER_SLOT, ROLLOUT_SLOT} & set(bundle) else
              f"; no node offers the {WORKER_SLOT} resource, so workers are packed onto nodes by CPU/GPU alone")
     return (f"cluster.workers={n}: the Ray cluster could not place {n} workers of {bundle} within {waited_s:.0f} s; "
             f"it has {', '.join(parts)} in all{slots} (are all worker pods up and sized for cluster.workers?)")
