@@ -136,8 +136,10 @@ def test_every_example_renders_valid_manifests(values):
         assert shm["emptyDir"]["medium"] == "Memory"
     argv = train_args(docs)
     assert argv[:6] == ["rl", "train", "/etc/rl/config.yaml", "--run-dir", "$run_dir", "--auto-resume"]
-    # the overrides the head passes must make a valid run config
-    assert rl_main(["check-config", str(QUICKSTART), *config_args(argv)]) == 0
+    # the overrides the head passes must make a valid run config; the GPU disaggregated example's is refused, as its
+    # header says, until GPU point-to-point updates exist (rl launch stops there: tests/test_helm_disaggregated.py)
+    runnable = values is None or values.stem != "gpu-disaggregated"
+    assert rl_main(["check-config", str(QUICKSTART), *config_args(argv)]) == (0 if runnable else 2)
 
 
 def test_gpu_example_sizes_workers_and_reaches_model_and_monitoring():

@@ -159,20 +159,25 @@ def test_5_default_storage_works_on_readwriteonce_classes(tmp_path):
 
 @pytest.mark.parametrize("values", ALL, ids=ids)
 def test_6_each_worker_pod_takes_exactly_the_workers_it_was_sized_for(values):
-    """Each pod offers one rl_worker per colocated worker (rl/placement's bundles take one each), and Ray's CPU
-    count is the pod's (the workers' threads follow from it, not from the node's cores)."""
+    """Each pod offers one rl_worker per colocated (or trainer) worker and one rl_rollout per replica of a rollout
+    pod (rl/placement's bundles take one each), and Ray's CPU count is the pod's (the workers' threads follow from
+    it, not from the node's cores); the run's cluster.workers and cluster.rollout_workers are their sums."""
     docs = rendered(values)
     job = one(docs, "RayJob")
-    total = 0
+    total = {"rl_worker": 0, "rl_rollout": 0}
     values_groups = (yaml.safe_load(values.read_text()) if values else {}).get("workerGroups") or \
         yaml.safe_load((CHART / "values.yaml").read_text())["workerGroups"]
     for group, given in zip(job["spec"]["rayClusterSpec"]["workerGroupSpecs"], values_groups, strict=True):
         params = group["rayStartParams"]
-        slots = int(re.fullmatch(r'"\{\\"rl_worker\\": (\d+)\}"', params["resources"]).group(1))
-        assert slots == max(1, int(given.get("gpus", 0)))
+        slot, n = re.fullmatch(r'"\{\\"(rl_worker|rl_rollout)\\": (\d+)\}"', params["resources"]).groups()
+        assert slot == ("rl_rollout" if given.get("role") == "rollout" else "rl_worker")
+        assert int(n) == max(1, int(given.get("gpus", 0)))
         assert int(params["num-cpus"]) == int(parse_quantity(given["cpu"]))
-        total += slots * group["replicas"]
-    assert overrides(train_args(docs))["cluster.workers"] == str(total)
+        total[slot] += int(n) * group["replicas"]
+    sets = overrides(train_args(docs))
+    assert sets["cluster.workers"] == str(total["rl_worker"])
+    assert sets.get("cluster.rollout_workers") == (str(total["rl_rollout"]) if total["rl_rollout"] else None)
+    assert sets.get("cluster.placement") == ("disaggregated" if total["rl_rollout"] else None)
 
 
 @pytest.mark.parametrize("values", ALL, ids=ids)

@@ -9,6 +9,7 @@ import functools
 import json
 
 import pytest
+import yaml
 
 from rl.launch import CHART
 from sandbox import k8s_manifests as m
@@ -43,6 +44,15 @@ def _docs(case: str) -> tuple[str, ...]:
 
 def docs_of(case: str) -> list[dict]:
     return [json.loads(d) for d in _docs(case)]
+
+
+def values_of(case: str) -> dict:
+    """The case's values file, as given (empty for the defaults)."""
+    values = CASES[case][0]
+    return yaml.safe_load(values[0].read_text()) if values else {}
+
+
+DISAGGREGATED = [c for c in CASES if "disaggregated" in c]
 
 
 def _ports(template: dict) -> dict[str, int]:
@@ -104,6 +114,11 @@ class World:
         return Endpoint(name, NS, ip, template["metadata"]["labels"], bool(template["spec"].get("hostNetwork")),
                         _ports(template))
 
+    @staticmethod
+    def role(pod: Endpoint) -> str | None:
+        """A worker pod's role (colocated, trainer, rollout); None for the head and the submitter."""
+        return pod.labels.get("colocated-rl/role")
+
     def ray_pods(self) -> list[Endpoint]:
         return [self.head, *self.workers, *([self.submitter] if self.submitter else [])]
 
@@ -133,7 +148,7 @@ def test_prometheus_reaches_every_scrape_target_that_scrape_from_names_and_nobod
     w = World(docs)
     targets = [(w.head, "rl-metrics"), *((p, "metrics") for p in [w.head, *w.workers] if not p.host_network)]
     targets += [(w.sandbox, "metrics")] if w.sandbox else []
-    named = bool(CASES[case][0] and CASES[case][0][0] == GPU)
+    named = bool(values_of(case).get("metrics", {}).get("scrapeFrom"))
     for pod, port in targets:
         assert w.ok(w.prometheus, pod, port) is named, (pod.name, port)
         assert not w.ok(w.stranger, pod, port) and not w.ok(w.other_run, pod, port), (pod.name, port)
@@ -157,7 +172,8 @@ def test_no_stranger_reaches_the_jobs_api_ray_client_or_a_dashboard_agent(case):
             assert not w.ok(who, w.sandbox, "grpc"), who.name
     job = next(d for d in docs if d["kind"] == "RayJob")
     host = "hostNetwork" in case
-    assert ("authOptions" in job["spec"]["rayClusterSpec"]) is (host or bool(CASES[case][0] and GPU in CASES[case][0]))
+    assert ("authOptions" in job["spec"]["rayClusterSpec"]) is (host or bool(values_of(case).get("rayJob", {}).get(
+        "rayVersion")))  # the examples that pin Ray pin one with token authentication
     if host:
         head = job["spec"]["rayClusterSpec"]["headGroupSpec"]["rayStartParams"]
         assert (head["node-manager-port"], head["object-manager-port"]) == ("6380", "6381")
@@ -183,8 +199,8 @@ def test_nothing_in_the_session_namespace_opens_a_connection(case):
 def test_the_run_reaches_itself_and_its_sandbox_and_nobody_else_does(case):
     w = World(docs_of(case))
     for src in w.ray_pods():
-        for dst in w.workers:
-            assert w.ok(src, dst, 29500), (src.name, dst.name)  # NCCL (and Ray) pick any port
+        for dst in w.workers:  # a disaggregated run's rollout pods: below (the transfer's ports only)
+            assert w.ok(src, dst, 29500) or "rollout" in (w.role(src), w.role(dst)), (src.name, dst.name)  # NCCL
         # the head holds no trainer: from the nodes' addresses only Ray's ports (a worker's reply to the driver)
         assert w.ok(src, w.head, 15000) and w.ok(src, w.head, 29500) is not src.host_network, src.name
     for pod in [w.head, *w.workers]:
@@ -194,6 +210,41 @@ def test_the_run_reaches_itself_and_its_sandbox_and_nobody_else_does(case):
     for worker in w.workers:  # a hostNetwork worker is outside every NetworkPolicy (docs/gpu-cluster.md, section 4)
         assert w.ok(w.stranger, worker, 29500) is worker.host_network
         assert w.ok(w.other_run, worker, 29500) is worker.host_network
+
+
+@pytest.mark.parametrize("case", DISAGGREGATED)
+def test_a_disaggregated_runs_trainer_and_rollout_pods_reach_each_other_on_the_transfer_ports_and_nothing_else(case):
+    """Issue 57 item 7: the trainer pods reach the rollout pods (and back: the replicas' ends of the gloo links) on the
+    weight transfer's ports, which both roles set as their ephemeral range, and on Ray's pinned ports; nothing else of
+    theirs (no NCCL port, no dashboard agent, no metrics port); the rollout pods reach each other on Ray's ports only;
+    the head and the submitter reach them on any port; no stranger reaches them at all."""
+    docs = docs_of(case)
+    w = World(docs)
+    trainers = [p for p in w.workers if w.role(p) == "trainer"]
+    rollouts = [p for p in w.workers if w.role(p) == "rollout"]
+    assert trainers and rollouts and len(trainers) + len(rollouts) == len(w.workers)
+    transfer, ray_ports = (20000, 24999, 29999), (6379, 6380, 6381, 10002, 15000, 19999)
+    outside = (30000, 40000, 52365, 8080, 9090, 5000, 1024)
+    for t in trainers:
+        for r in rollouts:
+            for a, b in ((t, r), (r, t)):
+                assert all(w.ok(a, b, port) for port in transfer + ray_ports), (a.name, b.name)
+                assert not any(w.ok(a, b, port) for port in outside), (a.name, b.name)
+        for other in trainers:  # FSDP2's NCCL between trainer pods: any port
+            assert all(w.ok(t, other, port) for port in (*transfer, *outside))
+    for a in rollouts:
+        for b in rollouts:
+            assert all(w.ok(a, b, port) for port in ray_ports) and not any(w.ok(a, b, port) for port in
+                                                                         transfer + outside), (a.name, b.name)
+        for src in filter(None, [w.head, w.submitter]):
+            assert all(w.ok(src, a, port) for port in (*transfer, *ray_ports, *outside)), (src.name, a.name)
+        for who in (w.stranger, w.spoofed, w.other_run, w.host_stranger, w.node, w.operator):
+            assert not any(w.ok(who, a, port) for port in (*transfer, *ray_ports, 52365)), (who.name, a.name)
+    # the range is the pods' own: every trainer and rollout pod sets it, and the run's transfer listens there
+    job = next(d for d in docs if d["kind"] == "RayJob")
+    for g in job["spec"]["rayClusterSpec"]["workerGroupSpecs"]:
+        assert g["template"]["spec"]["securityContext"]["sysctls"] == [
+            {"name": "net.ipv4.ip_local_port_range", "value": "20000 29999"}], g["groupName"]
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if "egress" in c])
@@ -276,16 +327,28 @@ def test_no_container_adds_capabilities_it_would_lose(case):
 
 DIGEST = "sha256:" + "ab" * 32
 AGENT_DIGEST = "sha256:" + "cd" * 32
+GROUP_DIGEST = "sha256:" + "ef" * 32
 
 
 @pytest.mark.parametrize("values", [None, *EXAMPLES], ids=lambda v: v.stem if v else "defaults")
-def test_every_image_is_pinned_by_its_digest_when_one_is_given(values):
-    """D9: the run's pods, its retries, the sandbox service and each session pod's agent run one build."""
+def test_every_image_is_pinned_by_its_digest_when_one_is_given(values, tmp_path):
+    """D9: the run's pods, its retries, the sandbox service and each session pod's agent run one build; a worker
+    group with an image of its own (a disaggregated run's rollout build) runs that one, pinned by its digest."""
     sets = (f"image.digest={DIGEST}", "sandbox.pods.agentImage.repository=registry.example.com/agent",
             f"sandbox.pods.agentImage.digest={AGENT_DIGEST}")
+    raw = yaml.safe_load(values.read_text()) if values else {}
+    own = [g["name"] for g in raw.get("workerGroups", []) if (g.get("image") or {}).get("repository")]
+    if own:  # --set cannot reach into a list of the values file: a copy with the groups' digests
+        for g in raw["workerGroups"]:
+            if g["name"] in own:
+                g["image"]["digest"] = GROUP_DIGEST
+        values = tmp_path / values.name
+        values.write_text(yaml.safe_dump(raw))
     docs = render(*([values] if values else []), config=GPU_CONFIG if values == GPU else QUICKSTART, sets=sets)
     found = images(docs)
-    assert found and all(image.endswith("@" + DIGEST) for _, image in found), found
+    mine = {where for where, _ in found if any(where.startswith(f"ray-worker {name}/") for name in own)}
+    assert found and all(image.endswith("@" + (GROUP_DIGEST if where in mine else DIGEST)) for where, image in found)
+    assert len(mine) == len(own)  # each such group's container(s) run its own build
     service = [d for d in docs if d["kind"] == "Deployment"]
     args = service[0]["spec"]["template"]["spec"]["containers"][0]["args"] if service else []
     agent = [a for a in args if a.startswith("--set=sandbox.kubernetes.agent_image=")]
@@ -304,8 +367,15 @@ def test_the_disruption_budget_and_the_session_quota_are_there_when_enabled(case
     selector = pdb["selector"]
     from sandbox.k8s_manifests import selects
 
-    assert all(selects(selector, p.labels) for p in [w.head, *w.workers])
+    held = [w.head, *(p for p in w.workers if w.role(p) != "rollout")]
+    assert all(selects(selector, p.labels) for p in held)
     assert not selects(selector, w.sandbox.labels) and not selects(selector, w.other_run.labels)
+    rollouts = [p for p in w.workers if w.role(p) == "rollout"]  # a disaggregated run's: drained one at a time
+    if rollouts:
+        rollout = pdbs.pop("myrun-rollout")
+        assert rollout["maxUnavailable"] == 1 and rollout["unhealthyPodEvictionPolicy"] == "AlwaysAllow"
+        assert all(selects(rollout["selector"], p.labels) and not selects(selector, p.labels) for p in rollouts)
+        assert not any(selects(rollout["selector"], p.labels) for p in held)
     # N10: the sandbox service's replicas go one at a time (it had none)
     sandbox = pdbs.pop("myrun-sandbox")
     assert sandbox["maxUnavailable"] == 1 and selects(sandbox["selector"], w.sandbox.labels) and not pdbs

@@ -14,7 +14,15 @@ import pytest
 import yaml
 
 from benchmarks.ray_nodes import RayNodes
-from rl.loop.placement import Site, cgroup_cpu_limit, worker_threads
+from rl.loop.placement import (
+    ROLLOUT_SLOT,
+    SLOTS_ENV,
+    WORKER_SLOT,
+    Site,
+    cgroup_cpu_limit,
+    worker_bundle,
+    worker_threads,
+)
 from tests.test_helm_chart import HELM, one, pod_templates, render, run_configmap
 from tests.test_run import TINY
 
@@ -74,6 +82,56 @@ def test_the_charts_entrypoint_trains_on_a_multinode_cluster_and_a_retry_resumes
         assert second.returncode == 0, second.stderr[-4000:]
         assert [json.loads(x)["iteration"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()] == [0, 1]
     assert (run_dir / "final" / "config.json").is_file()
+
+
+@pytest.mark.slow
+def test_a_disaggregated_charts_trainer_and_replicas_go_to_the_pods_of_their_role(tmp_path):
+    """The chart's roles on a real multi-node Ray cluster: one trainer node offering one rl_worker (2 CPUs: room for
+    a trainer and a replica) and two rollout nodes offering one rl_rollout each, none seeing the head's cache. The
+    run (cluster.placement disaggregated, set by the chart) puts its trainer on the trainer node and one replica on
+    each rollout node: each of the three nodes got the model shipped, where packing by CPU alone would have left the
+    rollout nodes without a worker."""
+    cfg = json.loads(json.dumps(TINY))
+    cfg["run"] = {"iterations": 1, "eval_every": 1, "save_every": 1, "name": "tiny"}
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg))
+    etc, data = tmp_path / "etc", tmp_path / "data"
+    etc.mkdir()
+    pods = {"workerGroups": [{"name": "trainer", "role": "trainer", "replicas": 1, "cpu": "2", "memory": "4Gi",
+                              "shmSize": "1Gi"},
+                             {"name": "rollout", "role": "rollout", "replicas": 2, "cpu": "1", "memory": "4Gi",
+                              "shmSize": "1Gi"}]}
+    (tmp_path / "pods.yaml").write_text(yaml.safe_dump(pods))
+    docs = render(tmp_path / "pods.yaml", config=tmp_path / "run.yaml",
+                  sets=(f"run.configMountPath={etc}", f"storage.mountPath={data}", "sandbox.enabled=false"))
+    for name, text in run_configmap(docs)["data"].items():
+        (etc / name).write_text(text)
+    head_env = {e["name"]: e["value"] for e in pod_templates(one(docs, "RayJob"))[0]["spec"]["containers"][0]["env"]}
+    head_cache = Path(head_env["RL_CACHE_DIR"])
+    with RayNodes(head_cpus=0) as nodes:
+        homes = {"trainer": tmp_path / "trainer", "rollout-a": tmp_path / "rollout-a", "rollout-b": tmp_path / "b"}
+        for i, (name, home) in enumerate(homes.items()):
+            slot = '{"rl_worker": 1}' if name == "trainer" else '{"rl_rollout": 1}'
+            nodes.add_node(cpus=2 if name == "trainer" else 1, home=home, resources=slot, hide=(head_cache,))
+            nodes.wait_for_nodes(2 + i)
+        env = {**nodes.env, **head_env, "HOME": str(tmp_path / "head"), "RAY_ADDRESS": nodes.address}
+        run = subprocess.run(["bash", str(etc / "launch.sh")], env=env, capture_output=True, text=True, timeout=600)
+        assert run.returncode == 0, run.stderr[-4000:]
+    run_dir = data / "runs" / "myrun"
+    assert [json.loads(x)["staleness_max"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()] == [0]
+    for name, home in homes.items():  # a worker ran on each node: its own copy of the warm start
+        assert list((home / "cache" / "shipped").iterdir()), name
+
+
+def test_bundles_take_the_slot_of_their_side_where_the_pods_offer_it(ray_cluster, monkeypatch):
+    """RL_WORKER_SLOTS (the chart's) names the slots the pods offer: trainer bundles take rl_worker, a disaggregated
+    run's replicas rl_rollout; a local cluster without them places by CPU alone."""
+    monkeypatch.setenv(SLOTS_ENV, "rl_worker,rl_rollout")
+    assert worker_bundle(2, 0) == {"CPU": 2, WORKER_SLOT: 1}
+    assert worker_bundle(1, 1, ROLLOUT_SLOT) == {"CPU": 1, "GPU": 1, ROLLOUT_SLOT: 1}
+    monkeypatch.setenv(SLOTS_ENV, "1")  # what charts before the roles set: rl_worker only
+    assert worker_bundle(2, 0) == {"CPU": 2, WORKER_SLOT: 1} and worker_bundle(1, 0, ROLLOUT_SLOT) == {"CPU": 1}
+    monkeypatch.delenv(SLOTS_ENV)
+    assert worker_bundle(1, 0) == {"CPU": 1} and worker_bundle(1, 0, ROLLOUT_SLOT) == {"CPU": 1}
 
 
 def _cgroup(tmp_path: Path, v2: dict[str, str] | None = None, v1: tuple[str, str] | None = None,

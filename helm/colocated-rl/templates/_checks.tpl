@@ -79,8 +79,9 @@
 {{- if gt (int $g.gpus) 0 }}{{ $gpuGroups = append $gpuGroups $g.name }}{{ else }}{{ $cpuGroups = append $cpuGroups $g.name }}{{ end -}}
 {{- end -}}
 {{- if and $gpuGroups $cpuGroups -}}
-{{- fail (printf "workerGroups mix GPU groups %s and CPU groups %s: a colocated run makes every worker one of run.gpusPerWorker GPUs (a trainer rank and a replica each), so it would ask for a GPU bundle per CPU worker too and never be placed; give every group GPUs, or drop the CPU groups (the chart has no disaggregated roles yet)" (toJson $gpuGroups) (toJson $cpuGroups)) -}}
+{{- fail (printf "workerGroups mix GPU groups %s and CPU groups %s: the run makes every worker one of run.gpusPerWorker GPUs (cluster.gpus_per_worker, one for both roles of a disaggregated run), so it would ask for a GPU bundle per CPU worker too and never be placed; give every group GPUs, or drop the CPU groups" (toJson $gpuGroups) (toJson $cpuGroups)) -}}
 {{- end -}}
+{{- include "rl.checkRoles" . -}}
 {{- $policies := or $np.enabled $v.networkPolicy.workers $v.networkPolicy.egress.enabled -}}
 {{- range $i, $g := $v.workerGroups -}}
 {{- if and $g.hostNetwork $policies (not $v.networkPolicy.nodeCIDRs) -}}
@@ -106,6 +107,48 @@
 {{- range $v.workerGroups -}}
 {{- if gt (int .gpus) 0 -}}
 {{- fail (printf "sandbox.pods.agentImage: every session pod's init container pulls it to copy the sandbox agent, and by default it is the run's image %s, a GPU run's several-GB CUDA build: build docker/Dockerfile.agent (the sandbox package on python:3.12-slim) and set sandbox.pods.agentImage.repository and .tag (or .digest)" (include "rl.image" $)) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/* A disaggregated run (workerGroups[].role): both sides and nothing colocated beside them, on the fabric the weight
+     transfer uses, with ports the kernel can hand out and no Ray port among them; a group's own image is pinned. */}}
+{{- define "rl.checkRoles" -}}
+{{- $v := .Values -}}
+{{- $roles := dict -}}
+{{- range $i, $g := $v.workerGroups -}}
+{{- $_ := set $roles ($g.role | default "colocated") $g.name -}}
+{{- $own := $g.image | default dict -}}
+{{- if and $own.repository (not (or $own.tag $own.digest)) -}}
+{{- fail (printf "workerGroups[%d].image.repository %s needs a tag or a digest" $i $own.repository) -}}
+{{- end -}}
+{{- if and (or $own.tag $own.digest) (not $own.repository) -}}
+{{- fail (printf "workerGroups[%d].image: a tag or digest without a repository (give repository too, or leave image empty for the run's)" $i) -}}
+{{- end -}}
+{{- end -}}
+{{- if include "rl.disaggregated" . -}}
+{{- if hasKey $roles "colocated" -}}
+{{- fail (printf "workerGroups[%s] is colocated beside trainer and rollout groups: a run is colocated (every worker a trainer rank and a replica) or disaggregated (trainer pods and rollout pods), not both; give that group role trainer or rollout" (get $roles "colocated")) -}}
+{{- end -}}
+{{- range $need := list "trainer" "rollout" -}}
+{{- if not (hasKey $roles $need) -}}
+{{- fail (printf "workerGroups: a disaggregated run needs a group of role %s too (trainer pods train, rollout pods generate)" $need) -}}
+{{- end -}}
+{{- end -}}
+{{- $w := $v.weightTransfer -}}
+{{- range $i, $g := $v.workerGroups -}}
+{{- if $g.hostNetwork -}}
+{{- fail (printf "workerGroups[%d].hostNetwork with role %s: weightTransfer.fabric is pod (the gloo transfer on the pod network, its ports pinned by a per-pod sysctl, which a pod on the node's network cannot set), the only fabric built; turn hostNetwork off" $i $g.role) -}}
+{{- end -}}
+{{- end -}}
+{{- $first := int $w.ports.first -}}{{- $last := int $w.ports.last -}}
+{{- if lt (sub $last $first) 1023 -}}
+{{- fail (printf "weightTransfer.ports %d-%d: the trainer and rollout pods' ephemeral range (their outgoing connections draw from it too) needs at least 1024 ports" $first $last) -}}
+{{- end -}}
+{{- range $r := list (list 6379 6381) (list 8265 8265) (list 10001 19999) (list 52365 52365) (list (int $v.metrics.rayPort) (int $v.metrics.rayPort)) -}}
+{{- if and (le $first (index $r 1)) (ge $last (index $r 0)) -}}
+{{- fail (printf "weightTransfer.ports %d-%d overlaps Ray's ports %d-%d (GCS, raylet, object manager 6379-6381, Jobs API 8265, client 10001, workers 10002-19999, dashboard agent 52365, metrics): pick a range outside them, e.g. 20000-29999" $first $last (index $r 0) (index $r 1)) -}}
 {{- end -}}
 {{- end -}}
 {{- end -}}

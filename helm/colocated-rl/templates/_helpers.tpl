@@ -92,8 +92,8 @@ schedulerName: {{ . }}
 {{- end -}}
 
 {{/* Annotations of every Ray pod: Karpenter and the cluster autoscaler leave its node alone while the run lives
-     (a drain or consolidation would stop all of it), and scrape annotations for the given port. Called with root
-     and port. */}}
+     (a drain or consolidation would stop all of it), and scrape annotations for the given port. Called with root,
+     port and disruptable (a disaggregated run's rollout pod: the run replaces it, so its node may go). */}}
 {{- define "rl.rayPodAnnotations" -}}
 {{- $v := .root.Values -}}
 {{- if $v.metrics.scrapeAnnotations }}
@@ -101,7 +101,7 @@ prometheus.io/scrape: "true"
 prometheus.io/port: {{ .port | quote }}
 prometheus.io/path: /metrics
 {{- end }}
-{{- if $v.disruption.doNotDisrupt }}
+{{- if and $v.disruption.doNotDisrupt (not .disruptable) }}
 karpenter.sh/do-not-disrupt: "true"
 cluster-autoscaler.kubernetes.io/safe-to-evict: "false"
 {{- end }}
@@ -122,9 +122,15 @@ cluster-autoscaler.kubernetes.io/safe-to-evict: "false"
 {{- end -}}
 {{- end -}}
 
-{{/* The JSON of --resources in rayStartParams, quoted for the shell command KubeRay builds. */}}
+{{/* The JSON of --resources in rayStartParams, quoted for the shell command KubeRay builds: one rl_worker per
+     colocated worker or trainer worker of the pod, one rl_rollout per replica of a rollout pod. */}}
 {{- define "rl.workerSlots" -}}
-{{- printf "\"{\\\"rl_worker\\\": %s}\"" (include "rl.podWorkers" .) -}}
+{{- printf "\"{\\\"%s\\\": %s}\"" (ternary "rl_rollout" "rl_worker" (eq (.group.role | default "colocated") "rollout")) (include "rl.podWorkers" .) -}}
+{{- end -}}
+
+{{/* Whether the worker groups make a disaggregated run (roles trainer and rollout). */}}
+{{- define "rl.disaggregated" -}}
+{{- range .Values.workerGroups }}{{ if ne (.role | default "colocated") "colocated" }}true{{ end }}{{ end -}}
 {{- end -}}
 
 {{/* An image reference: repository@digest where a digest is given (the build itself, whatever its tag points at
@@ -139,6 +145,16 @@ cluster-autoscaler.kubernetes.io/safe-to-evict: "false"
 
 {{- define "rl.image" -}}
 {{- include "rl.imageRef" .Values.image -}}
+{{- end -}}
+
+{{/* A worker group's image: its own (workerGroups[].image) or the run's. Called with root and group. */}}
+{{- define "rl.groupImage" -}}
+{{- $own := .group.image | default dict -}}
+{{- if $own.repository -}}
+{{- include "rl.imageRef" $own -}}
+{{- else -}}
+{{- include "rl.image" .root -}}
+{{- end -}}
 {{- end -}}
 
 {{/* The image whose init container copies the sandbox agent into every session pod, and its pull policy: its own
@@ -167,11 +183,24 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- default (printf "%s-data" (include "rl.fullname" .)) .Values.storage.existingClaim -}}
 {{- end -}}
 
-{{/* Colocated workers of the run: the sum over the worker pods. */}}
+{{/* The run's cluster.workers: colocated or trainer workers, summed over their pods. */}}
 {{- define "rl.loop.workers" -}}
 {{- $n := 0 -}}
 {{- range .Values.workerGroups -}}
+{{- if ne (.role | default "colocated") "rollout" -}}
 {{- $n = add $n (mul .replicas (include "rl.podWorkers" (dict "root" $ "group" .) | int)) -}}
+{{- end -}}
+{{- end -}}
+{{- $n -}}
+{{- end -}}
+
+{{/* A disaggregated run's cluster.rollout_workers: the replicas of the rollout pods, summed. */}}
+{{- define "rl.rolloutWorkers" -}}
+{{- $n := 0 -}}
+{{- range .Values.workerGroups -}}
+{{- if eq (.role | default "colocated") "rollout" -}}
+{{- $n = add $n (mul .replicas (include "rl.podWorkers" (dict "root" $ "group" .) | int)) -}}
+{{- end -}}
 {{- end -}}
 {{- $n -}}
 {{- end -}}
@@ -202,6 +231,9 @@ app.kubernetes.io/instance: {{ .Release.Name }}
       "--set" (printf "cluster.workers=%s" (include "rl.loop.workers" .))
       "--set" (printf "cluster.gpus_per_worker=%d" $tp)
       "--set" (printf "metrics.prometheus_port=%v" .Values.run.metricsPort) -}}
+{{- if include "rl.disaggregated" . -}}
+{{- $args = concat $args (list "--set" "cluster.placement=disaggregated" "--set" (printf "cluster.rollout_workers=%s" (include "rl.rolloutWorkers" .))) -}}
+{{- end -}}
 {{- if gt $tp 1 -}}{{/* a replica spans its worker's GPUs: vLLM's tensor parallelism and the trainer's mesh */}}
 {{- $args = concat $args (list "--set" (printf "rollout.tensor_parallel_size=%d" $tp)) -}}
 {{- end -}}
@@ -225,8 +257,8 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- $v := .root.Values -}}
 - name: RL_CACHE_DIR
   value: {{ printf "%s/cache" $v.storage.mountPath | quote }}
-- name: RL_WORKER_SLOTS  # place workers by the pods' rl_worker slots, also while worker pods are still joining
-  value: "1"
+- name: RL_WORKER_SLOTS  # place workers by the pods' slots, also while worker pods are still joining
+  value: {{ ternary "rl_worker,rl_rollout" "rl_worker" (not (empty (include "rl.disaggregated" .root))) | quote }}
 - name: RL_RUN_UMASK  # what a root RDMA worker and the uid-1000 pods write in the run directory stays group-writable
   value: "0002"
 {{- if $v.logging.rayToStderr }}
@@ -298,6 +330,26 @@ podSelector:
     colocated-rl/run: {{ .Release.Name }}
   matchExpressions:
     - {key: app.kubernetes.io/component, operator: In, values: [ray-head, ray-worker, ray-submitter]}
+{{- end -}}
+
+{{/* A NetworkPolicy peer: the run's head, submitter and worker pods less the rollout pods (roles NotIn), or its rollout
+     pods alone (roles In). Called with root and roles. */}}
+{{- define "rl.runPods" -}}
+podSelector:
+  matchLabels:
+    colocated-rl/run: {{ .root.Release.Name }}
+  matchExpressions:
+    {{- if eq .roles "In" }}
+    - {key: app.kubernetes.io/component, operator: In, values: [ray-worker]}
+    {{- else }}
+    - {key: app.kubernetes.io/component, operator: In, values: [ray-head, ray-worker, ray-submitter]}
+    {{- end }}
+    - {key: colocated-rl/role, operator: {{ .roles }}, values: [rollout]}
+{{- end -}}
+
+{{/* The ports a disaggregated run's weight transfer listens on: the trainer and rollout pods' ephemeral range. */}}
+{{- define "rl.transferPorts" -}}
+- {protocol: TCP, port: {{ int .Values.weightTransfer.ports.first }}, endPort: {{ int .Values.weightTransfer.ports.last }}}
 {{- end -}}
 
 {{/* Whether a worker group uses the node's network. */}}

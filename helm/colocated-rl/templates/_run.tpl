@@ -3,16 +3,20 @@
 {{/* A Ray pod's preStop: on SIGTERM while the run lives (launch.sh's <run dir>/.running), ask the run for a checkpoint
      (<run dir>/stop-requested) and wait until it answers by removing the file, the run ends, or the grace period
      (less 10 s) is spent. Then keep Ray's logs of this pod on the claim (<run dir>/logs/ray/<pod>, files under
-     256 MB): the kubelet's rotation loses them with the pod, and KubeRay deletes every pod when the run ends. */}}
+     256 MB): the kubelet's rotation loses them with the pod, and KubeRay deletes every pod when the run ends.
+     Called with root and ask; a disaggregated run's rollout pod asks nothing (ask false): the run replaces its
+     replica and goes on. */}}
 {{- define "rl.preStop" -}}
-{{- $dir := include "rl.runDir" . -}}
-{{- $wait := sub (int .Values.disruption.terminationGracePeriodSeconds) 10 -}}
+{{- $dir := include "rl.runDir" .root -}}
+{{- $wait := sub (int .root.Values.disruption.terminationGracePeriodSeconds) 10 -}}
+{{- $keep := `keep() { src=${RL_RAY_LOGS:-/tmp/ray/session_latest/logs}; [ -d "$src" ] && [ -d "$d" ] || return 0; dst="$d/logs/ray/$(hostname)"; mkdir -p "$dst" && (cd "$src" && find . -type f -size -256M -exec cp --parents {} "$dst" \;) 2>/dev/null || true; }` -}}
+{{- $ask := printf `live() { [ -e "$d/.running" ] && [ $(( $(date +%%s) - $(stat -c %%Y "$d/.running") )) -lt 60 ]; }; if live; then echo "$(hostname) $(date +%%s)" >> "$d/stop-requested"; t=0; while [ -e "$d/stop-requested" ] && live && [ $t -lt %d ]; do sleep 1; t=$((t+1)); done; fi; ` $wait -}}
 preStop:
   exec:
     command:
       - sh
       - -c
-      - {{ printf `d=%s; keep() { src=${RL_RAY_LOGS:-/tmp/ray/session_latest/logs}; [ -d "$src" ] && [ -d "$d" ] || return 0; dst="$d/logs/ray/$(hostname)"; mkdir -p "$dst" && (cd "$src" && find . -type f -size -256M -exec cp --parents {} "$dst" \;) 2>/dev/null || true; }; live() { [ -e "$d/.running" ] && [ $(( $(date +%%s) - $(stat -c %%Y "$d/.running") )) -lt 60 ]; }; if live; then echo "$(hostname) $(date +%%s)" >> "$d/stop-requested"; t=0; while [ -e "$d/stop-requested" ] && live && [ $t -lt %d ]; do sleep 1; t=$((t+1)); done; fi; keep` ($dir | squote) $wait | quote }}
+      - {{ printf "d=%s; %s; %skeep" ($dir | squote) $keep (ternary $ask "" .ask) | quote }}
 {{- end -}}
 
 {{/* The head's init containers, in order: the image's Ray against rayJob.rayVersion; the run volume's owner (with
