@@ -22,6 +22,7 @@ from rl import seeds
 from rl.config import parse_config
 from rl.loop.controller import Run, iteration
 from rl.loop.rollout_manager import RolloutManager
+from rl.loop.stop import StopWatch
 from rl.rollout.data import TaskSets, sample_mix, sample_prompts
 from rl.rollout.multiturn import Episodes
 from rl.rollout.partial import PartialRolloutBuffer
@@ -155,6 +156,7 @@ class Recorder:
         self.generate_seeds, self.train_seeds = [], []
         self.num_buckets, self.max_context = 1, 128
         self.rollouts = self.trainers = self
+        self.stop = StopWatch(None)  # no stop is ever asked of this loop
 
     def __len__(self):  # one trainer rank
         return 1
