@@ -55,6 +55,12 @@ def test_the_cpu_example_is_one_disaggregated_run_placed_by_role():
     assert "colocated-rl/role" not in job["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["metadata"]["labels"]
 
 
+def test_the_notes_say_how_many_of_each_side_run():
+    notes = helm("install", "--dry-run=client", "myrun", str(CHART), "-n", "rl", "--set-file",
+                 f"runConfig={QUICKSTART}", "--values", str(CPU)).stdout.split("NOTES:", 1)[1]
+    assert "(disaggregated: 1 trainer worker(s) and 2 rollout replica(s); checkpoints in /data/runs/myrun" in notes
+
+
 def test_the_gpu_example_renders_but_rl_launch_stops_at_the_runs_own_refusal():
     """The GPU layout renders and validates (tests/test_helm_chart.py) with its rollout build and both sides' GPUs;
     the run refuses GPU workers in disaggregated placement, and rl launch says so before anything is installed."""
