@@ -117,7 +117,8 @@ exec > >(tee -a "$run_dir/logs/attempt-$(date -u +%Y%m%dT%H%M%SZ).log") 2>&1
 # (stop-requested) and waits for it; a .running left by a head that was killed goes stale, and no preStop waits on it.
 rm -f "$run_dir/stop-requested"
 touch "$run_dir/.running"
-( while sleep 10; do touch "$run_dir/.running"; done ) &
+# (its output apart: its `sleep`, which outlives the kill below, would hold the console open for up to 10 s more)
+( while sleep 10; do touch "$run_dir/.running"; done ) >/dev/null 2>&1 &
 heartbeat=$!
 trap 'kill $heartbeat 2>/dev/null; rm -f "$run_dir/.running"' EXIT
 {{- if $limit }}
