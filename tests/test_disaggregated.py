@@ -13,6 +13,7 @@ at once, the replicas at most ``algorithm.max_staleness`` (k) weight versions ah
 from __future__ import annotations
 
 import json
+import threading
 
 import numpy as np
 import pytest
@@ -54,18 +55,26 @@ def test_k0_is_the_colocated_run_bit_for_bit(ray_cluster, model_dir, reward_file
     iteration 1's state and ends; its resume still ends on the colocated run's weights."""
     rl.train(run_config(model_dir, reward_file), tmp_path / "colocated")
     k0 = tmp_path / "k0"
-    real_rollout = stream.run_rollout
+    real_rollout, real_take, waiting = stream.run_rollout, stream.RolloutStream.take, threading.Event()
+
+    def take(self, it):
+        if it == 2:
+            waiting.set()
+        return real_take(self, it)
 
     def stop_at_2(rollouts, buffer, episodes, tasks, it, *rest):
-        if it == 2:
+        if it == 2:  # asked once the trainer waits for the batch (asked sooner, it is answered after iteration 1)
+            assert waiting.wait(120)
             (k0 / "stop-requested").write_text("node-1 1700000000\n")
         return real_rollout(rollouts, buffer, episodes, tasks, it, *rest)
 
+    monkeypatch.setattr(stream.RolloutStream, "take", take)
     monkeypatch.setattr(stream, "run_rollout", stop_at_2)
     with pytest.raises(RunStopped, match="during iteration 2's rollout .*: its state saved as iter_000001; "):
         rl.train(run_config(model_dir, reward_file, cluster={"placement": "disaggregated"},
                             algorithm={"max_staleness": 0}), k0)
     monkeypatch.setattr(stream, "run_rollout", real_rollout)
+    monkeypatch.setattr(stream.RolloutStream, "take", real_take)
     assert [p.name for p in list_checkpoints(k0)] == ["iter_000001"] and not (k0 / "stop-requested").exists()
     rl.train(run_dir=k0, resume=True)
     a, b = records(tmp_path / "colocated"), records(tmp_path / "k0")
