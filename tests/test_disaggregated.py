@@ -51,8 +51,9 @@ def records(run_dir) -> list[dict]:
 
 
 def test_k0_is_the_colocated_run_bit_for_bit(ray_cluster, model_dir, reward_file, tmp_path, monkeypatch):
-    """The disaggregated run is also stopped (rl.loop.stop) while its trainer waits for iteration 2's batch: it saves
-    iteration 1's state and ends; its resume still ends on the colocated run's weights."""
+    """The disaggregated run is also stopped (rl.loop.stop) while its trainer waits for iteration 2's batch: iteration
+    1's checkpoint holds its state (the colocated stop that saves it is tests/test_run.py), so it ends at once; its
+    resume still ends on the colocated run's weights."""
     rl.train(run_config(model_dir, reward_file), tmp_path / "colocated")
     k0 = tmp_path / "k0"
     real_rollout, real_take, waiting = stream.run_rollout, stream.RolloutStream.take, threading.Event()
@@ -70,12 +71,14 @@ def test_k0_is_the_colocated_run_bit_for_bit(ray_cluster, model_dir, reward_file
 
     monkeypatch.setattr(stream.RolloutStream, "take", take)
     monkeypatch.setattr(stream, "run_rollout", stop_at_2)
-    with pytest.raises(RunStopped, match="during iteration 2's rollout .*: its state saved as iter_000001; "):
-        rl.train(run_config(model_dir, reward_file, cluster={"placement": "disaggregated"},
-                            algorithm={"max_staleness": 0}), k0)
+    raw = run_config(model_dir, reward_file, cluster={"placement": "disaggregated"}, algorithm={"max_staleness": 0})
+    raw["run"]["save_every"] = 1  # iteration 1's checkpoint is there already: the stop saves nothing more
+    with pytest.raises(RunStopped, match="during iteration 2's rollout .*: iter_000001 holds its state already; "):
+        rl.train(raw, k0)
     monkeypatch.setattr(stream, "run_rollout", real_rollout)
     monkeypatch.setattr(stream.RolloutStream, "take", real_take)
-    assert [p.name for p in list_checkpoints(k0)] == ["iter_000001"] and not (k0 / "stop-requested").exists()
+    assert [p.name for p in list_checkpoints(k0)] == ["iter_000000", "iter_000001"]
+    assert not (k0 / "stop-requested").exists()
     rl.train(run_dir=k0, resume=True)
     a, b = records(tmp_path / "colocated"), records(tmp_path / "k0")
     assert [r["reward_mean"] for r in a] == [r["reward_mean"] for r in b]

@@ -208,12 +208,15 @@ def _loop(run: Run, state: LoopState | None, restarts: Restarts) -> dict:
         cluster.trainers.offload()
     else:
         run.stream = RolloutStream(run, first, cfg.staleness, cluster.rollouts.weights_version())
+    saved_after = state.iteration if state else None  # the newest checkpoint's iteration
     for it in range(first, cfg.run.iterations):
-        at_start = run.buffer.state_dict() if watch.path and run.stream is None else None
+        # what a stop during this iteration's rollout would save, where no checkpoint holds it yet
+        unsaved = bool(watch.path) and it > 0 and saved_after != it - 1
+        at_start = run.buffer.state_dict() if unsaved and run.stream is None else None
         try:
             rec = iteration(run, it)
         except StopRequested:  # asked during the rollout phase: the trainers hold iteration it − 1's state
-            stop_mid_iteration(run, it, after, at_start)
+            stop_mid_iteration(run, it, after, at_start, unsaved)
         for warning in health.check(rec):
             console.print(f"[bold yellow]warning:[/] iter {it}: {warning}")
         if guard is not None and guard.improved(rec):
@@ -235,6 +238,7 @@ def _loop(run: Run, state: LoopState | None, restarts: Restarts) -> dict:
         log.record(rec)
         if (it + 1) % cfg.run.save_every == 0 or it + 1 == cfg.run.iterations or stopped or stop_requested:
             checkpoint(run, after(it, partial_state(run)))
+            saved_after = it
         if stop_requested:
             watch.answered()
             raise RunStopped(f"stopped on request after iteration {it} ({STOP_FILE} in {run.run_dir}): checkpoint "
@@ -278,14 +282,16 @@ def checkpoint(run: Run, loop: LoopState) -> None:
         export(saved, f"{cfg.run.export_uri}/checkpoints/{saved.name}", run.console)
 
 
-def stop_mid_iteration(run: Run, it: int, after: Callable[[int, dict], LoopState], snapshot: dict | None) -> NoReturn:
-    """Answer a stop asked during iteration ``it``'s rollout phase (``rl.loop.stop``): the state the iteration started
-    from is saved as iteration ``it − 1``'s checkpoint (``after(it − 1, partial)``, the partial-rollout buffer as in
-    ``snapshot``), unless a checkpoint holds it already or no iteration has ended; then the run ends."""
+def stop_mid_iteration(run: Run, it: int, after: Callable[[int, dict], LoopState], snapshot: dict | None,
+                       unsaved: bool) -> NoReturn:
+    """Answer a stop asked during iteration ``it``'s rollout phase (``rl.loop.stop``): where ``unsaved``, the state the
+    iteration started from is saved as iteration ``it − 1``'s checkpoint (``after(it − 1, partial)``, the
+    partial-rollout buffer as in ``snapshot``); otherwise no iteration has ended or that checkpoint holds it already.
+    Then the run ends."""
     saved = checkpoint_dir(run.run_dir, it - 1)
     if it == 0:
         what = "no iteration had ended, nothing to save"
-    elif saved in list_checkpoints(run.run_dir):
+    elif not unsaved:
         what = f"{saved.name} holds its state already"
     else:
         checkpoint(run, after(it - 1, partial_state(run, snapshot)))
