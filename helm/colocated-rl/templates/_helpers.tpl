@@ -183,26 +183,26 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- default (printf "%s-data" (include "rl.fullname" .)) .Values.storage.existingClaim -}}
 {{- end -}}
 
-{{/* The run's cluster.workers: colocated or trainer workers, summed over their pods. */}}
-{{- define "rl.loop.workers" -}}
+{{/* The workers of the rollout pods (rollout true) or of the others (false), summed over their pods. Called with root
+     and rollout. */}}
+{{- define "rl.workersOf" -}}
 {{- $n := 0 -}}
-{{- range .Values.workerGroups -}}
-{{- if ne (.role | default "colocated") "rollout" -}}
-{{- $n = add $n (mul .replicas (include "rl.podWorkers" (dict "root" $ "group" .) | int)) -}}
+{{- range .root.Values.workerGroups -}}
+{{- if eq (eq (.role | default "colocated") "rollout") $.rollout -}}
+{{- $n = add $n (mul .replicas (include "rl.podWorkers" (dict "root" $.root "group" .) | int)) -}}
 {{- end -}}
 {{- end -}}
 {{- $n -}}
 {{- end -}}
 
-{{/* A disaggregated run's cluster.rollout_workers: the replicas of the rollout pods, summed. */}}
+{{/* The run's cluster.workers: colocated or trainer workers. */}}
+{{- define "rl.loop.workers" -}}
+{{- include "rl.workersOf" (dict "root" . "rollout" false) -}}
+{{- end -}}
+
+{{/* A disaggregated run's cluster.rollout_workers: the replicas of the rollout pods. */}}
 {{- define "rl.rolloutWorkers" -}}
-{{- $n := 0 -}}
-{{- range .Values.workerGroups -}}
-{{- if eq (.role | default "colocated") "rollout" -}}
-{{- $n = add $n (mul .replicas (include "rl.podWorkers" (dict "root" $ "group" .) | int)) -}}
-{{- end -}}
-{{- end -}}
-{{- $n -}}
+{{- include "rl.workersOf" (dict "root" . "rollout" true) -}}
 {{- end -}}
 
 {{/* GPUs of each colocated worker: run.gpusPerWorker where the run has GPU pods, else 0 (CPU workers). */}}
