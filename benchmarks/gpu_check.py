@@ -73,7 +73,7 @@ class Step:
 GPU_TEST_FILES = tuple(f"tests/test_{n}.py" for n in (
     "sync_capture", "training_sync", "checkpoint_engine", "pinned_buffers", "inference", "arena", "flex_eligibility",
     "training_engine", "packed_training", "algorithm", "memory", "worker_device", "vllm_gpu_path", "engine_factory",
-    "server", "triton_decode"))
+    "server", "triton_attention"))
 
 #: a leased machine: its cold start (before the command runs), then the most seconds the step limits of its first
 #: command and of its optional second may add up to (a command runs 10 minutes at most; the margin is the check's own
@@ -131,7 +131,7 @@ def lease_plan(dry_run: bool) -> list[Step]:
     # captured at start with the sampler inside, sync-free steps): the first command's figures mean little if these
     # fail; an 8 B train step (fp32 masters and Muon state near 100 GB) does not fit beside them
     kernels = Step("tests", "GPU tests of the decode kernel, graphs and sync-free steps",
-                   ["pytest", "-q", "-rfs", "-p", "no:cacheprovider", "-k", "cuda", "tests/test_triton_decode.py",
+                   ["pytest", "-q", "-rfs", "-p", "no:cacheprovider", "-k", "cuda", "tests/test_triton_attention.py",
                     "tests/test_sync_capture.py", "tests/test_inference.py", "tests/test_training_sync.py"], 60, call=2)
     steps = [preflight, sweep, rollout_rl(small, 110, 1), peer,
              train(mid, ["256", "512"] if dry_run else ["16384", "32768"], 100, 1), smoke,

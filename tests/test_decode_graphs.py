@@ -7,7 +7,7 @@ state as a replay reads its addresses), and so is the sampler inside the graph: 
 samples plainly, is ``sample``'s bit for bit, and rows that filter their draw sample the replayed logits eagerly.
 That the triton kernel gives the same logits at the table's full width as at the bucketed one runs for real, in
 Triton's interpreter. The real graphs are tested on a GPU in
-tests/test_triton_decode.py."""
+tests/test_triton_attention.py."""
 
 import importlib.util
 import itertools

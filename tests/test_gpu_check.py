@@ -112,7 +112,7 @@ def test_the_lease_plan_fits_the_lease_in_value_order():
     assert "--hf-static" in peer.argv and _arg(peer, "--workload") == ["fixed"] and "--skip-hf" not in peer.argv
     assert _arg(train, "--model") == ["qwen3-1.7b"] and _arg(train, "--tokens") == ["16384", "32768"]
     assert smoke.argv[0] == "benchmarks.colocated_smoke"
-    assert second[0].argv[0] == "pytest" and set(second[0].argv) >= {"tests/test_triton_decode.py", "cuda"}
+    assert second[0].argv[0] == "pytest" and set(second[0].argv) >= {"tests/test_triton_attention.py", "cuda"}
     assert _arg(second[1], "--model") == ["qwen3-8b"]
     assert all(s.argv[s.argv.index("--device") + 1] == "cuda" for s in steps if "--device" in s.argv)
     toy = gpu_check.lease_plan(dry_run=True)  # the CPU dry run: the same steps, toy sizes

@@ -14,9 +14,10 @@ Four ways to attend, same results up to rounding: ``torch`` gathers each sequenc
 built from the block tables, so a query reads only its own blocks and nothing is gathered (the GPU
 path, compiled there; eager elsewhere, which the tests use to check it against ``torch``), ``paged`` (CPU)
 runs decode queries through a C++ kernel that reads each sequence's blocks in place
-(``engines.inference.cpu_kernel``), prompt chunks as ``torch`` does, and ``triton`` (CUDA, opt-in only) does the
-same with a Triton kernel (``engines.inference.triton_decode``, imported only when chosen); a decode step that
-kernel cannot compute (e.g. MLA's 576-wide latent) goes the torch way after one warning.
+(``engines.inference.cpu_kernel``), prompt chunks as ``torch`` does, and ``triton`` (CUDA, opt-in only) runs both
+decode queries and prompt chunks through Triton kernels that read the blocks in place with an online softmax
+(``engines.inference.triton_attention``, imported only when chosen); a layer those kernels cannot compute (e.g.
+MLA's 576-wide latent) goes the torch way after one warning.
 """
 
 from __future__ import annotations
@@ -68,14 +69,14 @@ def decode_reads_in_place(backend: str, cfg: ModelConfig, dtype: torch.dtype, de
     if backend != "triton":
         # torch gathers (and masks) every key of the width, flex sizes its block mask by it; "paged" never graphs
         return False
-    from engines.inference import triton_decode  # triton is importable: decode_attention checked it
+    from engines.inference import triton_attention  # triton is importable: decode_attention checked it
 
     heads, dk, dv = cache_dims(cfg)
     # empty stand-ins of one layer's query, keys and values: the kernel's checks read only shapes, dtypes, devices
     q = torch.empty(0, cfg.num_attention_heads, dk, dtype=dtype, device=device)
     keys = torch.empty(heads, 0, dk, dtype=dtype, device=device)
     values = torch.empty(heads, 0, dv if dv is not None else cfg.kv_lora_rank, dtype=dtype, device=device)
-    return triton_decode.unsupported(q, keys, values) is None
+    return triton_attention.unsupported(q, keys, values) is None
 
 
 def cache_dims(cfg: ModelConfig) -> tuple[int, int, int | None]:
@@ -228,11 +229,16 @@ class PagedPass:
                     out[:s] = cpu_kernel.paged_decode(
                         qf[:s], kc, self._values(layer), g.table, g.q_pos[:, 0], c.block_size, scale, window,
                         k[:, :s].transpose(0, 1), None if v is None else v[:, :s].transpose(0, 1))
-                elif self.backend == "triton" and (kernel := _triton_decode(qf, kc, self._values(layer))):
+                elif self.backend == "triton" and (kernel := _triton_kernels(qf, kc, self._values(layer))):
                     out[:s] = kernel.paged_decode(qf[:s], kc, self._values(layer), g.table, g.q_pos[:, 0],
                                                   c.block_size, scale, window)
                 else:
                     out[:s] = attend(i, g, layer, qf[:s, None], scale, window)[:, 0]
+                continue
+            if self.backend == "triton" and (kernel := _triton_kernels(qf, kc, self._values(layer))):
+                # prompt chunks read in place too, written straight to their rows of the output
+                kernel.paged_prefill(qf, kc, self._values(layer), g.q_index, g.q_pos, g.table, c.block_size, scale,
+                                     window, out)
                 continue
             res = attend(i, g, layer, qf[g.q_index], scale, window)  # [S, Q, H, Dv]
             # unmasked: a padding query wrote its real twin's values to its twin's place (see Ragged), and a
@@ -299,17 +305,17 @@ class PagedPass:
 _TRITON_REFUSED: set[str] = set()
 
 
-def _triton_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor):
-    """The Triton decode module when its kernel can attend over this layer, else None (the torch path then
+def _triton_kernels(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor):
+    """The Triton attention module when its kernels can attend over this layer, else None (the torch path then
     computes the same attention), saying why once per reason."""
-    from engines.inference import triton_decode  # imports triton: only where the "triton" attention was chosen
+    from engines.inference import triton_attention  # imports triton: only where the "triton" attention was chosen
 
-    reason = triton_decode.unsupported(q, keys, values)
+    reason = triton_attention.unsupported(q, keys, values)
     if reason is None:
-        return triton_decode
+        return triton_attention
     if reason not in _TRITON_REFUSED:
         _TRITON_REFUSED.add(reason)
-        log.warning("%s; those decode steps gather each sequence's blocks instead", reason)
+        log.warning("%s; those steps gather each sequence's blocks instead", reason)
     return None
 
 

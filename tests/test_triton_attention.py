@@ -1,7 +1,8 @@
-"""The Triton decode-attention kernel (attention "triton"), run on the CPU by Triton's interpreter: equal to the
-torch path's gather-and-matmul attention of decode rows for ragged contexts, GQA, block boundaries, sliding windows
-and MLA-style value views, reading nothing outside each sequence's context, and giving the same tokens and
-log-probabilities through an engine. (bfloat16 is left to GPU runs: the interpreter's bfloat16 ``tl.dot`` is wrong.)"""
+"""The Triton attention kernels (attention "triton"), run on the CPU by Triton's interpreter: equal to the torch
+path's gather-and-matmul attention of decode rows and of prompt chunks for ragged contexts, GQA, block boundaries,
+sliding windows and MLA-style value views, reading nothing outside each sequence's context, and giving the same
+tokens and log-probabilities through an engine. (bfloat16 is left to GPU runs: the interpreter's bfloat16 ``tl.dot``
+is wrong.)"""
 
 import logging
 import math
@@ -16,7 +17,7 @@ if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1": 
     pytest.skip("without a GPU the kernel runs only in Triton's interpreter (TRITON_INTERPRET=1 before triton is "
                 "imported)", allow_module_level=True)
 
-from engines.inference import kv_cache, triton_decode
+from engines.inference import kv_cache, triton_attention
 from engines.inference.kv_cache import PagedKVCache, PagedPass, Ragged, decode_attention, rows_of
 from engines.inference.native import InferenceEngine
 from engines.inference.sampling import SamplingParams
@@ -42,10 +43,10 @@ def pool(seed, positions, heads, kv_heads, dim, block_size, value_dim=None, dtyp
     return cache, table, positions, q
 
 
-def counting(monkeypatch):
-    """Record each call of the kernel's wrapper: a test of the wiring must see the kernel run, not the fallback."""
-    calls, real = [], triton_decode.paged_decode
-    monkeypatch.setattr(triton_decode, "paged_decode", lambda *a, **kw: calls.append(a) or real(*a, **kw))
+def counting(monkeypatch, kernel="paged_decode"):
+    """Record each call of a kernel's wrapper: a test of the wiring must see the kernel run, not the fallback."""
+    calls, real = [], getattr(triton_attention, kernel)
+    monkeypatch.setattr(triton_attention, kernel, lambda *a, **kw: calls.append(a) or real(*a, **kw))
     return calls
 
 
@@ -60,10 +61,10 @@ def torch_path(cache, table, positions, q, scale, window):
     return step._torch(0, group, 0, q[:, None], scale, window)[:, 0]
 
 
-def check(cache, table, positions, q, window=None, block_n=triton_decode.BLOCK_N, atol=1e-5):
+def check(cache, table, positions, q, window=None, block_n=triton_attention.BLOCK_N, atol=1e-5):
     scale = 1 / math.sqrt(q.shape[-1])
     want = torch_path(cache, table, positions, q, scale, window)
-    got = triton_decode.paged_decode(q, cache.k[0], values_of(cache), table, positions, cache.block_size, scale,
+    got = triton_attention.paged_decode(q, cache.k[0], values_of(cache), table, positions, cache.block_size, scale,
                                      window, block_n=block_n)
     assert got.shape == want.shape and got.dtype == want.dtype
     torch.testing.assert_close(got, want, atol=atol, rtol=0)
@@ -103,7 +104,7 @@ def test_head_dims_that_are_no_power_of_two_and_values_that_view_the_keys():
 
 
 def test_a_large_head_group_is_split_over_programs(monkeypatch):
-    monkeypatch.setattr(triton_decode, "MAX_BLOCK_G", 16)
+    monkeypatch.setattr(triton_attention, "MAX_BLOCK_G", 16)
     check(*pool(5, [0, 6, 13], 40, 1, 8, 4))  # 40 query heads on one key head: three programs, the last partly
 
 
@@ -125,7 +126,92 @@ def test_the_kernel_reads_nothing_outside_each_sequences_context():
     poisoned = table.clone()
     for s, p in enumerate(positions.tolist()):
         poisoned[s, p // 4 + 1:] = 10**9
-    got = triton_decode.paged_decode(q, cache.k[0], cache.v[0], poisoned, positions, 4, 0.5, 6)
+    got = triton_attention.paged_decode(q, cache.k[0], cache.v[0], poisoned, positions, 4, 0.5, 6)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
+# --- prompt chunks (paged_prefill) ---------------------------------------------------------------------------
+
+# (start, end) of each sequence's chunk: a prompt's first chunk, a one-token chunk after a cached prefix, chunks
+# across several blocks and tiles, a one-token prompt, a chunk starting mid-block
+SPANS = [(0, 5), (3, 4), (8, 21), (0, 1), (14, 30)]
+
+
+def chunks(seed, spans, heads, kv_heads, dim, block_size, value_dim=None, dtype=torch.float32, lead=2):
+    """A pool as ``pool`` makes, holding each sequence up to its chunk's end, and the flat queries of a step whose
+    first ``lead`` rows are other queries (decode rows), then each chunk's; the chunks' ``Ragged`` group."""
+    ends = [e for _, e in spans]
+    cache, table, _, _ = pool(seed, [e - 1 for e in ends], heads, kv_heads, dim, block_size, value_dim, dtype)
+    n = lead + sum(e - b for b, e in spans)
+    q = torch.randn(n, heads, dim, generator=torch.Generator().manual_seed(seed + 100)).to(dtype)
+    index, positions, at = [], [], lead
+    for b, e in spans:
+        index.append(list(range(at, at + e - b)))
+        positions.append(list(range(b, e)))
+        at += e - b
+    width = max(map(len, index))
+    pad = [x + [x[-1]] * (width - len(x)) for x in index], [x + [x[-1]] * (width - len(x)) for x in positions]
+    return cache, Ragged(torch.tensor(pad[0]), torch.tensor(pad[1]), table, max(ends)), q
+
+
+def check_chunks(cache, group, q, window=None, block_n=triton_attention.BLOCK_N, atol=1e-5):
+    """paged_prefill against the torch path's attention of the same group; rows outside the chunks stay untouched."""
+    scale = 1 / math.sqrt(q.shape[-1])
+    step = PagedPass(cache, torch.empty(0, dtype=torch.long), [group], "torch")
+    res = step._torch(0, group, 0, q[group.q_index], scale, window)
+    want = torch.full((q.shape[0], q.shape[1], cache.value_dim), 7.0, dtype=q.dtype)
+    want.index_copy_(0, group.q_index.flatten(), res.flatten(0, 1))
+    got = torch.full_like(want, 7.0)
+    assert triton_attention.paged_prefill(q, cache.k[0], values_of(cache), group.q_index, group.q_pos, group.table,
+                                          cache.block_size, scale, window, got, block_n=block_n) is got
+    torch.testing.assert_close(got, want, atol=atol, rtol=0)
+    return got
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (4, 1), (6, 2)])
+def test_prompt_chunks_match_the_torch_path_for_each_gqa_ratio(heads, kv_heads):
+    check_chunks(*chunks(20, SPANS, heads, kv_heads, 8, 4), block_n=16)
+
+
+@pytest.mark.parametrize("block_size,block_n", [(16, 16), (32, 16), (3, 32)])
+def test_prompt_chunks_across_block_and_tile_boundaries(block_size, block_n):
+    check_chunks(*chunks(21, [(0, 17), (15, 33), (31, 64), (5, 6)], 4, 2, 8, block_size), block_n=block_n)
+
+
+@pytest.mark.parametrize("window", [1, 3, 4, 9, 64])
+def test_prompt_chunks_in_sliding_windows_match_the_torch_path(window):
+    check_chunks(*chunks(22, SPANS, 4, 2, 8, 4), window=window, block_n=16)
+
+
+def test_prompt_chunks_of_odd_head_dims_latent_values_large_groups_and_float16(monkeypatch):
+    check_chunks(*chunks(23, SPANS, 4, 2, 24, 4))  # dims padded to 32 tiles, masked
+    cache, group, q = chunks(24, SPANS, 4, 1, 24, 4, value_dim=16)  # values are the keys' first 16 dims
+    assert check_chunks(cache, group, q).shape[-1] == 16
+    assert check_chunks(*chunks(25, SPANS, 4, 2, 16, 4, dtype=torch.float16), atol=2e-3).dtype == torch.float16
+    monkeypatch.setattr(triton_attention, "MAX_BLOCK_G", 16)
+    check_chunks(*chunks(26, [(0, 3), (2, 9)], 40, 1, 8, 4))  # 40 query heads of one key head: three programs
+
+
+def test_prompt_chunks_read_nothing_outside_their_context():
+    """NaN in every pool row past each chunk's end (and outside the window of its first query), and block ids no
+    valid block has past each sequence's last block: a read of either would give NaN or fault."""
+    cache, group, q = chunks(27, SPANS, 4, 2, 8, 4)
+    scale, window = 0.5, 6
+    step = PagedPass(cache, torch.empty(0, dtype=torch.long), [group], "torch")
+    want = torch.zeros(q.shape[0], 4, 8)
+    want.index_copy_(0, group.q_index.flatten(), step._torch(0, group, 0, q[group.q_index], scale, window)
+                     .flatten(0, 1))
+    seen = torch.zeros(cache.k.shape[2], dtype=torch.bool)
+    for s, (b, e) in enumerate(SPANS):
+        seen[rows_of(group.table[s], torch.arange(max(0, b - window + 1), e), 4)] = True
+    cache.k[:, :, ~seen] = float("nan")
+    cache.v[:, :, ~seen] = float("nan")
+    poisoned = group.table.clone()
+    for s, (_, e) in enumerate(SPANS):
+        poisoned[s, (e - 1) // 4 + 1:] = 10**9
+    got = torch.zeros_like(want)
+    triton_attention.paged_prefill(q, cache.k[0], cache.v[0], group.q_index, group.q_pos, poisoned, 4, scale, window,
+                                   got)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
 
 
@@ -154,7 +240,7 @@ def test_an_unsupported_layer_falls_back_to_the_torch_path_saying_why(caplog, mo
     monkeypatch.setattr(kv_cache, "_TRITON_REFUSED", set())  # each reason is logged once per process
     cache, table, positions, q = pool(10, [0, 5], 2, 1, 264, 4)  # head dim over the kernel's 256
     with pytest.raises(ValueError, match="head dims up to 256"):
-        triton_decode.paged_decode(q, cache.k[0], cache.v[0], table, positions, 4, 0.1, None)
+        triton_attention.paged_decode(q, cache.k[0], cache.v[0], table, positions, 4, 0.1, None)
     k = torch.zeros(1, 1, 2, 264)
     outs = {}
     with caplog.at_level(logging.WARNING, logger="engines.inference.kv_cache"):
@@ -178,7 +264,7 @@ def test_triton_is_an_explicit_choice_for_cuda(monkeypatch):
 def test_an_engine_decoding_with_triton_samples_the_torch_paths_tokens(family, monkeypatch):
     """Prefill chunks, decode rows of ragged lengths, a shared prompt and (mistral) a sliding window: the same
     tokens, log-probabilities within 1e-5."""
-    calls = counting(monkeypatch)
+    calls, chunk_calls = counting(monkeypatch), counting(monkeypatch, "paged_prefill")
     kw = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=64)
     if family == "mistral":
@@ -190,13 +276,14 @@ def test_an_engine_decoding_with_triton_samples_the_torch_paths_tokens(family, m
     outs = {}
     for backend in ("torch", "triton"):
         eng = InferenceEngine(model, eos_id=None, max_seq_len=32, kv_cache_bytes=1 << 16, block_size=4,
-                              max_batch_tokens=8, attention=backend)
+                              max_batch_tokens=8, max_num_seqs=4, attention=backend)
         assert eng.attention == backend
         outs[backend] = eng.generate(prompts, params)
     for a, b in zip(outs["torch"], outs["triton"], strict=True):
         assert a.token_ids == b.token_ids and len(a.token_ids) == 10
         torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
     assert len(calls) >= 2 * 9  # each layer of each decode step went through the kernel
+    assert len(chunk_calls) >= 2 * 2  # and of each step with prompt chunks (two here: 8 tokens a step, 4 rows)
 
 
 def test_the_run_config_takes_triton_on_gpu_workers_only():
