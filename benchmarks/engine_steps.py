@@ -2,7 +2,8 @@
 read roofline of every step, the body of the run apart from its ramp and tail, and the CUDA-graph check.
 
 Each step is timed on the host from the end of the one before: a step ends with its one read of the device (the
-sampled tokens), so the device is idle at each boundary and the times add up to the window's. Per step: ``decode``
+sampled tokens), so the device is idle at each boundary and the times add up to the window's (the forwards of a
+multi-step read, ``decode_steps``, are each a step here, sharing its time equally). Per step: ``decode``
 (rows decoding), ``sampled`` (tokens made: decode rows and prompts finishing their prefill), ``chunks`` and
 ``prefill_tokens`` (prompt chunks computed), ``context_tokens`` (keys and values the step's queries attend to: each
 decode row's whole context, each chunk's positions up to its end) and ``seconds``. ``--step-log PATH`` writes them as
@@ -26,7 +27,7 @@ import os
 import sys
 import time
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from benchmarks.roofline import roofline_fields, step_read_bytes, weight_read_bytes
@@ -76,20 +77,26 @@ def _summary(plan: StepPlan) -> StepRecord:
 
 @contextmanager
 def _watching(engine: InferenceEngine, seen: list[StepRecord]):
-    """Note each plan the engine's model runner executes (read before the step changes its requests)."""
+    """Note each plan the engine's model runner executes (read before the step changes its requests); a multi-step
+    plan is noted once per forward, each row's context a token longer each time."""
     runner = engine.runner
-    execute = runner.execute
+    execute, execute_ahead = runner.execute, runner.execute_ahead
 
     def watched(plan: StepPlan):
         if plan.computes:
             seen.append(_summary(plan))
         return execute(plan)
 
-    runner.execute = watched
+    def watched_ahead(plan: StepPlan, steps: int):
+        first = _summary(plan)
+        seen.extend(replace(first, context_tokens=first.context_tokens + i * plan.decode) for i in range(steps))
+        return execute_ahead(plan, steps)
+
+    runner.execute, runner.execute_ahead = watched, watched_ahead
     try:
         yield
     finally:
-        del runner.execute  # the class's method again
+        del runner.execute, runner.execute_ahead  # the class's methods again
 
 
 def timed_generate(engine: InferenceEngine, prompts: list[list[int]], params: list[SamplingParams]) -> TimedRun:
@@ -108,7 +115,8 @@ def timed_generate(engine: InferenceEngine, prompts: list[list[int]], params: li
                 out[c.request_id] = c.token_ids
             now = time.perf_counter()
             if len(steps) > seen:  # a step that only moved rows or copied blocks adds its time to the next one
-                steps[-1].seconds = now - last
+                for s in steps[seen:]:  # the forwards of one read share its time
+                    s.seconds = (now - last) / (len(steps) - seen)
                 last = now
             if now - told > PROGRESS_S:  # a run cut at its time limit shows how far it got
                 say("engine", f"{len(steps)} steps, {len(out)} of {len(order)} requests done")

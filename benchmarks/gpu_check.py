@@ -103,12 +103,14 @@ def lease_plan(dry_run: bool) -> list[Step]:
                  + (["--models", "demo", "--batches", "1", "2", "4", "--context", "32", "--tries", "1"] if dry_run else
                     ["--models", small, large, "--context", "1024"]), 100, call=1)
 
-    def rollout_rl(model: str, limit: int, call: int) -> Step:
+    def rollout_rl(model: str, limit: int, call: int, decode_steps: tuple[str, ...] = ("1",)) -> Step:
         # the RL scale: 64 prompts x 8 samples, prompts 128..512, outputs long-tailed up to 2048 (benchmarks.rollout_rl)
         size = ["--prompts", "2", "--samples", "2"] if dry_run else ["--prompts", "64", "--samples", "8"]
-        return Step("rollout_rl", f"RL-scale rollout, native engine, {model} shape, ramp/body/tail",
+        return Step("rollout_rl", f"RL-scale rollout, native engine, {model} shape, ramp/body/tail, "
+                    f"{' and '.join(decode_steps)} decode step(s) a read",
                     ["benchmarks.rollout", "--workload", "rl", "--model", model, *on, *attend, *size, "--skip-hf",
-                     "--no-eager", "--step-log", f"{{out}}/{{gpu}}-rollout_rl-{model}-steps.jsonl", "--json"],
+                     "--no-eager", "--decode-steps", *decode_steps,
+                     "--step-log", f"{{out}}/{{gpu}}-rollout_rl-{model}-steps.jsonl", "--json"],
                     limit, call=call)
 
     fixed = ["--prompts", "2", "--samples", "2", "--prompt-len", "8", "--output-len", "8"] if dry_run else \
@@ -133,7 +135,9 @@ def lease_plan(dry_run: bool) -> list[Step]:
     kernels = Step("tests", "GPU tests of the decode kernel, graphs and sync-free steps",
                    ["pytest", "-q", "-rfs", "-p", "no:cacheprovider", "-k", "cuda", "tests/test_triton_attention.py",
                     "tests/test_sync_capture.py", "tests/test_inference.py", "tests/test_training_sync.py"], 60, call=2)
-    steps = [preflight, sweep, rollout_rl(small, 110, 1), peer,
+    # the small shape also with 8 forwards a read (multi-step decoding), after its one-step record is printed: a run
+    # cut at the step's limit keeps that
+    steps = [preflight, sweep, rollout_rl(small, 110, 1, ("1", "8")), peer,
              train(mid, ["256", "512"] if dry_run else ["16384", "32768"], 100, 1), smoke,
              kernels, rollout_rl(large, 120, 2)]
     if dry_run:  # toy sizes, but on a CPU shared with others: the limits are the GPU's concern, the commands are ours

@@ -25,7 +25,7 @@ import json
 import os
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import Any
 
@@ -208,15 +208,20 @@ def measure(model_name: str, prompts_n: int, samples: int, prompt_len: int, outp
     }
 
 
-def rl_record(model_name: str, prompts_n: int, samples: int, *, dtype: str = "float32", threads: int | None = None,
-              skip_hf: bool = False, device: str = "cpu", attention: str = "auto",
-              longest: int | None = None, eager: bool = True, step_log: str | None = None) -> dict:
-    """The RL-workload record (``benchmarks.rollout_rl``) of a random-weight model of ``model_name``."""
+def rl_records(model_name: str, prompts_n: int, samples: int, *, dtype: str = "float32", threads: int | None = None,
+               skip_hf: bool = False, device: str = "cpu", attention: str = "auto", longest: int | None = None,
+               eager: bool = True, step_log: str | None = None, decode_steps: tuple[int, ...] = (1,)
+               ) -> Iterator[dict]:
+    """The RL-workload records (``benchmarks.rollout_rl``) of a random-weight model of ``model_name``, one per value
+    of ``decode_steps`` as each is measured: the first in full, the others the engine's run only (no ``generate``,
+    no eager run), so that a run cut at its time limit keeps the first."""
     torch.set_num_threads(threads or os.cpu_count() or 1)
     with tempfile.TemporaryDirectory() as d:
         model = build(model_name, device, getattr(torch, dtype), None if skip_hf else d)
-        return measure_rl(model, None if skip_hf else d, model_name, prompts_n, samples, dtype=getattr(torch, dtype),
-                          device=device, attention=attention, longest=longest, eager=eager, step_log=step_log)
+        for i, k in enumerate(decode_steps):
+            yield measure_rl(model, None if skip_hf or i else d, model_name, prompts_n, samples,
+                             dtype=getattr(torch, dtype), device=device, attention=attention, longest=longest,
+                             eager=eager and not i, step_log=step_log, decode_steps=k)
 
 
 def engines_record(model_name: str, prompts_n: int, samples: int, *, dtype: str = "float32",
@@ -276,6 +281,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--json", action="store_true", help="print only the JSON record")
     ap.add_argument("--attention", choices=["auto", "torch", "flex", "paged", "triton"], default="auto",
                     help="the native engine's attention over the paged KV cache (auto: the CPU kernel on a CPU)")
+    ap.add_argument("--decode-steps", type=int, nargs="+", default=[1], metavar="K",
+                    help="RL workload: the engine's decode forwards per host read, one record per value (the first "
+                         "in full; the others time the engine only)")
     ap.add_argument("--engine", choices=["native", "both"], default="native",
                     help="both: the RL workload on the native engine and on vLLM side by side (no HF generate)")
     a = ap.parse_args(argv)
@@ -289,17 +297,20 @@ def main(argv: list[str] | None = None) -> None:
                   "sequences identical")
         print(json.dumps(rec))
         return
+    if a.decode_steps != [1] and a.workload != "rl":
+        ap.error("--decode-steps is measured on the RL workload: add --workload rl")
     if a.workload == "rl":
-        rec = rl_record(a.model, a.prompts, a.samples, dtype=a.dtype, threads=a.threads, skip_hf=a.skip_hf,
-                        device=a.device, attention=a.attention, longest=a.output_len, eager=a.eager,
-                        step_log=a.step_log)
-        body, tail = rec["parts"]["body"], rec["parts"]["tail"]
-        if not a.json:
-            print(f"RL workload, {a.model} model ({rec['params']:,} parameters): engine {rec['engine_tok_s']} tok/s, "
-                  f"HF generate {rec['hf_generate_tok_s']} tok/s, speedup {rec['speedup']}; KV capacity "
-                  f"{rec['kv_capacity_ratio']}x a slot cache; {rec['roofline_fraction']:.0%} of the read roofline "
-                  f"(body {body.get('roofline_fraction')}, tail {tail.get('roofline_fraction')})")
-        print(json.dumps(rec))
+        for rec in rl_records(a.model, a.prompts, a.samples, dtype=a.dtype, threads=a.threads, skip_hf=a.skip_hf,
+                              device=a.device, attention=a.attention, longest=a.output_len, eager=a.eager,
+                              step_log=a.step_log, decode_steps=tuple(a.decode_steps)):
+            body, tail = rec["parts"]["body"], rec["parts"]["tail"]
+            if not a.json:
+                print(f"RL workload, {a.model} model ({rec['params']:,} parameters), {rec['decode_steps']} decode "
+                      f"step(s) a read: engine {rec['engine_tok_s']} tok/s, HF generate {rec['hf_generate_tok_s']} "
+                      f"tok/s, speedup {rec['speedup']}; KV capacity {rec['kv_capacity_ratio']}x a slot cache; "
+                      f"{rec['roofline_fraction']:.0%} of the read roofline (body {body.get('roofline_fraction')}, "
+                      f"tail {tail.get('roofline_fraction')})")
+            print(json.dumps(rec), flush=True)
         return
     plen, olen = DEFAULT_LENGTHS[a.model]
     rec = measure(a.model, a.prompts, a.samples, a.prompt_len or plen, a.output_len or olen, dtype=a.dtype,

@@ -61,12 +61,12 @@ def draw_workload(n_prompts: int, samples: int, prompt_range: tuple[int, int], m
 
 
 def run_engine_rl(model: CausalLM, prompts, lengths, kv_bytes: int, max_seq_len: int, cuda_graphs: bool = True,
-                  attention: str = "auto") -> tuple[TimedRun, InferenceEngine, dict]:
+                  attention: str = "auto", decode_steps: int = 1) -> tuple[TimedRun, InferenceEngine, dict]:
     """The engine's timed run of the workload (outputs in prompt-major order, ``benchmarks.engine_steps``), the
     engine, and its counters' growth over the run."""
     engine = InferenceEngine(model, eos_id=1, pad_id=0, max_seq_len=max_seq_len, kv_cache_bytes=kv_bytes,
                              max_num_seqs=sum(map(len, lengths)), cuda_graphs=cuda_graphs,
-                             kv_memory_fraction=KV_MEMORY_FRACTION, attention=attention)
+                             kv_memory_fraction=KV_MEMORY_FRACTION, attention=attention, decode_steps=decode_steps)
     reqs = [(p, SamplingParams(0.0, n, ignore_eos=True)) for p, ns in zip(prompts, lengths, strict=True) for n in ns]
     mode = "graphs" if cuda_graphs and next(model.parameters()).is_cuda else "eager"
     say("rollout", f"engine up ({attention} attention, {mode}, KV {engine.kv_cache_bytes / 2**30:.1f} GiB)")
@@ -147,11 +147,12 @@ def kv_capacity(cfg, dtype: torch.dtype, prompts, lengths, kv_bytes: int) -> tup
 
 def measure_rl(model: CausalLM, model_dir: str | None, name: str, prompts_n: int, samples: int, *,
                dtype: torch.dtype, device: str, seed: int = 0, attention: str = "auto", longest: int | None = None,
-               eager: bool = True, step_log: str | None = None) -> dict:
+               eager: bool = True, step_log: str | None = None, decode_steps: int = 1) -> dict:
     """The RL-workload record for ``model`` (already on ``device``), saved in ``model_dir`` for ``generate`` (None:
     no ``generate``); ``attention``: the native engine's attention backend (auto, torch, flex, paged or triton; the
     record names the one run); ``longest``: the longest output (default: the model's in ``RL_LENGTHS``); ``eager``:
-    on a GPU also time the engine without CUDA graphs; ``step_log``: a file to append each step to."""
+    on a GPU also time the engine without CUDA graphs; ``step_log``: a file to append each step to;
+    ``decode_steps``: the engine's forwards per host read (multi-step decoding)."""
     lo, hi, default_longest = RL_LENGTHS[name]
     longest = longest or default_longest
     cfg = model.config
@@ -162,19 +163,21 @@ def measure_rl(model: CausalLM, model_dir: str | None, name: str, prompts_n: int
     # (on a GPU capped at a fraction of its free memory: the capacities below compare equal bytes either way)
     kv_bytes = bytes_per_slot(cfg, max_seq, dtype) * prompts_n * samples
     graphs = device == "cuda"
-    run, engine, stats = run_engine_rl(model, prompts, lengths, kv_bytes, max_seq, attention=attention)
+    run, engine, stats = run_engine_rl(model, prompts, lengths, kv_bytes, max_seq, attention=attention,
+                                       decode_steps=decode_steps)
     dev = torch.device(device)
     read_bps = read_bandwidth(dev)
     figures = run_record(engine, run, read_bps, device_name(dev), graphs)
     if step_log:
-        write_step_log(step_log, run.steps, workload="rl", model=name, attention=engine.attention)
+        write_step_log(step_log, run.steps, workload="rl", model=name, attention=engine.attention,
+                       decode_steps=decode_steps)
     kv_bytes, backend = engine.kv_cache_bytes, engine.attention
     del engine  # its KV pool and graphs go back before the eager engine takes its own
     if device == "cuda":
         torch.cuda.empty_cache()
     paged, slots = kv_capacity(cfg, dtype, prompts, lengths, kv_bytes)
-    eager_s = run_engine_rl(model, prompts, lengths, kv_bytes, max_seq, cuda_graphs=False,
-                            attention=attention)[0].seconds if graphs and eager else None
+    eager_s = run_engine_rl(model, prompts, lengths, kv_bytes, max_seq, cuda_graphs=False, attention=attention,
+                            decode_steps=decode_steps)[0].seconds if graphs and eager else None
     hf_s, same = None, None
     if model_dir is not None:
         hf_s, hf_out = run_hf_rl(model_dir, dtype, prompts, lengths, device)
@@ -200,6 +203,8 @@ def measure_rl(model: CausalLM, model_dir: str | None, name: str, prompts_n: int
         "kv_capacity_ratio": round(paged / max(slots, 1), 2),
         "prefix_hit_rate": round(stats["prefix_hit_tokens"] / looked, 3) if looked else 0.0,
         "attention": backend,
+        "decode_steps": decode_steps,
+        "host_reads": stats["host_reads"],
         "dtype": str(dtype).removeprefix("torch."),
         "device": device,
         "threads": torch.get_num_threads(),

@@ -338,7 +338,7 @@ def resolve(cfg: Config, arch: ModelConfig | ModelDescription, model_dir: str, c
                             ipc_views=capabilities_of(kind).ipc_views and device == "cuda",
                             # which families vLLM serves, and updates in place, changes with its releases: each
                             # replica measures its own as it starts (engines.inference.replica_check)
-                            self_check=kind == "vllm", record_routes=replay)
+                            self_check=kind == "vllm", record_routes=replay, decode_steps=r.decode_steps)
     c = cfg.cluster
     return RunSettings(
         cluster=ClusterSettings(parallel=parallel_dims(cfg),

@@ -76,7 +76,8 @@ def test_native_replica_starts_empty_and_its_seed_is_the_settings(saved, tokeniz
     prompts = [tokenizer.encode(t) for t in PROMPTS]
     unseeded = SamplingParams(1.0, 12, ignore_eos=True)
     first = [c.token_ids for c in engine.generate(prompts, unseeded)]
-    again = build_engine(settings(d, seed=5), load_checkpoint=True)
+    again = build_engine(settings(d, seed=5, decode_steps=4), load_checkpoint=True)  # multi-step: the same tokens
+    assert again.decode_steps == 4
     other = build_engine(settings(d, seed=6), load_checkpoint=True)
     assert [c.token_ids for c in again.generate(prompts, unseeded)] == first
     assert [c.token_ids for c in other.generate(prompts, unseeded)] != first

@@ -474,18 +474,21 @@ def test_rollout_benchmark_runs_both_generators():
 
 
 def test_rl_workload_benchmark_generates_the_same_tokens_as_generate():
-    from benchmarks.rollout import rl_record
+    from benchmarks.rollout import rl_records
     from benchmarks.rollout_rl import draw_workload
 
     prompts, lengths = draw_workload(40, 8, (16, 48), 64, 512)
     flat = sorted(n for ns in lengths for n in ns)
     assert {len(p) for p in prompts} != {16} and flat[len(flat) // 2] < 16 and flat[-1] > 40  # a long tail
-    rec = rl_record("demo", 3, 4)
+    rec, ahead = rl_records("demo", 3, 4, decode_steps=(1, 4))
     assert rec["same_tokens"] == 1.0 and rec["sequences"] == 12
     assert rec["speedup"] == pytest.approx(rec["engine_tok_s"] / rec["hf_generate_tok_s"], rel=1e-2)
     # the K samples share each prompt's prefill: 3 of every 4 samples' prompt tokens are hits
     assert rec["prefix_hit_rate"] >= 0.74 and rec["kv_capacity_ratio"] > 1
-    assert 0 < rec["roofline_fraction"] and rec["engine_steps"] > 0
+    assert 0 < rec["roofline_fraction"] and rec["engine_steps"] == rec["host_reads"] > 0
+    # multi-step: the same workload with up to 4 forwards a read (the peer and the eager run are the first's)
+    assert ahead["decode_steps"] == 4 and ahead["tokens"] == rec["tokens"] and ahead["hf_generate_tok_s"] is None
+    assert ahead["host_reads"] < ahead["engine_steps"] / 2
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

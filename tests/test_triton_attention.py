@@ -299,8 +299,9 @@ def test_the_run_config_takes_triton_on_gpu_workers_only():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_graphs_of_an_engine_on_triton_are_captured_at_start_and_replay_the_eager_tokens():
     """Every capture size (1, 2, 4, 8, 12) captured at the table's full width as the engine starts, none while it
-    decodes, sleeps and decodes again (the arenas keep every address), and the tokens of the engine without graphs
-    (CPU proofs of the same: tests/test_decode_graphs.py)."""
+    decodes, sleeps and decodes again (the arenas keep every address), and the tokens of the engine without graphs,
+    also decoding several steps a read (CPU proofs of the same: tests/test_decode_graphs.py,
+    tests/test_multistep_decode.py)."""
     torch.manual_seed(0)
     model = build_model(make_config("llama", vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64),
@@ -326,3 +327,8 @@ def test_cuda_graphs_of_an_engine_on_triton_are_captured_at_start_and_replay_the
         assert eng.stats()["cuda_graph_captures"] == 5 and eng.stats()["cuda_graphs_fallback"] == 0
         eng.sleep(1)
         eng.wake_up()
+    # multi-step decoding replays the graphs back to back, one read for up to 4 of them: the same tokens again
+    ahead = run(decode_steps=4)
+    got = ahead.generate(prompts, params)
+    assert [c.token_ids for c in got] == [c.token_ids for c in want]
+    assert ahead.stats()["host_reads"] < ahead.stats()["steps"] and ahead.stats()["cuda_graphs_fallback"] == 0

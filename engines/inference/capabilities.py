@@ -34,7 +34,8 @@ class EngineCapabilities:
     with images (``add_request(images=)``, a vision-language model's template ids);
     ``step_top_logprobs``: serves ``SamplingParams.top_logprobs``, the model's own alternatives (temperature 1, no
     filters) from the decode step that sampled each token (vLLM's step alternatives would be at the request's
-    temperature and filters: a server scores its tokens instead).
+    temperature and filters: a server scores its tokens instead); ``multi_step_decode``: runs several decode
+    forwards per host read (``decode_steps``; vLLM schedules its own steps).
     """
 
     kind: str
@@ -50,6 +51,7 @@ class EngineCapabilities:
     multimodal_inputs: bool = False
     routing_capture: bool = False
     step_top_logprobs: bool = False
+    multi_step_decode: bool = False
 
     def moe_unsupported(self, model_type: str, device: str) -> str | None:
         """Why a replica on ``device`` cannot serve the experts of a ``model_type`` model (None: it can, or the
@@ -60,7 +62,7 @@ class EngineCapabilities:
 NATIVE = EngineCapabilities(kind="native", tensor_parallel=False, fp8=True, lora_updates=("merged", "unmerged"),
                             lora_tensor_parallel=False, sleep_levels=(1, 2), cpu_moe_unsupported=(),
                             prompt_logprobs=True, cuda_graphs=True, ipc_views=False, step_top_logprobs=True,
-                            routing_capture=True)
+                            routing_capture=True, multi_step_decode=True)
 # vLLM's CPU build runs no non-gated experts (engines.inference.vllm_setup); a LoRA run's merged weights reach one
 # rank of its replica, so LoRA runs on vLLM stay on one device
 VLLM = EngineCapabilities(kind="vllm", tensor_parallel=True, fp8=False, lora_updates=("merged",),

@@ -82,23 +82,26 @@ class ModelRunner:
 
     def execute(self, plan: StepPlan) -> StepOutput | None:
         """Run ``plan``: its moves and copies, then (if it computes anything) the forward and the sampling."""
-        cache = self.cache()
-        for src, dst in plan.moves:
-            self._move(src, dst)
-        cache.copy_blocks(plan.copies)
-        if self.routes is not None:  # a block copied before it is written keeps the routes of what it holds
-            bs = self.block_size
-            for src, dst in plan.copies:
-                self.routes[dst * bs:(dst + 1) * bs] = self.routes[src * bs:(src + 1) * bs]
+        self._prepare(plan)
         if not plan.computes:
             return None
         n = plan.decode
-        self._sync_tables(n, plan.tables)
         logits = self._forward(plan)
         if plan.starts:  # prefills that reached their last token: their rows sample from their last chunk's logits
             self._set_rows(plan.starts)
             logits = logits[upload([*range(n), *(n + s.chunk for s in plan.starts)], self.device)]
         return self._sample(plan, logits[: len(plan.sampled)])
+
+    def execute_ahead(self, plan: StepPlan, steps: int) -> list[StepOutput]:
+        """Run decode-only ``plan`` and ``steps`` - 1 more decode steps of the same rows back to back, each fed
+        the tokens the one before sampled on the device, with one read of the device for all of them (multi-step
+        decoding: the host plans and records once per ``steps``). The scheduler reserved every row's blocks for
+        them; a row that stops early computes on into its own blocks, and what it samples then is not recorded."""
+        assert plan.decode and not plan.chunks and not plan.starts
+        self._prepare(plan)
+        drawn = [self._draw(plan, self._forward(plan, width=plan.width + i)) for i in range(steps)]
+        host = torch.stack([flat for flat, _ in drawn]).tolist()  # the one host transfer of the steps
+        return [self._unpack(h, plan, shape) for h, (_, shape) in zip(host, drawn, strict=True)]
 
     def decode_logits(self, rows: int, width: int) -> torch.Tensor:
         """Next-token logits [rows, V] of rows 0..rows-1 from their last token, writing its key/value into the
@@ -164,6 +167,18 @@ class ModelRunner:
 
     # --- internals ------------------------------------------------------------------------
 
+    def _prepare(self, plan: StepPlan) -> None:
+        """The plan's row moves and block copies, in order, and the decoding rows' new block tables."""
+        cache = self.cache()
+        for src, dst in plan.moves:
+            self._move(src, dst)
+        cache.copy_blocks(plan.copies)
+        if self.routes is not None:  # a block copied before it is written keeps the routes of what it holds
+            bs = self.block_size
+            for src, dst in plan.copies:
+                self.routes[dst * bs:(dst + 1) * bs] = self.routes[src * bs:(src + 1) * bs]
+        self._sync_tables(plan.decode, plan.tables)
+
     def _sync_tables(self, n: int, tables: dict[int, list[int]]) -> None:
         """Bring the device block table of rows 0..n-1 up to date with the plan's new tables."""
         for row, blocks in tables.items():
@@ -171,13 +186,15 @@ class ModelRunner:
         if n:
             self.block_table[:n].copy_(self._tables_host[:n], non_blocking=True)
 
-    def _forward(self, plan: StepPlan) -> torch.Tensor:
-        """Logits of the decode rows, then of the last token of each prefill chunk."""
+    def _forward(self, plan: StepPlan, width: int | None = None) -> torch.Tensor:
+        """Logits of the decode rows, then of the last token of each prefill chunk (decode rows only: over
+        ``width`` positions, the plan's by default)."""
         n = plan.decode
         if not plan.chunks:
+            width = plan.width if width is None else width
             if self.graphs is not None and self.graphs.failed is None:
-                return self.graphs.logits(n, plan.width)
-            return self.decode_logits(n, plan.width)
+                return self.graphs.logits(n, width)
+            return self.decode_logits(n, width)
         bs, dev = self.block_size, self.device
         ids, positions, write, last, q_index, q_pos, tables = [], [], [], [], [], [], []
         offset = n
@@ -230,9 +247,17 @@ class ModelRunner:
         self.rows.top_p.index_copy_(0, idx, f[:, 1])
 
     def _sample(self, plan: StepPlan, logits: torch.Tensor) -> StepOutput:
-        """The next token of every sampled row from ``logits``; the decode rows wrote their last token's
-        key/value this step, so their positions advance. Where a graph replayed the step and no row filters its
-        draw, the graph's own draw is taken: the tokens and log-probs ``sample`` gives, already computed."""
+        """The next token of every sampled row from ``logits`` (``_draw``), read back in the step's one host
+        transfer."""
+        flat, shape = self._draw(plan, logits)
+        return self._unpack(flat.tolist(), plan, shape)
+
+    def _draw(self, plan: StepPlan, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Size | None]:
+        """The next token of every sampled row from ``logits``, on the device: tokens, log-probs, finished flags
+        (and the alternatives asked for, whose [m, k] shape comes second) as one float64 tensor. The decode rows
+        wrote their last token's key/value this step, so their positions advance. Where a graph replayed the step
+        and no row filters its draw, the graph's own draw is taken: the tokens and log-probs ``sample`` gives,
+        already computed."""
         reqs = plan.sampled
         sl = slice(0, len(reqs))
         # asked first, every step: the replay's draw is handed over once and must not outlive its step
@@ -253,14 +278,18 @@ class ModelRunner:
         self.pos[: plan.decode] += 1
         done = (torch.isin(tok, self._eos) & self.eos_stop[sl]) | (self.stop_ids[sl] == tok[:, None]).any(1)
         done |= gen + 1 >= self.max_gen[sl]
-        # the one host transfer of the step: tokens, logprobs, finished flags and the alternatives together
+        # read in one host transfer: tokens, logprobs, finished flags and the alternatives together
         flat = torch.stack((tok.double(), lp.double(), done.double())).flatten()
-        if tops is not None:
-            flat = torch.cat((flat, tops[0].double().flatten(), tops[1].double().flatten()))
-        host = flat.tolist()
-        n = len(reqs)
+        if tops is None:
+            return flat, None
+        return torch.cat((flat, tops[0].double().flatten(), tops[1].double().flatten())), tops[0].shape
+
+    def _unpack(self, host: list[float], plan: StepPlan, shape: torch.Size | None) -> StepOutput:
+        """The ``StepOutput`` of one step's ``_draw``, read back."""
+        n = len(plan.sampled)
         toks, lps, dones = host[:n], host[n: 2 * n], host[2 * n: 3 * n]
-        out_tops = None if tops is None else _unpack_tops(host[3 * n:], want, tops[0].shape)
+        want = [r.params.top_logprobs for r in plan.sampled]
+        out_tops = None if shape is None else _unpack_tops(host[3 * n:], want, shape)
         return StepOutput([int(t) for t in toks], lps, [bool(d) for d in dones], out_tops)
 
     def _move(self, src: int, dst: int) -> None:

@@ -76,7 +76,10 @@ class InferenceEngine(RolloutEngine):
     engine's from then on, inference only). ``cuda_graphs``: decode steps replay CUDA graphs where the device
     allows (``engines.inference.cuda_graphs``); ``capture_graphs_at_start``: capture them all as the engine starts,
     so none is captured while it decodes (None: wherever they are keyed by batch size alone, as with "triton";
-    False: each at first use).
+    False: each at first use). ``decode_steps``: a step that only decodes runs up to this many forwards back to
+    back, each sampling on the device from the one before, and the host reads their tokens once (multi-step
+    decoding: the host's planning and recording no longer sit between a GPU's steps; a row that stops early
+    wastes the rest, and new requests wait for the read). Tokens are the same as one step at a time.
     """
 
     kind = "native"
@@ -89,7 +92,7 @@ class InferenceEngine(RolloutEngine):
                  detokenize: Callable[[list[int]], str] | None = None, cuda_graphs: bool = True,
                  attention: str | None = None, kv_memory_fraction: float | None = None,
                  onednn_linear: bool = True, capture_graphs_at_start: bool | None = None,
-                 record_routes: bool = False) -> None:
+                 record_routes: bool = False, decode_steps: int = 1) -> None:
         self.model = model.eval().requires_grad_(False)
         cfg = model.config
         # a model may end a turn with any of several tokens (Llama 3: <|eot_id|> and <|end_of_text|>)
@@ -121,6 +124,9 @@ class InferenceEngine(RolloutEngine):
         # a graph's padding rows write their keys somewhere: into the last block, which no sequence gets
         self.scratch_block = self.num_blocks - 1 if use_graphs else None
         self.max_num_seqs = max_num_seqs
+        if decode_steps < 1:
+            raise ValueError(f"decode_steps must be at least 1, got {decode_steps}")
+        self.decode_steps = decode_steps
         self.max_batch_tokens = max(max_batch_tokens, max_num_seqs + 1)  # room for every decode row and a chunk
         self.detokenize = detokenize
         self._seed = seed
@@ -134,6 +140,7 @@ class InferenceEngine(RolloutEngine):
         self.memory = EngineMemory(self.named_tensors(), self.kv_cache_bytes, self.device)
         self.generated = 0  # tokens sampled over the engine's life
         self.steps = 0  # forwards run over the engine's life
+        self.reads = 0  # host reads of sampled tokens (one per step, one per multi-step run of forwards)
         self.peak_blocks = 0  # most KV blocks held at once (callers may reset it)
         self.runner = ModelRunner(model, self.memory, self.eos_ids, attention=self.attention,
                                   block_size=self.block_size, max_blocks=self.max_blocks, num_blocks=self.num_blocks,
@@ -200,14 +207,20 @@ class InferenceEngine(RolloutEngine):
 
     def step(self) -> list[Completion]:
         """One forward: a token for every decoding request, the next chunk of prefills; returns the
-        requests that finished."""
+        requests that finished. With ``decode_steps`` > 1, a step of decoding rows only runs up to that many
+        forwards back to back (``_steps_ahead`` says how many)."""
         self._check_awake()
         plan = self.sched.schedule()
+        ahead = self._steps_ahead(plan)
         self.peak_blocks = max(self.peak_blocks, self.sched.alloc.used())
+        if ahead > 1:
+            self.reads += 1
+            return self._record_ahead(plan, self.runner.execute_ahead(plan, ahead))
         out = self.runner.execute(plan)
         if out is None:
             return []
         self.steps += 1
+        self.reads += 1
         return self._record(plan, out)
 
     def pause(self) -> list[Completion]:
@@ -248,14 +261,15 @@ class InferenceEngine(RolloutEngine):
         return g.capture_all()
 
     def stats(self) -> dict[str, float]:
-        """Counters: prompt tokens found in the prefix cache and computed, blocks, preemptions, tokens, steps,
-        CUDA graphs captured and whether their capture failed (1: decoding eagerly instead)."""
+        """Counters: prompt tokens found in the prefix cache and computed, blocks, preemptions, tokens, steps
+        (forwards) and the host reads of their tokens, CUDA graphs captured and whether their capture failed (1:
+        decoding eagerly instead)."""
         a, g = self.sched.alloc, self.runner.graphs
         looked = a.hits + a.misses
         return {"prefix_hit_tokens": a.hits, "prefix_miss_tokens": a.misses,
                 "prefix_hit_rate": a.hits / looked if looked else 0.0, "kv_blocks": a.num_blocks,
                 "kv_blocks_used": a.used(), "kv_blocks_peak": self.peak_blocks, "preemptions": self.sched.preemptions,
-                "generated_tokens": self.generated, "steps": self.steps,
+                "generated_tokens": self.generated, "steps": self.steps, "host_reads": self.reads,
                 "cuda_graph_captures": g.captures if g is not None else 0,
                 "cuda_graphs_fallback": int(g is not None and g.failed is not None)}
 
@@ -405,18 +419,55 @@ class InferenceEngine(RolloutEngine):
             if c.last:
                 self.sched.place(c.request)
         finished = []
-        for i, (r, t, lp, d) in enumerate(zip(plan.sampled, out.tokens, out.logprobs, out.done, strict=True)):
+        for i, r in enumerate(plan.sampled):
             if i < plan.decode:
                 self.sched.written(r, r.context_len)  # the previous token's key/value went in this step
-            r.tokens.append(t)
-            r.logprobs.append(lp)
-            if r.top_logprobs is not None:
-                r.top_logprobs.append(out.top_logprobs[i])
-            if d or (r.matcher is not None and _grammar_done(r.matcher, t)) or \
-                    (r.params.stop and self._stop_string(r) is not None):
+            if self._append(r, out, i):
                 finished.append(i)
         self.generated += len(plan.sampled)
         return self._release(finished)
+
+    def _steps_ahead(self, plan: StepPlan) -> int:
+        """How many decode steps ``plan`` runs before the host reads them: 1 unless ``decode_steps`` > 1 and the
+        plan decodes only, no row follows a grammar (its mask needs each token on the host) and every row may take
+        that many more tokens (its budget, which keeps it within ``max_seq_len``); then as many as the rows' blocks
+        can be reserved for, without preempting anyone."""
+        if self.decode_steps == 1 or plan.chunks or plan.starts or not plan.decode:
+            return 1
+        room = min(r.params.max_tokens - len(r.tokens) for r in plan.sampled)
+        if room < 2 or any(r.matcher is not None for r in plan.sampled):
+            return 1
+        return self.sched.reserve_ahead(plan, min(self.decode_steps, room))
+
+    def _record_ahead(self, plan: StepPlan, outs: list[StepOutput]) -> list[Completion]:
+        """``_record`` of the steps of one ``execute_ahead``, in order: a request that finished in one records
+        nothing of the later ones (what its row computed on is dropped)."""
+        completions, live = [], list(range(len(plan.sampled)))
+        for out in outs:
+            finished = []
+            for i in live:
+                r = plan.sampled[i]
+                self.sched.written(r, r.context_len)
+                if self._append(r, out, i):
+                    finished.append(i)
+            self.steps += 1
+            self.generated += len(live)
+            if finished:
+                live = [i for i in live if i not in finished]
+                row = {id(r): j for j, r in enumerate(self.sched.running)}  # releases moved rows: look them up
+                completions += self._release([row[id(plan.sampled[i])] for i in finished])
+        return completions
+
+    def _append(self, r: Request, out: StepOutput, i: int) -> bool:
+        """Give ``r`` its token of ``out`` (row ``i``'s); True when it finished with it (EOS, a stop token, its
+        budget, its grammar's end or a stop string)."""
+        t = out.tokens[i]
+        r.tokens.append(t)
+        r.logprobs.append(out.logprobs[i])
+        if r.top_logprobs is not None:
+            r.top_logprobs.append(out.top_logprobs[i])
+        return out.done[i] or (r.matcher is not None and _grammar_done(r.matcher, t)) or \
+            bool(r.params.stop and self._stop_string(r) is not None)
 
     def _routes(self, r: Request | None) -> np.ndarray | None:
         """The experts each position of ``r`` the model has read took (its blocks' routes), before they are freed;

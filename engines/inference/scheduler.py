@@ -131,6 +131,21 @@ class Scheduler:
             budget -= self._chunk(plan, self.prefilling[-1], budget)
         return self._finish(plan, dirty)
 
+    def reserve_ahead(self, plan: StepPlan, steps: int) -> int:
+        """Reserve blocks for ``steps`` decode steps of decode-only ``plan``'s rows (the first is reserved already),
+        preempting no one; returns ``steps``, or 1 where some row's blocks cannot be had (the rows served before
+        keep theirs, for the steps to come). New block tables and copies go into the plan."""
+        for row, r in enumerate(self.running):
+            before = len(r.seq.blocks)
+            try:
+                plan.copies += self.alloc.reserve(r.seq, r.seq.computed + steps)
+            except OutOfBlocks:
+                return 1
+            finally:
+                if len(r.seq.blocks) != before:
+                    plan.tables[row] = r.seq.blocks
+        return steps
+
     def _finish(self, plan: StepPlan, dirty: set[int]) -> StepPlan:
         """Fill in what the runner reads besides the chunks: moves, tables, width, the rows that start."""
         n = plan.decode

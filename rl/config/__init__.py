@@ -242,8 +242,14 @@ class RolloutConfig(Strict):
         "auto", description="paged attention of the native inference engines: torch gathers each sequence's "
                             "blocks; flex runs flex_attention through block masks (compiled on a GPU); paged (CPU) "
                             "decodes through a C++ kernel that reads the blocks in place, built on first use; triton "
-                            "(GPU, opt-in, not yet measured on one) decodes through a Triton kernel that reads them "
-                            "in place; auto: paged on CPU where the kernel builds, torch on a GPU")
+                            "(GPU, opt-in, not yet measured on one) runs decode rows and prompt chunks through "
+                            "Triton kernels that read them in place; auto: paged on CPU where the kernel builds, "
+                            "torch on a GPU")
+    decode_steps: int = Field(
+        1, ge=1, description="native engines: decode forwards per host read (multi-step decoding; the tokens are "
+                             "those of one step at a time). Above 1 the host's planning and recording no longer sit "
+                             "between a GPU's steps; a sequence that ends early wastes the rest of its read, and new "
+                             "ones wait for it. vLLM schedules its own steps")
     max_seq_len: int | None = Field(
         None, ge=2, description="tokens per sequence (prompt + response) the KV cache is sized for; None = the "
                                 "run's longest prompt + largest max_tokens (the model's context when prompts are "

@@ -35,6 +35,10 @@ def check_engine(cfg: Config, kind: str, why: str, *, backend: str | None = None
                             "device)")
         raise UserError(f"rollout.tensor_parallel_size={tp} needs vLLM, and rollout.engine resolved to {kind} "
                         f"({why}); set rollout.engine: vllm and install vLLM")
+    if r.decode_steps > 1 and not caps.multi_step_decode:
+        raise UserError(f"rollout.decode_steps={r.decode_steps} is the native engine's multi-step decoding, and "
+                        f"rollout.engine resolved to {kind} ({why}), which schedules its own steps: leave it at 1 "
+                        "or set rollout.engine: native")
     if backend is None:
         return
     if r.fp8 and not caps.fp8:
