@@ -3,6 +3,7 @@ attention backend, against the step's read roofline. No prompts and no scheduler
 pool of random keys and values, random weights.
 
     python -m benchmarks.decode_sweep --device cuda --dtype bfloat16 --json    # 0.6 B and 8 B, torch and triton
+    python -m benchmarks.decode_sweep --device cuda --dtype bfloat16 --compile qwen3-0.6b --json  # then compiled
     python -m benchmarks.decode_sweep --models demo --batches 1 2 4 --context 32 --json   # the same on a CPU
 
 Every row of a batch decodes the token at position ``context - 1``: it writes that token's key and value and
@@ -96,8 +97,10 @@ def synthetic_rows(engine: InferenceEngine, context: int, seed: int = 0) -> None
 
 
 def sweep_model(name: str, device: torch.device, dtype: torch.dtype, backends: list[str], batches: list[int],
-                context: int, read_bps: float, tries: int = 3):
-    """The sweep's records for one model: one per (backend, batch), yielded as each is measured."""
+                context: int, read_bps: float, tries: int = 3, compiled: bool = False):
+    """The sweep's records for one model: one per (backend, batch), yielded as each is measured; ``compiled``: the
+    model's decoder layers compiled around the attention (``rollout.compile``), each batch's first step compiling
+    what it needs outside the timing."""
     cfg = ROLLOUT_MODELS[name]
     if context > cfg.max_position_embeddings:
         raise SystemExit(f"--context {context} exceeds the {name} model's context of {cfg.max_position_embeddings}")
@@ -105,14 +108,15 @@ def sweep_model(name: str, device: torch.device, dtype: torch.dtype, backends: l
     model = build_model(cfg, device, dtype, init=True)
     rows_max = fitting_rows(cfg, dtype, context, batches, device)
     base = {"benchmark": "decode_sweep", "model": name, "params": sum(p.numel() for p in model.parameters()),
-            "context": context, "dtype": str(dtype).removeprefix("torch."), "device": device_name(device)}
+            "context": context, "dtype": str(dtype).removeprefix("torch."), "device": device_name(device),
+            "compiled": compiled}
     blocks = -(-context // BLOCK_SIZE)
     per_block = BLOCK_SIZE * bytes_per_token(cfg, dtype)
     # one engine for every backend: torch, triton and paged read the same 16-token blocks, so they share one copy
     # of the weights and one pool (an 8 B model's pool takes most of a GPU); flex's 128-token blocks are not swept
     engine = InferenceEngine(model, eos_id=None, max_seq_len=context, max_num_seqs=max(rows_max, 1),
                              kv_cache_bytes=per_block * (max(rows_max, 1) * blocks + 1), block_size=BLOCK_SIZE,
-                             cuda_graphs=False, attention="torch")
+                             cuda_graphs=False, attention="torch", compiled=compiled)
     say("decode_sweep", f"{name} up on {device}: {rows_max} rows of {context} tokens at most")
     synthetic_rows(engine, context)
     weights, per_token = weight_read_bytes(model), bytes_per_token(cfg, dtype)
@@ -150,17 +154,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--tries", type=int, default=3, help="timings per point, the best kept")
+    ap.add_argument("--compile", nargs="*", default=[], choices=sorted(ROLLOUT_MODELS), metavar="MODEL",
+                    help="after the sweep, these models again with compiled decoder layers (rollout.compile), on the "
+                         "last backend")
     ap.add_argument("--json", action="store_true", help="only the JSON lines")
     a = ap.parse_args(argv)
     device, dtype = torch.device(a.device), getattr(torch, a.dtype)
     read_bps = read_bandwidth(device)
     say("decode_sweep", f"read bandwidth {read_bps / 1e9:.1f} GB/s")
+    runs = [(name, a.backends, False) for name in a.models] + [(name, a.backends[-1:], True) for name in a.compile]
     with torch.no_grad():
-        for name in a.models:
-            for rec in sweep_model(name, device, dtype, a.backends, a.batches, a.context, read_bps, a.tries):
+        for name, backends, compiled in runs:
+            for rec in sweep_model(name, device, dtype, backends, a.batches, a.context, read_bps, a.tries, compiled):
                 print(json.dumps(rec), flush=True)
                 if not a.json and "skipped" not in rec:
-                    print(f"{name:11s} {rec['backend']:7s} batch {rec['batch']:4d}: {rec['step_s'] * 1e3:9.3f} ms, "
+                    print(f"{name:11s} {rec['backend'] + '+c' * compiled:9s} batch {rec['batch']:4d}: "
+                          f"{rec['step_s'] * 1e3:9.3f} ms, "
                           f"{rec['tok_s']:10.1f} tok/s, "
                           f"{rec['roofline_fraction']:.1%} of the read roofline", file=sys.stderr)
     return 0

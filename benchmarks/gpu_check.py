@@ -101,7 +101,9 @@ def lease_plan(dry_run: bool) -> list[Step]:
                  "triton attention",
                  ["benchmarks.decode_sweep", *on, "--backends", "torch", "triton", "--json"]
                  + (["--models", "demo", "--batches", "1", "2", "4", "--context", "32", "--tries", "1"] if dry_run else
-                    ["--models", small, large, "--context", "1024"]), 100, call=1)
+                    ["--models", small, large, "--context", "1024"])
+                 # then the small shape's layers compiled (rollout.compile): last, so that a cut keeps the rest
+                 + ["--compile", small], 100, call=1)
 
     def rollout_rl(model: str, limit: int, call: int, decode_steps: tuple[str, ...] = ("1",)) -> Step:
         # the RL scale: 64 prompts x 8 samples, prompts 128..512, outputs long-tailed up to 2048 (benchmarks.rollout_rl)

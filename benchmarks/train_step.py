@@ -19,7 +19,7 @@ time, ``mfu_fwd_bwd`` by the forward and backward's alone (``fwd_bwd_s``, timed 
 events on a GPU), each against the matmul peak measured in the same run (a square GEMM in the compute dtype);
 beside them the optimizer step (``optimizer_s``) with the Newton–Schulz FLOPs of its Muon step (``ns_tflop``,
 ``engines.training.flops.muon_flops``) per second of it. ``--compile`` compiles each decoder layer
-(``engines.training.compile``; auto: on CUDA) and ``--dtype bfloat16`` runs FSDP2's mixed precision on one rank,
+(``engines.model.native.compile``; auto: on CUDA) and ``--dtype bfloat16`` runs FSDP2's mixed precision on one rank,
 the layers kept gathered from forward to backward unless ``--reshard-after-forward true``.
 Peak memory is the peak growth of live tensor memory during one step (on CPU from the profiler's
 allocation records, on CUDA ``max_memory_allocated``), measured in a separate step of each variant;
@@ -46,7 +46,7 @@ from engines.device import synchronize
 from engines.inference.sampling import token_logprobs
 from engines.model.native.arch import ModelConfig, make_config
 from engines.model.native.causal_lm import build_model, track_max_logits
-from engines.training.compile import compile_layers
+from engines.model.native.compile import compile_layers
 from engines.training.engine import TrainingEngine
 from engines.training.flops import model_flops, muon_flops
 from engines.training.optim import build_optimizers

@@ -338,7 +338,8 @@ def resolve(cfg: Config, arch: ModelConfig | ModelDescription, model_dir: str, c
                             ipc_views=capabilities_of(kind).ipc_views and device == "cuda",
                             # which families vLLM serves, and updates in place, changes with its releases: each
                             # replica measures its own as it starts (engines.inference.replica_check)
-                            self_check=kind == "vllm", record_routes=replay, decode_steps=r.decode_steps)
+                            self_check=kind == "vllm", record_routes=replay, decode_steps=r.decode_steps,
+                            compiled=r.compile)
     c = cfg.cluster
     return RunSettings(
         cluster=ClusterSettings(parallel=parallel_dims(cfg),
@@ -424,7 +425,7 @@ def check_expert_parallel(cfg: Config, arch: ModelConfig | ModelDescription, moe
 
 def trainer_compile(want: bool | str, device: str, backend: str, lora: bool,
                     choices: list[tuple[str, str, str]]) -> bool:
-    """``trainer.compile`` resolved (``engines.training.compile``): auto on GPU workers; only the native model's
+    """``trainer.compile`` resolved (``engines.model.native.compile``): auto on GPU workers; only the native model's
     layers, and not under LoRA (its adapter and quantized-base modules are not traced). A line in ``choices`` when
     auto decided or a request was refused."""
     why_not = "the transformers backend's layers run eagerly" if backend != "native" else \

@@ -15,9 +15,9 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from engines.model.native.causal_lm import CausalLM, track_max_logits
+from engines.model.native.compile import CACHE_ENV, compile_layers, is_compiled, use_compile_cache
 from engines.model.sharded import local_tensor
 from engines.training import timing
-from engines.training.compile import CACHE_ENV, compile_layers, is_compiled, use_compile_cache
 from engines.training.distributed import init_distributed, shard_model
 from engines.training.engine import TrainingEngine
 from engines.training.optim import build_optimizers

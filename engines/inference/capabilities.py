@@ -35,7 +35,8 @@ class EngineCapabilities:
     ``step_top_logprobs``: serves ``SamplingParams.top_logprobs``, the model's own alternatives (temperature 1, no
     filters) from the decode step that sampled each token (vLLM's step alternatives would be at the request's
     temperature and filters: a server scores its tokens instead); ``multi_step_decode``: runs several decode
-    forwards per host read (``decode_steps``; vLLM schedules its own steps).
+    forwards per host read (``decode_steps``; vLLM schedules its own steps); ``compiled_layers``: the model's layers
+    compiled on request (``rollout.compile``; vLLM compiles its own).
     """
 
     kind: str
@@ -52,6 +53,7 @@ class EngineCapabilities:
     routing_capture: bool = False
     step_top_logprobs: bool = False
     multi_step_decode: bool = False
+    compiled_layers: bool = False
 
     def moe_unsupported(self, model_type: str, device: str) -> str | None:
         """Why a replica on ``device`` cannot serve the experts of a ``model_type`` model (None: it can, or the
@@ -62,7 +64,7 @@ class EngineCapabilities:
 NATIVE = EngineCapabilities(kind="native", tensor_parallel=False, fp8=True, lora_updates=("merged", "unmerged"),
                             lora_tensor_parallel=False, sleep_levels=(1, 2), cpu_moe_unsupported=(),
                             prompt_logprobs=True, cuda_graphs=True, ipc_views=False, step_top_logprobs=True,
-                            routing_capture=True, multi_step_decode=True)
+                            routing_capture=True, multi_step_decode=True, compiled_layers=True)
 # vLLM's CPU build runs no non-gated experts (engines.inference.vllm_setup); a LoRA run's merged weights reach one
 # rank of its replica, so LoRA runs on vLLM stay on one device
 VLLM = EngineCapabilities(kind="vllm", tensor_parallel=True, fp8=False, lora_updates=("merged",),

@@ -59,7 +59,8 @@ class EngineSettings:
     model, and on a CPU vLLM replica whose layers an update rebuilds, in-place updates reach them as the trainer's
     weights), and any failure of its start-up is one line naming the model (``ReplicaCheckError``).
     ``record_routes``: an MoE replica reports each token's experts with its completions (routing replay).
-    ``decode_steps``: the native engine's decode forwards per host read (multi-step decoding).
+    ``decode_steps``: the native engine's decode forwards per host read (multi-step decoding); ``compiled``: its
+    decoder layers compiled (``engines.model.native.compile``).
     ``adapter``: a PEFT LoRA adapter directory served on top of ``model_dir``'s weights (with ``load_checkpoint``):
     the native engine merges it into its weights (``merge_adapters``), vLLM applies it to every request (its LoRA).
     (A LoRA run's adapter updates, merged or as low-rank deltas, are what the replica's sink does with them:
@@ -86,6 +87,7 @@ class EngineSettings:
     adapter: str | None = None
     record_routes: bool = False
     decode_steps: int = 1
+    compiled: bool = False
 
     def __post_init__(self) -> None:
         problems = []
@@ -106,6 +108,9 @@ class EngineSettings:
         if self.decode_steps > 1 and caps is not None and not caps.multi_step_decode:
             problems.append(f"decode_steps {self.decode_steps}: the {self.kind} engine schedules its own steps "
                             "(multi-step decoding is the native engine's)")
+        if self.compiled and caps is not None and not caps.compiled_layers:
+            problems.append(f"compiled: the {self.kind} engine compiles its own model (compiled layers are the "
+                            "native engine's)")
         for name in ("max_num_seqs", "kv_cache_bytes", "max_batch_tokens", "tensor_parallel_size", "decode_steps"):
             if getattr(self, name) < 1:
                 problems.append(f"{name} must be at least 1, got {getattr(self, name)}")
@@ -181,7 +186,8 @@ def build_engine(settings: EngineSettings, *, load_checkpoint: bool = False) -> 
     engine = InferenceEngine(model, tok.eos_ids, tok.pad_id, max_num_seqs=s.max_num_seqs,
                              max_seq_len=s.max_seq_len, kv_cache_bytes=s.kv_cache_bytes,
                              max_batch_tokens=s.max_batch_tokens, seed=s.seed, detokenize=detokenize,
-                             attention=s.attention, record_routes=s.record_routes, decode_steps=s.decode_steps)
+                             attention=s.attention, record_routes=s.record_routes, decode_steps=s.decode_steps,
+                             compiled=s.compiled)
     if adapter is not None:  # W0 + (alpha/r)·B·A, as PEFT computes it; served for good, so no base copy is kept
         engine.merge_adapters(adapter.tensors, adapter.spec.scaling, keep_base=False)
     return engine

@@ -51,6 +51,7 @@ from engines.model.layout import byte_placements, hub_state, model_tensors, plac
 from engines.model.lora.adapters import AdapterMerger, adapter_pairs, merge_adapters_into
 from engines.model.lora.delta import LowRankDelta
 from engines.model.native.causal_lm import CausalLM
+from engines.model.native.compile import compile_layers
 
 __all__ = ["Completion", "InferenceEngine", "InvalidRequestError", "SamplingParams", "fit_kv_budget",
            "token_logprobs"]
@@ -80,6 +81,9 @@ class InferenceEngine(RolloutEngine):
     back, each sampling on the device from the one before, and the host reads their tokens once (multi-step
     decoding: the host's planning and recording no longer sit between a GPU's steps; a row that stops early
     wastes the rest, and new requests wait for the read). Tokens are the same as one step at a time.
+    ``compiled``: each decoder layer's forward compiled around the paged attention (``engines.model.native.compile``:
+    norms, RoPE, projections, SwiGLU fused; on a GPU what the graphs capture), compiled at the first forward of each
+    shape kind and cached on disk for later processes.
     """
 
     kind = "native"
@@ -92,7 +96,7 @@ class InferenceEngine(RolloutEngine):
                  detokenize: Callable[[list[int]], str] | None = None, cuda_graphs: bool = True,
                  attention: str | None = None, kv_memory_fraction: float | None = None,
                  onednn_linear: bool = True, capture_graphs_at_start: bool | None = None,
-                 record_routes: bool = False, decode_steps: int = 1) -> None:
+                 record_routes: bool = False, decode_steps: int = 1, compiled: bool = False) -> None:
         self.model = model.eval().requires_grad_(False)
         cfg = model.config
         # a model may end a turn with any of several tokens (Llama 3: <|eot_id|> and <|end_of_text|>)
@@ -105,8 +109,13 @@ class InferenceEngine(RolloutEngine):
         p = next(model.parameters())
         self.dtype, self.device = p.dtype, p.device
         self.attention = decode_attention(attention, self.device)
+        self.compiled = compiled
+        if compiled:  # before any graph is captured: the graphs replay the compiled layers' kernels
+            compile_layers(model)
         # on a CPU the linear layers through oneDNN (engines.inference.cpu_linear): the model is the engine's now
-        self.onednn_linears = cpu_linear.route_linears(model) if onednn_linear and self.device.type == "cpu" else 0
+        # (compiled layers keep torch's: inductor does not trace the routed ones)
+        self.onednn_linears = cpu_linear.route_linears(model) if onednn_linear and not compiled and \
+            self.device.type == "cpu" else 0
         # flex_attention reads the pool through block masks whose blocks should match its tiles
         self.block_size = block_size or (FLEX_BLOCK_SIZE if self.attention == "flex" else BLOCK_SIZE)
         self.max_blocks = -(-self.max_seq_len // self.block_size)  # block-table width

@@ -28,10 +28,10 @@ from engines.device import to_device
 from engines.model.native.arch import ModelConfig
 from engines.model.native.attention import FLEX_COMPILED_DEVICES, FLEX_FALLBACK, attention_dims, why_not_flex
 from engines.model.native.causal_lm import CausalLM
+from engines.model.native.compile import use_compile_cache
 from engines.model.native.document_mask import DocumentMask
 from engines.model.sharded import local_shards, local_tensor
 from engines.training import expert_parallel
-from engines.training.compile import use_compile_cache
 from engines.training.distributed import all_reduce_tensor, is_sharded, keeps_gathered, reshard_all, world_size
 from engines.training.offload import HostOffloader
 from engines.training.packing import PackedBatch, flex_row_width, pack

@@ -28,8 +28,8 @@ from engines.model.lora.adapters import (
 )
 from engines.model.lora.quant import exact_base, quantize_base, quantized_weights
 from engines.model.native.causal_lm import build_model
+from engines.model.native.compile import compile_layers
 from engines.training import distributed
-from engines.training.compile import compile_layers
 from engines.training.parallel_dims import ParallelDims
 
 LORA_SEED = 0  # LoRA's A matrices: the same draw on every rank and in every run (B starts at zero)
@@ -40,7 +40,7 @@ class PolicySpec:
     """How a rank holds the policy: the model code (``backend``: "native" or "transformers"), master and compute
     dtypes, the replicas' dtype (``served_dtype``), whether transformers may run the model's own code, the LoRA
     adapters it trains (None: every weight), whether each decoder layer's forward is compiled
-    (``engines.training.compile``) and whether a vision-language model's vision side stays frozen."""
+    (``engines.model.native.compile``) and whether a vision-language model's vision side stays frozen."""
 
     backend: str = "native"
     master_dtype: str = "float32"
@@ -62,7 +62,7 @@ def empty_policy(arch, spec: PolicySpec, dims: ParallelDims, device: str, lora: 
     compute in the compute dtype), for the start-up read to fill. The transformers backend builds transformers' own
     model (``HFCausalLM``) under the same contract. ``lora`` (sharded only): the adapters go on before sharding and are
     drawn once sharded, A alike on every rank (each keeps its rows). With ``spec.compile`` the decoder layers'
-    forwards are compiled (``engines.training.compile``) before FSDP2 wraps the layers."""
+    forwards are compiled (``engines.model.native.compile``) before FSDP2 wraps the layers."""
     from engines.model.hf.backend import empty_hf_model, materialize
 
     dtype = getattr(torch, spec.master_dtype)

@@ -250,6 +250,11 @@ class RolloutConfig(Strict):
                              "those of one step at a time). Above 1 the host's planning and recording no longer sit "
                              "between a GPU's steps; a sequence that ends early wastes the rest of its read, and new "
                              "ones wait for it. vLLM schedules its own steps")
+    compile: bool = Field(
+        False, description="native engines on GPU workers: each decoder layer's forward compiled around the paged "
+                           "attention (norms, RoPE, projections and SwiGLU fused; what the decode graphs capture), "
+                           "at the first forward of each shape kind, cached on disk for later processes. Not yet "
+                           "measured on a GPU; vLLM compiles its own")
     max_seq_len: int | None = Field(
         None, ge=2, description="tokens per sequence (prompt + response) the KV cache is sized for; None = the "
                                 "run's longest prompt + largest max_tokens (the model's context when prompts are "
@@ -475,6 +480,9 @@ class Config(Strict):
         if self.rollout.attention == "paged" and gpus > 0:
             raise ValueError("rollout.attention: paged is the CPU decode kernel; with cluster.gpus_per_worker > 0 "
                              "use auto, torch or flex")
+        if self.rollout.compile and gpus == 0:
+            raise ValueError("rollout.compile: compiled layers are for GPU workers; a CPU replica's linear layers run "
+                             "through oneDNN (cluster.gpus_per_worker: 0)")
         if self.rollout.attention == "triton" and gpus == 0:
             raise ValueError("rollout.attention: triton is the GPU decode kernel; with CPU workers "
                              "(cluster.gpus_per_worker: 0) use auto, torch, flex or paged")

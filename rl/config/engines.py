@@ -39,6 +39,9 @@ def check_engine(cfg: Config, kind: str, why: str, *, backend: str | None = None
         raise UserError(f"rollout.decode_steps={r.decode_steps} is the native engine's multi-step decoding, and "
                         f"rollout.engine resolved to {kind} ({why}), which schedules its own steps: leave it at 1 "
                         "or set rollout.engine: native")
+    if r.compile and not caps.compiled_layers:
+        raise UserError(f"rollout.compile is the native engine's compiled layers, and rollout.engine resolved to "
+                        f"{kind} ({why}), which compiles its own model: leave it off or set rollout.engine: native")
     if backend is None:
         return
     if r.fp8 and not caps.fp8:

@@ -1,9 +1,12 @@
-"""``trainer.compile``: each decoder layer's forward compiled on its own (torch.compile), before FSDP2 wraps it.
+"""Each decoder layer's forward compiled on its own (torch.compile): ``trainer.compile`` (before FSDP2 wraps it) and
+``rollout.compile`` (the native inference engine's model, before its decode steps are captured as CUDA graphs).
 
 What a layer compiles to is the same for every layer (their parameters are inputs of one graph, not constants), so
 a model of any depth compiles a layer's graphs once. The attention core stays out of the graph, eager: document
 masks and their caches, max-logit tracking (QK-Clip's signal, a side effect) and flex_attention, which keeps its own
-compiled kernel and its fallback to SDPA (``engines.model.native.attention``). A mixture-of-experts block stays
+compiled kernel and its fallback to SDPA (``engines.model.native.attention``); in the inference engine the paged
+KV cache's attention (``cache.attend``: its kernels, its Python bookkeeping), so a layer is two graphs around it, as
+vLLM splits its piecewise-compiled forward. A mixture-of-experts block stays
 eager too (its experts run on data-dependent token counts). The graphs hold the rest: the norms, the projections
 before and after attention, RoPE, the residual adds and a dense SwiGLU block, where compiling fuses the element-wise
 work between the matmuls. Shapes are dynamic from the start, so the varying micro-batches of RL compile once per
@@ -72,14 +75,14 @@ def _layers(model: nn.Module) -> list[nn.Module] | None:
 def compile_layers(model: nn.Module, dynamic: bool = True) -> int:
     """Compile the forward of each decoder layer of native ``model`` in place (parameter names, hooks and the
     state dict unchanged: the compiled forward is an attribute of the layer, around which FSDP2's hooks still run
-    eagerly); returns how many layers. The attention core (``_attend``) and MoE blocks run eagerly inside it (module
-    docstring). A transformers-backed model is left as it is (0), with a warning. Idempotent."""
+    eagerly); returns how many layers. The attention core (``_attend``, ``_attend_latent``) and MoE blocks run eagerly
+    inside it (module docstring). A transformers-backed model is left as it is (0), with a warning. Idempotent."""
     from engines.model.native.causal_lm import ATTENTION_TYPES
     from engines.model.native.moe import MoE
 
     layers = _layers(model)
     if layers is None:
-        log.warning("trainer.compile: %s is not the native model; its layers run eagerly", type(model).__name__)
+        log.warning("compile: %s is not the native model; its layers run eagerly", type(model).__name__)
         return 0
     use_compile_cache()
     for layer in layers:
@@ -88,6 +91,8 @@ def compile_layers(model: nn.Module, dynamic: bool = True) -> int:
         for m in layer.modules():
             if isinstance(m, ATTENTION_TYPES):
                 m._attend = torch.compiler.disable(m._attend)
+                if hasattr(m, "_attend_latent"):  # latent attention over the inference engine's cache
+                    m._attend_latent = torch.compiler.disable(m._attend_latent)
             elif isinstance(m, MoE):
                 m.forward = torch.compiler.disable(m.forward)
         layer.forward = torch.compile(layer.forward, dynamic=dynamic)
