@@ -136,12 +136,15 @@ class Trigger:
 
 class Injector(threading.Thread):
     """Watches the run under ``root`` and calls ``act(root)`` once at ``trigger``; ``act`` returns a description of
-    its target. ``injection`` says what happened (``at`` stays None if the run never reached the point)."""
+    its target. ``injection`` says what happened (``at`` stays None if the run never reached the point). ``after``:
+    another injector whose fault must come first (its trigger is watched only once that one has acted), so that two
+    faults whose phases can overlap land in a known order."""
 
     def __init__(self, root: int, run_dir: Path, trigger: Trigger, act: Callable[[int], str],
-                 poll_s: float = 0.005) -> None:
+                 poll_s: float = 0.005, after: Injector | None = None) -> None:
         super().__init__(daemon=True)
         self.root, self.run_dir, self.trigger, self.act, self.poll_s = root, run_dir, trigger, act, poll_s
+        self.after = after
         self.injection = Injection(trigger.phase, trigger.iteration)
         self.error: BaseException | None = None
         self._halt = threading.Event()
@@ -149,7 +152,8 @@ class Injector(threading.Thread):
     def run(self) -> None:
         try:
             while not self._halt.is_set():
-                if self.trigger.reached(self.root, self.run_dir):
+                if (self.after is None or self.after.injection.at is not None) and \
+                        self.trigger.reached(self.root, self.run_dir):
                     time.sleep(self.trigger.delay_s)
                     self.injection.still_in_phase = self.trigger.in_phase(self.root)
                     self.injection.finished = records(self.run_dir)
