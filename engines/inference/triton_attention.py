@@ -57,6 +57,29 @@ def interpreting() -> bool:
 
 
 @triton.jit
+def _online_tile(q, k_base, v_base, table, stride_tb, stride_kr, stride_vr, block_size, t, t_ok, seen, m, total, acc,
+                 d, dv, D: tl.constexpr, DV: tl.constexpr, PRECISION: tl.constexpr):
+    """One step of the online softmax over positions ``t`` (``t_ok``: within the pool's range to read; ``seen``:
+    what each query row may attend to, broadcast to [rows, positions]): ``(m, total, acc)`` updated."""
+    # each position's pool row through its sequence's block table: the blocks are read where they lie
+    block = tl.load(table + (t // block_size) * stride_tb, mask=t_ok, other=0).to(tl.int64)
+    row = block * block_size + t % block_size
+    k = tl.load(k_base + row[:, None] * stride_kr + d[None, :], mask=t_ok[:, None] & (d[None, :] < D), other=0.0)
+    scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [rows, BLOCK_N], float32
+    scores = tl.where(seen, scores, float("-inf"))
+    m_new = tl.maximum(m, tl.max(scores, 1))
+    # a row that has seen no key yet keeps -inf: subtract 0 instead, so that its exps are 0, not NaN
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(m - m_use)
+    p = tl.exp(scores - m_use[:, None])
+    total = total * alpha + tl.sum(p, 1)
+    v = tl.load(v_base + row[:, None] * stride_vr + dv[None, :], mask=t_ok[:, None] & (dv[None, :] < DV), other=0.0)
+    # probabilities in the values' dtype, as the torch path casts its softmax before the second matmul
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return m_new, total, acc
+
+
+@triton.jit
 def _decode_kernel(q_ptr, k_ptr, v_ptr, table_ptr, pos_ptr, out_ptr,
                    stride_qs, stride_qh, stride_kh, stride_kr, stride_vh, stride_vr, stride_ts, stride_tb, stride_p,
                    stride_os, stride_oh, scale, window, block_size,
@@ -84,22 +107,9 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, table_ptr, pos_ptr, out_ptr,
     for start in range(lo, n, BLOCK_N):
         t = start + tl.arange(0, BLOCK_N)
         t_ok = t < n
-        # each position's pool row through its sequence's block table: the blocks are read where they lie
-        block = tl.load(table + (t // block_size) * stride_tb, mask=t_ok, other=0).to(tl.int64)
-        row = block * block_size + t % block_size
-        k = tl.load(k_base + row[:, None] * stride_kr + d[None, :], mask=t_ok[:, None] & (d[None, :] < D), other=0.0)
-        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [BLOCK_G, BLOCK_N], float32
-        scores = tl.where(t_ok[None, :], scores, float("-inf"))
-        # every step holds at least one visible position (start < n), so m_new is finite and nothing is NaN
-        m_new = tl.maximum(m, tl.max(scores, 1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(scores - m_new[:, None])
-        total = total * alpha + tl.sum(p, 1)
-        v = tl.load(v_base + row[:, None] * stride_vr + dv[None, :], mask=t_ok[:, None] & (dv[None, :] < DV),
-                    other=0.0)
-        # probabilities in the values' dtype, as the torch path casts its softmax before the second matmul
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m = m_new
+        # every step holds at least one visible position (start < n), so the maxima are finite
+        m, total, acc = _online_tile(q, k_base, v_base, table, stride_tb, stride_kr, stride_vr, block_size, t, t_ok,
+                                     t_ok[None, :], m, total, acc, d, dv, D, DV, PRECISION)
     out = acc / total[:, None]
     tl.store(out_ptr + s * stride_os + heads[:, None] * stride_oh + dv[None, :], out.to(out_ptr.dtype.element_ty),
              mask=g_ok[:, None] & (dv[None, :] < DV))
@@ -122,21 +132,31 @@ def unsupported(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> st
     return None
 
 
-def paged_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, table: torch.Tensor,
-                 positions: torch.Tensor, block_size: int, scale: float, window: int | None,
-                 block_n: int = BLOCK_N) -> torch.Tensor:
-    """Attention [S, H, Dv] of one query per sequence over one layer's pool, read in place (see the module's
-    docstring); raises ValueError naming the feature when ``unsupported`` says the kernel cannot."""
+def _checked(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, window: int | None) -> dict:
+    """Raise ValueError where ``unsupported`` refuses or the window is empty; else the launch arguments both kernels
+    share: the key/value dims' tiles (``tl.dot`` wants every tile side at least 16; padding is masked off) and the
+    products' precision (IEEE float32, not TF32's 10-bit mantissas; half inputs take the target's default)."""
     reason = unsupported(q, keys, values)
     if reason is not None:
         raise ValueError(reason)
     if window is not None and window < 1:
         raise ValueError(f"a sliding window must hold at least one key, got {window}")
-    s, heads, dim = q.shape
-    kv_heads, dv = keys.shape[0], values.shape[-1]
+    dim, dv = q.shape[-1], values.shape[-1]
+    return dict(D=dim, DV=dv, BLOCK_D=max(16, triton.next_power_of_2(dim)),
+                BLOCK_DV=max(16, triton.next_power_of_2(dv)), PRECISION="ieee" if keys.dtype == torch.float32 else None)
+
+
+def paged_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, table: torch.Tensor,
+                 positions: torch.Tensor, block_size: int, scale: float, window: int | None,
+                 block_n: int = BLOCK_N) -> torch.Tensor:
+    """Attention [S, H, Dv] of one query per sequence over one layer's pool, read in place (see the module's
+    docstring); raises ValueError naming the feature when ``unsupported`` says the kernel cannot."""
+    tiles = _checked(q, keys, values, window)
+    s, heads, _ = q.shape
+    kv_heads = keys.shape[0]
     group = heads // kv_heads
     q = q.contiguous() if q.stride(-1) != 1 else q
-    out = q.new_empty(s, heads, dv)
+    out = q.new_empty(s, heads, tiles["DV"])
     if s == 0:
         return out
     # tl.dot wants every tile side at least 16; padded query heads and dims are masked off
@@ -147,10 +167,7 @@ def paged_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tabl
         q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), values.stride(0), values.stride(1), table.stride(0),
         table.stride(1), positions.stride(0), out.stride(0), out.stride(1),
         float(scale), int(window or NO_WINDOW), int(block_size),
-        G=group, D=dim, DV=dv, BLOCK_G=block_g, BLOCK_N=max(16, block_n), BLOCK_D=max(16, triton.next_power_of_2(dim)),
-        BLOCK_DV=max(16, triton.next_power_of_2(dv)),
-        # IEEE float32 products, not TF32's 10-bit mantissas; half inputs take the target's default
-        PRECISION="ieee" if keys.dtype == torch.float32 else None)
+        G=group, BLOCK_G=block_g, BLOCK_N=max(16, block_n), **tiles)
     return out
 
 
@@ -193,23 +210,10 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, table_ptr, index_ptr, pos_ptr, out_ptr,
     for start in range(lo, hi, BLOCK_N):
         t = start + tl.arange(0, BLOCK_N)
         t_ok = t < hi
-        block = tl.load(table + (t // block_size) * stride_tb, mask=t_ok, other=0).to(tl.int64)
-        row = block * block_size + t % block_size
-        k = tl.load(k_base + row[:, None] * stride_kr + d[None, :], mask=t_ok[:, None] & (d[None, :] < D), other=0.0)
-        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)
         # each query row sees its own causal span (and window): rows of one tile differ in position
         seen = t_ok[None, :] & (t[None, :] <= pos[:, None]) & (t[None, :] > pos[:, None] - window)
-        scores = tl.where(seen, scores, float("-inf"))
-        m_new = tl.maximum(mx, tl.max(scores, 1))
-        # a row that has seen no key yet keeps -inf: subtract 0 instead, so that its exps are 0, not NaN
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(mx - m_use)
-        p = tl.exp(scores - m_use[:, None])
-        total = total * alpha + tl.sum(p, 1)
-        v = tl.load(v_base + row[:, None] * stride_vr + dv[None, :], mask=t_ok[:, None] & (dv[None, :] < DV),
-                    other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        mx = m_new
+        mx, total, acc = _online_tile(q, k_base, v_base, table, stride_tb, stride_kr, stride_vr, block_size, t, t_ok,
+                                      seen, mx, total, acc, d, dv, D, DV, PRECISION)
     out = acc / tl.where(total > 0, total, 1.0)[:, None]  # rows of no query (masked off below) saw nothing
     tl.store(out_ptr + idx[:, None] * stride_on + heads[:, None] * stride_oh + dv[None, :],
              out.to(out_ptr.dtype.element_ty), mask=ok[:, None] & (dv[None, :] < DV))
@@ -220,14 +224,9 @@ def paged_prefill(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, q_i
                   out: torch.Tensor, block_n: int = BLOCK_N) -> torch.Tensor:
     """Attention of a group of prompt chunks written into ``out`` [N, H, Dv] at rows ``q_index`` (see the module's
     docstring); returns ``out``. Raises ValueError as ``paged_decode`` does."""
-    reason = unsupported(q, keys, values)
-    if reason is not None:
-        raise ValueError(reason)
-    if window is not None and window < 1:
-        raise ValueError(f"a sliding window must hold at least one key, got {window}")
+    tiles = _checked(q, keys, values, window)
     s, n_queries = q_pos.shape
-    heads, dim = q.shape[1], q.shape[2]
-    kv_heads, dv = keys.shape[0], values.shape[-1]
+    heads, kv_heads = q.shape[1], keys.shape[0]
     group = heads // kv_heads
     if s == 0 or n_queries == 0:
         return out
@@ -241,7 +240,5 @@ def paged_prefill(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, q_i
         q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), values.stride(0), values.stride(1), table.stride(0),
         table.stride(1), q_index.stride(0), q_index.stride(1), q_pos.stride(0), q_pos.stride(1), out.stride(0),
         out.stride(1), n_queries, splits, float(scale), int(window or NO_WINDOW), int(block_size),
-        G=group, D=dim, DV=dv, BLOCK_Q=block_q, BLOCK_G=block_g, BLOCK_N=max(16, block_n),
-        BLOCK_D=max(16, triton.next_power_of_2(dim)), BLOCK_DV=max(16, triton.next_power_of_2(dv)),
-        PRECISION="ieee" if keys.dtype == torch.float32 else None)
+        G=group, BLOCK_Q=block_q, BLOCK_G=block_g, BLOCK_N=max(16, block_n), **tiles)
     return out
